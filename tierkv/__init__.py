@@ -1,0 +1,57 @@
+"""tierkv: a tiered (GPU / pinned host / remote) paged KV cache for LLM inference servers.
+
+The public entry point. Import what you need from here::
+
+    import tierkv
+    spec = tierkv.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="fp16", page_tokens=16)
+"""
+
+from __future__ import annotations
+
+from tierkv.errors import (
+    PageStateError,
+    PageTableError,
+    PinError,
+    SequenceError,
+    SpecError,
+    StoreClosedError,
+    TierFullError,
+    TierKVError,
+    UnknownPageError,
+)
+from tierkv.keys import KeyKind, PageKey, block_key, key_kind, prefix_keys, private_key, root_key
+from tierkv.page_table import PageEvent, PageState, PageTable, StoreAllocation
+from tierkv.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PageHint, make_policy
+from tierkv.spec import KVSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "POLICIES",
+    "EvictionPolicy",
+    "KVSpec",
+    "KeyKind",
+    "PageEvent",
+    "PageHint",
+    "PageKey",
+    "PageState",
+    "PageStateError",
+    "PageTable",
+    "PageTableError",
+    "PinError",
+    "SequenceError",
+    "SpecError",
+    "StoreAllocation",
+    "StoreClosedError",
+    "TierFullError",
+    "TierKVError",
+    "UnknownPageError",
+    "__version__",
+    "block_key",
+    "key_kind",
+    "make_policy",
+    "prefix_keys",
+    "private_key",
+    "root_key",
+]

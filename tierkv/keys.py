@@ -1,0 +1,125 @@
+"""Page keys: 16-byte chained content hashes of token blocks.
+
+A full block's key is ``blake2b(parent_key || extra || token ids)`` truncated to 16 bytes, so a
+key names the whole prefix that ends with the block, not just the block. Keys are identical across
+processes, machines and Python runs (no ``hash()``, no ``PYTHONHASHSEED``): token ids are
+serialized as little-endian int64, extra keys (model id, adapter id, multimodal hashes) with
+msgpack.
+
+Two kinds of key share the 16-byte space and never collide, because the top bit of the first
+byte tells them apart:
+
+* **content keys** (top bit 0) name immutable, shareable full blocks;
+* **private keys** (top bit 1) name a live sequence's still-growing last block, which no other
+  sequence may reuse; they derive from the sequence id and the block index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from enum import Enum
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from tierkv.errors import SpecError
+
+KEY_BYTES = 16
+_PRIVATE_BIT = 0x80
+_DOMAIN = b"tierkv/page-key/v1"
+
+PageKey = bytes
+"""A page key: exactly 16 bytes."""
+
+
+class KeyKind(Enum):
+    """What a key names."""
+
+    CONTENT = "content"
+    PRIVATE = "private"
+
+
+def _token_bytes(tokens: Any) -> bytes:
+    arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+    if arr.ndim != 1:
+        raise SpecError(f"a token block must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise SpecError(f"token ids must be integers, got dtype {arr.dtype}")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def _digest(*parts: bytes) -> bytes:
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"tierkv-key-v1")
+    for p in parts:
+        h.update(len(p).to_bytes(8, "little"))
+        h.update(p)
+    out = bytearray(h.digest())
+    out[0] &= ~_PRIVATE_BIT & 0xFF
+    return bytes(out)
+
+
+def root_key(namespace: Any = None) -> PageKey:
+    """The parent key of a sequence's first block, derived from a namespace.
+
+    ``namespace`` is anything msgpack can encode (a model id string, a tuple of model and adapter
+    ids...). Different namespaces never share pages.
+    """
+    return _digest(_DOMAIN, msgpack.packb(namespace, use_bin_type=True))
+
+
+def block_key(parent: PageKey, tokens: Any, extra: Any = None) -> PageKey:
+    """The content key of one full block, chained on its parent's key.
+
+    Raises:
+        SpecError: the parent is not a 16-byte key, or the tokens are not 1-D integers.
+    """
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise SpecError(f"parent key must be {KEY_BYTES} bytes, got {parent!r}")
+    extra_b = b"" if extra is None else msgpack.packb(extra, use_bin_type=True)
+    return _digest(parent, _token_bytes(tokens), extra_b)
+
+
+def prefix_keys(
+    tokens: Sequence[int] | Any,
+    page_tokens: int,
+    namespace: Any = None,
+    extras: Iterable[Any] | None = None,
+) -> list[PageKey]:
+    """Content keys of every *full* block of ``tokens`` (a trailing partial block gets none).
+
+    Args:
+        tokens: the token ids of a prompt (list, numpy array or 1-D tensor).
+        page_tokens: tokens per block.
+        namespace: see :func:`root_key`.
+        extras: optional per-block extra keys (one item per full block).
+    """
+    if page_tokens <= 0:
+        raise SpecError(f"page_tokens must be positive, got {page_tokens}")
+    arr = np.asarray(tokens.cpu() if hasattr(tokens, "cpu") else tokens)
+    n_full = len(arr) // page_tokens
+    extra_list = list(extras) if extras is not None else [None] * n_full
+    if len(extra_list) < n_full:
+        raise SpecError(f"{len(extra_list)} extra keys for {n_full} full blocks")
+    keys: list[PageKey] = []
+    parent = root_key(namespace)
+    for i in range(n_full):
+        parent = block_key(parent, arr[i * page_tokens : (i + 1) * page_tokens], extra_list[i])
+        keys.append(parent)
+    return keys
+
+
+def private_key(seq_id: str | bytes | int, block_index: int) -> PageKey:
+    """The key of a live sequence's private (still-growing) block."""
+    sid = seq_id if isinstance(seq_id, bytes) else str(seq_id).encode()
+    out = bytearray(_digest(b"private", sid, block_index.to_bytes(8, "little")))
+    out[0] |= _PRIVATE_BIT
+    return bytes(out)
+
+
+def key_kind(key: PageKey) -> KeyKind:
+    """Whether ``key`` is a content key or a private key."""
+    if len(key) != KEY_BYTES:
+        raise SpecError(f"a page key is {KEY_BYTES} bytes, got {len(key)}")
+    return KeyKind.PRIVATE if key[0] & _PRIVATE_BIT else KeyKind.CONTENT

@@ -1,0 +1,85 @@
+"""The eviction-policy interface.
+
+A policy tracks the resident pages of **one tier** and chooses victims. The page table owns the
+pages' state; it tells the policy about arrivals (:meth:`insert`), uses (:meth:`touch`) and
+departures that were not evictions (:meth:`remove`), and asks for a victim with
+:meth:`evict`, passing a predicate that says which pages may go (pinned, moving and half-written
+pages may not). Every operation is O(1) amortized.
+
+Policies may also use what a KV workload knows, passed as a :class:`PageHint` on insert: how deep
+the page sits in its prefix chain, whether it is the last (usually one-shot) block of a request,
+and how much of the request was already a hit. :meth:`admit` may decline a page outright.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+Key = Hashable
+CanEvict = Callable[[Key], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class PageHint:
+    """What the caller knows about a page being inserted.
+
+    Attributes:
+        depth: index of the block in its prefix chain (0 = first block of the prompt).
+        last: the block is the last full block the request brought (often never reused).
+        prefix_hits: how many leading blocks of the request that brought it were hits.
+    """
+
+    depth: int = 0
+    last: bool = False
+    prefix_hits: int = 0
+
+
+NO_HINT = PageHint()
+
+
+class EvictionPolicy(ABC):
+    """Chooses which resident page of a tier leaves next.
+
+    Subclasses implement :meth:`insert`, :meth:`touch`, :meth:`remove`, :meth:`evict` and
+    ``__len__``/``__contains__``. The page table guarantees that ``insert`` is only called for a
+    key that is not resident and ``touch``/``remove`` only for resident ones.
+    """
+
+    name: ClassVar[str] = "base"
+
+    @abstractmethod
+    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
+        """Record a newly resident page."""
+
+    @abstractmethod
+    def touch(self, key: Key) -> None:
+        """Record a use of a resident page."""
+
+    @abstractmethod
+    def remove(self, key: Key) -> None:
+        """Forget a resident page that left the tier without being chosen as a victim."""
+
+    @abstractmethod
+    def evict(self, can_evict: CanEvict) -> Key | None:
+        """Choose a victim among resident pages with ``can_evict(key)`` true and forget it.
+
+        Returns ``None`` when no resident page may be evicted.
+        """
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
+        """Whether a new page should enter a *full* tier at all (default: always)."""
+        return True
+
+    def touch_many(self, keys: Iterable[Key]) -> None:
+        """Record uses of several resident pages, in order."""
+        for k in keys:
+            self.touch(k)
