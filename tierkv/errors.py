@@ -8,7 +8,7 @@
      │    ├── UnknownPageError (also KeyError)    a key that the tier does not hold
      │    ├── PageStateError                      a page in the wrong state (double complete, ...)
      │    └── PinError                            unpinning a page that is not pinned
-     ├── TierFullError                            no room: every page of the tier is pinned or moving
+     ├── TierFullError                            no room: every page is pinned or moving
      ├── StoreClosedError                         use of a store after close()
      └── SequenceError (also KeyError)            an unknown or already released sequence
 

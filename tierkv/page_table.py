@@ -116,7 +116,9 @@ class PageTable:
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"tier {name!r}: capacity must be a positive int, got {cap!r}")
             pol = policy if isinstance(policy, str) else policy.get(name, DEFAULT_POLICY)
-            self._tiers[name] = _Tier(name, cap, make_policy(pol), free=list(range(cap - 1, -1, -1)))
+            self._tiers[name] = _Tier(
+                name, cap, make_policy(pol), free=list(range(cap - 1, -1, -1))
+            )
         self._record = record_events
         self._events: list[PageEvent] = []
 
@@ -187,6 +189,11 @@ class PageTable:
                 break
             n += 1
         return n
+
+    def present(self, keys: Iterable[Key], tier: str) -> list[Key]:
+        """The keys (in order) that ``tier`` holds in any state."""
+        entries = self._tier(tier).entries
+        return [k for k in keys if k in entries]
 
     def lookup_tiers(self, keys: Sequence[Key]) -> dict[str, int]:
         """:meth:`lookup` for every tier."""

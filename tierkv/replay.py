@@ -82,28 +82,32 @@ def replay(
     table = PageTable({_TIER: capacity_blocks}, policy, record_events=False)
     lookup, prepare_load, complete_load = table.lookup, table.prepare_load, table.complete_load
     prepare_store, complete_store, touch = table.prepare_store, table.complete_store, table.touch
+    present = table.present
     hits = blocks = 0
-    step = max(1, len(trace) // 200)
     with _progress(trace, f"replay {policy}", progress) as bar:
-        for i, ids in enumerate(trace):
+        for ids in trace:
+            bar.update()
             n = len(ids)
             blocks += n
+            if not n:
+                continue
             h = lookup(ids, _TIER)
             hits += h
             if h:  # the hit prefix is read: pin, then unpin and record the use
                 prefix = ids[:h]
                 prepare_load(prefix, _TIER)
                 complete_load(prefix, _TIER)
-            rest = ids[h:]
-            hints = [PageHint(depth=h + j, last=h + j == n - 1, prefix_hits=h) for j in range(n - h)]
-            alloc = prepare_store(rest, _TIER, hints)
+            if n > capacity_blocks:  # a request larger than the cache keeps its head
+                ids = ids[:capacity_blocks]
+                n = capacity_blocks
+            others = present(ids[h:], _TIER)
+            if others:
+                touch(others, _TIER)
+            hints = [PageHint(depth=j, last=j == n - 1, prefix_hits=h) for j in range(n)]
+            alloc = prepare_store(ids, _TIER, hints)
             if alloc is None:  # cannot happen in a one-tier replay: nothing stays pinned
                 raise RuntimeError("page table refused a store with nothing pinned")
-            if alloc.present:
-                touch(alloc.present, _TIER)
             complete_store(alloc.keys, _TIER)
-            if i % step == 0:
-                bar.update(step if i + step <= len(trace) else len(trace) - i)
     return ReplayResult(policy, capacity_blocks, hits, blocks, len(trace))
 
 
@@ -135,9 +139,9 @@ def replay_belady(trace: Trace, capacity_blocks: int, *, progress: bool = False)
     resident: dict[int, int] = {}  # block -> its next use (the heap may hold stale entries)
     heap: list[tuple[int, int]] = []  # (-next_use, block)
     hits = blocks = 0
-    step = max(1, len(trace) // 200)
     with _progress(trace, "replay belady", progress) as bar:
         for i, ids in enumerate(trace):
+            bar.update()
             blocks += len(ids)
             for b in ids:
                 if b not in resident:
@@ -172,8 +176,6 @@ def replay_belady(trace: Trace, capacity_blocks: int, *, progress: bool = False)
                     del resident[victim[1]]
                 resident[b] = nu
                 heapq.heappush(heap, (-nu, b))
-            if i % step == 0:
-                bar.update(step if i + step <= len(trace) else len(trace) - i)
     return ReplayResult("belady", capacity_blocks, hits, blocks, len(trace))
 
 

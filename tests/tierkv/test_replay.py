@@ -1,0 +1,114 @@
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from tierkv.cli import main
+from tierkv.policies import POLICIES
+from tierkv.replay import load_trace, replay, replay_belady, replay_infinite
+
+TRACE = Path(__file__).resolve().parents[2].parent / "shared/data/mooncake/conversation_trace.jsonl"
+needs_trace = pytest.mark.skipif(not TRACE.exists(), reason="shared trace not present")
+
+
+def reference_lru(trace: list[list[int]], capacity: int) -> tuple[int, int]:
+    """A straightforward LRU prefix cache, independent of the page table."""
+    cache: OrderedDict[int, None] = OrderedDict()
+    hits = blocks = 0
+    for ids in trace:
+        blocks += len(ids)
+        for b in ids:
+            if b not in cache:
+                break
+            hits += 1
+        ids = ids[:capacity]
+        for b in ids:
+            if b in cache:
+                cache.move_to_end(b)
+        for b in ids:
+            if b not in cache:
+                cache[b] = None
+                while len(cache) > capacity:
+                    victim = next(k for k in cache if k not in ids)
+                    del cache[victim]
+    return hits, blocks
+
+
+@needs_trace
+def test_lru_replay_equals_reference_exactly() -> None:
+    trace = load_trace(TRACE)
+    for cap in (500, 6000):
+        res = replay(trace, cap, "lru")
+        assert (res.hits, res.blocks) == reference_lru(trace, cap)
+    assert res.blocks == 288_500
+    assert round(res.hit_rate, 3) == 0.139  # the trace README's reference figure
+
+
+def test_bounds_frame_every_policy() -> None:
+    # a small synthetic conversation trace: shared system prompt, growing conversations
+    trace: list[list[int]] = []
+    nxt = 1000
+    convs: list[list[int]] = [[0] for _ in range(30)]
+    for i in range(600):
+        c = convs[(i * 7) % 30]
+        c.extend(range(nxt, nxt + 3))
+        nxt += 3
+        trace.append(list(c))
+        if len(c) > 20:
+            convs[(i * 7) % 30] = [0]
+    inf = replay_infinite(trace)
+    for cap in (10, 40, 120):
+        bound = replay_belady(trace, cap)
+        assert bound.hit_rate <= inf.hit_rate
+        for name in POLICIES:
+            assert replay(trace, cap, name).hits <= bound.hits + 0, name
+
+
+def test_load_trace_errors(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"hash_ids": [1, 2]}\n{"nope": 1}\n')
+    with pytest.raises(ValueError, match=":2:"):
+        load_trace(bad)
+    assert load_trace(bad, limit=1) == [[1, 2]]
+
+
+def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    lines = [json.dumps({"hash_ids": [0, i % 5, 100 + i]}) for i in range(50)]
+    trace.write_text("\n".join(lines) + "\n")
+    rc = main(
+        [
+            "replay",
+            str(trace),
+            "--capacity-tokens",
+            "2048",
+            "--block-tokens",
+            "512",
+            "--policy",
+            "lru",
+            "--json",
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["capacity_blocks"] == 4
+    assert 0 <= out["policies"]["lru"]["hit_rate"] <= out["infinite"]
+    png = tmp_path / "p.png"
+    pytest.importorskip("matplotlib")
+    rc = main(
+        [
+            "replay",
+            str(trace),
+            "--capacity-tokens",
+            "2048",
+            "--policy",
+            "lru",
+            "--quiet",
+            "--plot",
+            str(png),
+        ]
+    )
+    assert rc == 0 and png.stat().st_size > 1000
+    assert main(["replay", str(tmp_path / "missing.jsonl"), "--capacity-tokens", "9999"]) == 2
