@@ -1,0 +1,178 @@
+"""Memory arenas: one large buffer per tier, carved into fixed-size slots.
+
+    buffer  [ slot 0 | slot 1 | slot 2 | ... | slot n-1 ]      n = num_slots
+             <------> slot_bytes              nbytes = n * slot_bytes
+    slot i  = buffer[i * slot_bytes : (i + 1) * slot_bytes]
+
+An arena knows bytes and slots, never what a slot holds. Ownership of a slot stays with whoever
+allocated it; a slot that an unfinished transfer still reads or writes is *busy* and cannot be
+freed (SlotBusyError), so a cancelled await can never hand a half-written slot to someone else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import threading
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from .errors import ArenaError, InvalidSlotError, SlotBusyError
+from .freelist import SlotFreeList, SlotIds, as_slot_ids
+
+__all__ = ["Arena", "allocate_host_buffer"]
+
+
+def allocate_host_buffer(nbytes: int, *, huge_pages: bool = True) -> npt.NDArray[np.uint8]:
+    """An anonymous, page-aligned host buffer of `nbytes`, touched up front.
+
+    Transparent huge pages are requested where the OS offers them (fewer TLB misses on random
+    slot access). Raises ArenaError when the memory cannot be mapped.
+    """
+    try:
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, OverflowError) as exc:
+        raise ArenaError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # advisory only
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    arr.fill(0)  # touch every page now, not during the first transfer
+    return arr
+
+
+class Arena:
+    """A buffer of `num_slots` slots of `slot_bytes` bytes each, with an O(1) slot free list.
+
+    Thread-safe: allocation, free and the busy counts are guarded by one lock.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        slot_bytes: int,
+        num_slots: int,
+        *,
+        backend: str,
+        buffer: npt.NDArray[np.uint8],
+    ) -> None:
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ArenaError(
+                f"arena {name!r}: slot_bytes and num_slots must be > 0, "
+                f"got {slot_bytes} and {num_slots}"
+            )
+        if buffer.dtype != np.uint8 or buffer.size != slot_bytes * num_slots:
+            raise ArenaError(
+                f"arena {name!r}: buffer must be uint8 of {slot_bytes * num_slots} bytes, "
+                f"got {buffer.dtype} of {buffer.size}"
+            )
+        self.name = name
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.backend = backend
+        self._array: npt.NDArray[np.uint8] = buffer.reshape(num_slots, slot_bytes)
+        self._tensor = torch.from_numpy(self._array)
+        self._free = SlotFreeList(num_slots, name)
+        self._busy = np.zeros(num_slots, dtype=np.int32)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return (
+            f"Arena({self.name!r}, backend={self.backend!r}, slot_bytes={self.slot_bytes}, "
+            f"num_slots={self.num_slots}, free={self.num_free})"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Total size of the buffer in bytes."""
+        return self.slot_bytes * self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        """Number of free slots."""
+        return self._free.num_free
+
+    @property
+    def num_used(self) -> int:
+        """Number of allocated slots."""
+        return self.num_slots - self._free.num_free
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The whole buffer as a uint8 tensor of shape [num_slots, slot_bytes] (zero-copy)."""
+        return self._tensor
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The whole buffer as a uint8 numpy array of shape [num_slots, slot_bytes] (zero-copy)."""
+        return self._array
+
+    def allocate(self, n: int) -> SlotIds:
+        """Allocate `n` slots and return their ids (int64, ascending runs where possible).
+
+        Raises ArenaFullError when fewer than `n` slots are free; nothing is allocated then.
+        """
+        with self._lock:
+            return self._free.allocate(n)
+
+    def free(self, ids: object) -> None:
+        """Return slots to the free list.
+
+        Raises InvalidSlotError (bad ids), DoubleFreeError (already free) or SlotBusyError
+        (an unfinished transfer still uses one); in every case nothing is freed.
+        """
+        arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r} free")
+        with self._lock:
+            busy = self._busy[arr]
+            if busy.any():
+                raise SlotBusyError(
+                    f"arena {self.name!r}: slots still in flight: {arr[busy > 0][:8].tolist()}"
+                )
+            self._free.free(arr)
+
+    def slot_view(self, i: int) -> torch.Tensor:
+        """Slot `i` as a uint8 tensor of shape [slot_bytes] (zero-copy).
+
+        Raises InvalidSlotError when `i` is out of range.
+        """
+        if not 0 <= int(i) < self.num_slots:
+            raise InvalidSlotError(f"arena {self.name!r}: slot {i} not in [0, {self.num_slots})")
+        return self._tensor[int(i)]
+
+    def view(self, ids: object) -> torch.Tensor:
+        """A copy of slots `ids` gathered into a new uint8 tensor [len(ids), slot_bytes].
+
+        Raises InvalidSlotError for bad ids.
+        """
+        arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r} view")
+        return self._tensor.index_select(0, torch.from_numpy(arr))
+
+    def is_allocated(self, ids: object) -> bool:
+        """True when every id is currently allocated. Raises InvalidSlotError for bad ids."""
+        arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r}")
+        with self._lock:
+            return self._free.is_allocated(arr)
+
+    def is_busy(self, ids: object) -> bool:
+        """True when any id is used by an unfinished transfer."""
+        arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r}")
+        with self._lock:
+            return bool(self._busy[arr].any())
+
+    # Engine side: pin slots for the duration of a transfer.
+
+    def _acquire(self, ids: SlotIds, what: str) -> None:
+        """Mark `ids` busy; they must be allocated. Raises InvalidSlotError otherwise."""
+        with self._lock:
+            if not self._free.is_allocated(ids):
+                state = self._free.allocated_mask()[ids]
+                raise InvalidSlotError(
+                    f"arena {self.name!r} {what}: slots not allocated: {ids[~state][:8].tolist()}"
+                )
+            self._busy[ids] += 1
+
+    def _release(self, ids: SlotIds) -> None:
+        with self._lock:
+            self._busy[ids] -= 1

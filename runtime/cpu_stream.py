@@ -1,0 +1,202 @@
+"""CPU streams and events: one worker thread per stream; completion reaches asyncio once per event.
+
+loop thread                         stream worker thread
+-----------                         --------------------
+stream.enqueue(copy) ---deque--->   copy()            (GIL released inside numpy/torch)
+await event  <--call_soon_threadsafe-- event._set()   (one wakeup per event, not per page)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .backend import DEFAULT_TIMEOUT_S, Event, Stream
+from .errors import (
+    EngineClosedError,
+    RuntimeEngineError,
+    TransferError,
+    WaitTimeoutError,
+)
+
+__all__ = ["CpuEvent", "CpuStream"]
+
+# Work items receive the error of a failed wait before them (or None) and decide what to skip.
+WorkFn = Callable[[BaseException | None], None]
+
+
+def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)
+
+
+class CpuEvent(Event):
+    """An event completed by a stream worker thread; awaitable from any number of loops."""
+
+    __slots__ = ("_done", "_error", "_lock", "_loop_futures")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._loop_futures: dict[asyncio.AbstractEventLoop, asyncio.Future[None]] = {}
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.query() else ("failed" if self._error else "done")
+        return f"<CpuEvent {state}>"
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error if self._done.is_set() else None
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        if not self._done.wait(limit):
+            raise WaitTimeoutError(f"event not done after {limit} s")
+        if self._error is not None:
+            raise self._error
+
+    async def wait(self, timeout: float | None = None) -> None:
+        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        if not self._done.is_set():
+            fut = self._future()
+            try:
+                # shield: a cancelled or timed-out waiter must not cancel the shared future.
+                await asyncio.wait_for(asyncio.shield(fut), limit)
+            except asyncio.TimeoutError:
+                raise WaitTimeoutError(f"event not done after {limit} s") from None
+        if self._error is not None:
+            raise self._error
+
+    def _future(self) -> asyncio.Future[None]:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            fut = self._loop_futures.get(loop)
+            if fut is None:
+                fut = loop.create_future()
+                if self._done.is_set():
+                    _resolve(fut, self._error)
+                else:
+                    self._loop_futures[loop] = fut
+            return fut
+
+    def _set(self, error: BaseException | None = None) -> None:
+        """Complete the event (worker thread). Wakes each waiting loop exactly once."""
+        with self._lock:
+            self._error = error
+            self._done.set()
+            waiters, self._loop_futures = self._loop_futures, {}
+        for loop, fut in waiters.items():
+            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody to wake
+                loop.call_soon_threadsafe(_resolve, fut, error)
+
+
+@dataclass(slots=True)
+class _Item:
+    fn: WorkFn | None  # None: a marker (record_event) or, with wait_on, a cross-stream wait
+    event: CpuEvent
+    wait_on: Event | None = None
+
+
+class CpuStream(Stream):
+    """A FIFO of work run by one daemon worker thread."""
+
+    def __init__(self, name: str, *, wait_timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.name = name
+        self.wait_timeout = wait_timeout
+        self._queue: deque[_Item] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._pending_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"tierkv-stream-{name}", daemon=True)
+        self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"<CpuStream {self.name!r} queued={len(self._queue)} closed={self._closed}>"
+
+    @property
+    def closed(self) -> bool:
+        """True after close()."""
+        return self._closed
+
+    def enqueue(self, fn: Callable[[], None]) -> Event:
+        def run(dep_error: BaseException | None) -> None:
+            if dep_error is None:
+                fn()
+
+        return self._push(run)
+
+    def enqueue_work(self, fn: WorkFn) -> Event:
+        return self._push(fn)
+
+    def record_event(self) -> Event:
+        return self._push(None)
+
+    def wait_event(self, event: Event) -> None:
+        self._push(None, wait_on=event)
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        self._push(None).synchronize(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        with self._cond:
+            if not self._closed:
+                self._closed = True
+                self._cond.notify_all()
+        if threading.current_thread() is self._thread:
+            return
+        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
+        self._thread.join(limit)
+        if self._thread.is_alive():
+            raise WaitTimeoutError(f"stream {self.name!r}: queued work not done after {limit} s")
+
+    def _push(self, fn: WorkFn | None, *, wait_on: Event | None = None) -> CpuEvent:
+        ev = CpuEvent()
+        with self._cond:
+            if self._closed:
+                raise EngineClosedError(f"stream {self.name!r} is closed")
+            self._queue.append(_Item(fn, ev, wait_on))
+            self._cond.notify()
+        return ev
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed and drained
+                item = self._queue.popleft()
+            if item.fn is None:
+                if item.wait_on is not None:
+                    self._do_wait(item.wait_on)
+                item.event._set(None)
+                continue
+            error, self._pending_error = self._pending_error, None
+            try:
+                item.fn(error)
+            except RuntimeEngineError as exc:
+                error = exc
+            except Exception as exc:
+                err = TransferError(f"stream {self.name!r}: work failed: {exc!r}")
+                err.__cause__ = exc
+                error = err
+            item.event._set(error)
+
+    def _do_wait(self, target: Event) -> None:
+        try:
+            target.synchronize(self.wait_timeout)
+        except RuntimeEngineError as exc:
+            err = TransferError(f"stream {self.name!r}: an event waited on failed: {exc}")
+            err.__cause__ = exc
+            self._pending_error = err

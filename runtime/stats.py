@@ -1,0 +1,92 @@
+"""Priorities and statistics of the transfer engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+
+__all__ = ["EngineStats", "Priority", "TransferStats"]
+
+
+class Priority(enum.IntEnum):
+    """Dispatch order of pending batches: lower value goes first."""
+
+    DEMAND = 0  # a load that compute is waiting for
+    PREFETCH = 1  # a load for a step announced ahead
+    WRITEBACK = 2  # an eviction to a lower tier
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Timings of one batch (time.perf_counter seconds; 0.0 until reached)."""
+
+    priority: Priority
+    pages: int
+    bytes: int
+    submitted_at: float
+    dispatched_at: float = 0.0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    runs: int = 0
+    kernel: str = ""
+
+    @property
+    def queue_wait_s(self) -> float:
+        """Seconds from submit to the start of the copy (engine queue, stream queue, `after`)."""
+        return max(0.0, self.started_at - self.submitted_at) if self.started_at else 0.0
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds the copy itself took."""
+        return max(0.0, self.finished_at - self.started_at) if self.finished_at else 0.0
+
+    @property
+    def total_s(self) -> float:
+        """Seconds from submit to completion."""
+        return max(0.0, self.finished_at - self.submitted_at) if self.finished_at else 0.0
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Copy bandwidth in GB/s (1e9 bytes), 0.0 when unknown."""
+        return self.bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Totals over every batch the engine has finished."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    pages: int = 0
+    bytes: int = 0
+    copy_s: float = 0.0
+    queue_wait_s: float = 0.0
+    max_inflight_seen: int = 0
+    by_priority: dict[str, int] = field(default_factory=dict)
+
+    def record(self, t: TransferStats, state: str) -> None:
+        """Account one finished batch (`state`: "done", "failed" or "cancelled")."""
+        if state == "cancelled":
+            self.cancelled += 1
+            return
+        if state == "failed":
+            self.failed += 1
+            return
+        self.completed += 1
+        self.pages += t.pages
+        self.bytes += t.bytes
+        self.copy_s += t.copy_s
+        self.queue_wait_s += t.queue_wait_s
+        name = t.priority.name
+        self.by_priority[name] = self.by_priority.get(name, 0) + 1
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Bytes moved per second of copy time, in GB/s."""
+        return self.bytes / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    def snapshot(self) -> EngineStats:
+        """An independent copy."""
+        return replace(self, by_priority=dict(self.by_priority))

@@ -1,0 +1,486 @@
+"""The transfer engine: batches of slots moved between arenas, one copy call per batch.
+
+    submit() --> [pending heap: priority, seq] --dispatch (<= max_inflight)--> stream per direction
+                                                                               | wait_event(after)
+                                                                               | copy_slots(batch)
+    handle  <------------ one completion (call_soon_threadsafe) per batch -----+
+
+Ownership: the slots of a batch are *busy* from submit() until its copy has really finished (or it
+was dropped before it started). A busy slot cannot be freed (SlotBusyError). Cancelling a task that
+awaits a handle never stops a copy that has started; `handle.cancel()` drops a batch only while it
+is still pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Generator, Iterable
+from typing import Any
+
+import numpy as np
+
+from .arena import Arena
+from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event, Stream
+from .copy_kernels import DEFAULT_STAGING_BYTES
+from .cpu_stream import CpuEvent
+from .errors import (
+    ArenaMismatchError,
+    EngineClosedError,
+    InvalidSlotError,
+    TransferCancelledError,
+    TransferError,
+    WaitTimeoutError,
+)
+from .freelist import SlotIds, as_slot_ids
+from .stats import EngineStats, Priority, TransferStats
+
+__all__ = ["TransferEngine", "TransferHandle"]
+
+_PENDING, _RUNNING, _DONE, _FAILED, _CANCELLED = "pending", "running", "done", "failed", "cancelled"
+
+
+class TransferHandle:
+    """One submitted batch. Await it (or `wait`/`synchronize`) for completion.
+
+    Awaiting raises TransferError if the copy failed, TransferCancelledError if it was dropped,
+    WaitTimeoutError if the wait ran out (the transfer itself carries on).
+    """
+
+    __slots__ = (
+        "_callbacks",
+        "_deps",
+        "_engine",
+        "_event",
+        "_priority",
+        "_seq",
+        "_staging",
+        "_state",
+        "_stats",
+        "dst",
+        "dst_ids",
+        "src",
+        "src_ids",
+    )
+
+    def __init__(
+        self,
+        engine: TransferEngine,
+        seq: int,
+        priority: Priority,
+        src: Arena,
+        src_ids: SlotIds,
+        dst: Arena,
+        dst_ids: SlotIds,
+        deps: list[Event],
+    ) -> None:
+        self._engine = engine
+        self._seq = seq
+        self._priority = priority
+        self.src, self.src_ids, self.dst, self.dst_ids = src, src_ids, dst, dst_ids
+        self._deps = deps
+        self._event = CpuEvent()
+        self._state = _PENDING
+        self._staging: Any = None
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
+        self._stats = TransferStats(
+            priority=priority,
+            pages=int(src_ids.size),
+            bytes=int(src_ids.size) * src.slot_bytes,
+            submitted_at=time.perf_counter(),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<TransferHandle #{self._seq} {self.src.name}->{self.dst.name} "
+            f"pages={self.src_ids.size} {self._priority.name} {self._state}>"
+        )
+
+    def __lt__(self, other: TransferHandle) -> bool:  # heap order
+        return (self._priority, self._seq) < (other._priority, other._seq)
+
+    @property
+    def priority(self) -> Priority:
+        """Priority the batch is dispatched with (raised when a more urgent batch waits on it)."""
+        return self._priority
+
+    @property
+    def state(self) -> str:
+        """One of "pending", "running", "done", "failed", "cancelled"."""
+        return self._state
+
+    @property
+    def event(self) -> Event:
+        """Completion event; usable in `after=[...]` and in `Stream.wait_event`."""
+        return self._event
+
+    @property
+    def stats(self) -> TransferStats:
+        """Per-transfer statistics (timings filled in as the batch progresses)."""
+        return self._stats
+
+    def done(self) -> bool:
+        """True once the copy has finished, failed or been dropped; its slots are no longer busy."""
+        return self._event.query()
+
+    def exception(self) -> BaseException | None:
+        """The error the transfer ended with, or None."""
+        return self._event.exception()
+
+    def cancel(self) -> bool:
+        """Drop the batch if it has not been dispatched yet. True when dropped.
+
+        A dispatched batch always completes; its slots stay busy until it has.
+        """
+        return self._engine._cancel(self)
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call `fn(handle)` once the handle is done (now, if it already is).
+
+        Runs on the thread that completes the transfer (a stream worker); keep it short and
+        thread-safe, e.g. `arena.free(ids)`.
+        """
+        with self._engine._lock:
+            if not self._event.query():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    async def wait(self, timeout: float | None = None) -> TransferStats:
+        """Wait without blocking the loop (at most `timeout`, default the engine's timeout)."""
+        await self._event.wait(self._engine.timeout if timeout is None else timeout)
+        return self._stats
+
+    def synchronize(self, timeout: float | None = None) -> TransferStats:
+        """Block the calling thread until done; raises like `wait`."""
+        self._event.synchronize(self._engine.timeout if timeout is None else timeout)
+        return self._stats
+
+    def __await__(self) -> Generator[Any, None, TransferStats]:
+        return self.wait().__await__()
+
+
+class TransferEngine:
+    """Moves batches of slots between arenas of one backend.
+
+    `max_inflight` bounds the batches dispatched to streams at once, and so the staging buffers
+    (one each, `staging_bytes`). Pending batches wait in a priority heap (DEMAND first).
+    Use as `async with TransferEngine(backend) as engine:` or call `aclose()`/`close()`.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        max_inflight: int = 4,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self.backend = backend
+        self.max_inflight = max_inflight
+        self.staging_bytes = staging_bytes
+        self.timeout = timeout
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self._pending: list[TransferHandle] = []
+        self._outstanding: set[TransferHandle] = set()
+        self._inflight = 0
+        self._staging_pool: list[Any] = []
+        self._staging_made = 0
+        self._streams: dict[tuple[int, int], Stream] = {}
+        self._stats = EngineStats()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<TransferEngine {self.backend.name} inflight={self._inflight}/{self.max_inflight} "
+            f"pending={len(self._pending)} closed={self._closed}>"
+        )
+
+    @property
+    def closed(self) -> bool:
+        """True once close()/aclose() has begun."""
+        return self._closed
+
+    @property
+    def inflight(self) -> int:
+        """Batches dispatched to streams and not yet finished."""
+        return self._inflight
+
+    @property
+    def pending(self) -> int:
+        """Batches waiting to be dispatched."""
+        return len(self._pending)
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the aggregated statistics."""
+        with self._lock:
+            return self._stats.snapshot()
+
+    def stream(self, src: Arena, dst: Arena) -> Stream:
+        """The stream that carries copies from `src` to `dst` (one per direction, made lazily).
+
+        Raises EngineClosedError after close.
+        """
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError("transfer engine is closed")
+            return self._stream_locked(src, dst)
+
+    def _stream_locked(self, src: Arena, dst: Arena) -> Stream:
+        key = (id(src), id(dst))
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self.backend.create_stream(f"{src.name}->{dst.name}")
+            self._streams[key] = stream
+        return stream
+
+    def submit(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        *,
+        priority: Priority = Priority.PREFETCH,
+        after: Iterable[Event | TransferHandle] = (),
+    ) -> TransferHandle:
+        """Queue a copy of `src[src_slots]` into `dst[dst_slots]` as one batch.
+
+        `after`: events or handles that must complete first (a failure of one fails this batch).
+        The slots must be allocated; they are busy until the handle is done.
+        Raises EngineClosedError, ArenaMismatchError, InvalidSlotError (wrong dtype or shape,
+        out of range, duplicated destination, unallocated, or a slot both read and written).
+        Nothing changes when it raises.
+        """
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        if src.slot_bytes != dst.slot_bytes:
+            raise ArenaMismatchError(
+                f"slot sizes differ: {src.name!r} has {src.slot_bytes} B, "
+                f"{dst.name!r} has {dst.slot_bytes} B"
+            )
+        if src.backend != self.backend.name or dst.backend != self.backend.name:
+            raise ArenaMismatchError(
+                f"arenas {src.name!r} ({src.backend}) and {dst.name!r} ({dst.backend}) "
+                f"do not belong to the {self.backend.name!r} backend"
+            )
+        s_ids = as_slot_ids(src_slots, src.num_slots, what=f"source slots in {src.name!r}")
+        d_ids = as_slot_ids(dst_slots, dst.num_slots, what=f"destination slots in {dst.name!r}")
+        if s_ids.size != d_ids.size:
+            raise InvalidSlotError(f"{s_ids.size} source slots but {d_ids.size} destination slots")
+        if src is dst and np.intersect1d(s_ids, d_ids).size:
+            raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
+        deps = [d.event if isinstance(d, TransferHandle) else d for d in after]
+        src._acquire(s_ids, "source")
+        try:
+            dst._acquire(d_ids, "destination")
+        except BaseException:
+            src._release(s_ids)
+            raise
+        with self._lock:
+            if self._closed:
+                src._release(s_ids)
+                dst._release(d_ids)
+                raise EngineClosedError("transfer engine is closed")
+            handle = TransferHandle(
+                self, next(self._seq), Priority(priority), src, s_ids, dst, d_ids, deps
+            )
+            self._raise_dep_priorities(after, handle._priority)
+            heapq.heappush(self._pending, handle)
+            self._outstanding.add(handle)
+            self._stats.submitted += 1
+            self._dispatch_locked()
+        return handle
+
+    async def transfer(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        *,
+        priority: Priority = Priority.PREFETCH,
+        after: Iterable[Event | TransferHandle] = (),
+        timeout: float | None = None,
+    ) -> TransferStats:
+        """`submit` and wait. Raises like `submit` and `TransferHandle.wait`."""
+        handle = self.submit(src, src_slots, dst, dst_slots, priority=priority, after=after)
+        return await handle.wait(timeout)
+
+    def _raise_dep_priorities(
+        self, after: Iterable[Event | TransferHandle], priority: Priority
+    ) -> None:
+        # Priority inheritance: a pending batch that a more urgent one waits on goes first, so the
+        # head of the heap never waits on a batch behind it.
+        changed = False
+        for dep in after:
+            if (
+                isinstance(dep, TransferHandle)
+                and dep._state == _PENDING
+                and dep._priority > priority
+            ):
+                dep._priority = priority
+                changed = True
+        if changed:
+            heapq.heapify(self._pending)
+
+    def _dispatch_locked(self) -> None:
+        while self._pending and self._inflight < self.max_inflight:
+            handle = heapq.heappop(self._pending)
+            if handle._state != _PENDING:
+                continue  # cancelled while queued
+            if self._staging_pool:
+                handle._staging = self._staging_pool.pop()
+            else:
+                handle._staging = self.backend.create_staging(self.staging_bytes)
+                self._staging_made += 1
+            handle._state = _RUNNING
+            handle._stats.dispatched_at = time.perf_counter()
+            self._inflight += 1
+            self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, self._inflight)
+            stream = self._stream_locked(handle.src, handle.dst)
+            for dep in handle._deps:
+                stream.wait_event(dep)
+            stream.enqueue_work(self._work_fn(handle))
+
+    def _work_fn(self, handle: TransferHandle) -> Callable[[BaseException | None], None]:
+        def work(dep_error: BaseException | None) -> None:
+            stats = handle._stats
+            stats.started_at = time.perf_counter()
+            error: BaseException | None = dep_error
+            info: CopyInfo | None = None
+            if error is None:
+                try:
+                    info = self.backend.copy_slots(
+                        handle.src, handle.src_ids, handle.dst, handle.dst_ids, handle._staging
+                    )
+                except Exception as exc:
+                    error = TransferError(
+                        f"copy {handle.src.name}->{handle.dst.name} failed: {exc!r}"
+                    )
+                    error.__cause__ = exc
+            stats.finished_at = time.perf_counter()
+            if info is not None:
+                stats.runs, stats.kernel = info.runs, info.kernel
+            self._finish(handle, error)
+
+        return work
+
+    def _finish(self, handle: TransferHandle, error: BaseException | None) -> None:
+        """Release the slots, account, dispatch more, then wake waiters (once per batch)."""
+        handle.src._release(handle.src_ids)
+        handle.dst._release(handle.dst_ids)
+        with self._lock:
+            if handle._state == _RUNNING:
+                self._inflight -= 1
+                self._staging_pool.append(handle._staging)
+                handle._staging = None
+            if isinstance(error, TransferCancelledError):
+                handle._state = _CANCELLED
+            else:
+                handle._state = _FAILED if error is not None else _DONE
+            self._stats.record(handle._stats, handle._state)
+            self._outstanding.discard(handle)
+            callbacks, handle._callbacks = handle._callbacks, []
+            self._dispatch_locked()
+            handle._event._set(error)
+        for fn in callbacks:
+            fn(handle)
+
+    def _cancel(self, handle: TransferHandle) -> bool:
+        with self._lock:
+            if handle._state != _PENDING:
+                return False
+            handle._state = _CANCELLED  # lazily removed from the heap
+        self._finish(handle, TransferCancelledError(f"{handle!r} dropped before it started"))
+        return True
+
+    def cancel_pending(self) -> int:
+        """Drop every batch not yet dispatched; returns how many were dropped."""
+        with self._lock:
+            queued = [h for h in self._pending if h._state == _PENDING]
+        return sum(self._cancel(h) for h in queued)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until every submitted batch is done. Raises WaitTimeoutError."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            with self._lock:
+                handles = list(self._outstanding)
+            if not handles:
+                return
+            for h in handles:
+                try:
+                    await h._event.wait(max(0.0, deadline - time.monotonic()))
+                except WaitTimeoutError:
+                    raise WaitTimeoutError(
+                        f"{len(self._outstanding)} transfers not done after {limit} s"
+                    ) from None
+                except Exception:
+                    pass  # its error belongs to whoever awaits the handle
+
+    def _drain_sync(self, timeout: float | None) -> None:
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while True:
+            with self._lock:
+                handles = list(self._outstanding)
+            if not handles:
+                return
+            for h in handles:
+                try:
+                    h._event.synchronize(max(0.0, deadline - time.monotonic()))
+                except WaitTimeoutError:
+                    raise WaitTimeoutError(
+                        f"{len(self._outstanding)} transfers not done after {limit} s"
+                    ) from None
+                except Exception:
+                    pass
+
+    def _begin_close(self, cancel_pending: bool) -> list[Stream]:
+        with self._lock:
+            self._closed = True
+        if cancel_pending:
+            self.cancel_pending()
+        with self._lock:
+            return list(self._streams.values())
+
+    async def aclose(self, timeout: float | None = None, *, cancel_pending: bool = False) -> None:
+        """Stop accepting work, finish (or with `cancel_pending`, drop) queued batches, wait for
+        in-flight ones, stop the streams. Idempotent. Raises WaitTimeoutError.
+        """
+        streams = self._begin_close(cancel_pending)
+        await self.drain(timeout)
+        for stream in streams:
+            await asyncio.to_thread(stream.close, timeout)
+        with self._lock:
+            self._streams.clear()
+
+    def close(self, timeout: float | None = None, *, cancel_pending: bool = False) -> None:
+        """Blocking `aclose` for callers without a loop."""
+        streams = self._begin_close(cancel_pending)
+        self._drain_sync(timeout)
+        for stream in streams:
+            stream.close(timeout)
+        with self._lock:
+            self._streams.clear()
+
+    async def __aenter__(self) -> TransferEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose(cancel_pending=exc[0] is not None)
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(cancel_pending=exc[0] is not None)

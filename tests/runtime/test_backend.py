@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import runtime
+from runtime import BackendUnavailableError, CpuBackend, get_backend, new_event_loop, run
+from runtime.cuda_backend import CudaBackend, cuda_available
+from runtime.loop import has_uvloop
+
+
+def test_registry() -> None:
+    assert isinstance(get_backend("cpu"), CpuBackend)
+    assert isinstance(get_backend("auto"), CpuBackend)  # cuda backend not implemented yet
+    assert "cpu" in runtime.available_backends()
+    with pytest.raises(BackendUnavailableError):
+        get_backend("tpu")
+
+
+@pytest.mark.skipif(cuda_available(), reason="CUDA is present")
+def test_cuda_backend_explains_why_it_is_unavailable() -> None:
+    with pytest.raises(BackendUnavailableError, match=r"CuPy|CUDA"):
+        get_backend("cuda")
+    with pytest.raises(BackendUnavailableError):
+        CudaBackend()
+
+
+@pytest.mark.cuda
+def test_cuda_backend_seam() -> None:
+    with pytest.raises(NotImplementedError):
+        CudaBackend()
+
+
+def test_runtime_does_not_import_tierkv() -> None:
+    import pathlib
+
+    root = pathlib.Path(runtime.__file__).parent
+    for path in root.glob("*.py"):
+        text = path.read_text()
+        assert "import tierkv" not in text and "from tierkv" not in text, path
+
+
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_loop_helpers(use_uvloop: bool) -> None:
+    if use_uvloop and not has_uvloop():
+        pytest.skip("uvloop not installed")
+
+    async def main() -> str:
+        await asyncio.sleep(0)
+        return type(asyncio.get_running_loop()).__module__
+
+    module = run(main(), use_uvloop=use_uvloop)
+    assert module.startswith("uvloop") == use_uvloop
+    loop = new_event_loop(use_uvloop=use_uvloop)
+    loop.close()

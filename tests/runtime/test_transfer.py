@@ -1,0 +1,212 @@
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from runtime import (
+    ArenaMismatchError,
+    CpuBackend,
+    EngineClosedError,
+    InvalidSlotError,
+    Priority,
+    SlotBusyError,
+    TransferCancelledError,
+    TransferEngine,
+    TransferError,
+)
+
+from .conftest import fill_random
+
+PATTERNS = {
+    "adjacent": lambda n, rng: (np.arange(n), np.arange(n) + 3),
+    "reversed": lambda n, rng: (np.arange(n)[::-1], np.arange(n) + 1),
+    "random": lambda n, rng: (rng.permutation(40)[:n], rng.permutation(40)[:n]),
+    "mixed runs": lambda n, rng: (
+        np.r_[np.arange(5), np.arange(20, 20 + n - 5)][:n],
+        np.r_[np.arange(30, 35), rng.permutation(25)[: n - 5]][:n],
+    ),
+    "single": lambda n, rng: (np.array([7]), np.array([0])),
+}
+
+
+@pytest.mark.parametrize("kernel", ["auto", "runs", "staged"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+async def test_round_trip_is_bit_exact(pattern: str, kernel: str) -> None:
+    backend = CpuBackend(kernel=kernel)
+    rng = np.random.default_rng(1)
+    src = backend.create_arena("src", slot_bytes=4096, num_slots=40)
+    dst = backend.create_arena("dst", slot_bytes=4096, num_slots=40)
+    src.allocate(40)
+    dst.allocate(40)
+    s_ids, d_ids = (np.asarray(x) for x in PATTERNS[pattern](12, rng))
+    data = fill_random(src, s_ids, seed=2)
+    untouched = np.setdiff1d(np.arange(40), d_ids)
+    before = dst.array[untouched].copy()
+    # a small staging buffer forces several chunks through the staged kernel
+    async with TransferEngine(backend, max_inflight=2, staging_bytes=3 * 4096) as engine:
+        stats = await engine.submit(src, s_ids, dst, d_ids, priority=Priority.DEMAND)
+        back = src.allocate(0)  # nothing to allocate: all slots are in use
+        assert back.size == 0
+        await engine.submit(dst, d_ids, src, s_ids)  # and back again
+    assert np.array_equal(dst.array[d_ids], data)
+    assert np.array_equal(src.array[s_ids], data)
+    assert np.array_equal(dst.array[untouched], before)
+    assert stats.pages == len(s_ids) and stats.bytes == len(s_ids) * 4096
+    assert stats.copy_s >= 0 and stats.queue_wait_s >= 0 and stats.runs >= 1
+    backend.close()
+
+
+async def test_load_waits_for_the_write_it_depends_on(backend: CpuBackend) -> None:
+    """A write on stream A is held back; a load on stream B after its event must see its bytes."""
+    dev = backend.create_arena("dev", slot_bytes=1024, num_slots=8)
+    host = backend.create_arena("host", slot_bytes=1024, num_slots=8)
+    other = backend.create_arena("other", slot_bytes=1024, num_slots=8)
+    d, h, o = dev.allocate(4), host.allocate(4), other.allocate(4)
+    data = fill_random(dev, d, seed=3)
+    async with TransferEngine(backend) as engine:
+        gate = threading.Event()
+        engine.stream(dev, host).enqueue(lambda: gate.wait(10))  # makes the write slow
+        write = engine.submit(dev, d, host, h, priority=Priority.WRITEBACK)
+        load = engine.submit(host, h, other, o, priority=Priority.DEMAND, after=[write])
+        assert not load.done()
+        gate.set()
+        await load
+        assert write.done()
+        assert write.stats.finished_at <= load.stats.started_at
+    assert np.array_equal(other.array[o], data)
+
+
+async def test_priorities_and_bounded_inflight(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=256, num_slots=64)
+    b = backend.create_arena("b", slot_bytes=256, num_slots=64)
+    ids_a, ids_b = a.allocate(64), b.allocate(64)
+    async with TransferEngine(backend, max_inflight=2) as engine:
+        gate = threading.Event()
+        engine.stream(a, b).enqueue(lambda: gate.wait(10))
+        first = [engine.submit(a, ids_a[i : i + 1], b, ids_b[i : i + 1]) for i in range(2)]
+        order = [Priority.WRITEBACK, Priority.PREFETCH, Priority.DEMAND, Priority.WRITEBACK]
+        queued = [
+            engine.submit(a, ids_a[i : i + 1], b, ids_b[i : i + 1], priority=p)
+            for i, p in enumerate(order, start=2)
+        ]
+        assert engine.inflight == 2 and engine.pending == 4
+        gate.set()
+        for h in first + queued:
+            await h.wait(timeout=10)
+        starts = sorted(queued, key=lambda h: h.stats.started_at)
+        assert [h.priority for h in starts] == sorted(order)
+        assert engine.stats.max_inflight_seen == 2
+        assert engine.stats.completed == 6
+
+
+async def test_dependency_inherits_priority(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=8)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=8)
+    ia, ib = a.allocate(8), b.allocate(8)
+    async with TransferEngine(backend, max_inflight=1) as engine:
+        gate = threading.Event()
+        engine.stream(a, b).enqueue(lambda: gate.wait(10))
+        engine.submit(a, ia[:1], b, ib[:1])  # occupies the single in-flight place
+        wb = engine.submit(a, ia[1:2], b, ib[1:2], priority=Priority.WRITEBACK)
+        pf = engine.submit(a, ia[2:3], b, ib[2:3], priority=Priority.PREFETCH)
+        demand = engine.submit(b, ib[1:2], a, ia[3:4], priority=Priority.DEMAND, after=[wb])
+        assert wb.priority is Priority.DEMAND
+        gate.set()
+        await demand.wait(timeout=10)
+        await pf.wait(timeout=10)
+        assert wb.stats.started_at < pf.stats.started_at
+
+
+async def test_bad_inputs_raise_and_change_nothing(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=8)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=8)
+    c = backend.create_arena("c", slot_bytes=32, num_slots=8)
+    ia, ib = a.allocate(4), b.allocate(4)
+    async with TransferEngine(backend) as engine:
+        bad_calls = [
+            (ArenaMismatchError, (a, ia, c, [0, 1, 2, 3])),
+            (InvalidSlotError, (a, ia, b, ib[:3])),  # length mismatch
+            (InvalidSlotError, (a, ia[:2], b, [ib[0], ib[0]])),  # duplicated destination
+            (InvalidSlotError, (a, [0], b, [99])),  # out of range
+            (InvalidSlotError, (a, np.array([0.0]), b, [0])),  # wrong dtype
+            (InvalidSlotError, (a, [[0]], b, [[0]])),  # wrong shape
+            (InvalidSlotError, (a, [5], b, [0])),  # source slot not allocated
+            (InvalidSlotError, (a, [0], b, [6])),  # destination slot not allocated
+            (InvalidSlotError, (a, [0, 1], a, [1, 2])),  # slot read and written
+        ]
+        for exc, args in bad_calls:
+            with pytest.raises(exc):
+                engine.submit(*args)
+        assert engine.stats.submitted == 0 and engine.pending == 0
+        assert not a.is_busy(ia) and not b.is_busy(ib)
+        a.free(ia)  # nothing was left busy
+        b.free(ib)
+
+
+async def test_busy_slots_cannot_be_freed_until_done(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=4)
+    ia, ib = a.allocate(2), b.allocate(2)
+    async with TransferEngine(backend) as engine:
+        gate = threading.Event()
+        engine.stream(a, b).enqueue(lambda: gate.wait(10))
+        h = engine.submit(a, ia, b, ib)
+        with pytest.raises(SlotBusyError):
+            b.free(ib)
+        with pytest.raises(SlotBusyError):
+            a.free(ia)
+        assert b.is_allocated(ib) and a.is_allocated(ia)
+        freed = threading.Event()
+        h.add_done_callback(lambda _h: (b.free(ib), freed.set()))
+        gate.set()
+        await h
+        assert freed.wait(10) and b.num_free == 4
+
+
+async def test_cancel_drops_only_pending_batches(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=4)
+    ia, ib = a.allocate(2), b.allocate(2)
+    engine = TransferEngine(backend, max_inflight=1)
+    gate = threading.Event()
+    engine.stream(a, b).enqueue(lambda: gate.wait(10))
+    running = engine.submit(a, ia[:1], b, ib[:1])
+    queued = engine.submit(a, ia[1:], b, ib[1:])
+    dependent = engine.submit(b, ib[1:], a, ia[:1], after=[queued])
+    assert queued.cancel() and not running.cancel()
+    assert queued.state == "cancelled" and not a.is_busy(ia[1:])
+    with pytest.raises(TransferCancelledError):
+        await queued
+    gate.set()
+    await running
+    with pytest.raises(TransferError):  # what it depended on never happened
+        await dependent
+    await engine.aclose()
+    assert engine.stats.cancelled == 1 and engine.stats.failed == 1
+
+
+async def test_use_after_close_and_close_drains(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=4)
+    ia, ib = a.allocate(4), b.allocate(4)
+    engine = TransferEngine(backend, max_inflight=1)
+    handles = [engine.submit(a, ia[i : i + 1], b, ib[i : i + 1]) for i in range(4)]
+    await engine.aclose(timeout=10)
+    assert all(h.state == "done" for h in handles)
+    with pytest.raises(EngineClosedError):
+        engine.submit(a, ia, b, ib)
+    with pytest.raises(EngineClosedError):
+        engine.stream(a, b)
+    await engine.aclose()  # idempotent
+
+
+def test_sync_callers(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=128, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=128, num_slots=4)
+    ia, ib = a.allocate(4), b.allocate(4)
+    data = fill_random(a, ia, seed=9)
+    with TransferEngine(backend) as engine:
+        stats = engine.submit(a, ia, b, ib).synchronize(timeout=10)
+    assert stats.bytes == 512 and np.array_equal(b.array[ib], data)
