@@ -27,7 +27,7 @@ raises a :class:`~tierkv.errors.PageTableError` subclass *before* anything chang
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
@@ -42,11 +42,7 @@ class PageState(IntEnum):
     MOVING = 2
 
 
-@dataclass(slots=True)
-class _Entry:
-    state: int
-    pins: int
-    slot: int
+_WRITING, _READABLE, _MOVING = (int(s) for s in PageState)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +75,32 @@ class PageEvent:
     keys: tuple[Key, ...]
 
 
-@dataclass(slots=True)
 class _Tier:
-    name: str
-    capacity: int
-    policy: EvictionPolicy
-    entries: dict[Key, _Entry] = field(default_factory=dict)
-    free: list[int] = field(default_factory=list)
-    unevictable: int = 0  # entries that are pinned, WRITING or MOVING
+    """One tier's pages. A page *is* its slot: state and pins live in per-slot int lists, so
+    the table allocates no object per page (which also keeps the garbage collector idle)."""
+
+    __slots__ = (
+        "admits",
+        "capacity",
+        "free",
+        "name",
+        "pins",
+        "policy",
+        "slot_of",
+        "state",
+        "unevictable",
+    )
+
+    def __init__(self, name: str, capacity: int, policy: EvictionPolicy) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.policy = policy
+        self.admits = type(policy).admit is not EvictionPolicy.admit  # skip a no-op call per page
+        self.slot_of: dict[Key, int] = {}
+        self.state = [_READABLE] * capacity
+        self.pins = [0] * capacity
+        self.free = list(range(capacity - 1, -1, -1))
+        self.unevictable = 0  # pages that are pinned, WRITING or MOVING
 
 
 class PageTable:
@@ -116,9 +130,7 @@ class PageTable:
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
                 raise ValueError(f"tier {name!r}: capacity must be a positive int, got {cap!r}")
             pol = policy if isinstance(policy, str) else policy.get(name, DEFAULT_POLICY)
-            self._tiers[name] = _Tier(
-                name, cap, make_policy(pol), free=list(range(cap - 1, -1, -1))
-            )
+            self._tiers[name] = _Tier(name, cap, make_policy(pol))
         self._record = record_events
         self._events: list[PageEvent] = []
 
@@ -134,12 +146,12 @@ class PageTable:
 
     def used(self, tier: str) -> int:
         """Pages held by ``tier`` in any state."""
-        return len(self._tier(tier).entries)
+        return len(self._tier(tier).slot_of)
 
     def evictable(self, tier: str) -> int:
         """Pages of ``tier`` that the policy may evict now (readable and unpinned)."""
         t = self._tier(tier)
-        return len(t.entries) - t.unevictable
+        return len(t.slot_of) - t.unevictable
 
     def policy(self, tier: str) -> EvictionPolicy:
         """The eviction policy of ``tier``."""
@@ -147,43 +159,46 @@ class PageTable:
 
     def tiers_of(self, key: Key) -> list[str]:
         """Names of the tiers that hold ``key`` (in any state), highest first."""
-        return [t.name for t in self._tiers.values() if key in t.entries]
+        return [t.name for t in self._tiers.values() if key in t.slot_of]
 
     def state(self, key: Key, tier: str) -> PageState:
         """State of ``key`` in ``tier``. Raises UnknownPageError."""
-        return PageState(self._entry(self._tier(tier), key).state)
+        t = self._tier(tier)
+        return PageState(t.state[self._slot(t, key)])
 
     def pins(self, key: Key, tier: str) -> int:
         """Pin count of ``key`` in ``tier``. Raises UnknownPageError."""
-        return self._entry(self._tier(tier), key).pins
+        t = self._tier(tier)
+        return t.pins[self._slot(t, key)]
 
     def slot(self, key: Key, tier: str) -> int:
         """Slot of ``key`` in ``tier``. Raises UnknownPageError."""
-        return self._entry(self._tier(tier), key).slot
+        t = self._tier(tier)
+        return self._slot(t, key)
 
     def keys(self, tier: str) -> list[Key]:
         """Every key held by ``tier``."""
-        return list(self._tier(tier).entries)
+        return list(self._tier(tier).slot_of)
 
     # -- lookups -------------------------------------------------------------------------
     def lookup(self, keys: Sequence[Key], tier: str | None = None) -> int:
         """Length of the longest prefix of ``keys`` readable in ``tier`` (any tier if None)."""
-        readable = PageState.READABLE
         if tier is not None:
-            entries = self._tier(tier).entries
+            t = self._tier(tier)
+            slot_of, state = t.slot_of, t.state
             n = 0
             for k in keys:
-                e = entries.get(k)
-                if e is None or e.state != readable:
+                s = slot_of.get(k)
+                if s is None or state[s] != _READABLE:
                     break
                 n += 1
             return n
-        tiers = [t.entries for t in self._tiers.values()]
+        tiers = [(t.slot_of, t.state) for t in self._tiers.values()]
         n = 0
         for k in keys:
-            for entries in tiers:
-                e = entries.get(k)
-                if e is not None and e.state == readable:
+            for slot_of, state in tiers:
+                s = slot_of.get(k)
+                if s is not None and state[s] == _READABLE:
                     break
             else:
                 break
@@ -192,8 +207,8 @@ class PageTable:
 
     def present(self, keys: Iterable[Key], tier: str) -> list[Key]:
         """The keys (in order) that ``tier`` holds in any state."""
-        entries = self._tier(tier).entries
-        return [k for k in keys if k in entries]
+        slot_of = self._tier(tier).slot_of
+        return [k for k in keys if k in slot_of]
 
     def lookup_tiers(self, keys: Sequence[Key]) -> dict[str, int]:
         """:meth:`lookup` for every tier."""
@@ -208,25 +223,19 @@ class PageTable:
             PageStateError: a page is not readable (still being written, or moving).
         """
         t = self._tier(tier)
-        entries = t.entries
-        readable = PageState.READABLE
-        batch: list[_Entry] = []
-        for k in keys:
-            e = entries.get(k)
-            if e is None:
-                raise UnknownPageError(f"page {_show(k)} is not in tier {tier!r}")
-            if e.state != readable:
-                raise PageStateError(
-                    f"page {_show(k)} in tier {tier!r} is {PageState(e.state).name}, not READABLE"
-                )
-            batch.append(e)
+        slots = self._slots(t, keys)
+        state, pins = t.state, t.pins
+        for s in slots:
+            if state[s] != _READABLE:
+                self._raise_state(t, keys, slots, _READABLE)
         newly = 0
-        for e in batch:
-            if e.pins == 0:
+        for s in slots:
+            p = pins[s]
+            if not p:
                 newly += 1
-            e.pins += 1
+            pins[s] = p + 1
         t.unevictable += newly
-        return [e.slot for e in batch]
+        return slots
 
     def complete_load(self, keys: Sequence[Key], tier: str) -> None:
         """Unpin pages pinned by :meth:`prepare_load` and record their use.
@@ -236,11 +245,17 @@ class PageTable:
             PinError: a page is not pinned (as often as ``keys`` names it).
         """
         t = self._tier(tier)
-        batch = self._pinned_batch(t, keys)
+        slots = self._slots(t, keys)
+        state, pins = t.state, t.pins
         freed = 0
-        for e in batch:
-            e.pins -= 1
-            if e.pins == 0 and e.state == PageState.READABLE:
+        for i, s in enumerate(slots):
+            p = pins[s]
+            if not p:
+                for done in slots[:i]:  # roll back: nothing changes on error
+                    pins[done] += 1
+                raise PinError(f"page {_show(keys[i])} in tier {tier!r} is not pinned")
+            pins[s] = p - 1
+            if p == 1 and state[s] == _READABLE:
                 freed += 1
         t.unevictable -= freed
         t.policy.touch_many(keys)
@@ -248,11 +263,9 @@ class PageTable:
     def touch(self, keys: Iterable[Key], tier: str) -> None:
         """Record a use of resident pages. Raises UnknownPageError (nothing is touched)."""
         t = self._tier(tier)
-        keys = list(keys)
-        entries = t.entries
-        for k in keys:
-            if k not in entries:
-                raise UnknownPageError(f"page {_show(k)} is not in tier {tier!r}")
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        if not all(map(t.slot_of.__contains__, keys)):
+            self._slots(t, keys)  # raises with the missing key's name
         t.policy.touch_many(keys)
 
     # -- stores --------------------------------------------------------------------------
@@ -275,66 +288,56 @@ class PageTable:
         t = self._tier(tier)
         if hints is not None and len(hints) != len(keys):
             raise ValueError(f"{len(hints)} hints for {len(keys)} keys")
-        entries = t.entries
-        present: list[Key] = []
-        new: list[Key] = []
-        new_hints: list[PageHint] = []
-        seen: set[Key] = set()
-        protect_evictable = 0
-        readable = PageState.READABLE
-        for i, k in enumerate(keys):
-            if k in seen:
-                continue
-            seen.add(k)
-            e = entries.get(k)
-            if e is None:
-                new.append(k)
-                new_hints.append(hints[i] if hints is not None else NO_HINT)
-            else:
-                present.append(k)
-                if e.pins == 0 and e.state == readable:
-                    protect_evictable += 1
+        slot_of, state, pins = t.slot_of, t.state, t.pins
+        batch = dict.fromkeys(keys)  # distinct keys, in order
+        new = [k for k in batch if k not in slot_of]
+        present = [k for k in batch if k in slot_of] if len(new) != len(batch) else []
+        if hints is None:
+            new_hints: list[PageHint] = [NO_HINT] * len(new)
+        else:
+            hint_of: dict[Key, PageHint] = {}
+            for k, h in zip(keys, hints):
+                hint_of.setdefault(k, h)
+            new_hints = [hint_of[k] for k in new]
         rejected: list[Key] = []
-        need = len(new) - len(t.free)
+        free = t.free
+        need = len(new) - len(free)
         if need > 0:
             admit = t.policy.admit
-            kept = [(k, h) for k, h in zip(new, new_hints) if admit(k, h)]
-            if len(kept) != len(new):
-                kept_keys = {k for k, _ in kept}
-                rejected = [k for k in new if k not in kept_keys]
-                new = [k for k, _ in kept]
-                new_hints = [h for _, h in kept]
-                need = len(new) - len(t.free)
-            evictable = len(entries) - t.unevictable - protect_evictable
-            if need > evictable:
+            kept = [admit(k, h) for k, h in zip(new, new_hints)] if t.admits else []
+            if kept and not all(kept):
+                rejected = [k for k, ok in zip(new, kept) if not ok]
+                new_hints = [h for h, ok in zip(new_hints, kept) if ok]
+                new = [k for k, ok in zip(new, kept) if ok]
+                need = len(new) - len(free)
+            protected = 0
+            for k in present:
+                s = slot_of[k]
+                if not pins[s] and state[s] == _READABLE:
+                    protected += 1
+            if need > len(slot_of) - t.unevictable - protected:
                 return None
         evicted: list[Key] = []
         if need > 0:
-            protect = seen
 
             def can_evict(k: Key) -> bool:
-                e = entries[k]
-                return e.pins == 0 and e.state == readable and k not in protect
+                s = slot_of[k]
+                return not pins[s] and state[s] == _READABLE and k not in batch
 
-            evict = t.policy.evict
-            free = t.free
-            for _ in range(need):
-                victim = evict(can_evict)
-                if victim is None:  # the policy disagrees with our count: a policy bug
-                    raise TierKVError(f"policy {t.policy.name!r} found no victim in {tier!r}")
-                free.append(entries.pop(victim).slot)
-                evicted.append(victim)
+            evicted = t.policy.evict_many(need, can_evict)
+            if len(evicted) != need:  # the policy disagrees with our count: a policy bug
+                raise TierKVError(f"policy {t.policy.name!r} found too few victims in {tier!r}")
+            pop = slot_of.pop
+            free.extend([pop(k) for k in evicted])
             if self._record:
                 self._events.append(PageEvent("evicted", tier, tuple(evicted)))
-        free = t.free
-        slots: list[int] = []
-        insert = t.policy.insert
-        writing = PageState.WRITING
-        for k, h in zip(new, new_hints):
-            s = free.pop()
-            entries[k] = _Entry(writing, 0, s)
-            insert(k, h)
-            slots.append(s)
+        cut = len(free) - len(new)
+        slots = free[cut:]
+        del free[cut:]
+        for k, s in zip(new, slots):
+            slot_of[k] = s
+            state[s] = _WRITING
+        t.policy.insert_many(new, new_hints)
         t.unevictable += len(new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
 
@@ -346,16 +349,16 @@ class PageTable:
             PageStateError: a page is not WRITING (for example a double complete).
         """
         t = self._tier(tier)
-        batch = self._state_batch(t, keys, PageState.WRITING)
+        slots = self._state_slots(t, keys, _WRITING)
         if ok:
-            for e in batch:
-                e.state = PageState.READABLE
-            t.unevictable -= len(batch)
-            if self._record and batch:
+            state = t.state
+            for s in slots:
+                state[s] = _READABLE
+            if self._record and slots:
                 self._events.append(PageEvent("stored", tier, tuple(keys)))
         else:
-            self._drop(t, keys, batch)
-            t.unevictable -= len(batch)
+            self._drop(t, keys, slots)
+        t.unevictable -= len(slots)
 
     # -- moves down ----------------------------------------------------------------------
     def prepare_evict(self, tier: str, n: int) -> list[tuple[Key, int]]:
@@ -364,21 +367,17 @@ class PageTable:
         Use it to write pages back to a lower tier before they leave this one.
         """
         t = self._tier(tier)
-        entries = t.entries
-        readable = PageState.READABLE
+        slot_of, state, pins = t.slot_of, t.state, t.pins
 
         def can_evict(k: Key) -> bool:
-            e = entries[k]
-            return e.pins == 0 and e.state == readable
+            s = slot_of[k]
+            return not pins[s] and state[s] == _READABLE
 
         out: list[tuple[Key, int]] = []
-        for _ in range(min(n, len(entries) - t.unevictable)):
-            victim = t.policy.evict(can_evict)
-            if victim is None:
-                break
-            e = entries[victim]
-            e.state = PageState.MOVING
-            out.append((victim, e.slot))
+        for victim in t.policy.evict_many(min(n, len(slot_of) - t.unevictable), can_evict):
+            s = slot_of[victim]
+            state[s] = _MOVING
+            out.append((victim, s))
         t.unevictable += len(out)
         return out
 
@@ -389,18 +388,17 @@ class PageTable:
             UnknownPageError / PageStateError: a key is not MOVING in the tier.
         """
         t = self._tier(tier)
-        batch = self._state_batch(t, keys, PageState.MOVING)
+        slots = self._state_slots(t, keys, _MOVING)
         if ok:
-            for k, e in zip(keys, batch):
-                del t.entries[k]
-                t.free.append(e.slot)
-            if self._record and batch:
+            for k in keys:
+                t.free.append(t.slot_of.pop(k))
+            if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
-            for k, e in zip(keys, batch):
-                e.state = PageState.READABLE
+            for k, s in zip(keys, slots):
+                t.state[s] = _READABLE
                 t.policy.insert(k)
-        t.unevictable -= len(batch)
+        t.unevictable -= len(slots)
 
     def remove(self, keys: Sequence[Key], tier: str) -> None:
         """Drop readable, unpinned pages (for example a released sequence's private pages).
@@ -410,12 +408,12 @@ class PageTable:
             PageStateError: a page is pinned or not readable.
         """
         t = self._tier(tier)
-        batch = self._state_batch(t, keys, PageState.READABLE)
-        for k, e in zip(keys, batch):
-            if e.pins:
-                raise PageStateError(f"page {_show(k)} in tier {tier!r} is pinned ({e.pins})")
-        self._drop(t, keys, batch)
-        if self._record and batch:
+        slots = self._state_slots(t, keys, _READABLE)
+        for k, s in zip(keys, slots):
+            if t.pins[s]:
+                raise PageStateError(f"page {_show(k)} in tier {tier!r} is pinned ({t.pins[s]})")
+        self._drop(t, keys, slots)
+        if self._record and slots:
             self._events.append(PageEvent("removed", tier, tuple(keys)))
 
     def take_events(self) -> list[PageEvent]:
@@ -427,16 +425,14 @@ class PageTable:
     def check(self) -> None:
         """Assert the table's invariants (for tests and debugging). Raises AssertionError."""
         for t in self._tiers.values():
-            assert len(t.entries) <= t.capacity, f"{t.name} over capacity"
-            assert len(t.entries) + len(t.free) == t.capacity, f"{t.name} slot leak"
-            slots = [e.slot for e in t.entries.values()] + t.free
-            assert sorted(slots) == list(range(t.capacity)), f"{t.name} slot accounting"
-            unevictable = sum(
-                1 for e in t.entries.values() if e.pins or e.state != PageState.READABLE
-            )
+            used = list(t.slot_of.values())
+            assert len(used) <= t.capacity, f"{t.name} over capacity"
+            assert sorted(used + t.free) == list(range(t.capacity)), f"{t.name} slot accounting"
+            assert all(t.pins[s] == 0 for s in t.free), f"{t.name} pinned free slot"
+            assert all(t.pins[s] >= 0 for s in used), f"{t.name} negative pins"
+            unevictable = sum(1 for s in used if t.pins[s] or t.state[s] != _READABLE)
             assert unevictable == t.unevictable, f"{t.name} unevictable count"
-            assert all(e.pins >= 0 for e in t.entries.values()), f"{t.name} negative pins"
-            in_policy = sum(1 for e in t.entries.values() if e.state != PageState.MOVING)
+            in_policy = sum(1 for s in used if t.state[s] != _MOVING)
             assert len(t.policy) == in_policy, f"{t.name} policy holds {len(t.policy)}"
 
     # -- helpers -------------------------------------------------------------------------
@@ -447,46 +443,46 @@ class PageTable:
             raise UnknownPageError(f"no tier named {name!r}; tiers: {list(self._tiers)}") from None
 
     @staticmethod
-    def _entry(t: _Tier, key: Key) -> _Entry:
-        e = t.entries.get(key)
-        if e is None:
+    def _slot(t: _Tier, key: Key) -> int:
+        s = t.slot_of.get(key)
+        if s is None:
             raise UnknownPageError(f"page {_show(key)} is not in tier {t.name!r}")
-        return e
-
-    def _pinned_batch(self, t: _Tier, keys: Sequence[Key]) -> list[_Entry]:
-        batch: list[_Entry] = []
-        need: dict[Key, int] = {}
-        for k in keys:
-            e = self._entry(t, k)
-            c = need.get(k, 0) + 1
-            if e.pins < c:
-                raise PinError(f"page {_show(k)} in tier {t.name!r} is not pinned")
-            need[k] = c
-            batch.append(e)
-        return batch
-
-    def _state_batch(self, t: _Tier, keys: Sequence[Key], state: PageState) -> list[_Entry]:
-        batch: list[_Entry] = []
-        seen: set[Key] = set()
-        for k in keys:
-            e = self._entry(t, k)
-            if k in seen:
-                raise PageStateError(f"page {_show(k)} named twice")
-            seen.add(k)
-            if e.state != state:
-                raise PageStateError(
-                    f"page {_show(k)} in tier {t.name!r} is {PageState(e.state).name}, "
-                    f"expected {state.name}"
-                )
-            batch.append(e)
-        return batch
+        return s
 
     @staticmethod
-    def _drop(t: _Tier, keys: Sequence[Key], batch: list[_Entry]) -> None:
-        for k, e in zip(keys, batch):
-            del t.entries[k]
-            t.free.append(e.slot)
-            t.policy.remove(k)
+    def _slots(t: _Tier, keys: Iterable[Key]) -> list[int]:
+        slot_of = t.slot_of
+        try:
+            return [slot_of[k] for k in keys]
+        except KeyError as exc:
+            raise UnknownPageError(f"page {_show(exc.args[0])} is not in tier {t.name!r}") from None
+
+    @staticmethod
+    def _raise_state(t: _Tier, keys: Sequence[Key], slots: list[int], want: int) -> None:
+        for k, s in zip(keys, slots):
+            if t.state[s] != want:
+                raise PageStateError(
+                    f"page {_show(k)} in tier {t.name!r} is {PageState(t.state[s]).name}, "
+                    f"expected {PageState(want).name}"
+                )
+
+    def _state_slots(self, t: _Tier, keys: Sequence[Key], want: int) -> list[int]:
+        slots = self._slots(t, keys)
+        if len(set(slots)) != len(slots):
+            raise PageStateError(f"a page is named twice in {[_show(k) for k in keys]}")
+        state = t.state
+        for s in slots:
+            if state[s] != want:
+                self._raise_state(t, keys, slots, want)
+        return slots
+
+    @staticmethod
+    def _drop(t: _Tier, keys: Sequence[Key], slots: list[int]) -> None:
+        remove = t.policy.remove
+        for k in keys:
+            del t.slot_of[k]
+            remove(k)
+        t.free.extend(slots)
 
 
 def _show(key: Key) -> str:

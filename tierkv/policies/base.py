@@ -7,14 +7,14 @@ departures that were not evictions (:meth:`remove`), and asks for a victim with
 pages may not). Every operation is O(1) amortized.
 
 Policies may also use what a KV workload knows, passed as a :class:`PageHint` on insert: how deep
-the page sits in its prefix chain, whether it is the last (usually one-shot) block of a request,
-and how much of the request was already a hit. :meth:`admit` may decline a page outright.
+the page sits in its prefix chain, its parent in the chain, whether it is the last (usually
+one-shot) block of a request, and how much of the request was already a hit. :meth:`admit` may decline a page outright.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,11 +30,15 @@ class PageHint:
         depth: index of the block in its prefix chain (0 = first block of the prompt).
         last: the block is the last full block the request brought (often never reused).
         prefix_hits: how many leading blocks of the request that brought it were hits.
+        parent: the key of the block before it in the prefix chain (``None`` for the first
+            block, or when unknown). Chain-aware policies use it: a block is only useful while
+            its parent is resident, so evicting a parent strands its children.
     """
 
     depth: int = 0
     last: bool = False
     prefix_hits: int = 0
+    parent: Key | None = None
 
 
 NO_HINT = PageHint()
@@ -78,6 +82,21 @@ class EvictionPolicy(ABC):
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
         """Whether a new page should enter a *full* tier at all (default: always)."""
         return True
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        """Choose and forget up to ``n`` victims (fewer only when no more may be evicted)."""
+        out: list[Key] = []
+        for _ in range(n):
+            victim = self.evict(can_evict)
+            if victim is None:
+                break
+            out.append(victim)
+        return out
+
+    def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
+        """Record several newly resident pages, in order (``hints`` aligned with ``keys``)."""
+        for k, h in zip(keys, hints):
+            self.insert(k, h)
 
     def touch_many(self, keys: Iterable[Key]) -> None:
         """Record uses of several resident pages, in order."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
 
@@ -30,6 +30,25 @@ class LRUPolicy(EvictionPolicy):
         move = self._order.move_to_end
         for k in keys:
             move(k)
+
+    def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
+        self._order.update(dict.fromkeys(keys))
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        order = self._order
+        pop = order.popitem
+        out: list[Key] = []
+        skipped: list[Key] = []
+        for _ in range(len(order)):
+            if len(out) >= n:
+                break
+            key = pop(last=False)[0]
+            if can_evict(key):
+                out.append(key)
+            else:
+                skipped.append(key)
+        order.update(dict.fromkeys(skipped))  # not evictable now: to the recent end
+        return out
 
     def remove(self, key: Key) -> None:
         del self._order[key]
