@@ -6,10 +6,9 @@ import asyncio
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
 import pytest
 
-from runtime import Arena, CpuBackend, get_backend
+from runtime import CpuBackend, get_backend
 from runtime.cuda_backend import cuda_available
 
 
@@ -44,10 +43,3 @@ def backend() -> Iterator[CpuBackend]:
     assert isinstance(b, CpuBackend)
     yield b
     b.close()
-
-
-def fill_random(arena: Arena, ids: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Write random bytes into slots `ids`; returns what was written."""
-    data = np.random.default_rng(seed).integers(0, 256, (len(ids), arena.slot_bytes), np.uint8)
-    arena.array[ids] = data
-    return data

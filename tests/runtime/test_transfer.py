@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from runtime import (
+    Arena,
     ArenaMismatchError,
     CpuBackend,
     EngineClosedError,
@@ -17,7 +18,13 @@ from runtime import (
     TransferError,
 )
 
-from .conftest import fill_random
+
+def fill_random(arena: Arena, ids: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Write random bytes into slots `ids`; returns what was written."""
+    data = np.random.default_rng(seed).integers(0, 256, (len(ids), arena.slot_bytes), np.uint8)
+    arena.array[ids] = data
+    return data
+
 
 PATTERNS = {
     "adjacent": lambda n, rng: (np.arange(n), np.arange(n) + 3),
