@@ -416,6 +416,28 @@ class PageTable:
         if self._record and slots:
             self._events.append(PageEvent("removed", tier, tuple(keys)))
 
+    def rekey(self, old: Sequence[Key], new: Sequence[Key], tier: str) -> None:
+        """Rename pages in ``tier`` in place (same slot, state and pins), for example when a
+        sequence's private block fills up and becomes a shareable content block.
+
+        Raises:
+            UnknownPageError: an old key is not in the tier.
+            PageStateError: a new key is already in the tier, or the lists differ in length.
+        """
+        t = self._tier(tier)
+        if len(old) != len(new) or len(set(new)) != len(new):
+            raise PageStateError("rekey needs two lists of equal length and distinct new keys")
+        slots = self._slots(t, old)
+        for k in new:
+            if k in t.slot_of:
+                raise PageStateError(f"page {_show(k)} is already in tier {tier!r}")
+        for k_old, k_new, s in zip(old, new, slots):
+            del t.slot_of[k_old]
+            t.slot_of[k_new] = s
+            if t.state[s] != _MOVING:  # MOVING pages already left the policy
+                t.policy.remove(k_old)
+                t.policy.insert(k_new)
+
     def take_events(self) -> list[PageEvent]:
         """Return and clear the stored / evicted / removed events since the last call."""
         ev, self._events = self._events, []

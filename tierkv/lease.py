@@ -1,0 +1,143 @@
+"""A lease: sequences' pages pinned on the device while compute reads and appends KV."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from runtime import Priority
+from tierkv.errors import SequenceError, SpecError
+from tierkv.sequence import SequenceState, page_key
+from tierkv.tiers import DEVICE
+
+if TYPE_CHECKING:
+    from tierkv.store import KVStore
+
+
+class Lease:
+    """Device-resident views of some sequences' pages (some layers), pinned until exit.
+
+    Created by :meth:`tierkv.store.KVStore.lease`; use as an async context manager.
+    """
+
+    def __init__(self, store: KVStore, seqs: list[SequenceState], layers: list[int]) -> None:
+        self._store = store
+        self._seqs = {s.seq_id: s for s in seqs}
+        self.layers = layers
+        self._layer_set = set(layers)
+        self._pinned: list[bytes] = []
+        self._active = False
+        self.waited_pages = 0
+
+    async def __aenter__(self) -> Lease:
+        store = self._store
+        tiers = store.tiers
+        keys = list(dict.fromkeys(k for s in self._seqs.values() for k in s.all_pages(self.layers)))
+        t0 = time.perf_counter()
+        waited = await tiers.acquire_device(keys, Priority.DEMAND)
+        t1 = time.perf_counter()
+        self._pinned = keys
+        self._active = True
+        self.waited_pages = waited
+        c = store.counters
+        c.pages_leased += len(keys)
+        c.device_hits += len(keys) - waited
+        c.late_fetches += waited
+        store._used(keys)
+        store._touch(keys)
+        if waited:
+            store.timeline.span("wait for pages", "compute", t0, t1, pages=waited)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._active = False
+        store = self._store
+        if self._pinned:
+            store.tiers.release_device(self._pinned)
+            store._touch(self._pinned)
+            self._pinned = []
+        for seq in self._seqs.values():
+            if seq.seq_id in store._seqs:
+                store.publish(seq)
+
+    def _seq(self, seq_id: str, layer: int) -> SequenceState:
+        if not self._active:
+            raise SequenceError("the lease is not active (use it inside `async with`)")
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise SequenceError(f"sequence {seq_id!r} is not in this lease")
+        if layer not in self._layer_set:
+            raise SpecError(f"layer {layer} is not in this lease (leased: {self.layers})")
+        return seq
+
+    def kv(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every token of a sequence in one layer: two ``[H, S, D]`` tensors."""
+        seq = self._seq(seq_id, layer)
+        spec = self._store.spec
+        pages = seq.pages(layer)
+        n, s = len(pages), seq.kv_len[layer]
+        if not n:
+            empty = torch.empty((spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype)
+            return empty, empty.clone()
+        tiers = self._store.tiers
+        g = tiers.gather([tiers.device_slot(k) for k in pages])  # [n, 2, H, T, D]
+        h, t, d = spec.num_kv_heads, spec.page_tokens, spec.head_dim
+        kv = g.permute(1, 2, 0, 3, 4).reshape(2, h, n * t, d)[:, :, :s]
+        return kv[0], kv[1]
+
+    async def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append KV of ``n`` new tokens (``k``, ``v``: ``[H, n, D]`` in the spec's dtype).
+
+        Raises SpecError for a wrong shape or dtype, SequenceError for a sequence or layer not
+        in this lease, TierFullError when the device has no room for a new page.
+        """
+        seq = self._seq(seq_id, layer)
+        store = self._store
+        spec = store.spec
+        shape = (spec.num_kv_heads, k.shape[1] if k.dim() == 3 else -1, spec.head_dim)
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape) != shape:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise SpecError(f"{name}: expected shape {shape} ([H, n, D]), got {got}")
+            if x.dtype != spec.dtype:
+                raise SpecError(f"{name}: expected dtype {spec.dtype}, got {x.dtype}")
+        n = k.shape[1]
+        if n == 0:
+            return
+        tiers = store.tiers
+        t = spec.page_tokens
+        start = seq.kv_len[layer]
+        end = start + n
+        have = -(-start // t)  # pages this layer already has
+        need = -(-end // t)
+        while len(seq.blocks) < need:
+            seq.blocks.append(seq.private_block(len(seq.blocks)))
+            seq.shared.append(False)
+        new = [page_key(seq.blocks[b], layer) for b in range(have, need)]
+        if new:
+            await tiers.allocate_device(new)
+            tiers.commit_device(new)
+            tiers.table.prepare_load(new, DEVICE)  # pinned for the rest of the lease
+            self._pinned += new
+            tiers.own(new)
+        pos = start
+        written: list[bytes] = []
+        while pos < end:
+            b = pos // t
+            off = pos - b * t
+            m = min(t - off, end - pos)
+            key = page_key(seq.blocks[b], layer)
+            page = tiers.page(tiers.device_slot(key))
+            page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
+            page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
+            written.append(key)
+            pos += m
+        tiers.dirty.update(written)
+        seq.kv_len[layer] = end
+
+    def sequences(self) -> Sequence[str]:
+        """Ids of the leased sequences."""
+        return list(self._seqs)

@@ -1,0 +1,392 @@
+"""The KV store an inference server embeds.
+
+::
+
+    async with tierkv.KVStore(spec, device_bytes=2 << 30, host_bytes=32 << 30) as store:
+        cached = await store.add_sequence("req-1", prompt_ids)     # reuses a cached prefix
+        async with store.lease(["req-1"]) as lease:                # pages on the device, pinned
+            await lease.append("req-1", layer, k, v)               # new KV ([H, n, D])
+            k_all, v_all = lease.kv("req-1", layer)                # [H, S, D] for attention
+        store.add_tokens("req-1", [next_token])
+        store.schedule([["req-2"], ["req-3"]])                     # prefetch the next steps
+        store.step()                                               # one decode step done
+        await store.release("req-1")                               # full blocks stay cached
+
+Pages of a sequence live on the device while leased and move down (host, then compressed cold)
+when the device needs room; they come back on the next lease or, better, on a prefetch announced
+with :meth:`KVStore.schedule` or :meth:`KVStore.prefetch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from runtime import Priority, TransferEngine, get_backend
+from tierkv.codecs import get_codec
+from tierkv.errors import SequenceError, SpecError, StoreClosedError
+from tierkv.keys import prefix_keys
+from tierkv.lease import Lease
+from tierkv.policies import DEFAULT_POLICY
+from tierkv.sequence import SequenceState, page_key
+from tierkv.spec import KVSpec
+from tierkv.stats import StoreCounters
+from tierkv.tiers import COLD, DEVICE, HOST, TierSet
+from tierkv.timeline import Timeline
+
+
+class KVStore:
+    """A tiered, paged KV store for one model layout.
+
+    Args:
+        spec: the page layout.
+        device_bytes: device tier budget (GPU memory; host memory on the cpu backend).
+        host_bytes: host tier budget, including the compressed cold pool.
+        backend: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        policy: eviction policy name for every tier.
+        codec: codec of the cold pool (``"int8"``, ``"fp16"``...), or None for no compression.
+        cold_fraction: share of ``host_bytes`` given to the compressed pool.
+        compress_after: decode steps a host page may stay idle before it is compressed.
+        prefetch_window: how many announced steps :meth:`schedule` prefetches ahead.
+        max_inflight: transfer batches in flight at once.
+        namespace: keeps different models' (or adapters') pages apart.
+        timeout: the bound, in seconds, of every wait.
+
+    Raises:
+        SpecError: a budget too small for one page per tier.
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        *,
+        device_bytes: int,
+        host_bytes: int,
+        backend: str = "cpu",
+        policy: str = DEFAULT_POLICY,
+        codec: str | None = "int8",
+        cold_fraction: float = 0.25,
+        compress_after: int = 5,
+        prefetch_window: int = 4,
+        max_inflight: int = 4,
+        namespace: object = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.spec = spec
+        self.namespace = namespace
+        self.timeout = timeout
+        self.compress_after = compress_after
+        self.prefetch_window = prefetch_window
+        self._codec = get_codec(codec) if codec else None
+        cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
+        self._pages = {
+            DEVICE: device_bytes // spec.page_bytes,
+            HOST: (host_bytes - cold_bytes) // spec.page_bytes,
+            COLD: cold_bytes // self._codec.encoded_bytes(spec) if self._codec else 0,
+        }
+        for tier in (DEVICE, HOST):
+            if self._pages[tier] < 1:
+                raise SpecError(
+                    f"{tier} budget holds no page: pages are {spec.page_bytes} bytes "
+                    f"({self._pages[tier]} fit)"
+                )
+        self._backend_name = backend
+        self._policy = policy
+        self._max_inflight = max_inflight
+        self._seqs: dict[str, SequenceState] = {}
+        self._tiers: TierSet | None = None
+        self._engine: TransferEngine | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._prefetched: set[bytes] = set()
+        self._last_use: dict[bytes, int] = {}
+        self._clock = 0
+        self.counters = StoreCounters()
+        self.timeline = Timeline()
+        self._closed = False
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def open(self) -> KVStore:
+        """Allocate the arenas and start the transfer engine. Returns self."""
+        if self._tiers is not None:
+            return self
+        if self._closed:
+            raise StoreClosedError("store was closed")
+        backend = get_backend(self._backend_name)
+        self._engine = TransferEngine(
+            backend, max_inflight=self._max_inflight, timeout=self.timeout
+        )
+        self._tiers = TierSet(
+            self.spec,
+            backend,
+            self._engine,
+            device_pages=self._pages[DEVICE],
+            host_pages=self._pages[HOST],
+            cold_pages=self._pages[COLD],
+            codec=self._codec,
+            policy=self._policy,
+        )
+        return self
+
+    async def close(self) -> None:
+        """Stop background work, finish transfers in flight, free everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.timeout)
+        if self._engine is not None:
+            await self._engine.aclose(self.timeout, cancel_pending=True)
+        self._seqs.clear()
+
+    async def __aenter__(self) -> KVStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def tiers(self) -> TierSet:
+        """The tiers (raises StoreClosedError when closed or not opened)."""
+        if self._closed or self._tiers is None:
+            raise StoreClosedError("store is closed" if self._closed else "store is not open")
+        return self._tiers
+
+    # -- sequences -----------------------------------------------------------------------
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier)."""
+        keys = prefix_keys(list(tokens), self.spec.page_tokens, self.namespace)
+        return self._cached_blocks(keys) * self.spec.page_tokens
+
+    def _cached_blocks(self, keys: list[bytes]) -> int:
+        table = self.tiers.table
+        n = len(keys)
+        for layer in range(self.spec.num_layers):
+            n = min(n, table.lookup([page_key(k, layer) for k in keys[:n]]))
+        return n
+
+    async def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        """Start a sequence with its prompt; returns the prompt tokens whose KV was reused.
+
+        At least one prompt token is always left to compute (its logits start decoding).
+        Raises SequenceError when the id is in use, StoreClosedError after close.
+        """
+        tiers = self.tiers
+        if seq_id in self._seqs:
+            raise SequenceError(f"sequence {seq_id!r} already exists")
+        toks = [int(t) for t in tokens]
+        t = self.spec.page_tokens
+        keys = prefix_keys(toks[: max(0, len(toks) - 1) // t * t], t, self.namespace)
+        n = self._cached_blocks(keys)
+        seq = SequenceState(seq_id, self.spec.num_layers, t, self.namespace, tokens=toks)
+        seq.blocks = keys[:n]
+        seq.shared = [True] * n
+        seq.kv_len = [n * t] * self.spec.num_layers
+        seq.cached_tokens = n * t
+        tiers.own(seq.all_pages())
+        self._seqs[seq_id] = seq
+        self.counters.prefix_tokens_reused += n * t
+        self.counters.prompt_tokens += len(toks)
+        return n * t
+
+    def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """Declare generated tokens (their KV is appended by the next step)."""
+        self.sequence(seq_id).tokens.extend(int(t) for t in tokens)
+
+    def sequence(self, seq_id: str) -> SequenceState:
+        """The state of a live sequence. Raises SequenceError, StoreClosedError."""
+        self.tiers  # noqa: B018 - raises when closed
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise SequenceError(f"unknown sequence {seq_id!r}") from None
+
+    async def release(self, seq_id: str) -> None:
+        """End a sequence: its full blocks stay cached for reuse, its private pages are freed.
+
+        Raises SequenceError for an unknown (or already released) id.
+        """
+        seq = self.sequence(seq_id)
+        self.publish(seq)
+        del self._seqs[seq_id]
+        pages = seq.all_pages()
+        self.tiers.disown(pages)
+        private = [
+            k
+            for b, shared in zip(seq.blocks, seq.shared)
+            if not shared
+            for k in (page_key(b, layer) for layer in range(seq.num_layers))
+        ]
+        self.tiers.forget(private)
+        for k in private:
+            self._last_use.pop(k, None)
+
+    def publish(self, seq: SequenceState) -> None:
+        """Give full private blocks their content keys, so other requests can reuse them."""
+        tiers = self.tiers
+        for i, shared in enumerate(seq.shared):
+            if shared:
+                continue
+            if seq.length < (i + 1) * seq.page_tokens:
+                break
+            key = seq.content_key(i)
+            if key is None:
+                break
+            old = [page_key(seq.blocks[i], layer) for layer in range(seq.num_layers)]
+            new = [page_key(key, layer) for layer in range(seq.num_layers)]
+            if any(tiers.table.pins(k, DEVICE) for k in old if tiers.table.present([k], DEVICE)):
+                break  # leased right now: publish at the end of the lease
+            if not tiers.rekey(old, new):
+                break
+            for o, n in zip(old, new):
+                if o in self._last_use:
+                    self._last_use[n] = self._last_use.pop(o)
+            seq.blocks[i] = key
+            seq.shared[i] = True
+
+    # -- leases and prefetch -------------------------------------------------------------
+    def lease(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> Lease:
+        """Pin these sequences' pages (of ``layers``, all by default) on the device.
+
+        Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
+        id, SpecError for a bad layer.
+        """
+        seqs = [self.sequence(s) for s in seq_ids]
+        ls = list(range(self.spec.num_layers)) if layers is None else list(layers)
+        for layer in ls:
+            if not 0 <= layer < self.spec.num_layers:
+                raise SpecError(f"layer {layer} out of range [0, {self.spec.num_layers})")
+        return Lease(self, seqs, ls)
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        clock, last = self._clock, self._last_use
+        for k in keys:
+            last[k] = clock
+
+    def _used(self, keys: Sequence[bytes]) -> None:
+        """Pages that compute reads now: prefetch accounting."""
+        pf = self._prefetched
+        if pf:
+            hit = [k for k in keys if k in pf]
+            self.counters.prefetch_used += len(hit)
+            pf.difference_update(hit)
+
+    async def prefetch(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Load these sequences' pages to the device ahead of use; returns pages loaded.
+
+        ``wait=False`` (best effort) returns at once and loads in the background;
+        ``wait=True`` waits until they are loaded, at most ``timeout`` seconds (then the loads
+        go on in the background and the call returns what had finished: possibly 0).
+        """
+        task = self._spawn(self._prefetch(list(seq_ids), layers))
+        if not wait:
+            return 0
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
+        except TimeoutError:
+            return 0
+
+    async def _prefetch(self, seq_ids: list[str], layers: Sequence[int] | None) -> int:
+        tiers = self.tiers
+        keys: list[bytes] = []
+        for s in seq_ids:
+            seq = self._seqs.get(s)
+            if seq is not None:
+                keys += seq.all_pages(None if layers is None else list(layers))
+        absent = [k for k in keys if not tiers.table.lookup([k], DEVICE)]
+        if not absent:
+            return 0
+        room = tiers.table.evictable(DEVICE) + (
+            tiers.table.capacity(DEVICE) - tiers.table.used(DEVICE)
+        )
+        absent = absent[:room]  # never evict what is pinned; never thrash past capacity
+        t0 = time.perf_counter()
+        await tiers.acquire_device(absent, Priority.PREFETCH)
+        tiers.release_device(absent)
+        self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
+        self._prefetched.update(absent)
+        self.counters.prefetched += len(absent)
+        return len(absent)
+
+    def schedule(self, steps: Sequence[Sequence[str]]) -> None:
+        """Announce the sequences of the next steps; the first ``prefetch_window`` are
+        prefetched in order, best effort."""
+        ahead = [s for step in steps[: self.prefetch_window] for s in step if s in self._seqs]
+        if ahead:
+            self._spawn(self._prefetch(list(dict.fromkeys(ahead)), None))
+
+    def step(self) -> None:
+        """One decode step has finished: advances the clock, compresses idle host pages."""
+        self._clock += 1
+        if self._codec is None or self.compress_after <= 0:
+            return
+        limit = self._clock - self.compress_after
+        idle = [k for k, t in self._last_use.items() if t <= limit]
+        if idle:
+            for k in idle:
+                del self._last_use[k]
+            self._spawn(self._compress(idle))
+
+    async def _compress(self, keys: list[bytes]) -> None:
+        n = await self.tiers.compress_idle(keys)
+        self.counters.idle_compressed += n
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        self.tiers  # noqa: B018 - raises when closed
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters.background_errors += 1
+            self.counters.last_error = repr(task.exception())
+
+    async def drain(self) -> None:
+        """Wait for background prefetches and compressions to finish."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.timeout)
+
+    # -- figures -------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Counters: hits per tier, prefetch accuracy, late fetches, bytes moved, tiers..."""
+        tiers = self.tiers
+        c = self.counters
+        ts = tiers.stats
+        loads = ts.loads_from[HOST] + ts.loads_from[COLD]
+        return {
+            "pages_leased": c.pages_leased,
+            "hits": {
+                "device": c.device_hits,
+                "host": ts.loads_from[HOST],
+                "cold": ts.loads_from[COLD],
+            },
+            "page_loads": loads,
+            "late_fetches": c.late_fetches,
+            "prefetched": c.prefetched,
+            "prefetch_used": c.prefetch_used,
+            "prefetch_accuracy": c.prefetch_used / c.prefetched if c.prefetched else 1.0,
+            "bytes_h2d": ts.bytes_h2d,
+            "bytes_d2h": ts.bytes_d2h,
+            "written_back": ts.pages_written_back,
+            "compressed": ts.pages_compressed,
+            "idle_compressed": c.idle_compressed,
+            "dropped": ts.pages_dropped,
+            "peak_device_pages": ts.peak_device_pages,
+            "peak_device_bytes": ts.peak_device_pages * self.spec.page_bytes,
+            "prefix_tokens_reused": c.prefix_tokens_reused,
+            "background_errors": c.background_errors,
+            "tiers": tiers.info(),
+        }
