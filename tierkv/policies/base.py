@@ -8,7 +8,8 @@ pages may not). Every operation is O(1) amortized.
 
 Policies may also use what a KV workload knows, passed as a :class:`PageHint` on insert: how deep
 the page sits in its prefix chain, its parent in the chain, whether it is the last (usually
-one-shot) block of a request, and how much of the request was already a hit. :meth:`admit` may decline a page outright.
+one-shot) block of a request, how many blocks that request has, and how much of it was already a
+hit. :meth:`admit` may decline a page outright.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ class PageHint:
         parent: the key of the block before it in the prefix chain (``None`` for the first
             block, or when unknown). Chain-aware policies use it: a block is only useful while
             its parent is resident, so evicting a parent strands its children.
+        blocks: how many blocks the request that brought it has (0 when unknown). Short
+            conversations are resumed far more often than long one-off prompts.
     """
 
     depth: int = 0
     last: bool = False
     prefix_hits: int = 0
     parent: Key | None = None
+    blocks: int = 0
 
 
 NO_HINT = PageHint()

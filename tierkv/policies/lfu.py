@@ -1,4 +1,4 @@
-"""Least frequently used, ties broken by least recent use."""
+"""Least frequently used, ties broken by least recent use, with a bounded use-count history."""
 
 from __future__ import annotations
 
@@ -6,85 +6,89 @@ from collections import OrderedDict
 
 from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
 
+MAX_COUNT = 15
+"""Use counts saturate here (4-bit counters, as in TinyLFU); ties at the top fall back to LRU."""
+
 
 class LFUPolicy(EvictionPolicy):
     """Evicts the page with the fewest uses; among equals, the least recently used.
 
-    Pages live in one bucket per use count; the non-empty counts form a sorted doubly linked
-    list, so a use moves a page to the next bucket in O(1) (Shah, Mitra & Matani, 2010).
-    Pages that may not be evicted are moved to the recent end of their bucket as they are
-    skipped: O(1) amortized, plus one step per pinned page passed over.
+    One bucket (an ordered dict, oldest use first) per use count 1..:data:`MAX_COUNT`, and a
+    bit mask of the non-empty ones, so insert, touch, remove and evict are O(1); pages that may
+    not be evicted are moved to the recent end of their bucket as they are skipped (O(1)
+    amortized, plus one step per pinned page passed over).
 
-    Frequencies are counted from insertion: a page that leaves and comes back starts at 1.
+    Counts outlive residency: the counts of the last ``history * capacity`` pages to leave are
+    remembered, and a page that comes back resumes from its count (``capacity`` is the most
+    pages ever resident at once unless given). Without that history an in-cache LFU freezes on
+    KV traffic: every new page arrives with count 1 and is the next victim (0.098 block hit rate
+    on the Mooncake conversation trace at 6,000 blocks, against 0.153 with it).
+
+    Args:
+        capacity: pages the tier holds; ``None`` learns it as the high-water mark.
+        history: remembered departed pages, as a multiple of the capacity (0 disables).
     """
 
     name = "lfu"
 
-    def __init__(self) -> None:
-        self._freq: dict[Key, int] = {}
-        self._buckets: dict[int, OrderedDict[Key, None]] = {}
-        # Sorted linked list of the counts with a non-empty bucket; 0 is the sentinel head.
-        self._next: dict[int, int] = {0: 0}
-        self._prev: dict[int, int] = {0: 0}
+    def __init__(self, capacity: int | None = None, history: float = 8.0) -> None:
+        self._capacity = capacity or 0
+        self._fixed = capacity is not None
+        self._history = history
+        self._count: dict[Key, int] = {}
+        self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
+        self._mask = 0  # bit f set <=> bucket f non-empty
+        self._gone: OrderedDict[Key, int] = OrderedDict()
 
-    def _link_after(self, f: int, new: int) -> None:
-        nxt = self._next[f]
-        self._next[f] = new
-        self._prev[new] = f
-        self._next[new] = nxt
-        self._prev[nxt] = new
+    def _place(self, key: Key, count: int) -> None:
+        self._count[key] = count
+        self._buckets[count][key] = None
+        self._mask |= 1 << count
 
-    def _unlink(self, f: int) -> None:
-        prv, nxt = self._prev.pop(f), self._next.pop(f)
-        self._next[prv] = nxt
-        self._prev[nxt] = prv
-        del self._buckets[f]
-
-    def _add(self, key: Key, f: int, after: int) -> None:
-        bucket = self._buckets.get(f)
-        if bucket is None:
-            bucket = self._buckets[f] = OrderedDict()
-            self._link_after(after, f)
-        bucket[key] = None
-        self._freq[key] = f
-
-    def _drop(self, key: Key) -> int:
-        """Remove ``key`` from its bucket; returns the count whose node precedes it now."""
-        f = self._freq.pop(key)
-        bucket = self._buckets[f]
+    def _unplace(self, key: Key) -> int:
+        count = self._count.pop(key)
+        bucket = self._buckets[count]
         del bucket[key]
-        if bucket:
-            return f
-        prv = self._prev[f]
-        self._unlink(f)
-        return prv
+        if not bucket:
+            self._mask &= ~(1 << count)
+        return count
+
+    def _forget(self, key: Key) -> None:
+        count = self._unplace(key)
+        if self._history > 0:
+            self._gone[key] = count
+            limit = self._history * self._capacity
+            while len(self._gone) > limit:
+                self._gone.popitem(last=False)
 
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
-        self._add(key, 1, 0)
+        count = self._gone.pop(key, 0)
+        self._place(key, min(count + 1, MAX_COUNT))
+        if not self._fixed and len(self._count) > self._capacity:
+            self._capacity = len(self._count)
 
     def touch(self, key: Key) -> None:
-        f = self._freq[key]
-        self._add(key, f + 1, self._drop(key))
+        self._place(key, min(self._unplace(key) + 1, MAX_COUNT))
 
     def remove(self, key: Key) -> None:
-        self._drop(key)
+        self._forget(key)
 
     def evict(self, can_evict: CanEvict) -> Key | None:
-        f = self._next[0]
-        while f:
-            bucket = self._buckets[f]
-            nxt = self._next[f]
+        mask = self._mask
+        while mask:
+            low = mask & -mask
+            bucket = self._buckets[low.bit_length() - 1]
             for _ in range(len(bucket)):
                 key = next(iter(bucket))
                 if can_evict(key):
-                    self._drop(key)
+                    self._forget(key)
                     return key
                 bucket.move_to_end(key)
-            f = nxt
+            mask ^= low
         return None
 
     def __len__(self) -> int:
-        return len(self._freq)
+        return len(self._count)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._freq
+        return key in self._count

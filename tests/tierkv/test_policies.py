@@ -1,0 +1,217 @@
+"""Eviction policies: scripted victims, pinned pages, properties, the registry."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    KVAwarePolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PageHint,
+    S3FIFOPolicy,
+    make_policy,
+)
+from tierkv.traces import KINDS, synthetic_trace
+
+
+def always(key: object) -> bool:
+    return True
+
+
+def but(*pinned: object):  # type: ignore[no-untyped-def]
+    return lambda key: key not in pinned
+
+
+# -- scripted sequences (victims computed by hand) ---------------------------------------------
+
+
+def test_lru_victims_and_pinned_skip() -> None:
+    p = LRUPolicy()
+    for k in "abc":
+        p.insert(k)
+    p.touch("a")
+    assert p.evict(always) == "b"
+    assert p.evict(but("c")) == "a"
+    assert p.evict(always) == "c"
+    assert p.evict(always) is None
+
+
+def test_lfu_fewest_uses_then_oldest() -> None:
+    p = LFUPolicy()
+    for k in "abc":
+        p.insert(k)
+    p.touch_many(["a", "a", "b"])  # a:3 b:2 c:1
+    assert p.evict(always) == "c"
+    p.insert("d")  # d:1
+    p.insert("e")  # e:1, newer than d
+    assert p.evict(but("d")) == "e"
+    assert p.evict(always) == "d"
+    assert p.evict(always) == "b"
+    p.insert("b")  # resumes from its remembered count: 3
+    p.insert("f")
+    assert p.evict(always) == "f"
+    assert p.evict(always) == "a"  # a:3 is older than b:3
+    assert p.evict(always) == "b"
+
+
+def test_arc_ghost_hit_moves_the_target() -> None:
+    p = ARCPolicy(capacity=2)
+    p.insert("a")
+    p.insert("b")  # T1 = [a, b]
+    p.touch("a")  # T1 = [b], T2 = [a]
+    assert p.evict(always) == "b"  # |T1| = 1 > p = 0: from T1; B1 = [b]
+    p.insert("c")  # T1 = [c]
+    assert p.admit("b")  # ghost hit in B1: p = 1
+    assert p.target == 1.0
+    assert p.evict(always) == "a"  # |T1| = 1 is not > p: from T2; B2 = [a]
+    p.insert("b")  # from B1 straight to T2
+    assert set("bc") == {k for k in "abc" if k in p} and len(p) == 2
+    assert p.evict(always) == "b"  # |T1| = 1 is still not > p = 1: from T2
+    assert p.evict(always) == "c"  # T2 is empty: T1
+
+
+def test_s3fifo_small_queue_promotes_used_pages() -> None:
+    p = S3FIFOPolicy(capacity=10)
+    for k in "abcdefghij":
+        p.insert(k)
+    p.touch("a")
+    assert p.evict(always) == "b"  # a was used: moved to main
+    assert p.evict(but("c")) == "d"  # c pinned: back to the head of S
+    p.insert("b")  # remembered in the ghost: straight to main
+    assert "b" in p and "d" not in p
+    assert p.evict(always) == "e"
+
+
+def test_kvaware_orphans_go_first() -> None:
+    p = KVAwarePolicy(capacity=4)
+    p.insert("r")
+    p.insert("x1", PageHint(depth=1, parent="r"))
+    p.insert("x2", PageHint(depth=2, parent="x1"))
+    p.insert("y", PageHint(depth=1, parent="r"))
+    p.touch("r")  # r: 2 uses, priority 3; the others 1 use, priority 2
+    assert p.evict(always) == "x1"  # oldest of the lowest priority; x2 is now stranded
+    assert p.evict(always) == "x2"  # orphans first
+    assert p.evict(but("y")) == "r"
+    assert p.evict(always) == "y"
+    assert p.evict(always) is None
+
+
+def test_kvaware_orphan_restored_when_parent_returns() -> None:
+    p = KVAwarePolicy(capacity=4)
+    p.insert("a")
+    p.insert("b", PageHint(depth=1, parent="a"))
+    p.touch("b")
+    assert p.evict(but("b")) == "a"  # b becomes an orphan
+    p.insert("a")
+    p.insert("c")
+    assert p.evict(always) == "c"  # b is no longer first in line
+    assert p.evict(always) == "a"
+    assert p.evict(always) == "b"
+
+
+def test_kvaware_admission() -> None:
+    p = KVAwarePolicy(capacity=4)
+    p.insert("root")
+    assert not p.admit("tail", PageHint(depth=1, last=True, parent="root"))
+    assert p.admit("r2")  # no parent known: admitted
+    assert p.admit("c1", PageHint(depth=1, parent="root", blocks=40))  # extends the chain
+    assert not p.admit("c2", PageHint(depth=1, parent="root", blocks=40))  # root is shared
+    assert p.admit("c3", PageHint(depth=1, parent="root", blocks=5))  # short request
+    assert not p.admit("o", PageHint(depth=3, parent="missing", blocks=40))
+    assert p.admit("c2", PageHint(depth=1, parent="root", blocks=40))  # seen before
+    assert len(p) == 1
+
+
+def test_kvaware_never_seen_last_block_goes_first() -> None:
+    p = KVAwarePolicy(capacity=4)
+    p.insert("a")
+    p.insert("z", PageHint(depth=1, last=True, parent="a"))
+    p.insert("b")
+    assert p.evict(always) == "z"
+
+
+# -- properties --------------------------------------------------------------------------------
+
+KEYS = st.integers(0, 11)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "touch", "remove", "evict", "admit"]),
+        KEYS,
+        st.frozensets(KEYS, max_size=6),
+        st.booleans(),
+    ),
+    max_size=80,
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS)
+def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int], bool]]) -> None:
+    p = make_policy(name)
+    model: set[int] = set()
+    for op, key, pinned, last in ops:
+        hint = PageHint(depth=key % 4, last=last, parent=key - 1 if key % 4 else None)
+        if op == "insert" and key not in model:
+            p.insert(key, hint)
+            model.add(key)
+        elif op == "touch" and key in model:
+            p.touch(key)
+        elif op == "remove" and key in model:
+            p.remove(key)
+            model.discard(key)
+        elif op == "admit" and key not in model:
+            p.admit(key, hint)
+        elif op == "evict":
+            victim = p.evict(lambda k, pinned=pinned: k not in pinned)  # type: ignore[misc]
+            if model - pinned:
+                assert victim in model and victim not in pinned
+                model.discard(victim)
+            else:
+                assert victim is None
+        assert len(p) == len(model)
+        assert all((k in p) == (k in model) for k in range(12))
+
+
+# -- registry ----------------------------------------------------------------------------------
+
+
+def test_registry() -> None:
+    assert {"lru", "lfu", "arc", "s3fifo", "kvaware"} <= set(POLICIES)
+    assert DEFAULT_POLICY in POLICIES
+    for name in POLICIES:
+        p = make_policy(name)
+        assert isinstance(p, EvictionPolicy) and p.name == name and len(p) == 0
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("nope")
+
+
+# -- synthetic traces --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_synthetic_traces_are_chained_and_deterministic(kind: str) -> None:
+    trace = synthetic_trace(kind, 300, seed=3)
+    assert trace == synthetic_trace(kind, 300, seed=3)
+    assert len(trace) == 300
+    parent: dict[int, int] = {}
+    for req in trace:
+        assert req[0] == 0
+        for a, b in itertools.pairwise(req):
+            assert parent.setdefault(b, a) == a
+
+
+def test_synthetic_trace_errors() -> None:
+    with pytest.raises(ValueError, match="unknown trace kind"):
+        synthetic_trace("nope", 1)
+    with pytest.raises(ValueError):
+        synthetic_trace("loop", -1)
