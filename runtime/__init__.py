@@ -18,6 +18,8 @@ from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event, Stream
 from .copy_kernels import DEFAULT_STAGING_BYTES
 from .cpu_backend import CpuBackend
 from .cpu_stream import CpuEvent, CpuStream
+from .cuda_backend import CudaBackend, cuda_available
+from .cuda_stream import ComputeStream, CudaEvent, CudaStream
 from .errors import (
     ArenaError,
     ArenaFullError,
@@ -48,10 +50,14 @@ __all__ = [
     "ArenaMismatchError",
     "Backend",
     "BackendUnavailableError",
+    "ComputeStream",
     "CopyInfo",
     "CpuBackend",
     "CpuEvent",
     "CpuStream",
+    "CudaBackend",
+    "CudaEvent",
+    "CudaStream",
     "DoubleFreeError",
     "EngineClosedError",
     "EngineStats",
@@ -71,6 +77,7 @@ __all__ = [
     "TransferStats",
     "WaitTimeoutError",
     "available_backends",
+    "cuda_available",
     "get_backend",
     "has_uvloop",
     "new_event_loop",

@@ -13,10 +13,9 @@ __all__ = ["available_backends", "get_backend", "register_backend"]
 
 
 def _cuda(**kwargs: Any) -> Backend:
-    from .cuda_backend import CudaBackend
+    from .cuda_backend import CudaBackend  # imports CuPy only when constructed
 
-    backend: Backend = CudaBackend(**kwargs)  # type: ignore[assignment]
-    return backend
+    return CudaBackend(**kwargs)
 
 
 _FACTORIES: dict[str, Callable[..., Backend]] = {"cpu": CpuBackend, "cuda": _cuda}
