@@ -14,6 +14,7 @@ class StoreCounters:
     late_fetches: int = 0
     prefetched: int = 0
     prefetch_used: int = 0
+    prefetch_skipped: int = 0
     idle_compressed: int = 0
     prefix_tokens_reused: int = 0
     prompt_tokens: int = 0

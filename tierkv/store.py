@@ -26,10 +26,16 @@ from typing import Any
 
 from runtime import Priority, TransferEngine, get_backend
 from tierkv.codecs import get_codec
-from tierkv.errors import SequenceError, SpecError, StoreClosedError
+from tierkv.errors import (
+    SequenceError,
+    SpecError,
+    StoreClosedError,
+    TierFullError,
+    UnknownPageError,
+)
 from tierkv.keys import prefix_keys
 from tierkv.lease import Lease
-from tierkv.policies import DEFAULT_POLICY
+from tierkv.page_table import PageState
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -65,7 +71,7 @@ class KVStore:
         device_bytes: int,
         host_bytes: int,
         backend: str = "cpu",
-        policy: str = DEFAULT_POLICY,
+        policy: str = "lru",
         codec: str | None = "int8",
         cold_fraction: float = 0.25,
         compress_after: int = 5,
@@ -297,21 +303,41 @@ class KVStore:
             return 0
 
     async def _prefetch(self, seq_ids: list[str], layers: Sequence[int] | None) -> int:
-        tiers = self.tiers
         keys: list[bytes] = []
         for s in seq_ids:
             seq = self._seqs.get(s)
             if seq is not None:
                 keys += seq.all_pages(None if layers is None else list(layers))
-        absent = [k for k in keys if not tiers.table.lookup([k], DEVICE)]
+        return await self._load_ahead(self._room_for(keys, set(keys)))
+
+    def _room_for(self, keys: list[bytes], protect: set[bytes]) -> list[bytes]:
+        """The absent pages of ``keys`` (in order) that fit without evicting a page in
+        ``protect`` or a pinned one."""
+        table = self.tiers.table
+        absent = [k for k in keys if not table.lookup([k], DEVICE)]
+        if not absent:
+            return []
+        free = table.capacity(DEVICE) - table.used(DEVICE)
+        junk = sum(
+            1
+            for k in table.keys(DEVICE)
+            if k not in protect
+            and table.state(k, DEVICE) == PageState.READABLE
+            and not table.pins(k, DEVICE)
+        )
+        return absent[: max(0, free + junk)]
+
+    async def _load_ahead(self, absent: list[bytes]) -> int:
         if not absent:
             return 0
-        room = tiers.table.evictable(DEVICE) + (
-            tiers.table.capacity(DEVICE) - tiers.table.used(DEVICE)
-        )
-        absent = absent[:room]  # never evict what is pinned; never thrash past capacity
+        tiers = self.tiers
+        absent = [k for k in absent if tiers.holds(k)]  # a page may have been renamed meanwhile
         t0 = time.perf_counter()
-        await tiers.acquire_device(absent, Priority.PREFETCH)
+        try:
+            await tiers.acquire_device(absent, Priority.PREFETCH)
+        except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
+            self.counters.prefetch_skipped += len(absent)
+            return 0
         tiers.release_device(absent)
         self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
         self._prefetched.update(absent)
@@ -319,11 +345,33 @@ class KVStore:
         return len(absent)
 
     def schedule(self, steps: Sequence[Sequence[str]]) -> None:
-        """Announce the sequences of the next steps; the first ``prefetch_window`` are
-        prefetched in order, best effort."""
+        """Announce the sequences of the coming steps, the step about to run first.
+
+        The pages of the first ``prefetch_window`` steps are prefetched in that order, as far as
+        the device holds them without evicting an announced sequence's page (best effort).
+        """
         ahead = [s for step in steps[: self.prefetch_window] for s in step if s in self._seqs]
-        if ahead:
-            self._spawn(self._prefetch(list(dict.fromkeys(ahead)), None))
+        order = list(dict.fromkeys(ahead))
+        if not order:
+            return
+        table = self.tiers.table
+        # announced pages count as about to be used: the ones due first become the most recent,
+        # so that loads evict pages nobody announced before any announced one
+        for s in reversed(order):
+            here = [k for k in self._seqs[s].all_pages() if table.lookup([k], DEVICE)]
+            if here:
+                table.touch(here, DEVICE)
+        # walk the announced sequences in order while the device holds them all
+        budget = table.capacity(DEVICE) - len(steps[0]) * self.spec.num_layers * 2  # new pages
+        room: list[bytes] = []
+        for s in order:
+            pages = self._seqs[s].all_pages()
+            if len(pages) > budget:
+                break
+            budget -= len(pages)
+            room += [k for k in pages if not table.lookup([k], DEVICE)]
+        if room:
+            self._spawn(self._load_ahead(room))
 
     def step(self) -> None:
         """One decode step has finished: advances the clock, compresses idle host pages."""

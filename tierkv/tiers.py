@@ -239,62 +239,65 @@ class TierSet:
             await asyncio.sleep(0.0005)
 
     async def _load(self, keys: list[Key], priority: Priority) -> None:
-        src_of: dict[Key, str] = {}
         keys = [k for k in keys if not self.table.present([k], DEVICE)]
         if not keys:
             return
         for k in keys:
-            for t in self.lower:
-                if self.table.lookup([k], t):
-                    src_of[k] = t
-                    break
-            else:
+            if not self._has_lower(k):
                 raise UnknownPageError(f"page {k.hex()} is in no tier")
         async with self._device_lock:
             await self._make_room(len(keys))
+            keys = [k for k in keys if not self.table.present([k], DEVICE) and self._has_lower(k)]
             alloc = self.table.prepare_store(keys, DEVICE)
             if alloc is None or alloc.evicted:  # room was made under the lock
                 raise TierFullError(f"device tier: no room to load {len(keys)} pages")
             self._note_peak()
+            new = cast(list[Key], alloc.keys)
+            # sources are chosen and pinned now, with no await since the check above
+            src: dict[str, tuple[list[Key], list[int]]] = {}
+            taken: set[Key] = set()
+            for tier in self.lower:
+                ks = [k for k in new if k not in taken and self.table.lookup([k], tier)]
+                if ks:
+                    src[tier] = (ks, self.table.prepare_load(ks, tier))
+                    taken.update(ks)
         loop = asyncio.get_running_loop()
-        new = cast(list[Key], alloc.keys)
         for k in new:
             self.loading[k] = loop.create_future()
         slot_of = dict(zip(new, alloc.slots))
-        task = asyncio.ensure_future(self._finish_load(new, slot_of, src_of, priority))
+        task = asyncio.ensure_future(self._finish_load(new, slot_of, src, priority))
         await asyncio.shield(task)
 
     async def _finish_load(
-        self, keys: list[Key], slot_of: dict[Key, int], src_of: dict[Key, str], priority: Priority
+        self,
+        keys: list[Key],
+        slot_of: dict[Key, int],
+        src: dict[str, tuple[list[Key], list[int]]],
+        priority: Priority,
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled."""
         error: BaseException | None = None
         try:
-            for tier in self.lower:
-                ks = [k for k in keys if src_of[k] == tier]
-                if not ks:
-                    continue
-                src_slots = self.table.prepare_load(ks, tier)  # sources stay put meanwhile
-                try:
-                    dst = [slot_of[k] for k in ks]
-                    if tier == HOST:
-                        handle = self.engine.submit(
-                            self.arenas[HOST],
-                            src_slots,
-                            self.arenas[DEVICE],
-                            dst,
-                            priority=priority,
-                        )
-                        st = await handle.wait()
-                        self.stats.copy_s += st.copy_s
-                        self.stats.bytes_h2d += len(ks) * self.spec.page_bytes
-                    else:
-                        await self._decode(src_slots, dst)
-                    self.stats.loads_from[tier] += len(ks)
-                finally:
-                    self.table.complete_load(ks, tier)
+            for tier, (ks, src_slots) in src.items():
+                dst = [slot_of[k] for k in ks]
+                if tier == HOST:
+                    handle = self.engine.submit(
+                        self.arenas[HOST],
+                        src_slots,
+                        self.arenas[DEVICE],
+                        dst,
+                        priority=priority,
+                    )
+                    st = await handle.wait()
+                    self.stats.copy_s += st.copy_s
+                    self.stats.bytes_h2d += len(ks) * self.spec.page_bytes
+                else:
+                    await self._decode(src_slots, dst)
+                self.stats.loads_from[tier] += len(ks)
         except BaseException as exc:  # roll back: the slots are free again, nothing is half-read
             error = exc
+        for tier, (ks, _) in src.items():
+            self.table.complete_load(ks, tier)
         self.table.complete_store(keys, DEVICE, ok=error is None)
         for k in keys:
             fut = self.loading.pop(k)

@@ -1,0 +1,1 @@
+"""``tierkv demo``: a small Llama-style decoder whose KV does not fit the device tier."""
