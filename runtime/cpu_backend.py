@@ -12,7 +12,7 @@ import numpy as np
 
 from .arena import Arena, allocate_host_buffer
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo
-from .copy_kernels import copy_rows
+from .copy_kernels import KERNELS, copy_rows, native_kernel
 from .cpu_stream import CpuStream
 from .errors import ArenaError, ArenaMismatchError, EngineClosedError
 from .freelist import SlotIds
@@ -21,7 +21,11 @@ __all__ = ["CpuBackend"]
 
 
 class CpuBackend(Backend):
-    """Host-memory backend. `kernel` picks the copy kernel ("auto", "runs", "staged")."""
+    """Host-memory backend. `kernel` picks the copy kernel (`copy_kernels.KERNELS`).
+
+    "auto" uses the native C loop where it could be built, numpy kernels otherwise; "native"
+    raises ValueError here when it is not available.
+    """
 
     name = "cpu"
 
@@ -32,8 +36,10 @@ class CpuBackend(Backend):
         kernel: str = "auto",
         wait_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if kernel not in ("auto", "runs", "staged"):
+        if kernel not in KERNELS:
             raise ValueError(f"unknown copy kernel {kernel!r}")
+        if kernel == "native" and native_kernel() is None:
+            raise ValueError("the native copy kernel is not available (no C compiler?)")
         self.huge_pages = huge_pages
         self.kernel = kernel
         self.wait_timeout = wait_timeout

@@ -17,6 +17,7 @@ from runtime import (
     TransferEngine,
     TransferError,
 )
+from runtime.copy_kernels import native_kernel
 
 
 def fill_random(arena: Arena, ids: np.ndarray, seed: int = 0) -> np.ndarray:
@@ -38,9 +39,11 @@ PATTERNS = {
 }
 
 
-@pytest.mark.parametrize("kernel", ["auto", "runs", "staged"])
+@pytest.mark.parametrize("kernel", ["auto", "native", "runs", "staged"])
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 async def test_round_trip_is_bit_exact(pattern: str, kernel: str) -> None:
+    if kernel == "native" and native_kernel() is None:
+        pytest.skip("no C compiler: the native copy kernel is unavailable")
     backend = CpuBackend(kernel=kernel)
     rng = np.random.default_rng(1)
     src = backend.create_arena("src", slot_bytes=4096, num_slots=40)
