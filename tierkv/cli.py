@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv import replay_cli
+from tierkv import demo_cli, replay_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tierkv", description="tierkv: a tiered paged KV cache for LLM inference servers"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_cli.add_parser(sub)
     replay_cli.add_parser(sub)
     return parser
 

@@ -30,6 +30,7 @@ class Lease:
         self.layers = layers
         self._layer_set = set(layers)
         self._pinned: list[bytes] = []
+        self._written: list[bytes] = []
         self._active = False
         self.waited_pages = 0
 
@@ -62,7 +63,9 @@ class Lease:
         if self._pinned:
             store.tiers.release_device(self._pinned)
             store._touch(self._pinned)
+            store._write_behind(self._written)
             self._pinned = []
+            self._written = []
         for seq in self._seqs.values():
             if seq.seq_id in store._seqs:
                 store.publish(seq)
@@ -139,7 +142,8 @@ class Lease:
             page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
             written.append(key)
             pos += m
-        tiers.dirty.update(written)
+        tiers.mark_dirty(written)
+        self._written += written
         seq.kv_len[layer] = end
 
     def sequences(self) -> Sequence[str]:

@@ -59,6 +59,11 @@ class KVStore:
         max_inflight: transfer batches in flight at once.
         namespace: keeps different models' (or adapters') pages apart.
         timeout: the bound, in seconds, of every wait.
+        compress_live: also compress idle pages of live sequences (their later tokens then
+            depend on the lossy codec); by default only pages no live sequence owns (cached
+            prefixes) are compressed.
+        write_behind: copy pages a lease wrote down to the host in the background when the
+            lease ends, so that evicting them later costs no wait.
 
     Raises:
         SpecError: a budget too small for one page per tier.
@@ -79,12 +84,16 @@ class KVStore:
         max_inflight: int = 4,
         namespace: object = None,
         timeout: float = 30.0,
+        write_behind: bool = True,
+        compress_live: bool = False,
     ) -> None:
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
         self.compress_after = compress_after
         self.prefetch_window = prefetch_window
+        self.write_behind = write_behind
+        self.compress_live = compress_live
         self._codec = get_codec(codec) if codec else None
         cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
         self._pages = {
@@ -296,6 +305,7 @@ class KVStore:
         """
         task = self._spawn(self._prefetch(list(seq_ids), layers))
         if not wait:
+            await asyncio.sleep(0)  # let the loads be submitted before the caller computes
             return 0
         try:
             return await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
@@ -373,13 +383,22 @@ class KVStore:
         if room:
             self._spawn(self._load_ahead(room))
 
+    def _write_behind(self, keys: list[bytes]) -> None:
+        if keys and self.write_behind:
+            self._spawn(self.tiers.write_behind(keys))
+
     def step(self) -> None:
         """One decode step has finished: advances the clock, compresses idle host pages."""
         self._clock += 1
         if self._codec is None or self.compress_after <= 0:
             return
         limit = self._clock - self.compress_after
-        idle = [k for k, t in self._last_use.items() if t <= limit]
+        owners = self.tiers.owners
+        idle = [
+            k
+            for k, t in self._last_use.items()
+            if t <= limit and (self.compress_live or k not in owners)
+        ]
         if idle:
             for k in idle:
                 del self._last_use[k]

@@ -88,11 +88,13 @@ class TierSet:
             arena.allocate(arena.num_slots)
         self.table = PageTable(tiers, policy)
         self.lower = [t for t in (HOST, COLD) if t in tiers]
-        self.dirty: set[Key] = set()
+        self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
+        self._gen = 0
         self.owners: dict[Key, int] = {}
         self.loading: dict[Key, asyncio.Future[None]] = {}
         self.stats = TierStats()
         self._device_lock = asyncio.Lock()
+        self._busy: set[asyncio.Task[None]] = set()  # write-behind copies holding device pins
 
     # -- where pages are ---------------------------------------------------------------
     def holds(self, key: Key) -> bool:
@@ -149,7 +151,8 @@ class TierSet:
             ]
             if here:
                 self.table.remove(here, t)
-        self.dirty.difference_update(keys)
+        for k in keys:
+            self.dirty.pop(k, None)
 
     def rekey(self, old: Sequence[Key], new: Sequence[Key]) -> bool:
         """Rename pages everywhere (private -> content). False (nothing changed) on a clash."""
@@ -161,8 +164,7 @@ class TierSet:
                 self.table.rekey([o for o, _ in pairs], [n for _, n in pairs], t)
         for o, n in zip(old, new):
             if o in self.dirty:
-                self.dirty.discard(o)
-                self.dirty.add(n)
+                self.dirty[n] = self.dirty.pop(o)
             if o in self.owners:
                 self.owners[n] = self.owners.pop(o)
         return True
@@ -182,7 +184,7 @@ class TierSet:
     def commit_device(self, keys: Sequence[Key]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
         self.table.complete_store(keys, DEVICE)
-        self.dirty.update(keys)
+        self.mark_dirty(keys)
 
     async def acquire_device(self, keys: Sequence[Key], priority: Priority) -> int:
         """Make every page of ``keys`` readable on the device, loading what is not, and pin
@@ -265,37 +267,42 @@ class TierSet:
         for k in new:
             self.loading[k] = loop.create_future()
         slot_of = dict(zip(new, alloc.slots))
-        task = asyncio.ensure_future(self._finish_load(new, slot_of, src, priority))
+        # submit now, before any await: the copies run while the caller computes
+        work: list[tuple[str, int, Awaitable[Any]]] = []
+        try:
+            for tier, (ks, src_slots) in src.items():
+                dst = [slot_of[k] for k in ks]
+                if tier == HOST:
+                    h = self.engine.submit(
+                        self.arenas[HOST], src_slots, self.arenas[DEVICE], dst, priority=priority
+                    )
+                    work.append((tier, len(ks), h.wait()))
+                else:
+                    work.append((tier, len(ks), self._decode(src_slots, dst)))
+        except BaseException as exc:  # the copies already submitted finish before the rollback
+            task = asyncio.ensure_future(self._finish_load(new, src, work, exc))
+        else:
+            task = asyncio.ensure_future(self._finish_load(new, src, work, None))
         await asyncio.shield(task)
 
     async def _finish_load(
         self,
         keys: list[Key],
-        slot_of: dict[Key, int],
         src: dict[str, tuple[list[Key], list[int]]],
-        priority: Priority,
+        work: list[tuple[str, int, Awaitable[Any]]],
+        error: BaseException | None,
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled."""
-        error: BaseException | None = None
-        try:
-            for tier, (ks, src_slots) in src.items():
-                dst = [slot_of[k] for k in ks]
-                if tier == HOST:
-                    handle = self.engine.submit(
-                        self.arenas[HOST],
-                        src_slots,
-                        self.arenas[DEVICE],
-                        dst,
-                        priority=priority,
-                    )
-                    st = await handle.wait()
-                    self.stats.copy_s += st.copy_s
-                    self.stats.bytes_h2d += len(ks) * self.spec.page_bytes
-                else:
-                    await self._decode(src_slots, dst)
-                self.stats.loads_from[tier] += len(ks)
-        except BaseException as exc:  # roll back: the slots are free again, nothing is half-read
-            error = exc
+        for tier, n, aw in work:
+            try:
+                res = await aw
+            except BaseException as exc:  # roll back: the slots are free again
+                error = error or exc
+                continue
+            if tier == HOST:
+                self.stats.copy_s += res.copy_s
+                self.stats.bytes_h2d += n * self.spec.page_bytes
+            self.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
             self.table.complete_load(ks, tier)
         self.table.complete_store(keys, DEVICE, ok=error is None)
@@ -309,20 +316,21 @@ class TierSet:
         if error is not None:
             raise error
 
-    async def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> None:
-        codec, spec = self.codec, self.spec
+    def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> asyncio.Future[None]:
+        """Decode cold pages into device slots on a worker thread (started now)."""
+        codec, spec, stats = self.codec, self.spec, self.stats
         assert codec is not None
         cold, dev = self.arenas[COLD], self.arenas[DEVICE]
 
-        def work() -> float:
+        def work() -> None:
             t0 = time.perf_counter()
             data = cold.tensor.index_select(0, torch.tensor(cold_slots))
             out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
             dev.tensor.index_copy_(0, torch.tensor(dev_slots), out)
-            return time.perf_counter() - t0
+            stats.decode_s += time.perf_counter() - t0
 
-        self.stats.decode_s += await asyncio.to_thread(work)
+        return asyncio.get_running_loop().run_in_executor(None, work)
 
     async def _make_room(self, n: int) -> None:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped."""
@@ -331,6 +339,14 @@ class TierSet:
         if free >= n:
             return
         victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
+        if len(victims) < n - free and self._busy:
+            # pages pinned only by write-behind copies or loads in flight: wait for them once
+            table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
+            await asyncio.wait(list(self._busy), timeout=self.engine.timeout)
+            free = table.capacity(DEVICE) - table.used(DEVICE)
+            if free >= n:
+                return
+            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
         if len(victims) < n - free:
             table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
             raise TierFullError(
@@ -340,6 +356,9 @@ class TierSet:
             )
         keys = [k for k, _ in victims]
         wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
+        if not wb:  # clean pages with a lower copy: drop them, no wait
+            table.complete_evict(keys, DEVICE, ok=True)
+            return
         task = asyncio.ensure_future(self._write_back(wb))
         try:
             await asyncio.shield(task)
@@ -350,13 +369,13 @@ class TierSet:
             table.complete_evict(keys, DEVICE, ok=False)
             raise
         table.complete_evict(keys, DEVICE, ok=True)
-        self.dirty.difference_update(keys)
+        self._clean(keys)
 
     def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
         ok = not task.cancelled() and task.exception() is None
         self.table.complete_evict(keys, DEVICE, ok=ok)
         if ok:
-            self.dirty.difference_update(keys)
+            self._clean(keys)
 
     def _has_lower(self, key: Key) -> bool:
         return any(self.table.lookup([key], t) for t in self.lower)
@@ -401,6 +420,50 @@ class TierSet:
             if table.pins(k, COLD):
                 table.complete_load([k], COLD)
             self.forget_in(COLD, [k])
+
+    def mark_dirty(self, keys: Sequence[Key]) -> None:
+        """Device copies of ``keys`` were written: newer than any lower copy."""
+        for k in keys:
+            self._gen += 1
+            self.dirty[k] = self._gen
+
+    def _clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
+        for k in keys:
+            if gens is None or self.dirty.get(k) == gens.get(k):
+                self.dirty.pop(k, None)
+
+    async def write_behind(self, keys: Sequence[Key]) -> int:
+        """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
+        later costs no wait. Returns the pages written."""
+        table = self.table
+        pick = [
+            k
+            for k in dict.fromkeys(keys)
+            if k in self.dirty and table.lookup([k], DEVICE) and k not in self.loading
+        ]
+        if not pick:
+            return 0
+        slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them
+        gens = {k: self.dirty[k] for k in pick}
+        task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
+        self._busy.add(task)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._end_write_behind(pick, gens, task)
+            else:
+                task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
+        return len(pick)
+
+    def _end_write_behind(
+        self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
+    ) -> None:
+        if task in self._busy:
+            self._busy.discard(task)
+            self.table.complete_load(keys, DEVICE)
+            if not task.cancelled() and task.exception() is None:
+                self._clean(keys, gens)  # a page written again meanwhile stays dirty
 
     def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
         """Remove readable, unpinned pages from one tier."""

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from tierkv.spec import KVSpec
+from tierkv.spec import KVSpec, parse_dtype
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class ModelConfig:
 
     def kv_spec(self, dtype: str = "fp16", page_tokens: int = 16) -> KVSpec:
         """The page layout of this model's KV."""
-        return KVSpec(self.layers, self.kv_heads, self.head_dim, dtype, page_tokens)
+        return KVSpec(self.layers, self.kv_heads, self.head_dim, parse_dtype(dtype), page_tokens)
 
 
 class KVProvider(Protocol):

@@ -3,7 +3,6 @@ longer than the device tier, streamed layer by layer), each beside an all-reside
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,6 +31,7 @@ class DemoConfig:
     host_fraction: float = 1.5
     codec: str | None = "int8"
     compress_after: int = 5
+    compress_live: bool = False
     policy: str = "lru"
     backend: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -85,6 +85,7 @@ def _store(cfg: DemoConfig, device_bytes: int) -> KVStore:
         backend=cfg.backend,
         codec=cfg.codec,
         compress_after=cfg.compress_after,
+        compress_live=cfg.compress_live,
         policy=cfg.policy,
     )
 
@@ -167,27 +168,13 @@ async def run_stream(
         t0 = time.perf_counter()
         with Progress(cfg.generate, "demo stream", enabled=progress) as bar:
             for _ in range(cfg.generate):
-                async with contextlib.AsyncExitStack() as stack:
-                    current: list[Lease] = []
-
-                    async def gate(layer: int) -> KVProvider:
-                        if current:
-                            await current.pop().__aexit__(None, None, None)
-                        if layer + 1 < layers:
-                            await store.prefetch(["seq0"], [layer + 1])
-                        lease = store.lease(["seq0"], [layer])
-                        await lease.__aenter__()
-                        current.append(lease)
-                        return lease
-
-                    stack.push_async_callback(_exit_all, current)
+                async with _LayerStream(store, "seq0", layers) as gate:
                     toks = out["seq0"]
                     if not toks:
                         lg = await model.forward("seq0", prompt, 0, gate)
                     else:
-                        lg = await model.forward(
-                            "seq0", toks[-1:], len(prompt) + len(toks) - 1, gate
-                        )
+                        pos = len(prompt) + len(toks) - 1
+                        lg = await model.forward("seq0", toks[-1:], pos, gate)
                 tok = int(lg.argmax())
                 toks.append(tok)
                 logits.append(lg)
@@ -201,9 +188,32 @@ async def run_stream(
     return RunResult(out, logits, seconds, stats, device_bytes, tl)
 
 
-async def _exit_all(leases: list[Lease]) -> None:
-    while leases:
-        await leases.pop().__aexit__(None, None, None)
+class _LayerStream:
+    """Leases one layer at a time and prefetches the next: ``gate(layer)`` for the model."""
+
+    def __init__(self, store: KVStore, seq_id: str, layers: int) -> None:
+        self.store, self.seq_id, self.layers = store, seq_id, layers
+        self.current: Lease | None = None
+
+    async def __call__(self, layer: int) -> KVProvider:
+        await self._drop()
+        lease = self.store.lease([self.seq_id], [layer])
+        await lease.__aenter__()
+        self.current = lease
+        if layer + 1 < self.layers:  # loads while this layer computes
+            await self.store.prefetch([self.seq_id], [layer + 1])
+        return lease
+
+    async def _drop(self) -> None:
+        if self.current is not None:
+            lease, self.current = self.current, None
+            await lease.__aexit__(None, None, None)
+
+    async def __aenter__(self) -> _LayerStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._drop()
 
 
 def device_budget(cfg: DemoConfig) -> int:
