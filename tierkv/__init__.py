@@ -4,6 +4,8 @@ The public entry point. Import what you need from here::
 
     import tierkv
     spec = tierkv.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="fp16", page_tokens=16)
+    async with tierkv.KVStore(spec, device_bytes=8 << 30, host_bytes=64 << 30) as store:
+        ...
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tierkv.keys import KeyKind, PageKey, block_key, key_kind, prefix_keys, priv
 from tierkv.page_table import PageEvent, PageState, PageTable, StoreAllocation
 from tierkv.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PageHint, make_policy
 from tierkv.spec import KVSpec
+from tierkv.store import KVStore
+from tierkv.sync import SyncKVStore
 
 __version__ = "0.1.0"
 
@@ -31,6 +35,7 @@ __all__ = [
     "POLICIES",
     "EvictionPolicy",
     "KVSpec",
+    "KVStore",
     "KeyKind",
     "PageEvent",
     "PageHint",
@@ -44,6 +49,7 @@ __all__ = [
     "SpecError",
     "StoreAllocation",
     "StoreClosedError",
+    "SyncKVStore",
     "TierFullError",
     "TierKVError",
     "UnknownPageError",

@@ -125,7 +125,8 @@ class Lease:
             seq.shared.append(False)
         new = [page_key(seq.blocks[b], layer) for b in range(have, need)]
         if new:
-            await tiers.allocate_device(new)
+            slots = await tiers.allocate_device(new)
+            tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak them
             tiers.commit_device(new)
             tiers.table.prepare_load(new, DEVICE)  # pinned for the rest of the lease
             self._pinned += new

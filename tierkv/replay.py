@@ -103,7 +103,7 @@ def replay(
             others = present(ids[h:], _TIER)
             if others:
                 touch(others, _TIER)
-            hints = [PageHint(depth=j, last=j == n - 1, prefix_hits=h) for j in range(n)]
+            hints = [PageHint(j, j == n - 1, h, ids[j - 1] if j else None, n) for j in range(n)]
             alloc = prepare_store(ids, _TIER, hints)
             if alloc is None:  # cannot happen in a one-tier replay: nothing stays pinned
                 raise RuntimeError("page table refused a store with nothing pinned")

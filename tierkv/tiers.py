@@ -112,6 +112,10 @@ class TierSet:
         raw = self.arenas[DEVICE].slot_view(slot)[: 2 * self.spec.kv_bytes]
         return raw.view(self.spec.dtype).view(self.spec.page_shape)
 
+    def zero_device(self, slots: Sequence[int]) -> None:
+        """Zero device slots (new pages start clean, whatever the slot held before)."""
+        self.arenas[DEVICE].tensor.index_fill_(0, torch.tensor(list(slots), dtype=torch.long), 0)
+
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""
         idx = torch.tensor(slots, dtype=torch.long)
@@ -338,22 +342,29 @@ class TierSet:
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
             return
-        victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
-        if len(victims) < n - free and self._busy:
-            # pages pinned only by write-behind copies or loads in flight: wait for them once
+        deadline = time.monotonic() + self.engine.timeout
+        while True:
+            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
+            if len(victims) >= n - free:
+                break
             table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
-            await asyncio.wait(list(self._busy), timeout=self.engine.timeout)
+            inflight: list[Any] = [*self._busy, *self.loading.values()]
+            left = deadline - time.monotonic()
+            if not inflight or left <= 0:
+                raise TierFullError(
+                    f"device tier full: {n} pages needed, {free} free, "
+                    f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
+                    f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
+                )
+            # pages pinned only by copies in flight become evictable when those finish
+            await asyncio.wait(
+                [asyncio.shield(f) for f in inflight],
+                timeout=left,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
             free = table.capacity(DEVICE) - table.used(DEVICE)
             if free >= n:
                 return
-            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
-        if len(victims) < n - free:
-            table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
-            raise TierFullError(
-                f"device tier full: {n} pages needed, {free} free, "
-                f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
-                f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
-            )
         keys = [k for k, _ in victims]
         wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
         if not wb:  # clean pages with a lower copy: drop them, no wait
@@ -549,6 +560,8 @@ class TierSet:
             if table.present([k], COLD):
                 continue
             pick.append((k, table.slot(k, HOST)))
+        room = table.capacity(COLD) - table.used(COLD) + table.evictable(COLD)
+        pick = pick[:room]
         if not pick:
             return 0
         pk = [k for k, _ in pick]

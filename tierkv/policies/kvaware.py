@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
@@ -10,13 +11,15 @@ from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHin
 MAX_COUNT = 15
 """Use counts saturate here; the count is also the page's value class."""
 
+_INF = float("inf")
+_ORPHAN = -1
+
 
 @dataclass(slots=True)
 class _Page:
-    count: int  # uses, including those before it last left the tier; 0: an unseen last block
+    cls: int  # the queue it sits in: its count when queued, or _ORPHAN
     prio: float
     parent: Key | None
-    orphan: bool = False
     fanout: int = 0  # never-seen children that tried to extend this page
 
 
@@ -32,16 +35,19 @@ class KVAwarePolicy(EvictionPolicy):
       bounded history, so a page that comes back resumes its count. Counts take
       :data:`MAX_COUNT` values, and within one count class priorities rise with time, so one
       FIFO queue per class keeps them sorted: the victim is the lowest of 16 queue heads, O(1).
+      A use only bumps the count (one dict store); the page moves to its new class, with the
+      priority of that moment, when it reaches the head of its old queue (as CLOCK defers LRU).
     * **Chains.** A block is only a hit while every block before it is resident. When a page
       is evicted its resident children become *orphans* and are evicted before anything else;
       a child whose parent was evicted here is an orphan on arrival; an orphan is restored when
       its parent comes back. This needs ``hint.parent``.
-    * **Admission.** In a full tier a never-seen page is admitted only if it extends a resident
-      page that no other new page has extended yet (a conversation's own chain, not a shared
-      system prompt every first turn branches from), or if its request is short
-      (``hint.blocks <= short_request``: short first turns are resumed about 0.43 of the time
-      against 0.22 for long ones). A declined page is remembered, so the next request that
-      brings it again (the conversation's second turn) stores it. Last blocks are declined.
+    * **Admission.** In a full tier a never-seen page is admitted only if it extends a page
+      (resident, or admitted in the same batch) that no other new page has extended yet (a
+      conversation's own chain, not a shared system prompt every first turn branches from),
+      or if its request is short (``hint.blocks <= short_request``: short first turns are
+      resumed about 0.43 of the time against 0.22 for long ones). A declined page is
+      remembered, so the next request that brings it again (the conversation's second turn)
+      stores it. Last blocks are declined.
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
     (O(1) amortized, plus one step per pinned page passed over). Without ``hint.parent`` the
@@ -66,49 +72,56 @@ class KVAwarePolicy(EvictionPolicy):
         self._capacity = capacity or 0
         self._fixed = capacity is not None
         self._history = history
+        self._limit = history * self._capacity
         self._max_fanout = max_fanout
         self._short = short_request
+        self._count: dict[Key, int] = {}  # resident page -> uses (0: an unseen last block)
         self._pages: dict[Key, _Page] = {}
         self._classes: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
         self._orphans: OrderedDict[Key, None] = OrderedDict()
         self._kids: dict[Key, set[Key]] = {}  # parent key -> resident children
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
+        self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0.0  # GreedyDual's L
 
     @staticmethod
     def _value(count: int) -> float:
         return float(count + 1) if count else 0.0
 
+    # -- bookkeeping ---------------------------------------------------------------------
     def _remember(self, key: Key, count: int) -> None:
         gone = self._gone
         gone[key] = count
         gone.move_to_end(key)
-        limit = self._history * self._capacity
-        while len(gone) > limit:
-            gone.popitem(last=False)
+        if len(gone) > self._limit:
+            pop = gone.popitem
+            while len(gone) > self._limit:
+                pop(last=False)
 
-    def _enqueue(self, key: Key, page: _Page) -> None:
-        page.prio = self._floor + self._value(page.count)
-        if page.orphan:
+    def _enqueue(self, key: Key, page: _Page, cls: int) -> None:
+        page.cls = cls
+        if cls == _ORPHAN:
+            page.prio = self._floor
             self._orphans[key] = None
         else:
-            self._classes[page.count][key] = None
+            page.prio = self._floor + (cls + 1 if cls else 0)
+            self._classes[cls][key] = None
 
     def _dequeue(self, key: Key, page: _Page) -> None:
-        if page.orphan:
+        if page.cls == _ORPHAN:
             del self._orphans[key]
         else:
-            del self._classes[page.count][key]
+            del self._classes[page.cls][key]
 
     def _set_orphan(self, key: Key, orphan: bool) -> None:
         page = self._pages[key]
-        if page.orphan != orphan:
+        if (page.cls == _ORPHAN) != orphan:
             self._dequeue(key, page)
-            page.orphan = orphan
-            self._enqueue(key, page)
+            self._enqueue(key, page, _ORPHAN if orphan else self._count[key])
 
     def _detach(self, key: Key, evicted: bool) -> None:
         page = self._pages.pop(key)
+        count = self._count.pop(key)
         self._dequeue(key, page)
         if page.parent is not None:
             sibs = self._kids[page.parent]
@@ -118,9 +131,16 @@ class KVAwarePolicy(EvictionPolicy):
         if evicted:
             for child in self._kids.get(key, ()):
                 self._set_orphan(child, True)
-        self._remember(key, page.count)
+        self._remember(key, count)
 
+    # -- the interface -------------------------------------------------------------------
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
+        ok = self._admit(key, hint)
+        if ok:
+            self._pending.setdefault(key, 0)
+        return ok
+
+    def _admit(self, key: Key, hint: PageHint) -> bool:
         if key in self._gone:
             return True
         if hint.last:
@@ -129,11 +149,16 @@ class KVAwarePolicy(EvictionPolicy):
             return True
         else:
             parent = self._pages.get(hint.parent)
-            if parent is None:
-                ok = False
-            else:
+            if parent is not None:
                 ok = parent.fanout < self._max_fanout or 0 < hint.blocks <= self._short
                 parent.fanout += 1
+            else:
+                fanout = self._pending.get(hint.parent)  # admitted earlier in this batch
+                if fanout is None:
+                    ok = False
+                else:
+                    ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
+                    self._pending[hint.parent] = fanout + 1
         if not ok:
             self._remember(key, 1)
         return ok
@@ -141,50 +166,109 @@ class KVAwarePolicy(EvictionPolicy):
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
         seen = self._gone.pop(key, 0)
         count = 0 if hint.last and not seen else min(seen + 1, MAX_COUNT)
-        page = _Page(count, 0.0, hint.parent)
-        if hint.parent is not None:
-            page.orphan = hint.parent not in self._pages and hint.parent in self._gone
-            self._kids.setdefault(hint.parent, set()).add(key)
+        parent = hint.parent
+        page = _Page(count, 0.0, parent, self._pending.pop(key, 0))
         self._pages[key] = page
-        self._enqueue(key, page)
-        for child in self._kids.get(key, ()):
-            self._set_orphan(child, False)
+        self._count[key] = count
+        if parent is not None:
+            orphan = parent not in self._pages and parent in self._gone
+            self._enqueue(key, page, _ORPHAN if orphan else count)
+            kids = self._kids.get(parent)
+            if kids is None:
+                self._kids[parent] = {key}
+            else:
+                kids.add(key)
+        else:
+            self._enqueue(key, page, count)
+        kids = self._kids.get(key)
+        if kids:
+            for child in kids:
+                self._set_orphan(child, False)
         if not self._fixed and len(self._pages) > self._capacity:
             self._capacity = len(self._pages)
+            self._limit = self._history * self._capacity
+
+    def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
+        insert = self.insert
+        for k, h in zip(keys, hints):
+            insert(k, h)
+        self._pending.clear()
 
     def touch(self, key: Key) -> None:
-        page = self._pages[key]
-        self._dequeue(key, page)
-        page.count = min(page.count + 1, MAX_COUNT)
-        self._enqueue(key, page)
+        count = self._count
+        c = count[key]
+        if c < MAX_COUNT:
+            count[key] = c + 1
+
+    def touch_many(self, keys: Iterable[Key]) -> None:
+        count = self._count
+        for k in keys:
+            c = count[k]
+            if c < MAX_COUNT:
+                count[k] = c + 1
 
     def remove(self, key: Key) -> None:
         self._detach(key, evicted=False)
 
     def evict(self, can_evict: CanEvict) -> Key | None:
-        orphans = self._orphans
+        out = self.evict_many(1, can_evict)
+        return out[0] if out else None
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        out: list[Key] = []
+        orphans, classes, pages, count = self._orphans, self._classes, self._pages, self._count
+        # orphans first, oldest first
         for _ in range(len(orphans)):
+            if len(out) >= n:
+                return out
             key = next(iter(orphans))
             if can_evict(key):
                 self._detach(key, evicted=True)
-                return key
-            orphans.move_to_end(key)
-        best: Key | None = None
-        best_prio = 0.0
-        for queue in self._classes:
-            for _ in range(len(queue)):
-                key = next(iter(queue))
-                if can_evict(key):
-                    prio = self._pages[key].prio
-                    if best is None or prio < best_prio:
-                        best, best_prio = key, prio
-                    break
-                queue.move_to_end(key)
-        if best is None:
-            return None
-        self._floor = best_prio
-        self._detach(best, evicted=True)
-        return best
+                out.append(key)
+            else:
+                orphans.move_to_end(key)
+        # then the lowest of the class heads; `heads[c]` caches class c's head priority
+        heads = [pages[next(iter(q))].prio if q else _INF for q in classes]
+        budget = [len(q) for q in classes]  # unevictable pages each queue may skip this call
+        while len(out) < n:
+            best = min(heads)
+            if best == _INF:
+                break
+            c = heads.index(best)
+            q = classes[c]
+            key = next(iter(q))
+            now = count[key]
+            if now != c:  # used since it was queued: requeue at today's priority
+                page = pages[key]
+                del q[key]
+                self._enqueue(key, page, now)
+                if heads[now] == _INF:
+                    heads[now] = page.prio
+                    budget[now] += 1
+            elif not can_evict(key):
+                if budget[c] <= 0:
+                    heads[c] = _INF
+                    continue
+                budget[c] -= 1
+                q.move_to_end(key)
+            else:
+                self._floor = best
+                self._detach(key, evicted=True)
+                out.append(key)
+                if orphans:  # the victim stranded its children: they go next
+                    for _ in range(len(orphans)):
+                        if len(out) >= n:
+                            break
+                        k = next(iter(orphans))
+                        if can_evict(k):
+                            self._detach(k, evicted=True)
+                            out.append(k)
+                        else:
+                            orphans.move_to_end(k)
+                    heads = [pages[next(iter(q2))].prio if q2 else _INF for q2 in classes]
+                    continue
+            heads[c] = pages[next(iter(q))].prio if q else _INF
+        return out
 
     def __len__(self) -> int:
         return len(self._pages)

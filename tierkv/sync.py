@@ -1,0 +1,149 @@
+"""A blocking facade over :class:`~tierkv.store.KVStore` for callers without an event loop.
+
+The store runs on its own event loop in a background thread; every call hops onto that loop
+(so the store stays single-threaded) and waits at most the store's timeout::
+
+    with tierkv.SyncKVStore(spec, device_bytes=..., host_bytes=...) as store:
+        store.add_sequence("r1", prompt)
+        with store.lease(["r1"]) as lease:
+            lease.append("r1", 0, k, v)
+            k_all, v_all = lease.kv("r1", 0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+from runtime import new_event_loop
+from tierkv.errors import StoreClosedError
+from tierkv.lease import Lease
+from tierkv.spec import KVSpec
+from tierkv.store import KVStore
+
+T = TypeVar("T")
+
+
+class SyncLease:
+    """The blocking twin of :class:`~tierkv.lease.Lease`."""
+
+    def __init__(self, owner: SyncKVStore, lease: Lease) -> None:
+        self._owner, self._lease = owner, lease
+
+    def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """See :meth:`tierkv.lease.Lease.append`."""
+        self._owner._run(self._lease.append(seq_id, layer, k, v))
+
+    def kv(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """See :meth:`tierkv.lease.Lease.kv`."""
+        return self._owner._call(lambda: self._lease.kv(seq_id, layer))
+
+
+class SyncKVStore:
+    """A :class:`KVStore` driven from ordinary (blocking) code. Arguments as for KVStore."""
+
+    def __init__(self, spec: KVSpec, **kwargs: Any) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tierkv-store", daemon=True
+        )
+        self._thread.start()
+        self.store = KVStore(spec, **kwargs)
+        self._closed = False
+        try:
+            self._run(self.store.open())
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro: Awaitable[T]) -> T:
+        if self._closed:
+            if asyncio.iscoroutine(coro):
+                coro.close()
+            raise StoreClosedError("store is closed")
+
+        async def wrap() -> T:
+            return await coro
+
+        fut = asyncio.run_coroutine_threadsafe(wrap(), self._loop)
+        return fut.result(self.store.timeout * 2)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        if self._closed:
+            raise StoreClosedError("store is closed")
+
+        async def wrap() -> T:
+            return fn()
+
+        return self._run(wrap())
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """See :meth:`KVStore.lookup`."""
+        return self._call(lambda: self.store.lookup(tokens))
+
+    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+        """See :meth:`KVStore.add_sequence`."""
+        return self._run(self.store.add_sequence(seq_id, tokens))
+
+    def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
+        """See :meth:`KVStore.add_tokens`."""
+        self._call(lambda: self.store.add_tokens(seq_id, tokens))
+
+    def release(self, seq_id: str) -> None:
+        """See :meth:`KVStore.release`."""
+        self._run(self.store.release(seq_id))
+
+    def prefetch(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> int:
+        """Prefetch and wait (see :meth:`KVStore.prefetch`)."""
+        return self._run(self.store.prefetch(seq_ids, layers, wait=True))
+
+    def schedule(self, steps: Sequence[Sequence[str]]) -> None:
+        """See :meth:`KVStore.schedule`."""
+        self._call(lambda: self.store.schedule(steps))
+
+    def step(self) -> None:
+        """See :meth:`KVStore.step`."""
+        self._call(self.store.step)
+
+    def stats(self) -> dict[str, Any]:
+        """See :meth:`KVStore.stats`."""
+        return self._call(self.store.stats)
+
+    @contextmanager
+    def lease(
+        self, seq_ids: Sequence[str], layers: Sequence[int] | None = None
+    ) -> Iterator[SyncLease]:
+        """Pin pages on the device for the ``with`` block (see :meth:`KVStore.lease`)."""
+        lease = self._call(lambda: self.store.lease(seq_ids, layers))
+        self._run(lease.__aenter__())
+        try:
+            yield SyncLease(self, lease)
+        finally:
+            self._run(lease.__aexit__(None, None, None))
+
+    def close(self) -> None:
+        """Close the store and stop its thread. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self._run(self.store.close())
+        finally:
+            self._closed = True
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=self.store.timeout if hasattr(self, "store") else 5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def __enter__(self) -> SyncKVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
