@@ -60,6 +60,8 @@ class Lease:
     async def __aexit__(self, *exc: object) -> None:
         self._active = False
         store = self._store
+        if store.closed:
+            return  # close() already let go of every page
         if self._pinned:
             store.tiers.release_device(self._pinned)
             store._touch(self._pinned)

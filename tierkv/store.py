@@ -164,6 +164,11 @@ class KVStore:
         await self.close()
 
     @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._closed
+
+    @property
     def tiers(self) -> TierSet:
         """The tiers (raises StoreClosedError when closed or not opened)."""
         if self._closed or self._tiers is None:

@@ -86,7 +86,7 @@ class TierSet:
             tiers[COLD] = cold_pages
         for arena in self.arenas.values():  # the page table hands out slots, not the arena
             arena.allocate(arena.num_slots)
-        self.table = PageTable(tiers, policy)
+        self.table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
         self.lower = [t for t in (HOST, COLD) if t in tiers]
         self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
@@ -114,7 +114,9 @@ class TierSet:
 
     def zero_device(self, slots: Sequence[int]) -> None:
         """Zero device slots (new pages start clean, whatever the slot held before)."""
-        self.arenas[DEVICE].tensor.index_fill_(0, torch.tensor(list(slots), dtype=torch.long), 0)
+        arr = self.arenas[DEVICE].array
+        for s in slots:  # a handful of pages: a memset each (index_fill_ scans the whole arena)
+            arr[s] = 0
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""

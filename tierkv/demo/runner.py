@@ -59,6 +59,7 @@ class RunResult:
     stats: dict[str, Any]
     device_bytes: int
     trace: dict[str, Any] | None = None
+    loads_after_first_step: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,6 +107,7 @@ async def run_swap(
         store.timeline.enabled = trace
         for s in ids:
             await store.add_sequence(s, prompts[s])
+        first_loads: int | None = None
         t0 = time.perf_counter()
         with Progress(
             rounds * len(batches) * cfg.turn, f"demo {cfg.mode}", enabled=progress
@@ -118,12 +120,16 @@ async def run_swap(
                         if live:
                             await _decode_step(model, store, live, prompts, out, logits)
                         store.step()
+                        if first_loads is None:
+                            first_loads = store.stats()["page_loads"]
                         bar.update()
         seconds = time.perf_counter() - t0
         await store.drain()
         stats = store.stats()
         tl = store.timeline.to_chrome() if trace else None
-    return RunResult(out, logits, seconds, stats, device_bytes, tl)
+    total = stats["page_loads"]
+    after = (total - (first_loads or 0)) / total if total else 0.0
+    return RunResult(out, logits, seconds, stats, device_bytes, tl, after)
 
 
 async def _decode_step(
