@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv import KVSpec, SequenceError, SpecError, StoreClosedError, TierFullError
 from tierkv.store import KVStore
@@ -219,3 +222,38 @@ async def test_cancellation_at_any_await_leaves_no_pin_and_no_leak(cancel_after:
         for s, ref in refs.items():  # and nothing was lost
             await check(store, s, ref)
         await no_pins_left(store)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cancel_after=st.integers(0, 40),
+    order=st.permutations(["a", "b", "c", "d"]),
+    prefetch=st.booleans(),
+)
+def test_cancellation_property(cancel_after: int, order: list[str], prefetch: bool) -> None:
+    """Whatever await a reader is cancelled at: no pin, no leaked slot, no lost byte."""
+
+    async def scenario() -> None:
+        async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=60 * PAGE, codec=None) as store:
+            refs = {s: await fill(store, s, i) for i, s in enumerate(["a", "b", "c", "d"])}
+
+            async def work() -> None:
+                for s in order:
+                    if prefetch:
+                        store.schedule([[s]])
+                    await check(store, s, refs[s])
+
+            task = asyncio.ensure_future(work())
+            for _ in range(cancel_after):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for _ in range(20):
+                await asyncio.sleep(0.001)
+            await no_pins_left(store)
+            for s, ref in refs.items():
+                await check(store, s, ref)
+            await no_pins_left(store)
+
+    asyncio.run(scenario())
