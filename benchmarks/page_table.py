@@ -15,9 +15,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parser, table, write_json  # noqa: E402
+from _common import parser, table, write_json
 
-from tierkv import DEFAULT_POLICY, PageTable  # noqa: E402
+from tierkv import DEFAULT_POLICY, PageTable
 
 BATCH = 32
 TARGET = 1_000_000

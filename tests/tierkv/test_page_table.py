@@ -46,6 +46,21 @@ def test_two_phase_store_and_load() -> None:
     t.check()
 
 
+def test_prepare_load_with_duplicate_keys_pins_twice() -> None:
+    t = PageTable({"host": 2})
+    stored(t, ["a", "b"])
+    t.prepare_load(["a", "a"], "host")
+    assert t.pins("a", "host") == 2 and t.evictable("host") == 1
+    t.complete_load(["a"], "host")
+    assert t.pins("a", "host") == 1 and t.evictable("host") == 1
+    with pytest.raises(PinError):  # a is pinned once, not twice: nothing changes
+        t.complete_load(["a", "a"], "host")
+    assert t.pins("a", "host") == 1
+    t.complete_load(["a"], "host")
+    assert t.pins("a", "host") == 0 and t.evictable("host") == 2
+    t.check()
+
+
 def test_lookup_any_tier() -> None:
     t = PageTable({"device": 2, "host": 4})
     stored(t, ["a"], "device")

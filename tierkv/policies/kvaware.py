@@ -11,14 +11,14 @@ from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHin
 MAX_COUNT = 15
 """Use counts saturate here; the count is also the page's value class."""
 
-_INF = float("inf")
 _ORPHAN = -1
+_MASK = 31  # priority buckets: a power of two above MAX_COUNT + 1
 
 
 @dataclass(slots=True)
 class _Page:
-    cls: int  # the queue it sits in: its count when queued, or _ORPHAN
-    prio: float
+    prio: int  # GreedyDual priority when queued (its bucket); _ORPHAN in the orphan queue
+    code: int  # its use code (see KVAwarePolicy._count) when queued
     parent: Key | None
     fanout: int = 0  # never-seen children that tried to extend this page
 
@@ -75,14 +75,16 @@ class KVAwarePolicy(EvictionPolicy):
         self._limit = history * self._capacity
         self._max_fanout = max_fanout
         self._short = short_request
-        self._count: dict[Key, int] = {}  # resident page -> uses (0: an unseen last block)
+        # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
+        self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}
-        self._classes: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
+        # queued pages by priority, a ring: every queued priority lies in [L, L + 16]
+        self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(_MASK + 1)]
         self._orphans: OrderedDict[Key, None] = OrderedDict()
         self._kids: dict[Key, set[Key]] = {}  # parent key -> resident children
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
-        self._floor = 0.0  # GreedyDual's L
+        self._floor = 0  # GreedyDual's L: the priority of the last victim
 
     @staticmethod
     def _value(count: int) -> float:
@@ -98,30 +100,33 @@ class KVAwarePolicy(EvictionPolicy):
             while len(gone) > self._limit:
                 pop(last=False)
 
-    def _enqueue(self, key: Key, page: _Page, cls: int) -> None:
-        page.cls = cls
-        if cls == _ORPHAN:
-            page.prio = self._floor
+    def _enqueue(self, key: Key, page: _Page, orphan: bool = False) -> None:
+        code = page.code = self._count[key]
+        if orphan:
+            page.prio = _ORPHAN
             self._orphans[key] = None
         else:
-            page.prio = self._floor + (cls + 1 if cls else 0)
-            self._classes[cls][key] = None
+            count = code & 15
+            page.prio = prio = (code >> 4) + (count + 1 if count else 0)
+            self._buckets[prio & _MASK][key] = None
 
     def _dequeue(self, key: Key, page: _Page) -> None:
-        if page.cls == _ORPHAN:
+        if page.prio == _ORPHAN:
             del self._orphans[key]
         else:
-            del self._classes[page.cls][key]
+            del self._buckets[page.prio & _MASK][key]
 
     def _set_orphan(self, key: Key, orphan: bool) -> None:
         page = self._pages[key]
-        if (page.cls == _ORPHAN) != orphan:
+        if (page.prio == _ORPHAN) != orphan:
             self._dequeue(key, page)
-            self._enqueue(key, page, _ORPHAN if orphan else self._count[key])
+            if not orphan:  # restored: its priority counts from now
+                self._count[key] = (self._floor << 4) + (self._count[key] & 15)
+            self._enqueue(key, page, orphan)
 
     def _detach(self, key: Key, evicted: bool) -> None:
         page = self._pages.pop(key)
-        count = self._count.pop(key)
+        count = self._count.pop(key) & 15
         self._dequeue(key, page)
         if page.parent is not None:
             sibs = self._kids[page.parent]
@@ -136,7 +141,7 @@ class KVAwarePolicy(EvictionPolicy):
     # -- the interface -------------------------------------------------------------------
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
         ok = self._admit(key, hint)
-        if ok:
+        if ok and hint is not NO_HINT:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
         return ok
 
@@ -167,19 +172,19 @@ class KVAwarePolicy(EvictionPolicy):
         seen = self._gone.pop(key, 0)
         count = 0 if hint.last and not seen else min(seen + 1, MAX_COUNT)
         parent = hint.parent
-        page = _Page(count, 0.0, parent, self._pending.pop(key, 0))
+        page = _Page(0, 0, parent, self._pending.pop(key, 0))
         self._pages[key] = page
-        self._count[key] = count
+        self._count[key] = (self._floor << 4) + count
         if parent is not None:
             orphan = parent not in self._pages and parent in self._gone
-            self._enqueue(key, page, _ORPHAN if orphan else count)
+            self._enqueue(key, page, orphan)
             kids = self._kids.get(parent)
             if kids is None:
                 self._kids[parent] = {key}
             else:
                 kids.add(key)
         else:
-            self._enqueue(key, page, count)
+            self._enqueue(key, page)
         kids = self._kids.get(key)
         if kids:
             for child in kids:
@@ -189,23 +194,36 @@ class KVAwarePolicy(EvictionPolicy):
             self._limit = self._history * self._capacity
 
     def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
-        insert = self.insert
+        gone, pages, count, buckets = self._gone, self._pages, self._count, self._buckets
+        insert, pending = self.insert, self._pending
+        floor = self._floor
+        base = floor << 4
         for k, h in zip(keys, hints):
-            insert(k, h)
+            if h.parent is not None or self._kids:
+                insert(k, h)
+                floor = self._floor
+                base = floor << 4
+                continue
+            seen = gone.pop(k, 0) if gone else 0  # a chain-blind page: the short way
+            c = 0 if h.last and not seen else min(seen + 1, MAX_COUNT)
+            code = count[k] = base + c
+            p = floor + (c + 1 if c else 0)
+            pages[k] = _Page(p, code, None, pending.pop(k, 0) if pending else 0)
+            buckets[p & _MASK][k] = None
         self._pending.clear()
+        if not self._fixed and len(pages) > self._capacity:
+            self._capacity = len(pages)
+            self._limit = self._history * self._capacity
 
     def touch(self, key: Key) -> None:
-        count = self._count
-        c = count[key]
-        if c < MAX_COUNT:
-            count[key] = c + 1
+        self.touch_many((key,))
 
     def touch_many(self, keys: Iterable[Key]) -> None:
         count = self._count
+        now = self._floor << 4
         for k in keys:
-            c = count[k]
-            if c < MAX_COUNT:
-                count[k] = c + 1
+            c = count[k] & 15
+            count[k] = now + (c + 1 if c < MAX_COUNT else c)
 
     def remove(self, key: Key) -> None:
         self._detach(key, evicted=False)
@@ -214,60 +232,69 @@ class KVAwarePolicy(EvictionPolicy):
         out = self.evict_many(1, can_evict)
         return out[0] if out else None
 
-    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
-        out: list[Key] = []
-        orphans, classes, pages, count = self._orphans, self._classes, self._pages, self._count
-        # orphans first, oldest first
-        for _ in range(len(orphans)):
-            if len(out) >= n:
-                return out
-            key = next(iter(orphans))
+    def _evict_orphans(self, n: int, can_evict: CanEvict, out: list[Key]) -> None:
+        orphans = self._orphans
+        for _ in range(len(orphans)):  # each unevictable one is passed over once
+            if len(out) >= n or not orphans:
+                return
+            key = orphans.popitem(last=False)[0]
+            orphans[key] = None
             if can_evict(key):
                 self._detach(key, evicted=True)
                 out.append(key)
-            else:
-                orphans.move_to_end(key)
-        # then the lowest of the class heads; `heads[c]` caches class c's head priority
-        heads = [pages[next(iter(q))].prio if q else _INF for q in classes]
-        budget = [len(q) for q in classes]  # unevictable pages each queue may skip this call
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        out: list[Key] = []
+        orphans = self._orphans
+        if orphans:  # stranded blocks first, oldest first
+            self._evict_orphans(n, can_evict, out)
+        buckets, pages, count, kids = self._buckets, self._pages, self._count, self._kids
+        gone, limit = self._gone, self._limit
+        prio = self._floor
+        top = prio + MAX_COUNT + 2  # every queued priority is below this (a ring of 32 > 17)
+        skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         while len(out) < n:
-            best = min(heads)
-            if best == _INF:
-                break
-            c = heads.index(best)
-            q = classes[c]
-            key = next(iter(q))
-            now = count[key]
-            if now != c:  # used since it was queued: requeue at today's priority
-                page = pages[key]
-                del q[key]
-                self._enqueue(key, page, now)
-                if heads[now] == _INF:
-                    heads[now] = page.prio
-                    budget[now] += 1
-            elif not can_evict(key):
-                if budget[c] <= 0:
-                    heads[c] = _INF
-                    continue
-                budget[c] -= 1
-                q.move_to_end(key)
-            else:
-                self._floor = best
-                self._detach(key, evicted=True)
+            q = buckets[prio & _MASK]
+            if not q or (skips and skips.get(prio, 1) <= 0):
+                prio += 1
+                if prio >= top:
+                    break
+                continue
+            key = q.popitem(last=False)[0]
+            page = pages[key]
+            code = count[key]
+            if code != page.code:  # used since it was queued: to its bucket now
+                page.code = code
+                c = code & 15
+                p = page.prio = (code >> 4) + (c + 1 if c else 0)
+                buckets[p & _MASK][key] = None
+            elif can_evict(key):
+                self._floor = prio
+                del pages[key], count[key]
+                parent = page.parent
+                if parent is not None:
+                    sibs = kids[parent]
+                    sibs.discard(key)
+                    if not sibs:
+                        del kids[parent]
+                    mine = kids.get(key)
+                    if mine:
+                        for child in mine:
+                            self._set_orphan(child, True)
+                elif kids:
+                    mine = kids.get(key)
+                    if mine:
+                        for child in mine:
+                            self._set_orphan(child, True)
+                gone[key] = code & 15
+                if len(gone) > limit:
+                    gone.popitem(last=False)
                 out.append(key)
-                if orphans:  # the victim stranded its children: they go next
-                    for _ in range(len(orphans)):
-                        if len(out) >= n:
-                            break
-                        k = next(iter(orphans))
-                        if can_evict(k):
-                            self._detach(k, evicted=True)
-                            out.append(k)
-                        else:
-                            orphans.move_to_end(k)
-                    heads = [pages[next(iter(q2))].prio if q2 else _INF for q2 in classes]
-                    continue
-            heads[c] = pages[next(iter(q))].prio if q else _INF
+                if orphans:  # the victim's children, now stranded, go next
+                    self._evict_orphans(n, can_evict, out)
+            else:
+                q[key] = None  # to the back of its queue
+                skips[prio] = skips.get(prio, len(q)) - 1
         return out
 
     def __len__(self) -> int:
