@@ -112,9 +112,13 @@ class Backend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    def create_arena(self, name: str, slot_bytes: int, num_slots: int) -> Arena:
+    def create_arena(
+        self, name: str, slot_bytes: int, num_slots: int, *, kind: str = "device"
+    ) -> Arena:
         """Allocate (and touch) an arena of `num_slots` slots of `slot_bytes` bytes.
 
+        `kind` is "device" (the accelerator's memory) or "pinned" (host memory the device can
+        copy from asynchronously); on the cpu backend both are host memory.
         Raises ArenaError for bad sizes or when the memory cannot be allocated.
         """
 
@@ -134,6 +138,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_staging(self, nbytes: int) -> Any:
         """A staging buffer of `nbytes` for `copy_slots`."""
+
+    def compute_event(self) -> Event | None:
+        """An event after the compute queued so far on the caller's compute stream, for copies
+        out of pages that compute wrote to wait on (``after=[...]``). None where compute is
+        synchronous (the cpu backend): the bytes are already in place."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release backend resources. Idempotent."""

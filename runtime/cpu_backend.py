@@ -49,7 +49,11 @@ class CpuBackend(Backend):
     def __repr__(self) -> str:
         return f"CpuBackend(kernel={self.kernel!r}, streams={len(self._streams)})"
 
-    def create_arena(self, name: str, slot_bytes: int, num_slots: int) -> Arena:
+    def create_arena(
+        self, name: str, slot_bytes: int, num_slots: int, *, kind: str = "device"
+    ) -> Arena:
+        if kind not in ("device", "pinned", "pageable"):
+            raise ArenaError(f"arena {name!r}: unknown kind {kind!r} (device, pinned, pageable)")
         if not isinstance(slot_bytes, int) or not isinstance(num_slots, int):
             raise ArenaError(f"arena {name!r}: slot_bytes and num_slots must be ints")
         if slot_bytes <= 0 or num_slots <= 0:

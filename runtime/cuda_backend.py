@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .arena import Arena
-from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo
+from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event
 from .copy_kernels import coalesce_runs, copy_rows
 from .cuda_arena import DEFAULT_CHUNK_BYTES, DeviceArena, HostArena
 from .cuda_env import cuda_available, import_cupy
@@ -104,6 +104,8 @@ class CudaBackend(Backend):
         self._kernels: dict[str, Any] = {}
         self._streams: list[CudaStream] = []
         self._compute: list[ComputeStream] = []
+        self._default_compute: ComputeStream | None = None
+        self._default_compute_src: Any = None
         self._host_arenas: list[HostArena] = []
         self._closed = False
 
@@ -182,6 +184,21 @@ class CudaBackend(Backend):
         )
         self._compute.append(cs)
         return cs
+
+    def compute_event(self) -> Event | None:
+        """An event recorded now on torch's current stream (or CuPy's when torch has none)."""
+        stream: Any = None
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                stream = torch.cuda.current_stream(self.device)
+        except ImportError:  # pragma: no cover - torch is a dependency
+            stream = None
+        if self._default_compute is None or self._default_compute_src is not stream:
+            self._default_compute = self.compute_stream(stream)
+            self._default_compute_src = stream
+        return self._default_compute.record_event()
 
     # Copies
 

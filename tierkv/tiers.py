@@ -76,12 +76,12 @@ class TierSet:
         self.codec = codec if cold_pages > 0 else None
         self.arenas: dict[str, Arena] = {
             DEVICE: backend.create_arena(DEVICE, spec.page_bytes, device_pages),
-            HOST: backend.create_arena(HOST, spec.page_bytes, host_pages),
+            HOST: backend.create_arena(HOST, spec.page_bytes, host_pages, kind="pinned"),
         }
         tiers = {DEVICE: device_pages, HOST: host_pages}
         if self.codec is not None:
             self.arenas[COLD] = backend.create_arena(
-                COLD, self.codec.encoded_bytes(spec), cold_pages
+                COLD, self.codec.encoded_bytes(spec), cold_pages, kind="pinned"
             )
             tiers[COLD] = cold_pages
         for arena in self.arenas.values():  # the page table hands out slots, not the arena
@@ -114,14 +114,15 @@ class TierSet:
 
     def zero_device(self, slots: Sequence[int]) -> None:
         """Zero device slots (new pages start clean, whatever the slot held before)."""
-        arr = self.arenas[DEVICE].array
+        arena = self.arenas[DEVICE]
         for s in slots:  # a handful of pages: a memset each (index_fill_ scans the whole arena)
-            arr[s] = 0
+            arena.slot_view(s).zero_()
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""
-        idx = torch.tensor(slots, dtype=torch.long)
-        rows = self.arenas[DEVICE].tensor.index_select(0, idx)[:, : 2 * self.spec.kv_bytes]
+        dev = self.arenas[DEVICE].tensor
+        idx = torch.tensor(slots, dtype=torch.long, device=dev.device)
+        rows = dev.index_select(0, idx)[:, : 2 * self.spec.kv_bytes]
         return rows.contiguous().view(self.spec.dtype).view(len(slots), *self.spec.page_shape)
 
     # -- ownership ---------------------------------------------------------------------
@@ -333,7 +334,9 @@ class TierSet:
             data = cold.tensor.index_select(0, torch.tensor(cold_slots))
             out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
-            dev.tensor.index_copy_(0, torch.tensor(dev_slots), out)
+            target = dev.tensor
+            idx = torch.tensor(dev_slots, device=target.device)
+            target.index_copy_(0, idx, out.to(target.device))
             stats.decode_s += time.perf_counter() - t0
 
         return asyncio.get_running_loop().run_in_executor(None, work)
@@ -408,12 +411,14 @@ class TierSet:
         dst_of = dict(zip(alloc.keys, alloc.slots))
         for k in alloc.present:  # a stale host copy: overwrite it in place
             dst_of[k] = table.slot(k, HOST)
+        written = self.engine.backend.compute_event()  # the copy waits for the compute
         handle = self.engine.submit(
             self.arenas[DEVICE],
             [s for _, s in victims],
             self.arenas[HOST],
             [dst_of[k] for k in keys],
             priority=Priority.WRITEBACK,
+            after=[written] if written is not None else [],
         )
         try:
             st = await handle.wait()
