@@ -45,8 +45,10 @@ def as_slot_ids(ids: object, num_slots: int, *, what: str = "slot ids") -> SlotI
         lo, hi = int(out.min()), int(out.max())
         if lo < 0 or hi >= num_slots:
             raise InvalidSlotError(f"{what}: ids must be in [0, {num_slots}), got [{lo}, {hi}]")
-        if out.size > 1 and np.unique(out).size != out.size:
-            raise InvalidSlotError(f"{what}: duplicated ids")
+        if out.size > 1:
+            srt = np.sort(out)  # np.unique costs ~5x more for the same answer
+            if not np.all(srt[1:] != srt[:-1]):
+                raise InvalidSlotError(f"{what}: duplicated ids")
     return out
 
 

@@ -84,6 +84,9 @@ class TierSet:
                 COLD, self.codec.encoded_bytes(spec), cold_pages, kind="pinned"
             )
             tiers[COLD] = cold_pages
+        # every device slot as a page [2, H, T, D] in the KV dtype, without copies
+        raw = self.arenas[DEVICE].tensor[:, : 2 * spec.kv_bytes]
+        self._pages = raw.view(spec.dtype).view(device_pages, *spec.page_shape)
         for arena in self.arenas.values():  # the page table hands out slots, not the arena
             arena.allocate(arena.num_slots)
         self.table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
@@ -109,8 +112,7 @@ class TierSet:
 
     def page(self, slot: int) -> torch.Tensor:
         """A device slot viewed as a page ``[2, H, T, D]`` (zero-copy)."""
-        raw = self.arenas[DEVICE].slot_view(slot)[: 2 * self.spec.kv_bytes]
-        return raw.view(self.spec.dtype).view(self.spec.page_shape)
+        return self._pages[slot]
 
     def zero_device(self, slots: Sequence[int]) -> None:
         """Zero device slots (new pages start clean, whatever the slot held before)."""
@@ -120,10 +122,8 @@ class TierSet:
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""
-        dev = self.arenas[DEVICE].tensor
-        idx = torch.tensor(slots, dtype=torch.long, device=dev.device)
-        rows = dev.index_select(0, idx)[:, : 2 * self.spec.kv_bytes]
-        return rows.contiguous().view(self.spec.dtype).view(len(slots), *self.spec.page_shape)
+        idx = torch.tensor(slots, dtype=torch.long, device=self._pages.device)
+        return self._pages.index_select(0, idx)
 
     # -- ownership ---------------------------------------------------------------------
     def own(self, keys: Sequence[Key]) -> None:
