@@ -141,6 +141,7 @@ class KVStore:
             cold_pages=self._pages[COLD],
             codec=self._codec,
             policy=self._policy,
+            timeline=self.timeline,
         )
         return self
 

@@ -35,6 +35,7 @@ from tierkv.codecs import Codec
 from tierkv.errors import TierFullError, UnknownPageError
 from tierkv.page_table import PageState, PageTable
 from tierkv.spec import KVSpec
+from tierkv.timeline import Timeline
 
 DEVICE, HOST, COLD = "device", "host", "cold"
 Key = bytes
@@ -70,8 +71,10 @@ class TierSet:
         cold_pages: int,
         codec: Codec | None,
         policy: str,
+        timeline: Timeline | None = None,
     ) -> None:
         self.spec = spec
+        self.timeline = timeline if timeline is not None else Timeline()
         self.engine = engine
         self.codec = codec if cold_pages > 0 else None
         self.arenas: dict[str, Arena] = {
@@ -308,6 +311,14 @@ class TierSet:
                 continue
             if tier == HOST:
                 self.stats.copy_s += res.copy_s
+                self.timeline.span(
+                    "load",
+                    "stream host->device",
+                    res.started_at,
+                    res.finished_at,
+                    pages=n,
+                    queue_wait_s=res.queue_wait_s,
+                )
                 self.stats.bytes_h2d += n * self.spec.page_bytes
             self.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
@@ -429,6 +440,14 @@ class TierSet:
             raise
         table.complete_store(alloc.keys, HOST)
         self.stats.copy_s += st.copy_s
+        self.timeline.span(
+            "write back",
+            "stream device->host",
+            st.started_at,
+            st.finished_at,
+            pages=len(keys),
+            queue_wait_s=st.queue_wait_s,
+        )
         self.stats.bytes_d2h += len(keys) * self.spec.page_bytes
         self.stats.pages_written_back += len(keys)
         owned = [k for k in alloc.keys if k in self.owners]

@@ -61,3 +61,49 @@ async def test_demo_parity_small(mode: str) -> None:
     if mode == "stream":
         spec = cfg.model.kv_spec(cfg.kv_dtype, cfg.page_tokens)
         assert tiered.stats["peak_device_pages"] <= 3 * spec.blocks_for(cfg.prompt + cfg.generate)
+
+
+def test_demo_cli_table_json_and_trace(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from tierkv.cli import main
+
+    out, trace = tmp_path / "demo.json", tmp_path / "trace.json"
+    rc = main(
+        [
+            "demo",
+            "--sequences",
+            "4",
+            "--batch",
+            "1",
+            "--prompt",
+            "24",
+            "--generate",
+            "12",
+            "--turn",
+            "4",
+            "--page-tokens",
+            "4",
+            "--layers",
+            "2",
+            "--dim",
+            "32",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--quiet",
+            "--json",
+            str(out),
+            "--trace",
+            str(trace),
+        ]
+    )
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "tokens identical to all-resident  yes" in text
+    report = json.loads(out.read_text())
+    assert report["tokens_identical"] and report["peak_of_full_kv"] <= 0.45 + 1e-9
+    events = json.loads(trace.read_text())["traceEvents"]
+    cats = {e["cat"] for e in events}
+    assert "compute" in cats and any(c.startswith("stream") for c in cats)
