@@ -1,0 +1,278 @@
+"""The `Transport` base class: registered regions, peers, batch-first one-sided reads and writes.
+
+A backend subclasses `Transport`, sets `kind` and `capabilities`, and implements `_transfer`
+(move the bytes of a validated batch) plus whichever hooks it needs (`_start`, `_close`,
+`_peer_fields`, `_add_peer`, `_region_handle`, `_on_deregister`). Everything else (region
+bookkeeping, validation, handles, deadlines, notifications, close) lives here::
+
+    async with create("tcp", secret=b"...") as t:
+        src = t.register_memory(bytearray(1 << 20))
+        peer = await t.add_peer(metadata_from_the_other_side)
+        h = t.read([TransferOp(src, 0, remote_desc, 0, 4096)], notify=b"done")
+        await h
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+import os
+import secrets
+from collections.abc import Iterable
+from typing import Any, ClassVar, Literal, TypeVar
+
+import msgpack
+
+from .errors import ClosedError, PeerError, RegionError, RemoteAccessError, TransferTimeoutError
+from .handle import TransferHandle
+from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
+
+__all__ = ["DEFAULT_TIMEOUT_S", "Direction", "Transport"]
+
+DEFAULT_TIMEOUT_S = 30.0
+Direction = Literal["read", "write"]
+_T = TypeVar("_T", bound="Transport")
+
+
+class Transport(abc.ABC):
+    """Base class of every transport; an async context manager (`start` / `aclose`).
+
+    `name` is this agent's name (unique among the peers that will meet); `timeout` bounds every
+    transfer, connect and wait that does not take its own.
+    """
+
+    kind: ClassVar[str] = "base"
+    capabilities: ClassVar[Capabilities]
+
+    def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.name = name or f"{self.kind}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.timeout = timeout
+        self._regions: dict[int, Region] = {}
+        self._region_ids = itertools.count(1)
+        self._peers: dict[str, dict[str, Any]] = {}
+        self._notifications: asyncio.Queue[Notification] = asyncio.Queue()
+        self._inflight: set[TransferHandle] = set()
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self: _T) -> _T:
+        """Start serving (idempotent). Raises ClosedError after `aclose()`."""
+        self._check_open()
+        if not self._started:
+            await self._start()
+            self._started = True
+        return self
+
+    async def aclose(self) -> None:
+        """Cancel in-flight transfers, stop serving, drop peers and regions. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for h in list(self._inflight):
+            h.cancel()
+        if self._inflight:
+            await asyncio.wait([h.task for h in self._inflight], timeout=self.timeout)
+        await asyncio.wait_for(self._close(), self.timeout)
+        for region in list(self._regions.values()):
+            self._drop_region(region)
+        self._peers.clear()
+
+    async def __aenter__(self: _T) -> _T:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def closed(self) -> bool:
+        """True after `aclose()`."""
+        return self._closed
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def register_memory(self, buffer: Any, kind: str = "host") -> Region:
+        """Register a writable, C-contiguous buffer; peers may target it through its descriptor.
+
+        Raises RegionError for a bad buffer or a kind not in `capabilities.memory_kinds`.
+        """
+        self._check_open()
+        if kind not in self.capabilities.memory_kinds:
+            raise RegionError(f"{self.kind} transport does not register {kind!r} memory")
+        view = as_byte_view(buffer)
+        rid = next(self._region_ids)
+        desc = RegionDescriptor(self.name, rid, view.nbytes, kind, self._region_handle(buffer, rid))
+        region = Region(view, desc, self)
+        self._regions[rid] = region
+        return region
+
+    def allocate(self, size: int, kind: str = "host") -> Region:
+        """Allocate and register `size` bytes that peers can target (zeroed)."""
+        return self.register_memory(bytearray(size), kind)
+
+    def deregister(self, region: Region) -> None:
+        """Forget a region; peers' later accesses to it are refused. The caller must not
+        deregister a region an unfinished transfer uses. Raises RegionError if not ours."""
+        if self._regions.get(region.region_id) is not region:
+            raise RegionError(f"{region!r} is not registered with {self.name!r}")
+        self._drop_region(region)
+
+    def _drop_region(self, region: Region) -> None:
+        del self._regions[region.region_id]
+        self._on_deregister(region)
+
+    def _serve_view(self, region_id: int, offset: int, length: int) -> memoryview:
+        """The bytes a peer asked for in one of our regions. Raises RemoteAccessError."""
+        region = self._regions.get(region_id)
+        if region is None:
+            raise RemoteAccessError(f"agent {self.name!r} has no region {region_id}")
+        if offset < 0 or length < 0 or offset + length > region.size:
+            raise RemoteAccessError(
+                f"[{offset}, {offset + length}) is outside region {region_id} of "
+                f"{self.name!r} ({region.size} bytes)"
+            )
+        return region.view[offset : offset + length]
+
+    # -- peers -------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's metadata, for a peer's `add_peer` (exchange it out of band)."""
+        self._check_open()
+        info = {"transport": self.kind, "agent": self.name, **self._peer_fields()}
+        return bytes(msgpack.packb(info))
+
+    async def add_peer(self, metadata: bytes) -> str:
+        """Know (and, for connected transports, connect to) the peer that produced `metadata`.
+
+        Returns the peer's agent name. Raises PeerError (bad metadata, wrong transport,
+        unreachable), AuthError, ClosedError.
+        """
+        self._check_open()
+        try:
+            info = msgpack.unpackb(metadata)
+        except Exception as exc:
+            raise PeerError("malformed peer metadata") from exc
+        if not isinstance(info, dict) or not isinstance(info.get("agent"), str):
+            raise PeerError("malformed peer metadata")
+        if info.get("transport") != self.kind:
+            raise PeerError(f"metadata is for transport {info.get('transport')!r}, not {self.kind}")
+        await self._add_peer(info)
+        self._peers[info["agent"]] = info
+        return str(info["agent"])
+
+    @property
+    def peers(self) -> list[str]:
+        """Names of the known peers."""
+        return list(self._peers)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def read(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> TransferHandle:
+        """Post a batch of one-sided reads (remote -> local). See `write`."""
+        return self._post("read", ops, notify)
+
+    def write(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> TransferHandle:
+        """Post a batch of one-sided writes (local -> remote); returns an awaitable handle.
+
+        `notify`, if given, reaches every target peer (`get_notification`) only after all of this
+        batch's bytes have landed. Raises at once: RegionError (a local range outside its
+        region), RemoteAccessError (a remote range outside its descriptor), PeerError (unknown
+        peer), ClosedError. Later failures surface from awaiting the handle.
+        """
+        return self._post("write", ops, notify)
+
+    async def get_notification(self, timeout: float | None = None) -> Notification:
+        """The next notification a peer sent us; raises TransferTimeoutError after `timeout`
+        seconds (default: the transport's timeout)."""
+        self._check_open()
+        if not self._notifications.empty():
+            return self._notifications.get_nowait()
+        limit = self.timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(self._notifications.get(), limit)
+        except TimeoutError:
+            raise TransferTimeoutError(f"no notification within {limit:g} s") from None
+
+    def _deliver(self, peer: str, data: bytes) -> None:
+        self._notifications.put_nowait(Notification(peer, data))
+
+    def _post(self, direction: Direction, ops: Iterable[TransferOp], notify: bytes | None) -> Any:
+        self._check_open()
+        batch = list(ops)
+        nbytes = 0
+        for op in batch:
+            self._validate(op)
+            nbytes += op.length
+        handle = TransferHandle(timeout=self.timeout, nbytes=nbytes, num_ops=len(batch))
+        task = asyncio.get_running_loop().create_task(
+            self._guarded(direction, batch, notify, handle)
+        )
+        handle._start(task)
+        self._inflight.add(handle)
+        task.add_done_callback(lambda _: self._inflight.discard(handle))
+        return handle
+
+    def _validate(self, op: TransferOp) -> None:
+        local, lo, remote, ro, n = op
+        if self._regions.get(local.region_id) is not local:
+            raise RegionError(f"local {local!r} is not registered with {self.name!r}")
+        if lo < 0 or n < 0 or lo + n > local.size:
+            raise RegionError(f"local range [{lo}, {lo + n}) is outside {local!r}")
+        if ro < 0 or ro + n > remote.size:
+            raise RemoteAccessError(f"remote range [{ro}, {ro + n}) is outside {remote}")
+        if remote.agent not in self._peers:
+            raise PeerError(f"unknown peer {remote.agent!r} (add_peer its metadata first)")
+
+    async def _guarded(
+        self,
+        direction: Direction,
+        ops: list[TransferOp],
+        notify: bytes | None,
+        handle: TransferHandle,
+    ) -> None:
+        try:
+            await self._transfer(direction, ops, notify, handle)
+        except asyncio.CancelledError:
+            if handle.expired:
+                raise TransferTimeoutError(
+                    f"{direction} of {handle.nbytes} bytes not done after {self.timeout:g} s"
+                ) from None
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"transport {self.name!r} is closed")
+
+    # -- backend hooks -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _transfer(
+        self,
+        direction: Direction,
+        ops: list[TransferOp],
+        notify: bytes | None,
+        handle: TransferHandle,
+    ) -> None:
+        """Move the bytes of a validated batch, then send `notify` to each target peer."""
+
+    async def _start(self) -> None:  # noqa: B027 - optional hook
+        """Start serving (listen sockets etc.)."""
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook
+        """Stop serving and drop connections."""
+
+    def _peer_fields(self) -> dict[str, Any]:
+        """Extra metadata fields (addresses) a peer needs to reach us."""
+        return {}
+
+    async def _add_peer(self, info: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Check / connect to a new peer. Raise PeerError if it cannot be used."""
+
+    def _region_handle(self, buffer: Any, region_id: int) -> str:
+        """The backend-specific `RegionDescriptor.handle` of a new region."""
+        return ""
+
+    def _on_deregister(self, region: Region) -> None:  # noqa: B027 - optional hook
+        """Release backend resources of a region being dropped."""

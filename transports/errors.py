@@ -1,0 +1,67 @@
+"""The transports' error tree, drawn once.
+
+Every error a transport raises on purpose derives from `TransportError`; lower-level failures
+(an `OSError` from a socket, a `msgpack` decode error) are mapped at the boundary with
+``raise ... from exc``::
+
+    TransportError
+    ├── RegionError              register/deregister misuse, a bad local region or local range
+    ├── PeerError                unknown peer, bad metadata, peer unreachable or gone mid-transfer
+    │   └── AuthError            the shared-secret handshake failed (either side)
+    ├── ProtocolError            a malformed, oversized or unexpected frame
+    │   └── ChecksumError        a payload's checksum does not match its header
+    ├── RemoteAccessError        the target refused: unknown region, out of bounds, not shareable
+    ├── TransferTimeoutError     a bounded wait ran out (also a `TimeoutError`)
+    └── ClosedError              use of a transport after `aclose()`
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "ChecksumError",
+    "ClosedError",
+    "PeerError",
+    "ProtocolError",
+    "RegionError",
+    "RemoteAccessError",
+    "TransferTimeoutError",
+    "TransportError",
+]
+
+
+class TransportError(Exception):
+    """Root of every error raised by `transports`."""
+
+
+class RegionError(TransportError):
+    """Misuse of registered memory: a bad buffer or kind, an unknown region, a local range
+    outside its region. Nothing is changed when this is raised."""
+
+
+class PeerError(TransportError):
+    """A peer is unknown, its metadata is bad, or it cannot be reached (or vanished)."""
+
+
+class AuthError(PeerError):
+    """The shared-secret handshake with a peer failed."""
+
+
+class ProtocolError(TransportError):
+    """A frame was malformed, oversized or unexpected; the connection is dropped."""
+
+
+class ChecksumError(ProtocolError):
+    """A payload's checksum did not match the one its header announced."""
+
+
+class RemoteAccessError(TransportError):
+    """The target refused an access: unknown region, out of bounds, or not remotely accessible."""
+
+
+class TransferTimeoutError(TransportError, TimeoutError):
+    """A bounded wait (transfer, notification, connect, handshake) ran out of time."""
+
+
+class ClosedError(TransportError):
+    """The transport has been closed."""
