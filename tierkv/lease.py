@@ -89,7 +89,10 @@ class Lease:
         pages = seq.pages(layer)
         n, s = len(pages), seq.kv_len[layer]
         if not n:
-            empty = torch.empty((spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype)
+            device = self._store.tiers.page(0).device
+            empty = torch.empty(
+                (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
+            )
             return empty, empty.clone()
         tiers = self._store.tiers
         g = tiers.gather([tiers.device_slot(k) for k in pages])  # [n, 2, H, T, D]

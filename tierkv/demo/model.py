@@ -56,9 +56,12 @@ LayerGate = Callable[[int], Awaitable[KVProvider]]
 class TinyLlama:
     """The demo decoder. ``forward`` runs new tokens of one sequence and returns logits."""
 
-    def __init__(self, cfg: ModelConfig, kv_dtype: torch.dtype = torch.float16) -> None:
+    def __init__(
+        self, cfg: ModelConfig, kv_dtype: torch.dtype = torch.float16, device: str = "cpu"
+    ) -> None:
         self.cfg = cfg
         self.kv_dtype = kv_dtype
+        self.device = torch.device(device)
         g = torch.Generator().manual_seed(cfg.seed)
         d, hd = cfg.dim, cfg.head_dim
 
@@ -76,6 +79,11 @@ class TinyLlama:
         self.out = w(d, cfg.vocab)
         inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
         self._inv_freq = inv
+        if self.device.type != "cpu":  # weights are drawn on the cpu: same values everywhere
+            for name in ("embed", "out", "_inv_freq"):
+                setattr(self, name, getattr(self, name).to(self.device))
+            for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2"):
+                setattr(self, name, [t.to(self.device) for t in getattr(self, name)])
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -101,11 +109,11 @@ class TinyLlama:
         cfg = self.cfg
         n = len(tokens)
         hd, h, kvh = cfg.head_dim, cfg.heads, cfg.kv_heads
-        x = self.embed[torch.tensor(tokens)]  # [n, d]
-        pos = torch.arange(start, start + n)
+        x = self.embed[torch.tensor(tokens, device=self.device)]  # [n, d]
+        pos = torch.arange(start, start + n, device=self.device)
         mask = None
         if n > 1:
-            keys = torch.arange(start + n)
+            keys = torch.arange(start + n, device=self.device)
             mask = keys[None, :] <= pos[:, None]  # [n, S]
         for layer in range(cfg.layers):
             kv = await gate(layer)

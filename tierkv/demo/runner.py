@@ -68,6 +68,13 @@ class RunResult:
         return n / self.seconds if self.seconds else 0.0
 
 
+def _device(cfg: DemoConfig) -> str:
+    """Where the model computes: on the GPU with the cuda backend, else on the cpu."""
+    if cfg.backend in ("cuda", "auto") and torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
 def _prompts(cfg: DemoConfig, n: int) -> dict[str, list[int]]:
     g = torch.Generator().manual_seed(cfg.seed + 1)
     return {
@@ -96,7 +103,7 @@ async def run_swap(
 ) -> RunResult:
     """Sequences in batches take turns of ``cfg.turn`` tokens; the next batches are announced
     (and prefetched) while the current one computes."""
-    model = TinyLlama(cfg.model, cfg.model.kv_spec(cfg.kv_dtype).dtype)
+    model = TinyLlama(cfg.model, cfg.model.kv_spec(cfg.kv_dtype).dtype, _device(cfg))
     prompts = _prompts(cfg, cfg.sequences)
     ids = list(prompts)
     batches = [ids[i : i + cfg.batch] for i in range(0, len(ids), cfg.batch)]
@@ -163,7 +170,7 @@ async def run_stream(
 ) -> RunResult:
     """One sequence whose KV exceeds the device tier: each layer's pages are leased in turn
     while the next layer's are prefetched."""
-    model = TinyLlama(cfg.model, cfg.model.kv_spec(cfg.kv_dtype).dtype)
+    model = TinyLlama(cfg.model, cfg.model.kv_spec(cfg.kv_dtype).dtype, _device(cfg))
     prompt = _prompts(cfg, 1)["seq0"]
     out: dict[str, list[int]] = {"seq0": []}
     logits: list[torch.Tensor] = []
