@@ -2,7 +2,7 @@
 
 A backend subclasses `Transport`, sets `kind` and `capabilities`, and implements `_transfer`
 (move the bytes of a validated batch) plus whichever hooks it needs (`_start`, `_close`,
-`_peer_fields`, `_add_peer`, `_region_handle`, `_on_deregister`). Everything else (region
+`_peer_fields`, `_add_peer`, `_prepare_region`, `_on_deregister`). Everything else (region
 bookkeeping, validation, handles, deadlines, notifications, close) lives here::
 
     async with create("tcp", secret=b"...") as t:
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 import os
 import secrets
@@ -101,9 +102,9 @@ class Transport(abc.ABC):
         self._check_open()
         if kind not in self.capabilities.memory_kinds:
             raise RegionError(f"{self.kind} transport does not register {kind!r} memory")
-        view = as_byte_view(buffer)
         rid = next(self._region_ids)
-        desc = RegionDescriptor(self.name, rid, view.nbytes, kind, self._region_handle(buffer, rid))
+        view, handle = self._prepare_region(buffer, rid)
+        desc = RegionDescriptor(self.name, rid, view.nbytes, kind, handle)
         region = Region(view, desc, self)
         self._regions[rid] = region
         return region
@@ -122,6 +123,8 @@ class Transport(abc.ABC):
     def _drop_region(self, region: Region) -> None:
         del self._regions[region.region_id]
         self._on_deregister(region)
+        with contextlib.suppress(BufferError):  # views the caller took from it stay valid
+            region.view.release()
 
     def _serve_view(self, region_id: int, offset: int, length: int) -> memoryview:
         """The bytes a peer asked for in one of our regions. Raises RemoteAccessError."""
@@ -270,9 +273,10 @@ class Transport(abc.ABC):
     async def _add_peer(self, info: dict[str, Any]) -> None:  # noqa: B027 - optional hook
         """Check / connect to a new peer. Raise PeerError if it cannot be used."""
 
-    def _region_handle(self, buffer: Any, region_id: int) -> str:
-        """The backend-specific `RegionDescriptor.handle` of a new region."""
-        return ""
+    def _prepare_region(self, buffer: Any, region_id: int) -> tuple[memoryview, str]:
+        """The flat byte view of a buffer being registered and its backend-specific
+        `RegionDescriptor.handle`. Raises RegionError."""
+        return as_byte_view(buffer), ""
 
     def _on_deregister(self, region: Region) -> None:  # noqa: B027 - optional hook
         """Release backend resources of a region being dropped."""
