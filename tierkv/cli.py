@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv import demo_cli, replay_cli
+from tierkv import demo_cli, plan_cli, replay_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     replay_cli.add_parser(sub)
     return parser
 

@@ -1,0 +1,1 @@
+"""``tierkv plan``: a capacity planner for tiered KV."""
