@@ -1,4 +1,4 @@
-"""Async tests of the semantic layer run under asyncio (debug mode) and again under uvloop."""
+"""Every async test runs twice: under asyncio in debug mode and under uvloop (when installed)."""
 
 from __future__ import annotations
 
