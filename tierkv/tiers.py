@@ -23,41 +23,23 @@ Rules that keep KV safe:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 
 from runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.codecs import Codec
+from tierkv.cold import ColdStorage
 from tierkv.errors import TierFullError, UnknownPageError
+from tierkv.eviction import DeviceEviction
 from tierkv.page_table import PageState, PageTable
 from tierkv.spec import KVSpec
+from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline
 
-DEVICE, HOST, COLD = "device", "host", "cold"
-Key = bytes
 
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters of a :class:`TierSet` (all monotonic except ``peak_device_pages``)."""
-
-    loads_from: dict[str, int] = field(default_factory=lambda: {HOST: 0, COLD: 0})
-    pages_written_back: int = 0
-    pages_compressed: int = 0
-    pages_dropped: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-    copy_s: float = 0.0
-    decode_s: float = 0.0
-    encode_s: float = 0.0
-    peak_device_pages: int = 0
-
-
-class TierSet:
+class TierSet(DeviceEviction, ColdStorage):
     """Arenas, page table and moves of one store. Used from one event loop."""
 
     def __init__(
@@ -334,173 +316,8 @@ class TierSet:
         if error is not None:
             raise error
 
-    def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> asyncio.Future[None]:
-        """Decode cold pages into device slots on a worker thread (started now)."""
-        codec, spec, stats = self.codec, self.spec, self.stats
-        assert codec is not None
-        cold, dev = self.arenas[COLD], self.arenas[DEVICE]
-
-        def work() -> None:
-            t0 = time.perf_counter()
-            data = cold.tensor.index_select(0, torch.tensor(cold_slots))
-            out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
-            codec.decode(data, spec, out=out)
-            target = dev.tensor
-            idx = torch.tensor(dev_slots, device=target.device)
-            target.index_copy_(0, idx, out.to(target.device))
-            stats.decode_s += time.perf_counter() - t0
-
-        return asyncio.get_running_loop().run_in_executor(None, work)
-
-    async def _make_room(self, n: int) -> None:
-        """Free ``n`` device slots: victims by policy, written back when needed, then dropped."""
-        table = self.table
-        free = table.capacity(DEVICE) - table.used(DEVICE)
-        if free >= n:
-            return
-        deadline = time.monotonic() + self.engine.timeout
-        while True:
-            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
-            if len(victims) >= n - free:
-                break
-            table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
-            inflight: list[Any] = [*self._busy, *self.loading.values()]
-            left = deadline - time.monotonic()
-            if not inflight or left <= 0:
-                raise TierFullError(
-                    f"device tier full: {n} pages needed, {free} free, "
-                    f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
-                    f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
-                )
-            # pages pinned only by copies in flight become evictable when those finish
-            await asyncio.wait(
-                [asyncio.shield(f) for f in inflight],
-                timeout=left,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-            free = table.capacity(DEVICE) - table.used(DEVICE)
-            if free >= n:
-                return
-        keys = [k for k, _ in victims]
-        wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
-        if not wb:  # clean pages with a lower copy: drop them, no wait
-            table.complete_evict(keys, DEVICE, ok=True)
-            return
-        task = asyncio.ensure_future(self._write_back(wb))
-        try:
-            await asyncio.shield(task)
-        except BaseException:
-            if not task.done():  # cancelled caller: the task finishes the eviction on its own
-                task.add_done_callback(lambda t: self._end_evict(keys, t))
-                raise
-            table.complete_evict(keys, DEVICE, ok=False)
-            raise
-        table.complete_evict(keys, DEVICE, ok=True)
-        self._clean(keys)
-
-    def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
-        ok = not task.cancelled() and task.exception() is None
-        self.table.complete_evict(keys, DEVICE, ok=ok)
-        if ok:
-            self._clean(keys)
-
     def _has_lower(self, key: Key) -> bool:
         return any(self.table.lookup([key], t) for t in self.lower)
-
-    async def _write_back(self, victims: list[tuple[Key, int]]) -> None:
-        if not victims:
-            return
-        table = self.table
-        keys = [k for k, _ in victims]
-        stale_cold = [k for k in keys if COLD in self.lower and table.present([k], COLD)]
-        await self._make_room_host(len(keys))
-        alloc = table.prepare_store(keys, HOST)
-        if alloc is None:
-            raise TierFullError(
-                f"host tier full: {len(keys)} pages to write back, every host page is owned"
-            )
-        dst_of = dict(zip(alloc.keys, alloc.slots))
-        for k in alloc.present:  # a stale host copy: overwrite it in place
-            dst_of[k] = table.slot(k, HOST)
-        written = self.engine.backend.compute_event()  # the copy waits for the compute
-        handle = self.engine.submit(
-            self.arenas[DEVICE],
-            [s for _, s in victims],
-            self.arenas[HOST],
-            [dst_of[k] for k in keys],
-            priority=Priority.WRITEBACK,
-            after=[written] if written is not None else [],
-        )
-        try:
-            st = await handle.wait()
-        except BaseException:
-            if not handle.done():
-                await asyncio.shield(asyncio.ensure_future(handle.wait()))
-            table.complete_store(alloc.keys, HOST, ok=False)
-            raise
-        table.complete_store(alloc.keys, HOST)
-        self.stats.copy_s += st.copy_s
-        self.timeline.span(
-            "write back",
-            "stream device->host",
-            st.started_at,
-            st.finished_at,
-            pages=len(keys),
-            queue_wait_s=st.queue_wait_s,
-        )
-        self.stats.bytes_d2h += len(keys) * self.spec.page_bytes
-        self.stats.pages_written_back += len(keys)
-        owned = [k for k in alloc.keys if k in self.owners]
-        if owned:
-            table.prepare_load(owned, HOST)
-        for k in stale_cold:  # the cold copy is older than the one just written
-            if table.pins(k, COLD):
-                table.complete_load([k], COLD)
-            self.forget_in(COLD, [k])
-
-    def mark_dirty(self, keys: Sequence[Key]) -> None:
-        """Device copies of ``keys`` were written: newer than any lower copy."""
-        for k in keys:
-            self._gen += 1
-            self.dirty[k] = self._gen
-
-    def _clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
-        for k in keys:
-            if gens is None or self.dirty.get(k) == gens.get(k):
-                self.dirty.pop(k, None)
-
-    async def write_behind(self, keys: Sequence[Key]) -> int:
-        """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
-        later costs no wait. Returns the pages written."""
-        table = self.table
-        pick = [
-            k
-            for k in dict.fromkeys(keys)
-            if k in self.dirty and table.lookup([k], DEVICE) and k not in self.loading
-        ]
-        if not pick:
-            return 0
-        slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them
-        gens = {k: self.dirty[k] for k in pick}
-        task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
-        self._busy.add(task)
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._end_write_behind(pick, gens, task)
-            else:
-                task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
-        return len(pick)
-
-    def _end_write_behind(
-        self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
-    ) -> None:
-        if task in self._busy:
-            self._busy.discard(task)
-            self.table.complete_load(keys, DEVICE)
-            if not task.cancelled() and task.exception() is None:
-                self._clean(keys, gens)  # a page written again meanwhile stays dirty
 
     def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
         """Remove readable, unpinned pages from one tier."""
@@ -511,99 +328,6 @@ class TierSet:
         ]
         if here:
             self.table.remove(here, tier)
-
-    # -- host and cold -------------------------------------------------------------------
-    async def _make_room_host(self, n: int) -> None:
-        """Free ``n`` host slots: unowned victims are compressed into cold, or dropped."""
-        table = self.table
-        free = table.capacity(HOST) - table.used(HOST)
-        if free >= n:
-            return
-        victims = cast(list[tuple[Key, int]], table.prepare_evict(HOST, n - free))
-        if not victims:
-            return  # prepare_store will report the tier as full
-        keys = [k for k, _ in victims]
-        ok = True
-        try:
-            if self.codec is not None:
-                await self._compress(victims)
-            else:
-                self.stats.pages_dropped += len(keys)
-        except TierFullError:
-            self.stats.pages_dropped += len(keys)  # cold is full of owned pages: drop them
-        except BaseException:
-            ok = False
-            raise
-        finally:
-            table.complete_evict(keys, HOST, ok=ok)
-
-    async def _compress(self, victims: list[tuple[Key, int]]) -> None:
-        """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
-        table = self.table
-        codec, spec = self.codec, self.spec
-        assert codec is not None
-        keys = [k for k, _ in victims]
-        alloc = table.prepare_store(keys, COLD)
-        if alloc is None:
-            raise TierFullError("cold tier full of owned pages")
-        self.stats.pages_dropped += len(alloc.evicted)
-        todo = [(k, s) for k, s in victims if k in set(alloc.keys)]
-        host, cold = self.arenas[HOST], self.arenas[COLD]
-        cold_of = dict(zip(alloc.keys, alloc.slots))
-
-        def work() -> float:
-            t0 = time.perf_counter()
-            src = host.tensor.index_select(0, torch.tensor([s for _, s in todo]))
-            enc = codec.encode(src, spec)
-            cold.tensor.index_copy_(0, torch.tensor([cold_of[k] for k, _ in todo]), enc)
-            return time.perf_counter() - t0
-
-        try:
-            self.stats.encode_s += await asyncio.to_thread(work)
-        except BaseException:
-            table.complete_store(alloc.keys, COLD, ok=False)
-            raise
-        table.complete_store(alloc.keys, COLD)
-        owned = [k for k in alloc.keys if k in self.owners]
-        if owned:
-            table.prepare_load(owned, COLD)
-        self.stats.pages_compressed += len(alloc.keys)
-
-    async def compress_idle(self, keys: Sequence[Key]) -> int:
-        """Compress these host pages (idle ones, chosen by the caller) into cold; returns count.
-
-        Pages on the device, in flight, or pinned by anything but their owner are skipped.
-        """
-        if self.codec is None:
-            return 0
-        table = self.table
-        pick: list[tuple[Key, int]] = []
-        for k in keys:
-            if table.present([k], DEVICE) or not table.lookup([k], HOST):
-                continue
-            if table.pins(k, HOST) != (1 if k in self.owners else 0):
-                continue
-            if table.present([k], COLD):
-                continue
-            pick.append((k, table.slot(k, HOST)))
-        room = table.capacity(COLD) - table.used(COLD) + table.evictable(COLD)
-        pick = pick[:room]
-        if not pick:
-            return 0
-        pk = [k for k, _ in pick]
-        table.prepare_load(pk, HOST)  # hold the sources while encoding
-        try:
-            await self._compress(pick)
-        except TierFullError:
-            return 0
-        finally:
-            table.complete_load(pk, HOST)
-        moved = [k for k in pk if table.present([k], COLD)]
-        for k in moved:
-            if k in self.owners:
-                table.complete_load([k], HOST)  # the owner's pin moved to the cold copy
-        self.forget_in(HOST, moved)
-        return len(moved)
 
     def _note_peak(self) -> None:
         used = self.table.used(DEVICE)

@@ -1,0 +1,191 @@
+"""Device-tier eviction: victims by policy, written back when dirty, and write-behind.
+
+A device page leaves only after its bytes are safe below: when it is dirty (newer than its lower
+copies) or has no lower copy, it is copied to the host first (``WRITEBACK`` priority, after the
+compute that wrote it). Write-behind copies pages a lease wrote as soon as the lease ends, so
+that a later eviction is a drop with no wait. Part of :class:`tierkv.tiers.TierSet`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from runtime import Arena, Priority, TransferEngine
+from tierkv.errors import TierFullError
+from tierkv.page_table import PageTable
+from tierkv.spec import KVSpec
+from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
+from tierkv.timeline import Timeline
+
+
+class DeviceEviction:
+    """Mixin of :class:`~tierkv.tiers.TierSet`: making room on the device."""
+
+    spec: KVSpec
+    engine: TransferEngine
+    arenas: dict[str, Arena]
+    table: PageTable
+    lower: list[str]
+    dirty: dict[Key, int]
+    owners: dict[Key, int]
+    loading: dict[Key, asyncio.Future[None]]
+    stats: TierStats
+    timeline: Timeline
+    _gen: int
+    _busy: set[asyncio.Task[None]]
+    _has_lower: Callable[[Key], bool]
+    forget_in: Callable[[str, Sequence[Key]], None]
+
+    if TYPE_CHECKING:  # provided by ColdStorage
+
+        async def _make_room_host(self, n: int) -> None: ...
+
+    async def _make_room(self, n: int) -> None:
+        """Free ``n`` device slots: victims by policy, written back when needed, then dropped."""
+        table = self.table
+        free = table.capacity(DEVICE) - table.used(DEVICE)
+        if free >= n:
+            return
+        deadline = time.monotonic() + self.engine.timeout
+        while True:
+            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
+            if len(victims) >= n - free:
+                break
+            table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
+            inflight: list[Any] = [*self._busy, *self.loading.values()]
+            left = deadline - time.monotonic()
+            if not inflight or left <= 0:
+                raise TierFullError(
+                    f"device tier full: {n} pages needed, {free} free, "
+                    f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
+                    f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
+                )
+            # pages pinned only by copies in flight become evictable when those finish
+            await asyncio.wait(
+                [asyncio.shield(f) for f in inflight],
+                timeout=left,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            free = table.capacity(DEVICE) - table.used(DEVICE)
+            if free >= n:
+                return
+        keys = [k for k, _ in victims]
+        wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
+        if not wb:  # clean pages with a lower copy: drop them, no wait
+            table.complete_evict(keys, DEVICE, ok=True)
+            return
+        task = asyncio.ensure_future(self._write_back(wb))
+        try:
+            await asyncio.shield(task)
+        except BaseException:
+            if not task.done():  # cancelled caller: the task finishes the eviction on its own
+                task.add_done_callback(lambda t: self._end_evict(keys, t))
+                raise
+            table.complete_evict(keys, DEVICE, ok=False)
+            raise
+        table.complete_evict(keys, DEVICE, ok=True)
+        self._clean(keys)
+
+    def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
+        ok = not task.cancelled() and task.exception() is None
+        self.table.complete_evict(keys, DEVICE, ok=ok)
+        if ok:
+            self._clean(keys)
+
+    async def _write_back(self, victims: list[tuple[Key, int]]) -> None:
+        if not victims:
+            return
+        table = self.table
+        keys = [k for k, _ in victims]
+        stale_cold = [k for k in keys if COLD in self.lower and table.present([k], COLD)]
+        await self._make_room_host(len(keys))
+        alloc = table.prepare_store(keys, HOST)
+        if alloc is None:
+            raise TierFullError(
+                f"host tier full: {len(keys)} pages to write back, every host page is owned"
+            )
+        dst_of = dict(zip(alloc.keys, alloc.slots))
+        for k in alloc.present:  # a stale host copy: overwrite it in place
+            dst_of[k] = table.slot(k, HOST)
+        written = self.engine.backend.compute_event()  # the copy waits for the compute
+        handle = self.engine.submit(
+            self.arenas[DEVICE],
+            [s for _, s in victims],
+            self.arenas[HOST],
+            [dst_of[k] for k in keys],
+            priority=Priority.WRITEBACK,
+            after=[written] if written is not None else [],
+        )
+        try:
+            st = await handle.wait()
+        except BaseException:
+            if not handle.done():
+                await asyncio.shield(asyncio.ensure_future(handle.wait()))
+            table.complete_store(alloc.keys, HOST, ok=False)
+            raise
+        table.complete_store(alloc.keys, HOST)
+        self.stats.copy_s += st.copy_s
+        self.timeline.span(
+            "write back",
+            "stream device->host",
+            st.started_at,
+            st.finished_at,
+            pages=len(keys),
+            queue_wait_s=st.queue_wait_s,
+        )
+        self.stats.bytes_d2h += len(keys) * self.spec.page_bytes
+        self.stats.pages_written_back += len(keys)
+        owned = [k for k in alloc.keys if k in self.owners]
+        if owned:
+            table.prepare_load(owned, HOST)
+        for k in stale_cold:  # the cold copy is older than the one just written
+            if table.pins(k, COLD):
+                table.complete_load([k], COLD)
+            self.forget_in(COLD, [k])
+
+    def mark_dirty(self, keys: Sequence[Key]) -> None:
+        """Device copies of ``keys`` were written: newer than any lower copy."""
+        for k in keys:
+            self._gen += 1
+            self.dirty[k] = self._gen
+
+    def _clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
+        for k in keys:
+            if gens is None or self.dirty.get(k) == gens.get(k):
+                self.dirty.pop(k, None)
+
+    async def write_behind(self, keys: Sequence[Key]) -> int:
+        """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
+        later costs no wait. Returns the pages written."""
+        table = self.table
+        pick = [
+            k
+            for k in dict.fromkeys(keys)
+            if k in self.dirty and table.lookup([k], DEVICE) and k not in self.loading
+        ]
+        if not pick:
+            return 0
+        slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them
+        gens = {k: self.dirty[k] for k in pick}
+        task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
+        self._busy.add(task)
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._end_write_behind(pick, gens, task)
+            else:
+                task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
+        return len(pick)
+
+    def _end_write_behind(
+        self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
+    ) -> None:
+        if task in self._busy:
+            self._busy.discard(task)
+            self.table.complete_load(keys, DEVICE)
+            if not task.cancelled() and task.exception() is None:
+                self._clean(keys, gens)  # a page written again meanwhile stays dirty
