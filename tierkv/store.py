@@ -20,22 +20,19 @@ with :meth:`KVStore.schedule` or :meth:`KVStore.prefetch`.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from runtime import Priority, TransferEngine, get_backend
+from runtime import EngineStats, TransferEngine, get_backend
 from tierkv.codecs import get_codec
 from tierkv.errors import (
     SequenceError,
     SpecError,
     StoreClosedError,
-    TierFullError,
-    UnknownPageError,
 )
 from tierkv.keys import prefix_keys
 from tierkv.lease import Lease
-from tierkv.page_table import PageState
+from tierkv.prefetch import Prefetcher
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -43,7 +40,7 @@ from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 
 
-class KVStore:
+class KVStore(Prefetcher):
     """A tiered, paged KV store for one model layout.
 
     Args:
@@ -287,108 +284,6 @@ class KVStore:
         for k in keys:
             last[k] = clock
 
-    def _used(self, keys: Sequence[bytes]) -> None:
-        """Pages that compute reads now: prefetch accounting."""
-        pf = self._prefetched
-        if pf:
-            hit = [k for k in keys if k in pf]
-            self.counters.prefetch_used += len(hit)
-            pf.difference_update(hit)
-
-    async def prefetch(
-        self,
-        seq_ids: Sequence[str],
-        layers: Sequence[int] | None = None,
-        *,
-        wait: bool = False,
-        timeout: float | None = None,
-    ) -> int:
-        """Load these sequences' pages to the device ahead of use; returns pages loaded.
-
-        ``wait=False`` (best effort) returns at once and loads in the background;
-        ``wait=True`` waits until they are loaded, at most ``timeout`` seconds (then the loads
-        go on in the background and the call returns what had finished: possibly 0).
-        """
-        task = self._spawn(self._prefetch(list(seq_ids), layers))
-        if not wait:
-            await asyncio.sleep(0)  # let the loads be submitted before the caller computes
-            return 0
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
-        except TimeoutError:
-            return 0
-
-    async def _prefetch(self, seq_ids: list[str], layers: Sequence[int] | None) -> int:
-        keys: list[bytes] = []
-        for s in seq_ids:
-            seq = self._seqs.get(s)
-            if seq is not None:
-                keys += seq.all_pages(None if layers is None else list(layers))
-        return await self._load_ahead(self._room_for(keys, set(keys)))
-
-    def _room_for(self, keys: list[bytes], protect: set[bytes]) -> list[bytes]:
-        """The absent pages of ``keys`` (in order) that fit without evicting a page in
-        ``protect`` or a pinned one."""
-        table = self.tiers.table
-        absent = [k for k in keys if not table.lookup([k], DEVICE)]
-        if not absent:
-            return []
-        free = table.capacity(DEVICE) - table.used(DEVICE)
-        junk = sum(
-            1
-            for k in table.keys(DEVICE)
-            if k not in protect
-            and table.state(k, DEVICE) == PageState.READABLE
-            and not table.pins(k, DEVICE)
-        )
-        return absent[: max(0, free + junk)]
-
-    async def _load_ahead(self, absent: list[bytes]) -> int:
-        if not absent:
-            return 0
-        tiers = self.tiers
-        absent = [k for k in absent if tiers.holds(k)]  # a page may have been renamed meanwhile
-        t0 = time.perf_counter()
-        try:
-            await tiers.acquire_device(absent, Priority.PREFETCH)
-        except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
-            self.counters.prefetch_skipped += len(absent)
-            return 0
-        tiers.release_device(absent)
-        self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
-        self._prefetched.update(absent)
-        self.counters.prefetched += len(absent)
-        return len(absent)
-
-    def schedule(self, steps: Sequence[Sequence[str]]) -> None:
-        """Announce the sequences of the coming steps, the step about to run first.
-
-        The pages of the first ``prefetch_window`` steps are prefetched in that order, as far as
-        the device holds them without evicting an announced sequence's page (best effort).
-        """
-        ahead = [s for step in steps[: self.prefetch_window] for s in step if s in self._seqs]
-        order = list(dict.fromkeys(ahead))
-        if not order:
-            return
-        table = self.tiers.table
-        # announced pages count as about to be used: the ones due first become the most recent,
-        # so that loads evict pages nobody announced before any announced one
-        for s in reversed(order):
-            here = [k for k in self._seqs[s].all_pages() if table.lookup([k], DEVICE)]
-            if here:
-                table.touch(here, DEVICE)
-        # walk the announced sequences in order while the device holds them all
-        budget = table.capacity(DEVICE) - len(steps[0]) * self.spec.num_layers * 2  # new pages
-        room: list[bytes] = []
-        for s in order:
-            pages = self._seqs[s].all_pages()
-            if len(pages) > budget:
-                break
-            budget -= len(pages)
-            room += [k for k in pages if not table.lookup([k], DEVICE)]
-        if room:
-            self._spawn(self._load_ahead(room))
-
     def _write_behind(self, keys: list[bytes]) -> None:
         if keys and self.write_behind:
             self._spawn(self.tiers.write_behind(keys))
@@ -433,6 +328,13 @@ class KVStore:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
 
     # -- figures -------------------------------------------------------------------------
+    def engine_stats(self) -> EngineStats:
+        """A snapshot of the transfer engine's totals: batches (per priority), pages, bytes,
+        copy seconds and queue-wait seconds. Raises StoreClosedError when closed or not open."""
+        self.tiers  # noqa: B018 - raises when closed
+        assert self._engine is not None  # opened together with the tiers
+        return self._engine.stats
+
     def stats(self) -> dict[str, Any]:
         """Counters: hits per tier, prefetch accuracy, late fetches, bytes moved, tiers..."""
         tiers = self.tiers

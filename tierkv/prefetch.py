@@ -1,0 +1,149 @@
+"""Prefetch: loading the pages of announced sequences before compute asks for them.
+
+:meth:`~tierkv.store.KVStore.schedule` takes the sequences of the coming steps, the one about to
+run first; their device-resident pages are marked as about to be used (the first due become the
+most recent), then their absent pages are loaded in that order as far as the device holds them
+without evicting an announced page. :meth:`~tierkv.store.KVStore.prefetch` loads given
+sequences (or layers) now: best effort, wait, or wait with a timeout. Accuracy is counted when a
+lease uses a prefetched page. Part of :class:`~tierkv.store.KVStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
+
+from runtime import Priority
+from tierkv.errors import TierFullError, UnknownPageError
+from tierkv.page_table import PageState
+from tierkv.sequence import SequenceState
+from tierkv.spec import KVSpec
+from tierkv.stats import StoreCounters
+from tierkv.tier_stats import DEVICE
+from tierkv.timeline import Timeline
+
+if TYPE_CHECKING:
+    from tierkv.tiers import TierSet
+
+
+class Prefetcher:
+    """Mixin of :class:`~tierkv.store.KVStore`: prefetch and schedule."""
+
+    spec: KVSpec
+    timeout: float
+    prefetch_window: int
+    counters: StoreCounters
+    timeline: Timeline
+    _seqs: dict[str, SequenceState]
+    _prefetched: set[bytes]
+
+    if TYPE_CHECKING:  # provided by KVStore
+
+        @property
+        def tiers(self) -> TierSet: ...
+
+        def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+
+    def _used(self, keys: Sequence[bytes]) -> None:
+        """Pages that compute reads now: prefetch accounting."""
+        pf = self._prefetched
+        if pf:
+            hit = [k for k in keys if k in pf]
+            self.counters.prefetch_used += len(hit)
+            pf.difference_update(hit)
+
+    async def prefetch(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Load these sequences' pages to the device ahead of use; returns pages loaded.
+
+        ``wait=False`` (best effort) returns at once and loads in the background;
+        ``wait=True`` waits until they are loaded, at most ``timeout`` seconds (then the loads
+        go on in the background and the call returns what had finished: possibly 0).
+        """
+        task = self._spawn(self._prefetch(list(seq_ids), layers))
+        if not wait:
+            await asyncio.sleep(0)  # let the loads be submitted before the caller computes
+            return 0
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
+        except TimeoutError:
+            return 0
+
+    async def _prefetch(self, seq_ids: list[str], layers: Sequence[int] | None) -> int:
+        keys: list[bytes] = []
+        for s in seq_ids:
+            seq = self._seqs.get(s)
+            if seq is not None:
+                keys += seq.all_pages(None if layers is None else list(layers))
+        return await self._load_ahead(self._room_for(keys, set(keys)))
+
+    def _room_for(self, keys: list[bytes], protect: set[bytes]) -> list[bytes]:
+        """The absent pages of ``keys`` (in order) that fit without evicting a page in
+        ``protect`` or a pinned one."""
+        table = self.tiers.table
+        absent = [k for k in keys if not table.lookup([k], DEVICE)]
+        if not absent:
+            return []
+        free = table.capacity(DEVICE) - table.used(DEVICE)
+        junk = sum(
+            1
+            for k in table.keys(DEVICE)
+            if k not in protect
+            and table.state(k, DEVICE) == PageState.READABLE
+            and not table.pins(k, DEVICE)
+        )
+        return absent[: max(0, free + junk)]
+
+    async def _load_ahead(self, absent: list[bytes]) -> int:
+        if not absent:
+            return 0
+        tiers = self.tiers
+        absent = [k for k in absent if tiers.holds(k)]  # a page may have been renamed meanwhile
+        t0 = time.perf_counter()
+        try:
+            await tiers.acquire_device(absent, Priority.PREFETCH)
+        except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
+            self.counters.prefetch_skipped += len(absent)
+            return 0
+        tiers.release_device(absent)
+        self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
+        self._prefetched.update(absent)
+        self.counters.prefetched += len(absent)
+        return len(absent)
+
+    def schedule(self, steps: Sequence[Sequence[str]]) -> None:
+        """Announce the sequences of the coming steps, the step about to run first.
+
+        The pages of the first ``prefetch_window`` steps are prefetched in that order, as far as
+        the device holds them without evicting an announced sequence's page (best effort).
+        """
+        ahead = [s for step in steps[: self.prefetch_window] for s in step if s in self._seqs]
+        order = list(dict.fromkeys(ahead))
+        if not order:
+            return
+        table = self.tiers.table
+        # announced pages count as about to be used: the ones due first become the most recent,
+        # so that loads evict pages nobody announced before any announced one
+        for s in reversed(order):
+            here = [k for k in self._seqs[s].all_pages() if table.lookup([k], DEVICE)]
+            if here:
+                table.touch(here, DEVICE)
+        # walk the announced sequences in order while the device holds them all
+        budget = table.capacity(DEVICE) - len(steps[0]) * self.spec.num_layers * 2  # new pages
+        room: list[bytes] = []
+        for s in order:
+            pages = self._seqs[s].all_pages()
+            if len(pages) > budget:
+                break
+            budget -= len(pages)
+            room += [k for k in pages if not table.lookup([k], DEVICE)]
+        if room:
+            self._spawn(self._load_ahead(room))
