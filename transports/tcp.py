@@ -1,0 +1,282 @@
+"""TCP: peers across hosts. One-sided operations are emulated by a server on the target that
+serves reads and writes against its registered regions (see tcp_server.py, tcp_wire.py).
+
+The initiator splits a batch into requests of at most `chunk_bytes`, pipelines them on one
+connection per peer, and receives read payloads straight into its local regions. Responses come
+back in request order, so a FIFO of pending requests is all the client keeps::
+
+    client                                   server (target)
+      read  id=1 segs=[[r,o,n]...]   ──────>   bounds-check, crc
+      read  id=2 ...                 ──────>
+            <──────  data id=1 n crc | payload (recv_into local regions)
+            <──────  data id=2 ...
+      notify data=...                ──────>   delivered after both landed
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hmac
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import DEFAULT_TIMEOUT_S, Direction, Transport
+from .errors import (
+    AuthError,
+    ChecksumError,
+    PeerError,
+    ProtocolError,
+    RemoteAccessError,
+    TransportError,
+)
+from .handle import TransferHandle
+from .regions import MEMORY_KINDS, Capabilities, TransferOp
+from .tcp_server import ServerConnection
+from .tcp_wire import MAX_HEADER, FrameProtocol, checksum, mac
+
+__all__ = ["TcpTransport"]
+
+SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+_ERRORS: dict[str, type[TransportError]] = {
+    "access": RemoteAccessError,
+    "checksum": ChecksumError,
+    "protocol": ProtocolError,
+    "auth": AuthError,
+}
+
+
+@dataclass(slots=True)
+class _Pending:
+    kind: str
+    views: list[memoryview]
+    future: asyncio.Future[None]
+    crc: bool = False
+    nbytes: int = field(default=0)
+
+
+class ClientConnection(FrameProtocol):
+    """Our connection to one peer's server: handshake, then a FIFO of pending requests."""
+
+    def __init__(self, owner: TcpTransport, agent: str) -> None:
+        super().__init__()
+        self.owner, self.agent = owner, agent
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.max_segs = 0
+        self.peer_max_payload = 0
+        self._server_nonce = b""
+        self._nonce = secrets.token_bytes(16)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._ids = 0
+
+    def request(self, kind: str, segs: list[list[int]], views: list[memoryview]) -> _Pending:
+        """Send one read or write request; its `future` resolves with the response."""
+        self._ids += 1
+        p = _Pending(kind, views, asyncio.get_running_loop().create_future(), self.owner.checksum)
+        header: dict[str, Any] = {"op": kind, "id": self._ids, "segs": segs}
+        if kind == "write":
+            header["n"] = sum(len(v) for v in views)
+            if p.crc:
+                header["crc"] = checksum(views)
+        elif p.crc:
+            header["crc"] = True
+        self._pending.append(p)
+        self.send(header, views if kind == "write" else ())
+        return p
+
+    def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:
+        if header["op"] == "data":
+            if not self._pending or self._pending[0].kind != "read":
+                raise ProtocolError("unexpected data frame")
+            return self._pending[0].views
+        return None
+
+    def on_frame(self, header: dict[str, Any]) -> None:
+        op = header["op"]
+        if not self.ready.done():
+            return self._handshake(header)
+        if not self._pending or header.get("id") not in (
+            -1,
+            None,
+            self._ids - len(self._pending) + 1,
+        ):
+            raise ProtocolError(f"unexpected {op!r} frame for request {header.get('id')!r}")
+        p = self._pending.popleft()
+        if p.future.done():
+            return
+        if op == "err":
+            cls = _ERRORS.get(header.get("code", ""), RemoteAccessError)
+            p.future.set_exception(cls(f"{self.agent}: {header.get('msg', '')}"))
+        elif op == "data" and "crc" in header and header["crc"] != checksum(p.views):
+            p.future.set_exception(ChecksumError(f"{self.agent}: read payload checksum mismatch"))
+        elif (op, p.kind) in (("data", "read"), ("ok", "write")):
+            p.future.set_result(None)
+        else:
+            raise ProtocolError(f"{op!r} frame answers a {p.kind}")
+
+    def _handshake(self, header: dict[str, Any]) -> None:
+        secret, op = self.owner._secret, header["op"]
+        if op == "challenge" and isinstance(header.get("nonce"), bytes):
+            self._server_nonce = header["nonce"]
+            proof = mac(
+                secret, b"tierkv-client", self._server_nonce, self._nonce, self.owner.name.encode()
+            )
+            return self.send(
+                {"op": "auth", "agent": self.owner.name, "nonce": self._nonce, "mac": proof}
+            )
+        expect = mac(
+            secret,
+            b"tierkv-server",
+            self._nonce,
+            self._server_nonce,
+            self.agent.encode(),
+        )
+        if op == "welcome" and hmac.compare_digest(header.get("mac") or b"", expect):
+            self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
+            self.max_segs = int(header.get("max_segs", 1))
+            self.peer_max_payload = int(header.get("max_payload", 1))
+            return self.ready.set_result(None)
+        self.ready.set_exception(AuthError(f"handshake with {self.agent!r} failed ({op})"))
+        self.abort()
+
+    def on_protocol_error(self, exc: ProtocolError) -> None:
+        self._fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        self._fail(PeerError(f"connection to {self.agent!r} lost"))
+        if self.owner._conns.get(self.agent) is self:
+            del self.owner._conns[self.agent]
+
+    def _fail(self, exc: TransportError) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(exc if isinstance(exc, PeerError) else PeerError(str(exc)))
+        while self._pending:
+            p = self._pending.popleft()
+            if not p.future.done():
+                p.future.set_exception(exc)
+
+
+class TcpTransport(Transport):
+    """Network transport: an asyncio server on `host:port` serves our regions to peers that
+    share `secret` (default: the TIERKV_TRANSPORT_SECRET environment variable).
+
+    `advertise` is the host peers should dial (default `host`); `max_frame` caps a frame's
+    payload; `chunk_bytes` is the largest request we send; `checksum` adds crc32 to payloads.
+    """
+
+    kind = "tcp"
+    capabilities = Capabilities(frozenset(MEMORY_KINDS[:2]), "emulated", "network")
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        secret: bytes | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_frame: int = 64 << 20,
+        chunk_bytes: int = 4 << 20,
+        checksum: bool = True,
+    ) -> None:
+        super().__init__(name, timeout=timeout)
+        env = os.environ.get(SECRET_ENV)
+        if secret is None and env is None:
+            raise ValueError(f"tcp transport needs a shared secret (secret= or ${SECRET_ENV})")
+        self._secret = secret if secret is not None else (env or "").encode()
+        self.host, self.port, self.advertise = host, port, advertise or host
+        self.max_frame, self.chunk_bytes, self.checksum = max_frame, chunk_bytes, checksum
+        self._server: asyncio.AbstractServer | None = None
+        self._server_conns: set[ServerConnection] = set()
+        self._conns: dict[str, ClientConnection] = {}
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: ServerConnection(self), self.host, self.port
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    def _peer_fields(self) -> dict[str, Any]:
+        return {"host": self.advertise, "port": self.port}
+
+    async def _add_peer(self, info: dict[str, Any]) -> None:
+        if not isinstance(info.get("host"), str) or type(info.get("port")) is not int:
+            raise PeerError(f"tcp metadata of {info['agent']!r} lacks host/port")
+        old = self._conns.pop(info["agent"], None)
+        if old is not None:
+            old.abort()
+        await self._connect(info["agent"], info)
+
+    async def _connect(self, agent: str, info: dict[str, Any] | None = None) -> ClientConnection:
+        known = self._conns.get(agent)
+        if known is not None and not known.closed:
+            await asyncio.wait_for(asyncio.shield(known.ready), self.timeout)
+            return known
+        info = info or self._peers[agent]
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: ClientConnection(self, agent), info["host"], info["port"]
+                ),
+                self.timeout,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise PeerError(
+                f"cannot reach tcp peer {agent!r} at {info['host']}:{info['port']}"
+            ) from exc
+        self._conns[agent] = conn
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.ready), self.timeout)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def _transfer(
+        self,
+        direction: Direction,
+        ops: list[TransferOp],
+        notify: bytes | None,
+        handle: TransferHandle,
+    ) -> None:
+        by_peer: dict[str, list[TransferOp]] = {}
+        for op in ops:
+            by_peer.setdefault(op.remote.agent, []).append(op)
+        conns = await asyncio.gather(*(self._connect(a) for a in by_peer))
+        for conn in conns:
+            handle.on_abort(conn.abort)
+        await asyncio.gather(*(self._run(c, direction, by_peer[c.agent]) for c in conns))
+        if notify is not None:
+            for conn in conns:
+                conn.send({"op": "notify", "data": bytes(notify)})
+            await asyncio.gather(*(c.drain() for c in conns))
+
+    async def _run(self, conn: ClientConnection, direction: str, ops: list[TransferOp]) -> None:
+        limit = max(1, min(self.chunk_bytes, conn.peer_max_payload, self.max_frame))
+        pending, segs, views, size = [], [], [], 0
+        for local, lo, remote, ro, n in ops:
+            while n > 0:
+                take = min(n, limit - size)
+                segs.append([remote.region_id, ro, take])
+                views.append(local.view[lo : lo + take])
+                size, lo, ro, n = size + take, lo + take, ro + take, n - take
+                if size >= limit or len(segs) >= conn.max_segs:
+                    pending.append(conn.request(direction, segs, views).future)
+                    segs, views, size = [], [], 0
+                    await conn.drain()
+        if segs:
+            pending.append(conn.request(direction, segs, views).future)
+        await asyncio.gather(*pending)
+
+    async def _close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in [*self._conns.values(), *self._server_conns]:
+            conn.abort()
+        self._conns.clear()

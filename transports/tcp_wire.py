@@ -1,0 +1,220 @@
+"""The tcp transport's wire format: frames, the handshake's MACs, and a framing protocol that
+receives payloads straight into registered memory (asyncio's `BufferedProtocol`).
+
+Every frame::
+
+    ┌───────────┬────────────────────────────┬──────────────────────────────┐
+    │ u32 hlen  │ header: msgpack map (hlen) │ payload: header["n"] bytes   │
+    └───────────┴────────────────────────────┴──────────────────────────────┘
+
+Header fields: "op" (str), "id" (request id), "segs" ([[region, offset, length], ...]),
+"n" (payload bytes, default 0), "crc" (zlib.crc32 of the payload, optional).
+Before the handshake completes a peer may send only small headers and no payload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any, cast
+
+import msgpack
+
+from .errors import ProtocolError
+
+__all__ = ["FrameProtocol", "checksum", "frame", "mac", "parse_segs"]
+
+PREFIX = struct.Struct("!I")
+HANDSHAKE_HEADER = 1024
+MAX_HEADER = 1 << 20
+MAX_SEGS = 8192
+_SCRATCH = 1 << 16
+
+
+def frame(header: dict[str, Any]) -> bytes:
+    """The prefix and header of a frame (its payload, if any, follows separately)."""
+    body = msgpack.packb(header)
+    return PREFIX.pack(len(body)) + body
+
+
+def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over length-prefixed parts (so no two part lists collide)."""
+    m = hmac.new(secret, label, hashlib.sha256)
+    for p in parts:
+        m.update(PREFIX.pack(len(p)) + p)
+    return m.digest()
+
+
+def checksum(views: Sequence[memoryview]) -> int:
+    """zlib.crc32 over the concatenation of `views`."""
+    crc = 0
+    for v in views:
+        crc = zlib.crc32(v, crc)
+    return crc
+
+
+def parse_segs(header: dict[str, Any], max_segs: int) -> list[tuple[int, int, int]]:
+    """The validated "segs" of a request header. Raises ProtocolError."""
+    segs = header.get("segs")
+    if not isinstance(segs, list) or len(segs) > max_segs:
+        raise ProtocolError("segs missing, not a list, or too many")
+    out = []
+    for s in segs:
+        if not (isinstance(s, list) and len(s) == 3 and all(type(x) is int for x in s)):
+            raise ProtocolError(f"malformed segment {s!r}")
+        if s[1] < 0 or s[2] < 0:
+            raise ProtocolError(f"negative offset or length in {s!r}")
+        out.append((s[0], s[1], s[2]))
+    return out
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Splits the byte stream into frames; subclasses implement `on_header` / `on_frame`.
+
+    `on_header(header)` returns where the payload goes (views whose lengths sum to "n"), or
+    None to discard it. `on_frame(header)` runs once the payload has landed. A ProtocolError
+    from either (or from framing) calls `on_protocol_error` and closes the connection.
+    """
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.max_header = HANDSHAKE_HEADER
+        self.max_payload = 0
+        self._hbuf = bytearray(4)
+        self._want = 4  # bytes of the prefix or header still expected in _hbuf
+        self._in_header = False
+        self._header: dict[str, Any] | None = None
+        self._dests: list[memoryview] = []
+        self._discard = 0  # payload bytes to drop
+        self._scratch: memoryview | None = None
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self.closed = False
+
+    # -- asyncio callbacks -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._dests:
+            return self._dests[0]
+        if self._discard:
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(_SCRATCH))
+            return self._scratch[: min(self._discard, _SCRATCH)]
+        return memoryview(self._hbuf)[len(self._hbuf) - self._want :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self._advance(nbytes)
+        except ProtocolError as exc:
+            self.on_protocol_error(exc)
+            self.abort()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- framing ---------------------------------------------------------------------------
+
+    def _advance(self, n: int) -> None:
+        if self._dests:
+            head = self._dests[0]
+            if n < len(head):
+                self._dests[0] = head[n:]
+                return
+            self._dests.pop(0)
+            if not self._dests:
+                self._frame_done()
+            return
+        if self._discard:
+            self._discard -= n
+            if not self._discard:
+                self._frame_done()
+            return
+        self._want -= n
+        if self._want:
+            return
+        if not self._in_header:
+            (hlen,) = PREFIX.unpack(self._hbuf)
+            if not 0 < hlen <= self.max_header:
+                raise ProtocolError(f"header of {hlen} bytes (limit {self.max_header})")
+            self._hbuf, self._want, self._in_header = bytearray(hlen), hlen, True
+            return
+        self._in_header = False
+        self._take_header(bytes(self._hbuf))
+        self._hbuf, self._want = bytearray(4), 4
+
+    def _take_header(self, raw: bytes) -> None:
+        try:
+            header = msgpack.unpackb(raw)
+        except Exception as exc:
+            raise ProtocolError("header is not msgpack") from exc
+        if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+            raise ProtocolError("header is not a map with an 'op'")
+        n = header.get("n", 0)
+        if type(n) is not int or not 0 <= n <= self.max_payload:
+            raise ProtocolError(f"payload of {n!r} bytes (limit {self.max_payload})")
+        self._header = header
+        dests = self.on_header(header)
+        if dests is None:
+            self._discard = n
+        else:
+            self._dests = [d for d in dests if len(d)]
+            if sum(len(d) for d in self._dests) != n:
+                raise ProtocolError(f"payload of {n} bytes does not match its segments")
+        if n == 0:
+            self._frame_done()
+
+    def _frame_done(self) -> None:
+        header, self._header = self._header, None
+        assert header is not None
+        self.on_frame(header)
+
+    # -- for subclasses ----------------------------------------------------------------------
+
+    def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:
+        """Where the payload of this frame goes (None: discard it)."""
+        return None
+
+    def on_frame(self, header: dict[str, Any]) -> None:
+        """A whole frame (header and payload) has arrived."""
+
+    def on_protocol_error(self, exc: ProtocolError) -> None:
+        """The stream broke the protocol; the connection is being aborted."""
+
+    def send(self, header: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
+        """Queue one frame (no copy of `payload` when the socket takes it at once)."""
+        if self.transport is None or self.closed:
+            return
+        self.transport.write(frame(header))
+        for view in payload:
+            if len(view):
+                self.transport.write(view)
+
+    async def drain(self) -> None:
+        """Wait while the send buffer is above its high-water mark."""
+        if self._paused and not self.closed:
+            if self._drain is None or self._drain.done():
+                self._drain = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._drain)  # shared by all writers; one cancelled is no harm
+
+    def abort(self) -> None:
+        """Drop the connection at once: no further byte is received."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
