@@ -1,0 +1,173 @@
+"""Transports against the limits they chase, measured in one run.
+
+    python benchmarks/transports.py [--quick] [--json FILE]
+
+Every figure comes from a peer in a second process (this script re-run with --serve):
+  shm bulk     reads of batches of 64 random 256 KB pages from the peer's segment, against a
+               single-thread np.copyto of the same bytes (64 x 256 KB at random offsets, local
+               buffers of the same size). Target ratio >= 0.8.
+  tcp bulk     the same batches over tcp on loopback (with and without crc32), against a raw
+               blocking-socket pair: the peer sendall()s the batch's bytes, we recv_into() them.
+               Target ratio >= 0.7.
+  16-page      one read of 16 x 256 KB pages: time of the raw copy / raw socket over the
+               transport's time (so >= 0.5 means "within 2x").
+Rounds alternate reference and transport so that load from other processes hits both alike;
+ratios are of medians. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import transports
+from benchmarks._common import parser, table, write_json
+from transports import TransferOp
+
+KB, MB = 1 << 10, 1 << 20
+PAGE = 256 * KB
+SECRET = b"bench"
+
+
+async def serve(backend: str, size: int) -> None:
+    """Peer mode: register `size` bytes, print metadata + descriptor (+ raw port), serve."""
+    kw: dict[str, Any] = {"secret": SECRET} if backend == "tcp" else {}
+    async with transports.create(backend, **kw) as t:
+        region = t.allocate(size)
+        np.frombuffer(region.view, np.uint8)[:] = np.random.default_rng(0).integers(0, 255, size)
+        raw = socket.create_server(("127.0.0.1", 0))
+        data = memoryview(bytes(region.view[: 64 * PAGE]))
+        print(t.metadata().hex(), region.descriptor.pack().hex(), raw.getsockname()[1], flush=True)
+        loop = asyncio.get_running_loop()
+        raw_task = loop.run_in_executor(None, _raw_sender, raw, data)
+        await loop.run_in_executor(None, sys.stdin.readline)  # until the parent is done
+        raw.close()
+        await asyncio.wait([raw_task], timeout=1)
+
+
+def _raw_sender(server: socket.socket, data: memoryview) -> None:
+    try:
+        conn, _ = server.accept()
+    except OSError:
+        return
+    with conn:
+        while req := conn.recv(8, socket.MSG_WAITALL):
+            conn.sendall(data[: int.from_bytes(req, "big")])
+
+
+def raw_receive(sock: socket.socket, buf: memoryview, nbytes: int) -> float:
+    """Seconds to ask the peer for `nbytes` and recv_into them (blocking sockets)."""
+    t = time.perf_counter()
+    sock.sendall(nbytes.to_bytes(8, "big"))
+    got = 0
+    while got < nbytes:
+        got += sock.recv_into(buf[got:nbytes])
+    return time.perf_counter() - t
+
+
+def copy_time(src: np.ndarray, dst: np.ndarray, offs: list[tuple[int, int]]) -> float:
+    """Seconds for single-thread np.copyto of one page per (src, dst) page offset."""
+    t = time.perf_counter()
+    for i, j in offs:
+        np.copyto(dst[j * PAGE : (j + 1) * PAGE], src[i * PAGE : (i + 1) * PAGE])
+    return time.perf_counter() - t
+
+
+async def transfer_time(t: transports.Transport, ops: list[TransferOp]) -> float:
+    start = time.perf_counter()
+    await t.read(ops)
+    return time.perf_counter() - start
+
+
+async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -> dict[str, Any]:
+    """Medians of bulk and 16-page seconds for `backend` and its reference."""
+    script = [sys.executable, __file__, "--serve", backend, str(size)]
+    # a plain Popen: the peer's start-up is outside every timed section
+    peer = subprocess.Popen(script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    try:
+        assert peer.stdout is not None and peer.stdin is not None
+        meta, desc_hex, port = peer.stdout.readline().split()
+        kw: dict[str, Any] = {"secret": SECRET, "checksum": checksum} if backend == "tcp" else {}
+        async with transports.create(backend, **kw) as t:
+            await t.add_peer(bytes.fromhex(meta))
+            desc = transports.RegionDescriptor.unpack(bytes.fromhex(desc_hex))
+            mine = t.allocate(size)
+            local_src = np.ones(size, np.uint8)
+            dst = np.frombuffer(mine.view, np.uint8)
+            dst[:] = 0  # fault every page in before timing
+            sock = socket.create_connection(("127.0.0.1", int(port)))
+            rng = np.random.default_rng(1)
+            out: dict[str, list[float]] = {k: [] for k in ("bulk", "ref", "p16", "ref16")}
+            for _ in range(rounds + 1):  # the first round warms up
+                pages = size // PAGE
+                offs = list(
+                    zip(rng.permutation(pages)[:64].tolist(), rng.permutation(pages)[:64].tolist())
+                )
+                ops = [TransferOp(mine, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
+                if backend == "shm":
+                    out["ref"].append(copy_time(local_src, dst, offs))
+                    out["ref16"].append(copy_time(local_src, dst, offs[:16]))
+                else:
+                    out["ref"].append(raw_receive(sock, mine.view, 64 * PAGE))
+                    out["ref16"].append(raw_receive(sock, mine.view, 16 * PAGE))
+                out["bulk"].append(await transfer_time(t, ops))
+                out["p16"].append(await transfer_time(t, ops[:16]))
+            sock.close()
+            del dst  # release the export before the region is unmapped
+        return {k: statistics.median(v[1:]) for k, v in out.items()}
+    finally:
+        if peer.stdin is not None:
+            peer.stdin.close()
+        try:
+            peer.wait(5)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+
+
+async def main(quick: bool, json_path: str | None) -> None:
+    size, rounds = (64 * MB, 5) if quick else (256 * MB, 15)
+    figures: dict[str, Any] = {}
+    ratios: dict[str, float] = {}
+    rows = []
+    cases = [("shm", "shm", True), ("tcp", "tcp+crc32", True), ("tcp", "tcp", False)]
+    for backend, label, crc in cases:
+        print(f"measuring {label} ...", file=sys.stderr, flush=True)
+        m = await measure(backend, size, rounds, crc)
+        ref = "memcpy" if backend == "shm" else "raw socket"
+        gbs = {k: (64 if k in ("bulk", "ref") else 16) * PAGE / v / 1e9 for k, v in m.items()}
+        figures[label] = {"seconds": m, "GB/s": gbs}
+        ratios[f"{label} bulk / {ref}"] = m["ref"] / m["bulk"]
+        ratios[f"{label} 16-page: {ref} time / transport time"] = m["ref16"] / m["p16"]
+        target = 0.8 if backend == "shm" else 0.7
+        rows.append(
+            [f"{label} bulk 64x256KB", gbs["bulk"], gbs["ref"], ref, m["ref"] / m["bulk"], target]
+        )
+        rows.append(
+            [f"{label} 16x256KB read", gbs["p16"], gbs["ref16"], ref, m["ref16"] / m["p16"], 0.5]
+        )
+    print(table(["case", "GB/s", "ref GB/s", "ref", "ratio", "target"], rows))
+    write_json(json_path, figures, ratios)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve":
+        asyncio.run(serve(sys.argv[2], int(sys.argv[3])))
+    else:
+        args = parser(__doc__.splitlines()[0]).parse_args()
+        try:
+            import uvloop
+
+            uvloop.run(main(args.quick, args.json))
+        except ImportError:
+            asyncio.run(main(args.quick, args.json))
