@@ -1,0 +1,252 @@
+"""Prometheus metrics of a :class:`~tierkv.store.KVStore`, read from its counters at scrape time.
+
+::
+
+    from tierkv import metrics
+    body = metrics.render(store)                               # exposition text (bytes)
+    app.router.add_get("/metrics", metrics.aiohttp_handler(store))
+    registry = metrics.registry(store)                         # one CollectorRegistry per store
+
+Nothing is updated per operation: :class:`StoreCollector` reads ``store.stats()``,
+``store.engine_stats()`` and the page table when Prometheus scrapes, so the hot path pays
+nothing. The names and their meaning are listed in ``docs/metrics.md``.
+
+Needs ``prometheus-client`` (and ``aiohttp`` for :func:`aiohttp_handler`); importing this module
+without it raises ImportError.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tierkv.errors import StoreClosedError
+from tierkv.tiers import DEVICE
+
+if TYPE_CHECKING:
+    from tierkv.store import KVStore
+
+__all__ = ["CONTENT_TYPE_LATEST", "StoreCollector", "aiohttp_handler", "registry", "render"]
+
+PREFIX = "tierkv_"
+
+
+class StoreCollector:
+    """A Prometheus collector of one store's figures (register it in any registry).
+
+    Args:
+        store: the store to read; a closed (or not yet opened) store exports only
+            ``tierkv_store_open 0``.
+        labels: constant labels added to every sample (e.g. ``{"store": "llama-8b"}``) when
+            one process exports several stores into one registry.
+    """
+
+    def __init__(self, store: KVStore, labels: Mapping[str, str] | None = None) -> None:
+        self._store = weakref.ref(store)
+        self._labels = dict(labels or {})
+
+    def collect(self) -> Iterator[Metric]:
+        """The store's metric families, read now."""
+        store = self._store()
+        try:
+            tiers = store.tiers if store is not None else None
+        except StoreClosedError:
+            tiers = None
+        yield self._gauge("store_open", "1 while the store is open", 0.0 if tiers is None else 1.0)
+        if store is None or tiers is None:
+            return
+        s = store.stats()
+        e = store.engine_stats()
+        ts = tiers.stats
+        table = tiers.table
+
+        yield self._counter(
+            "pages_leased", "Pages pinned on the device by leases", s["pages_leased"]
+        )
+        yield self._counter(
+            "hits",
+            "Leased pages by the tier they came from: device = already resident, "
+            "host/cold = loaded to the device from that tier (demand or prefetch)",
+            dict(s["hits"]),
+            label="tier",
+        )
+        yield self._counter(
+            "page_loads", "Device misses: pages loaded from host or cold", s["page_loads"]
+        )
+        yield self._counter(
+            "late_fetches",
+            "Leased pages compute had to wait for (not prefetched in time)",
+            s["late_fetches"],
+        )
+        yield self._counter("prefetched_pages", "Pages loaded by prefetch", s["prefetched"])
+        yield self._counter(
+            "prefetch_used_pages", "Prefetched pages that a lease then used", s["prefetch_used"]
+        )
+        yield self._counter(
+            "prefetch_skipped_pages",
+            "Prefetch pages given up (no room, page gone)",
+            store.counters.prefetch_skipped,
+        )
+        yield self._gauge(
+            "prefetch_accuracy",
+            "prefetch_used_pages / prefetched_pages (1 when none)",
+            s["prefetch_accuracy"],
+        )
+        yield self._counter(
+            "bytes_moved",
+            "Page bytes moved between device and host, by direction",
+            {"h2d": s["bytes_h2d"], "d2h": s["bytes_d2h"]},
+            label="direction",
+        )
+        yield self._counter(
+            "evictions",
+            "Pages pushed down a tier: written_back (device -> host), compressed "
+            "(host -> cold), dropped (gone from every tier)",
+            {k: s[k] for k in ("written_back", "compressed", "dropped")},
+            label="kind",
+        )
+        yield self._counter(
+            "idle_compressed_pages",
+            "Host pages compressed for being idle (part of compressed)",
+            s["idle_compressed"],
+        )
+        yield self._counter(
+            "codec_seconds",
+            "Seconds spent encoding / decoding cold pages",
+            {"encode": ts.encode_s, "decode": ts.decode_s},
+            label="op",
+        )
+        yield self._counter(
+            "prefix_tokens_reused",
+            "Prompt tokens whose KV was reused from the cache",
+            s["prefix_tokens_reused"],
+        )
+        yield self._counter(
+            "prompt_tokens", "Prompt tokens of every sequence added", store.counters.prompt_tokens
+        )
+        yield self._counter(
+            "background_errors",
+            "Background prefetch / write-back / compression tasks that failed",
+            s["background_errors"],
+        )
+
+        # the transfer engine: every batch, whatever its priority
+        yield self._counter(
+            "transfer_batches",
+            "Transfer batches finished, by state",
+            {"completed": e.completed, "failed": e.failed, "cancelled": e.cancelled},
+            label="state",
+        )
+        yield self._counter(
+            "transfer_batches_by_priority",
+            "Completed transfer batches by priority (demand, prefetch, writeback)",
+            {p.lower(): n for p, n in sorted(e.by_priority.items())},
+            label="priority",
+        )
+        yield self._counter("transfer_pages", "Pages copied by completed batches", e.pages)
+        yield self._counter("transfer_bytes", "Bytes copied by completed batches", e.bytes)
+        yield self._counter("transfer_copy_seconds", "Seconds spent copying", e.copy_s)
+        yield self._counter(
+            "transfer_queue_wait_seconds",
+            "Seconds batches waited from submit to copy start",
+            e.queue_wait_s,
+        )
+        yield self._gauge(
+            "transfer_bandwidth_bytes_per_second",
+            "transfer_bytes / transfer_copy_seconds since the store opened",
+            e.bytes / e.copy_s if e.copy_s > 0 else 0.0,
+        )
+        yield self._gauge(
+            "transfer_inflight_max", "Most batches in flight at once so far", e.max_inflight_seen
+        )
+
+        # occupancy, read from the page table now
+        names = table.tier_names
+        yield self._gauge(
+            "tier_pages",
+            "Pages held per tier (any state)",
+            {t: table.used(t) for t in names},
+            label="tier",
+        )
+        yield self._gauge(
+            "tier_capacity_pages",
+            "Capacity per tier in pages",
+            {t: table.capacity(t) for t in names},
+            label="tier",
+        )
+        yield self._gauge(
+            "tier_unevictable_pages",
+            "Pages per tier that cannot be evicted now (pinned, being written or moving)",
+            {t: table.used(t) - table.evictable(t) for t in names},
+            label="tier",
+        )
+        pinned = sum(1 for k in table.keys(DEVICE) if table.pins(k, DEVICE))
+        yield self._gauge(
+            "pinned_pages",
+            "Device pages pinned now (by leases and loads in flight)",
+            {DEVICE: pinned},
+            label="tier",
+        )
+        yield self._gauge(
+            "peak_device_pages", "Most device pages held at once", s["peak_device_pages"]
+        )
+        yield self._gauge(
+            "page_bytes", "Bytes of one page (all tiers but cold)", store.spec.page_bytes
+        )
+
+    # -- helpers -------------------------------------------------------------------------
+    def _family(
+        self, cls: Any, name: str, doc: str, value: float | Mapping[str, float], label: str
+    ) -> Metric:
+        const = self._labels
+        if not isinstance(value, Mapping):
+            fam = cls(PREFIX + name, doc, labels=list(const))
+            fam.add_metric(list(const.values()), float(value))
+        else:
+            fam = cls(PREFIX + name, doc, labels=[*const, label])
+            for lv, v in value.items():
+                fam.add_metric([*const.values(), lv], float(v))
+        return fam
+
+    def _counter(
+        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
+    ) -> Metric:
+        return self._family(CounterMetricFamily, name, doc, value, label)
+
+    def _gauge(
+        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
+    ) -> Metric:
+        return self._family(GaugeMetricFamily, name, doc, value, label)
+
+
+_registries: weakref.WeakKeyDictionary[Any, CollectorRegistry] = weakref.WeakKeyDictionary()
+
+
+def registry(store: KVStore) -> CollectorRegistry:
+    """The store's own registry (made on first use, one per store) holding a StoreCollector."""
+    reg = _registries.get(store)
+    if reg is None:
+        reg = CollectorRegistry()
+        reg.register(StoreCollector(store))
+        _registries[store] = reg
+    return reg
+
+
+def render(store: KVStore) -> bytes:
+    """The store's metrics in Prometheus text exposition format (``CONTENT_TYPE_LATEST``)."""
+    return generate_latest(registry(store))
+
+
+def aiohttp_handler(store: KVStore) -> Callable[[Any], Awaitable[Any]]:
+    """An aiohttp request handler serving :func:`render` (``app.router.add_get("/metrics",
+    aiohttp_handler(store))``). Raises ImportError without aiohttp."""
+    from aiohttp import web
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=render(store), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handle
