@@ -139,6 +139,18 @@ def test_kvaware_never_seen_last_block_goes_first() -> None:
     assert p.evict(always) == "z"
 
 
+def test_kvaware_once_used_page_is_worth_less_than_count_plus_one() -> None:
+    # values in half units: one use 2, two uses 5 (with count + 1 for both, "a" would go)
+    p = KVAwarePolicy(capacity=3)
+    p.insert("a")
+    p.insert("b")
+    p.touch("a")  # two uses, priority 0 + 5
+    assert p.evict(always) == "b"  # priority 2; L becomes 2
+    p.insert("c")  # one use, priority 2 + 2 = 4 < 5
+    assert p.evict(always) == "c"
+    assert p.evict(always) == "a"
+
+
 # -- properties --------------------------------------------------------------------------------
 
 KEYS = st.integers(0, 11)
