@@ -13,7 +13,14 @@ import torch
 
 from runtime import new_event_loop
 from tierkv.demo.model import ModelConfig
-from tierkv.demo.runner import DemoConfig, RunResult, all_resident, device_budget, run
+from tierkv.demo.runner import (
+    DemoConfig,
+    RunResult,
+    all_resident,
+    check_fits,
+    device_budget,
+    run,
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -79,6 +86,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo and print its table. Exit status 1 when the tokens differ."""
     try:
         cfg = config_from(args)
+        check_fits(cfg, device_budget(cfg))
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

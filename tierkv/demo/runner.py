@@ -238,8 +238,24 @@ def device_budget(cfg: DemoConfig) -> int:
     return int(cfg.total_kv_bytes() * cfg.device_fraction) // spec.page_bytes * spec.page_bytes
 
 
+def check_fits(cfg: DemoConfig, device_bytes: int) -> None:
+    """Raise ValueError (saying what to change) when one step's pages exceed the device tier."""
+    spec = cfg.model.kv_spec(cfg.kv_dtype, cfg.page_tokens)
+    per_seq = spec.bytes_for(cfg.prompt + cfg.generate)
+    if cfg.mode == "stream":
+        need, what = 3 * per_seq // cfg.model.layers, "three layers of the sequence"
+    else:
+        need, what = cfg.batch * per_seq, f"a batch of {cfg.batch} sequences"
+    if need > device_bytes:
+        raise ValueError(
+            f"the device tier ({device_bytes / 2**20:.2f} MiB) cannot hold {what} "
+            f"({need / 2**20:.2f} MiB): raise --device-fraction or lower --batch / --generate"
+        )
+
+
 async def run(cfg: DemoConfig, device_bytes: int, **kw: Any) -> RunResult:
-    """One run of ``cfg.mode`` with the given device tier."""
+    """One run of ``cfg.mode`` with the given device tier. Raises ValueError when it can't fit."""
+    check_fits(cfg, device_bytes)
     fn = run_stream if cfg.mode == "stream" else run_swap
     return await fn(cfg, device_bytes, **kw)
 
