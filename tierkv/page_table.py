@@ -29,9 +29,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from operator import itemgetter
+from typing import Any
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
 from tierkv.policies import DEFAULT_POLICY, NO_HINT, EvictionPolicy, Key, PageHint, make_policy
+from tierkv.policies.base import CanEvictSlot
 
 
 class PageState(IntEnum):
@@ -76,16 +79,19 @@ class PageEvent:
 
 
 class _Tier:
-    """One tier's pages. A page *is* its slot: state and pins live in per-slot int lists, so
+    """One tier's pages. A page *is* its slot: state, pins and key live in per-slot lists, so
     the table allocates no object per page (which also keeps the garbage collector idle)."""
 
     __slots__ = (
         "admits",
         "capacity",
         "free",
+        "key_of",
+        "moving",
         "name",
         "pins",
         "policy",
+        "slot_aware",
         "slot_of",
         "state",
         "unevictable",
@@ -97,10 +103,15 @@ class _Tier:
         self.policy = policy
         self.admits = type(policy).admit is not EvictionPolicy.admit  # skip a no-op call per page
         self.slot_of: dict[Key, int] = {}
+        self.key_of: list[Key | None] = [None] * capacity
         self.state = [_READABLE] * capacity
         self.pins = [0] * capacity
         self.free = list(range(capacity - 1, -1, -1))
         self.unevictable = 0  # pages that are pinned, WRITING or MOVING
+        self.moving = 0  # MOVING pages (they have left the policy)
+        self.slot_aware = policy.slot_aware
+        if self.slot_aware:
+            policy.bind_slots(capacity, self.slot_of)
 
 
 class PageTable:
@@ -186,6 +197,14 @@ class PageTable:
         if tier is not None:
             t = self._tier(tier)
             slot_of, state = t.slot_of, t.state
+            if len(keys) > 1:  # the whole run resident and readable: two C-level passes
+                try:
+                    slots = itemgetter(*keys)(slot_of)
+                except KeyError:
+                    pass
+                else:
+                    if itemgetter(*slots)(state).count(_READABLE) == len(slots):
+                        return len(slots)
             n = 0
             for k in keys:
                 s = slot_of.get(k)
@@ -225,9 +244,8 @@ class PageTable:
         t = self._tier(tier)
         slots = self._slots(t, keys)
         state, pins = t.state, t.pins
-        for s in slots:
-            if state[s] != _READABLE:
-                self._raise_state(t, keys, slots, _READABLE)
+        if _count(state, slots, _READABLE) != len(slots):
+            self._raise_state(t, keys, slots, _READABLE)
         newly = 0
         for s in slots:
             p = pins[s]
@@ -258,15 +276,25 @@ class PageTable:
             if p == 1 and state[s] == _READABLE:
                 freed += 1
         t.unevictable -= freed
-        t.policy.touch_many(keys)
+        if t.slot_aware:
+            t.policy.touch_slots(slots, keys)
+        else:
+            t.policy.touch_many(keys)
 
     def touch(self, keys: Iterable[Key], tier: str) -> None:
-        """Record a use of resident pages. Raises UnknownPageError (nothing is touched)."""
+        """Record a use of resident pages (MOVING ones, already on their way out, are passed
+        over). Raises UnknownPageError (nothing is touched)."""
         t = self._tier(tier)
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        if not all(map(t.slot_of.__contains__, keys)):
-            self._slots(t, keys)  # raises with the missing key's name
-        t.policy.touch_many(keys)
+        slots = self._slots(t, keys)  # raises with the missing key's name: nothing touched
+        if t.moving:
+            state = t.state
+            keys = [k for k, s in zip(keys, slots) if state[s] != _MOVING]
+            slots = [s for s in slots if state[s] != _MOVING]
+        if t.slot_aware:
+            t.policy.touch_slots(slots, keys)
+        else:
+            t.policy.touch_many(keys)
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(
@@ -284,32 +312,43 @@ class PageTable:
         Returns:
             The allocation, or ``None`` when the tier cannot make room because too many pages
             are pinned, moving or being written (nothing changed then).
+
+        Raises:
+            ValueError: ``hints`` and ``keys`` differ in length.
         """
         t = self._tier(tier)
         if hints is not None and len(hints) != len(keys):
             raise ValueError(f"{len(hints)} hints for {len(keys)} keys")
         slot_of, state, pins = t.slot_of, t.state, t.pins
-        batch = dict.fromkeys(keys)  # distinct keys, in order
-        new = [k for k in batch if k not in slot_of]
-        present = [k for k in batch if k in slot_of] if len(new) != len(batch) else []
-        if hints is None:
-            new_hints: list[PageHint] = [NO_HINT] * len(new)
+        present: list[Key] = []
+        new: list[Key]
+        new_hints: Sequence[PageHint]
+        if not any(map(slot_of.__contains__, keys)) and len(set(keys)) == len(keys):
+            new = list(keys)  # the common case: distinct pages, none resident
+            new_hints = [NO_HINT] * len(new) if hints is None else hints
         else:
-            hint_of: dict[Key, PageHint] = {}
-            for k, h in zip(keys, hints):
-                hint_of.setdefault(k, h)
-            new_hints = [hint_of[k] for k in new]
+            batch = dict.fromkeys(keys)  # distinct keys, in order
+            new = [k for k in batch if k not in slot_of]
+            present = [k for k in batch if k in slot_of]
+            if hints is None:
+                new_hints = [NO_HINT] * len(new)
+            else:
+                hint_of: dict[Key, PageHint] = {}
+                for k, h in zip(keys, hints):
+                    hint_of.setdefault(k, h)
+                new_hints = [hint_of[k] for k in new]
         rejected: list[Key] = []
         free = t.free
         need = len(new) - len(free)
         if need > 0:
-            admit = t.policy.admit
-            kept = [admit(k, h) for k, h in zip(new, new_hints)] if t.admits else []
-            if kept and not all(kept):
-                rejected = [k for k, ok in zip(new, kept) if not ok]
-                new_hints = [h for h, ok in zip(new_hints, kept) if ok]
-                new = [k for k, ok in zip(new, kept) if ok]
-                need = len(new) - len(free)
+            if t.admits:
+                admit = t.policy.admit
+                kept = [admit(k, h) for k, h in zip(new, new_hints)]
+                if not all(kept):
+                    rejected = [k for k, ok in zip(new, kept) if not ok]
+                    new_hints = [h for h, ok in zip(new_hints, kept) if ok]
+                    new = [k for k, ok in zip(new, kept) if ok]
+                    need = len(new) - len(free)
             protected = 0
             for k in present:
                 s = slot_of[k]
@@ -319,27 +358,57 @@ class PageTable:
                 return None
         evicted: list[Key] = []
         if need > 0:
-
-            def can_evict(k: Key) -> bool:
-                s = slot_of[k]
-                return not pins[s] and state[s] == _READABLE and k not in batch
-
-            evicted = t.policy.evict_many(need, can_evict)
-            if len(evicted) != need:  # the policy disagrees with our count: a policy bug
-                raise TierKVError(f"policy {t.policy.name!r} found too few victims in {tier!r}")
-            pop = slot_of.pop
-            free.extend([pop(k) for k in evicted])
+            evicted = self._evict(t, need, present)
             if self._record:
                 self._events.append(PageEvent("evicted", tier, tuple(evicted)))
         cut = len(free) - len(new)
         slots = free[cut:]
         del free[cut:]
+        slot_of.update(zip(new, slots))
+        key_of = t.key_of
         for k, s in zip(new, slots):
-            slot_of[k] = s
             state[s] = _WRITING
-        t.policy.insert_many(new, new_hints)
+            key_of[s] = k
+        if t.slot_aware:
+            t.policy.insert_slots(slots, new, new_hints)
+        else:
+            t.policy.insert_many(new, new_hints)
         t.unevictable += len(new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
+
+    def _evict(self, t: _Tier, n: int, present: list[Key]) -> list[Key]:
+        """Evict ``n`` pages by policy (never those of ``present``); their slots go free."""
+        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
+        if t.slot_aware:
+            can_evict: CanEvictSlot | None = None  # None: nothing pinned, moving or protected
+            if present:
+                keep = set(self._slots(t, present))
+                can_evict = lambda s: not pins[s] and state[s] == _READABLE and s not in keep  # noqa: E731
+            elif t.unevictable:
+                can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
+            slots = t.policy.evict_slots(n, can_evict)
+            self._check_victims(t, n, slots)
+            evicted = [key_of[s] for s in slots]
+            for k in evicted:
+                del slot_of[k]
+        else:
+            batch = set(present)
+
+            def can_evict_key(k: Key) -> bool:
+                s = slot_of[k]
+                return not pins[s] and state[s] == _READABLE and k not in batch
+
+            evicted = t.policy.evict_many(n, can_evict_key)
+            self._check_victims(t, n, evicted)
+            pop = slot_of.pop
+            slots = [pop(k) for k in evicted]
+        t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
+        return evicted
+
+    @staticmethod
+    def _check_victims(t: _Tier, n: int, victims: list[Any]) -> None:
+        if len(victims) != n:  # the policy disagrees with our count: a policy bug
+            raise TierKVError(f"policy {t.policy.name!r} found too few victims in {t.name!r}")
 
     def complete_store(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
         """Commit (``ok``) or roll back pages reserved by :meth:`prepare_store`.
@@ -367,18 +436,26 @@ class PageTable:
         Use it to write pages back to a lower tier before they leave this one.
         """
         t = self._tier(tier)
-        slot_of, state, pins = t.slot_of, t.state, t.pins
+        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
+        n = min(n, len(slot_of) - t.unevictable)
+        out: list[tuple[Key, int]]
+        if t.slot_aware:
 
-        def can_evict(k: Key) -> bool:
-            s = slot_of[k]
-            return not pins[s] and state[s] == _READABLE
+            def can_evict_slot(s: int) -> bool:
+                return not pins[s] and state[s] == _READABLE
 
-        out: list[tuple[Key, int]] = []
-        for victim in t.policy.evict_many(min(n, len(slot_of) - t.unevictable), can_evict):
-            s = slot_of[victim]
+            out = [(key_of[s], s) for s in t.policy.evict_slots(n, can_evict_slot)]
+        else:
+
+            def can_evict(k: Key) -> bool:
+                s = slot_of[k]
+                return not pins[s] and state[s] == _READABLE
+
+            out = [(k, slot_of[k]) for k in t.policy.evict_many(n, can_evict)]
+        for _, s in out:
             state[s] = _MOVING
-            out.append((victim, s))
         t.unevictable += len(out)
+        t.moving += len(out)
         return out
 
     def complete_evict(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
@@ -390,15 +467,24 @@ class PageTable:
         t = self._tier(tier)
         slots = self._state_slots(t, keys, _MOVING)
         if ok:
-            for k in keys:
-                t.free.append(t.slot_of.pop(k))
+            pop = t.slot_of.pop
+            key_of = t.key_of
+            for k, s in zip(keys, slots):
+                pop(k)
+                key_of[s] = None
+            t.free.extend(slots)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
-            for k, s in zip(keys, slots):
+            for s in slots:
                 t.state[s] = _READABLE
-                t.policy.insert(k)
+            if t.slot_aware:
+                t.policy.insert_slots(slots, keys, [NO_HINT] * len(slots))
+            else:
+                for k in keys:
+                    t.policy.insert(k)
         t.unevictable -= len(slots)
+        t.moving -= len(slots)
 
     def remove(self, keys: Sequence[Key], tier: str) -> None:
         """Drop readable, unpinned pages (for example a released sequence's private pages).
@@ -431,12 +517,18 @@ class PageTable:
         for k in new:
             if k in t.slot_of:
                 raise PageStateError(f"page {_show(k)} is already in tier {tier!r}")
+        policy = t.policy
         for k_old, k_new, s in zip(old, new, slots):
             del t.slot_of[k_old]
             t.slot_of[k_new] = s
+            t.key_of[s] = k_new
             if t.state[s] != _MOVING:  # MOVING pages already left the policy
-                t.policy.remove(k_old)
-                t.policy.insert(k_new)
+                if t.slot_aware:  # to the recent end, as a remove and an insert would
+                    policy.remove_slots((s,), (k_old,))
+                    policy.insert_slots((s,), (k_new,), (NO_HINT,))
+                else:
+                    policy.remove(k_old)
+                    policy.insert(k_new)
 
     def take_events(self) -> list[PageEvent]:
         """Return and clear the stored / evicted / removed events since the last call."""
@@ -456,6 +548,9 @@ class PageTable:
             assert unevictable == t.unevictable, f"{t.name} unevictable count"
             in_policy = sum(1 for s in used if t.state[s] != _MOVING)
             assert len(t.policy) == in_policy, f"{t.name} policy holds {len(t.policy)}"
+            assert all(t.key_of[s] == k for k, s in t.slot_of.items()), f"{t.name} key_of"
+            assert all(t.key_of[s] is None for s in t.free), f"{t.name} key_of of a free slot"
+            assert len(used) - in_policy == t.moving, f"{t.name} moving count"
 
     # -- helpers -------------------------------------------------------------------------
     def _tier(self, name: str) -> _Tier:
@@ -472,9 +567,11 @@ class PageTable:
         return s
 
     @staticmethod
-    def _slots(t: _Tier, keys: Iterable[Key]) -> list[int]:
+    def _slots(t: _Tier, keys: Sequence[Key]) -> list[int]:
         slot_of = t.slot_of
         try:
+            if len(keys) > 1:  # one C-level pass
+                return list(itemgetter(*keys)(slot_of))
             return [slot_of[k] for k in keys]
         except KeyError as exc:
             raise UnknownPageError(f"page {_show(exc.args[0])} is not in tier {t.name!r}") from None
@@ -492,19 +589,30 @@ class PageTable:
         slots = self._slots(t, keys)
         if len(set(slots)) != len(slots):
             raise PageStateError(f"a page is named twice in {[_show(k) for k in keys]}")
-        state = t.state
-        for s in slots:
-            if state[s] != want:
-                self._raise_state(t, keys, slots, want)
+        if _count(t.state, slots, want) != len(slots):
+            self._raise_state(t, keys, slots, want)
         return slots
 
     @staticmethod
     def _drop(t: _Tier, keys: Sequence[Key], slots: list[int]) -> None:
-        remove = t.policy.remove
-        for k in keys:
-            del t.slot_of[k]
-            remove(k)
+        slot_of, key_of = t.slot_of, t.key_of
+        for k, s in zip(keys, slots):
+            del slot_of[k]
+            key_of[s] = None
+        if t.slot_aware:
+            t.policy.remove_slots(slots, keys)
+        else:
+            remove = t.policy.remove
+            for k in keys:
+                remove(k)
         t.free.extend(slots)
+
+
+def _count(values: list[int], slots: Sequence[int], want: int) -> int:
+    """How many of ``values[s] for s in slots`` equal ``want`` (one C-level pass)."""
+    if len(slots) > 1:
+        return int(itemgetter(*slots)(values).count(want))
+    return sum(1 for s in slots if values[s] == want)
 
 
 def _show(key: Key) -> str:

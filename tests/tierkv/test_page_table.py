@@ -1,7 +1,8 @@
 from typing import Any
+from unittest.mock import patch
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -12,6 +13,7 @@ from tierkv import (
     PinError,
     UnknownPageError,
 )
+from tierkv.policies import POLICIES, LRUPolicy
 
 
 def stored(table: PageTable, keys: list[Any], tier: str = "host") -> None:
@@ -329,3 +331,88 @@ class PageTableMachine(RuleBasedStateMachine):
 
 TestPageTableMachine = PageTableMachine.TestCase
 TestPageTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class KeyLRU(LRUPolicy):
+    """The LRU policy on keys only: the reference for the slot-aware path of the table."""
+
+    slot_aware = False
+
+
+class LFUPageTableMachine(PageTableMachine):
+    """The same machine over a key-based policy (the table's non-slot path)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = PageTable(self.caps, "lfu")
+
+
+TestLFUPageTableMachine = LFUPageTableMachine.TestCase
+TestLFUPageTableMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "load", "unpin", "touch", "evict", "undo", "remove", "rekey"]),
+        st.lists(st.integers(0, 15), min_size=1, max_size=6),
+        st.booleans(),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS)
+def test_slot_lru_evicts_exactly_as_key_lru(ops: list[tuple[str, list[int], bool]]) -> None:
+    """Every victim of the slot-aware LRU equals the key-based LRU's, op for op."""
+    with patch.dict(POLICIES, {"lru-keys": KeyLRU}):
+        tables = [PageTable({"host": 6}, "lru"), PageTable({"host": 6}, "lru-keys")]
+    renamed = 100
+    for op, keys, ok in ops:
+        results = []
+        for t in tables:
+            try:
+                if op == "store":
+                    a = t.prepare_store(keys, "host")
+                    if a is not None:
+                        t.complete_store(a.keys, "host", ok)
+                    res: Any = a and (a.keys, a.evicted, a.present)
+                elif op == "load":
+                    res = t.prepare_load(keys, "host")
+                elif op == "unpin":
+                    res = t.complete_load(keys, "host")
+                elif op == "touch":
+                    res = t.touch(keys, "host")
+                elif op == "evict":
+                    res = [k for k, _ in t.prepare_evict("host", len(keys))]
+                elif op == "undo":
+                    moving = [k for k in t.keys("host") if t.state(k, "host") == PageState.MOVING]
+                    res = t.complete_evict(moving, "host", ok) if moving else None
+                elif op == "remove":
+                    res = t.remove(keys, "host")
+                else:
+                    res = t.rekey(keys, list(range(renamed, renamed + len(keys))), "host")
+            except (UnknownPageError, PageStateError, PinError) as exc:
+                res = type(exc)
+            t.check()
+            results.append(res)
+        renamed += len(keys)
+        assert results[0] == results[1], op
+        assert snapshot(tables[0]) == snapshot(tables[1])
+    slot_lru, key_lru = (t.policy("host") for t in tables)
+    assert isinstance(slot_lru, LRUPolicy) and isinstance(key_lru, LRUPolicy)
+    assert len(slot_lru) == len(key_lru)
+    assert all((k in slot_lru) == (k in key_lru) for k in range(renamed))
+
+
+def test_bound_lru_refuses_keys_and_touch_slots_handles_repeats() -> None:
+    p = LRUPolicy()
+    p.bind_slots(4, {})
+    with pytest.raises(RuntimeError):
+        p.insert("a")
+    with pytest.raises(RuntimeError):
+        p.bind_slots(4, {})
+    p.insert_slots([0, 1, 2, 3], (), ())
+    p.touch_slots([1, 0, 1, 3, 3], ())  # order now 2, 0, 1, 3
+    assert p.evict_slots(2, None) == [2, 0]
+    assert p.evict_slots(5, lambda s: s != 1) == [3]  # 1 skipped: to the recent end
+    assert len(p) == 1 and p.evict_slots(1, None) == [1] and len(p) == 0

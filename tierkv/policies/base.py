@@ -10,17 +10,24 @@ Policies may also use what a KV workload knows, passed as a :class:`PageHint` on
 the page sits in its prefix chain, its parent in the chain, whether it is the last (usually
 one-shot) block of a request, how many blocks that request has, and how much of it was already a
 hit. :meth:`admit` may decline a page outright.
+
+A policy may also work on the page table's **slots** (small ints, one per page) instead of keys:
+one that sets :attr:`EvictionPolicy.slot_aware` is bound to a tier with :meth:`bind_slots` and
+then hears only of slots (``insert_slots``, ``touch_slots``, ``remove_slots``, ``evict_slots``),
+so it can keep array-backed structures and never hash a key. Other policies hear only of keys;
+their slot methods forward to the key methods, so a key-based policy needs nothing new.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 Key = Hashable
 CanEvict = Callable[[Key], bool]
+CanEvictSlot = Callable[[int], bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,9 @@ class EvictionPolicy(ABC):
     """
 
     name: ClassVar[str] = "base"
+    slot_aware: ClassVar[bool] = False
+    """True for policies that implement :meth:`bind_slots` and :meth:`evict_slots`; the page
+    table then tells them about slots only, never keys."""
 
     @abstractmethod
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
@@ -106,3 +116,35 @@ class EvictionPolicy(ABC):
         """Record uses of several resident pages, in order."""
         for k in keys:
             self.touch(k)
+
+    # -- the slot interface (see the module docstring) --------------------------------------
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        """Attach to a tier of ``capacity`` slots (``slot_of``: its key -> slot map, read-only).
+
+        Called once, before any other call, and only when :attr:`slot_aware` is true; afterwards
+        the page table calls only the ``*_slots`` methods. Raises NotImplementedError here.
+        """
+        raise NotImplementedError(f"policy {self.name!r} is not slot-aware")
+
+    def insert_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
+    ) -> None:
+        """Record newly resident pages (``slots``, ``keys`` and ``hints`` aligned)."""
+        self.insert_many(keys, hints)
+
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        """Record uses of resident pages, in order (``slots`` aligned with ``keys``)."""
+        self.touch_many(keys)
+
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        """Forget resident pages that left without being chosen as victims."""
+        for k in keys:
+            self.remove(k)
+
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        """Choose and forget up to ``n`` victim slots (fewer only when no more may be evicted).
+
+        ``can_evict`` says which slots may go; ``None`` means every resident one may. Only
+        slot-aware policies implement it. Raises NotImplementedError here.
+        """
+        raise NotImplementedError(f"policy {self.name!r} is not slot-aware")
