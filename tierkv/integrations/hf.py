@@ -1,0 +1,305 @@
+"""A Hugging Face transformers ``Cache`` whose K/V live in a tierkv store.
+
+::
+
+    from tierkv.integrations.hf import TieredCache
+
+    with TieredCache(model.config, dtype=model.dtype, device_bytes=8 << 20,
+                     host_bytes=256 << 20) as cache:
+        out = model.generate(**inputs, max_new_tokens=64, do_sample=False, cache=cache)
+        print(cache.stats()["page_loads"])
+
+(``past_key_values=cache`` works too; transformers 5 renamed that argument ``cache``.)
+
+How a model's K/V reach the store: each batch row is one store sequence, each model layer one
+store layer. ``update(k, v, layer)`` leases that layer's pages of every row (loading them to the
+device tier if they were evicted), appends the new tokens and returns the whole layer::
+
+    key_states [B, H_kv, n, D]  --row b-->  lease.append(seq_b, layer, k[b] [H, n, D], ...)
+    returned   [B, H_kv, S, D]  <--stack--  lease.kv(seq_b, layer) -> K [H, S, D], V [H, S, D]
+
+so the device tier only ever needs one layer's pages of the batch (plus a new page per row), and
+the other layers wait on the host tier. After layer ``L`` the pages of layer ``L + 1`` are
+prefetched in the background while the model computes the rest of layer ``L``.
+
+The returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
+``DynamicCache`` (the store never compresses a live sequence's pages unless ``compress_live``).
+
+Unsupported, and raised as :class:`UnsupportedCacheOperation` (a ``NotImplementedError``):
+cache edits that the store cannot express yet (``crop`` of a non-zero count, as assisted and
+contrastive decoding do; ``reorder_cache``, as beam search does; ``batch_repeat_interleave``
+and ``batch_select_indices``), a batch size that changes after the first update, and models
+with sliding-window or other non-full-attention layers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from tierkv.errors import SpecError, StoreClosedError, TierKVError
+from tierkv.spec import KVSpec, parse_dtype
+from tierkv.sync import SyncKVStore
+
+T = TypeVar("T")
+_cache_ids = itertools.count()
+
+
+class UnsupportedCacheOperation(TierKVError, NotImplementedError):
+    """A cache operation that :class:`TieredCache` does not support (see the module docstring)."""
+
+
+def kv_spec_for(
+    config: Any, dtype: torch.dtype | str | None = None, page_tokens: int = 16
+) -> KVSpec:
+    """The :class:`KVSpec` of a decoder's config (layers, KV heads, head dim).
+
+    ``dtype`` defaults to the config's ``dtype`` (float32 when it names none). Raises SpecError
+    for a config without the attention fields of a Llama-family decoder.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    try:
+        layers = int(text.num_hidden_layers)
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or int(text.hidden_size) // heads)
+    except AttributeError as exc:
+        raise SpecError(f"config lacks a decoder's attention fields: {exc}") from exc
+    if dtype is None:
+        dtype = getattr(text, "dtype", None) or torch.float32
+    return KVSpec(layers, kv_heads, head_dim, parse_dtype(dtype), page_tokens)
+
+
+def _check_full_attention(config: Any) -> None:
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or getattr(text, "sliding_window", None):
+        raise UnsupportedCacheOperation(
+            f"TieredCache supports full-attention layers only, not {sorted(types)} "
+            f"(sliding_window={getattr(text, 'sliding_window', None)})"
+        )
+
+
+class TieredLayer(CacheLayerMixin):
+    """One model layer of a :class:`TieredCache`: holds no tensors, only its token count."""
+
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, cache: TieredCache, layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self.layer_idx = layer_idx
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._cache._update(self, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+        self.is_initialized = False
+
+    def offload(self) -> None:
+        pass  # the store decides where pages live
+
+    def prefetch(self) -> None:
+        pass
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise UnsupportedCacheOperation(
+                "TieredCache cannot crop tokens (the store has no truncate yet): "
+                "assisted and contrastive decoding are unsupported"
+            )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedCacheOperation("TieredCache does not support beam search (reorder_cache)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats != 1:
+            raise UnsupportedCacheOperation("TieredCache cannot repeat batch rows")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise UnsupportedCacheOperation("TieredCache cannot select batch rows")
+
+
+class TieredCache(Cache):
+    """A transformers ``Cache`` backed by a tierkv store (see the module docstring).
+
+    Args:
+        config: the model's config (layers, KV heads, head dim, dtype); optional with ``store``.
+        store: a :class:`SyncKVStore` to share (several caches, one store); the cache then
+            releases its sequences on :meth:`close` but leaves the store open. Without it the
+            cache opens its own store with ``device_bytes``, ``host_bytes`` and ``store_kwargs``
+            (see :class:`tierkv.KVStore`) and closes it on :meth:`close`.
+        dtype: the KV dtype; must be the model's (default: the config's, else float32).
+        page_tokens: tokens per page.
+        prefetch: load layer ``L + 1``'s pages in the background after layer ``L``.
+
+    Raises:
+        UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
+        SpecError: no config and no store, a config without attention fields, budgets that hold
+            no page, or (at an update) K/V whose head count, head dim or dtype differ from the
+            spec.
+    """
+
+    def __init__(
+        self,
+        config: Any = None,
+        *,
+        store: SyncKVStore | None = None,
+        device_bytes: int | None = None,
+        host_bytes: int | None = None,
+        dtype: torch.dtype | str | None = None,
+        page_tokens: int = 16,
+        prefetch: bool = True,
+        **store_kwargs: Any,
+    ) -> None:
+        if store is None:
+            if config is None or device_bytes is None or host_bytes is None:
+                raise SpecError("TieredCache needs a store, or config, device_bytes and host_bytes")
+            spec = kv_spec_for(config, dtype, page_tokens)
+            _check_full_attention(config)
+            store = SyncKVStore(
+                spec, device_bytes=device_bytes, host_bytes=host_bytes, **store_kwargs
+            )
+            self._owns_store = True
+        else:
+            spec = store.store.spec
+            self._owns_store = False
+        self.spec = spec
+        self.kv = store
+        self.prefetch_next = prefetch
+        self._prefix = f"hf-{next(_cache_ids)}"
+        self._seq_ids: list[str] = []
+        self._closed = False
+        super().__init__(layers=[TieredLayer(self, i) for i in range(spec.num_layers)])
+
+    # -- the Cache contract --------------------------------------------------------------
+    def _update(
+        self, layer: TieredLayer, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._closed:
+            raise StoreClosedError("TieredCache is closed")
+        batch, n = k.shape[0], k.shape[2]
+        if not self._seq_ids:
+            self._start(batch)
+        elif batch != len(self._seq_ids):
+            raise UnsupportedCacheOperation(
+                f"batch size changed from {len(self._seq_ids)} to {batch} on a TieredCache"
+            )
+        idx, last = layer.layer_idx, self.spec.num_layers - 1
+        kvs = self._on_loop(self._append_and_read(self._seq_ids, idx, k, v))
+        layer.length += n
+        if self.prefetch_next and last > 0:
+            self._prefetch(idx + 1 if idx < last else 0)
+        if idx == last:
+            self.kv.step()
+        if batch == 1:
+            keys, values = kvs[0][0].unsqueeze(0), kvs[0][1].unsqueeze(0)
+        else:
+            keys = torch.stack([kk for kk, _ in kvs])
+            values = torch.stack([vv for _, vv in kvs])
+        if keys.device != k.device:
+            keys, values = keys.to(k.device), values.to(k.device)
+        return keys, values
+
+    def _start(self, batch: int) -> None:
+        ids = [f"{self._prefix}/{b}" for b in range(batch)]
+        for sid in ids:
+            # No token ids reach a Cache, so blocks stay private: no prefix is reused or shared.
+            self.kv.add_sequence(sid, [])
+        self._seq_ids = ids
+
+    async def _append_and_read(
+        self, ids: list[str], layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # One hop onto the store's loop per update: lease, append, gather, end of the lease.
+        async with self.kv.store.lease(ids, [layer]) as lease:
+            for b, sid in enumerate(ids):
+                await lease.append(sid, layer, k[b], v[b])
+            return [lease.kv(sid, layer) for sid in ids]
+
+    def _prefetch(self, layer: int) -> None:
+        # Not SyncKVStore.prefetch, which waits: these loads must overlap the model's compute.
+        coro = self.kv.store.prefetch(self._seq_ids, [layer], wait=False)
+        asyncio.run_coroutine_threadsafe(coro, self.kv._loop)
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        # SyncKVStore has no public hook to run a coroutine on its loop (docs/transformers.md).
+        fut = asyncio.run_coroutine_threadsafe(coro, self.kv._loop)
+        return fut.result(self.kv.store.timeout * 2)
+
+    def reset(self) -> None:
+        """Drop every token (the store's sequences are released); the cache stays usable."""
+        self._release()
+        for layer in self.layers:
+            layer.reset()
+
+    # -- life cycle and figures ----------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The store's figures (see :meth:`tierkv.KVStore.stats`)."""
+        return self.kv.stats()
+
+    def full_kv_bytes(self) -> int:
+        """Page bytes of the cache's tokens in all layers (what an all-resident tier holds)."""
+        return len(self._seq_ids) * self.spec.bytes_for(self.get_seq_length())
+
+    def _release(self) -> None:
+        ids, self._seq_ids = self._seq_ids, []
+        for sid in ids:
+            self.kv.release(sid)
+
+    def close(self) -> None:
+        """Release the store's sequences (and close the store if the cache opened it).
+
+        Idempotent; later updates raise StoreClosedError.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._release()
+        finally:
+            if self._owns_store:
+                self.kv.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TieredCache(layers={self.spec.num_layers}, tokens={self.get_seq_length()}, "
+            f"rows={len(self._seq_ids)})"
+        )
