@@ -122,9 +122,9 @@ class EvictionPolicy(ABC):
         """Attach to a tier of ``capacity`` slots (``slot_of``: its key -> slot map, read-only).
 
         Called once, before any other call, and only when :attr:`slot_aware` is true; afterwards
-        the page table calls only the ``*_slots`` methods. Raises NotImplementedError here.
+        the page table calls only the ``*_slots`` methods. Raises TypeError here.
         """
-        raise NotImplementedError(f"policy {self.name!r} is not slot-aware")
+        raise TypeError(f"policy {self.name!r} is not slot-aware")
 
     def insert_slots(
         self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
@@ -145,6 +145,6 @@ class EvictionPolicy(ABC):
         """Choose and forget up to ``n`` victim slots (fewer only when no more may be evicted).
 
         ``can_evict`` says which slots may go; ``None`` means every resident one may. Only
-        slot-aware policies implement it. Raises NotImplementedError here.
+        slot-aware policies implement it. Raises TypeError here.
         """
-        raise NotImplementedError(f"policy {self.name!r} is not slot-aware")
+        raise TypeError(f"policy {self.name!r} is not slot-aware")
