@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,7 +32,14 @@ class ColdStorage:
     table: PageTable
     owners: dict[Key, int]
     stats: TierStats
+    owner_pins: dict[Key, set[str]]
     forget_in: Callable[[str, Sequence[Key]], None]
+
+    if TYPE_CHECKING:  # provided by TierSet
+
+        def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None: ...
+
+        def unpin_owner(self, key: Key, tier: str) -> None: ...
 
     def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> asyncio.Future[None]:
         """Decode cold pages into device slots on a worker thread (started now)."""
@@ -103,9 +110,7 @@ class ColdStorage:
             table.complete_store(alloc.keys, COLD, ok=False)
             raise
         table.complete_store(alloc.keys, COLD)
-        owned = [k for k in alloc.keys if k in self.owners]
-        if owned:
-            table.prepare_load(owned, COLD)
+        self.pin_owner([k for k in alloc.keys if k in self.owners], [COLD])
         self.stats.pages_compressed += len(alloc.keys)
 
     async def compress_idle(self, keys: Sequence[Key]) -> int:
@@ -120,7 +125,7 @@ class ColdStorage:
         for k in keys:
             if table.present([k], DEVICE) or not table.lookup([k], HOST):
                 continue
-            if table.pins(k, HOST) != (1 if k in self.owners else 0):
+            if table.pins(k, HOST) != (1 if HOST in self.owner_pins.get(k, ()) else 0):
                 continue
             if table.present([k], COLD):
                 continue
@@ -139,7 +144,6 @@ class ColdStorage:
             table.complete_load(pk, HOST)
         moved = [k for k in pk if table.present([k], COLD)]
         for k in moved:
-            if k in self.owners:
-                table.complete_load([k], HOST)  # the owner's pin moved to the cold copy
+            self.unpin_owner(k, HOST)  # the owner's pin moved to the cold copy
         self.forget_in(HOST, moved)
         return len(moved)

@@ -39,9 +39,13 @@ class DeviceEviction:
     _has_lower: Callable[[Key], bool]
     forget_in: Callable[[str, Sequence[Key]], None]
 
-    if TYPE_CHECKING:  # provided by ColdStorage
+    if TYPE_CHECKING:  # provided by ColdStorage and TierSet
 
         async def _make_room_host(self, n: int) -> None: ...
+
+        def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None: ...
+
+        def unpin_owner(self, key: Key, tier: str) -> None: ...
 
     async def _make_room(self, n: int) -> None:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped."""
@@ -138,12 +142,9 @@ class DeviceEviction:
         )
         self.stats.bytes_d2h += len(keys) * self.spec.page_bytes
         self.stats.pages_written_back += len(keys)
-        owned = [k for k in alloc.keys if k in self.owners]
-        if owned:
-            table.prepare_load(owned, HOST)
+        self.pin_owner([k for k in alloc.keys if k in self.owners], [HOST])
         for k in stale_cold:  # the cold copy is older than the one just written
-            if table.pins(k, COLD):
-                table.complete_load([k], COLD)
+            self.unpin_owner(k, COLD)
             self.forget_in(COLD, [k])
 
     def mark_dirty(self, keys: Sequence[Key]) -> None:

@@ -78,7 +78,8 @@ class TierSet(DeviceEviction, ColdStorage):
         self.lower = [t for t in (HOST, COLD) if t in tiers]
         self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
-        self.owners: dict[Key, int] = {}
+        self.owners: dict[Key, int] = {}  # live sequences holding each page
+        self.owner_pins: dict[Key, set[str]] = {}  # lower tiers where owners pin a copy
         self.loading: dict[Key, asyncio.Future[None]] = {}
         self.stats = TierStats()
         self._device_lock = asyncio.Lock()
@@ -117,9 +118,7 @@ class TierSet(DeviceEviction, ColdStorage):
             n = self.owners.get(k, 0)
             self.owners[k] = n + 1
             if n == 0:
-                for t in self.lower:
-                    if self.table.lookup([k], t):
-                        self.table.prepare_load([k], t)
+                self.pin_owner([k], [t for t in self.lower if self.table.lookup([k], t)])
 
     def disown(self, keys: Sequence[Key]) -> None:
         """Drop one owner of each key; unowned pages become evictable cache."""
@@ -127,11 +126,30 @@ class TierSet(DeviceEviction, ColdStorage):
             n = self.owners.get(k, 0)
             if n <= 1:
                 self.owners.pop(k, None)
-                for t in self.lower:
-                    if self.table.present([k], t) and self.table.pins(k, t):
-                        self.table.complete_load([k], t)
+                for t in list(self.owner_pins.get(k, ())):
+                    self.unpin_owner(k, t)
             else:
                 self.owners[k] = n - 1
+
+    def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None:
+        """Pin the copies of owned pages in ``tiers`` on behalf of their owners (recorded, so
+        that only these pins, never a copy's transient pin, are dropped with the owner)."""
+        for t in tiers:
+            if keys:
+                self.table.prepare_load(keys, t)
+                for k in keys:
+                    self.owner_pins.setdefault(k, set()).add(t)
+
+    def unpin_owner(self, key: Key, tier: str) -> None:
+        """Drop the owner's pin on ``key``'s copy in ``tier`` (if it holds one)."""
+        held = self.owner_pins.get(key)
+        if held is None or tier not in held:
+            return
+        held.discard(tier)
+        if not held:
+            del self.owner_pins[key]
+        if self.table.present([key], tier):
+            self.table.complete_load([key], tier)
 
     def forget(self, keys: Sequence[Key]) -> None:
         """Remove unowned, unpinned pages from every tier (a released private page)."""
@@ -159,6 +177,8 @@ class TierSet(DeviceEviction, ColdStorage):
                 self.dirty[n] = self.dirty.pop(o)
             if o in self.owners:
                 self.owners[n] = self.owners.pop(o)
+            if o in self.owner_pins:
+                self.owner_pins[n] = self.owner_pins.pop(o)
         return True
 
     # -- device allocation ---------------------------------------------------------------
