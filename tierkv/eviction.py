@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from runtime import Arena, Priority, TransferEngine
 from tierkv.errors import TierFullError
@@ -36,6 +36,7 @@ class DeviceEviction:
     timeline: Timeline
     _gen: int
     _busy: set[asyncio.Task[None]]
+    _progress: asyncio.Future[None] | None
     _has_lower: Callable[[Key], bool]
     forget_in: Callable[[str, Sequence[Key]], None]
 
@@ -59,20 +60,15 @@ class DeviceEviction:
             if len(victims) >= n - free:
                 break
             table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
-            inflight: list[Any] = [*self._busy, *self.loading.values()]
             left = deadline - time.monotonic()
-            if not inflight or left <= 0:
+            if not (self._busy or self.loading) or left <= 0:
                 raise TierFullError(
                     f"device tier full: {n} pages needed, {free} free, "
                     f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
                     f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
                 )
             # pages pinned only by copies in flight become evictable when those finish
-            await asyncio.wait(
-                [asyncio.shield(f) for f in inflight],
-                timeout=left,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            await asyncio.wait([asyncio.shield(self.progress())], timeout=left)
             free = table.capacity(DEVICE) - table.used(DEVICE)
             if free >= n:
                 return
@@ -147,6 +143,19 @@ class DeviceEviction:
             self.unpin_owner(k, COLD)
             self.forget_in(COLD, [k])
 
+    def progress(self) -> asyncio.Future[None]:
+        """A future resolved when the next load or write-behind copy finishes (one future for
+        every waiter, so a full device costs O(1) per wait, not O(copies in flight))."""
+        if self._progress is None or self._progress.done():
+            self._progress = asyncio.get_running_loop().create_future()
+        return self._progress
+
+    def signal_progress(self) -> None:
+        """A copy finished: wake whoever waits for room."""
+        if self._progress is not None and not self._progress.done():
+            self._progress.set_result(None)
+        self._progress = None
+
     def mark_dirty(self, keys: Sequence[Key]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
         for k in keys:
@@ -188,5 +197,6 @@ class DeviceEviction:
         if task in self._busy:
             self._busy.discard(task)
             self.table.complete_load(keys, DEVICE)
+            self.signal_progress()
             if not task.cancelled() and task.exception() is None:
                 self._clean(keys, gens)  # a page written again meanwhile stays dirty

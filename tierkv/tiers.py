@@ -84,6 +84,7 @@ class TierSet(DeviceEviction, ColdStorage):
         self.stats = TierStats()
         self._device_lock = asyncio.Lock()
         self._busy: set[asyncio.Task[None]] = set()  # write-behind copies holding device pins
+        self._progress: asyncio.Future[None] | None = None  # see DeviceEviction.progress
 
     # -- where pages are ---------------------------------------------------------------
     def holds(self, key: Key) -> bool:
@@ -326,6 +327,7 @@ class TierSet(DeviceEviction, ColdStorage):
         for tier, (ks, _) in src.items():
             self.table.complete_load(ks, tier)
         self.table.complete_store(keys, DEVICE, ok=error is None)
+        self.signal_progress()
         for k in keys:
             fut = self.loading.pop(k)
             if error is None:
