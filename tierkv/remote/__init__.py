@@ -1,0 +1,47 @@
+"""The remote tier: a store's host tier served to peers, and read or written from them.
+
+::
+
+    prefill process                                   decode process
+    KVStore ── host arena ──┐                         KVStore ── host arena
+    PageServer (serve.py) ──┤ control: lookup,        RemoteTier.load(keys, arena, slots)
+      Directory: slot, gen  │ acquire, release ...    import_prefix(store, peer, prompt)
+                            └ data: shm / tcp  <────  one-sided reads (writes: publish)
+
+`PageServer` exposes an opened store (`tierkv serve` runs one); `RemoteTier` is its client;
+`import_prefix` / `publish_prefix` move a prompt's cached blocks. See docs/remote.md.
+"""
+
+from __future__ import annotations
+
+from tierkv.remote.client import ReadLease, RemoteTier
+from tierkv.remote.directory import Directory
+from tierkv.remote.errors import (
+    PeerGoneError,
+    RemoteError,
+    RemoteFullError,
+    RemoteProtocolError,
+    RemoteRefusedError,
+    RemoteTimeoutError,
+)
+from tierkv.remote.hosting import share_host_arena
+from tierkv.remote.server import PageServer
+from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
+
+__all__ = [
+    "Directory",
+    "PageServer",
+    "PeerGoneError",
+    "ReadLease",
+    "RemoteError",
+    "RemoteFullError",
+    "RemoteProtocolError",
+    "RemoteRefusedError",
+    "RemoteTier",
+    "RemoteTimeoutError",
+    "import_prefix",
+    "prefix_pages",
+    "publish_prefix",
+    "share_host_arena",
+    "stage_prefix",
+]

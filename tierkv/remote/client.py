@@ -1,0 +1,335 @@
+"""`RemoteTier`: a peer's host tier, reached through its page server.
+
+::
+
+    async with RemoteTier("10.0.0.7:7600", transport="tcp", secret=s, spec=spec) as peer:
+        n = await peer.lookup(page_keys)                   # longest prefix the peer holds
+        got = await peer.load(page_keys[:n], arena.array, slots)   # pages -> local slots
+        stored = await peer.publish(keys, arena.array, slots)      # local pages -> the peer
+
+`load` pins the pages on the peer for the read (a lease), reads them one-sidedly straight into
+the given local slots, then asks the peer whether each page's slot and generation held: pages
+from the first one that did not are misses (not counted). The caller owns the local slots (for
+example reserved WRITING in its page table) and keeps only the counted ones; on any error no
+other local memory has been touched and no byte lands after the call returns.
+
+Every wait is bounded by ``timeout``. A control call that times out or is cancelled breaks the
+connection (a late reply could not be told apart); later calls raise PeerGoneError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import transports
+from tierkv.errors import SpecError
+from tierkv.remote.errors import (
+    PeerGoneError,
+    RemoteError,
+    RemoteProtocolError,
+    RemoteRefusedError,
+    RemoteTimeoutError,
+    map_transport_error,
+)
+from tierkv.remote.server import SECRET_ENV, spec_fields
+from tierkv.remote.wire import auth_mac, error_for, recv, send
+from tierkv.spec import KVSpec
+
+__all__ = ["ReadLease", "RemoteTier"]
+
+Slots = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLease:
+    """Pages pinned on the peer for one read: their keys, peer slots and generations."""
+
+    lease: int
+    keys: list[bytes]
+    slots: list[int]
+    gens: list[int]
+
+
+def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
+    """(local slot, remote slot, count) runs where both sides are consecutive."""
+    out: list[tuple[int, int, int]] = []
+    for lo, ro in zip(local, remote):
+        if out and out[-1][0] + out[-1][2] == lo and out[-1][1] + out[-1][2] == ro:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((lo, ro, 1))
+    return out
+
+
+class RemoteTier:
+    """A client of one page server. Use as ``async with`` (or `connect` / `aclose`).
+
+    Args:
+        address: ``host:port`` of the page server's control socket.
+        transport: the data transport to use (one the server offers: ``shm``, ``tcp``...).
+        secret: shared secret (default ``$TIERKV_TRANSPORT_SECRET``).
+        spec: our page layout; `connect` refuses a server whose layout differs.
+        timeout: bound of every control reply, connect and transfer, in seconds.
+        transport_options: extra keyword arguments for the local transport.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        transport: str = "tcp",
+        secret: bytes | None = None,
+        spec: KVSpec | None = None,
+        timeout: float = 10.0,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address must be host:port, got {address!r}")
+        self.host, self.port = host, int(port)
+        self.kind = transport
+        self.secret = secret if secret is not None else _env_secret()
+        self.spec, self.timeout = spec, timeout
+        self._options = transport_options or {}
+        self.page_bytes = 0
+        self.lease_ttl = 0.0
+        self.server_name = ""
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+        self._ids = 0
+        self._transport: transports.Transport | None = None
+        self._region: transports.RegionDescriptor | None = None
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def connect(self) -> RemoteTier:
+        """Connect, authenticate, check the page layout, reach the data transport.
+
+        Raises PeerGoneError (unreachable), RemoteTimeoutError, RemoteRefusedError (bad
+        secret, other layout, transport not offered), RemoteProtocolError.
+        """
+        try:
+            await self._connect()
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def _connect(self) -> None:
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.timeout
+            )
+        except TimeoutError as exc:
+            raise RemoteTimeoutError(f"no answer from {self.host}:{self.port}") from exc
+        except OSError as exc:
+            raise PeerGoneError(f"cannot reach the page server at {self.host}:{self.port}") from exc
+        first = await self._receive()
+        nonce = first.get("nonce")
+        if not isinstance(nonce, bytes):
+            raise RemoteProtocolError("the page server sent no nonce")
+        hello = await self._call("hello", mac=auth_mac(self.secret, nonce))
+        spec = hello.get("spec")
+        if not isinstance(spec, dict) or type(spec.get("page_bytes")) is not int:
+            raise RemoteProtocolError("the page server's hello has no page layout")
+        if self.spec is not None and spec != spec_fields(self.spec):
+            raise RemoteRefusedError(f"page layout differs: ours {spec_fields(self.spec)}, {spec}")
+        self.page_bytes = spec["page_bytes"]
+        self.lease_ttl = float(hello.get("lease_ttl", 0.0))
+        self.server_name = str(hello.get("name", ""))
+        offered = hello.get("transports")
+        if not isinstance(offered, dict) or not isinstance(offered.get(self.kind), dict):
+            names = sorted(offered) if isinstance(offered, dict) else []
+            raise RemoteRefusedError(f"the page server offers {names}, not {self.kind!r}")
+        info = offered[self.kind]
+        opts: dict[str, Any] = {"timeout": self.timeout, **self._options}
+        if self.kind == "tcp":
+            opts.setdefault("secret", self.secret or None)
+        try:
+            self._region = transports.RegionDescriptor.unpack(info.get("region", b""))
+            self._transport = transports.create(self.kind, **opts)
+            await self._transport.start()
+            await self._transport.add_peer(info.get("metadata", b""))
+        except transports.TransportError as exc:
+            raise map_transport_error(exc, f"reaching the {self.kind} data transport") from exc
+        except ValueError as exc:  # a transport option missing (tcp without a secret)
+            raise RemoteRefusedError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        """Close the control connection and the data transport. Idempotent."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._transport is not None:
+            await self._transport.aclose()
+            self._transport = None
+
+    async def __aenter__(self) -> RemoteTier:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- control calls -------------------------------------------------------------------
+    async def _receive(self) -> dict[str, Any]:
+        assert self._reader is not None
+        try:
+            msg = await asyncio.wait_for(recv(self._reader), self.timeout)
+        except TimeoutError as exc:
+            self._break()
+            raise RemoteTimeoutError(f"page server silent for {self.timeout:g} s") from exc
+        except BaseException:
+            self._break()
+            raise
+        if msg is None:
+            self._break()
+            raise PeerGoneError(f"page server at {self.host}:{self.port} closed the connection")
+        return msg
+
+    def _break(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        async with self._lock:
+            if self._writer is None:
+                raise PeerGoneError("not connected to the page server (closed or broken)")
+            self._ids += 1
+            try:
+                await send(self._writer, {"op": op, "id": self._ids, **fields})
+            except (ConnectionError, RuntimeError) as exc:
+                self._break()
+                raise PeerGoneError(f"page server gone while sending {op!r}") from exc
+            except BaseException:
+                self._break()
+                raise
+            reply = await self._receive()
+        if reply.get("id") != self._ids:
+            raise RemoteProtocolError(f"reply {reply.get('id')!r} to request {self._ids}")
+        if "err" in reply:
+            raise error_for(reply)
+        return reply
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        """How many leading pages of ``keys`` the peer holds (readable, in its host tier)."""
+        n = (await self._call("lookup", keys=list(keys))).get("n")
+        if type(n) is not int or not 0 <= n <= len(keys):
+            raise RemoteProtocolError(f"bad lookup answer {n!r}")
+        return n
+
+    async def stats(self) -> dict[str, Any]:
+        """The page server's figures (pages served, leases, expiries)."""
+        return await self._call("stats")
+
+    # -- reads ---------------------------------------------------------------------------
+    async def acquire(self, keys: list[bytes]) -> ReadLease:
+        """Pin the leading pages of ``keys`` that the peer holds; release with `release`."""
+        reply = await self._call("acquire", keys=list(keys))
+        slots, gens, lease = reply.get("slots"), reply.get("gens"), reply.get("lease")
+        if not (isinstance(slots, list) and isinstance(gens, list) and type(lease) is int):
+            raise RemoteProtocolError("bad acquire answer")
+        if len(slots) != len(gens) or len(slots) > len(keys):
+            raise RemoteProtocolError("bad acquire answer")
+        return ReadLease(lease, list(keys[: len(slots)]), slots, gens)
+
+    async def read(self, lease: ReadLease, array: Slots, slots: list[int]) -> None:
+        """Copy the lease's pages into ``slots`` of ``array`` ([num_slots, page_bytes] uint8).
+
+        Raises PeerGoneError, RemoteTimeoutError, RemoteError; no byte lands after it returns.
+        """
+        await self._transfer("read", array, slots, lease.slots)
+
+    async def release(self, lease: ReadLease) -> int:
+        """End a read lease; returns how many leading pages were still valid when it ended."""
+        valid = (await self._call("release", lease=lease.lease)).get("valid")
+        if type(valid) is not int or not 0 <= valid <= len(lease.keys):
+            raise RemoteProtocolError(f"bad release answer {valid!r}")
+        return valid
+
+    async def load(self, keys: list[bytes], array: Slots, slots: list[int]) -> int:
+        """Read the leading pages of ``keys`` the peer holds into ``slots`` of ``array``.
+
+        Returns how many leading pages arrived intact (the rest are misses: not held, or
+        evicted and reused on the peer during the read). Raises PeerGoneError,
+        RemoteTimeoutError, RemoteError, SpecError; only ``slots`` may have been written then.
+        """
+        if len(slots) < len(keys):
+            raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
+        lease = await self.acquire(keys)
+        if lease.slots:
+            try:
+                await self.read(lease, array, list(slots[: len(lease.slots)]))
+            except BaseException:
+                with contextlib.suppress(RemoteError):  # the lease also ends on its own
+                    await self.release(lease)
+                raise
+        return await self.release(lease)
+
+    # -- writes --------------------------------------------------------------------------
+    async def publish(self, keys: list[bytes], array: Slots, slots: list[int]) -> int:
+        """Write the pages in ``slots`` of ``array`` to the peer's host tier under ``keys``.
+
+        Pages the peer already holds are skipped. Returns the pages newly stored. Raises
+        RemoteFullError (no room on the peer), PeerGoneError, RemoteTimeoutError, RemoteError.
+        """
+        if len(slots) != len(keys):
+            raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
+        reply = await self._call("reserve", keys=list(keys))
+        lease, remote = reply.get("lease"), reply.get("slots")
+        if type(lease) is not int or not isinstance(remote, list) or len(remote) != len(keys):
+            raise RemoteProtocolError("bad reserve answer")
+        todo = [(lo, ro) for lo, ro in zip(slots, remote) if ro >= 0]
+        try:
+            if todo:
+                await self._transfer("write", array, [lo for lo, _ in todo], [ro for _, ro in todo])
+        except BaseException:
+            with contextlib.suppress(RemoteError):
+                await self._call("commit", lease=lease, ok=False)
+            raise
+        stored = (await self._call("commit", lease=lease, ok=True)).get("stored")
+        if type(stored) is not int:
+            raise RemoteProtocolError("bad commit answer")
+        return stored
+
+    # -- one-sided transfers -------------------------------------------------------------
+    async def _transfer(
+        self, direction: str, array: Slots, local: list[int], remote: list[int]
+    ) -> None:
+        t, desc, pb = self._transport, self._region, self.page_bytes
+        if t is None or desc is None:
+            raise PeerGoneError("not connected to the page server")
+        if array.ndim != 2 or array.shape[1] != pb or array.dtype != np.uint8:
+            raise SpecError(f"local pages must be a uint8 array [n, {pb}], got {array.shape}")
+        if any(not 0 <= s < array.shape[0] for s in local):
+            raise SpecError(f"a local slot is outside [0, {array.shape[0]})")
+        try:
+            region = t.register_memory(array)
+        except transports.TransportError as exc:
+            raise map_transport_error(exc, "registering the local pages") from exc
+        handle: transports.TransferHandle | None = None
+        try:
+            ops = [
+                transports.TransferOp(region, lo * pb, desc, ro * pb, n * pb)
+                for lo, ro, n in _runs(local, remote)
+            ]
+            post = t.read if direction == "read" else t.write
+            handle = post(ops)
+            await handle.wait(self.timeout)
+        except transports.TransportError as exc:
+            raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
+        finally:
+            if handle is not None:
+                handle.cancel()  # no-op when done; else no byte lands after this
+            t.deregister(region)
+
+
+def _env_secret() -> bytes:
+    return os.environ.get(SECRET_ENV, "").encode()

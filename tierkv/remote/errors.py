@@ -1,0 +1,63 @@
+"""The remote tier's errors, drawn once.
+
+::
+
+    RemoteError (a TierKVError)
+    ├── PeerGoneError             the page server vanished or cannot be reached (mid-call too)
+    ├── RemoteTimeoutError        a bounded wait on the page server ran out (also TimeoutError)
+    ├── RemoteProtocolError       a malformed or unexpected control message
+    └── RemoteRefusedError        the server said no: bad auth, spec mismatch, unknown op
+         └── RemoteFullError      no room in the server's host tier (everything pinned)
+
+Transport errors (`transports.TransportError`) are mapped at the boundary with
+``raise ... from exc``: `PeerError` -> PeerGoneError, `TransferTimeoutError` ->
+RemoteTimeoutError, anything else -> RemoteError.
+"""
+
+from __future__ import annotations
+
+import transports
+from tierkv.errors import TierKVError
+
+__all__ = [
+    "PeerGoneError",
+    "RemoteError",
+    "RemoteFullError",
+    "RemoteProtocolError",
+    "RemoteRefusedError",
+    "RemoteTimeoutError",
+    "map_transport_error",
+]
+
+
+class RemoteError(TierKVError):
+    """Root of the remote tier's errors. Local pages are left as they were when it is raised."""
+
+
+class PeerGoneError(RemoteError):
+    """The page server is unreachable, or vanished while a call was in flight."""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """A bounded wait on the page server (control reply or one-sided transfer) ran out."""
+
+
+class RemoteProtocolError(RemoteError):
+    """A malformed, oversized or unexpected control message."""
+
+
+class RemoteRefusedError(RemoteError):
+    """The page server refused a request (authentication, page layout, unknown operation)."""
+
+
+class RemoteFullError(RemoteRefusedError):
+    """The page server's host tier has no room for the pages to publish."""
+
+
+def map_transport_error(exc: transports.TransportError, what: str) -> RemoteError:
+    """The remote error that stands for a transport error raised while doing `what`."""
+    if isinstance(exc, transports.PeerError):
+        return PeerGoneError(f"{what}: {exc}")
+    if isinstance(exc, transports.TransferTimeoutError):
+        return RemoteTimeoutError(f"{what}: {exc}")
+    return RemoteError(f"{what}: {type(exc).__name__}: {exc}")

@@ -1,0 +1,236 @@
+"""The page server: a store's host tier, served to peers through one or more transports.
+
+::
+
+    peer (RemoteTier)                         this process
+      control: lookup / acquire / release  -> PageServer -> Directory (slots, generations,
+               reserve / commit               (asyncio      leases) over store.tiers.table
+                                               stream)
+      data:    one-sided read / write      -> the host arena, registered with each transport
+               (shm: memcpy from the mapped segment; tcp: a batch request to its server)
+
+Only content pages (shareable, immutable) that are readable in the host tier are served. A
+connection that closes drops its leases (pins released, generations bumped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import os
+import secrets
+from typing import Any
+
+from tierkv.errors import TierKVError
+from tierkv.remote.directory import Directory
+from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
+from tierkv.remote.hosting import SharedArena, register_host_arena, share_host_arena
+from tierkv.remote.wire import auth_mac, keys_of, recv, send
+from tierkv.spec import KVSpec
+from tierkv.store import KVStore
+from transports import Transport, TransportError, create
+
+__all__ = ["PageServer", "spec_fields"]
+
+SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+
+
+def spec_fields(spec: KVSpec) -> dict[str, Any]:
+    """The page layout a peer must share to use our pages."""
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": str(spec.dtype),
+        "page_tokens": spec.page_tokens,
+        "page_bytes": spec.page_bytes,
+    }
+
+
+class PageServer:
+    """Serve ``store``'s host tier: a control socket on ``host:port`` and data transports.
+
+    Args:
+        store: an opened store whose host tier holds no page yet (its arena is rebound onto
+            shareable memory).
+        transports: transport names; shm (if named) goes first, as it needs the arena in a
+            segment of its own.
+        secret: shared secret of the control socket and of transports that take one (tcp);
+            default ``$TIERKV_TRANSPORT_SECRET``; empty: no authentication.
+        lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes).
+        timeout: bound of the transports' transfers and of a client's hello.
+        transport_options: extra keyword arguments per transport name.
+
+    Raises RemoteError (from `start`) when the arena cannot be shared or a transport fails.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        transports: tuple[str, ...] | list[str] = ("tcp",),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        lease_ttl: float = 10.0,
+        timeout: float = 10.0,
+        transport_options: dict[str, dict[str, Any]] | None = None,
+    ) -> None:
+        self.store = store
+        self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")
+        self.host, self.port = host, port
+        env = os.environ.get(SECRET_ENV, "")
+        self.secret = secret if secret is not None else env.encode()
+        self.lease_ttl, self.timeout = lease_ttl, timeout
+        self._options = transport_options or {}
+        self.transports: dict[str, Transport] = {}
+        self.shared: dict[str, SharedArena] = {}
+        self.directory: Directory | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the control socket."""
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> PageServer:
+        """Share the host arena, start the transports and the control socket."""
+        try:
+            for i, kind in enumerate(self.kinds):
+                opts: dict[str, Any] = {"timeout": self.timeout, **self._options.get(kind, {})}
+                if kind == "tcp":
+                    opts.setdefault("secret", self.secret or None)
+                    opts.setdefault("host", self.host)
+                t = create(kind, **opts)
+                self.transports[kind] = t
+                await t.start()
+                share = share_host_arena if i == 0 else register_host_arena
+                self.shared[kind] = share(self.store, t)
+        except (TransportError, ValueError) as exc:
+            await self.aclose()
+            raise RemoteError(f"cannot start the page server: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
+        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def aclose(self) -> None:
+        """Stop serving: close connections (their leases end), then the transports."""
+        if self._server is not None:
+            self._server.close()
+        for w in list(self._writers):  # handlers see EOF and end (their leases with them)
+            w.close()
+        if self._conns:
+            await asyncio.wait(self._conns, timeout=self.timeout)
+        if self.directory is not None:
+            self.directory.expire_all()
+        for t in self.transports.values():
+            await t.aclose()
+        self.transports.clear()
+        for shared in self.shared.values():
+            shared.close()
+
+    async def __aenter__(self) -> PageServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- connections ---------------------------------------------------------------------
+    async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        self._writers.add(writer)
+        owner = object()
+        try:
+            nonce = secrets.token_bytes(16)
+            await send(writer, {"nonce": nonce})
+            hello = await asyncio.wait_for(recv(reader), self.timeout)
+            if hello is None or hello.get("op") != "hello":
+                return
+            mac = hello.get("mac")
+            if self.secret and not (
+                isinstance(mac, bytes) and hmac.compare_digest(mac, auth_mac(self.secret, nonce))
+            ):
+                await send(writer, {"id": hello.get("id"), "err": "auth", "msg": "bad secret"})
+                return
+            await send(writer, {"id": hello.get("id"), **self._hello()})
+            while (msg := await recv(reader)) is not None:
+                await send(writer, {"id": msg.get("id"), **self._answer(msg, owner)})
+        except (RemoteProtocolError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            if self.directory is not None:
+                self.directory.expire_all(owner)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self._conns.discard(task)
+            self._writers.discard(writer)
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "name": next(iter(self.transports.values())).name,
+            "spec": spec_fields(self.store.spec),
+            "lease_ttl": self.lease_ttl,
+            "transports": {
+                kind: {"metadata": t.metadata(), "region": _packed(self.shared[kind])}
+                for kind, t in self.transports.items()
+            },
+        }
+
+    def _answer(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+        d = self.directory
+        assert d is not None
+        op = msg.get("op")
+        try:
+            if op == "lookup":
+                return {"n": d.lookup(keys_of(msg))}
+            if op == "acquire":
+                lease, slots, gens = d.acquire(keys_of(msg), owner)
+                return {"lease": lease, "slots": slots, "gens": gens}
+            if op == "release":
+                return {"valid": d.release(_int(msg, "lease"))}
+            if op == "reserve":
+                lease, slots = d.reserve(keys_of(msg), owner)
+                return {"lease": lease, "slots": slots}
+            if op == "commit":
+                return {"stored": d.commit(_int(msg, "lease"), bool(msg.get("ok")))}
+            if op == "stats":
+                return self.stats()
+        except RemoteFullError as exc:
+            return {"err": "full", "msg": str(exc)}
+        except TierKVError as exc:  # a malformed request, or one the page table refused
+            return {"err": "bad", "msg": f"{type(exc).__name__}: {exc}"}
+        return {"err": "op", "msg": f"unknown op {op!r}"}
+
+    def stats(self) -> dict[str, Any]:
+        """Pages served (readable content pages in the host tier), leases, expiries."""
+        d = self.directory
+        assert d is not None
+        table = self.store.tiers.table
+        return {
+            "pages": len(d.entries()),
+            "host_used": table.used("host"),
+            "host_capacity": table.capacity("host"),
+            "leases": d.leases,
+            "expired": d.expired,
+        }
+
+
+def _int(msg: dict[str, Any], name: str) -> int:
+    value = msg.get(name)
+    if type(value) is not int:
+        raise RemoteProtocolError(f"{name} must be an integer")
+    return value
+
+
+def _packed(shared: SharedArena) -> bytes:
+    return shared.region.descriptor.pack()
