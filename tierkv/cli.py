@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv import demo_cli, plan_cli, replay_cli
+from tierkv import demo_cli, plan_cli, replay_cli, serve_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     replay_cli.add_parser(sub)
+    serve_cli.add_parser(sub)
     return parser
 
 
