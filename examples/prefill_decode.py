@@ -1,0 +1,230 @@
+"""Prefill / decode sharing across processes: one process computes a long prompt's KV, two others
+load it (through shm, then through tcp) instead of recomputing it, and decode on.
+
+    python examples/prefill_decode.py [--prompt 1024] [--generate 32]
+
+    prefill process                                 decode process  (x2, in parallel)
+    TinyLlama(prompt) -> KVStore -> PageServer      1. recompute: prompt -> tokens A (timed)
+                       host tier  (shm + tcp)  ──>  2. shm: import_prefix (timed) -> tokens B
+                                               ──>  3. tcp: import_prefix (timed) -> tokens C
+                                                    A == B == C ?
+
+Every wait is bounded; everything runs on loopback; the child processes and the shared-memory
+segment are cleaned up on exit (also on error or Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from runtime import new_event_loop
+from tierkv import KVStore
+from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
+from tierkv.remote import PageServer, RemoteTier, import_prefix, stage_prefix
+
+MODEL = ModelConfig(seed=0)  # the demo's TinyLlama: 4 layers, 256 wide, seeded weights
+SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+WAIT_S = 120.0  # bound of every wait on a child process
+
+
+def _prompt(n: int) -> list[int]:
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, MODEL.vocab, (n,), generator=g).tolist()
+
+
+def _store(prompt: int, generate: int) -> KVStore:
+    spec = MODEL.kv_spec("fp16", 16)
+    pages = spec.blocks_for(prompt + generate) * spec.num_layers
+    return KVStore(
+        spec,
+        device_bytes=(pages + 8) * spec.page_bytes,
+        host_bytes=2 * (pages + 8) * spec.page_bytes,
+        codec=None,  # cached prefixes stay exact (a lossy cold pool would change the tokens)
+    )
+
+
+async def _run(store: KVStore, model: TinyLlama, prompt: list[int], reused: int, n: int) -> Any:
+    """Greedy tokens after ``prompt`` (its first ``reused`` tokens' KV already in the store),
+    and the seconds of the first forward pass (the prompt's compute)."""
+    out: list[int] = []
+    feed, pos = prompt[reused:], reused
+    first = 0.0
+    while len(out) < n:
+        t0 = time.perf_counter()
+        async with store.lease(["s"]) as lease:
+
+            async def gate(layer: int, lease: Any = lease) -> KVProvider:
+                return lease
+
+            logits = await model.forward("s", feed, pos, gate)
+        if not out:
+            first = time.perf_counter() - t0
+        tok = int(logits.argmax())
+        out.append(tok)
+        store.add_tokens("s", [tok])
+        pos, feed = pos + len(feed), [tok]
+    return out, first
+
+
+# -- the processes -------------------------------------------------------------------------
+async def prefill(args: argparse.Namespace) -> None:
+    """Compute the prompt, serve its pages until told to quit on stdin."""
+    model = TinyLlama(MODEL)
+    prompt = _prompt(args.prompt)
+    store = _store(args.prompt, args.generate)
+    async with store, PageServer(store, transports=["shm", "tcp"], lease_ttl=30.0) as server:
+        await store.add_sequence("s", prompt)
+        _, seconds = await _run(store, model, prompt, 0, 1)
+        await store.release("s")  # full blocks keep their content keys: cached prefix
+        staged = await stage_prefix(store, prompt)
+        segment = server.shared["shm"].region.descriptor.handle
+        print(
+            json.dumps(
+                {
+                    "address": server.address,
+                    "segment": segment,
+                    "prefill_s": seconds,
+                    "pages": staged,
+                }
+            ),
+            flush=True,
+        )
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, sys.stdin.readline)  # "quit" or EOF
+
+
+async def decode(args: argparse.Namespace) -> None:
+    """Recompute the prompt, then load it through shm and tcp; print one JSON line per run."""
+    model = TinyLlama(MODEL)
+    prompt = _prompt(args.prompt)
+    async with _store(args.prompt, args.generate) as store:  # warm-up: first calls are slow
+        await store.add_sequence("s", prompt[:64])
+        await _run(store, model, prompt[:64], 0, 2)
+    async with _store(args.prompt, args.generate) as store:
+        await store.add_sequence("s", prompt)
+        want, recompute = await _run(store, model, prompt, 0, args.generate)
+    for kind in ("shm", "tcp"):
+        async with _store(args.prompt, args.generate) as store:
+            spec = store.spec
+            async with RemoteTier(args.address, transport=kind, spec=spec, timeout=10.0) as peer:
+                t0 = time.perf_counter()
+                cached = await import_prefix(store, peer, prompt)
+                load = time.perf_counter() - t0
+            reused = await store.add_sequence("s", prompt)
+            got, rest = await _run(store, model, prompt, reused, args.generate)
+            print(
+                json.dumps(
+                    {
+                        "decoder": args.index,
+                        "transport": kind,
+                        "load_s": load,
+                        "rest_s": rest,
+                        "recompute_s": recompute,
+                        "cached": cached,
+                        "reused": reused,
+                        "pages": cached // spec.page_tokens * spec.num_layers,
+                        "identical": got == want,
+                    }
+                ),
+                flush=True,
+            )
+
+
+# -- the driver ----------------------------------------------------------------------------
+def _spawn(*argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # inherited by the children
+    size = ["--prompt", str(args.prompt), "--generate", str(args.generate)]
+    procs: list[subprocess.Popen[str]] = []
+    segment = ""
+    try:
+        pre = _spawn("prefill", *size)
+        procs.append(pre)
+        assert pre.stdout is not None
+        if not select.select([pre.stdout], [], [], WAIT_S)[0]:
+            raise RuntimeError(f"the prefill process was not ready within {WAIT_S:g} s")
+        line = pre.stdout.readline()
+        if not line:
+            raise RuntimeError("the prefill process exited before serving")
+        ready = json.loads(line)
+        segment = ready["segment"]
+        print(
+            f"prefill: {args.prompt} prompt tokens in {ready['prefill_s'] * 1e3:.1f} ms, "
+            f"{ready['pages']} pages served at {ready['address']} (shm + tcp)"
+        )
+        decs = [
+            _spawn("decode", *size, "--address", ready["address"], "--index", str(i))
+            for i in range(2)
+        ]
+        procs += decs
+        rows = []
+        for d in decs:
+            out, _ = d.communicate(timeout=WAIT_S)
+            if d.returncode:
+                raise RuntimeError(f"a decode process failed (exit {d.returncode})")
+            rows += [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError, ValueError):
+                if p.stdin is not None:
+                    p.stdin.close()  # the prefill process quits on EOF
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if segment:  # gone already unless the prefill process died
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{segment}")
+    print(
+        f"\n{'decoder':>7} {'via':>4} {'pages':>6} {'load ms':>9} {'recompute ms':>13} "
+        f"{'ratio':>7}  tokens"
+    )
+    for r in rows:
+        print(
+            f"{r['decoder']:>7} {r['transport']:>4} {r['pages']:>6} {r['load_s'] * 1e3:>9.2f} "
+            f"{r['recompute_s'] * 1e3:>13.1f} {r['recompute_s'] / r['load_s']:>6.0f}x  "
+            f"{'identical' if r['identical'] else 'DIFFERENT'} ({r['reused']} reused)"
+        )
+    ok = len(rows) == 4 and all(r["identical"] and r["reused"] for r in rows)
+    print("\nall decoders match recomputing the prompt" if ok else "\nMISMATCH")
+    return 0 if ok else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("role", nargs="?", default="main", choices=["main", "prefill", "decode"])
+    p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
+    p.add_argument("--generate", type=int, default=32, help="tokens each decoder generates")
+    p.add_argument("--address", help=argparse.SUPPRESS)
+    p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    return p
+
+
+if __name__ == "__main__":
+    a = _parser().parse_args()
+    if a.role == "main":
+        sys.exit(main(a))
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(prefill(a) if a.role == "prefill" else decode(a))
+    finally:
+        loop.close()
