@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv import PageTable
+from tierkv.errors import PageTableError
 from tierkv.policies import (
     DEFAULT_POLICY,
     POLICIES,
@@ -192,6 +196,122 @@ def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int
                 assert victim is None
         assert len(p) == len(model)
         assert all((k in p) == (k in model) for k in range(12))
+
+
+# -- kvaware: slot mode decides exactly as key mode ------------------------------------------
+
+
+class _KeyedKVAware(KVAwarePolicy):
+    """kvaware told of keys only (as before it was slot-aware): the reference for slot mode."""
+
+    name = "kvaware-keys"
+    slot_aware = False
+
+
+def _request(chain: int, n: int, blocks: int) -> tuple[list[int], list[PageHint]]:
+    """The first ``n`` blocks of conversation ``chain`` (ids 6c..6c+5, each extending the one
+    before), hinted as the replay hints them."""
+    keys = [6 * chain + i for i in range(n)]
+    hints = [PageHint(i, i == n - 1, 0, keys[i - 1] if i else None, blocks) for i in range(n)]
+    return keys, hints
+
+
+PT_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            [
+                "store",
+                "store",
+                "store",
+                "store",
+                "done",
+                "done",
+                "load",
+                "unload",
+                "touch",
+                "remove",
+                "evict",
+                "moved",
+                "rekey",
+            ]
+        ),
+        st.integers(0, 4),  # a conversation (or, for touch, the number of uses)
+        st.integers(0, 6),  # blocks, or how many pages
+        st.integers(0, 16),  # the request's block count (hint.blocks)
+        st.booleans(),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(2, 8), ops=PT_OPS)
+def test_kvaware_slot_mode_matches_key_mode(
+    capacity: int, ops: list[tuple[str, int, int, int, bool]]
+) -> None:
+    with mock.patch.dict(POLICIES, {"kvaware-keys": _KeyedKVAware}):
+        tables = [PageTable({"t": capacity}, name) for name in ("kvaware", "kvaware-keys")]
+    assert tables[0].policy("t").slot_aware and not tables[1].policy("t").slot_aware
+    writing: list[list[int]] = []  # outstanding prepare_store / prepare_load / prepare_evict
+    loaded: list[list[int]] = []
+    moving: list[list[int]] = []
+    fresh = itertools.count(100)
+
+    def run(method: str, *args: Any) -> list[Any]:
+        out: list[Any] = []
+        for t in tables:
+            try:
+                out.append(getattr(t, method)(*args))
+            except PageTableError as exc:
+                out.append(type(exc))
+        assert out[0] == out[1], (method, args, out)
+        for t in tables:
+            t.check()
+        return out
+
+    for op, chain, num, blocks, flag in ops:
+        ref = tables[1]
+        keys, hints = _request(chain, max(num, 1), blocks)
+        if op == "store":
+            if flag:  # a page with no parent
+                keys, hints = keys[-1:], [PageHint(blocks=blocks)]
+            alloc = run("prepare_store", keys, "t", hints)[0]
+            if alloc is not None and alloc.keys:
+                writing.append(alloc.keys)
+        elif op == "done" and writing:
+            run("complete_store", writing.pop(0), "t", flag or chain > 0)
+        elif op == "load":
+            prefix = keys[: ref.lookup(keys, "t")]
+            if prefix:
+                run("prepare_load", prefix, "t")
+                loaded.append(prefix)
+        elif op == "unload" and loaded:
+            run("complete_load", loaded.pop(0), "t")
+        elif op == "touch":  # ``chain`` + 1 uses of every resident page, most recent first
+            for _ in range(chain + 1):
+                run("touch", ref.keys("t")[::-1][: blocks + 1], "t")
+        elif op == "remove":
+            run("remove", ref.present(keys, "t"), "t")
+        elif op == "evict":
+            victims = run("prepare_evict", "t", num % 4)[0]
+            if victims:
+                moving.append([k for k, _ in victims])
+        elif op == "moved" and moving:
+            run("complete_evict", moving.pop(0), "t", flag)
+        elif op == "rekey":
+            old = ref.present(keys, "t")[:2]
+            run("rekey", old, [next(fresh) for _ in old], "t")
+        assert tables[0].take_events() == tables[1].take_events()
+        assert sorted(tables[0].keys("t")) == sorted(tables[1].keys("t"))
+
+
+def test_kvaware_bound_to_slots_refuses_key_calls() -> None:
+    table = PageTable({"t": 4}, "kvaware")
+    p = table.policy("t")
+    with pytest.raises(RuntimeError, match="slot methods"):
+        p.insert("a")
+    with pytest.raises(RuntimeError, match="slot methods"):
+        p.evict(always)
 
 
 # -- registry ----------------------------------------------------------------------------------

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import NO_HINT, CanEvict, CanEvictSlot, EvictionPolicy, Key, PageHint
 
 MAX_COUNT = 15
 """Use counts saturate here; the count is also the page's value class."""
@@ -19,6 +19,12 @@ requests about as often as a twice-used one with one unit less to live (0.18 vs 
 
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
+# Laps: a page passed over while unevictable ends up below the floor once a page above it is
+# evicted, outside the scan's window [L, L + 34). When the window comes up short, the scan goes on
+# round the ring of buckets, lap after lap while a lap still evicts or moves a page. Only a call
+# that would otherwise return too few victims goes on, so no other decision changes.
+_ORPHANS = _MASK + 1  # slot mode: the orphan queue's index after the buckets'
+_UNLINKED = -1  # slot mode: ``_prev[s]`` of a slot the policy does not hold
 
 
 @dataclass(slots=True)
@@ -57,8 +63,11 @@ class KVAwarePolicy(EvictionPolicy):
       stores it. Last blocks are declined.
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
-    (O(1) amortized, plus one step per pinned page passed over). Without ``hint.parent`` the
-    policy admits every non-last page and runs as chain-blind GreedyDual.
+    (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
+    (:meth:`bind_slots`) the policy keeps its per-page state in per-slot lists and decides
+    exactly as with keys; its key methods then raise RuntimeError (``admit`` works in both).
+    Without ``hint.parent`` the policy admits every non-last page and runs as chain-blind
+    GreedyDual.
 
     Args:
         capacity: pages the tier holds; ``None`` learns it as the high-water mark.
@@ -68,6 +77,7 @@ class KVAwarePolicy(EvictionPolicy):
     """
 
     name = "kvaware"
+    slot_aware = True
 
     def __init__(
         self,
@@ -92,6 +102,24 @@ class KVAwarePolicy(EvictionPolicy):
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
+        # slot mode (see bind_slots); empty until bound
+        self._bound = False
+        self._slot_of: Mapping[Key, int] = {}
+        self._n = 0
+        self._head = self._orph = 0
+        self._prev: list[int] = []
+        self._next: list[int] = []
+        self._qlen: list[int] = []
+        self._where: list[int] = []
+        self._code: list[int] = []
+        self._qcode: list[int] = []
+        self._key: list[Key] = []
+        self._parent: list[Key | None] = []
+        self._fanout: list[int] = []
+        self._bump: list[int] = []  # see _tables
+        self._start: list[int] = []
+        self._start_prio: list[int] = []
+        self._tables_floor = -1
 
     @staticmethod
     def _value(count: int) -> float:
@@ -146,6 +174,8 @@ class KVAwarePolicy(EvictionPolicy):
 
     # -- the interface -------------------------------------------------------------------
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
+        if hint is NO_HINT:  # the short way: no parent, not a last block
+            return True
         ok = self._admit(key, hint)
         if ok and hint is not NO_HINT:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
@@ -159,10 +189,10 @@ class KVAwarePolicy(EvictionPolicy):
         elif hint.parent is None:
             return True
         else:
-            parent = self._pages.get(hint.parent)
-            if parent is not None:
-                ok = parent.fanout < self._max_fanout or 0 < hint.blocks <= self._short
-                parent.fanout += 1
+            fanout = self._fanout_of(hint.parent)
+            if fanout is not None:  # the parent is resident
+                ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
+                self._add_fanout(hint.parent)
             else:
                 fanout = self._pending.get(hint.parent)  # admitted earlier in this batch
                 if fanout is None:
@@ -174,7 +204,30 @@ class KVAwarePolicy(EvictionPolicy):
             self._remember(key, 1)
         return ok
 
+    def _fanout_of(self, key: Key) -> int | None:
+        """The fan-out of a page the policy holds; None if it holds no such page."""
+        if self._bound:
+            s = self._slot_of.get(key)
+            return None if s is None or self._prev[s] == _UNLINKED else self._fanout[s]
+        page = self._pages.get(key)
+        return None if page is None else page.fanout
+
+    def _add_fanout(self, key: Key) -> None:
+        if self._bound:
+            self._fanout[self._slot_of[key]] += 1
+        else:
+            self._pages[key].fanout += 1
+
+    def _keys_only(self) -> None:
+        if self._bound:
+            raise RuntimeError("this kvaware policy is bound to a page table: use the slot methods")
+
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
+        self._keys_only()
+        self._insert(key, hint)
+        self._pending.clear()  # a batch of admissions ends with an insert (as in slot mode)
+
+    def _insert(self, key: Key, hint: PageHint) -> None:
         seen = self._gone.pop(key, 0)
         count = 0 if hint.last and not seen else min(seen + 1, MAX_COUNT)
         parent = hint.parent
@@ -200,8 +253,9 @@ class KVAwarePolicy(EvictionPolicy):
             self._limit = self._history * self._capacity
 
     def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
+        self._keys_only()
         gone, pages, count, buckets = self._gone, self._pages, self._count, self._buckets
-        insert, pending, value = self.insert, self._pending, _VALUE
+        insert, pending, value = self._insert, self._pending, _VALUE
         floor = self._floor
         base = floor << 4
         for k, h in zip(keys, hints):
@@ -225,6 +279,7 @@ class KVAwarePolicy(EvictionPolicy):
         self.touch_many((key,))
 
     def touch_many(self, keys: Iterable[Key]) -> None:
+        self._keys_only()
         count = self._count
         now = self._floor << 4
         for k in keys:
@@ -232,6 +287,7 @@ class KVAwarePolicy(EvictionPolicy):
             count[k] = now + (c + 1 if c < MAX_COUNT else c)
 
     def remove(self, key: Key) -> None:
+        self._keys_only()
         self._detach(key, evicted=False)
 
     def evict(self, can_evict: CanEvict) -> Key | None:
@@ -250,6 +306,7 @@ class KVAwarePolicy(EvictionPolicy):
                 out.append(key)
 
     def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        self._keys_only()
         out: list[Key] = []
         orphans = self._orphans
         if orphans:  # stranded blocks first, oldest first
@@ -259,12 +316,16 @@ class KVAwarePolicy(EvictionPolicy):
         prio = self._floor
         top = prio + _VALUE[MAX_COUNT] + 2  # every queued priority is below this (ring of 64)
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
+        moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
         while len(out) < n:
             q = buckets[prio & _MASK]
             if not q or (skips and skips.get(prio, 1) <= 0):
                 prio += 1
-                if prio >= top:
-                    break
+                if prio >= top:  # see Laps (top of the module)
+                    if len(out) + moved == lap:
+                        break
+                    lap = len(out) + moved
+                    top = prio + _MASK + 1
                 continue
             key = q.popitem(last=False)[0]
             page = pages[key]
@@ -273,6 +334,7 @@ class KVAwarePolicy(EvictionPolicy):
                 page.code = code
                 p = page.prio = (code >> 4) + _VALUE[code & 15]
                 buckets[p & _MASK][key] = None
+                moved += 1
             elif can_evict(key):
                 self._floor = prio
                 del pages[key], count[key]
@@ -303,7 +365,272 @@ class KVAwarePolicy(EvictionPolicy):
         return out
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return self._n if self._bound else len(self._pages)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._pages
+        if not self._bound:
+            return key in self._pages
+        s = self._slot_of.get(key)
+        return s is not None and self._prev[s] != _UNLINKED
+
+    # -- slots (bound to a page table) ---------------------------------------------------
+    # The same rules over per-slot int lists; the queues are intrusive lists with one sentinel
+    # per queue, as in ``lru.py``. ``_where[s]`` is the page's priority (its bucket) or _ORPHAN,
+    # ``_qcode[s]`` its use code when queued (``_Page.code``). Ghost, chain and batch state
+    # (``_gone``, ``_kids``, ``_pending``) stay keyed by page key, so both modes decide alike.
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        if self._pages or self._gone or self._bound:
+            raise RuntimeError("bind_slots needs a fresh kvaware policy")
+        self._bound = True
+        self._slot_of = slot_of
+        self._head = capacity  # bucket b's sentinel is capacity + b; the orphans' is _ORPHANS
+        self._orph = capacity + _ORPHANS
+        size = capacity + _ORPHANS + 1
+        self._prev = [_UNLINKED] * size
+        self._next = [_UNLINKED] * size
+        for h in range(capacity, size):
+            self._prev[h] = self._next[h] = h
+        self._qlen = [0] * (_ORPHANS + 1)
+        self._where = [0] * capacity
+        self._code = [0] * capacity
+        self._qcode = [0] * capacity
+        self._key = [None] * capacity
+        self._parent = [None] * capacity
+        self._fanout = [0] * capacity
+
+    def _link(self, s: int, q: int) -> None:
+        """Append slot ``s`` to queue ``q`` (a bucket, or _ORPHANS)."""
+        h = self._head + q
+        prv = self._prev
+        t = prv[h]
+        self._next[t] = s
+        prv[s] = t
+        self._next[s] = h
+        prv[h] = s
+        self._qlen[q] += 1
+
+    def _unlink(self, s: int) -> None:
+        prv, nxt = self._prev, self._next
+        p = prv[s]
+        n = nxt[s]
+        nxt[p] = n
+        prv[n] = p
+        prv[s] = _UNLINKED
+        w = self._where[s]
+        self._qlen[_ORPHANS if w == _ORPHAN else w & _MASK] -= 1
+
+    def _enqueue_slot(self, s: int, orphan: bool) -> None:
+        code = self._qcode[s] = self._code[s]
+        if orphan:
+            self._where[s] = _ORPHAN
+            self._link(s, _ORPHANS)
+        else:
+            self._where[s] = prio = (code >> 4) + _VALUE[code & 15]
+            self._link(s, prio & _MASK)
+
+    def _set_orphan_slot(self, s: int, orphan: bool) -> None:
+        if (self._where[s] == _ORPHAN) != orphan:
+            self._unlink(s)
+            if not orphan:  # restored: its priority counts from now
+                self._code[s] = (self._floor << 4) + (self._code[s] & 15)
+            self._enqueue_slot(s, orphan)
+
+    def _detach_slot(self, s: int, key: Key, evicted: bool) -> None:
+        count = self._code[s] & 15
+        self._unlink(s)
+        self._n -= 1
+        parent = self._parent[s]
+        if parent is not None:
+            self._parent[s] = None
+            sibs = self._kids[parent]
+            sibs.discard(key)
+            if not sibs:
+                del self._kids[parent]
+        if evicted:
+            slot_of = self._slot_of
+            for child in self._kids.get(key, ()):
+                self._set_orphan_slot(slot_of[child], True)
+        self._remember(key, count)
+
+    def insert_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
+    ) -> None:
+        gone, pending, kids, slot_of = self._gone, self._pending, self._kids, self._slot_of
+        prv, nxt, qlen, head = self._prev, self._next, self._qlen, self._head
+        where, code, qcode, key_of = self._where, self._code, self._qcode, self._key
+        parent_of, fanout = self._parent, self._fanout
+        if self._tables_floor != self._floor:  # constant below: only evictions move it
+            self._tables()
+        start, start_prio = self._start, self._start_prio
+        for s, k, h in zip(slots, keys, hints):
+            seen = gone.pop(k, 0) if gone else 0
+            c = 0 if h.last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
+            code[s] = qcode[s] = start[c]
+            key_of[s] = k
+            fanout[s] = pending.pop(k, 0) if pending else 0
+            parent = parent_of[s] = h.parent
+            if parent is not None:
+                ps = slot_of.get(parent)
+                if (ps is None or prv[ps] == _UNLINKED) and parent in gone:
+                    where[s] = _ORPHAN
+                    q = _ORPHANS
+                else:
+                    where[s] = p = start_prio[c]
+                    q = p & _MASK
+                sibs = kids.get(parent)
+                if sibs is None:
+                    kids[parent] = {k}
+                else:
+                    sibs.add(k)
+            else:
+                where[s] = p = start_prio[c]
+                q = p & _MASK
+            hq = head + q  # append to queue q
+            t = prv[hq]
+            nxt[t] = s
+            prv[s] = t
+            nxt[s] = hq
+            prv[hq] = s
+            qlen[q] += 1
+            if kids:
+                mine = kids.get(k)
+                if mine:
+                    for child in mine:
+                        self._set_orphan_slot(slot_of[child], False)
+        self._n += len(slots)
+        pending.clear()
+        if not self._fixed and self._n > self._capacity:
+            self._capacity = self._n
+            self._limit = self._history * self._capacity
+
+    def _tables(self) -> None:
+        """The use codes and priorities of this floor, by count: a touch or an insert then
+        stores a shared int instead of making one (most are too large for CPython's cache)."""
+        now = self._floor << 4
+        self._bump = [now + (c + 1 if c < MAX_COUNT else c) for c in range(16)]
+        self._start = [now + c for c in range(16)]
+        self._start_prio = [self._floor + v for v in _VALUE]
+        self._tables_floor = self._floor
+
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        if self._tables_floor != self._floor:
+            self._tables()
+        code, bump = self._code, self._bump
+        for s in slots:
+            code[s] = bump[code[s] & 15]
+
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        for s, k in zip(slots, keys):
+            self._detach_slot(s, k, evicted=False)
+
+    def _evict_orphan_slots(self, n: int, can_evict: CanEvictSlot | None, out: list[int]) -> None:
+        qlen, prv, nxt, oh = self._qlen, self._prev, self._next, self._orph
+        for _ in range(qlen[_ORPHANS]):  # each unevictable one is passed over once
+            if len(out) >= n or not qlen[_ORPHANS]:
+                return
+            s = nxt[oh]
+            if nxt[s] != oh:  # the head goes to the back (as key mode's pop and re-add)
+                nh = nxt[s]
+                nxt[oh] = nh
+                prv[nh] = oh
+                t = prv[oh]
+                nxt[t] = s
+                prv[s] = t
+                nxt[s] = oh
+                prv[oh] = s
+            if can_evict is None or can_evict(s):
+                self._detach_slot(s, self._key[s], evicted=True)
+                out.append(s)
+
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        out: list[int] = []
+        qlen = self._qlen
+        if qlen[_ORPHANS]:  # stranded blocks first, oldest first
+            self._evict_orphan_slots(n, can_evict, out)
+        prv, nxt, head = self._prev, self._next, self._head
+        where, code, qcode, key_of, parent_of = (
+            self._where,
+            self._code,
+            self._qcode,
+            self._key,
+            self._parent,
+        )
+        kids, gone, limit, slot_of, value = (
+            self._kids,
+            self._gone,
+            self._limit,
+            self._slot_of,
+            _VALUE,
+        )
+        prio = self._floor
+        top = prio + _VALUE[MAX_COUNT] + 2  # every queued priority is below this (ring of 64)
+        skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
+        moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
+        while len(out) < n:
+            b = prio & _MASK
+            if not qlen[b] or (skips and skips.get(prio, 1) <= 0):
+                prio += 1
+                if prio >= top:  # see Laps (top of the module)
+                    if len(out) + moved == lap:
+                        break
+                    lap = len(out) + moved
+                    top = prio + _MASK + 1
+                continue
+            h = head + b
+            s = nxt[h]  # the head of the bucket
+            cd = code[s]
+            if cd != qcode[s]:  # used since it was queued: to its bucket now
+                qcode[s] = cd
+                where[s] = p = (cd >> 4) + value[cd & 15]
+                moved += 1
+                q = p & _MASK
+                nh = nxt[s]
+                nxt[h] = nh
+                prv[nh] = h
+                qlen[b] -= 1
+                hq = head + q
+                t = prv[hq]
+                nxt[t] = s
+                prv[s] = t
+                nxt[s] = hq
+                prv[hq] = s
+                qlen[q] += 1
+            elif can_evict is None or can_evict(s):
+                self._floor = prio
+                nh = nxt[s]
+                nxt[h] = nh
+                prv[nh] = h
+                prv[s] = _UNLINKED
+                qlen[b] -= 1
+                self._n -= 1
+                key = key_of[s]
+                parent = parent_of[s]
+                if parent is not None:
+                    parent_of[s] = None
+                    sibs = kids[parent]
+                    sibs.discard(key)
+                    if not sibs:
+                        del kids[parent]
+                if kids:
+                    mine = kids.get(key)
+                    if mine:
+                        for child in mine:
+                            self._set_orphan_slot(slot_of[child], True)
+                gone[key] = cd & 15
+                if len(gone) > limit:
+                    gone.popitem(last=False)
+                out.append(s)
+                if qlen[_ORPHANS]:  # the victim's children, now stranded, go next
+                    self._evict_orphan_slots(n, can_evict, out)
+            else:
+                if nxt[s] != h:  # to the back of its queue
+                    nh = nxt[s]
+                    nxt[h] = nh
+                    prv[nh] = h
+                    t = prv[h]
+                    nxt[t] = s
+                    prv[s] = t
+                    nxt[s] = h
+                    prv[h] = s
+                skips[prio] = skips.get(prio, qlen[b]) - 1
+        return out
