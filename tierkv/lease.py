@@ -30,7 +30,7 @@ class Lease:
         self.layers = layers
         self._layer_set = set(layers)
         self._pinned: list[bytes] = []
-        self._written: list[bytes] = []
+        self._written: list[tuple[str, int, int]] = []  # (sequence, layer, block)
         self._active = False
         self.waited_pages = 0
 
@@ -65,12 +65,18 @@ class Lease:
         if self._pinned:
             store.tiers.release_device(self._pinned)
             store._touch(self._pinned)
-            store._write_behind(self._written)
             self._pinned = []
-            self._written = []
         for seq in self._seqs.values():
             if seq.seq_id in store._seqs:
                 store.publish(seq)
+        # written pages by their current keys: publish() may have renamed full blocks
+        written = [
+            page_key(self._seqs[sid].blocks[b], layer)
+            for sid, layer, b in dict.fromkeys(self._written)
+            if sid in store._seqs
+        ]
+        self._written = []
+        store._write_behind(written)
 
     def _seq(self, seq_id: str, layer: int) -> SequenceState:
         if not self._active:
@@ -147,9 +153,9 @@ class Lease:
             page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
             page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
             written.append(key)
+            self._written.append((seq_id, layer, b))
             pos += m
         tiers.mark_dirty(written)
-        self._written += written
         seq.kv_len[layer] = end
 
     def sequences(self) -> Sequence[str]:

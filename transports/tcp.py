@@ -72,7 +72,12 @@ class ClientConnection(FrameProtocol):
         self._ids = 0
 
     def request(self, kind: str, segs: list[list[int]], views: list[memoryview]) -> _Pending:
-        """Send one read or write request; its `future` resolves with the response."""
+        """Send one read or write request; its `future` resolves with the response.
+
+        Raises PeerError at once when the connection is already gone (no wait for a timeout).
+        """
+        if self.closed:
+            raise PeerError(f"{self.agent}: connection lost")
         self._ids += 1
         p = _Pending(kind, views, asyncio.get_running_loop().create_future(), self.owner.checksum)
         header: dict[str, Any] = {"op": kind, "id": self._ids, "segs": segs}
