@@ -190,12 +190,10 @@ def _lossy(ref: RunResult, lossy: RunResult, codec: str) -> dict[str, Any]:
     }
 
 
-def print_report(r: dict[str, Any]) -> None:
-    """The demo's closing table."""
+def store_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
+    """The table rows every demo shares: device peak, hits, loads, prefetch, bytes moved."""
     mb = 1 / (1 << 20)
-    rows = [
-        ("tokens identical to all-resident", "yes" if r["tokens_identical"] else "NO"),
-        ("tokens generated", f"{r['tokens']}"),
+    return [
         (
             "peak device-tier bytes / full KV",
             f"{r['peak_device_bytes'] * mb:.2f} MiB / {r['full_kv_bytes'] * mb:.2f} MiB "
@@ -209,6 +207,15 @@ def print_report(r: dict[str, Any]) -> None:
         ("prefetch accuracy", f"{r['prefetch_accuracy']:.3f}"),
         ("late fetches", f"{r['late_fetches']} ({r['late_of_loads']:.2%} of loads)"),
         ("bytes moved", f"H2D {r['bytes_h2d'] * mb:.1f} MiB, D2H {r['bytes_d2h'] * mb:.1f} MiB"),
+    ]
+
+
+def print_report(r: dict[str, Any]) -> None:
+    """The demo's closing table."""
+    rows = [
+        ("tokens identical to all-resident", "yes" if r["tokens_identical"] else "NO"),
+        ("tokens generated", f"{r['tokens']}"),
+        *store_rows(r),
         (
             "tokens/s vs all-resident",
             f"{r['tokens_per_s']:.1f} / {r['all_resident_tokens_per_s']:.1f} "

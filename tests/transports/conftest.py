@@ -1,4 +1,4 @@
-"""Fixtures for the transport tests. Every async test runs under asyncio (debug mode) and uvloop."""
+"""Fixtures for the transport tests (asyncio / uvloop parametrization: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from asyncio.subprocess import PIPE
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -16,23 +16,6 @@ from typing import Any
 import pytest
 
 from transports import RegionDescriptor
-
-
-def _asyncio_debug_loop() -> asyncio.AbstractEventLoop:
-    loop = asyncio.new_event_loop()
-    loop.set_debug(True)
-    return loop
-
-
-def pytest_asyncio_loop_factories(config: Any, item: Any) -> Mapping[str, Callable[[], Any]]:
-    factories: dict[str, Callable[[], Any]] = {"asyncio": _asyncio_debug_loop}
-    try:
-        import uvloop
-    except ImportError:
-        return factories
-    factories["uvloop"] = uvloop.new_event_loop
-    return factories
-
 
 ROOT = Path(__file__).resolve().parents[2]
 

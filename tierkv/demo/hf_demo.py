@@ -133,23 +133,12 @@ def run(
 
 def print_report(r: dict[str, Any]) -> None:
     """The demo's closing table."""
-    mib = 1 / (1 << 20)
+    from tierkv.demo_cli import store_rows  # the demo CLI imports this module lazily
+
     rows = [
         ("tokens identical to DynamicCache", "yes" if r["tokens_identical"] else "NO"),
         ("tokens generated (prompt)", f"{r['tokens']} ({r['prompt_tokens']})"),
-        (
-            "peak device-tier bytes / full KV",
-            f"{r['peak_device_bytes'] * mib:.2f} MiB / {r['full_kv_bytes'] * mib:.2f} MiB "
-            f"({r['peak_of_full_kv']:.0%})",
-        ),
-        (
-            "hits per tier (pages)",
-            f"device {r['hits']['device']}, host {r['hits']['host']}, cold {r['hits']['cold']}",
-        ),
-        ("page loads", f"{r['page_loads']}"),
-        ("prefetch accuracy", f"{r['prefetch_accuracy']:.3f}"),
-        ("late fetches", f"{r['late_fetches']} ({r['late_of_loads']:.2%} of loads)"),
-        ("bytes moved", f"H2D {r['bytes_h2d'] * mib:.1f} MiB, D2H {r['bytes_d2h'] * mib:.1f} MiB"),
+        *store_rows(r),
         (
             "tokens/s vs DynamicCache",
             f"{r['tokens_per_s']:.1f} / {r['dynamic_cache_tokens_per_s']:.1f} "
