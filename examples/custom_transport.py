@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 import transports
-from transports import Capabilities, PeerError, TransferOp, Transport
+from transports import Capabilities, PeerError, TransferOp, Transport, group_by_peer
 from transports.base import Direction
 from transports.handle import TransferHandle
 
@@ -62,9 +62,7 @@ class QueueTransport(Transport):
         notify: bytes | None,
         handle: TransferHandle,
     ) -> None:
-        by_peer: dict[str, list[TransferOp]] = {}
-        for op in ops:
-            by_peer.setdefault(op.remote.agent, []).append(op)
+        by_peer = group_by_peer(ops)
         waits = []
         for agent, batch in by_peer.items():
             server = _SERVERS.get(agent)

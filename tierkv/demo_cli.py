@@ -210,6 +210,14 @@ def store_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def print_rows(title: str, rows: list[tuple[str, str]]) -> None:
+    """A title line and aligned ``name  value`` rows."""
+    width = max(len(k) for k, _ in rows)
+    print(title)
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
 def print_report(r: dict[str, Any]) -> None:
     """The demo's closing table."""
     rows = [
@@ -233,7 +241,4 @@ def print_report(r: dict[str, Any]) -> None:
                 f"{lc['smallest_top2_margin']:.5f})",
             )
         )
-    width = max(len(k) for k, _ in rows)
-    print(f"tierkv demo --mode {r['mode']} (cpu: both tiers are host memory)")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+    print_rows(f"tierkv demo --mode {r['mode']} (cpu: both tiers are host memory)", rows)

@@ -51,8 +51,7 @@ class Lease:
         c.pages_leased += len(keys)
         c.device_hits += len(keys) - waited
         c.late_fetches += waited
-        store._used(keys)
-        store._touch(keys)
+        store._used(keys)  # (the idle clock is touched once, when the lease ends)
         if waited:
             store.timeline.span("wait for pages", "compute", t0, t1, pages=waited)
         return self

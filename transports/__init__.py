@@ -28,7 +28,14 @@ from .errors import (
     TransportError,
 )
 from .handle import TransferHandle
-from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp
+from .regions import (
+    Capabilities,
+    Notification,
+    Region,
+    RegionDescriptor,
+    TransferOp,
+    group_by_peer,
+)
 from .registry import ENTRY_POINT_GROUP, available, create, register, unregister
 
 __all__ = [
@@ -52,6 +59,7 @@ __all__ = [
     "TransportError",
     "available",
     "create",
+    "group_by_peer",
     "register",
     "unregister",
 ]

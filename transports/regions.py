@@ -15,6 +15,7 @@ A `Region` is local: a writable, C-contiguous buffer the transport may read and 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -123,6 +124,14 @@ class TransferOp(NamedTuple):
     remote: RegionDescriptor
     remote_offset: int
     length: int
+
+
+def group_by_peer(ops: Iterable[TransferOp]) -> dict[str, list[TransferOp]]:
+    """The ops of a batch grouped by the agent that owns their remote region, in order."""
+    by_peer: dict[str, list[TransferOp]] = {}
+    for op in ops:
+        by_peer.setdefault(op.remote.agent, []).append(op)
+    return by_peer
 
 
 class Notification(NamedTuple):

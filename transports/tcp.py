@@ -33,7 +33,7 @@ from .errors import (
     TransportError,
 )
 from .handle import TransferHandle
-from .regions import MEMORY_KINDS, Capabilities, TransferOp
+from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
 from .tcp_server import ServerConnection
 from .tcp_wire import MAX_HEADER, FrameProtocol, checksum, mac
 
@@ -250,9 +250,7 @@ class TcpTransport(Transport):
         notify: bytes | None,
         handle: TransferHandle,
     ) -> None:
-        by_peer: dict[str, list[TransferOp]] = {}
-        for op in ops:
-            by_peer.setdefault(op.remote.agent, []).append(op)
+        by_peer = group_by_peer(ops)
         conns = await asyncio.gather(*(self._connect(a) for a in by_peer))
         for conn in conns:
             handle.on_abort(conn.abort)

@@ -133,7 +133,7 @@ def run(
 
 def print_report(r: dict[str, Any]) -> None:
     """The demo's closing table."""
-    from tierkv.demo_cli import store_rows  # the demo CLI imports this module lazily
+    from tierkv.demo_cli import print_rows, store_rows  # the CLI imports this module lazily
 
     rows = [
         ("tokens identical to DynamicCache", "yes" if r["tokens_identical"] else "NO"),
@@ -145,8 +145,5 @@ def print_report(r: dict[str, Any]) -> None:
             f"= {r['speed_of_dynamic_cache']:.3f} ({r['torch_threads']} torch thread(s))",
         ),
     ]
-    width = max(len(k) for k, _ in rows)
     print(f"\nprompt: {r['prompt']}\ngenerated: {r['text'].strip()}\n")
-    print(f"tierkv demo --model smollm2: {r['model']} (cpu: both tiers are host memory)")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+    print_rows(f"tierkv demo --model smollm2: {r['model']} (cpu: both tiers are host memory)", rows)
