@@ -9,7 +9,8 @@
                             └ data: shm / tcp  <────  one-sided reads (writes: publish)
 
 `PageServer` exposes an opened store (`tierkv serve` runs one); `RemoteTier` is its client;
-`import_prefix` / `publish_prefix` move a prompt's cached blocks. See docs/remote.md.
+`import_prefix` / `publish_prefix` move a prompt's cached blocks to and from any `PageSource`,
+`RedisTier` (Redis / Valkey, docs/redis.md) included. See docs/remote.md.
 """
 
 from __future__ import annotations
@@ -25,14 +26,18 @@ from tierkv.remote.errors import (
     RemoteTimeoutError,
 )
 from tierkv.remote.hosting import share_host_arena
+from tierkv.remote.redis_tier import RedisTier
 from tierkv.remote.server import PageServer
+from tierkv.remote.source import PageSource
 from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
 
 __all__ = [
     "Directory",
     "PageServer",
+    "PageSource",
     "PeerGoneError",
     "ReadLease",
+    "RedisTier",
     "RemoteError",
     "RemoteFullError",
     "RemoteProtocolError",

@@ -1,4 +1,6 @@
-"""Move a prompt's cached prefix between a local store and a peer, as whole blocks.
+"""Move a prompt's cached prefix between a local store and a page source, as whole blocks.
+
+The peer is any `PageSource`: a page server (`RemoteTier`) or Redis (`RedisTier`).
 
 A block's pages go block-major (``[b0 l0, b0 l1, ..., b1 l0, ...]``), so a page prefix the peer
 holds maps to a block prefix. Imported pages land in the local host tier as unowned cached
@@ -13,7 +15,7 @@ from typing import cast
 
 from tierkv.errors import TierFullError
 from tierkv.keys import prefix_keys
-from tierkv.remote.client import RemoteTier
+from tierkv.remote.source import PageSource
 from tierkv.sequence import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
@@ -40,7 +42,7 @@ async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
     return await store.tiers.write_behind(prefix_pages(store, tokens))
 
 
-async def import_prefix(store: KVStore, peer: RemoteTier, tokens: Sequence[int]) -> int:
+async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
     """Load from ``peer`` the blocks of ``tokens``' prefix this store lacks; returns the prompt
     tokens now cached locally (what `add_sequence` will reuse).
 
@@ -69,7 +71,7 @@ async def import_prefix(store: KVStore, peer: RemoteTier, tokens: Sequence[int])
     return store.lookup(tokens)
 
 
-async def publish_prefix(store: KVStore, peer: RemoteTier, tokens: Sequence[int]) -> int:
+async def publish_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
     """Write the cached blocks of ``tokens``' prefix that sit in the local host tier to
     ``peer``; returns the pages the peer newly stored. Call `stage_prefix` first so that
     pages computed on the device are in the host tier.

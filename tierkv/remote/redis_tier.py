@@ -1,0 +1,452 @@
+"""`RedisTier`: a remote tier on Redis / Valkey (one server or a Redis Cluster).
+
+::
+
+    async with RedisTier("redis://cache:6379/0", spec=spec, namespace="llama-3.1-8b") as rt:
+        n = await rt.lookup(page_keys)                        # leading pages present
+        got = await rt.load(page_keys[:n], arena.array, slots)  # verified pages -> local slots
+        stored = await rt.publish(keys, arena.array, slots)     # SET NX (PX ttl)
+
+One page is one value, under a key that names the namespace, the page layout and the page::
+
+    key   = "tkv:" namespace ":" FORMAT "." spec digest (8 hex) ":" page key (hex)
+    value = header (24 bytes) | page bytes (spec.page_bytes)
+
+    value header, little-endian
+     0  +---------+---------+---------+---------+
+        |  magic b"TKVR"                        |
+     4  +---------+---------+---------+---------+
+        | format  | codec=0 | flags=0 | 0       |   u8 each (codec 0: raw pages)
+     8  +---------+---------+---------+---------+
+        |  spec digest (8 bytes, blake2b of the layout)
+    16  +---------------------------------------+
+        |  payload bytes                (u32)   |
+    20  |  crc32 of redis key, bytes 0..20, payload
+    24  +---------------------------------------+  <- HEADER_BYTES, payload follows
+
+No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
+(length, magic, format, codec, layout, checksum: the checksum binds the value to its key) is a
+miss, counted in ``corrupt``, logged (rate-limited) and deleted, so a later publish repairs it.
+
+Failures never reach the caller: every call is bounded by ``timeout``; a call that fails or
+times out returns misses (``0``), marks the tier unavailable and drops the client; later calls
+return misses at once until a backoff (doubling from ``backoff_base`` up to ``backoff_cap``)
+has passed, then try with a fresh client. Only caller bugs raise (SpecError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import re
+import struct
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError, ResponseError
+
+from tierkv.errors import SpecError
+from tierkv.remote.server import spec_fields
+from tierkv.spec import KVSpec
+
+__all__ = ["BATCH_PAGES", "HEADER_BYTES", "RedisTier"]
+
+log = logging.getLogger("tierkv.remote.redis")
+
+FORMAT = 1
+CODEC_RAW = 0
+MAGIC = b"TKVR"
+_HEAD = struct.Struct("<4sBBBB8sI")  # magic, format, codec, flags, 0, spec digest, payload
+_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEAD.size + _CRC.size
+BATCH_PAGES = 32
+"""Pages per MGET / pipeline; chunks of a call run concurrently (docs/redis.md, measured)."""
+
+_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=-]{1,128}")
+Pages = npt.NDArray[np.uint8]
+
+
+def spec_digest(spec: KVSpec) -> bytes:
+    """8 bytes naming a page layout: equal for specs whose pages are interchangeable."""
+    doc = json.dumps(spec_fields(spec), sort_keys=True).encode()
+    return hashlib.blake2b(doc, digest_size=8, person=b"tierkv-redis").digest()
+
+
+class _Warnings:
+    """At most one warning per kind every ``interval`` seconds; says how many it held back."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def warn(self, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last.get(kind, -self.interval) < self.interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        self._last[kind] = now
+        log.warning(msg + (f" ({held} similar held back)" if held else ""), *args)
+
+
+class RedisTier:
+    """Pages in Redis / Valkey under their content keys: a `PageSource`.
+
+    Args:
+        url: ``redis://[user:password@]host:port/db`` (``rediss://`` for TLS); with
+            ``cluster=True`` any node of the cluster.
+        spec: the page layout; pages of another layout are never read.
+        namespace: what shares pages (the model id); letters, digits and ``._/@+=-``.
+        cluster: use Redis Cluster (redirections and slot moves are handled by redis-py).
+        ttl: seconds a page lives after its last publish or load (None: until evicted).
+        timeout: the bound of every call, connect included, in seconds.
+        batch_pages: pages per MGET / pipeline; the chunks of one call run concurrently.
+        client_options: extra keyword arguments for ``Redis.from_url`` /
+            ``RedisCluster.from_url`` (``password``, ``ssl_ca_certs``, ``max_connections``...).
+
+    Raises SpecError for a bad namespace, ttl, timeout, batch_pages or url.
+    """
+
+    backoff_base = 0.1
+    """Seconds before the first reconnection attempt after a failure (then doubling)."""
+    backoff_cap = 5.0
+    """The longest wait between reconnection attempts."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        spec: KVSpec,
+        namespace: str = "default",
+        cluster: bool = False,
+        ttl: float | None = None,
+        timeout: float = 1.0,
+        batch_pages: int = BATCH_PAGES,
+        **client_options: Any,
+    ) -> None:
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
+            raise SpecError(f"namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
+        if ttl is not None and not ttl > 0:
+            raise SpecError(f"ttl must be positive seconds or None, got {ttl!r}")
+        if not timeout > 0:
+            raise SpecError(f"timeout must be positive seconds, got {timeout!r}")
+        if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
+            raise SpecError(f"batch_pages must be a positive int, got {batch_pages!r}")
+        self.url, self.spec, self.namespace = url, spec, namespace
+        self.cluster, self.ttl, self.timeout, self.batch_pages = cluster, ttl, timeout, batch_pages
+        self._options = client_options
+        self._digest = spec_digest(spec)
+        self._prefix = f"tkv:{namespace}:{FORMAT}.{self._digest[:4].hex()}:".encode()
+        self._head = _HEAD.pack(MAGIC, FORMAT, CODEC_RAW, 0, 0, self._digest, spec.page_bytes)
+        self._px = None if ttl is None else max(1, round(ttl * 1000))
+        self._client: Redis | RedisCluster | None = None
+        self._make_client()  # a bad url is a caller bug: raise now, not at the first call
+        self._available = False
+        self._ever_up = False
+        self._failures = 0
+        self._retry_at = 0.0
+        self._closed = False
+        self._warn = _Warnings()
+        self._stats: dict[str, int] = dict.fromkeys(
+            ("hits", "misses", "corrupt", "errors", "timeouts", "reconnects", "bytes_in",
+             "bytes_out", "stored", "present", "full"), 0)  # fmt: skip
+
+    def _make_client(self) -> Redis | RedisCluster:
+        opts: dict[str, Any] = {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            **self._options,
+        }
+        try:
+            if self.cluster:
+                client: Redis | RedisCluster = RedisCluster.from_url(self.url, **opts)
+            else:
+                opts.setdefault("retry", Retry(NoBackoff(), 0))  # we retry, with backoff
+                client = Redis.from_url(self.url, **opts)
+        except (ValueError, TypeError, RedisError) as exc:
+            raise SpecError(f"bad Redis url or client option ({self.url!r}): {exc}") from exc
+        self._client = client
+        return client
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def connect(self) -> RedisTier:
+        """Reach the server (PING, bounded by ``timeout``). Never raises for an unreachable
+        server: the tier starts unavailable and keeps trying (see `available`)."""
+        self._closed = False
+        await self._run("connect", self._ping)
+        return self
+
+    async def _ping(self, client: Redis | RedisCluster) -> None:
+        await client.ping()
+
+    async def aclose(self) -> None:
+        """Close the client's connections. Idempotent; the tier may `connect` again."""
+        self._closed = True
+        self._available = False
+        await self._drop_client()
+
+    async def _drop_client(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.timeout):
+                    await client.aclose()
+
+    async def __aenter__(self) -> RedisTier:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- health --------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """Whether the last call reached the server (False before `connect` and after a
+        failure, until a later call gets through)."""
+        return self._available
+
+    def stats(self) -> dict[str, int | float]:
+        """Counters: ``hits`` / ``misses`` (pages asked of `load`), ``corrupt`` (values that
+        failed a check), ``errors`` / ``timeouts`` (failed calls), ``reconnects``,
+        ``bytes_in`` / ``bytes_out`` (values), ``stored`` / ``present`` (publish: new, already
+        there), ``full`` (pages refused for lack of memory), ``available`` (0 or 1)."""
+        out: dict[str, int | float] = dict(self._stats)
+        out["available"] = int(self._available)
+        return out
+
+    def redis_key(self, key: bytes) -> bytes:
+        """The Redis key of page ``key`` in this namespace and layout."""
+        return self._prefix + key.hex().encode()
+
+    async def _run(self, what: str, fn: Any, *args: Any) -> Any:
+        """``await fn(client, *args)`` bounded by ``timeout``; None on failure (counted, logged,
+        backoff) or while backing off."""
+        loop_now = time.monotonic()
+        if self._closed or (not self._available and loop_now < self._retry_at):
+            return None
+        try:
+            async with asyncio.timeout(self.timeout):
+                client = self._client or self._make_client()
+                result = await fn(client, *args)
+        except TimeoutError as exc:
+            self._stats["timeouts"] += 1
+            await self._failed(what, exc)
+            return None
+        except (RedisError, OSError) as exc:
+            self._stats["errors"] += 1
+            await self._failed(what, exc)
+            return None
+        if not self._available:
+            if self._ever_up:
+                self._stats["reconnects"] += 1
+                log.info("Redis tier %s reachable again", self.url)
+            self._available = self._ever_up = True
+        self._failures = 0
+        return result
+
+    async def _failed(self, what: str, exc: BaseException) -> None:
+        self._available = False
+        self._failures += 1
+        delay = min(self.backoff_cap, self.backoff_base * 2 ** min(self._failures - 1, 30))
+        self._retry_at = time.monotonic() + delay
+        self._warn.warn(
+            "down", "Redis tier %s: %s failed (%s: %s); misses, next try in %.2g s",
+            self.url, what, type(exc).__name__, exc, delay,
+        )  # fmt: skip
+        await self._drop_client()  # a connection may hold a late reply: start afresh
+
+    # -- argument checks (caller bugs raise) ---------------------------------------------
+    def _check(self, keys: list[bytes], array: Pages, slots: list[int], write: bool) -> None:
+        pb = self.spec.page_bytes
+        if not isinstance(array, np.ndarray) or array.ndim != 2 or array.dtype != np.uint8:
+            raise SpecError(f"pages must be a uint8 array [n, {pb}], got {_describe(array)}")
+        if array.shape[1] != pb:
+            raise SpecError(f"pages must be [n, {pb}] (spec.page_bytes), got {array.shape}")
+        if write and not array.flags.writeable:
+            raise SpecError("the local page array is read-only")
+        if (len(slots) < len(keys)) if write else (len(slots) != len(keys)):
+            raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
+        n = array.shape[0]
+        for s in slots[: len(keys)]:
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < n:
+                raise SpecError(f"local slot {s!r} is outside [0, {n})")
+        if write and len(set(slots[: len(keys)])) != len(keys):
+            raise SpecError("two pages for one local slot")
+        for k in keys:
+            if not isinstance(k, bytes) or not k:
+                raise SpecError(f"a page key must be non-empty bytes, got {k!r}")
+
+    def _chunks(self, items: list[Any]) -> list[list[Any]]:
+        b = self.batch_pages
+        return [items[i : i + b] for i in range(0, len(items), b)]
+
+    # -- lookup --------------------------------------------------------------------------
+    async def lookup(self, keys: list[bytes]) -> int:
+        """How many leading pages of ``keys`` are present (a hint: `load` verifies).
+        Returns 0 when the server is unreachable, slow or backing off."""
+        for k in keys:
+            if not isinstance(k, bytes) or not k:
+                raise SpecError(f"a page key must be non-empty bytes, got {k!r}")
+        if not keys:
+            return 0
+        found = await self._run("lookup", self._exists, [self.redis_key(k) for k in keys])
+        if found is None:
+            return 0
+        n = 0
+        while n < len(keys) and found[n]:
+            n += 1
+        return n
+
+    async def _exists(self, client: Redis | RedisCluster, rkeys: list[bytes]) -> list[bool]:
+        async def chunk(part: list[bytes]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in part:
+                pipe.exists(k)
+            return list(await pipe.execute())
+
+        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(rkeys)))
+        return [bool(x) for p in parts for x in p]
+
+    # -- load ----------------------------------------------------------------------------
+    async def load(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
+        """Read the leading pages of ``keys`` into ``array[slots[i]]`` ([num_slots,
+        page_bytes] uint8); returns how many arrived intact. Each value is checked (length,
+        layout, checksum) before its row is written; rows past the count are untouched.
+
+        Never raises for server trouble (returns 0 or fewer pages); raises SpecError for a
+        wrong array, out-of-range or repeated slots, fewer slots than keys.
+        """
+        self._check(keys, array, slots, write=True)
+        if not keys:
+            return 0
+        rkeys = [self.redis_key(k) for k in keys]
+        values = await self._run("load", self._get, rkeys)
+        n, bad = 0, None
+        for rkey, value, slot in zip(rkeys, values or (), slots):
+            if value is None:
+                break
+            self._stats["bytes_in"] += len(value)
+            payload = self._verify(rkey, value)
+            if payload is None:
+                bad = rkey
+                break
+            array[slot] = payload
+            n += 1
+        self._stats["hits"] += n
+        self._stats["misses"] += len(keys) - n
+        if bad is not None:
+            await self._run("delete", self._delete, bad)
+        return n
+
+    async def _get(self, client: Redis | RedisCluster, rkeys: list[bytes]) -> list[Any]:
+        async def chunk(part: list[bytes]) -> list[Any]:
+            if self._px is None and not self.cluster:
+                return list(await client.mget(part))  # one command: least parsing
+            pipe = client.pipeline(transaction=False)
+            for k in part:
+                if self._px is None:
+                    pipe.get(k)
+                else:
+                    pipe.getex(k, px=self._px)  # a read renews the page's ttl
+            return list(await pipe.execute())
+
+        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(rkeys)))
+        return [v for p in parts for v in p]
+
+    async def _delete(self, client: Redis | RedisCluster, rkey: bytes) -> None:
+        await client.delete(rkey)
+
+    def _verify(self, rkey: bytes, value: Any) -> Pages | None:
+        """The payload of ``value`` as a uint8 array, or None (counted, logged) if any check
+        fails."""
+        pb = self.spec.page_bytes
+        why = None
+        if not isinstance(value, bytes) or len(value) != HEADER_BYTES + pb:
+            size = len(value) if isinstance(value, bytes) else type(value).__name__
+            why = f"size {size}, want {HEADER_BYTES + pb}"
+        elif value[: _HEAD.size] != self._head:
+            magic, fmt, codec, _, _, digest, length = _HEAD.unpack_from(value)
+            why = (
+                f"header magic={magic!r} format={fmt} codec={codec} layout={digest.hex()} "
+                f"payload={length}, want layout {self._digest.hex()}"
+            )
+        else:
+            (crc,) = _CRC.unpack_from(value, _HEAD.size)
+            view = memoryview(value)
+            if crc != zlib.crc32(view[HEADER_BYTES:], zlib.crc32(view[: _HEAD.size], _crc0(rkey))):
+                why = "checksum mismatch"
+        if why is not None:
+            self._stats["corrupt"] += 1
+            self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
+            return None
+        return np.frombuffer(value, np.uint8, pb, HEADER_BYTES)
+
+    # -- publish -------------------------------------------------------------------------
+    async def publish(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
+        """Store ``array[slots[i]]`` as page ``keys[i]`` unless present (SET NX, PX ttl);
+        returns the pages newly stored. Pages refused for lack of memory (``maxmemory`` with
+        ``noeviction``) count in ``full``. Never raises for server trouble (returns what got
+        stored, or 0); raises SpecError for a wrong array, bad slots, len(slots) != len(keys).
+        """
+        self._check(keys, array, slots, write=False)
+        if not keys:
+            return 0
+        rkeys = [self.redis_key(k) for k in keys]
+        values = [self._value(rk, array[s]) for rk, s in zip(rkeys, slots)]
+        replies = await self._run("publish", self._set, rkeys, values)
+        if replies is None:
+            return 0
+        stored = sum(1 for r in replies if r is True)
+        full = sum(1 for r in replies if isinstance(r, ResponseError) and "OOM" in str(r))
+        failed = sum(1 for r in replies if isinstance(r, Exception)) - full
+        self._stats["stored"] += stored
+        self._stats["present"] += len(keys) - stored - full - failed
+        self._stats["full"] += full
+        self._stats["bytes_out"] += sum(len(v) for v, r in zip(values, replies) if r is True)
+        if full:
+            self._warn.warn("full", "Redis tier %s full: %d pages not stored", self.url, full)
+        if failed:
+            self._stats["errors"] += 1
+            first = next(r for r in replies if isinstance(r, Exception) and "OOM" not in str(r))
+            self._warn.warn(
+                "refused", "Redis tier %s refused %d pages: %s", self.url, failed, first
+            )
+        return stored
+
+    def _value(self, rkey: bytes, row: Pages) -> bytes:
+        payload = np.ascontiguousarray(row).data
+        crc = zlib.crc32(payload, zlib.crc32(self._head, _crc0(rkey)))
+        return self._head + _CRC.pack(crc) + payload
+
+    async def _set(
+        self, client: Redis | RedisCluster, rkeys: list[bytes], values: list[bytes]
+    ) -> list[Any]:
+        async def chunk(part: list[tuple[bytes, bytes]]) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k, v in part:
+                pipe.set(k, v, nx=True, px=self._px)
+            return list(await pipe.execute(raise_on_error=False))
+
+        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(list(zip(rkeys, values)))))
+        return [r for p in parts for r in p]
+
+
+def _crc0(rkey: bytes) -> int:
+    return zlib.crc32(rkey)
+
+
+def _describe(array: object) -> str:
+    if isinstance(array, np.ndarray):
+        return f"{array.dtype} {array.shape}"
+    return type(array).__name__
