@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -34,8 +34,11 @@ class ColdStorage:
     stats: TierStats
     owner_pins: dict[Key, set[str]]
     forget_in: Callable[[str, Sequence[Key]], None]
+    host_left: Callable[[Sequence[Hashable]], None]
 
     if TYPE_CHECKING:  # provided by TierSet
+
+        async def offer_remote(self, victims: list[tuple[Key, int]]) -> None: ...
 
         def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None: ...
 
@@ -71,6 +74,7 @@ class ColdStorage:
         keys = [k for k, _ in victims]
         ok = True
         try:
+            await self.offer_remote(victims)  # exact bytes, before they are compressed or gone
             if self.codec is not None:
                 await self._compress(victims)
             else:
@@ -82,6 +86,8 @@ class ColdStorage:
             raise
         finally:
             table.complete_evict(keys, HOST, ok=ok)
+            if ok:
+                self.host_left(keys)
 
     async def _compress(self, victims: list[tuple[Key, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
@@ -137,6 +143,7 @@ class ColdStorage:
         pk = [k for k, _ in pick]
         table.prepare_load(pk, HOST)  # hold the sources while encoding
         try:
+            await self.offer_remote(pick)
             await self._compress(pick)
         except TierFullError:
             return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, cast
 
 from runtime import Arena, Priority, TransferEngine
@@ -39,6 +39,7 @@ class DeviceEviction:
     _progress: asyncio.Future[None] | None
     _has_lower: Callable[[Key], bool]
     forget_in: Callable[[str, Sequence[Key]], None]
+    host_left: Callable[[Sequence[Hashable]], None]
 
     if TYPE_CHECKING:  # provided by ColdStorage and TierSet
 
@@ -107,6 +108,7 @@ class DeviceEviction:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
+        self.host_left(alloc.evicted)  # only when room was taken since _make_room_host
         dst_of = dict(zip(alloc.keys, alloc.slots))
         for k in alloc.present:  # a stale host copy: overwrite it in place
             dst_of[k] = table.slot(k, HOST)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runtime import EngineStats, TransferEngine, get_backend
 from tierkv.codecs import get_codec
@@ -38,6 +38,10 @@ from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
+
+if TYPE_CHECKING:  # tierkv.remote imports this module: the store imports it when needed
+    from tierkv.remote.link import StoreRemote
+    from tierkv.remote.source import PageSource
 
 
 class KVStore(Prefetcher):
@@ -61,6 +65,16 @@ class KVStore(Prefetcher):
             prefixes) are compressed.
         write_behind: copy pages a lease wrote down to the host in the background when the
             lease ends, so that evicting them later costs no wait.
+        remote: a remote tier (any :class:`~tierkv.remote.PageSource`: a peer's page server,
+            a cluster of them, Redis), or several consulted in order. Blocks missing locally
+            are imported from it by :meth:`add_sequence` / :meth:`fetch_prefix`; content pages
+            leaving the host tier are pushed to the first one (``remote_write``). Failures are
+            counted in ``stats()["remote"]``, never raised.
+        remote_write: push content pages leaving the host tier to the remote (batched, in the
+            background; an eviction waits at most ``remote_push_wait`` seconds for it).
+        remote_push_pages: staging buffer of those pushes, in pages.
+        remote_push_wait: the longest an eviction waits for room in that buffer (else the
+            pages are not pushed, counted as ``push_dropped``).
 
     Raises:
         SpecError: a budget too small for one page per tier.
@@ -83,6 +97,10 @@ class KVStore(Prefetcher):
         timeout: float = 30.0,
         write_behind: bool = True,
         compress_live: bool = False,
+        remote: PageSource | Sequence[PageSource] | None = None,
+        remote_write: bool = True,
+        remote_push_pages: int = 256,
+        remote_push_wait: float = 0.05,
     ) -> None:
         self.spec = spec
         self.namespace = namespace
@@ -117,6 +135,19 @@ class KVStore(Prefetcher):
         self.counters = StoreCounters()
         self.timeline = Timeline()
         self._closed = False
+        self.remote: StoreRemote | None = None
+        if remote is not None:
+            from tierkv.remote.link import StoreRemote
+
+            sources = list(remote) if isinstance(remote, Sequence) else [remote]
+            self.remote = StoreRemote(
+                sources,
+                spec.page_bytes,
+                write=remote_write,
+                timeout=min(timeout, 10.0),
+                push_pages=remote_push_pages,
+                push_wait=remote_push_wait,
+            )
 
     # -- life cycle ----------------------------------------------------------------------
     async def open(self) -> KVStore:
@@ -140,6 +171,8 @@ class KVStore(Prefetcher):
             policy=self._policy,
             timeline=self.timeline,
         )
+        if self.remote is not None:
+            self.remote.attach(self._tiers)
         return self
 
     async def close(self) -> None:
@@ -147,6 +180,8 @@ class KVStore(Prefetcher):
         if self._closed:
             return
         self._closed = True
+        if self.remote is not None:
+            await self.remote.aclose()
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
@@ -190,6 +225,7 @@ class KVStore(Prefetcher):
         """Start a sequence with its prompt; returns the prompt tokens whose KV was reused.
 
         At least one prompt token is always left to compute (its logits start decoding).
+        With a remote tier, the blocks missing locally are imported first (bounded).
         Raises SequenceError when the id is in use, StoreClosedError after close.
         """
         tiers = self.tiers
@@ -199,6 +235,12 @@ class KVStore(Prefetcher):
         t = self.spec.page_tokens
         keys = prefix_keys(toks[: max(0, len(toks) - 1) // t * t], t, self.namespace)
         n = self._cached_blocks(keys)
+        if self.remote is not None and n < len(keys):
+            await self._fetch(keys[n:])
+            tiers = self.tiers  # raises if the store closed meanwhile
+            if seq_id in self._seqs:
+                raise SequenceError(f"sequence {seq_id!r} already exists")
+            n = self._cached_blocks(keys)  # no await from here on: nothing can evict them
         seq = SequenceState(seq_id, self.spec.num_layers, t, self.namespace, tokens=toks)
         seq.blocks = keys[:n]
         seq.shared = [True] * n
@@ -209,6 +251,21 @@ class KVStore(Prefetcher):
         self.counters.prefix_tokens_reused += n * t
         self.counters.prompt_tokens += len(toks)
         return n * t
+
+    async def fetch_prefix(self, tokens: Sequence[int]) -> int:
+        """Like :meth:`lookup`, but first imports the blocks of ``tokens``' prefix that are
+        missing locally from the remote tier (if any). Returns the tokens now cached."""
+        keys = prefix_keys(list(tokens), self.spec.page_tokens, self.namespace)
+        n = self._cached_blocks(keys)
+        if self.remote is not None and n < len(keys):
+            await self._fetch(keys[n:])
+        return self.lookup(tokens)
+
+    async def _fetch(self, blocks: list[bytes]) -> int:
+        assert self.remote is not None
+        layers = self.spec.num_layers
+        pages = [page_key(b, layer) for b in blocks for layer in range(layers)]
+        return await self.remote.fetch(pages, layers)
 
     def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
         """Declare generated tokens (their KV is appended by the next step)."""
@@ -364,4 +421,5 @@ class KVStore(Prefetcher):
             "prefix_tokens_reused": c.prefix_tokens_reused,
             "background_errors": c.background_errors,
             "tiers": tiers.info(),
+            **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }

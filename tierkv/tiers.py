@@ -23,7 +23,7 @@ Rules that keep KV safe:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, cast
 
 import torch
@@ -85,6 +85,10 @@ class TierSet(DeviceEviction, ColdStorage):
         self._device_lock = asyncio.Lock()
         self._busy: set[asyncio.Task[None]] = set()  # write-behind copies holding device pins
         self._progress: asyncio.Future[None] | None = None  # see DeviceEviction.progress
+        # pages leaving the host tier: listeners (a page server's announcements) and the
+        # remote tier's offer of exact bytes about to be compressed or dropped
+        self.host_listeners: list[Callable[[list[Key]], None]] = []
+        self.remote_offer: Callable[[list[tuple[Key, int]]], Awaitable[None]] | None = None
 
     # -- where pages are ---------------------------------------------------------------
     def holds(self, key: Key) -> bool:
@@ -162,6 +166,8 @@ class TierSet(DeviceEviction, ColdStorage):
             ]
             if here:
                 self.table.remove(here, t)
+                if t == HOST:
+                    self.host_left(here)
         for k in keys:
             self.dirty.pop(k, None)
 
@@ -350,6 +356,23 @@ class TierSet(DeviceEviction, ColdStorage):
         ]
         if here:
             self.table.remove(here, tier)
+            if tier == HOST:
+                self.host_left(here)
+
+    def host_left(self, keys: Sequence[Hashable]) -> None:
+        """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners.
+        Call it for every departure outside this class too (a direct ``prepare_store`` on the
+        host tier that evicted pages)."""
+        if keys and self.host_listeners:
+            left = cast(list[Key], list(keys))
+            for listener in self.host_listeners:
+                listener(left)
+
+    async def offer_remote(self, victims: list[tuple[Key, int]]) -> None:
+        """Offer host pages about to leave (pinned or MOVING, so their bytes hold) to the
+        remote tier, if any; bounded and best-effort (the remote counts its failures)."""
+        if self.remote_offer is not None and victims:
+            await self.remote_offer(victims)
 
     def _note_peak(self) -> None:
         used = self.table.used(DEVICE)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ from tierkv.remote.errors import (
     map_transport_error,
 )
 from tierkv.remote.server import SECRET_ENV, spec_fields
+from tierkv.remote.watch import Watch
 from tierkv.remote.wire import auth_mac, error_for, recv, send
 from tierkv.spec import KVSpec
 
@@ -224,6 +226,43 @@ class RemoteTier:
         if type(n) is not int or not 0 <= n <= len(keys):
             raise RemoteProtocolError(f"bad lookup answer {n!r}")
         return n
+
+    async def locate(self, keys: list[bytes]) -> list[str]:
+        """For the leading pages of ``keys`` that any node of the server's cluster holds, the
+        address (``host:port``) of one holding it; shorter than ``keys`` from the first page
+        no node holds. A hint (the directory lags by up to the servers' sync interval)."""
+        nodes = (await self._call("locate", keys=list(keys))).get("nodes")
+        if not isinstance(nodes, list) or len(nodes) > len(keys):
+            raise RemoteProtocolError("bad locate answer")
+        if not all(isinstance(n, str) for n in nodes):
+            raise RemoteProtocolError("bad locate answer")
+        return nodes
+
+    async def watch(
+        self,
+        keys: list[bytes] | None = None,
+        *,
+        callback: Callable[[list[bytes]], None] | None = None,
+        max_batches: int = 256,
+    ) -> Watch:
+        """Watch pages on this server: a `Watch` (on a connection of its own) yields batches
+        of watched keys that left the server's host tier. ``aclose`` it when done. Raises
+        PeerGoneError, RemoteTimeoutError, RemoteRefusedError."""
+        w = Watch(
+            f"{self.host}:{self.port}",
+            secret=self.secret,
+            timeout=self.timeout,
+            callback=callback,
+            max_batches=max_batches,
+        )
+        await w.start()
+        try:
+            if keys:
+                await w.add(list(keys))
+        except BaseException:
+            await w.aclose()
+            raise
+        return w
 
     async def stats(self) -> dict[str, Any]:
         """The page server's figures (pages served, leases, expiries)."""

@@ -113,6 +113,7 @@ class Directory:
         alloc = self.tiers.table.prepare_store(keys, HOST)
         if alloc is None:
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
+        self.tiers.host_left(alloc.evicted)
         new = cast(list[bytes], alloc.keys)
         slot_of = dict(zip(new, alloc.slots))
         for k, s in slot_of.items():
@@ -176,6 +177,12 @@ class Directory:
     def leases(self) -> int:
         """Leases held now."""
         return len(self._leases)
+
+    def held(self) -> set[bytes]:
+        """Every readable content page of the host tier (what the peers are told)."""
+        table = self.tiers.table
+        keys = cast(list[bytes], table.keys(HOST))
+        return {k for k in keys if _is_content(k) and table.state(k, HOST) == PageState.READABLE}
 
     def entries(self) -> dict[bytes, tuple[int, int]]:
         """Every readable content page of the host tier -> (slot, generation)."""

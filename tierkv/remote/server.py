@@ -10,7 +10,11 @@
                (shm: memcpy from the mapped segment; tcp: a batch request to its server)
 
 Only content pages (shareable, immutable) that are readable in the host tier are served. A
-connection that closes drops its leases (pins released, generations bumped).
+connection that closes drops its leases (pins released, generations bumped) and its watches.
+
+With ``peers``, servers keep a directory of which node holds which page among themselves
+(gossip.py: `locate` answers for every node), and a client may `watch` pages to hear when
+they leave this host tier (watch.py).
 """
 
 from __future__ import annotations
@@ -23,12 +27,15 @@ import secrets
 from typing import Any
 
 from tierkv.errors import TierKVError
-from tierkv.remote.directory import Directory
+from tierkv.remote.directory import Directory, _is_content
 from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
+from tierkv.remote.gossip import PeerIndex, PeerLink, keys_field
 from tierkv.remote.hosting import SharedArena, register_host_arena, share_host_arena
+from tierkv.remote.watch import WatchHub
 from tierkv.remote.wire import auth_mac, keys_of, recv, send
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
+from tierkv.tiers import HOST
 from transports import Transport, TransportError, create
 
 __all__ = ["PageServer", "spec_fields"]
@@ -61,6 +68,13 @@ class PageServer:
         lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes).
         timeout: bound of the transports' transfers and of a client's hello.
         transport_options: extra keyword arguments per transport name.
+        peers: other page servers (``host:port``) to share the directory with; one seed is
+            enough (the others are learned). None / empty: a single node.
+        advertise: our address as peers reach it (default: ``host:port`` once bound).
+        sync_interval: seconds between directory messages to a peer when nothing changes
+            (changes go out within ``sync_linger`` seconds).
+        max_peers: the most peer links this server keeps.
+        watch_pending: departed keys a watcher may have queued before it is dropped.
 
     Raises RemoteError (from `start`) when the arena cannot be shared or a transport fails.
     """
@@ -76,6 +90,12 @@ class PageServer:
         lease_ttl: float = 10.0,
         timeout: float = 10.0,
         transport_options: dict[str, dict[str, Any]] | None = None,
+        peers: list[str] | tuple[str, ...] | None = None,
+        advertise: str | None = None,
+        sync_interval: float = 1.0,
+        sync_linger: float = 0.02,
+        max_peers: int = 64,
+        watch_pending: int = 1 << 16,
     ) -> None:
         self.store = store
         self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")
@@ -90,11 +110,22 @@ class PageServer:
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self.seeds = list(peers or [])
+        self._advertise = advertise
+        self.sync_interval, self.sync_linger = sync_interval, sync_linger
+        self.max_peers = max_peers
+        self.index = PeerIndex()
+        self.links: dict[str, PeerLink] = {}
+        self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
+        self._held: set[bytes] = set()
+        self._changed: asyncio.Event | None = None
+        self._sync: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
-        """``host:port`` of the control socket."""
-        return f"{self.host}:{self.port}"
+        """Our address as peers and clients reach it (``host:port`` of the control socket,
+        unless ``advertise`` says otherwise)."""
+        return self._advertise or f"{self.host}:{self.port}"
 
     async def start(self) -> PageServer:
         """Share the host arena, start the transports and the control socket."""
@@ -118,12 +149,29 @@ class PageServer:
         self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
         self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._changed = asyncio.Event()
+        self._held = self.directory.held()
+        self.store.tiers.host_listeners.append(self._on_left)
+        self._sync = asyncio.get_running_loop().create_task(self._sync_loop())
+        for peer in self.seeds:
+            self.add_peer(peer)
         return self
 
     async def aclose(self) -> None:
         """Stop serving: close connections (their leases end), then the transports."""
         if self._server is not None:
             self._server.close()
+        if self._on_left in self.store.tiers.host_listeners:
+            self.store.tiers.host_listeners.remove(self._on_left)
+        sync, self._sync = self._sync, None
+        if sync is not None:
+            sync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sync
+        for link in list(self.links.values()):
+            await link.aclose()
+        self.links.clear()
+        self.watches.close_all()
         for w in list(self._writers):  # handlers see EOF and end (their leases with them)
             w.close()
         if self._conns:
@@ -163,12 +211,15 @@ class PageServer:
                 return
             await send(writer, {"id": hello.get("id"), **self._hello()})
             while (msg := await recv(reader)) is not None:
-                await send(writer, {"id": msg.get("id"), **self._answer(msg, owner)})
+                reply = self._answer(msg, owner, writer)
+                await asyncio.wait_for(send(writer, {"id": msg.get("id"), **reply}), self.timeout)
         except (RemoteProtocolError, ConnectionError, TimeoutError):
             pass
         finally:
             if self.directory is not None:
                 self.directory.expire_all(owner)
+            self.watches.close(owner)
+            self.index.forget_owner(owner)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
@@ -186,7 +237,9 @@ class PageServer:
             },
         }
 
-    def _answer(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+    def _answer(
+        self, msg: dict[str, Any], owner: object, writer: asyncio.StreamWriter
+    ) -> dict[str, Any]:
         d = self.directory
         assert d is not None
         op = msg.get("op")
@@ -202,7 +255,19 @@ class PageServer:
                 lease, slots = d.reserve(keys_of(msg), owner)
                 return {"lease": lease, "slots": slots}
             if op == "commit":
-                return {"stored": d.commit(_int(msg, "lease"), bool(msg.get("ok")))}
+                stored = d.commit(_int(msg, "lease"), bool(msg.get("ok")))
+                if stored and self._changed is not None:
+                    self._changed.set()  # peers hear of published pages at once
+                return {"stored": stored}
+            if op == "locate":
+                return {"nodes": self.locate(keys_of(msg))}
+            if op == "watch":
+                return {"held": self.watches.watch(owner, writer, keys_of(msg), self._holds)}
+            if op == "unwatch":
+                self.watches.unwatch(owner, keys_of(msg))
+                return {}
+            if op == "hold":
+                return self._hold(msg, owner)
             if op == "stats":
                 return self.stats()
         except RemoteFullError as exc:
@@ -222,7 +287,86 @@ class PageServer:
             "host_capacity": table.capacity("host"),
             "leases": d.leases,
             "expired": d.expired,
+            "peers": sorted(self.links),
+            "peers_connected": sum(1 for link in self.links.values() if link.connected),
+            "peer_pages": self.index.pages(),
+            "watchers": self.watches.watchers,
+            "announced": self.watches.announced,
+            "watchers_dropped": self.watches.dropped,
         }
+
+    # -- the directory shared with peers, and announcements --------------------------------
+    def _holds(self, key: bytes) -> bool:
+        table = self.store.tiers.table
+        return _is_content(key) and bool(table.lookup([key], HOST))
+
+    def locate(self, keys: list[bytes]) -> list[str]:
+        """For the leading pages of ``keys`` that some node holds, the address of one
+        (ours first); stops at the first page no known node holds."""
+        out: list[str] = []
+        for k in keys:
+            node = self.address if self._holds(k) else self.index.locate(k)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    def add_peer(self, address: str) -> bool:
+        """Link to another page server (idempotent); False when it is us or over
+        ``max_peers``. Raises ValueError for an address that is not ``host:port``."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"peer address must be host:port, got {address!r}")
+        if address == self.address or address in self.links or len(self.links) >= self.max_peers:
+            return False
+        link = PeerLink(
+            self.address,
+            address,
+            secret=self.secret,
+            timeout=self.timeout,
+            interval=self.sync_interval,
+            held=lambda: set(self._held),
+            on_peers=self._learn,
+        )
+        self.links[address] = link
+        link.start()
+        return True
+
+    def _learn(self, addresses: list[str]) -> None:
+        for a in addresses:
+            with contextlib.suppress(ValueError):
+                self.add_peer(a)
+
+    def _hold(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+        node = msg.get("node")
+        if not isinstance(node, str) or not node:
+            raise RemoteProtocolError("hold needs the sender's node address")
+        add, drop = keys_field(msg, "add"), keys_field(msg, "drop")
+        self.index.apply(node, owner, add, drop, full=bool(msg.get("full")))
+        self._learn([node])  # a node that tells us about itself gets our holdings too
+        return {"peers": [self.address, *self.links]}
+
+    def _on_left(self, keys: list[bytes]) -> None:
+        """Pages left our host tier: announce them now; peers hear of it at the next sync."""
+        self.watches.announce(keys)
+        if self._changed is not None:
+            self._changed.set()
+
+    async def _sync_loop(self) -> None:
+        assert self._changed is not None and self.directory is not None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.sync_interval)
+            await asyncio.sleep(self.sync_linger)  # let a burst of changes collect
+            self._changed.clear()
+            now = self.directory.held()
+            added, dropped = now - self._held, self._held - now
+            self._held = now
+            if dropped:
+                self.watches.announce(dropped)  # departures no hook reported
+            if added or dropped:
+                for link in self.links.values():
+                    link.changed(added, dropped)
 
 
 def _int(msg: dict[str, Any], name: str) -> int:

@@ -59,6 +59,7 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
         alloc = table.prepare_store(want, HOST)
         if alloc is None:
             raise TierFullError(f"host tier: no room to import {len(want)} pages")
+        store.tiers.host_left(alloc.evicted)
         keys, slots = cast(list[bytes], alloc.keys), list(alloc.slots)
         ok = 0
         try:

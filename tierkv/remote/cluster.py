@@ -1,0 +1,178 @@
+"""`RemoteCluster`: the page servers of a cluster as one `PageSource`, reached from a seed.
+
+::
+
+    cluster = RemoteCluster(["10.0.0.7:7600"], transport="tcp", secret=s, spec=spec)
+    n = await cluster.lookup(keys)           # seed.locate(keys): one node per leading page
+    got = await cluster.load(keys, arr, slots)   # runs of pages, each from the node holding it
+                                                 #   A A A B B C -> A.load(3), B.load(2), C.load(1)
+    await cluster.publish(keys, arr, slots)  # to the seed's node
+
+Clients (`RemoteTier`) connect lazily, one per node, and are dropped when they fail; a node
+that failed is skipped for ``retry_after`` seconds (its pages count as not held). Any seed that
+answers will do: the first reachable one is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tierkv.errors import SpecError
+from tierkv.remote.client import RemoteTier
+from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.spec import KVSpec
+
+__all__ = ["RemoteCluster"]
+
+
+class RemoteCluster:
+    """Several page servers as one page source (see the module docstring).
+
+    Args:
+        seeds: ``host:port`` of one or more page servers of the cluster.
+        transport, secret, spec, timeout, transport_options: as for `RemoteTier`, for every
+            node.
+        retry_after: seconds a node that failed is left alone.
+    """
+
+    def __init__(
+        self,
+        seeds: list[str] | str,
+        *,
+        transport: str = "tcp",
+        secret: bytes | None = None,
+        spec: KVSpec | None = None,
+        timeout: float = 10.0,
+        transport_options: dict[str, Any] | None = None,
+        retry_after: float = 1.0,
+    ) -> None:
+        self.seeds = [seeds] if isinstance(seeds, str) else list(seeds)
+        if not self.seeds:
+            raise ValueError("a cluster needs at least one seed address")
+        self._kw: dict[str, Any] = {
+            "transport": transport,
+            "secret": secret,
+            "spec": spec,
+            "timeout": timeout,
+            "transport_options": transport_options,
+        }
+        self.retry_after = retry_after
+        self._tiers: dict[str, RemoteTier] = {}
+        self._down: dict[str, float] = {}
+        self._connecting: dict[str, asyncio.Future[RemoteTier]] = {}
+        self.loads_from: dict[str, int] = {}
+
+    async def node(self, address: str) -> RemoteTier:
+        """The client of one node (connected now if needed). Raises RemoteError (PeerGoneError
+        while the node is left alone after a failure)."""
+        tier = self._tiers.get(address)
+        if tier is not None:
+            return tier
+        until = self._down.get(address, 0.0)
+        if time.monotonic() < until:
+            raise PeerGoneError(
+                f"{address} failed recently; retrying in {until - time.monotonic():.1f} s"
+            )
+        pending = self._connecting.get(address)
+        if pending is not None:  # one connect per node, whoever asks
+            return await asyncio.shield(pending)
+        fut: asyncio.Future[RemoteTier] = asyncio.get_running_loop().create_future()
+        self._connecting[address] = fut
+        try:
+            tier = await RemoteTier(address, **self._kw).connect()
+        except BaseException as exc:
+            if isinstance(exc, Exception):
+                self._down[address] = time.monotonic() + self.retry_after
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: whoever waits re-raises it
+            else:
+                fut.cancel()
+            raise
+        finally:
+            self._connecting.pop(address, None)
+        self._tiers[address] = tier
+        fut.set_result(tier)
+        return tier
+
+    async def _failed(self, address: str) -> None:
+        self._down[address] = time.monotonic() + self.retry_after
+        tier = self._tiers.pop(address, None)
+        if tier is not None:
+            await tier.aclose()
+
+    async def _seed(self) -> tuple[str, RemoteTier]:
+        last: RemoteError | None = None
+        for a in self.seeds:
+            try:
+                return a, await self.node(a)
+            except RemoteError as exc:
+                last = exc
+        raise PeerGoneError(f"no seed of {self.seeds} answers: {last}") from last
+
+    async def _call_seed(self, op: str, *args: Any) -> Any:
+        address, tier = await self._seed()
+        try:
+            return await getattr(tier, op)(*args)
+        except (PeerGoneError, RemoteTimeoutError):
+            await self._failed(address)
+            raise
+
+    async def locate(self, keys: list[bytes]) -> list[str]:
+        """Per leading page of ``keys``, a node holding it (asked of a seed)."""
+        nodes: list[str] = await self._call_seed("locate", keys)
+        return nodes
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        """How many leading pages of ``keys`` some node of the cluster holds."""
+        return len(await self.locate(keys))
+
+    async def load(self, keys: list[bytes], array: npt.NDArray[np.uint8], slots: list[int]) -> int:
+        """Read the leading pages of ``keys`` from the nodes holding them into
+        ``array[slots]``; returns how many leading pages arrived intact. Raises RemoteError
+        when the first node asked fails (a later failure ends the load short)."""
+        if len(slots) < len(keys):
+            raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
+        nodes = await self.locate(keys)
+        got = 0
+        while got < len(nodes):
+            node, end = nodes[got], got
+            while end < len(nodes) and nodes[end] == node:
+                end += 1
+            try:
+                tier = await self.node(node)
+                n = await tier.load(keys[got:end], array, slots[got:end])
+            except RemoteError as exc:
+                if isinstance(exc, (PeerGoneError, RemoteTimeoutError)):
+                    await self._failed(node)
+                if got == 0:
+                    raise
+                return got
+            self.loads_from[node] = self.loads_from.get(node, 0) + n
+            got += n
+            if got < end:
+                break
+        return got
+
+    async def publish(
+        self, keys: list[bytes], array: npt.NDArray[np.uint8], slots: list[int]
+    ) -> int:
+        """Write pages to the seed's node; returns the pages newly stored there."""
+        stored: int = await self._call_seed("publish", keys, array, slots)
+        return stored
+
+    async def aclose(self) -> None:
+        """Close every node's client."""
+        tiers, self._tiers = list(self._tiers.values()), {}
+        for t in tiers:
+            await t.aclose()
+
+    async def __aenter__(self) -> RemoteCluster:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

@@ -1,0 +1,165 @@
+"""A control connection with a reader task: replies go to their callers, events to a handler.
+
+Used where the server speaks first or speaks unasked: peer links between page servers (the
+directory) and watches (eviction announcements)::
+
+    Control(address, secret=s).open()  -> hello fields
+    await ctl.call("watch", keys=[...])  -> reply (bounded by timeout; concurrent calls fine)
+    server: {"ev": "gone", "keys": [...]}  -> await on_event(msg)  (the reader waits for it:
+                                              a slow handler slows the socket, not the server)
+
+When the connection ends (EOF, error, `aclose`) every call in flight raises PeerGoneError and
+``closed`` (a future) resolves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tierkv.remote.errors import (
+    PeerGoneError,
+    RemoteError,
+    RemoteProtocolError,
+    RemoteTimeoutError,
+)
+from tierkv.remote.wire import auth_mac, error_for, recv, send
+
+__all__ = ["Control", "EventHandler"]
+
+EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` -> (host, port). Raises ValueError."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be host:port, got {address!r}")
+    return host, int(port)
+
+
+class Control:
+    """One authenticated control connection to a page server."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        secret: bytes,
+        timeout: float = 10.0,
+        on_event: EventHandler | None = None,
+    ) -> None:
+        self.address = address
+        self.host, self.port = split_address(address)
+        self.secret, self.timeout = secret, timeout
+        self._on_event = on_event
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._ids = itertools.count(1)
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.hello: dict[str, Any] = {}
+
+    async def open(self) -> dict[str, Any]:
+        """Connect and authenticate; returns the server's hello. Raises PeerGoneError,
+        RemoteTimeoutError, RemoteRefusedError, RemoteProtocolError (the connection closed)."""
+        try:
+            reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.timeout
+            )
+            first = await asyncio.wait_for(recv(reader), self.timeout)
+        except TimeoutError as exc:
+            await self.aclose()
+            raise RemoteTimeoutError(f"no answer from {self.address}") from exc
+        except OSError as exc:
+            await self.aclose()
+            raise PeerGoneError(f"cannot reach the page server at {self.address}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        nonce = first.get("nonce") if first else None
+        if not isinstance(nonce, bytes):
+            await self.aclose()
+            raise RemoteProtocolError(f"{self.address} sent no nonce")
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        try:
+            self.hello = await self.call("hello", mac=auth_mac(self.secret, nonce))
+        except BaseException:
+            await self.aclose()
+            raise
+        return self.hello
+
+    async def aclose(self) -> None:
+        """Close the connection; calls in flight raise PeerGoneError. Idempotent."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        task, self._reader_task = self._reader_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._end()
+
+    def _break(self) -> None:
+        if self._writer is not None:
+            self._writer.close()  # the reader task sees EOF and ends every call in flight
+            self._writer = None
+
+    def _end(self) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(PeerGoneError(f"{self.address} closed the connection"))
+                fut.exception()  # retrieved here: the caller re-raises it
+        self._pending.clear()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while (msg := await recv(reader)) is not None:
+                if "ev" in msg and "id" not in msg:
+                    if self._on_event is not None:
+                        await self._on_event(msg)
+                    continue
+                fut = self._pending.pop(msg.get("id", -1), None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except (RemoteError, ConnectionError):
+            pass
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            self._end()
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send a request and wait (bounded) for its reply. Raises PeerGoneError,
+        RemoteTimeoutError, or the typed error of an ``err`` reply."""
+        if self._writer is None or self.closed.done():
+            raise PeerGoneError(f"not connected to {self.address}")
+        rid = next(self._ids)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await asyncio.wait_for(
+                send(self._writer, {"op": op, "id": rid, **fields}), self.timeout
+            )
+            reply = await asyncio.wait_for(fut, self.timeout)
+        except TimeoutError as exc:
+            self._break()  # a frame may be half sent: the stream cannot be trusted any more
+            raise RemoteTimeoutError(f"{self.address} silent for {self.timeout:g} s") from exc
+        except (ConnectionError, RuntimeError) as exc:
+            self._break()
+            raise PeerGoneError(f"{self.address} gone while sending {op!r}") from exc
+        except BaseException:
+            self._break()
+            raise
+        finally:
+            self._pending.pop(rid, None)
+        if "err" in reply:
+            raise error_for(reply)
+        return reply
