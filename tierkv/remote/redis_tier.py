@@ -53,7 +53,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError
 
 from tierkv.errors import SpecError
 from tierkv.remote.server import spec_fields
@@ -408,7 +408,7 @@ class RedisTier:
         if replies is None:
             return 0
         stored = sum(1 for r in replies if r is True)
-        full = sum(1 for r in replies if isinstance(r, ResponseError) and "OOM" in str(r))
+        full = sum(1 for r in replies if isinstance(r, OutOfMemoryError))
         failed = sum(1 for r in replies if isinstance(r, Exception)) - full
         self._stats["stored"] += stored
         self._stats["present"] += len(keys) - stored - full - failed
@@ -418,7 +418,11 @@ class RedisTier:
             self._warn.warn("full", "Redis tier %s full: %d pages not stored", self.url, full)
         if failed:
             self._stats["errors"] += 1
-            first = next(r for r in replies if isinstance(r, Exception) and "OOM" not in str(r))
+            first = next(
+                r
+                for r in replies
+                if isinstance(r, Exception) and not isinstance(r, OutOfMemoryError)
+            )
             self._warn.warn(
                 "refused", "Redis tier %s refused %d pages: %s", self.url, failed, first
             )

@@ -1,0 +1,358 @@
+"""RedisTier against a private redis-server: bit-exact round trips (store to store through
+Redis too), checked values, isolated namespaces, TTL, a full server, and a server killed,
+frozen or absent (misses, never an exception, then recovery).
+
+Every async test runs under asyncio (debug) and uvloop; each starts from an empty server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+redis = pytest.importorskip("redis")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_server import RedisServer, free_port, skip_without_redis  # noqa: E402
+
+from tierkv import KVStore  # noqa: E402
+from tierkv.errors import SpecError  # noqa: E402
+from tierkv.remote import RedisTier, import_prefix, prefix_pages, publish_prefix  # noqa: E402
+from tierkv.remote.redis_tier import HEADER_BYTES  # noqa: E402
+from tierkv.spec import KVSpec  # noqa: E402
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)
+PB = SPEC.page_bytes
+LOG = "tierkv.remote.redis"
+BOUND = 20.0  # outer bound of anything that waits for the server (never reached when healthy)
+
+
+def keys_of(seed: int, n: int) -> list[bytes]:
+    """``n`` distinct 18-byte page keys."""
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(18) for _ in range(n)]
+
+
+def pages_of(seed: int, n: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(seed + 10_000).integers(0, 256, (n, PB), np.uint8)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    skip_without_redis()
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def srv(server: RedisServer) -> Iterator[RedisServer]:
+    """The module's server, emptied."""
+    if not server.ping():
+        server.restart()
+    with redis.Redis.from_url(server.url) as r:
+        r.flushall()
+        r.config_set("maxmemory", 0)
+    yield server
+
+
+@pytest.fixture
+def own_server() -> Iterator[RedisServer]:
+    """A server of its own, for tests that kill, freeze or fill it."""
+    skip_without_redis()
+    with RedisServer() as s:
+        yield s
+
+
+def tier(url: str, **kw: Any) -> RedisTier:
+    kw.setdefault("spec", SPEC)
+    kw.setdefault("namespace", "test-model")
+    kw.setdefault("timeout", 2.0)
+    t = RedisTier(url, **kw)
+    t.backoff_base, t.backoff_cap = 0.02, 0.2
+    return t
+
+
+async def until(cond: Any, what: str) -> None:
+    """Poll the async predicate ``cond`` until true (bounded by BOUND)."""
+    try:
+        async with asyncio.timeout(BOUND):
+            while True:
+                if await cond():
+                    return
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"not within {BOUND} s: {what}") from None
+
+
+# -- round trips -----------------------------------------------------------------------------
+async def test_round_trip_is_bit_exact(srv: RedisServer) -> None:
+    n = 100
+    keys, src = keys_of(1, n), pages_of(1, n)
+    async with tier(srv.url, batch_pages=7) as rt:  # several chunks, one partial
+        assert rt.available
+        assert await rt.lookup(keys) == 0
+        assert await rt.publish(keys, src, list(range(n))) == n
+        assert await rt.publish(keys[:10], src, list(range(10))) == 0  # already there
+        assert await rt.lookup(keys) == n
+        assert await rt.lookup([*keys[:5], keys_of(2, 1)[0], *keys[5:]]) == 5
+        dst = np.full((2 * n, PB), 0xA5, np.uint8)
+        slots = list(range(2 * n - 1, n - 1, -1))
+        assert await rt.load(keys, dst, slots) == n
+        assert (dst[slots] == src).all()
+        assert (dst[:n] == 0xA5).all()  # other rows untouched
+        # a gap: the pages after the first absent one are not loaded
+        gap = [*keys[:3], keys_of(3, 1)[0], *keys[3:6]]
+        dst[:] = 0
+        assert await rt.load(gap, dst, list(range(7))) == 3
+        assert (dst[:3] == src[:3]).all() and (dst[3:7] == 0).all()
+        s = rt.stats()
+        assert (s["hits"], s["misses"], s["stored"], s["present"]) == (n + 3, 4, n, 10)
+        assert s["bytes_out"] == s["bytes_in"] * n // (n + 3) == n * (HEADER_BYTES + PB)
+        assert (s["corrupt"], s["errors"], s["timeouts"], s["available"]) == (0, 0, 0, 1)
+        assert await rt.load([], dst, []) == 0 and await rt.publish([], dst, []) == 0
+
+
+async def test_ttl_is_set_renewed_by_reads_and_respected(srv: RedisServer) -> None:
+    keys, src = keys_of(4, 8), pages_of(4, 8)
+    async with tier(srv.url, ttl=30.0) as rt, tier(srv.url, ttl=0.3) as short:
+        assert await rt.publish(keys[:4], src, [0, 1, 2, 3]) == 4
+        with redis.Redis.from_url(srv.url) as r:
+            assert all(0 < r.pttl(rt.redis_key(k)) <= 30_000 for k in keys[:4])
+            r.pexpire(rt.redis_key(keys[0]), 5_000)
+            assert await rt.load(keys[:1], np.zeros((1, PB), np.uint8), [0]) == 1
+            assert r.pttl(rt.redis_key(keys[0])) > 5_000  # GETEX renewed it
+        assert await short.publish(keys[4:], src, [4, 5, 6, 7]) == 4
+
+        async def expired() -> bool:
+            return await short.lookup(keys[4:]) == 0
+
+        await until(expired, "pages with a 0.3 s ttl expire")
+        assert await rt.lookup(keys[:4]) == 4
+
+
+async def test_import_prefix_moves_a_prompt_between_stores(srv: RedisServer) -> None:
+    tokens = np.random.default_rng(7).integers(0, 1000, 16 * 6 + 5).tolist()
+
+    def store() -> KVStore:
+        return KVStore(SPEC, device_bytes=4 * PB, host_bytes=32 * PB, codec=None, namespace="m")
+
+    async with store() as a, store() as b, tier(srv.url) as rt:
+        pages = prefix_pages(a, tokens)
+        assert len(pages) == 6 * SPEC.num_layers
+        table, arena = a.tiers.table, a.tiers.arenas["host"].array
+        alloc = table.prepare_store(pages, "host")
+        assert alloc is not None
+        want = pages_of(7, len(pages))
+        arena[list(alloc.slots)] = want
+        table.complete_store(pages, "host")
+        assert await publish_prefix(a, rt, tokens) == len(pages)
+        assert b.lookup(tokens) == 0
+        assert await import_prefix(b, rt, tokens) == 6 * 16
+        assert b.lookup(tokens) == 6 * 16
+        got = b.tiers.arenas["host"].array
+        for i, k in enumerate(pages):
+            assert (got[b.tiers.table.slot(k, "host")] == want[i]).all()
+
+
+# -- isolation and checking ------------------------------------------------------------------
+async def test_namespaces_and_layouts_are_isolated(srv: RedisServer) -> None:
+    keys, a_pages, b_pages = keys_of(5, 6), pages_of(5, 6), pages_of(6, 6)
+    other = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16, dtype="bf16")
+    assert other.page_bytes == PB  # same size, another layout
+    async with (
+        tier(srv.url, namespace="model-a") as a,
+        tier(srv.url, namespace="model-b") as b,
+        tier(srv.url, namespace="model-a", spec=other) as a2,
+    ):
+        assert await a.publish(keys, a_pages, list(range(6))) == 6
+        assert await b.lookup(keys) == 0 and await a2.lookup(keys) == 0
+        out = np.zeros((6, PB), np.uint8)
+        assert await b.load(keys, out, list(range(6))) == 0
+        assert await b.publish(keys, b_pages, list(range(6))) == 6  # same keys, own copies
+        assert await a.load(keys, out, list(range(6))) == 6 and (out == a_pages).all()
+        assert await b.load(keys, out, list(range(6))) == 6 and (out == b_pages).all()
+        assert a.stats()["corrupt"] == b.stats()["corrupt"] == 0
+        assert len({a.redis_key(keys[0]), b.redis_key(keys[0]), a2.redis_key(keys[0])}) == 3
+
+
+def _truncate(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    return value[: len(value) // 2]
+
+
+def _flip_payload(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    b = bytearray(value)
+    b[HEADER_BYTES + 100] ^= 0x01
+    return bytes(b)
+
+
+def _flip_checksum(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    b = bytearray(value)
+    b[HEADER_BYTES - 1] ^= 0x80
+    return bytes(b)
+
+
+def _other_layout(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    b = bytearray(value)
+    b[8] ^= 0xFF  # the spec digest
+    return bytes(b)
+
+
+def _garbage(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    return b"not a page"
+
+
+def _padded(value: bytes, rt: RedisTier, key: bytes) -> bytes:
+    return value + b"\0"
+
+
+CORRUPTIONS = [_truncate, _flip_payload, _flip_checksum, _other_layout, _garbage, _padded]
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__.strip("_"))
+async def test_corrupted_value_is_a_miss_and_a_warning(
+    srv: RedisServer, corrupt: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys, src = keys_of(8, 6), pages_of(8, 6)
+    async with tier(srv.url) as rt:
+        assert await rt.publish(keys, src, list(range(6))) == 6
+        with redis.Redis.from_url(srv.url) as r:
+            rk = rt.redis_key(keys[3])
+            r.set(rk, corrupt(r.get(rk), rt, keys[3]))
+            out = np.zeros((6, PB), np.uint8)
+            with caplog.at_level(logging.WARNING, LOG):
+                assert await rt.load(keys, out, list(range(6))) == 3
+            assert (out[:3] == src[:3]).all() and (out[3:] == 0).all()  # nothing bad copied
+            assert rt.stats()["corrupt"] == 1
+            assert any("rejected" in m for m in caplog.messages)
+            assert r.exists(rk) == 0  # dropped, so that a publish repairs it
+        assert await rt.publish(keys, src, list(range(6))) == 1
+        assert await rt.load(keys, out, list(range(6))) == 6 and (out == src).all()
+
+
+async def test_value_moved_to_another_key_is_rejected(srv: RedisServer) -> None:
+    keys, src = keys_of(9, 2), pages_of(9, 2)
+    async with tier(srv.url) as rt:
+        assert await rt.publish(keys[:1], src, [0]) == 1
+        with redis.Redis.from_url(srv.url) as r:
+            r.set(rt.redis_key(keys[1]), r.get(rt.redis_key(keys[0])))  # well-formed, wrong key
+        assert await rt.load(keys[1:], np.zeros((1, PB), np.uint8), [0]) == 0
+        assert rt.stats()["corrupt"] == 1
+
+
+async def test_caller_bugs_raise_spec_errors(srv: RedisServer) -> None:
+    keys, src = keys_of(10, 4), pages_of(10, 4)
+    async with tier(srv.url) as rt:
+        bad_calls = [
+            rt.load(keys, src.astype(np.int8), [0, 1, 2, 3]),  # dtype
+            rt.load(keys, src[:, :-1], [0, 1, 2, 3]),  # page size
+            rt.load(keys, src.reshape(-1), [0, 1, 2, 3]),  # 1-D
+            rt.load(keys, src, [0, 1, 2]),  # fewer slots
+            rt.load(keys, src, [0, 1, 2, 4]),  # out of range
+            rt.load(keys, src, [0, 1, 1, 2]),  # one slot twice
+            rt.publish(keys, src, [0, 1, 2]),  # len mismatch
+            rt.publish(keys, src, [0, 1, 2, -1]),  # negative
+            rt.publish([*keys[:3], "k"], src, [0, 1, 2, 3]),  # type: ignore[list-item]
+            rt.lookup([b""]),
+        ]
+        for call in bad_calls:
+            with pytest.raises(SpecError):
+                await call
+        ro = src.copy()
+        ro.flags.writeable = False
+        with pytest.raises(SpecError):
+            await rt.load(keys, ro, [0, 1, 2, 3])
+        assert await rt.publish(keys, ro, [0, 1, 2, 3]) == 4  # reading a read-only array is fine
+    for kw in ({"namespace": "a b"}, {"namespace": "{tag}"}, {"ttl": 0}, {"timeout": -1},
+               {"batch_pages": 0}):  # fmt: skip
+        with pytest.raises(SpecError):
+            RedisTier(srv.url, spec=SPEC, **kw)
+    with pytest.raises(ValueError):
+        RedisTier("http://nowhere", spec=SPEC)
+
+
+# -- degradation -----------------------------------------------------------------------------
+async def test_server_killed_and_restarted_mid_run(own_server: RedisServer) -> None:
+    keys, src = keys_of(11, 40), pages_of(11, 40)
+    out = np.zeros((40, PB), np.uint8)
+    async with tier(own_server.url) as rt:
+        assert await rt.publish(keys[:20], src, list(range(20))) == 20
+        own_server.kill()
+        # every call: misses, no exception, bounded
+        async with asyncio.timeout(BOUND):
+            assert await rt.load(keys[:20], out, list(range(20))) == 0
+            assert not rt.available and rt.stats()["available"] == 0
+            assert await rt.lookup(keys) == 0
+            assert await rt.publish(keys[20:], src, list(range(20, 40))) == 0
+        s = rt.stats()
+        assert s["errors"] + s["timeouts"] >= 1 and s["misses"] == 20
+        own_server.restart()  # empty: nothing was saved
+
+        async def back() -> bool:
+            return await rt.publish(keys, src, list(range(40))) == 40
+
+        await until(back, "the tier reconnects after the restart")
+        assert rt.available and rt.stats()["reconnects"] >= 1
+        assert await rt.load(keys, out, list(range(40))) == 40 and (out == src).all()
+
+
+async def test_frozen_server_costs_a_bounded_wait(own_server: RedisServer) -> None:
+    keys, src = keys_of(12, 8), pages_of(12, 8)
+    out = np.zeros((8, PB), np.uint8)
+    async with tier(own_server.url, timeout=0.3) as rt:
+        assert await rt.publish(keys, src, list(range(8))) == 8
+        own_server.pause()
+        try:
+            async with asyncio.timeout(BOUND):
+                assert await rt.load(keys, out, list(range(8))) == 0
+                assert await rt.lookup(keys) == 0  # backing off, or a second bounded wait
+        finally:
+            own_server.resume()
+        assert rt.stats()["timeouts"] >= 1 and not rt.available
+
+        async def back() -> bool:
+            return await rt.load(keys, out, list(range(8))) == 8
+
+        await until(back, "the tier recovers once the server answers")
+        assert (out == src).all() and rt.available
+
+
+async def test_absent_server_is_misses_from_the_start() -> None:
+    async with tier(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5) as rt:
+        assert not rt.available
+        assert await rt.lookup(keys_of(13, 2)) == 0
+        assert await rt.load(keys_of(13, 2), pages_of(13, 2), [0, 1]) == 0
+        assert await rt.publish(keys_of(13, 2), pages_of(13, 2), [0, 1]) == 0
+        assert rt.stats()["errors"] >= 1
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "noeviction"])
+async def test_full_server_degrades_publish(own_server: RedisServer, policy: str) -> None:
+    with redis.Redis.from_url(own_server.url) as r:
+        r.config_set("maxmemory", 2 * 1024 * 1024)
+        r.config_set("maxmemory-policy", policy)
+    n = 64  # pages of ~4 KiB per batch, 16 batches: ~4 MiB offered to a 2 MiB server
+    stored = 0
+    async with tier(own_server.url) as rt:
+        for i in range(16):
+            stored += await rt.publish(keys_of(100 + i, n), pages_of(i, n), list(range(n)))
+        s = rt.stats()
+        assert rt.available and s["errors"] == 0
+        if policy == "noeviction":  # refused, counted, not raised
+            assert 0 < stored < 16 * n and s["full"] == 16 * n - stored
+        else:  # LRU made room: every publish landed, older pages made way
+            assert stored == 16 * n and s["full"] == 0
+            with redis.Redis.from_url(own_server.url) as r:
+                assert r.info("stats")["evicted_keys"] > 0
+                assert 0 < r.dbsize() < 16 * n
+            last = keys_of(115, n)
+            held = await rt.lookup(last)  # what LRU left is still exact
+            out = np.zeros((n, PB), np.uint8)
+            assert await rt.load(last[:held], out, list(range(held))) == held
+            assert (out[:held] == pages_of(15, n)[:held]).all()
