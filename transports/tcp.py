@@ -6,11 +6,14 @@ connection per peer, and receives read payloads straight into its local regions.
 back in request order, so a FIFO of pending requests is all the client keeps::
 
     client                                   server (target)
-      read  id=1 segs=[[r,o,n]...]   ──────>   bounds-check, crc
+      read  id=1 segs=[[r,o,n]...]   ──────>   bounds-check, checksum
       read  id=2 ...                 ──────>
             <──────  data id=1 n crc | payload (recv_into local regions)
             <──────  data id=2 ...
       notify data=...                ──────>   delivered after both landed
+
+Payload checksums (on by default) use the algorithm the handshake agreed on: CRC32C from the
+native helper where both sides have it, zlib's CRC32 otherwise (see checksum.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import DEFAULT_TIMEOUT_S, Direction, Transport
+from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
 from .errors import (
     AuthError,
     ChecksumError,
@@ -35,7 +39,7 @@ from .errors import (
 from .handle import TransferHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
 from .tcp_server import ServerConnection
-from .tcp_wire import MAX_HEADER, FrameProtocol, checksum, mac
+from .tcp_wire import MAX_HEADER, WIRE_VERSION, FrameProtocol, mac
 
 __all__ = ["TcpTransport"]
 
@@ -70,22 +74,27 @@ class ClientConnection(FrameProtocol):
         self._nonce = secrets.token_bytes(16)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._ids = 0
+        self.csum_name = "crc32"
+        self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
 
-    def request(self, kind: str, segs: list[list[int]], views: list[memoryview]) -> _Pending:
-        """Send one read or write request; its `future` resolves with the response.
-
-        Raises PeerError at once when the connection is already gone (no wait for a timeout).
+    def request(
+        self, kind: str, segs: list[list[int]], views: list[memoryview], crc: int | None = None
+    ) -> _Pending:
+        """Send one read or write request (a write carries the payload's checksum `crc`, if
+        given; a read asks for one when checksums are on). Its `future` resolves with the
+        response. Raises PeerError at once when the connection is already gone.
         """
         if self.closed:
             raise PeerError(f"{self.agent}: connection lost")
         self._ids += 1
-        p = _Pending(kind, views, asyncio.get_running_loop().create_future(), self.owner.checksum)
+        want = self.owner.checksum and kind == "read"
+        p = _Pending(kind, views, asyncio.get_running_loop().create_future(), want)
         header: dict[str, Any] = {"op": kind, "id": self._ids, "segs": segs}
         if kind == "write":
             header["n"] = sum(len(v) for v in views)
-            if p.crc:
-                header["crc"] = checksum(views)
-        elif p.crc:
+            if crc is not None:
+                header["crc"] = crc
+        elif want:
             header["crc"] = True
         self._pending.append(p)
         self.send(header, views if kind == "write" else ())
@@ -114,12 +123,26 @@ class ClientConnection(FrameProtocol):
         if op == "err":
             cls = _ERRORS.get(header.get("code", ""), RemoteAccessError)
             p.future.set_exception(cls(f"{self.agent}: {header.get('msg', '')}"))
-        elif op == "data" and "crc" in header and header["crc"] != checksum(p.views):
-            p.future.set_exception(ChecksumError(f"{self.agent}: read payload checksum mismatch"))
+        elif op == "data" and p.kind == "read" and (p.crc or "crc" in header):
+            crc = self.owner._checksums.compute(self.csum, p.views)
+            crc.add_done_callback(lambda f: self._verify(p, header.get("crc"), f))
         elif (op, p.kind) in (("data", "read"), ("ok", "write")):
             p.future.set_result(None)
         else:
             raise ProtocolError(f"{op!r} frame answers a {p.kind}")
+
+    def _verify(self, p: _Pending, expected: Any, crc: asyncio.Future[int]) -> None:
+        """Resolve a read whose payload landed, once its checksum is known."""
+        if p.future.done():
+            return
+        if crc.cancelled() or crc.exception() is not None:
+            p.future.set_exception(PeerError(f"{self.agent}: transport closed during a checksum"))
+        elif expected is None:
+            p.future.set_exception(ChecksumError(f"{self.agent}: read payload has no checksum"))
+        elif crc.result() != expected:
+            p.future.set_exception(ChecksumError(f"{self.agent}: read payload checksum mismatch"))
+        else:
+            p.future.set_result(None)
 
     def _handshake(self, header: dict[str, Any]) -> None:
         secret, op = self.owner._secret, header["op"]
@@ -128,9 +151,8 @@ class ClientConnection(FrameProtocol):
             proof = mac(
                 secret, b"tierkv-client", self._server_nonce, self._nonce, self.owner.name.encode()
             )
-            return self.send(
-                {"op": "auth", "agent": self.owner.name, "nonce": self._nonce, "mac": proof}
-            )
+            auth = {"op": "auth", "v": WIRE_VERSION, "csums": list(algorithms())}
+            return self.send({**auth, "agent": self.owner.name, "nonce": self._nonce, "mac": proof})
         expect = mac(
             secret,
             b"tierkv-server",
@@ -139,11 +161,19 @@ class ClientConnection(FrameProtocol):
             self.agent.encode(),
         )
         if op == "welcome" and hmac.compare_digest(header.get("mac") or b"", expect):
+            csum = header.get("csum", "crc32")  # a version 1 server: zlib crc32
+            if csum not in algorithms():
+                self.ready.set_exception(
+                    AuthError(f"{self.agent!r} chose checksum {csum!r}, not one of ours")
+                )
+                return self.abort()
+            self.csum_name, self.csum = csum, checksum_function(csum)
             self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
             self.max_segs = int(header.get("max_segs", 1))
             self.peer_max_payload = int(header.get("max_payload", 1))
             return self.ready.set_result(None)
-        self.ready.set_exception(AuthError(f"handshake with {self.agent!r} failed ({op})"))
+        why = f"{op}: {header.get('msg', '')}" if op == "err" else op
+        self.ready.set_exception(AuthError(f"handshake with {self.agent!r} failed ({why})"))
         self.abort()
 
     def on_protocol_error(self, exc: ProtocolError) -> None:
@@ -169,7 +199,8 @@ class TcpTransport(Transport):
     share `secret` (default: the TIERKV_TRANSPORT_SECRET environment variable).
 
     `advertise` is the host peers should dial (default `host`); `max_frame` caps a frame's
-    payload; `chunk_bytes` is the largest request we send; `checksum` adds crc32 to payloads.
+    payload; `chunk_bytes` is the largest request we send; `checksum` adds a checksum to every
+    payload (CRC32C or CRC32, agreed per connection; a mismatch raises ChecksumError).
     """
 
     kind = "tcp"
@@ -198,6 +229,7 @@ class TcpTransport(Transport):
         self._server: asyncio.AbstractServer | None = None
         self._server_conns: set[ServerConnection] = set()
         self._conns: dict[str, ClientConnection] = {}
+        self._checksums = ChecksumThread()
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -270,12 +302,22 @@ class TcpTransport(Transport):
                 views.append(local.view[lo : lo + take])
                 size, lo, ro, n = size + take, lo + take, ro + take, n - take
                 if size >= limit or len(segs) >= conn.max_segs:
-                    pending.append(conn.request(direction, segs, views).future)
+                    pending.append(await self._request(conn, direction, segs, views))
                     segs, views, size = [], [], 0
                     await conn.drain()
         if segs:
-            pending.append(conn.request(direction, segs, views).future)
+            pending.append(await self._request(conn, direction, segs, views))
         await asyncio.gather(*pending)
+
+    async def _request(
+        self, conn: ClientConnection, direction: str, segs: list[list[int]], views: list[memoryview]
+    ) -> asyncio.Future[None]:
+        """Send one request; a write's checksum is computed first (in the checksum thread, while
+        the loop sends the previous requests' payloads)."""
+        crc = None
+        if direction == "write" and self.checksum:
+            crc = await self._checksums.compute(conn.csum, views)
+        return conn.request(direction, segs, views, crc).future
 
     async def _close(self) -> None:
         if self._server is not None:
@@ -283,3 +325,4 @@ class TcpTransport(Transport):
         for conn in [*self._conns.values(), *self._server_conns]:
             conn.abort()
         self._conns.clear()
+        self._checksums.close()

@@ -1,26 +1,43 @@
 """The tcp transport's server side: one `ServerConnection` per accepted peer.
 
-It authenticates the peer (challenge -> auth -> welcome), then serves requests in order:
+It authenticates the peer (challenge -> auth -> welcome, which also settles the wire version and
+the checksum algorithm), then serves requests in order:
 "read" (answered by "data" + payload), "write" (payload received straight into the region,
 answered by "ok"), "notify" (no answer). Every segment is bounds-checked against the regions
 registered at that moment; a refused request gets an "err" frame and the connection lives on.
 A frame that breaks the protocol gets an "err" (when possible) and the connection is dropped.
+
+Replies leave in request order through a small queue: a reply waits there while its checksum
+is computed in the transport's checksum thread, and the loop meanwhile sends earlier replies::
+
+    requests   read#1   read#2   write#3 (bad bounds)
+    replies    [data#1: crc pending] [data#2: crc pending] [err#3: ready]  -> sent 1, 2, 3
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import secrets
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .checksum import Checksum, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
-from .tcp_wire import MAX_HEADER, MAX_SEGS, FrameProtocol, checksum, mac, parse_segs
+from .tcp_wire import MAX_HEADER, MAX_SEGS, WIRE_VERSION, FrameProtocol, mac, parse_segs
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 __all__ = ["ServerConnection"]
+
+
+@dataclass(slots=True)
+class _Reply:
+    header: dict[str, Any]
+    views: list[memoryview] = field(default_factory=list)
+    ready: bool = True
 
 
 class ServerConnection(FrameProtocol):
@@ -34,12 +51,15 @@ class ServerConnection(FrameProtocol):
         self._refusal: dict[str, Any] | None = None  # answer for a write whose payload we drop
         self._views: list[memoryview] = []
         self._timer: asyncio.TimerHandle | None = None
+        self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
+        self._replies: collections.deque[_Reply] = collections.deque()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.owner._server_conns.add(self)
         self._timer = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
-        self.send({"op": "challenge", "agent": self.owner.name, "nonce": self._nonce})
+        challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
+        self.send({**challenge, "nonce": self._nonce})
 
     def _expire(self) -> None:
         if self.peer is None:
@@ -83,22 +103,49 @@ class ServerConnection(FrameProtocol):
             try:
                 views = self._resolve(header)
             except RemoteAccessError as exc:
-                return self.send(_err(header, "access", exc))
-            total = sum(len(v) for v in views)
-            reply = {"op": "data", "id": header.get("id"), "n": total}
+                return self._reply(_Reply(_err(header, "access", exc)))
+            reply = _Reply({"op": "data", "id": header.get("id"), "n": sum(map(len, views))}, views)
             if header.get("crc"):
-                reply["crc"] = checksum(views)
-            return self.send(reply, views)
+                reply.ready = False
+                crc = self.owner._checksums.compute(self.csum, views)
+                crc.add_done_callback(lambda f: self._checksummed(reply, f))
+            return self._reply(reply)
         if op == "write":
             if self._refusal is not None:
-                return self.send(self._refusal)
-            crc = header.get("crc")
-            if crc is not None and crc != checksum(self._views):
-                return self.send(_err(header, "checksum", ProtocolError("checksum mismatch")))
-            return self.send({"op": "ok", "id": header.get("id")})
+                return self._reply(_Reply(self._refusal))
+            reply = _Reply({"op": "ok", "id": header.get("id")})
+            if header.get("crc") is not None:
+                reply.ready = False
+                crc = self.owner._checksums.compute(self.csum, self._views)
+                crc.add_done_callback(lambda f: self._verified(reply, header, f))
+            return self._reply(reply)
         if op == "notify" and isinstance(header.get("data"), bytes):
             return self.owner._deliver(self.peer, header["data"])
         raise ProtocolError(f"unexpected {op!r} frame")
+
+    def _reply(self, reply: _Reply) -> None:
+        """Queue a reply; send every ready one at the head of the queue."""
+        self._replies.append(reply)
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._replies and self._replies[0].ready:
+            r = self._replies.popleft()
+            self.send(r.header, r.views)
+
+    def _checksummed(self, reply: _Reply, crc: asyncio.Future[int]) -> None:
+        if crc.cancelled() or crc.exception() is not None:
+            return self.abort()  # the checksum thread was stopped: we are closing
+        reply.header["crc"], reply.ready = crc.result(), True
+        self._flush()
+
+    def _verified(self, reply: _Reply, header: dict[str, Any], crc: asyncio.Future[int]) -> None:
+        if crc.cancelled() or crc.exception() is not None:
+            return self.abort()
+        if crc.result() != header["crc"]:
+            reply.header = _err(header, "checksum", ProtocolError("checksum mismatch"))
+        reply.ready = True
+        self._flush()
 
     def _resolve(self, header: dict[str, Any]) -> list[memoryview]:
         segs = parse_segs(header, MAX_SEGS)
@@ -121,6 +168,12 @@ class ServerConnection(FrameProtocol):
         ):
             self.send({"op": "err", "id": -1, "code": "auth", "msg": "authentication failed"})
             raise ProtocolError("authentication failed")
+        csum = _choose_checksum(header)
+        if csum is None:
+            msg = f"no common wire version / checksum (we speak v{WIRE_VERSION}: {algorithms()})"
+            self.send({"op": "err", "id": -1, "code": "protocol", "msg": msg})
+            raise ProtocolError(msg)
+        self.csum = checksum_function(csum)
         self.peer = agent
         self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
         if self._timer is not None:
@@ -128,11 +181,25 @@ class ServerConnection(FrameProtocol):
         self.send(
             {
                 "op": "welcome",
+                "v": WIRE_VERSION,
+                "csum": csum,
                 "mac": mac(secret, b"tierkv-server", nonce, self._nonce, self.owner.name.encode()),
                 "max_payload": self.owner.max_frame,
                 "max_segs": MAX_SEGS,
             }
         )
+
+
+def _choose_checksum(auth: dict[str, Any]) -> str | None:
+    """The checksum for a peer's auth frame: its first choice we have (version 1: crc32)."""
+    version = auth.get("v", 1)
+    if version == 1:
+        return "crc32"
+    offered = auth.get("csums")
+    if type(version) is not int or version < 2 or not isinstance(offered, list):
+        return None
+    ours = algorithms()
+    return next((c for c in offered if isinstance(c, str) and c in ours), None)
 
 
 def _err(header: dict[str, Any], code: str, exc: Exception) -> dict[str, Any]:

@@ -8,8 +8,16 @@ Every frame::
     └───────────┴────────────────────────────┴──────────────────────────────┘
 
 Header fields: "op" (str), "id" (request id), "segs" ([[region, offset, length], ...]),
-"n" (payload bytes, default 0), "crc" (zlib.crc32 of the payload, optional).
-Before the handshake completes a peer may send only small headers and no payload.
+"n" (payload bytes, default 0), "crc" (the payload's checksum, optional; in a read request
+`true` asks for one). Before the handshake completes a peer may send only small headers and no
+payload. The handshake carries the wire version ("v", WIRE_VERSION; absent means 1) and agrees
+on the connection's checksum algorithm (see checksum.py)::
+
+    server                                     client
+      challenge {v, agent, nonce}      ──────>
+                                       <──────   auth {v, agent, nonce, mac, csums: [...]}
+      welcome {v, mac, csum, limits}   ──────>   (csum: the client's first choice we have;
+                                                  version 1 peers: "crc32", no "csums")
 """
 
 from __future__ import annotations
@@ -18,7 +26,6 @@ import asyncio
 import hashlib
 import hmac
 import struct
-import zlib
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -26,8 +33,10 @@ import msgpack
 
 from .errors import ProtocolError
 
-__all__ = ["FrameProtocol", "checksum", "frame", "mac", "parse_segs"]
+__all__ = ["WIRE_VERSION", "FrameProtocol", "frame", "mac", "parse_segs"]
 
+#: Version 2 added "v" and the checksum negotiation (version 1: zlib crc32 only).
+WIRE_VERSION = 2
 PREFIX = struct.Struct("!I")
 HANDSHAKE_HEADER = 1024
 MAX_HEADER = 1 << 20
@@ -47,14 +56,6 @@ def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
     for p in parts:
         m.update(PREFIX.pack(len(p)) + p)
     return m.digest()
-
-
-def checksum(views: Sequence[memoryview]) -> int:
-    """zlib.crc32 over the concatenation of `views`."""
-    crc = 0
-    for v in views:
-        crc = zlib.crc32(v, crc)
-    return crc
 
 
 def parse_segs(header: dict[str, Any], max_segs: int) -> list[tuple[int, int, int]]:
