@@ -380,9 +380,12 @@ class KVStore(Prefetcher):
             self.counters.last_error = repr(task.exception())
 
     async def drain(self) -> None:
-        """Wait for background prefetches and compressions to finish."""
+        """Wait for background prefetches and compressions to finish, then (bounded by the
+        timeout) for the pages staged for the remote tier to go out."""
         while self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
+        if self.remote is not None:
+            await self.remote.flush(self.timeout)
 
     # -- figures -------------------------------------------------------------------------
     def engine_stats(self) -> EngineStats:

@@ -101,6 +101,10 @@ class StoreRemote:
         if self.pusher is not None:
             await self.pusher.aclose(flush)
 
+    async def flush(self, timeout: float) -> bool:
+        """Wait (bounded) until the pages staged for the remote went out; True if none left."""
+        return True if self.pusher is None else await self.pusher.flush(timeout)
+
     async def _offer(self, victims: list[tuple[bytes, int]]) -> None:
         assert self._tiers is not None and self.pusher is not None
         content = [(k, s) for k, s in victims if _content(k)]

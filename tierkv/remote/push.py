@@ -75,6 +75,7 @@ class Pusher:
         self._work = asyncio.Event()
         self._room = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._busy = 0  # pages in the publish call now
         self._closed = False
 
     def start(self) -> None:
@@ -90,19 +91,31 @@ class Pusher:
         task, self._task = self._task, None
         if task is None:
             return
-        if flush > 0 and self._pending:
-            self._work.set()
-            deadline = time.monotonic() + flush
-            while self._pending and time.monotonic() < deadline:  # noqa: ASYNC110 - bounded
-                await asyncio.sleep(0.01)
+        if flush > 0 and self.pending:
+            self._task = task  # flush() waits only while the publisher runs
+            await self.flush(flush)
+            self._task = None
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
     @property
     def pending(self) -> int:
-        """Pages staged and not yet published."""
-        return len(self._pending)
+        """Pages staged and not yet published (or being published)."""
+        return len(self._pending) + self._busy
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every staged page went out or failed;
+        True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self.pending and self._task is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), left)
+        return not self.pending
 
     async def offer(
         self, keys: Sequence[bytes], array: npt.NDArray[np.uint8], slots: Sequence[int]
@@ -146,6 +159,7 @@ class Pusher:
     async def _publish(self, take: list[tuple[bytes, int]]) -> None:
         keys, slots = [k for k, _ in take], [s for _, s in take]
         self.counters.batches += 1
+        self._busy = len(take)
         try:
             stored = await asyncio.wait_for(
                 self.source.publish(keys, self.staging, slots), self.timeout
@@ -155,6 +169,7 @@ class Pusher:
             self.counters.errors += 1
             self.counters.last_error = f"{type(exc).__name__}: {exc}"
         finally:
+            self._busy = 0
             self._staged.difference_update(keys)
             self._free.extend(slots)
             self._room.set()
