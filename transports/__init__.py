@@ -9,7 +9,8 @@ This package knows registered memory regions and peers, never tiers or KV pages:
         peer = await t.add_peer(other_metadata)
         await t.read([transports.TransferOp(region, 0, remote_desc, 0, 4096)])
 
-Backends: "loopback" (same process), "shm" (same host), "tcp" (across hosts); more through
+Backends: "loopback" (same process), "shm" (same host), "tcp" (across hosts), "nixl" (NIXL/UCX,
+needs nixl-cu12); more through
 `register()` or the `tierkv.transports` entry-point group (see docs/transports.md).
 """
 

@@ -25,6 +25,7 @@ Factory = Callable[..., Transport]
 
 _BUILTINS = {
     "loopback": "transports.loopback:LoopbackTransport",
+    "nixl": "transports.nixl:NixlTransport",  # needs nixl-cu12; imported only when created
     "shm": "transports.shm:ShmTransport",
     "tcp": "transports.tcp:TcpTransport",
 }

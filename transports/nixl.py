@@ -1,0 +1,586 @@
+"""NIXL: one-sided reads and writes through NVIDIA's transfer library (PyPI ``nixl-cu12``).
+
+Each transport owns one NIXL agent with the UCX backend. UCX picks the wire: RDMA or NVLink on
+GPU hosts, cross-memory attach or TCP on plain hosts (``UCX_TLS=tcp`` forces TCP). The target's
+CPU is not involved per op; its UCX progress thread serves emulated transports.
+
+Metadata (`metadata()`) carries the agent's NIXL metadata: connection info plus the regions
+registered so far. A region registered later still works: its descriptor's `handle` carries the
+region's address and its partial NIXL metadata, loaded by an initiator on first use::
+
+    handle = "<addr hex>:<device id>:<DRAM|VRAM>:<partial metadata hex>"
+
+A batch becomes one NIXL transfer per (peer, local memory type, remote memory type), normally
+one. One thread (the engine) makes every NIXL call of the data path: it builds and posts the
+transfers, polls their state with a short backoff (20 us doubling to 1 ms), polls notifications
+while someone awaits one, and settles the asyncio futures::
+
+    event loop                        engine thread                  NIXL / UCX
+    read(ops) -> _Job(descs, fut) ──> initialize_xfer, transfer ──>  bytes move
+    await fut   <── call_soon_threadsafe ── check_xfer_state == DONE
+    get_notification() <─────────────── get_new_notifs (while awaited)
+
+A notification is NIXL's per-transfer message, sent by NIXL after the transfer's bytes landed;
+ours carry a one-byte tag so that an empty `notify=b""` is still delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .base import DEFAULT_TIMEOUT_S, Direction, Transport
+from .errors import (
+    PeerError,
+    RegionError,
+    RemoteAccessError,
+    TransferTimeoutError,
+    TransportError,
+)
+from .handle import TransferHandle
+from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
+
+__all__ = ["NixlTransport", "load_nixl"]
+
+_NOTE_TAG = b"\x01"
+_MIN_WAIT, _MAX_WAIT, _IDLE_NOTE_WAIT = 20e-6, 1e-3, 4e-3
+_SEGMENTS = {"host": "DRAM", "pinned": "DRAM", "device": "VRAM"}
+_STOP = object()
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL Python API module (``nixl._api`` of whichever variant is installed).
+
+    Raises TransportError (from the ImportError) when NIXL is not installed.
+    """
+    errors: list[str] = []
+    for name in ("nixl_cu12._api", "nixl_cu13._api", "nixl._api"):
+        try:
+            module = __import__(name, fromlist=["nixl_agent"])
+        except ImportError as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        if not os.environ.get("NIXL_LOG_LEVEL"):  # NIXL logs INFO lines to stdout otherwise
+            logging.getLogger("nixl").setLevel(logging.WARNING)
+        return module
+    raise TransportError(
+        "the nixl transport needs NIXL: pip install --no-deps nixl-cu12 (" + "; ".join(errors) + ")"
+    )
+
+
+def _map_error(exc: BaseException, peer: str) -> TransportError:
+    """A NIXL binding exception as one of ours (the bindings' classes are named nixl*Error)."""
+    kind = type(exc).__name__
+    if kind == "nixlNotFoundError":
+        return RemoteAccessError(f"peer {peer!r} has no registered memory covering the ranges")
+    if kind in ("nixlRemoteDisconnectError", "nixlBackendError"):
+        return PeerError(f"nixl peer {peer!r} is gone or unreachable ({exc})")
+    if kind == "nixlInvalidParamError":
+        return RemoteAccessError(f"nixl refused the descriptors for peer {peer!r} ({exc})")
+    return PeerError(f"nixl transfer with {peer!r} failed: {kind} {exc}")
+
+
+class _Job:
+    """One NIXL transfer: built, posted and polled on the engine thread; aborted from the loop."""
+
+    __slots__ = (
+        "done",
+        "future",
+        "handle",
+        "local",
+        "lock",
+        "loop",
+        "lseg",
+        "note",
+        "op",
+        "peer",
+        "remote",
+        "rseg",
+        "sections",
+    )
+
+    def __init__(
+        self,
+        op: str,
+        peer: str,
+        local: tuple[str, np.ndarray],
+        remote: tuple[str, np.ndarray],
+        sections: list[bytes],
+        note: bytes,
+    ) -> None:
+        self.op, self.peer, self.note, self.sections = op, peer, note, sections
+        self.lseg, self.local = local
+        self.rseg, self.remote = remote
+        self.loop = asyncio.get_running_loop()
+        self.future: asyncio.Future[None] = self.loop.create_future()
+        self.future.add_done_callback(_retrieve)  # a sibling's failure may leave it unawaited
+        self.lock = threading.Lock()
+        self.handle: Any = None
+        self.done = False
+
+
+class _Engine(threading.Thread):
+    """The thread that posts and polls NIXL transfers and drains notifications."""
+
+    def __init__(self, agent: Any, on_note: Callable[[str, bytes], None]) -> None:
+        super().__init__(name=f"nixl-engine-{agent.name}", daemon=True)
+        self.agent = agent
+        self.on_note = on_note
+        self.loop = asyncio.get_running_loop()
+        self.note_waiters = 0
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._active: list[_Job] = []
+        self._leaked: list[Any] = []  # handles NIXL could not cancel: polled until they finish
+        self._sections: set[bytes] = set()
+
+    # -- called from the event loop ------------------------------------------------------------
+
+    def submit(self, item: Any) -> None:
+        """Queue a `_Job`, or a callable to run on this thread."""
+        self._queue.put(item)
+
+    async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        """Run `fn()` on this thread; its result or exception. Raises TransferTimeoutError."""
+        future: asyncio.Future[Any] = self.loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # handed to the awaiting coroutine
+                self._settle(future, exc)
+            else:
+                self.loop.call_soon_threadsafe(_set_result, future, result)
+
+        self.submit(run)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            raise TransferTimeoutError(f"nixl call not done after {timeout:g} s") from None
+
+    def watch_notes(self, delta: int) -> None:
+        """Count a waiter for notifications in (+1) or out (-1); polled only while any waits."""
+        self.note_waiters += delta
+        if delta > 0:
+            self.submit(None)  # wake the thread
+
+    def abort(self, job: _Job) -> None:
+        """Stop `job` (cancel its NIXL transfer); once this returns, none of its bytes land."""
+        with job.lock:
+            if job.done:
+                return
+            job.done = True
+            self._release(job.handle)
+
+    def forget_sections(self) -> None:
+        """Drop the record of loaded remote sections (their agent was removed)."""
+        self.submit(self._sections.clear)
+
+    def stop(self) -> None:
+        """Ask the thread to abort what is in flight and exit."""
+        self._queue.put(_STOP)
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        wait = _MIN_WAIT
+        while True:
+            busy = self._active or self._leaked
+            limit = wait if busy else (_IDLE_NOTE_WAIT if self.note_waiters else None)
+            items = []
+            try:
+                items.append(self._queue.get(timeout=limit))
+                while True:
+                    items.append(self._queue.get_nowait())
+            except queue.Empty:
+                pass
+            progressed = False
+            for item in items:
+                if item is _STOP:
+                    self._shutdown()
+                    return
+                if isinstance(item, _Job):
+                    self._begin(item)
+                    progressed = True
+                elif item is not None:
+                    item()
+            for job in list(self._active):
+                progressed |= self._poll(job)
+            if self._leaked:
+                self._poll_leaked()
+            if self.note_waiters:
+                progressed |= self._drain_notes()
+            wait = _MIN_WAIT if progressed else min(wait * 2, _MAX_WAIT)
+
+    def _begin(self, job: _Job) -> None:
+        a = self.agent
+        with job.lock:
+            if job.done:
+                return
+            try:
+                for md in job.sections:
+                    if md not in self._sections:
+                        if a.add_remote_agent(md) != job.peer.encode():
+                            raise RemoteAccessError(f"descriptor metadata is not {job.peer!r}'s")
+                        self._sections.add(md)
+                local = a.get_xfer_descs(job.local, job.lseg)
+                remote = a.get_xfer_descs(job.remote, job.rseg)
+                job.handle = a.initialize_xfer(job.op, local, remote, job.peer, job.note)
+                state = a.transfer(job.handle)
+            except Exception as exc:
+                self._finish(job, exc)
+                return
+            if state == "PROC":
+                self._active.append(job)
+            else:
+                self._finish(job, None if state == "DONE" else PeerError(f"{job.peer!r}: ERR"))
+
+    def _poll(self, job: _Job) -> bool:
+        with job.lock:
+            if job.done:  # aborted from the loop
+                self._active.remove(job)
+                return True
+            try:
+                state = self.agent.check_xfer_state(job.handle)
+            except Exception as exc:
+                state, error = "ERR", exc
+            else:
+                error = PeerError(f"nixl transfer with {job.peer!r} failed")
+            if state == "PROC":
+                return False
+            self._active.remove(job)
+            self._finish(job, None if state == "DONE" else error)
+            return True
+
+    def _finish(self, job: _Job, exc: BaseException | None) -> None:
+        """Release the job's NIXL handle and settle its future (job.lock held)."""
+        job.done = True
+        self._release(job.handle)
+        if exc is not None and not isinstance(exc, TransportError):
+            exc = _map_error(exc, job.peer)
+        self._settle(job.future, exc)
+
+    def _settle(self, future: asyncio.Future[Any], exc: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
+            self.loop.call_soon_threadsafe(_set_outcome, future, exc)
+
+    def _release(self, handle: Any) -> None:
+        if handle is None:
+            return
+        try:
+            handle.release()
+        except Exception:  # still running and not cancellable: keep polling it
+            self._leaked.append(handle)
+
+    def _poll_leaked(self) -> None:
+        for handle in list(self._leaked):
+            with contextlib.suppress(Exception):
+                if self.agent.check_xfer_state(handle) == "PROC":
+                    continue
+            with contextlib.suppress(Exception):
+                handle.release()
+                self._leaked.remove(handle)
+
+    def _drain_notes(self) -> bool:
+        try:
+            notes = self.agent.get_new_notifs()
+        except Exception:
+            return False
+        for peer, messages in notes.items():
+            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for msg in messages:
+                if msg[:1] == _NOTE_TAG:  # not ours: some other NIXL user's message
+                    self.loop.call_soon_threadsafe(self.on_note, name, bytes(msg[1:]))
+        return bool(notes)
+
+    def _shutdown(self) -> None:
+        for job in self._active:
+            self.abort(job)
+            self._settle(job.future, PeerError("nixl transport closed"))
+        self._active.clear()
+        for _ in range(1000):  # handles NIXL could not cancel at once: give them 1 s
+            if not self._leaked:
+                break
+            self._poll_leaked()
+            threading.Event().wait(_MAX_WAIT)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
+def _set_result(future: asyncio.Future[Any], result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_outcome(future: asyncio.Future[Any], exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
+
+
+class NixlTransport(Transport):
+    """One-sided transport over NIXL's UCX backend (hosts and GPUs, across the network).
+
+    Host memory (`"host"`, `"pinned"`) registers any writable C-contiguous buffer; `"device"`
+    registers a CUDA buffer (anything with ``__cuda_array_interface__``, e.g. a CuPy array or a
+    torch tensor) where NIXL's UCX backend was built with CUDA. Every registered region can be
+    targeted by peers. Raises TransportError at construction when NIXL is not installed.
+    """
+
+    kind = "nixl"
+    capabilities = Capabilities(frozenset({"host", "pinned", "device"}), "native", "network")
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        backend: str = "UCX",
+        num_threads: int = 0,
+    ) -> None:
+        super().__init__(name, timeout=timeout)
+        self._api = load_nixl()
+        self._backend = backend
+        self._num_threads = num_threads
+        self._agent: Any = None
+        self._engine: _Engine | None = None
+        self._reg: dict[int, Any] = {}  # region id -> NIXL registration list
+        self._base: dict[int, tuple[int, int, str]] = {}  # region id -> (address, device, seg)
+
+    # -- agent ---------------------------------------------------------------------------------
+
+    def _ensure_agent(self) -> Any:
+        if self._agent is None:
+            api = self._api
+            config = api.nixl_agent_config(
+                enable_prog_thread=True,
+                enable_listen_thread=False,
+                num_threads=self._num_threads,
+                backends=[self._backend],
+                sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+            )
+            try:
+                agent = api.nixl_agent(self.name, config)
+            except Exception as exc:
+                raise TransportError(f"cannot create the NIXL agent {self.name!r}: {exc}") from exc
+            if self._backend not in agent.backends:
+                raise TransportError(
+                    f"NIXL backend {self._backend!r} is not available "
+                    f"(plugins: {agent.get_plugin_list()}; NIXL_PLUGIN_DIR?)"
+                )
+            self._agent = agent
+        return self._agent
+
+    async def _start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.wait_for(loop.run_in_executor(None, self._ensure_agent), self.timeout)
+        self._engine = _Engine(self._agent, self._deliver)
+        self._engine.start()
+
+    def _engine_or_raise(self) -> _Engine:
+        if self._engine is None:
+            raise TransportError(f"transport {self.name!r} is not started (use `async with`)")
+        return self._engine
+
+    async def _close(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.stop()
+            await asyncio.get_running_loop().run_in_executor(None, engine.join, self.timeout)
+        for peer in list(self._peers):
+            with contextlib.suppress(Exception):
+                self._agent.remove_remote_agent(peer)
+
+    async def aclose(self) -> None:
+        """Abort in-flight transfers, deregister every region, drop peers and the NIXL agent."""
+        await super().aclose()
+        self._agent = None  # the last reference: NIXL tears down its backend and threads
+
+    # -- regions -------------------------------------------------------------------------------
+
+    def register_memory(self, buffer: Any, kind: str = "host") -> Region:
+        """Register `buffer` with NIXL; peers may target it through its descriptor.
+
+        `kind` "device" takes a CUDA buffer (``__cuda_array_interface__``). Raises RegionError
+        (bad buffer, unsupported kind, NIXL refused the registration) or ClosedError.
+        """
+        if kind != "device":
+            return super().register_memory(buffer, kind)
+        self._check_open()
+        address, size, device = _cuda_buffer(buffer)
+        rid = next(self._region_ids)
+        handle = self._nixl_register(rid, address, size, device, "VRAM")
+        region = Region(memoryview(b""), RegionDescriptor(self.name, rid, size, kind, handle), self)
+        self._regions[rid] = region
+        return region
+
+    def _prepare_region(self, buffer: Any, region_id: int) -> tuple[memoryview, str]:
+        view = as_byte_view(buffer)
+        if view.nbytes == 0:
+            return view, ""  # nothing to target
+        probe = np.frombuffer(view, np.uint8)
+        address = int(probe.ctypes.data)
+        del probe  # drop the export so that deregistering can release the view
+        return view, self._nixl_register(region_id, address, view.nbytes, 0, "DRAM")
+
+    def _nixl_register(self, rid: int, address: int, size: int, device: int, seg: str) -> str:
+        agent = self._ensure_agent()
+        if seg == "VRAM" and "VRAM_SEG" not in agent.get_backend_mem_types(self._backend):
+            raise RegionError(f"NIXL backend {self._backend} cannot register device memory")
+        try:
+            reg = agent.register_memory([(address, size, device, "")], seg)
+            partial = agent.get_partial_agent_metadata(reg, False)
+        except Exception as exc:
+            raise RegionError(f"NIXL refused to register {size} bytes of {seg}: {exc}") from exc
+        self._reg[rid] = reg
+        self._base[rid] = (address, device, seg)
+        return f"{address:x}:{device}:{seg}:{bytes(partial).hex()}"
+
+    def _on_deregister(self, region: Region) -> None:
+        reg = self._reg.pop(region.region_id, None)
+        self._base.pop(region.region_id, None)
+        if reg is not None:
+            with contextlib.suppress(Exception):
+                self._agent.deregister_memory(reg)
+
+    # -- peers ---------------------------------------------------------------------------------
+
+    def _peer_fields(self) -> dict[str, Any]:
+        return {"nixl": bytes(self._ensure_agent().get_agent_metadata())}
+
+    async def _add_peer(self, info: dict[str, Any]) -> None:
+        agent, md = info["agent"], info.get("nixl")
+        if not isinstance(md, bytes):
+            raise PeerError(f"nixl peer {agent!r} sent no NIXL metadata")
+        engine = self._engine_or_raise()
+        known = agent in self._peers
+
+        def load() -> None:
+            a = self._agent
+            if known:
+                with contextlib.suppress(Exception):
+                    a.remove_remote_agent(agent)
+            name = a.add_remote_agent(md)
+            if name != agent.encode():
+                a.remove_remote_agent(name.decode())
+                raise PeerError(f"NIXL metadata names {name!r}, not {agent!r}")
+            a.make_connection(agent)
+
+        if known:
+            engine.forget_sections()
+        try:
+            await engine.call(load, self.timeout)
+        except TransferTimeoutError as exc:
+            raise PeerError(f"nixl peer {agent!r} did not connect in {self.timeout:g} s") from exc
+        except TransportError:
+            raise
+        except Exception as exc:
+            raise PeerError(f"cannot add nixl peer {agent!r}: {exc}") from exc
+
+    async def get_notification(self, timeout: float | None = None) -> Any:
+        """The next notification a peer attached to a transfer (delivered after its bytes
+        landed); raises TransferTimeoutError after `timeout` s (default: the transport's)."""
+        engine = self._engine_or_raise()
+        engine.watch_notes(+1)
+        try:
+            return await super().get_notification(timeout)
+        finally:
+            engine.watch_notes(-1)
+
+    # -- transfers -----------------------------------------------------------------------------
+
+    async def _transfer(
+        self,
+        direction: Direction,
+        ops: list[TransferOp],
+        notify: bytes | None,
+        handle: TransferHandle,
+    ) -> None:
+        engine = self._engine_or_raise()
+        note = b"" if notify is None else _NOTE_TAG + bytes(notify)
+        jobs = [
+            _Job("READ" if direction == "read" else "WRITE", peer, local, remote, sections, note)
+            for peer, local, remote, sections in self._batches(ops)
+        ]
+        for job in jobs:
+            handle.on_abort(lambda job=job: engine.abort(job))
+            engine.submit(job)
+        if notify is not None:  # a peer all of whose ops were empty still gets the note
+            moving = {job.peer for job in jobs}
+            for peer in {op.remote.agent for op in ops} - moving:
+                await engine.call(lambda p=peer: self._agent.send_notif(p, note), self.timeout)
+        try:
+            await asyncio.gather(*(job.future for job in jobs))
+        finally:
+            for job in jobs:  # a sibling failed or we were cancelled: stop the rest
+                engine.abort(job)
+
+    def _batches(
+        self, ops: list[TransferOp]
+    ) -> list[tuple[str, tuple[str, np.ndarray], tuple[str, np.ndarray], list[bytes]]]:
+        """Descriptor arrays per (peer, local memory type, remote memory type)."""
+        rows: dict[tuple[str, str, str], tuple[list[list[int]], list[list[int]], set[bytes]]] = {}
+        for local, lo, remote, ro, n in ops:
+            if n == 0:
+                continue
+            base, dev, lseg = self._base.get(local.region_id, (0, 0, ""))
+            if not lseg:
+                raise RegionError(f"{local!r} is not registered with NIXL")
+            raddr, rdev, rseg, md = _parse_handle(remote)
+            lrows, rrows, sections = rows.setdefault((remote.agent, lseg, rseg), ([], [], set()))
+            lrows.append([base + lo, n, dev])
+            rrows.append([raddr + ro, n, rdev])
+            sections.add(md)
+        return [
+            (
+                peer,
+                (lseg, np.array(lrows, dtype=np.uint64)),
+                (rseg, np.array(rrows, dtype=np.uint64)),
+                sorted(sections),
+            )
+            for (peer, lseg, rseg), (lrows, rrows, sections) in rows.items()
+        ]
+
+
+def _parse_handle(desc: RegionDescriptor) -> tuple[int, int, str, bytes]:
+    """(address, device, NIXL segment, partial metadata) of a peer's region descriptor."""
+    try:
+        addr, dev, seg, md = desc.handle.split(":", 3)
+        parsed = int(addr, 16), int(dev), seg, bytes.fromhex(md)
+    except ValueError:
+        raise RemoteAccessError(f"{desc} is not a NIXL region descriptor") from None
+    if seg not in ("DRAM", "VRAM") or not parsed[3] or parsed[0] <= 0 or parsed[1] < 0:
+        raise RemoteAccessError(f"{desc} is not a NIXL region descriptor")
+    return parsed
+
+
+def _cuda_buffer(buffer: Any) -> tuple[int, int, int]:
+    """(address, size, device id) of a contiguous CUDA buffer. Raises RegionError."""
+    cai = getattr(buffer, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict):
+        raise RegionError(
+            f"{type(buffer).__name__} is not a CUDA buffer (no __cuda_array_interface__)"
+        )
+    address, readonly = cai["data"]
+    if readonly:
+        raise RegionError("registered memory must be writable")
+    if cai.get("strides") is not None:
+        raise RegionError("registered device memory must be C-contiguous")
+    size = int(np.dtype(cai["typestr"]).itemsize * int(np.prod(cai["shape"], dtype=np.int64)))
+    device = getattr(buffer, "device", None)
+    index = getattr(device, "id", getattr(device, "index", 0))
+    return int(address), size, int(index or 0)
