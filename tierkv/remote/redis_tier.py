@@ -45,7 +45,8 @@ import re
 import struct
 import time
 import zlib
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -74,6 +75,8 @@ BATCH_PAGES = 32
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=-]{1,128}")
 Pages = npt.NDArray[np.uint8]
+Client = Redis | RedisCluster
+_T = TypeVar("_T")
 
 
 def spec_digest(spec: KVSpec) -> bytes:
@@ -122,6 +125,8 @@ class RedisTier:
     """Seconds before the first reconnection attempt after a failure (then doubling)."""
     backoff_cap = 5.0
     """The longest wait between reconnection attempts."""
+    in_flight = 4
+    """Chunks of one call in flight at once (each on its own pooled connection)."""
 
     def __init__(
         self,
@@ -150,7 +155,7 @@ class RedisTier:
         self._prefix = f"tkv:{namespace}:{FORMAT}.{self._digest[:4].hex()}:".encode()
         self._head = _HEAD.pack(MAGIC, FORMAT, CODEC_RAW, 0, 0, self._digest, spec.page_bytes)
         self._px = None if ttl is None else max(1, round(ttl * 1000))
-        self._client: Redis | RedisCluster | None = None
+        self._client: Client | None = None
         self._make_client()  # a bad url is a caller bug: raise now, not at the first call
         self._available = False
         self._ever_up = False
@@ -162,7 +167,7 @@ class RedisTier:
             ("hits", "misses", "corrupt", "errors", "timeouts", "reconnects", "bytes_in",
              "bytes_out", "stored", "present", "full"), 0)  # fmt: skip
 
-    def _make_client(self) -> Redis | RedisCluster:
+    def _make_client(self) -> Client:
         opts: dict[str, Any] = {
             "socket_timeout": self.timeout,
             "socket_connect_timeout": self.timeout,
@@ -170,7 +175,7 @@ class RedisTier:
         }
         try:
             if self.cluster:
-                client: Redis | RedisCluster = RedisCluster.from_url(self.url, **opts)
+                client: Client = RedisCluster.from_url(self.url, **opts)
             else:
                 opts.setdefault("retry", Retry(NoBackoff(), 0))  # we retry, with backoff
                 client = Redis.from_url(self.url, **opts)
@@ -187,7 +192,7 @@ class RedisTier:
         await self._run("connect", self._ping)
         return self
 
-    async def _ping(self, client: Redis | RedisCluster) -> None:
+    async def _ping(self, client: Client) -> None:
         await client.ping()
 
     async def aclose(self) -> None:
@@ -287,9 +292,16 @@ class RedisTier:
             if not isinstance(k, bytes) or not k:
                 raise SpecError(f"a page key must be non-empty bytes, got {k!r}")
 
-    def _chunks(self, items: list[Any]) -> list[list[Any]]:
-        b = self.batch_pages
-        return [items[i : i + b] for i in range(0, len(items), b)]
+    async def _chunked(self, n: int, fn: Callable[[int, int], Awaitable[_T]]) -> list[_T]:
+        """``fn(lo, hi)`` over ``[0, n)`` in chunks of ``batch_pages``, at most ``in_flight``
+        at a time (each on its own connection), results in order."""
+        sem = asyncio.Semaphore(self.in_flight)
+
+        async def one(lo: int) -> _T:
+            async with sem:
+                return await fn(lo, min(n, lo + self.batch_pages))
+
+        return list(await asyncio.gather(*(one(lo) for lo in range(0, n, self.batch_pages))))
 
     # -- lookup --------------------------------------------------------------------------
     async def lookup(self, keys: list[bytes]) -> int:
@@ -308,21 +320,22 @@ class RedisTier:
             n += 1
         return n
 
-    async def _exists(self, client: Redis | RedisCluster, rkeys: list[bytes]) -> list[bool]:
-        async def chunk(part: list[bytes]) -> list[Any]:
+    async def _exists(self, client: Client, rkeys: list[bytes]) -> list[bool]:
+        async def chunk(lo: int, hi: int) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for k in part:
+            for k in rkeys[lo:hi]:
                 pipe.exists(k)
             return list(await pipe.execute())
 
-        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(rkeys)))
-        return [bool(x) for p in parts for x in p]
+        return [bool(x) for part in await self._chunked(len(rkeys), chunk) for x in part]
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
         """Read the leading pages of ``keys`` into ``array[slots[i]]`` ([num_slots,
         page_bytes] uint8); returns how many arrived intact. Each value is checked (length,
-        layout, checksum) before its row is written; rows past the count are untouched.
+        layout, checksum) before its row is written. Rows past the count may have been
+        written (a later chunk that arrived) and hold no page; no row is written after the
+        call returns.
 
         Never raises for server trouble (returns 0 or fewer pages); raises SpecError for a
         wrong array, out-of-range or repeated slots, fewer slots than keys.
@@ -331,40 +344,51 @@ class RedisTier:
         if not keys:
             return 0
         rkeys = [self.redis_key(k) for k in keys]
-        values = await self._run("load", self._get, rkeys)
-        n, bad = 0, None
-        for rkey, value, slot in zip(rkeys, values or (), slots):
-            if value is None:
-                break
-            self._stats["bytes_in"] += len(value)
-            payload = self._verify(rkey, value)
-            if payload is None:
-                bad = rkey
-                break
-            array[slot] = payload
-            n += 1
+        bad: list[bytes] = []
+        n = await self._run("load", self._load, rkeys, array, slots, bad)
+        n = n or 0
         self._stats["hits"] += n
         self._stats["misses"] += len(keys) - n
-        if bad is not None:
-            await self._run("delete", self._delete, bad)
+        for rkey in bad:
+            await self._run("delete", self._delete, rkey)
         return n
 
-    async def _get(self, client: Redis | RedisCluster, rkeys: list[bytes]) -> list[Any]:
-        async def chunk(part: list[bytes]) -> list[Any]:
-            if self._px is None and not self.cluster:
-                return list(await client.mget(part))  # one command: least parsing
-            pipe = client.pipeline(transaction=False)
-            for k in part:
-                if self._px is None:
-                    pipe.get(k)
-                else:
-                    pipe.getex(k, px=self._px)  # a read renews the page's ttl
-            return list(await pipe.execute())
+    async def _load(
+        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int], bad: list[bytes]
+    ) -> int:
+        end = len(rkeys)  # the first page that did not arrive intact (so far)
 
-        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(rkeys)))
-        return [v for p in parts for v in p]
+        async def chunk(lo: int, hi: int) -> None:
+            nonlocal end
+            if lo >= end:
+                return  # an earlier page is already a miss: skip the round trip
+            for i, value in enumerate(await self._get(client, rkeys[lo:hi]), lo):
+                if i >= end or value is None:
+                    end = min(end, i)
+                    return
+                self._stats["bytes_in"] += len(value)
+                payload = self._verify(rkeys[i], value)
+                if payload is None:
+                    bad.append(rkeys[i])
+                    end = min(end, i)
+                    return
+                array[slots[i]] = payload  # verified as it arrives, while others are in flight
 
-    async def _delete(self, client: Redis | RedisCluster, rkey: bytes) -> None:
+        await self._chunked(len(rkeys), chunk)
+        return end
+
+    async def _get(self, client: Client, rkeys: list[bytes]) -> list[Any]:
+        if self._px is None and not self.cluster:
+            return list(await client.mget(rkeys))  # one command: least parsing
+        pipe = client.pipeline(transaction=False)
+        for k in rkeys:
+            if self._px is None:
+                pipe.get(k)
+            else:
+                pipe.getex(k, px=self._px)  # a read renews the page's ttl
+        return list(await pipe.execute())
+
+    async def _delete(self, client: Client, rkey: bytes) -> None:
         await client.delete(rkey)
 
     def _verify(self, rkey: bytes, value: Any) -> Pages | None:
@@ -403,8 +427,7 @@ class RedisTier:
         if not keys:
             return 0
         rkeys = [self.redis_key(k) for k in keys]
-        values = [self._value(rk, array[s]) for rk, s in zip(rkeys, slots)]
-        replies = await self._run("publish", self._set, rkeys, values)
+        replies = await self._run("publish", self._set, rkeys, array, slots)
         if replies is None:
             return 0
         stored = sum(1 for r in replies if r is True)
@@ -413,7 +436,7 @@ class RedisTier:
         self._stats["stored"] += stored
         self._stats["present"] += len(keys) - stored - full - failed
         self._stats["full"] += full
-        self._stats["bytes_out"] += sum(len(v) for v, r in zip(values, replies) if r is True)
+        self._stats["bytes_out"] += stored * (HEADER_BYTES + self.spec.page_bytes)
         if full:
             self._warn.warn("full", "Redis tier %s full: %d pages not stored", self.url, full)
         if failed:
@@ -434,16 +457,15 @@ class RedisTier:
         return self._head + _CRC.pack(crc) + payload
 
     async def _set(
-        self, client: Redis | RedisCluster, rkeys: list[bytes], values: list[bytes]
+        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int]
     ) -> list[Any]:
-        async def chunk(part: list[tuple[bytes, bytes]]) -> list[Any]:
+        async def chunk(lo: int, hi: int) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for k, v in part:
-                pipe.set(k, v, nx=True, px=self._px)
+            for i in range(lo, hi):  # values built per chunk: one chunk's copies at a time
+                pipe.set(rkeys[i], self._value(rkeys[i], array[slots[i]]), nx=True, px=self._px)
             return list(await pipe.execute(raise_on_error=False))
 
-        parts = await asyncio.gather(*(chunk(p) for p in self._chunks(list(zip(rkeys, values)))))
-        return [r for p in parts for r in p]
+        return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
 
 
 def _crc0(rkey: bytes) -> int:
