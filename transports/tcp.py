@@ -27,7 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .base import DEFAULT_TIMEOUT_S, Direction, Transport
-from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
+from .checksum import (
+    Checksum,
+    ChecksumThread,
+    Incremental,
+    Update,
+    algorithms,
+    checksum_function,
+    spare_cores,
+    update_function,
+)
 from .errors import (
     AuthError,
     ChecksumError,
@@ -76,6 +85,8 @@ class ClientConnection(FrameProtocol):
         self._ids = 0
         self.csum_name = "crc32"
         self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
+        self.csum_update: Update = update_function("crc32")
+        self._rx: Incremental | None = None  # the checksum of the read payload landing now
 
     def request(
         self, kind: str, segs: list[list[int]], views: list[memoryview], crc: int | None = None
@@ -104,8 +115,14 @@ class ClientConnection(FrameProtocol):
         if header["op"] == "data":
             if not self._pending or self._pending[0].kind != "read":
                 raise ProtocolError("unexpected data frame")
-            return self._pending[0].views
+            p = self._pending[0]
+            self._rx = Incremental(self.csum_update) if p.crc else None
+            return p.views
         return None
+
+    def on_payload(self, landed: memoryview) -> None:
+        if self._rx is not None:
+            self._rx.add(landed)
 
     def on_frame(self, header: dict[str, Any]) -> None:
         op = header["op"]
@@ -123,26 +140,18 @@ class ClientConnection(FrameProtocol):
         if op == "err":
             cls = _ERRORS.get(header.get("code", ""), RemoteAccessError)
             p.future.set_exception(cls(f"{self.agent}: {header.get('msg', '')}"))
-        elif op == "data" and p.kind == "read" and (p.crc or "crc" in header):
-            crc = self.owner._checksums.compute(self.csum, p.views)
-            crc.add_done_callback(lambda f: self._verify(p, header.get("crc"), f))
+        elif op == "data" and p.kind == "read" and p.crc:
+            rx, self._rx = self._rx, None
+            if "crc" not in header or rx is None:
+                p.future.set_exception(ChecksumError(f"{self.agent}: read payload lacks a crc"))
+            elif rx.finish() != header["crc"]:
+                p.future.set_exception(ChecksumError(f"{self.agent}: read payload crc mismatch"))
+            else:
+                p.future.set_result(None)
         elif (op, p.kind) in (("data", "read"), ("ok", "write")):
             p.future.set_result(None)
         else:
             raise ProtocolError(f"{op!r} frame answers a {p.kind}")
-
-    def _verify(self, p: _Pending, expected: Any, crc: asyncio.Future[int]) -> None:
-        """Resolve a read whose payload landed, once its checksum is known."""
-        if p.future.done():
-            return
-        if crc.cancelled() or crc.exception() is not None:
-            p.future.set_exception(PeerError(f"{self.agent}: transport closed during a checksum"))
-        elif expected is None:
-            p.future.set_exception(ChecksumError(f"{self.agent}: read payload has no checksum"))
-        elif crc.result() != expected:
-            p.future.set_exception(ChecksumError(f"{self.agent}: read payload checksum mismatch"))
-        else:
-            p.future.set_result(None)
 
     def _handshake(self, header: dict[str, Any]) -> None:
         secret, op = self.owner._secret, header["op"]
@@ -168,6 +177,7 @@ class ClientConnection(FrameProtocol):
                 )
                 return self.abort()
             self.csum_name, self.csum = csum, checksum_function(csum)
+            self.csum_update = update_function(csum)
             self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
             self.max_segs = int(header.get("max_segs", 1))
             self.peer_max_payload = int(header.get("max_payload", 1))
@@ -200,7 +210,9 @@ class TcpTransport(Transport):
 
     `advertise` is the host peers should dial (default `host`); `max_frame` caps a frame's
     payload; `chunk_bytes` is the largest request we send; `checksum` adds a checksum to every
-    payload (CRC32C or CRC32, agreed per connection; a mismatch raises ChecksumError).
+    payload (CRC32C or CRC32, agreed per connection; a mismatch raises ChecksumError). Read
+    payloads are checksummed as they land; the checksums we send are computed in a worker
+    thread when `checksum_thread` (default: when this process may use 4 or more CPUs).
     """
 
     kind = "tcp"
@@ -218,6 +230,7 @@ class TcpTransport(Transport):
         max_frame: int = 64 << 20,
         chunk_bytes: int = 4 << 20,
         checksum: bool = True,
+        checksum_thread: bool | None = None,
     ) -> None:
         super().__init__(name, timeout=timeout)
         env = os.environ.get(SECRET_ENV)
@@ -229,7 +242,8 @@ class TcpTransport(Transport):
         self._server: asyncio.AbstractServer | None = None
         self._server_conns: set[ServerConnection] = set()
         self._conns: dict[str, ClientConnection] = {}
-        self._checksums = ChecksumThread()
+        threaded = spare_cores() if checksum_thread is None else checksum_thread
+        self._checksums = ChecksumThread(threaded)
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()

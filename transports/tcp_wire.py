@@ -77,7 +77,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """Splits the byte stream into frames; subclasses implement `on_header` / `on_frame`.
 
     `on_header(header)` returns where the payload goes (views whose lengths sum to "n"), or
-    None to discard it. `on_frame(header)` runs once the payload has landed. A ProtocolError
+    None to discard it; `on_payload(view)` sees each piece as it lands (while it is still in
+    cache). `on_frame(header)` runs once the payload has landed. A ProtocolError
     from either (or from framing) calls `on_protocol_error` and closes the connection.
     """
 
@@ -135,6 +136,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _advance(self, n: int) -> None:
         if self._dests:
             head = self._dests[0]
+            self.on_payload(head[:n])
             if n < len(head):
                 self._dests[0] = head[n:]
                 return
@@ -191,6 +193,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:
         """Where the payload of this frame goes (None: discard it)."""
         return None
+
+    def on_payload(self, landed: memoryview) -> None:
+        """These payload bytes have just landed (in order; called before `on_frame`)."""
 
     def on_frame(self, header: dict[str, Any]) -> None:
         """A whole frame (header and payload) has arrived."""
