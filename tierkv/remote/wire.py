@@ -12,7 +12,14 @@ and carries either the fields below or ``err`` (a code) and ``msg``::
     release  {"lease"}                   -> {"valid"}    pages whose slot and generation held
     reserve  {"keys"}                    -> {"lease", "slots"}   host slots to write (-1: skip)
     commit   {"lease", "ok"}             -> {"stored"}
-    stats    {}                          -> {"pages", "leases", ...}
+    stats    {}                          -> {"pages", "leases", "peers", "watchers", ...}
+    locate   {"keys"}                    -> {"nodes"}   a node address per leading page held
+    watch    {"keys"}                    -> {"held"}    per key: held now (then watched)
+    unwatch  {"keys"}                    -> {}
+    hold     {"node", "full", "add", "drop"} -> {"peers"}   a peer's holdings (gossip.py)
+
+    server -> client, unasked, on a connection that watches:
+             {"ev": "gone", "keys"}      watched pages that left the host tier
 
 ``mac`` is ``HMAC-SHA256(secret, b"tierkv-page-server" + nonce)`` (empty secret: no auth).
 Error codes: ``auth``, ``spec``, ``full``, ``bad`` (malformed request), ``op`` (unknown op).
