@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -89,43 +91,28 @@ def _map_error(exc: BaseException, peer: str) -> TransportError:
     return PeerError(f"nixl transfer with {peer!r} failed: {kind} {exc}")
 
 
+@dataclass(slots=True, eq=False)
 class _Job:
-    """One NIXL transfer: built, posted and polled on the engine thread; aborted from the loop."""
+    """One NIXL transfer: built, posted and polled on the engine thread; aborted from the loop.
 
-    __slots__ = (
-        "done",
-        "future",
-        "handle",
-        "local",
-        "lock",
-        "loop",
-        "lseg",
-        "note",
-        "op",
-        "peer",
-        "remote",
-        "rseg",
-        "sections",
-    )
+    `local` / `remote`: (NIXL segment, N x 3 uint64 array of address, length, device id).
+    `sections`: the partial metadata of the remote regions it touches (loaded on first use).
+    """
 
-    def __init__(
-        self,
-        op: str,
-        peer: str,
-        local: tuple[str, np.ndarray],
-        remote: tuple[str, np.ndarray],
-        sections: list[bytes],
-        note: bytes,
-    ) -> None:
-        self.op, self.peer, self.note, self.sections = op, peer, note, sections
-        self.lseg, self.local = local
-        self.rseg, self.remote = remote
-        self.loop = asyncio.get_running_loop()
-        self.future: asyncio.Future[None] = self.loop.create_future()
+    op: str
+    peer: str
+    local: tuple[str, np.ndarray]
+    remote: tuple[str, np.ndarray]
+    sections: list[bytes]
+    note: bytes
+    future: asyncio.Future[None] = field(init=False)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    handle: Any = None
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        self.future = asyncio.get_running_loop().create_future()
         self.future.add_done_callback(_retrieve)  # a sibling's failure may leave it unawaited
-        self.lock = threading.Lock()
-        self.handle: Any = None
-        self.done = False
 
 
 class _Engine(threading.Thread):
@@ -231,8 +218,8 @@ class _Engine(threading.Thread):
                         if a.add_remote_agent(md) != job.peer.encode():
                             raise RemoteAccessError(f"descriptor metadata is not {job.peer!r}'s")
                         self._sections.add(md)
-                local = a.get_xfer_descs(job.local, job.lseg)
-                remote = a.get_xfer_descs(job.remote, job.rseg)
+                local = a.get_xfer_descs(job.local[1], job.local[0])
+                remote = a.get_xfer_descs(job.remote[1], job.remote[0])
                 job.handle = a.initialize_xfer(job.op, local, remote, job.peer, job.note)
                 state = a.transfer(job.handle)
             except Exception as exc:
@@ -517,12 +504,14 @@ class NixlTransport(Transport):
             for peer, local, remote, sections in self._batches(ops)
         ]
         for job in jobs:
-            handle.on_abort(lambda job=job: engine.abort(job))
+            handle.on_abort(functools.partial(engine.abort, job))
             engine.submit(job)
         if notify is not None:  # a peer all of whose ops were empty still gets the note
             moving = {job.peer for job in jobs}
             for peer in {op.remote.agent for op in ops} - moving:
-                await engine.call(lambda p=peer: self._agent.send_notif(p, note), self.timeout)
+                await engine.call(
+                    functools.partial(self._agent.send_notif, peer, note), self.timeout
+                )
         try:
             await asyncio.gather(*(job.future for job in jobs))
         finally:
