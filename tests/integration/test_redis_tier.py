@@ -356,3 +356,17 @@ async def test_full_server_degrades_publish(own_server: RedisServer, policy: str
             out = np.zeros((n, PB), np.uint8)
             assert await rt.load(last[:held], out, list(range(held))) == held
             assert (out[:held] == pages_of(15, n)[:held]).all()
+
+
+@pytest.mark.parametrize("ttl", [None, 60.0])
+async def test_foreign_value_type_is_a_miss_not_an_outage(srv: RedisServer, ttl: Any) -> None:
+    keys, src = keys_of(14, 4), pages_of(14, 4)
+    async with tier(srv.url, ttl=ttl) as rt:
+        assert await rt.publish(keys[:2], src, [0, 1]) == 2
+        with redis.Redis.from_url(srv.url) as r:
+            r.rpush(rt.redis_key(keys[2]), b"x")  # GETEX on a list: an error reply
+        assert await rt.lookup(keys) == 3
+        assert await rt.load(keys, np.zeros((4, PB), np.uint8), [0, 1, 2, 3]) == 2
+        assert rt.available and rt.stats()["errors"] == (0 if ttl is None else 1)
+        assert await rt.publish(keys, src, [0, 1, 2, 3]) == 1  # the list stays; key 3 lands
+        assert rt.available and rt.stats()["present"] == 3  # NX: the foreign key is kept

@@ -54,7 +54,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
 from tierkv.remote.server import spec_fields
@@ -244,11 +245,11 @@ class RedisTier:
             async with asyncio.timeout(self.timeout):
                 client = self._client or self._make_client()
                 result = await fn(client, *args)
-        except TimeoutError as exc:
+        except (TimeoutError, RedisTimeoutError) as exc:
             self._stats["timeouts"] += 1
             await self._failed(what, exc)
             return None
-        except (RedisError, OSError) as exc:
+        except (RedisError, RedisClusterException, OSError) as exc:
             self._stats["errors"] += 1
             await self._failed(what, exc)
             return None
@@ -325,9 +326,21 @@ class RedisTier:
             pipe = client.pipeline(transaction=False)
             for k in rkeys[lo:hi]:
                 pipe.exists(k)
-            return list(await pipe.execute())
+            return list(await pipe.execute(raise_on_error=False))
 
-        return [bool(x) for part in await self._chunked(len(rkeys), chunk) for x in part]
+        found = [x for part in await self._chunked(len(rkeys), chunk) for x in part]
+        self._refused("lookup", found)
+        return [x is not None and not isinstance(x, Exception) and bool(x) for x in found]
+
+    def _refused(self, what: str, replies: list[Any]) -> None:
+        """Count and log per-command error replies (a slot in transit, a server refusing)."""
+        errs = [r for r in replies if isinstance(r, Exception)]
+        if errs:
+            self._stats["errors"] += 1
+            self._warn.warn(
+                "refused", "Redis tier %s: %s got %d error replies, first: %s",
+                self.url, what, len(errs), errs[0],
+            )  # fmt: skip
 
     # -- load ----------------------------------------------------------------------------
     async def load(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
@@ -362,8 +375,10 @@ class RedisTier:
             nonlocal end
             if lo >= end:
                 return  # an earlier page is already a miss: skip the round trip
-            for i, value in enumerate(await self._get(client, rkeys[lo:hi]), lo):
-                if i >= end or value is None:
+            values = await self._get(client, rkeys[lo:hi])
+            self._refused("load", values)
+            for i, value in enumerate(values, lo):
+                if i >= end or value is None or isinstance(value, Exception):
                     end = min(end, i)
                     return
                 self._stats["bytes_in"] += len(value)
@@ -386,7 +401,7 @@ class RedisTier:
                 pipe.get(k)
             else:
                 pipe.getex(k, px=self._px)  # a read renews the page's ttl
-        return list(await pipe.execute())
+        return list(await pipe.execute(raise_on_error=False))
 
     async def _delete(self, client: Client, rkey: bytes) -> None:
         await client.delete(rkey)
@@ -439,16 +454,7 @@ class RedisTier:
         self._stats["bytes_out"] += stored * (HEADER_BYTES + self.spec.page_bytes)
         if full:
             self._warn.warn("full", "Redis tier %s full: %d pages not stored", self.url, full)
-        if failed:
-            self._stats["errors"] += 1
-            first = next(
-                r
-                for r in replies
-                if isinstance(r, Exception) and not isinstance(r, OutOfMemoryError)
-            )
-            self._warn.warn(
-                "refused", "Redis tier %s refused %d pages: %s", self.url, failed, first
-            )
+        self._refused("publish", [r for r in replies if not isinstance(r, OutOfMemoryError)])
         return stored
 
     def _value(self, rkey: bytes, row: Pages) -> bytes:
