@@ -1,4 +1,5 @@
-"""The tcp transport: in one process, against peers in other processes, and against bad frames."""
+"""The tcp transport: in one process, against peers in other processes, and against bad frames;
+its checksums (CRC32C against its definition, negotiation, corruption detected both ways)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,28 @@ import zlib
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transports import (
     AuthError,
+    ChecksumError,
     PeerError,
     RegionDescriptor,
     RemoteAccessError,
     TransferOp,
     TransferTimeoutError,
 )
-from transports.tcp import TcpTransport
+from transports.checksum import (
+    Incremental,
+    algorithms,
+    checksum_function,
+    crc32c,
+    native_crc32c,
+    update_function,
+)
+from transports.tcp import ClientConnection, TcpTransport
+from transports.tcp_server import ServerConnection
 
 SECRET = b"s3cret"
 PAGE = 16 << 10
@@ -132,3 +145,138 @@ async def test_peer_killed_mid_transfer(script_process: Any) -> None:
         # what landed is the half the peer sent before dying; nothing lands afterwards
         landed = bytes(mine.view).rstrip(b"\x00")
         assert set(landed) <= {0xEE} and len(landed) <= 1 << 19
+
+
+# -- checksums -----------------------------------------------------------------------------------
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        c = byte
+        for _ in range(8):
+            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
+        table.append(c)
+    return table
+
+
+_TABLE = _crc32c_table()
+
+
+def _crc32c_reference(data: bytes, crc: int = 0) -> int:
+    """CRC32C straight from its definition (reflected polynomial 0x82F63B78), table-driven."""
+    c = crc ^ 0xFFFFFFFF
+    for b in data:
+        c = (c >> 8) ^ _TABLE[(c ^ b) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
+needs_native = pytest.mark.skipif(native_crc32c() is None, reason="no native crc32c here")
+
+
+@needs_native
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.binary(max_size=4096) | st.integers(20_000, 80_000).map(random.Random(5).randbytes),
+    skew=st.integers(0, 7),
+    cut=st.floats(0, 1),
+)
+def test_crc32c_matches_its_definition(data: bytes, skew: int, cut: float) -> None:
+    buf = bytearray(skew) + data  # unaligned starts too
+    view = memoryview(buf)[skew:]
+    assert crc32c(view) == _crc32c_reference(data)
+    k = int(len(data) * cut)  # split anywhere: incremental use gives the same value
+    assert crc32c(view[k:], crc32c(view[:k])) == crc32c(bytes(data))  # read-only input too
+
+
+@needs_native
+def test_crc32c_check_value() -> None:
+    assert crc32c(b"123456789") == 0xE3069283  # the catalogued check value of CRC-32C
+
+
+@pytest.mark.parametrize("name", algorithms())
+def test_incremental_equals_whole(name: str) -> None:
+    rng = random.Random(9)
+    pieces = [memoryview(rng.randbytes(rng.choice([0, 1, 999, 70_000]))) for _ in range(40)]
+    inc = Incremental(update_function(name), batch=100_000)
+    for p in pieces:
+        inc.add(p)
+    assert inc.finish() == checksum_function(name)(pieces)
+    with pytest.raises(ValueError):
+        checksum_function("md5")
+
+
+@pytest.mark.parametrize("threads", [False, True])
+async def test_checksummed_transfers_with_and_without_the_thread(threads: bool) -> None:
+    kw: dict[str, Any] = {"secret": SECRET, "chunk_bytes": 1 << 20, "checksum_thread": threads}
+    async with TcpTransport("h1", **kw) as a, TcpTransport("h2", **kw) as b:
+        size = 6 << 20  # chunks above the inline threshold: the thread (if any) computes them
+        theirs = b.register_memory(bytearray(os.urandom(size)))
+        mine = a.allocate(size)
+        await a.add_peer(b.metadata())
+        assert a._conns["h2"].csum_name == algorithms()[0]
+        await a.read([TransferOp(mine, 0, theirs.descriptor, 0, size)])
+        assert bytes(mine.view) == bytes(theirs.view)
+        mine.view[:] = os.urandom(size)
+        await a.write([TransferOp(mine, 0, theirs.descriptor, 0, size)])
+        assert bytes(mine.view) == bytes(theirs.view)
+
+
+def _corrupting(send: Any, op: str) -> Any:
+    """`send` that flips one bit in the payload of every `op` frame (a copy: memory is intact)."""
+
+    def corrupt(self: Any, header: dict[str, Any], payload: Any = ()) -> None:
+        if header["op"] == op and payload:
+            payload = [bytearray(v) for v in payload]
+            payload[-1][-1] ^= 0x10
+        send(self, header, payload)
+
+    return corrupt
+
+
+@pytest.mark.parametrize("threads", [False, True])
+async def test_corrupted_payloads_are_detected(
+    threads: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw: dict[str, Any] = {"secret": SECRET, "checksum_thread": threads}
+    async with TcpTransport("c1", **kw) as a, TcpTransport("c2", **kw) as b:
+        size = 1 << 20
+        theirs = b.register_memory(bytearray(os.urandom(size)))
+        original = bytes(theirs.view)
+        mine = a.allocate(size)
+        await a.add_peer(b.metadata())
+        ops = [TransferOp(mine, 0, theirs.descriptor, 0, size)]
+        with monkeypatch.context() as m:
+            m.setattr(ServerConnection, "send", _corrupting(ServerConnection.send, "data"))
+            with pytest.raises(ChecksumError):
+                await a.read(ops)
+        with monkeypatch.context() as m:
+            m.setattr(ClientConnection, "send", _corrupting(ClientConnection.send, "write"))
+            with pytest.raises(ChecksumError):
+                await a.write(ops)
+        # the stream stayed in step: the same connection serves intact payloads again
+        theirs.view[:] = original
+        await a.read(ops)
+        assert bytes(mine.view) == original
+
+
+async def test_checksum_negotiation_falls_back_to_crc32(
+    peer_process: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERKV_NATIVE_CHECKSUM", "0")  # the peer process lacks the helper
+    size = 1 << 20
+    async with (
+        peer_process("tcp", size, seed=3, secret=SECRET) as peer,
+        TcpTransport(secret=SECRET, timeout=5.0) as t,
+    ):
+        await t.add_peer(peer.meta)
+        conn = t._conns[peer.desc.agent]
+        assert conn.csum_name == "crc32"
+        mine = t.allocate(size)
+        await t.read([TransferOp(mine, 0, peer.desc, 0, size)])
+        assert bytes(mine.view) == random.Random(3).randbytes(size)
+    with monkeypatch.context() as m:  # and in-process: a client offering crc32 only
+        m.setattr("transports.tcp.algorithms", lambda: ("crc32",))
+        async with TcpTransport("n1", secret=SECRET) as a, TcpTransport("n2", secret=SECRET) as b:
+            await a.add_peer(b.metadata())
+            assert a._conns["n2"].csum_name == "crc32"
