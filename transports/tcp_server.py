@@ -170,9 +170,8 @@ class ServerConnection(FrameProtocol):
             raise ProtocolError("authentication failed")
         csum = _choose_checksum(header)
         if csum is None:
-            msg = f"no common wire version / checksum (we speak v{WIRE_VERSION}: {algorithms()})"
-            self.send({"op": "err", "id": -1, "code": "protocol", "msg": msg})
-            raise ProtocolError(msg)
+            # answered by on_protocol_error (an "err" frame), then the connection is dropped
+            raise ProtocolError(f"no common checksum (we speak v{WIRE_VERSION}: {algorithms()})")
         self.csum = checksum_function(csum)
         self.peer = agent
         self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transports import TransferOp
+from transports.checksum import algorithms, checksum_function
 from transports.tcp import TcpTransport
-from transports.tcp_wire import PREFIX, frame, mac
+from transports.tcp_wire import PREFIX, WIRE_VERSION, frame, mac
 
 SECRET = b"frames"
 PATTERN = bytes(range(256)) * 64  # 16 KiB
@@ -71,14 +72,24 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any]:
     return header
 
 
-def _connect(server: Server, authenticate: bool) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.t.port), timeout=5)
+def _auth(sock: socket.socket, **fields: Any) -> dict[str, Any]:
+    """Answer the challenge with a valid MAC (plus `fields`); the server's reply."""
     challenge = _recv_frame(sock)
+    assert challenge["v"] == WIRE_VERSION
+    nonce = secrets.token_bytes(16)
+    proof = mac(SECRET, b"tierkv-client", challenge["nonce"], nonce, b"fuzzer")
+    auth = {"op": "auth", "agent": "fuzzer", "nonce": nonce, "mac": proof, **fields}
+    sock.sendall(frame(auth))
+    return _recv_frame(sock)
+
+
+def _connect(server: Server, authenticate: bool, csum: str = "crc32") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.t.port), timeout=5)
     if authenticate:
-        nonce = secrets.token_bytes(16)
-        proof = mac(SECRET, b"tierkv-client", challenge["nonce"], nonce, b"fuzzer")
-        sock.sendall(frame({"op": "auth", "agent": "fuzzer", "nonce": nonce, "mac": proof}))
-        assert _recv_frame(sock)["op"] == "welcome"
+        welcome = _auth(sock, v=WIRE_VERSION, csums=[csum])
+        assert welcome["op"] == "welcome" and welcome["csum"] == csum
+    else:
+        _recv_frame(sock)  # the challenge
     return sock
 
 
@@ -104,6 +115,11 @@ headers = st.fixed_dictionaries(
         "n": st.one_of(ints, st.text(max_size=3)),
         "crc": st.one_of(ints, st.booleans()),
         "data": st.binary(max_size=16),
+        "v": ints,
+        "csums": st.lists(st.sampled_from(["crc32", "crc32c", "md5", ""]), max_size=3) | ints,
+        "agent": st.text(max_size=5),
+        "nonce": st.binary(max_size=16),
+        "mac": st.binary(max_size=32),
     },
 )
 
@@ -149,6 +165,40 @@ def test_specific_refusals(server: Server) -> None:
     sock.close()
     assert bytes(server.guarded.view) == PATTERN
     assert server.healthy()
+    assert not server.errors
+
+
+def test_handshake_agrees_on_version_and_checksum(server: Server) -> None:
+    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
+        assert _auth(sock)["csum"] == "crc32"  # a version-1 peer (no "v"): zlib crc32
+    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
+        welcome = _auth(sock, v=WIRE_VERSION, csums=["md5", *algorithms()])
+        assert welcome["v"] == WIRE_VERSION and welcome["csum"] == algorithms()[0]
+    for bad in ({"v": WIRE_VERSION, "csums": ["md5"]}, {"v": WIRE_VERSION}, {"v": "2"}):
+        with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
+            reply = _auth(sock, **bad)
+            assert reply["op"] == "err" and reply["code"] == "protocol", bad
+            assert sock.recv(1) == b""  # and the connection is closed
+    assert server.healthy()
+
+
+@pytest.mark.parametrize("csum", algorithms())
+def test_bad_write_checksum_is_refused(server: Server, csum: str) -> None:
+    seg = [[server.scratch.region_id, 0, 4096]]
+    payload = bytes(range(256)) * 16
+    crc = checksum_function(csum)([memoryview(payload)])
+    with _connect(server, True, csum) as sock:
+        sock.sendall(frame({"op": "write", "id": 1, "segs": seg, "n": 4096, "crc": crc ^ 1}))
+        sock.sendall(payload)
+        reply = _recv_frame(sock)
+        assert reply["op"] == "err" and reply["code"] == "checksum"
+        sock.sendall(frame({"op": "write", "id": 2, "segs": seg, "n": 4096, "crc": crc}))
+        sock.sendall(payload)
+        assert _recv_frame(sock) == {"op": "ok", "id": 2}
+        sock.sendall(frame({"op": "read", "id": 3, "segs": seg, "crc": True}))
+        reply = _recv_frame(sock)
+        assert reply["op"] == "data" and reply["crc"] == crc
+        assert sock.recv(4096, socket.MSG_WAITALL) == payload
     assert not server.errors
 
 
