@@ -8,6 +8,9 @@ our own, and a background task publishes staged pages in batches::
               (waits at most `wait`    pending: (key, staging slot) ...      one call per batch,
                for room, else drops)                                         bounded by timeout
 
+After a wait ran out, offers stop waiting (they stage what fits and drop the rest) until half
+the buffer is free again: a remote slower than the evictions costs them one wait, not one each.
+
 Failures (remote down, full, slow) are counted, never raised into the eviction.
 """
 
@@ -76,6 +79,8 @@ class Pusher:
         self._room = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._busy = 0  # pages in the publish call now
+        self._shedding = False  # offers do not wait for room (see offer)
+        self._capacity = capacity
         self._closed = False
 
     def start(self) -> None:
@@ -127,12 +132,15 @@ class Pusher:
             return 0
         todo = [(k, s) for k, s in zip(keys, slots) if k not in self._staged]
         self.counters.offered += len(todo)
-        if len(self._free) < len(todo) and self.wait > 0:
+        if len(self._free) < len(todo) and self.wait > 0 and not self._shedding:
             deadline = time.monotonic() + self.wait
             while len(self._free) < len(todo) and (left := deadline - time.monotonic()) > 0:
                 self._room.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._room.wait(), left)
+            # the remote is slower than the evictions: stop waiting until half the buffer is
+            # free again (one wait per backlog, not one per eviction)
+            self._shedding = len(self._free) < len(todo)
             todo = [(k, s) for k, s in todo if k not in self._staged]  # staged meanwhile
         fit = todo[: len(self._free)]
         self.counters.dropped += len(todo) - len(fit)
@@ -172,4 +180,6 @@ class Pusher:
             self._busy = 0
             self._staged.difference_update(keys)
             self._free.extend(slots)
+            if self._shedding and len(self._free) * 2 >= self._capacity:
+                self._shedding = False
             self._room.set()
