@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +197,28 @@ async def test_full_remote_counts_errors_and_evictions_go_on() -> None:
             assert "RemoteFullError" in st["last_push_error"]
             await no_pins_left(a)
         assert await holder.release(lease) == 2
+
+
+async def test_redis_as_the_remote_tier() -> None:
+    """Any PageSource is a remote tier: the same push and bit-exact import through Redis."""
+    pytest.importorskip("redis")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from redis_server import RedisServer, skip_without_redis
+
+    from tierkv.remote import RedisTier
+
+    skip_without_redis()
+    with RedisServer() as rs:
+        for_a = RedisTier(rs.url, spec=SPEC, namespace="remote-store", timeout=TIMEOUT)
+        for_b = RedisTier(rs.url, spec=SPEC, namespace="remote-store", timeout=TIMEOUT)
+        async with for_a, for_b:
+            async with small_store(for_a) as a:
+                refs = {i: await fill(a, f"a{i}", i) for i in range(6)}
+                await a.drain()
+                assert a.stats()["remote"]["pushes"] > 0
+            async with small_store(for_b) as b:
+                assert await check_prefix(b, "b", 0, refs[0]) == 8
+                assert b.stats()["remote"]["hits"] == 4
 
 
 def test_bad_remote_is_a_type_error() -> None:
