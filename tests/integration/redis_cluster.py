@@ -218,6 +218,29 @@ class RedisCluster:
                 out.setdefault(slot, []).append(key)
         return out
 
+    def open_migrations(self) -> dict[int, list[int]]:
+        """Slots some node marks MIGRATING or IMPORTING: slot -> indexes of those nodes."""
+        out: dict[int, list[int]] = {}
+        for node in self.nodes:
+            raw = node.cmd("CLUSTER", "NODES")
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            mine = next(line for line in text.splitlines() if "myself" in line)
+            for entry in mine.split()[8:]:
+                if entry.startswith("[") and "-" in entry:  # [slot->-id] or [slot-<-id]
+                    out.setdefault(int(entry[1:].split("-", 1)[0]), []).append(node.index)
+        return out
+
+    def reset(self) -> None:
+        """Empty every node, end any half-done migration (its slot stays with its owner),
+        zero the counters and wait for the cluster to agree again."""
+        for slot, nodes in self.open_migrations().items():
+            for i in nodes:
+                self.nodes[i].cmd("CLUSTER", "SETSLOT", slot, "STABLE")
+        for node in self.nodes:
+            node.cmd("FLUSHALL")
+        self.wait_converged()
+        self.reset_stats()
+
     def redirections(self) -> dict[str, int]:
         """MOVED and ASK error replies sent by all nodes since start or `reset_stats`."""
         total = {"MOVED": 0, "ASK": 0, "TRYAGAIN": 0}
