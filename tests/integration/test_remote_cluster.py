@@ -17,10 +17,13 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.keys import prefix_keys
 from tierkv.remote import PageServer, PeerGoneError, RemoteTier
 from tierkv.remote.cluster import RemoteCluster
+from tierkv.remote.gossip import PeerIndex
 from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
@@ -175,6 +178,50 @@ async def test_watcher_and_peer_disconnects() -> None:
         await c.aclose()  # a node goes away: its pages leave every directory
         await wait_until(lambda: a.locate(keys) == [], "a forgot c")
         assert (await ca.stats())["peer_pages"] == 0
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["apply", "forget", "close"]),
+        st.sampled_from(["a:1", "b:2", "c:3"]),
+        st.integers(0, 1),  # the connection
+        st.sets(st.integers(0, 7)),
+        st.sets(st.integers(0, 7)),
+        st.booleans(),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_ops)
+def test_peer_index_matches_a_model(
+    ops: list[tuple[str, str, int, set[int], set[int], bool]],
+) -> None:
+    """PeerIndex against a plain model: per node, the keys of the connection that spoke last."""
+    index, conns = PeerIndex(), [object(), object()]
+    model: dict[str, tuple[int, set[int]]] = {}
+    for op, node, conn, add, drop, full in ops:
+        if op == "apply":
+            keys = (
+                model[node][1] if node in model and model[node][0] == conn and not full else set()
+            )
+            keys = (keys - drop) | add
+            model[node] = (conn, keys)
+            index.apply(
+                node, conns[conn], [bytes([k]) for k in add], [bytes([k]) for k in drop], full
+            )
+        elif op == "forget":
+            model.pop(node, None)
+            index.forget(node)
+        else:
+            model = {n: v for n, v in model.items() if v[0] != conn}
+            index.forget_owner(conns[conn])
+        for k in range(8):
+            holders = {n for n, (_, ks) in model.items() if k in ks}
+            got = index.locate(bytes([k]))
+            assert (got is None) == (not holders) and (got is None or got in holders)
+        assert index.pages() == sum(len(ks) for _, ks in model.values())
 
 
 def test_bad_peer_address_is_a_value_error() -> None:

@@ -99,7 +99,7 @@ def small_store(remote: object, codec: str | None = None, **kw: object) -> KVSto
 @pytest.mark.parametrize("codec", [None, "int8"])
 async def test_evicted_pages_are_pushed_and_imported_bit_exact(codec: str | None) -> None:
     async with page_server() as srv, peer(srv) as p1, peer(srv) as p2:
-        a = small_store(p1, codec)
+        a = small_store(p1, codec)  # 8 device + 8 host pages (+ 4 cold)
         async with a:
             refs = {i: await fill(a, f"a{i}", i) for i in range(6)}  # 36 pages, 8 + 8 local
             await a.drain()
@@ -172,6 +172,12 @@ async def test_silent_remote_is_bounded_and_a_later_source_serves() -> None:
                 assert rs["errors"] >= 1 and "silent" in rs["last_error"]
                 assert rs["hits"] == 4 and rs["sources"] == 2
                 await no_pins_left(b)
+            async with small_store(dead) as c:  # pushes to the silent server fail, bounded
+                await asyncio.wait_for(fill(c, "c", 1), 10 * TIMEOUT)
+                await asyncio.wait_for(c.drain(), 10 * TIMEOUT)
+                rs = c.stats()["remote"]
+                assert rs["pushes"] == 0
+                await no_pins_left(c)
             await dead.aclose()
     finally:
         silent.close()
