@@ -6,10 +6,13 @@
     body = metrics.render(store)                               # exposition text (bytes)
     app.router.add_get("/metrics", metrics.aiohttp_handler(store))
     registry = metrics.registry(store)                         # one CollectorRegistry per store
+    reg = metrics.registry(store, server)                      # ... plus a PageServer's figures
+    app.router.add_get("/metrics", metrics.aiohttp_handler(reg))
 
 Nothing is updated per operation: :class:`StoreCollector` reads ``store.stats()``,
-``store.engine_stats()`` and the page table when Prometheus scrapes, so the hot path pays
-nothing. The names and their meaning are listed in ``docs/metrics.md``.
+``store.engine_stats()`` and the page table when Prometheus scrapes, and
+:class:`PageServerCollector` reads ``PageServer.stats()``, so the hot path pays nothing. The
+names and their meaning are listed in ``docs/metrics.md``.
 
 Needs ``prometheus-client`` (and ``aiohttp`` for :func:`aiohttp_handler`); importing this module
 without it raises ImportError.
@@ -28,14 +31,52 @@ from tierkv.errors import StoreClosedError
 from tierkv.tiers import DEVICE
 
 if TYPE_CHECKING:
+    from tierkv.remote import PageServer
     from tierkv.store import KVStore
 
-__all__ = ["CONTENT_TYPE_LATEST", "StoreCollector", "aiohttp_handler", "registry", "render"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "PageServerCollector",
+    "StoreCollector",
+    "aiohttp_handler",
+    "registry",
+    "render",
+    "start_http_server",
+]
 
 PREFIX = "tierkv_"
 
 
-class StoreCollector:
+class _Families:
+    """Builds metric families with a collector's constant labels."""
+
+    _labels: dict[str, str]
+
+    def _family(
+        self, cls: Any, name: str, doc: str, value: float | Mapping[str, float], label: str
+    ) -> Metric:
+        const = self._labels
+        if not isinstance(value, Mapping):
+            fam = cls(PREFIX + name, doc, labels=list(const))
+            fam.add_metric(list(const.values()), float(value))
+        else:
+            fam = cls(PREFIX + name, doc, labels=[*const, label])
+            for lv, v in value.items():
+                fam.add_metric([*const.values(), lv], float(v))
+        return fam
+
+    def _counter(
+        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
+    ) -> Metric:
+        return self._family(CounterMetricFamily, name, doc, value, label)
+
+    def _gauge(
+        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
+    ) -> Metric:
+        return self._family(GaugeMetricFamily, name, doc, value, label)
+
+
+class StoreCollector(_Families):
     """A Prometheus collector of one store's figures (register it in any registry).
 
     Args:
@@ -198,55 +239,142 @@ class StoreCollector:
             "page_bytes", "Bytes of one page (all tiers but cold)", store.spec.page_bytes
         )
 
-    # -- helpers -------------------------------------------------------------------------
-    def _family(
-        self, cls: Any, name: str, doc: str, value: float | Mapping[str, float], label: str
-    ) -> Metric:
-        const = self._labels
-        if not isinstance(value, Mapping):
-            fam = cls(PREFIX + name, doc, labels=list(const))
-            fam.add_metric(list(const.values()), float(value))
-        else:
-            fam = cls(PREFIX + name, doc, labels=[*const, label])
-            for lv, v in value.items():
-                fam.add_metric([*const.values(), lv], float(v))
-        return fam
 
-    def _counter(
-        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
-    ) -> Metric:
-        return self._family(CounterMetricFamily, name, doc, value, label)
+# PageServer.stats() keys with a metric of their own; any other numeric key is exported too
+_SERVER_KNOWN = {"pages", "host_used", "host_capacity", "leases", "expired"}
 
-    def _gauge(
-        self, name: str, doc: str, value: float | Mapping[str, float], label: str = ""
-    ) -> Metric:
-        return self._family(GaugeMetricFamily, name, doc, value, label)
+
+class PageServerCollector(_Families):
+    """A Prometheus collector of a :class:`~tierkv.remote.PageServer`'s figures.
+
+    Reads ``server.stats()`` at scrape time. A server not started (or closed, or whose store
+    is closed) exports only ``tierkv_page_server_up 0``. Numeric keys of ``stats()`` beyond the
+    known ones are exported as ``tierkv_page_server_<key>``: a counter when the key ends in
+    ``_total``, else a gauge, so new server figures reach Prometheus without a change here.
+
+    Args:
+        server: the page server to read.
+        labels: constant labels added to every sample.
+    """
+
+    def __init__(self, server: PageServer, labels: Mapping[str, str] | None = None) -> None:
+        self._server = weakref.ref(server)
+        self._labels = dict(labels or {})
+
+    def collect(self) -> Iterator[Metric]:
+        """The server's metric families, read now."""
+        server = self._server()
+        st: dict[str, Any] | None = None
+        if server is not None and server.directory is not None and server.transports:
+            try:
+                st = server.stats()
+            except StoreClosedError:
+                st = None
+        yield self._gauge("page_server_up", "1 while the page server serves", float(st is not None))
+        if server is None or st is None:
+            return
+        page_bytes = server.store.spec.page_bytes
+        yield self._gauge(
+            "page_server_pages",
+            "Content pages peers can read now (readable in the host tier)",
+            st["pages"],
+        )
+        yield self._gauge(
+            "page_server_bytes", "Bytes of the pages peers can read now", st["pages"] * page_bytes
+        )
+        yield self._gauge(
+            "page_server_host_pages", "Host-tier pages held (any kind, any state)", st["host_used"]
+        )
+        yield self._gauge(
+            "page_server_host_capacity_pages", "Host-tier capacity in pages", st["host_capacity"]
+        )
+        yield self._gauge(
+            "page_server_leases", "Leases peers hold now (reads and writes)", st["leases"]
+        )
+        yield self._counter(
+            "page_server_leases_expired",
+            "Leases ended by their ttl or by the peer's connection closing",
+            st["expired"],
+        )
+        yield self._gauge(
+            "page_server_transport",
+            "Data transports served (1 per transport)",
+            {kind: 1.0 for kind in server.transports},
+            label="transport",
+        )
+        for key, value in sorted(st.items()):
+            if key in _SERVER_KNOWN or isinstance(value, bool):
+                continue
+            if not isinstance(value, int | float):
+                continue
+            doc = f"PageServer.stats()[{key!r}]"
+            if key.endswith("_total"):
+                yield self._counter("page_server_" + key.removesuffix("_total"), doc, value)
+            else:
+                yield self._gauge("page_server_" + key, doc, value)
 
 
 _registries: weakref.WeakKeyDictionary[Any, CollectorRegistry] = weakref.WeakKeyDictionary()
 
 
-def registry(store: KVStore) -> CollectorRegistry:
-    """The store's own registry (made on first use, one per store) holding a StoreCollector."""
-    reg = _registries.get(store)
+def registry(source: KVStore | PageServer) -> CollectorRegistry:
+    """The registry of a store (a StoreCollector) or of a page server (a StoreCollector of its
+    store and a PageServerCollector), made on first use, one per object."""
+    reg = _registries.get(source)
     if reg is None:
+        from tierkv.store import KVStore
+
         reg = CollectorRegistry()
-        reg.register(StoreCollector(store))
-        _registries[store] = reg
+        if isinstance(source, KVStore):
+            reg.register(StoreCollector(source))
+        else:
+            reg.register(StoreCollector(source.store))
+            reg.register(PageServerCollector(source))
+        _registries[source] = reg
     return reg
 
 
-def render(store: KVStore) -> bytes:
-    """The store's metrics in Prometheus text exposition format (``CONTENT_TYPE_LATEST``)."""
-    return generate_latest(registry(store))
+def render(source: KVStore | PageServer | CollectorRegistry) -> bytes:
+    """Metrics in Prometheus text exposition format (``CONTENT_TYPE_LATEST``): of a store, of a
+    page server and its store (see :func:`registry`), or of any registry."""
+    reg = source if isinstance(source, CollectorRegistry) else registry(source)
+    return generate_latest(reg)
 
 
-def aiohttp_handler(store: KVStore) -> Callable[[Any], Awaitable[Any]]:
-    """An aiohttp request handler serving :func:`render` (``app.router.add_get("/metrics",
-    aiohttp_handler(store))``). Raises ImportError without aiohttp."""
+def aiohttp_handler(
+    source: KVStore | PageServer | CollectorRegistry,
+) -> Callable[[Any], Awaitable[Any]]:
+    """An aiohttp request handler serving :func:`render` of ``source``
+    (``app.router.add_get("/metrics", aiohttp_handler(store))``). Raises ImportError without
+    aiohttp."""
     from aiohttp import web
 
     async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=render(store), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=render(source), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     return handle
+
+
+async def start_http_server(
+    source: KVStore | PageServer | CollectorRegistry, host: str = "127.0.0.1", port: int = 0
+) -> tuple[Any, str]:
+    """Serve ``GET /metrics`` (:func:`render` of ``source``) on ``host:port`` from the running
+    event loop, so that scrapes read the store on its own thread. Returns ``(runner, url)``:
+    ``await runner.cleanup()`` stops it; ``port=0`` picks a free port (see the url).
+
+    Raises ImportError without aiohttp, OSError when the address cannot be bound.
+    """
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/metrics", aiohttp_handler(source))
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_host, bound_port = runner.addresses[0][:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    return runner, f"http://{shown}:{bound_port}/metrics"

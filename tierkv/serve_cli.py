@@ -1,18 +1,35 @@
-"""``tierkv serve``: run a store and a page server that exposes its host tier to peers."""
+"""``tierkv serve``: run a store and a page server that exposes its host tier to peers.
+
+::
+
+    tierkv serve --listen 127.0.0.1:7600 --metrics 127.0.0.1:9600 --trace serve.json
+
+``--metrics`` serves Prometheus ``GET /metrics`` (the store's and the page server's figures,
+``tierkv.metrics``); ``--trace`` records the store's timeline plus counter samples of the host
+tier and the page server every ``--sample-every`` seconds, in a ring of ``--trace-events``
+events, and writes it as a Chrome trace when the server stops (SIGINT / SIGTERM).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
+import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from runtime import new_event_loop
-from tierkv.remote import PageServer
+from tierkv.errors import TierKVError
+from tierkv.remote import PageServer, RemoteError
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
+from tierkv.timeline import Timeline
+
+TRACE_EVENTS = 100_000
 
 
 def add_parser(sub: Any) -> None:
@@ -34,62 +51,194 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--secret", help="shared secret (hex); default $TIERKV_TRANSPORT_SECRET")
     p.add_argument("--host-mb", type=float, default=256.0, help="host tier size, MiB")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--dtype", default="fp16")
-    p.add_argument("--page-tokens", type=int, default=16)
+    p.add_argument("--layers", type=int, default=4, help="model layers (page layout)")
+    p.add_argument("--kv-heads", type=int, default=2, help="KV heads per layer (page layout)")
+    p.add_argument("--head-dim", type=int, default=32, help="head dimension (page layout)")
+    p.add_argument("--dtype", default="fp16", help="KV dtype: fp16, bf16, fp32 ...")
+    p.add_argument("--page-tokens", type=int, default=16, help="tokens per page")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a peer may pin pages")
     p.add_argument("--every", type=float, default=10.0, help="seconds between status lines")
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus GET /metrics there (port 0: any free port; needs the server "
+        "extra: aiohttp, prometheus-client)",
+    )
+    p.add_argument(
+        "--trace",
+        metavar="FILE.json",
+        help="record a Chrome trace (Perfetto) and write it there on exit",
+    )
+    p.add_argument(
+        "--trace-events",
+        type=int,
+        default=TRACE_EVENTS,
+        help="events the trace keeps (a ring: the newest; about 200 bytes each in the file)",
+    )
+    p.add_argument(
+        "--sample-every",
+        type=float,
+        default=1.0,
+        help="seconds between counter samples of the host tier and page server in the trace",
+    )
     p.set_defaults(func=run)
 
 
+def parse_address(text: str, flag: str) -> tuple[str, int]:
+    """``(host, port)`` of ``HOST:PORT`` (``[v6]:PORT``; an empty host is 127.0.0.1).
+
+    Raises ValueError naming ``flag`` when malformed.
+    """
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{flag} must be HOST:PORT with a port in [0, 65535], got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Raise ValueError for arguments that cannot work, before anything is opened."""
+    parse_address(args.listen, "--listen")
+    if args.metrics:
+        parse_address(args.metrics, "--metrics")
+    if args.secret:
+        bytes.fromhex(args.secret)  # ValueError names the bad character
+    for name in ("host_mb", "lease_ttl", "every", "sample_every"):
+        if not getattr(args, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+    for name in ("layers", "kv_heads", "head_dim", "page_tokens", "trace_events"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.trace:
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--trace: cannot write into {folder}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM."""
+    """Serve until SIGINT / SIGTERM. Exit status 2: bad arguments; 1: could not start."""
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     loop = new_event_loop()
     try:
         return loop.run_until_complete(_serve(args))
+    except (RemoteError, TierKVError, OSError, ImportError) as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     finally:
         loop.close()
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    host, _, port = args.listen.rpartition(":")
+    host, port = parse_address(args.listen, "--listen")
     spec = KVSpec(
         args.layers, args.kv_heads, args.head_dim, parse_dtype(args.dtype), args.page_tokens
     )
     secret = bytes.fromhex(args.secret) if args.secret else None
     host_bytes = int(args.host_mb * 2**20)
     store = KVStore(spec, device_bytes=spec.page_bytes, host_bytes=host_bytes, codec=None)
+    # a ring of the newest events; set before open(), which hands it to the tiers
+    store.timeline = Timeline(enabled=bool(args.trace), max_events=args.trace_events)
     stop = asyncio.Event()
+    started = False
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with store:
-        server = PageServer(
-            store,
-            transports=args.transport or ["tcp"],
-            host=host or "127.0.0.1",
-            port=int(port or 0),
-            secret=secret,
-            lease_ttl=args.lease_ttl,
-        )
-        async with server:
-            pages = store.tiers.table.capacity("host")
-            print(
-                f"serving {pages} host pages ({spec.page_bytes} B each) on {server.address} "
-                f"via {', '.join(server.kinds)}",
-                flush=True,
+    try:
+        async with store:
+            server = PageServer(
+                store,
+                transports=args.transport or ["tcp"],
+                host=host,
+                port=port,
+                secret=secret,
+                lease_ttl=args.lease_ttl,
             )
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), args.every)
-                s = server.stats()
+            async with server, _metrics_http(server, args.metrics):
+                pages = store.tiers.table.capacity("host")
                 print(
-                    f"pages {s['pages']}/{s['host_capacity']}  leases {s['leases']}  "
-                    f"expired {s['expired']}",
-                    file=sys.stderr,
+                    f"serving {pages} host pages ({spec.page_bytes} B each) on {server.address} "
+                    f"via {', '.join(server.kinds)}",
                     flush=True,
                 )
+                started = True
+                await _until_stopped(server, stop, args)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        if args.trace and started:
+            store.timeline.write(args.trace)
+            tl = store.timeline
+            print(
+                f"trace written to {args.trace} ({len(tl)} events, {tl.dropped} dropped)",
+                flush=True,
+            )
     print("stopped", flush=True)
     return 0
+
+
+@contextlib.asynccontextmanager
+async def _metrics_http(server: PageServer, address: str | None) -> AsyncIterator[None]:
+    """Serve the metrics of ``server`` and its store at ``address`` while in the block."""
+    if not address:
+        yield
+        return
+    from tierkv import metrics  # needs prometheus-client and aiohttp (the server extra)
+
+    host, port = parse_address(address, "--metrics")
+    runner, url = await metrics.start_http_server(server, host, port)
+    print(f"metrics on {url}", flush=True)
+    try:
+        yield
+    finally:
+        await runner.cleanup()
+
+
+async def _until_stopped(server: PageServer, stop: asyncio.Event, args: argparse.Namespace) -> None:
+    """Status lines every ``--every`` s and trace samples every ``--sample-every`` s."""
+    tl = server.store.timeline
+    period = min(args.every, args.sample_every) if tl.enabled else args.every
+    next_status = time.monotonic() + args.every
+    _sample(server)
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), period)
+        _sample(server)
+        if stop.is_set() or time.monotonic() >= next_status:
+            next_status = time.monotonic() + args.every
+            s = server.stats()
+            print(
+                f"pages {s['pages']}/{s['host_capacity']}  leases {s['leases']}  "
+                f"expired {s['expired']}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _sample(server: PageServer) -> None:
+    """Counter samples of the page server and the store into the trace (when recording)."""
+    tl = server.store.timeline
+    if not tl.enabled:
+        return
+    t = time.perf_counter()
+    s = server.stats()
+    tl.counter(
+        "page server",
+        t,
+        pages=s["pages"],
+        host_used=s["host_used"],
+        leases=s["leases"],
+        expired=s["expired"],
+    )
+    st = server.store.stats()
+    tl.counter(
+        "store",
+        t,
+        page_loads=st["page_loads"],
+        written_back=st["written_back"],
+        bytes_h2d=st["bytes_h2d"],
+        bytes_d2h=st["bytes_d2h"],
+    )

@@ -1,0 +1,182 @@
+"""``tierkv serve`` as a real process: Prometheus /metrics while a peer publishes and holds a
+lease, then SIGTERM, a clean exit and a valid Chrome trace; bad arguments fail fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("prometheus_client")
+pytest.importorskip("aiohttp")
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tierkv import prefix_keys
+from tierkv.cli import main as cli_main
+from tierkv.remote import RemoteTier
+from tierkv.sequence import page_key
+from tierkv.spec import KVSpec
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
+SECRET = "5e17e5"
+HOST_PAGES = 64
+START_S = 90.0  # imports on a loaded machine take long; every wait below is bounded
+STOP_S = 60.0
+
+
+class Serve:
+    """A ``tierkv serve`` subprocess and its stdout lines (read by a thread)."""
+
+    def __init__(self, trace: Path) -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TIERKV_TRANSPORT_SECRET"}
+        host_mb = HOST_PAGES * SPEC.page_bytes / 2**20
+        self.proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "tierkv.cli", "serve"),
+                *("--listen", "127.0.0.1:0", "--metrics", "127.0.0.1:0", "--secret", SECRET),
+                *("--trace", str(trace), "--trace-events", "5000", "--sample-every", "0.2"),
+                *("--host-mb", f"{host_mb}", "--layers", "2", "--kv-heads", "2"),
+                *("--head-dim", "32", "--page-tokens", "16", "--every", "1"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        threading.Thread(
+            target=self._pump, args=(self.proc.stdout, self.lines), daemon=True
+        ).start()
+        threading.Thread(target=self._drain, args=(self.proc.stderr,), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream: IO[str], out: queue.Queue[str | None]) -> None:
+        for line in stream:
+            out.put(line.rstrip("\n"))
+        out.put(None)
+
+    def _drain(self, stream: IO[str]) -> None:
+        self.stderr.extend(line.rstrip("\n") for line in stream)
+
+    def expect(self, prefix: str, timeout: float = START_S) -> str:
+        """The next stdout line starting with ``prefix`` (fails on exit or after ``timeout``)."""
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                pytest.fail(f"no {prefix!r} line within {timeout} s")
+            if line is None:
+                pytest.fail(f"serve exited ({self.proc.poll()}): {self.stderr[-5:]}")
+            if line.startswith(prefix):
+                return line
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(STOP_S)
+
+
+@pytest.fixture
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    s = Serve(tmp_path / "serve-trace.json")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = resp.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def one(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return m[(name, frozenset(labels.items()))]
+
+
+def test_serve_metrics_and_trace(serve: Serve, tmp_path: Path) -> None:
+    # one process start is the cost of this test: run once (not once per event loop)
+    url = serve.expect("metrics on ").split()[-1]
+    address = serve.expect("serving ").split(" on ")[1].split()[0]
+    m = scrape(url)
+    assert one(m, "tierkv_store_open") == 1
+    assert one(m, "tierkv_page_server_up") == 1
+    assert one(m, "tierkv_page_server_pages") == 0
+    assert one(m, "tierkv_page_server_host_capacity_pages") == HOST_PAGES
+    assert one(m, "tierkv_page_server_transport", transport="tcp") == 1
+
+    toks = list(range(3 * SPEC.page_tokens))
+    keys = [page_key(b, layer) for b in prefix_keys(toks, 16) for layer in range(2)]
+    asyncio.run(asyncio.wait_for(_publish_and_lease(address, url, keys), START_S))
+
+    serve.proc.send_signal(signal.SIGTERM)
+    written = serve.expect("trace written to ", STOP_S)
+    serve.expect("stopped", STOP_S)
+    assert serve.proc.wait(STOP_S) == 0
+    trace_path = tmp_path / "serve-trace.json"
+    assert str(trace_path) in written
+    doc = json.loads(trace_path.read_text())
+    events = doc["traceEvents"]
+    assert doc["otherData"]["max_events"] == 5000
+    samples = [e for e in events if e["ph"] == "C" and e["name"] == "page server"]
+    assert len(samples) >= 2  # one when serving starts, one when it stops
+    assert samples[0]["args"]["pages"] == 0
+    assert samples[-1]["args"]["pages"] == len(keys)  # taken after the publish
+    assert all(e["ts"] >= 0 and e["pid"] == serve.proc.pid for e in samples)
+    assert [e["ts"] for e in samples] == sorted(e["ts"] for e in samples)
+
+
+async def _publish_and_lease(address: str, url: str, keys: list[bytes]) -> None:
+    """A peer publishes ``keys`` and holds a lease on two of them while /metrics is read."""
+    local = np.random.default_rng(1).integers(0, 256, (len(keys), SPEC.page_bytes), np.uint8)
+    peer = RemoteTier(address, secret=bytes.fromhex(SECRET), spec=SPEC, timeout=30)
+    async with peer:
+        assert await peer.publish(keys, local, list(range(len(keys)))) == len(keys)
+        lease = await peer.acquire(keys[:2])
+        m = await asyncio.to_thread(scrape, url)
+        assert one(m, "tierkv_page_server_pages") == len(keys)
+        assert one(m, "tierkv_page_server_bytes") == len(keys) * SPEC.page_bytes
+        assert one(m, "tierkv_page_server_host_pages") == len(keys)
+        assert one(m, "tierkv_page_server_leases") == 1
+        assert one(m, "tierkv_page_server_leases_expired_total") == 0
+        assert one(m, "tierkv_tier_pages", tier="host") == len(keys)
+        assert await peer.release(lease) == 2  # both pages still valid
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--metrics", "nowhere"], "--metrics must be HOST:PORT"),
+        (["--listen", "127.0.0.1:99999"], "--listen must be HOST:PORT"),
+        (["--secret", "not-hex"], "non-hexadecimal"),
+        (["--trace", "/nonexistent-dir/t.json"], "--trace: cannot write"),
+        (["--trace-events", "0"], "--trace-events must be >= 1"),
+        (["--sample-every", "0"], "--sample-every must be > 0"),
+    ],
+)
+def test_bad_arguments_fail_before_serving(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[Any]
+) -> None:
+    assert cli_main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
