@@ -9,8 +9,13 @@ Every figure comes from a peer in a second process (this script re-run with --se
   tcp bulk     the same batches over tcp on loopback (with and without crc32), against a raw
                blocking-socket pair: the peer sendall()s the batch's bytes, we recv_into() them.
                Target ratio >= 0.7.
+  nixl bulk    the same batches through NixlTransport against NIXL's own API driven by hand in
+               this process (a second agent: descriptor lists, initialize_xfer, transfer, a busy
+               check_xfer_state loop, release) reading the same peer region. Target ratio
+               >= 0.85. Run twice: UCX's own choice of wire (cross-memory attach on one host)
+               and UCX_TLS=tcp. Skipped when NIXL is not installed.
   16-page      one read of 16 x 256 KB pages: time of the raw copy / raw socket over the
-               transport's time (so >= 0.5 means "within 2x").
+               transport's time (so >= 0.5 means "within 2x"); for nixl also against raw NIXL.
 Rounds alternate reference and transport so that load from other processes hits both alike;
 ratios are of medians. Nothing here asserts on time.
 """
@@ -18,6 +23,7 @@ ratios are of medians. Nothing here asserts on time.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import statistics
 import subprocess
@@ -26,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,11 +96,27 @@ async def transfer_time(t: transports.Transport, ops: list[TransferOp]) -> float
     return time.perf_counter() - start
 
 
-async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -> dict[str, Any]:
-    """Medians of bulk and 16-page seconds for `backend` and its reference."""
+def _peer(backend: str, size: int, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     script = [sys.executable, __file__, "--serve", backend, str(size)]
     # a plain Popen: the peer's start-up is outside every timed section
-    peer = subprocess.Popen(script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # noqa: ASYNC220
+    return subprocess.Popen(
+        script, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+
+
+def _stop(peer: subprocess.Popen[str]) -> None:
+    if peer.stdin is not None:
+        peer.stdin.close()
+    try:
+        peer.wait(5)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer.wait()
+
+
+async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -> dict[str, Any]:
+    """Medians of bulk and 16-page seconds for `backend` and its reference."""
+    peer = _peer(backend, size)
     try:
         assert peer.stdout is not None and peer.stdin is not None
         meta, desc_hex, port = peer.stdout.readline().split()
@@ -126,13 +149,99 @@ async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -
             del dst  # release the export before the region is unmapped
         return {k: statistics.median(v[1:]) for k, v in out.items()}
     finally:
-        if peer.stdin is not None:
-            peer.stdin.close()
-        try:
-            peer.wait(5)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
+        _stop(peer)
+
+
+class RawNixl:
+    """NIXL's own API driven by hand (a second agent in this process): the reference."""
+
+    def __init__(self, api: Any, peer_meta: bytes, local: np.ndarray) -> None:
+        self.agent = api.nixl_agent(f"raw-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+        self.peer = self.agent.add_remote_agent(msgpack.unpackb(peer_meta)["nixl"]).decode()
+        self.agent.make_connection(self.peer)
+        self.local = local
+        self.reg = self.agent.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
+
+    def read(self, remote_base: int, offs: list[tuple[int, int]]) -> float:
+        """Seconds for one READ of a page per (remote page, local page) pair."""
+        a = self.agent
+        start = time.perf_counter()
+        base = self.local.ctypes.data
+        local = np.array([(base + j * PAGE, PAGE, 0) for _, j in offs], dtype=np.uint64)
+        remote = np.array([(remote_base + i * PAGE, PAGE, 0) for i, _ in offs], dtype=np.uint64)
+        h = a.initialize_xfer(
+            "READ", a.get_xfer_descs(local, "DRAM"), a.get_xfer_descs(remote, "DRAM"), self.peer
+        )
+        state = a.transfer(h)
+        while state == "PROC":
+            state = a.check_xfer_state(h)
+        h.release()
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended in {state}")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.agent.deregister_memory(self.reg)
+        self.agent.remove_remote_agent(self.peer)
+
+
+async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dict[str, Any]:
+    """Medians for NixlTransport and raw NIXL (bulk and 16-page) plus memcpy / raw socket."""
+    env = dict(os.environ)
+    if tls is not None:
+        env["UCX_TLS"] = tls
+    saved = os.environ.get("UCX_TLS")
+    os.environ.update({"UCX_TLS": tls} if tls else {})
+    peer = _peer("nixl", size, env)
+    try:
+        assert peer.stdout is not None
+        meta_hex, desc_hex, port = peer.stdout.readline().split()
+        meta = bytes.fromhex(meta_hex)
+        async with transports.create("nixl") as t:
+            await t.add_peer(meta)
+            desc = transports.RegionDescriptor.unpack(bytes.fromhex(desc_hex))
+            remote_base = int(desc.handle.split(":")[0], 16)
+            mine = t.allocate(size)
+            np.frombuffer(mine.view, np.uint8)[:] = 0  # fault every page in before timing
+            raw_local = np.zeros(size, np.uint8)
+            raw = RawNixl(api, meta, raw_local)
+            local_src = np.ones(size, np.uint8)
+            sock = socket.create_connection(("127.0.0.1", int(port)))
+            sock_buf = memoryview(bytearray(16 * PAGE))
+            rng = np.random.default_rng(1)
+            keys = ("bulk", "raw", "p16", "raw16", "copy16", "sock16")
+            out: dict[str, list[float]] = {k: [] for k in keys}
+            for _ in range(rounds + 1):  # the first round warms up
+                pages = size // PAGE
+                offs = list(
+                    zip(rng.permutation(pages)[:64].tolist(), rng.permutation(pages)[:64].tolist())
+                )
+                ops = [TransferOp(mine, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
+                out["raw"].append(raw.read(remote_base, offs))
+                out["bulk"].append(await transfer_time(t, ops))
+                out["raw16"].append(raw.read(remote_base, offs[:16]))
+                out["p16"].append(await transfer_time(t, ops[:16]))
+                out["copy16"].append(copy_time(local_src, raw_local, offs[:16]))
+                out["sock16"].append(raw_receive(sock, sock_buf, 16 * PAGE))
+            sock.close()
+            raw.close()
+        return {k: statistics.median(v[1:]) for k, v in out.items()}
+    finally:
+        _stop(peer)
+        if saved is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = saved
+
+
+def nixl_api() -> Any | None:
+    """NIXL's Python API, or None when it is not installed."""
+    try:
+        from transports.nixl import load_nixl
+
+        return load_nixl()
+    except transports.TransportError:
+        return None
 
 
 async def main(quick: bool, json_path: str | None) -> None:
@@ -156,6 +265,32 @@ async def main(quick: bool, json_path: str | None) -> None:
         rows.append(
             [f"{label} 16x256KB read", gbs["p16"], gbs["ref16"], ref, m["ref16"] / m["p16"], 0.5]
         )
+    api = nixl_api()
+    if api is None:
+        print(
+            "nixl: not installed, rows skipped (pip install --no-deps nixl-cu12)", file=sys.stderr
+        )
+    for tls, label in ((None, "nixl"), ("tcp", "nixl/ucx-tcp")) if api is not None else ():
+        print(f"measuring {label} ...", file=sys.stderr, flush=True)
+        m = await measure_nixl(api, size, rounds, tls)
+        gbs = {k: (64 if k in ("bulk", "raw") else 16) * PAGE / v / 1e9 for k, v in m.items()}
+        figures[label] = {"seconds": m, "GB/s": gbs}
+        ratios[f"{label} bulk / raw NIXL"] = m["raw"] / m["bulk"]
+        rows.append(
+            [
+                f"{label} bulk 64x256KB",
+                gbs["bulk"],
+                gbs["raw"],
+                "raw NIXL",
+                m["raw"] / m["bulk"],
+                0.85,
+            ]
+        )
+        for key, ref in (("raw16", "raw NIXL"), ("copy16", "memcpy"), ("sock16", "raw socket")):
+            ratios[f"{label} 16-page: {ref} time / transport time"] = m[key] / m["p16"]
+            rows.append(
+                [f"{label} 16x256KB read", gbs["p16"], gbs[key], ref, m[key] / m["p16"], 0.5]
+            )
     print(table(["case", "GB/s", "ref GB/s", "ref", "ratio", "target"], rows))
     write_json(json_path, figures, ratios)
 

@@ -11,14 +11,18 @@ region's address and its partial NIXL metadata, loaded by an initiator on first 
     handle = "<addr hex>:<device id>:<DRAM|VRAM>:<partial metadata hex>"
 
 A batch becomes one NIXL transfer per (peer, local memory type, remote memory type), normally
-one. One thread (the engine) makes every NIXL call of the data path: it builds and posts the
-transfers, polls their state with a short backoff (20 us doubling to 1 ms), polls notifications
-while someone awaits one, and settles the asyncio futures::
+one. The event loop builds the descriptor lists and posts the transfer; a post that UCX
+completes in place (cross-memory attach copies inside the call, like shm's memcpy) settles at
+once, with no thread hand-off. A transfer still in progress goes to the engine thread, which
+polls its state with a short backoff (20 us doubling to 1 ms; no busy spinning), polls
+notifications while someone awaits one, and settles the asyncio futures::
 
-    event loop                        engine thread                  NIXL / UCX
-    read(ops) -> _Job(descs, fut) ──> initialize_xfer, transfer ──>  bytes move
-    await fut   <── call_soon_threadsafe ── check_xfer_state == DONE
-    get_notification() <─────────────── get_new_notifs (while awaited)
+    event loop                                engine thread                NIXL / UCX
+    read(ops): initialize_xfer, transfer ───────────────────────────────>  bytes move
+      "DONE" -> settled                       (not involved)
+      "PROC" -> job ────────────────────────> check_xfer_state, backoff
+    await fut  <──── call_soon_threadsafe ─── "DONE" / "ERR"
+    get_notification() <──────────────────── get_new_notifs (while awaited)
 
 A notification is NIXL's per-transfer message, sent by NIXL after the transfer's bytes landed;
 ours carry a one-byte tag so that an empty `notify=b""` is still delivered.
@@ -93,7 +97,7 @@ def _map_error(exc: BaseException, peer: str) -> TransportError:
 
 @dataclass(slots=True, eq=False)
 class _Job:
-    """One NIXL transfer: built, posted and polled on the engine thread; aborted from the loop.
+    """One NIXL transfer: posted from the loop, polled on the engine thread, aborted from the loop.
 
     `local` / `remote`: (NIXL segment, N x 3 uint64 array of address, length, device id).
     `sections`: the partial metadata of the remote regions it touches (loaded on first use).
@@ -132,8 +136,14 @@ class _Engine(threading.Thread):
     # -- called from the event loop ------------------------------------------------------------
 
     def submit(self, item: Any) -> None:
-        """Queue a `_Job`, or a callable to run on this thread."""
+        """Queue a callable to run on this thread."""
         self._queue.put(item)
+
+    def post(self, job: _Job) -> None:
+        """Build and post `job`'s NIXL transfer (from the loop); if it is still in progress,
+        the thread polls it. Errors settle `job.future`."""
+        if self._begin(job):
+            self._queue.put(job)
 
     async def call(self, fn: Callable[[], Any], timeout: float) -> Any:
         """Run `fn()` on this thread; its result or exception. Raises TransferTimeoutError."""
@@ -169,7 +179,7 @@ class _Engine(threading.Thread):
 
     def forget_sections(self) -> None:
         """Drop the record of loaded remote sections (their agent was removed)."""
-        self.submit(self._sections.clear)
+        self._sections.clear()
 
     def stop(self) -> None:
         """Ask the thread to abort what is in flight and exit."""
@@ -195,7 +205,7 @@ class _Engine(threading.Thread):
                     self._shutdown()
                     return
                 if isinstance(item, _Job):
-                    self._begin(item)
+                    self._active.append(item)
                     progressed = True
                 elif item is not None:
                     item()
@@ -207,11 +217,12 @@ class _Engine(threading.Thread):
                 progressed |= self._drain_notes()
             wait = _MIN_WAIT if progressed else min(wait * 2, _MAX_WAIT)
 
-    def _begin(self, job: _Job) -> None:
+    def _begin(self, job: _Job) -> bool:
+        """Post; True while the transfer is in progress."""
         a = self.agent
         with job.lock:
             if job.done:
-                return
+                return False
             try:
                 for md in job.sections:
                     if md not in self._sections:
@@ -224,11 +235,11 @@ class _Engine(threading.Thread):
                 state = a.transfer(job.handle)
             except Exception as exc:
                 self._finish(job, exc)
-                return
+                return False
             if state == "PROC":
-                self._active.append(job)
-            else:
-                self._finish(job, None if state == "DONE" else PeerError(f"{job.peer!r}: ERR"))
+                return True
+            self._finish(job, None if state == "DONE" else PeerError(f"{job.peer!r}: ERR"))
+            return False
 
     def _poll(self, job: _Job) -> bool:
         with job.lock:
@@ -505,7 +516,7 @@ class NixlTransport(Transport):
         ]
         for job in jobs:
             handle.on_abort(functools.partial(engine.abort, job))
-            engine.submit(job)
+            engine.post(job)
         if notify is not None:  # a peer all of whose ops were empty still gets the note
             moving = {job.peer for job in jobs}
             for peer in {op.remote.agent for op in ops} - moving:
