@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from tierkv.remote.client import ReadLease, RemoteTier
 from tierkv.remote.directory import Directory
 from tierkv.remote.errors import (
@@ -26,10 +28,12 @@ from tierkv.remote.errors import (
     RemoteTimeoutError,
 )
 from tierkv.remote.hosting import share_host_arena
-from tierkv.remote.redis_tier import RedisTier
 from tierkv.remote.server import PageServer
 from tierkv.remote.source import PageSource
 from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
+
+if TYPE_CHECKING:
+    from tierkv.remote.redis_tier import RedisTier
 
 __all__ = [
     "Directory",
@@ -50,3 +54,12 @@ __all__ = [
     "share_host_arena",
     "stage_prefix",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`RedisTier` is imported on first use: it needs the ``redis`` extra (redis, xxhash)."""
+    if name == "RedisTier":
+        from tierkv.remote.redis_tier import RedisTier
+
+        return RedisTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
