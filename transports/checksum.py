@@ -297,7 +297,11 @@ class ChecksumThread:
 
 
 def spare_cores() -> bool:
-    """Whether this process may run on 4 or more CPUs (then a checksum thread pays off)."""
+    """Whether this process may run on 4 or more CPUs (then a checksum thread pays off);
+    ``TIERKV_CHECKSUM_THREAD=1`` / ``0`` overrides."""
+    forced = os.environ.get("TIERKV_CHECKSUM_THREAD")
+    if forced in ("0", "1"):
+        return forced == "1"
     try:
         return len(os.sched_getaffinity(0)) >= 4
     except AttributeError:  # not on Linux

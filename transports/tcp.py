@@ -6,9 +6,10 @@ connection per peer, and receives read payloads straight into its local regions.
 back in request order, so a FIFO of pending requests is all the client keeps::
 
     client                                   server (target)
-      read  id=1 segs=[[r,o,n]...]   ──────>   bounds-check, checksum
+      read  id=1 segs=[[r,o,n]...]   ──────>   bounds-check
       read  id=2 ...                 ──────>
-            <──────  data id=1 n crc | payload (recv_into local regions)
+            <──────  data id=1 n | payload (recv_into local regions, checksummed as it lands)
+            <──────  crc id=1 (the server's checksum, computed while the payload drains)
             <──────  data id=2 ...
       notify data=...                ──────>   delivered after both landed
 
@@ -87,6 +88,8 @@ class ClientConnection(FrameProtocol):
         self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
         self.csum_update: Update = update_function("crc32")
         self._rx: Incremental | None = None  # the checksum of the read payload landing now
+        # a read whose payload landed: (request id, its record, our crc) until its "crc" frame
+        self._trailer: tuple[int, _Pending, int | None] | None = None
 
     def request(
         self, kind: str, segs: list[list[int]], views: list[memoryview], crc: int | None = None
@@ -128,30 +131,43 @@ class ClientConnection(FrameProtocol):
         op = header["op"]
         if not self.ready.done():
             return self._handshake(header)
-        if not self._pending or header.get("id") not in (
-            -1,
-            None,
-            self._ids - len(self._pending) + 1,
-        ):
+        if self._trailer is not None:
+            return self._check_trailer(header)
+        rid = self._ids - len(self._pending) + 1
+        if not self._pending or header.get("id") not in (-1, None, rid):
             raise ProtocolError(f"unexpected {op!r} frame for request {header.get('id')!r}")
         p = self._pending.popleft()
-        if p.future.done():
+        if op == "data" and p.kind == "read" and p.crc:
+            rx, self._rx = self._rx, None
+            crc = rx.finish() if rx is not None else None
+            if "crc" not in header:  # version 2: a "crc" frame follows
+                self._trailer = (rid, p, crc)
+            elif not p.future.done():  # version 1: the crc came in the header
+                self._settle(p, header["crc"], crc)
+        elif p.future.done():
             return
-        if op == "err":
+        elif op == "err":
             cls = _ERRORS.get(header.get("code", ""), RemoteAccessError)
             p.future.set_exception(cls(f"{self.agent}: {header.get('msg', '')}"))
-        elif op == "data" and p.kind == "read" and p.crc:
-            rx, self._rx = self._rx, None
-            if "crc" not in header or rx is None:
-                p.future.set_exception(ChecksumError(f"{self.agent}: read payload lacks a crc"))
-            elif rx.finish() != header["crc"]:
-                p.future.set_exception(ChecksumError(f"{self.agent}: read payload crc mismatch"))
-            else:
-                p.future.set_result(None)
         elif (op, p.kind) in (("data", "read"), ("ok", "write")):
             p.future.set_result(None)
         else:
             raise ProtocolError(f"{op!r} frame answers a {p.kind}")
+
+    def _check_trailer(self, header: dict[str, Any]) -> None:
+        assert self._trailer is not None
+        rid, p, crc = self._trailer
+        if header["op"] != "crc" or header.get("id") != rid:
+            raise ProtocolError(f"{header['op']!r} frame where the crc of request {rid} belongs")
+        self._trailer = None
+        if not p.future.done():
+            self._settle(p, header.get("crc"), crc)
+
+    def _settle(self, p: _Pending, announced: Any, computed: int | None) -> None:
+        if computed is None or announced != computed:
+            p.future.set_exception(ChecksumError(f"{self.agent}: read payload crc mismatch"))
+        else:
+            p.future.set_result(None)
 
     def _handshake(self, header: dict[str, Any]) -> None:
         secret, op = self.owner._secret, header["op"]
@@ -198,10 +214,12 @@ class ClientConnection(FrameProtocol):
     def _fail(self, exc: TransportError) -> None:
         if not self.ready.done():
             self.ready.set_exception(exc if isinstance(exc, PeerError) else PeerError(str(exc)))
-        while self._pending:
-            p = self._pending.popleft()
+        held = [self._trailer[1]] if self._trailer is not None else []
+        self._trailer = None
+        for p in [*held, *self._pending]:
             if not p.future.done():
                 p.future.set_exception(exc)
+        self._pending.clear()
 
 
 class TcpTransport(Transport):

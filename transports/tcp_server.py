@@ -2,16 +2,19 @@
 
 It authenticates the peer (challenge -> auth -> welcome, which also settles the wire version and
 the checksum algorithm), then serves requests in order:
-"read" (answered by "data" + payload), "write" (payload received straight into the region,
-answered by "ok"), "notify" (no answer). Every segment is bounds-checked against the regions
-registered at that moment; a refused request gets an "err" frame and the connection lives on.
+"read" (answered by "data" + payload, then a "crc" frame when asked for one), "write" (payload
+received straight into the region, answered by "ok"), "notify" (no answer). Every segment is
+bounds-checked against the regions registered at that moment; a refused request gets an "err"
+frame and the connection lives on.
 A frame that breaks the protocol gets an "err" (when possible) and the connection is dropped.
 
-Replies leave in request order through a small queue: a reply waits there while its checksum
-is computed in the transport's checksum thread, and the loop meanwhile sends earlier replies::
+Replies leave in request order through a small queue. A read's payload leaves at once and its
+crc is computed while the socket drains it (in the checksum thread, or inline right after the
+send was queued); the "crc" frame follows before any later reply. A write's verdict waits for
+its checksum::
 
-    requests   read#1   read#2   write#3 (bad bounds)
-    replies    [data#1: crc pending] [data#2: crc pending] [err#3: ready]  -> sent 1, 2, 3
+    requests   read#1             read#2             write#3 (crc)      write#4 (bad bounds)
+    wire       data#1 + payload   ...crc#1           data#2 + payload   crc#2  ok#3  err#4
 """
 
 from __future__ import annotations
@@ -35,9 +38,16 @@ __all__ = ["ServerConnection"]
 
 @dataclass(slots=True)
 class _Reply:
+    """One answer. Its `header` and `views` leave when it reaches the head of the queue (unless
+    `held`: a verdict or header crc still being computed); a `trailer` (a version-2 read's
+    "crc" frame) must follow before the next reply, once known."""
+
     header: dict[str, Any]
     views: list[memoryview] = field(default_factory=list)
-    ready: bool = True
+    held: bool = False
+    wants_trailer: bool = False
+    trailer: dict[str, Any] | None = None
+    sent: bool = False
 
 
 class ServerConnection(FrameProtocol):
@@ -53,6 +63,7 @@ class ServerConnection(FrameProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
         self._replies: collections.deque[_Reply] = collections.deque()
+        self.version = 1  # the peer's wire version (from its auth frame)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -105,17 +116,21 @@ class ServerConnection(FrameProtocol):
             except RemoteAccessError as exc:
                 return self._reply(_Reply(_err(header, "access", exc)))
             reply = _Reply({"op": "data", "id": header.get("id"), "n": sum(map(len, views))}, views)
-            if header.get("crc"):
-                reply.ready = False
-                crc = self.owner._checksums.compute(self.csum, views)
-                crc.add_done_callback(lambda f: self._checksummed(reply, f))
-            return self._reply(reply)
+            if not header.get("crc"):
+                return self._reply(reply)
+            # version 2: the payload leaves at once, its crc follows (computed meanwhile);
+            # version 1: the crc is in the header, so the reply waits for it
+            reply.wants_trailer, reply.held = self.version >= 2, self.version < 2
+            self._reply(reply)
+            crc = self.owner._checksums.compute(self.csum, views)
+            crc.add_done_callback(lambda f: self._checksummed(reply, f))
+            return None
         if op == "write":
             if self._refusal is not None:
                 return self._reply(_Reply(self._refusal))
             reply = _Reply({"op": "ok", "id": header.get("id")})
             if header.get("crc") is not None:
-                reply.ready = False
+                reply.held = True
                 crc = self.owner._checksums.compute(self.csum, self._views)
                 crc.add_done_callback(lambda f: self._verified(reply, header, f))
             return self._reply(reply)
@@ -129,14 +144,26 @@ class ServerConnection(FrameProtocol):
         self._flush()
 
     def _flush(self) -> None:
-        while self._replies and self._replies[0].ready:
-            r = self._replies.popleft()
-            self.send(r.header, r.views)
+        while self._replies:
+            r = self._replies[0]
+            if r.held:
+                return
+            if not r.sent:
+                self.send(r.header, r.views)
+                r.sent = True
+            if r.wants_trailer:
+                if r.trailer is None:
+                    return
+                self.send(r.trailer)
+            self._replies.popleft()
 
     def _checksummed(self, reply: _Reply, crc: asyncio.Future[int]) -> None:
         if crc.cancelled() or crc.exception() is not None:
             return self.abort()  # the checksum thread was stopped: we are closing
-        reply.header["crc"], reply.ready = crc.result(), True
+        if reply.wants_trailer:
+            reply.trailer = {"op": "crc", "id": reply.header["id"], "crc": crc.result()}
+        else:
+            reply.header["crc"], reply.held = crc.result(), False
         self._flush()
 
     def _verified(self, reply: _Reply, header: dict[str, Any], crc: asyncio.Future[int]) -> None:
@@ -144,7 +171,7 @@ class ServerConnection(FrameProtocol):
             return self.abort()
         if crc.result() != header["crc"]:
             reply.header = _err(header, "checksum", ProtocolError("checksum mismatch"))
-        reply.ready = True
+        reply.held = False
         self._flush()
 
     def _resolve(self, header: dict[str, Any]) -> list[memoryview]:
@@ -173,6 +200,7 @@ class ServerConnection(FrameProtocol):
             # answered by on_protocol_error (an "err" frame), then the connection is dropped
             raise ProtocolError(f"no common checksum (we speak v{WIRE_VERSION}: {algorithms()})")
         self.csum = checksum_function(csum)
+        self.version = min(header.get("v", 1), WIRE_VERSION)
         self.peer = agent
         self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
         if self._timer is not None:

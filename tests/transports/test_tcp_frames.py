@@ -196,8 +196,14 @@ def test_bad_write_checksum_is_refused(server: Server, csum: str) -> None:
         sock.sendall(payload)
         assert _recv_frame(sock) == {"op": "ok", "id": 2}
         sock.sendall(frame({"op": "read", "id": 3, "segs": seg, "crc": True}))
-        reply = _recv_frame(sock)
-        assert reply["op"] == "data" and reply["crc"] == crc
+        assert _recv_frame(sock) == {"op": "data", "id": 3, "n": 4096}
+        assert sock.recv(4096, socket.MSG_WAITALL) == payload
+        assert _recv_frame(sock) == {"op": "crc", "id": 3, "crc": crc}  # version 2: a trailer
+    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
+        assert _auth(sock)["csum"] == "crc32"  # version 1: the crc rides in the data header
+        sock.sendall(frame({"op": "read", "id": 1, "segs": seg, "crc": True}))
+        crc32 = checksum_function("crc32")([memoryview(payload)])
+        assert _recv_frame(sock) == {"op": "data", "id": 1, "n": 4096, "crc": crc32}
         assert sock.recv(4096, socket.MSG_WAITALL) == payload
     assert not server.errors
 
