@@ -8,10 +8,11 @@ Every frame::
     └───────────┴────────────────────────────┴──────────────────────────────┘
 
 Header fields: "op" (str), "id" (request id), "segs" ([[region, offset, length], ...]),
-"n" (payload bytes, default 0), "crc" (the payload's checksum, optional; in a read request
-`true` asks for one). Before the handshake completes a peer may send only small headers and no
-payload. The handshake carries the wire version ("v", WIRE_VERSION; absent means 1) and agrees
-on the connection's checksum algorithm (see checksum.py)::
+"n" (payload bytes, default 0), "crc" (the payload's checksum: in a write; `true` in a read
+asks for one, which version 2 sends in a "crc" frame {"op", "id", "crc"} right after the data
+frame, version 1 in the data frame's header). Before the handshake completes a peer may send
+only small headers and no payload. The handshake carries the wire version ("v", absent means 1)
+and agrees on the connection's checksum algorithm (see checksum.py)::
 
     server                                     client
       challenge {v, agent, nonce}      ──────>
@@ -35,7 +36,8 @@ from .errors import ProtocolError
 
 __all__ = ["WIRE_VERSION", "FrameProtocol", "frame", "mac", "parse_segs"]
 
-#: Version 2 added "v" and the checksum negotiation (version 1: zlib crc32 only).
+#: Version 2 added "v", the checksum negotiation (version 1: zlib crc32 only) and the read
+#: reply's "crc" trailer frame. Peers speak the lower of their two versions.
 WIRE_VERSION = 2
 PREFIX = struct.Struct("!I")
 HANDSHAKE_HEADER = 1024
