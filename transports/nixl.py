@@ -24,8 +24,14 @@ notifications while someone awaits one, and settles the asyncio futures::
     await fut  <──── call_soon_threadsafe ─── "DONE" / "ERR"
     get_notification() <──────────────────── get_new_notifs (while awaited)
 
-A notification is NIXL's per-transfer message, sent by NIXL after the transfer's bytes landed;
-ours carry a one-byte tag so that an empty `notify=b""` is still delivered.
+A notification is NIXL's per-transfer message, sent by NIXL after the transfer's bytes landed.
+Messages carry a one-byte tag: 1 a user's notification (so `notify=b""` is still delivered),
+2 "region <id> is deregistered", 3 "hello, here is my metadata" (sent by `add_peer`, so the
+target can announce deregistrations to the initiators that know it). One-sided reads of a
+deregistered region are a fault UCX answers by failing the whole connection, so an owner
+announces a deregistration to every agent it knows before dropping the memory, and an
+initiator refuses descriptors of announced regions with RemoteAccessError. The announcement is
+asynchronous: a read racing it can still fail the connection (PeerError).
 """
 
 from __future__ import annotations
@@ -57,8 +63,8 @@ from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte
 
 __all__ = ["NixlTransport", "load_nixl"]
 
-_NOTE_TAG = b"\x01"
-_MIN_WAIT, _MAX_WAIT, _IDLE_NOTE_WAIT = 20e-6, 1e-3, 4e-3
+_NOTE_TAG, _DEREG_TAG, _HELLO_TAG = b"\x01", b"\x02", b"\x03"
+_MIN_WAIT, _MAX_WAIT, _NOTE_WAIT, _IDLE_WAIT = 20e-6, 1e-3, 4e-3, 20e-3
 _SEGMENTS = {"host": "DRAM", "pinned": "DRAM", "device": "VRAM"}
 _STOP = object()
 
@@ -132,6 +138,7 @@ class _Engine(threading.Thread):
         self._active: list[_Job] = []
         self._leaked: list[Any] = []  # handles NIXL could not cancel: polled until they finish
         self._sections: set[bytes] = set()
+        self.known: set[str] = set()  # agents whose full metadata is loaded
 
     # -- called from the event loop ------------------------------------------------------------
 
@@ -191,7 +198,7 @@ class _Engine(threading.Thread):
         wait = _MIN_WAIT
         while True:
             busy = self._active or self._leaked
-            limit = wait if busy else (_IDLE_NOTE_WAIT if self.note_waiters else None)
+            limit = wait if busy else (_NOTE_WAIT if self.note_waiters else _IDLE_WAIT)
             items = []
             try:
                 items.append(self._queue.get(timeout=limit))
@@ -213,8 +220,7 @@ class _Engine(threading.Thread):
                 progressed |= self._poll(job)
             if self._leaked:
                 self._poll_leaked()
-            if self.note_waiters:
-                progressed |= self._drain_notes()
+            progressed |= self._drain_notes()
             wait = _MIN_WAIT if progressed else min(wait * 2, _MAX_WAIT)
 
     def _begin(self, job: _Job) -> bool:
@@ -295,8 +301,12 @@ class _Engine(threading.Thread):
         for peer, messages in notes.items():
             name = peer.decode() if isinstance(peer, bytes) else str(peer)
             for msg in messages:
-                if msg[:1] == _NOTE_TAG:  # not ours: some other NIXL user's message
-                    self.loop.call_soon_threadsafe(self.on_note, name, bytes(msg[1:]))
+                if msg[:1] == _HELLO_TAG and name not in self.known:
+                    with contextlib.suppress(Exception):
+                        self.agent.add_remote_agent(bytes(msg[1:]))
+                        self.known.add(name)
+                elif msg[:1] in (_NOTE_TAG, _DEREG_TAG):  # else: another NIXL user's message
+                    self.loop.call_soon_threadsafe(self.on_note, name, bytes(msg))
         return bool(notes)
 
     def _shutdown(self) -> None:
@@ -358,6 +368,7 @@ class NixlTransport(Transport):
         self._engine: _Engine | None = None
         self._reg: dict[int, Any] = {}  # region id -> NIXL registration list
         self._base: dict[int, tuple[int, int, str]] = {}  # region id -> (address, device, seg)
+        self._gone: set[tuple[str, int]] = set()  # peers' regions announced as deregistered
 
     # -- agent ---------------------------------------------------------------------------------
 
@@ -386,7 +397,7 @@ class NixlTransport(Transport):
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         await asyncio.wait_for(loop.run_in_executor(None, self._ensure_agent), self.timeout)
-        self._engine = _Engine(self._agent, self._deliver)
+        self._engine = _Engine(self._agent, self._on_message)
         self._engine.start()
 
     def _engine_or_raise(self) -> _Engine:
@@ -396,10 +407,11 @@ class NixlTransport(Transport):
 
     async def _close(self) -> None:
         engine, self._engine = self._engine, None
-        if engine is not None:
-            engine.stop()
-            await asyncio.get_running_loop().run_in_executor(None, engine.join, self.timeout)
-        for peer in list(self._peers):
+        if engine is None:
+            return
+        engine.stop()
+        await asyncio.get_running_loop().run_in_executor(None, engine.join, self.timeout)
+        for peer in set(self._peers) | engine.known:
             with contextlib.suppress(Exception):
                 self._agent.remove_remote_agent(peer)
 
@@ -451,6 +463,11 @@ class NixlTransport(Transport):
     def _on_deregister(self, region: Region) -> None:
         reg = self._reg.pop(region.region_id, None)
         self._base.pop(region.region_id, None)
+        if reg is not None and self._engine is not None:  # tell initiators before it goes
+            message = _DEREG_TAG + region.region_id.to_bytes(8, "big")
+            for agent in tuple(self._engine.known):
+                with contextlib.suppress(Exception):
+                    self._agent.send_notif(agent, message)
         if reg is not None:
             with contextlib.suppress(Exception):
                 self._agent.deregister_memory(reg)
@@ -477,6 +494,8 @@ class NixlTransport(Transport):
                 a.remove_remote_agent(name.decode())
                 raise PeerError(f"NIXL metadata names {name!r}, not {agent!r}")
             a.make_connection(agent)
+            engine.known.add(agent)
+            a.send_notif(agent, _HELLO_TAG + bytes(a.get_agent_metadata()))
 
         if known:
             engine.forget_sections()
@@ -488,6 +507,12 @@ class NixlTransport(Transport):
             raise
         except Exception as exc:
             raise PeerError(f"cannot add nixl peer {agent!r}: {exc}") from exc
+
+    def _on_message(self, peer: str, message: bytes) -> None:
+        if message[:1] == _NOTE_TAG:
+            self._deliver(peer, message[1:])
+        elif message[:1] == _DEREG_TAG and len(message) == 9:
+            self._gone.add((peer, int.from_bytes(message[1:], "big")))
 
     async def get_notification(self, timeout: float | None = None) -> Any:
         """The next notification a peer attached to a transfer (delivered after its bytes
@@ -540,6 +565,10 @@ class NixlTransport(Transport):
             base, dev, lseg = self._base.get(local.region_id, (0, 0, ""))
             if not lseg:
                 raise RegionError(f"{local!r} is not registered with NIXL")
+            if (remote.agent, remote.region_id) in self._gone:
+                raise RemoteAccessError(
+                    f"region {remote.region_id} of {remote.agent!r} was deregistered by its owner"
+                )
             raddr, rdev, rseg, md = _parse_handle(remote)
             lrows, rrows, sections = rows.setdefault((remote.agent, lseg, rseg), ([], [], set()))
             lrows.append([base + lo, n, dev])
@@ -562,10 +591,14 @@ def _parse_handle(desc: RegionDescriptor) -> tuple[int, int, str, bytes]:
         addr, dev, seg, md = desc.handle.split(":", 3)
         parsed = int(addr, 16), int(dev), seg, bytes.fromhex(md)
     except ValueError:
-        raise RemoteAccessError(f"{desc} is not a NIXL region descriptor") from None
+        raise RemoteAccessError(_not_nixl(desc)) from None
     if seg not in ("DRAM", "VRAM") or not parsed[3] or parsed[0] <= 0 or parsed[1] < 0:
-        raise RemoteAccessError(f"{desc} is not a NIXL region descriptor")
+        raise RemoteAccessError(_not_nixl(desc))
     return parsed
+
+
+def _not_nixl(desc: RegionDescriptor) -> str:
+    return f"region {desc.region_id} of {desc.agent!r} has no NIXL handle ({desc.handle[:24]!r}...)"
 
 
 def _cuda_buffer(buffer: Any) -> tuple[int, int, int]:

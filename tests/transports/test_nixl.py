@@ -14,7 +14,7 @@ import subprocess
 import sys
 import zlib
 from asyncio.subprocess import PIPE
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -103,6 +103,15 @@ async def spawn(size: int, seed: int) -> AsyncIterator[Peer]:
         if proc.returncode is None:
             proc.kill()
         await asyncio.wait_for(proc.wait(), 10.0)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll `condition` (an asynchronous announcement arriving) for at most `timeout` s."""
+    for _ in range(int(timeout / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not so after {timeout:g} s")
 
 
 def seeded(size: int, seed: int) -> bytearray:
@@ -217,6 +226,18 @@ async def test_bad_input_is_refused_and_close_releases() -> None:
         a.deregister(gone)
         with pytest.raises(RegionError):
             a.read([TransferOp(gone, 0, d, 0, PAGE)])
+
+        # the owner announces a deregistration; the initiator then refuses the descriptor
+        # (reading deregistered memory would fail the whole UCX connection)
+        kept = b.allocate(PAGE)
+        kept.view[:] = b"\x42" * PAGE
+        await wait_until(lambda: a.name in b._engine.known)  # a's hello reached b
+        b.deregister(theirs)
+        await wait_until(lambda: (d.agent, d.region_id) in a._gone)
+        with pytest.raises(RemoteAccessError, match="deregistered"):
+            await a.read([TransferOp(mine, 0, d, 0, PAGE)])
+        await a.read([TransferOp(mine, 0, kept.descriptor, 0, PAGE)])
+        assert pages(mine.view, 0) == b"\x42" * PAGE
     assert a.closed and a._agent is None and not a._reg  # every registration released
     with pytest.raises(ClosedError):
         a.allocate(16)
