@@ -1,7 +1,8 @@
 """Prefill / decode sharing across processes: one process computes a long prompt's KV, two others
-load it (through shm, then through tcp) instead of recomputing it, and decode on.
+load it (through shm, then through tcp; or from Redis) instead of recomputing it, and decode on.
 
     python examples/prefill_decode.py [--prompt 1024] [--generate 32]
+    python examples/prefill_decode.py --shared redis [--redis-url URL [--redis-cluster]]
 
     prefill process                                 decode process  (x2, in parallel)
     TinyLlama(prompt) -> KVStore -> PageServer      1. recompute: prompt -> tokens A (timed)
@@ -9,8 +10,14 @@ load it (through shm, then through tcp) instead of recomputing it, and decode on
                                                ──>  3. tcp: import_prefix (timed) -> tokens C
                                                     A == B == C ?
 
-Every wait is bounded; everything runs on loopback; the child processes and the shared-memory
-segment are cleaned up on exit (also on error or Ctrl-C).
+With ``--shared redis`` the prefill process publishes the prompt's pages to Redis
+(`publish_prefix` through a `RedisTier`) and exits its part; each decode process, a "node" with
+its own device and host tiers, imports them from Redis (`import_prefix`) instead of steps 2-3.
+Without ``--redis-url`` a private redis-server is started on a free loopback port; with one, the
+pages go under a fresh random namespace (``--redis-cluster``: the URL is a cluster node).
+
+Every wait is bounded; everything runs on loopback; the child processes, the shared-memory
+segment and a private redis-server are cleaned up on exit (also on error or Ctrl-C).
 """
 
 from __future__ import annotations
@@ -28,15 +35,24 @@ import time
 from typing import Any
 
 import torch
+from _redis_server import PrivateRedis
 
 from runtime import new_event_loop
 from tierkv import KVStore
 from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
-from tierkv.remote import PageServer, RemoteTier, import_prefix, stage_prefix
+from tierkv.remote import (
+    PageServer,
+    RedisTier,
+    RemoteTier,
+    import_prefix,
+    publish_prefix,
+    stage_prefix,
+)
 
 MODEL = ModelConfig(seed=0)  # the demo's TinyLlama: 4 layers, 256 wide, seeded weights
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
 WAIT_S = 120.0  # bound of every wait on a child process
+REDIS_TIMEOUT = 10.0  # bound of every Redis call (generous: a loaded machine)
 
 
 def _prompt(n: int) -> list[int]:
@@ -78,9 +94,22 @@ async def _run(store: KVStore, model: TinyLlama, prompt: list[int], reused: int,
     return out, first
 
 
+def _redis(args: argparse.Namespace, spec: Any) -> RedisTier:
+    return RedisTier(
+        args.redis_url,
+        spec=spec,
+        namespace=args.namespace,
+        cluster=args.redis_cluster,
+        ttl=args.redis_ttl,
+        timeout=REDIS_TIMEOUT,
+    )
+
+
 # -- the processes -------------------------------------------------------------------------
 async def prefill(args: argparse.Namespace) -> None:
     """Compute the prompt, serve its pages until told to quit on stdin."""
+    if args.shared == "redis":
+        return await prefill_redis(args)
     model = TinyLlama(MODEL)
     prompt = _prompt(args.prompt)
     store = _store(args.prompt, args.generate)
@@ -105,8 +134,39 @@ async def prefill(args: argparse.Namespace) -> None:
         await loop.run_in_executor(None, sys.stdin.readline)  # "quit" or EOF
 
 
+async def prefill_redis(args: argparse.Namespace) -> None:
+    """Compute the prompt, publish its pages to Redis, say so and wait for stdin to close."""
+    model = TinyLlama(MODEL)
+    prompt = _prompt(args.prompt)
+    async with _store(args.prompt, args.generate) as store, _redis(args, store.spec) as redis:
+        if not redis.available:
+            raise SystemExit(f"prefill: Redis at {args.redis_url} is unreachable")
+        await store.add_sequence("s", prompt)
+        _, seconds = await _run(store, model, prompt, 0, 1)
+        await store.release("s")
+        await stage_prefix(store, prompt)
+        t0 = time.perf_counter()
+        published = await publish_prefix(store, redis, prompt)
+        publish = time.perf_counter() - t0
+        print(
+            json.dumps(
+                {
+                    "address": args.redis_url,
+                    "segment": "",
+                    "prefill_s": seconds,
+                    "publish_s": publish,
+                    "pages": published,
+                }
+            ),
+            flush=True,
+        )
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sys.stdin.readline)
+
+
 async def decode(args: argparse.Namespace) -> None:
-    """Recompute the prompt, then load it through shm and tcp; print one JSON line per run."""
+    """Recompute the prompt, then load it through shm and tcp (or from Redis); print one JSON
+    line per run."""
     model = TinyLlama(MODEL)
     prompt = _prompt(args.prompt)
     async with _store(args.prompt, args.generate) as store:  # warm-up: first calls are slow
@@ -115,10 +175,15 @@ async def decode(args: argparse.Namespace) -> None:
     async with _store(args.prompt, args.generate) as store:
         await store.add_sequence("s", prompt)
         want, recompute = await _run(store, model, prompt, 0, args.generate)
-    for kind in ("shm", "tcp"):
+    for kind in ("redis",) if args.shared == "redis" else ("shm", "tcp"):
         async with _store(args.prompt, args.generate) as store:
             spec = store.spec
-            async with RemoteTier(args.address, transport=kind, spec=spec, timeout=10.0) as peer:
+            peer: RedisTier | RemoteTier
+            if kind == "redis":
+                peer = _redis(args, spec)
+            else:
+                peer = RemoteTier(args.address, transport=kind, spec=spec, timeout=10.0)
+            async with peer:
                 t0 = time.perf_counter()
                 cached = await import_prefix(store, peer, prompt)
                 load = time.perf_counter() - t0
@@ -151,9 +216,37 @@ def _spawn(*argv: str) -> subprocess.Popen[str]:
 
 def main(args: argparse.Namespace) -> int:
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))  # inherited by the children
-    size = ["--prompt", str(args.prompt), "--generate", str(args.generate)]
+    with contextlib.ExitStack() as stack:
+        mode = ["--shared", args.shared]
+        if args.shared == "redis":
+            if args.redis_url is None:
+                args.redis_url = stack.enter_context(PrivateRedis())
+            mode += ["--redis-url", args.redis_url, "--namespace", args.namespace]
+            mode += ["--redis-ttl", str(args.redis_ttl)]
+            mode += ["--redis-cluster"] if args.redis_cluster else []
+        rows = _drive(args, mode)
+    kinds = ("redis",) if args.shared == "redis" else ("shm", "tcp")
+    print(
+        f"\n{'decoder':>7} {'via':>5} {'pages':>6} {'load ms':>9} {'recompute ms':>13} "
+        f"{'ratio':>7}  tokens"
+    )
+    for r in rows:
+        print(
+            f"{r['decoder']:>7} {r['transport']:>5} {r['pages']:>6} {r['load_s'] * 1e3:>9.2f} "
+            f"{r['recompute_s'] * 1e3:>13.1f} {r['recompute_s'] / r['load_s']:>6.0f}x  "
+            f"{'identical' if r['identical'] else 'DIFFERENT'} ({r['reused']} reused)"
+        )
+    ok = len(rows) == 2 * len(kinds) and all(r["identical"] and r["reused"] for r in rows)
+    print("\nall decoders match recomputing the prompt" if ok else "\nMISMATCH")
+    return 0 if ok else 1
+
+
+def _drive(args: argparse.Namespace, mode: list[str]) -> list[dict[str, Any]]:
+    """Run the prefill process, then the two decode processes; their JSON rows."""
+    size = ["--prompt", str(args.prompt), "--generate", str(args.generate), *mode]
     procs: list[subprocess.Popen[str]] = []
     segment = ""
+    rows: list[dict[str, Any]] = []
     try:
         pre = _spawn("prefill", *size)
         procs.append(pre)
@@ -165,16 +258,17 @@ def main(args: argparse.Namespace) -> int:
             raise RuntimeError("the prefill process exited before serving")
         ready = json.loads(line)
         segment = ready["segment"]
+        where = "(shm + tcp)" if args.shared == "server" else "(redis)"
+        verb = "served" if args.shared == "server" else "published"
         print(
             f"prefill: {args.prompt} prompt tokens in {ready['prefill_s'] * 1e3:.1f} ms, "
-            f"{ready['pages']} pages served at {ready['address']} (shm + tcp)"
+            f"{ready['pages']} pages {verb} at {ready['address']} {where}"
         )
         decs = [
             _spawn("decode", *size, "--address", ready["address"], "--index", str(i))
             for i in range(2)
         ]
         procs += decs
-        rows = []
         for d in decs:
             out, _ = d.communicate(timeout=WAIT_S)
             if d.returncode:
@@ -194,19 +288,7 @@ def main(args: argparse.Namespace) -> int:
         if segment:  # gone already unless the prefill process died
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{segment}")
-    print(
-        f"\n{'decoder':>7} {'via':>4} {'pages':>6} {'load ms':>9} {'recompute ms':>13} "
-        f"{'ratio':>7}  tokens"
-    )
-    for r in rows:
-        print(
-            f"{r['decoder']:>7} {r['transport']:>4} {r['pages']:>6} {r['load_s'] * 1e3:>9.2f} "
-            f"{r['recompute_s'] * 1e3:>13.1f} {r['recompute_s'] / r['load_s']:>6.0f}x  "
-            f"{'identical' if r['identical'] else 'DIFFERENT'} ({r['reused']} reused)"
-        )
-    ok = len(rows) == 4 and all(r["identical"] and r["reused"] for r in rows)
-    print("\nall decoders match recomputing the prompt" if ok else "\nMISMATCH")
-    return 0 if ok else 1
+    return rows
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -214,6 +296,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("role", nargs="?", default="main", choices=["main", "prefill", "decode"])
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
     p.add_argument("--generate", type=int, default=32, help="tokens each decoder generates")
+    p.add_argument(
+        "--shared",
+        choices=["server", "redis"],
+        default="server",
+        help="how the prompt's KV is shared: the prefill process's page server (shm, tcp) or Redis",
+    )
+    p.add_argument("--redis-url", help="Redis to use (default: start a private redis-server)")
+    p.add_argument(
+        "--redis-cluster", action="store_true", help="--redis-url is a Redis Cluster node"
+    )
+    p.add_argument("--redis-ttl", type=float, default=600.0, help="seconds a published page lives")
+    p.add_argument(
+        "--namespace", default=f"prefill-decode-{secrets.token_hex(4)}", help=argparse.SUPPRESS
+    )
     p.add_argument("--address", help=argparse.SUPPRESS)
     p.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     return p
