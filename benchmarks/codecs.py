@@ -1,11 +1,13 @@
 """Cold-page codec throughput and error, against a single-thread memcpy of the same bytes.
 
     python benchmarks/codecs.py [--quick] [--json FILE] [--plot FILE.png] [--threads 1]
+                                [--trace FILE.json]
 
 Throughput counts uncompressed page bytes per second (read by encode, written by decode).
 Each figure is printed with its ratio to ``numpy.copyto`` of the same number of bytes, timed
 in the same run (best of ``--repeat``). Errors are measured on Gaussian pages whose channels
 span two decades of scale (like K's outlier channels). Not a test: nothing asserts on time.
+--trace writes every timed call (memcpy, encode, decode per case) as a span of a Chrome trace.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from _common import add_trace_flag, phase, span, start_trace, write_trace
 
 from tierkv.codecs import Codec, get_codec
 from tierkv.codecs.header import HEADER_BYTES
@@ -40,14 +43,17 @@ CASES = [  # (codec, page dtype): the pairs that compress (plus none for overhea
 QUICK = {("none", "fp16"), ("fp16", "fp32"), ("int8", "fp16"), ("int8-group", "fp16")}
 
 
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    """Fastest of ``repeat`` timed calls after one warm-up, in seconds."""
+def best_of(fn: Callable[[], object], repeat: int, label: str = "") -> float:
+    """Fastest of ``repeat`` timed calls after one warm-up, in seconds (each timed call is a
+    span named ``label`` in the trace)."""
     fn()
     times = []
-    for _ in range(repeat):
+    for i in range(repeat):
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        span(label or "timed call", t0, t1, repeat=i)
     return min(times)
 
 
@@ -55,7 +61,7 @@ def memcpy_gbps(nbytes: int, repeat: int) -> float:
     """Single-thread copy bandwidth of ``nbytes`` (numpy.copyto of fresh, touched buffers)."""
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.ones_like(src)
-    return nbytes / best_of(lambda: np.copyto(dst, src), repeat) / 1e9
+    return nbytes / best_of(lambda: np.copyto(dst, src), repeat, f"memcpy {nbytes} B") / 1e9
 
 
 def int8_half_scale(codec: Codec, data: torch.Tensor, x: torch.Tensor, spec: KVSpec) -> float:
@@ -83,8 +89,8 @@ def run_case(name: str, dt: str, pages: int, repeat: int, copy: float) -> dict[s
     x = (torch.randn(pages, *spec.page_shape, generator=gen) * chan).to(spec.dtype)
     data = codec.encode(x, spec)
     out = torch.empty_like(x)
-    t_enc = best_of(lambda: codec.encode(x, spec, out=data), repeat)
-    t_dec = best_of(lambda: codec.decode(data, spec, out=out), repeat)
+    t_enc = best_of(lambda: codec.encode(x, spec, out=data), repeat, f"encode {name}/{dt}")
+    t_dec = best_of(lambda: codec.decode(data, spec, out=out), repeat, f"decode {name}/{dt}")
     nbytes = pages * spec.page_bytes
     err = (out.double() - x.double()).abs()
     fig = {
@@ -131,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     ap.add_argument("--pages", type=int, help="pages per batch (default 512, quick 64)")
     ap.add_argument("--repeat", type=int, help="timed repeats (default 7, quick 3)")
+    add_trace_flag(ap)
     args = ap.parse_args(argv)
+    start_trace(args.trace)
     torch.set_num_threads(args.threads)
     pages = args.pages or (64 if args.quick else 512)
     repeat = args.repeat or (3 if args.quick else 7)
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'case':<18}{'enc GB/s':>9}{'x copy':>7}{'dec GB/s':>9}{'x copy':>7}"
     print(head + f"{'ratio':>7}{'max err':>11}{'rel rms':>9}{'err/bnd':>8}{'err/s':>7}")
     for i, (name, dt) in enumerate(cases, 1):
-        f = run_case(name, dt, pages, repeat, copies[dt])
+        with phase(f"case {name}/{dt}"):
+            f = run_case(name, dt, pages, repeat, copies[dt])
         key = f"{name}/{dt}"
         figures[key] = f
         ratios[f"{key}/encode_vs_memcpy"] = f["encode_vs_memcpy"]
@@ -167,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"figures": figures, "ratios": ratios}, fh, indent=2)
+    write_trace(args.trace)
     if args.plot:
         plot(figures, args.plot)
     return 0

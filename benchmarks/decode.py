@@ -1,7 +1,11 @@
 """Decode benchmark: the demo's swap and stream modes against all-resident, and an event-loop
 stall check with 1,000 concurrent sequences driving one store.
 
-    python benchmarks/decode.py [--quick] [--json FILE]
+    python benchmarks/decode.py [--quick] [--json FILE] [--trace FILE.json]
+
+--trace records the runtime timeline of every run (compute, waits, loads and write-backs per
+stream, prefetches; each run a process of its own in the file) and of the 1,000-sequence store;
+recording adds some overhead to the figures of that run.
 
 Targets (issue 3): swap at the demo's defaults >= 0.9 of all-resident tokens/s, prefetch accuracy
 >= 0.9, late fetches <= 1% of page loads, >= 30% of loads after the first step; stream: device
@@ -22,7 +26,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
-from _common import parser, table, write_json
+from _common import parser, phase, start_trace, table, write_json, write_trace
 
 from runtime import new_event_loop
 from tierkv import KVSpec
@@ -31,15 +35,25 @@ from tierkv.demo_cli import _lossy
 from tierkv.store import KVStore
 
 
-async def decode_modes(quick: bool) -> dict[str, Any]:
+async def decode_modes(
+    quick: bool, traces: list[tuple[str, dict[str, Any]]] | None = None
+) -> dict[str, Any]:
+    """Swap and stream against all-resident; each run's timeline goes to ``traces`` if given."""
     out: dict[str, Any] = {}
     base = DemoConfig(generate=64) if quick else DemoConfig()
+    trace = traces is not None
     for mode in ("swap", "stream"):
         cfg = replace(base, mode=mode)
         if mode == "stream":
             cfg = replace(cfg, prompt=512 if not quick else 256, generate=base.generate // 2)
-        ref = await run(all_resident(cfg), cfg.total_kv_bytes() + (1 << 20))
-        tiered = await run(cfg, device_budget(cfg))
+        with phase(f"{mode}: all-resident"):
+            ref = await run(all_resident(cfg), cfg.total_kv_bytes() + (1 << 20), trace=trace)
+        with phase(f"{mode}: tiered"):
+            tiered = await run(cfg, device_budget(cfg), trace=trace)
+        if traces is not None:
+            for label, res in ((f"{mode} all-resident", ref), (f"{mode} tiered", tiered)):
+                if res.trace is not None:
+                    traces.append((label, res.trace))
         st = tiered.stats
         spec = cfg.model.kv_spec(cfg.kv_dtype, cfg.page_tokens)
         out[mode] = {
@@ -57,7 +71,8 @@ async def decode_modes(quick: bool) -> dict[str, Any]:
             "loads_after_first_step": tiered.loads_after_first_step,
         }
         if mode == "swap":
-            lossy = await run(replace(cfg, compress_live=True), device_budget(cfg))
+            with phase("swap: int8 on live KV"):
+                lossy = await run(replace(cfg, compress_live=True), device_budget(cfg))
             out["int8_live"] = _lossy(ref, lossy, cfg.codec or "int8")
     return out
 
@@ -97,10 +112,15 @@ class CallbackTimer:
         asyncio.events.Handle._run = self._orig  # type: ignore[method-assign]
 
 
-async def stall_check(n_seqs: int, steps: int, batch: int = 32) -> dict[str, Any]:
+async def stall_check(
+    n_seqs: int,
+    steps: int,
+    batch: int = 32,
+    traces: list[tuple[str, dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
     """``n_seqs`` tasks decode concurrently through one store (``batch`` leases at a time, as a
     scheduler would admit them); measures the longest single callback on the loop and how late
-    a 1 ms timer fires."""
+    a 1 ms timer fires. The store's timeline goes to ``traces`` if given."""
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
     tokens_each = 64 + steps
     total = n_seqs * spec.bytes_for(tokens_each)
@@ -118,6 +138,7 @@ async def stall_check(n_seqs: int, steps: int, batch: int = 32) -> dict[str, Any
             worst = max(worst, lag)
 
     async with KVStore(spec, device_bytes=total // 3, host_bytes=total * 2, codec=None) as store:
+        store.timeline.enabled = traces is not None
         k = torch.zeros(spec.num_kv_heads, 64, spec.head_dim, dtype=spec.dtype)
         k1 = k[:, :1].clone()
 
@@ -152,6 +173,8 @@ async def stall_check(n_seqs: int, steps: int, batch: int = 32) -> dict[str, Any
         done.set()
         await mon
         st = store.stats()
+    if traces is not None:
+        traces.append((f"{n_seqs} sequences", store.timeline.to_chrome()))
     lags.sort()
     return {
         "sequences": n_seqs,
@@ -169,11 +192,14 @@ async def stall_check(n_seqs: int, steps: int, batch: int = 32) -> dict[str, Any
 
 def main() -> None:
     args = parser(__doc__ or "").parse_args()
+    start_trace(args.trace)
+    traces: list[tuple[str, dict[str, Any]]] | None = [] if args.trace else None
     loop = new_event_loop()
     try:
-        modes = loop.run_until_complete(decode_modes(args.quick))
+        modes = loop.run_until_complete(decode_modes(args.quick, traces))
         # the callback timer needs the pure-Python loop (uvloop's is compiled)
-        stall = asyncio.run(stall_check(1000, 4 if args.quick else 8))
+        with phase("1000 sequences"):
+            stall = asyncio.run(stall_check(1000, 4 if args.quick else 8, traces=traces))
     finally:
         loop.close()
     sw, stm, i8 = modes["swap"], modes["stream"], modes["int8_live"]
@@ -220,6 +246,7 @@ def main() -> None:
             "longest_callback_of_10ms": stall["max_callback_ms"] / 10.0,
         },
     )
+    write_trace(args.trace, *(traces or []))
 
 
 if __name__ == "__main__":

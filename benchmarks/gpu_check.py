@@ -1,6 +1,6 @@
 """The cuda backend on a GPU, in one run: its tests, copy bandwidths, event waiting, the demo.
 
-    python benchmarks/gpu_check.py [--quick] [--json FILE]
+    python benchmarks/gpu_check.py [--quick] [--json FILE] [--trace FILE.json]
 
 1. `pytest -m cuda tests/runtime` (the orderings, IPC, pinning, DLPack tests).
 2. References: one large cudaMemcpyAsync H2D and D2H, pinned and pageable.
@@ -11,12 +11,15 @@
    and the worst event-loop stall while 1,000 waits are in flight (target: no stall > 1 ms).
 5. `tierkv demo --backend cuda` when the demo exists.
 Without a GPU it says so, writes a JSON that says so, and exits 0.
+--trace: each step as a span, and the cuda demo's own runtime timeline, in one Chrome trace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import parser, table, write_json  # noqa: E402
+from _common import parser, phase, start_trace, table, write_json, write_trace  # noqa: E402
 
 from runtime.cuda_env import unavailable_reason  # noqa: E402
 
@@ -218,12 +221,14 @@ async def wait_figures(strategy: str, rounds: int) -> dict[str, float]:
     }
 
 
-def demo() -> dict[str, Any]:
+def demo(trace: str | None = None) -> dict[str, Any]:
+    """``tierkv demo --backend cuda``; with ``trace``, its Chrome trace is written there."""
     if importlib.util.find_spec("tierkv.cli") is None:
         return {"status": "not available (tierkv.cli missing)"}
     step("tierkv demo --mode swap --backend cuda ...")
+    cmd = [sys.executable, "-m", "tierkv.cli", "demo", "--mode", "swap", "--backend", "cuda"]
     out = subprocess.run(
-        [sys.executable, "-m", "tierkv.cli", "demo", "--mode", "swap", "--backend", "cuda"],
+        [*cmd, *(["--trace", trace] if trace else [])],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -234,10 +239,12 @@ def demo() -> dict[str, Any]:
 
 def main() -> int:
     args = parser(__doc__.splitlines()[0]).parse_args()
+    start_trace(args.trace)
     reason = unavailable_reason()
     if reason is not None:
         print(f"gpu_check: no GPU here ({reason}); nothing measured.")
         write_json(args.json, {"gpu": False, "reason": reason}, {})
+        write_trace(args.trace)
         return 0
     import cupy
 
@@ -246,19 +253,25 @@ def main() -> int:
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     figures: dict[str, Any] = {"gpu": True, "device": name, "cupy": cupy.__version__}
-    figures["tests"] = run_tests()
-    figures["reference"] = references(
-        cupy, (64 if args.quick else 256) * MB, 3 if args.quick else 5
-    )
-    figures["pages"] = page_moves(cupy, args.quick)
+    with phase("cuda tests"):
+        figures["tests"] = run_tests()
+    with phase("reference copies"):
+        figures["reference"] = references(
+            cupy, (64 if args.quick else 256) * MB, 3 if args.quick else 5
+        )
+    with phase("page moves"):
+        figures["pages"] = page_moves(cupy, args.quick)
     rounds = 50 if args.quick else 300
     figures["wait"] = {}
     for strategy in ("thread", "poll"):
         step(f"event waiting, {strategy} ...")
         from runtime import run
 
-        figures["wait"][strategy] = run(wait_figures(strategy, rounds))
-    figures["demo"] = demo()
+        with phase(f"event waiting, {strategy}"):
+            figures["wait"][strategy] = run(wait_figures(strategy, rounds))
+    demo_trace = f"{args.trace}.demo.json" if args.trace else None
+    with phase("tierkv demo --backend cuda"):
+        figures["demo"] = demo(demo_trace)
 
     ref = figures["reference"]
     ratios: dict[str, Any] = {}
@@ -315,6 +328,12 @@ def main() -> int:
     print(f"\nrecommended wait strategy: {ratios['recommended_wait_strategy']}")
     print(f"cuda tests: {figures['tests']['summary']}; demo: {figures['demo']}")
     write_json(args.json, figures, ratios)
+    parts: list[tuple[str, dict[str, Any]]] = []
+    if demo_trace and os.path.exists(demo_trace):
+        with open(demo_trace, encoding="utf-8") as f:
+            parts.append(("tierkv demo --backend cuda", json.load(f)))
+        os.remove(demo_trace)
+    write_trace(args.trace, *parts)
     return 0
 
 

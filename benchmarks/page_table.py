@@ -8,6 +8,9 @@ The sizes run interleaved (``--rounds`` slices each), and each figure is all of 
 over all of its time, so load from other processes on a shared machine falls on every size alike.
 
     python benchmarks/page_table.py [--quick] [--json FILE] [--policy NAME] [--rounds N]
+                                    [--trace FILE.json]
+
+--trace writes each size's slices (and the table builds) as spans of a Chrome trace.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parser, table, write_json
+from _common import parser, phase, span, start_trace, table, write_json, write_trace
 
 from tierkv import DEFAULT_POLICY, PageTable
 
@@ -76,7 +79,9 @@ class Workload:
                 i += 1
             if time.perf_counter() >= deadline:
                 break
-        self.elapsed += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.elapsed += t1 - t0
+        span(f"{pages:,} pages", t0, t1, ops=ops)
         self.ops += ops
         self.i, self.fresh = i, fresh
 
@@ -86,10 +91,14 @@ def main() -> None:
     p.add_argument("--policy", default=DEFAULT_POLICY)
     p.add_argument("--rounds", type=int, default=8, help="interleaved slices per size")
     args = p.parse_args()
+    start_trace(args.trace)
     sizes = [10**3, 10**4, 10**5, 10**6]
     seconds = 0.5 if args.quick else 2.0
     print(f"building tables of {', '.join(f'{n:,}' for n in sizes)} pages ...", flush=True)
-    loads = [Workload(n, args.policy) for n in sizes]
+    loads = []
+    for n in sizes:
+        with phase(f"build {n:,} pages"):
+            loads.append(Workload(n, args.policy))
     # the sizes take turns, so a neighbour's burst on a shared machine hits them all alike;
     # each figure is all its operations over all its time (no best-of)
     for r in range(args.rounds):
@@ -110,6 +119,7 @@ def main() -> None:
         {"policy": args.policy, "ops_per_s": {str(n): r for n, r in rates.items()}},
         {"ops_at_1e6_of_target": rates[10**6] / TARGET, "max_over_min": flat},
     )
+    write_trace(args.trace)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 
 Every replay runs through the real page table (``tierkv.replay``).
 
-    python benchmarks/policies.py [--quick] [--json FILE] [--plot FILE.png]
+    python benchmarks/policies.py [--quick] [--json FILE] [--plot FILE.png] [--trace FILE.json]
+
+--trace writes each replay (policy, trace, capacity) as a span of a Chrome trace.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parser, table, write_json
+from _common import parser, phase, start_trace, table, write_json, write_trace
 
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.replay import load_trace, replay, replay_belady, replay_infinite
@@ -33,14 +35,18 @@ TARGET_HIT, TARGET_OF_BELADY = 0.20, 0.55
 
 def conversation(limit: int | None) -> tuple[dict[str, float], list[list[object]]]:
     """Hit rates on the conversation trace at :data:`BLOCKS`; rows for the table."""
-    trace = load_trace(TRACE, limit)
+    with phase("load conversation trace"):
+        trace = load_trace(TRACE, limit)
     rates: dict[str, float] = {}
     for name in POLICIES:
         print(f"  conversation trace: {name} ...", flush=True)
-        rates[name] = replay(trace, BLOCKS, name).hit_rate
+        with phase(f"conversation {name}", blocks=BLOCKS):
+            rates[name] = replay(trace, BLOCKS, name).hit_rate
     print("  conversation trace: belady ...", flush=True)
-    rates["belady"] = replay_belady(trace, BLOCKS).hit_rate
-    rates["infinite"] = replay_infinite(trace).hit_rate
+    with phase("conversation belady", blocks=BLOCKS):
+        rates["belady"] = replay_belady(trace, BLOCKS).hit_rate
+    with phase("conversation infinite"):
+        rates["infinite"] = replay_infinite(trace).hit_rate
     rows: list[list[object]] = []
     for name, r in sorted(rates.items(), key=lambda kv: kv[1]):
         label = f"{name} (default)" if name == DEFAULT_POLICY else name
@@ -56,8 +62,10 @@ def synthetic(n_requests: int) -> tuple[dict[str, dict[str, float]], list[list[o
         trace = synthetic_trace(kind, n_requests, seed=1)
         for cap in SYNTH_CAPACITIES:
             print(f"  {kind} at {cap} blocks ...", flush=True)
-            lru = replay(trace, cap, "lru").hit_rate
-            ours = replay(trace, cap, DEFAULT_POLICY).hit_rate
+            with phase(f"{kind} lru", blocks=cap):
+                lru = replay(trace, cap, "lru").hit_rate
+            with phase(f"{kind} {DEFAULT_POLICY}", blocks=cap):
+                ours = replay(trace, cap, DEFAULT_POLICY).hit_rate
             out[f"{kind}@{cap}"] = {"lru": lru, DEFAULT_POLICY: ours}
             rows.append([kind, cap, lru, ours, ours / lru if lru else float("inf")])
     return out, rows
@@ -94,6 +102,7 @@ def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--plot", metavar="FILE.png", help="draw the figures (PNG; needs matplotlib)")
     args = p.parse_args()
+    start_trace(args.trace)
     limit = 4000 if args.quick else None
     n_synth = 5000 if args.quick else 20000
     print("replaying (through the real page table) ...", flush=True)
@@ -123,6 +132,7 @@ def main() -> None:
         {"blocks": BLOCKS, "requests": limit, "conversation": conv, "synthetic": synth},
         ratios,
     )
+    write_trace(args.trace)
     if args.plot:
         plot(args.plot, conv, synth)
 

@@ -1,6 +1,6 @@
 """Page moves through the transfer engine against a single-thread copy, measured in one run.
 
-    python benchmarks/transfers.py [--quick] [--json FILE] [--plot FILE.png]
+    python benchmarks/transfers.py [--quick] [--json FILE] [--plot FILE.png] [--trace FILE.json]
 
 The limit the engine chases (the ratio that counts):
   ref         one single-thread np.copyto of the bytes of one batch (e.g. 64 x 256 KB = 16 MB),
@@ -13,6 +13,8 @@ Engine: random, non-adjacent slot ids on both sides, batches of --batch-256kb / 
 Rounds alternate reference and engine so that load from other processes hits both alike; the
 table shows medians over the rounds and ratio = median engine / median ref.
 For information only: copy_256mb, one 256 MB np.copyto (non-temporal stores on most machines).
+--trace: the engine's timeline (each batch's copy on its stream's track, with its queue wait and
+kernel) and the reference and engine rounds as phases, in one Chrome trace (Perfetto).
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import table, write_json
+from benchmarks._common import add_trace_flag, phase, start_trace, table, write_json, write_trace
 from runtime import Arena, CpuBackend, Priority, TransferEngine, run
 from runtime.arena import allocate_host_buffer
+from tierkv.timeline import Timeline
 
 MB = 1 << 20
 KB = 1 << 10
@@ -68,9 +71,16 @@ def scattered_ids(num_slots: int, n: int, rng: np.random.Generator) -> np.ndarra
 
 
 async def engine_round(
-    engine: TransferEngine, src: Arena, dst: Arena, batch: int, batches: int, seed: int
+    engine: TransferEngine,
+    src: Arena,
+    dst: Arena,
+    batch: int,
+    batches: int,
+    seed: int,
+    timeline: Timeline | None = None,
 ) -> tuple[float, str]:
-    """Bytes/s of `batches` batches of `batch` scattered pages, `max_inflight` at a time."""
+    """Bytes/s of `batches` batches of `batch` scattered pages, `max_inflight` at a time; each
+    batch's copy goes to `timeline` (when recording) on the track of its stream."""
     rng = np.random.default_rng(seed)
     plan = [
         (scattered_ids(src.num_slots, batch, rng), scattered_ids(dst.num_slots, batch, rng))
@@ -78,11 +88,23 @@ async def engine_round(
     ]
     sem = asyncio.Semaphore(engine.max_inflight)
     kernels: set[str] = set()
+    track = f"stream {src.name}->{dst.name}"
 
     async def one(s: np.ndarray, d: np.ndarray) -> None:
         async with sem:
             stats = await engine.submit(src, s, dst, d, priority=Priority.PREFETCH)
             kernels.add(stats.kernel)
+            if timeline is not None:
+                timeline.span(
+                    "copy",
+                    track,
+                    stats.started_at,
+                    stats.finished_at,
+                    pages=stats.pages,
+                    bytes=stats.bytes,
+                    queue_wait_ms=stats.queue_wait_s * 1e3,
+                    kernel=stats.kernel,
+                )
 
     t = time.perf_counter()
     await asyncio.gather(*(one(s, d) for s, d in plan))
@@ -90,9 +112,16 @@ async def engine_round(
 
 
 async def measure(
-    page: int, batch: int, arena_bytes: int, moved_bytes: int, rounds: int, max_inflight: int
+    page: int,
+    batch: int,
+    arena_bytes: int,
+    moved_bytes: int,
+    rounds: int,
+    max_inflight: int,
+    timeline: Timeline | None = None,
 ) -> dict[str, object]:
-    """Interleaved rounds of reference copies and engine page moves on the same two arenas."""
+    """Interleaved rounds of reference copies and engine page moves on the same two arenas
+    (the engine's copies recorded in `timeline` when given)."""
     backend = CpuBackend()
     n = arena_bytes // page
     src = backend.create_arena("src", page, n)
@@ -105,9 +134,12 @@ async def measure(
     async with TransferEngine(backend, max_inflight=max_inflight) as engine:
         _, kernel = await engine_round(engine, src, dst, batch, 2, seed=99)  # warm up
         reference_round(src, dst, batch * page, 2, seed=99)
+        size = f"{page // KB} KB x {batch}"
         for r in range(rounds):
-            refs.append(reference_round(src, dst, batch * page, batches, seed=r))
-            bw, kernel = await engine_round(engine, src, dst, batch, batches, seed=r)
+            with phase(f"reference {size}", round=r):
+                refs.append(reference_round(src, dst, batch * page, batches, seed=r))
+            with phase(f"engine {size}", round=r):
+                bw, kernel = await engine_round(engine, src, dst, batch, batches, r, timeline)
             engs.append(bw)
             print(
                 f"  {page // KB:>3} KB x {batch:<4} round {r + 1}/{rounds}: "
@@ -139,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="rounds per page size (default 5, --quick 3)")
     p.add_argument("--batch-256kb", type=int, default=128, help="256 KB pages per batch")
     p.add_argument("--batch-16kb", type=int, default=2048, help="16 KB pages per batch")
+    add_trace_flag(p)
     args = p.parse_args(argv)
+    start_trace(args.trace)
+    engine_timeline = Timeline(enabled=bool(args.trace))
 
     rounds = args.rounds or (3 if args.quick else 5)
     arena = 256 * MB if args.quick else 1024 * MB
     moved = 128 * MB if args.quick else 256 * MB
     print("copy 256 MB (information) ...", flush=True)
-    big = copy_256mb(rounds + 2)
+    with phase("copy 256 MB"):
+        big = copy_256mb(rounds + 2)
     figures: dict[str, object] = {
         "copy_256mb_gbps": big / 1e9,
         "max_inflight": args.max_inflight,
@@ -155,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[object]] = [["copy 256 MB (info)", "-", big / 1e9, "", "", "", ""]]
     for page, batch in ((256 * KB, args.batch_256kb), (16 * KB, args.batch_16kb)):
         print(f"{page // KB} KB pages, batches of {batch}, {arena // MB} MB arenas ...", flush=True)
-        fig = run(measure(page, batch, arena, moved, rounds, args.max_inflight))
+        fig = run(measure(page, batch, arena, moved, rounds, args.max_inflight, engine_timeline))
         figures[f"pages_{page // KB}kb"] = fig
         ratio = float(fig["ratio"])  # type: ignore[arg-type]
         ratios[f"pages_{page // KB}kb_vs_same_size_copy"] = ratio
@@ -168,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(["", "reference", "GB/s", "ref GB/s", "ratio", "target", "met"], rows))
     print(f"(medians of {rounds} interleaved rounds; kernel {figures['pages_16kb']['kernel']})")  # type: ignore[index]
     write_json(args.json, figures, ratios)
+    write_trace(args.trace, ("transfer engine", engine_timeline))
     if args.plot:
         import matplotlib
 
