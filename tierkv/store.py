@@ -69,7 +69,8 @@ class KVStore(Prefetcher):
             a cluster of them, Redis), or several consulted in order. Blocks missing locally
             are imported from it by :meth:`add_sequence` / :meth:`fetch_prefix`; content pages
             leaving the host tier are pushed to the first one (``remote_write``). Failures are
-            counted in ``stats()["remote"]``, never raised.
+            counted in ``stats()["remote"]``, never raised. The caller opens and closes the
+            sources.
         remote_write: push content pages leaving the host tier to the remote (batched, in the
             background; an eviction waits at most ``remote_push_wait`` seconds for it).
         remote_push_pages: staging buffer of those pushes, in pages.

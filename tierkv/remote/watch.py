@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from tierkv.remote.control import Control
-from tierkv.remote.errors import PeerGoneError, RemoteProtocolError
+from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteProtocolError
 from tierkv.remote.wire import send
 
 __all__ = ["Watch", "WatchHub"]
@@ -190,7 +190,10 @@ class Watch:
         gone = [k for k in keys if isinstance(k, bytes)]
         self.keys.difference_update(gone)
         if self._callback is not None:
-            self._callback(gone)
+            try:
+                self._callback(gone)
+            except Exception as exc:  # ends the watch (iteration raises) instead of the loop
+                raise RemoteError(f"watch callback failed: {exc!r}") from exc
         else:
             await self._queue.put(gone)  # a slow consumer slows this socket only
 
