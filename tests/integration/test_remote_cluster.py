@@ -337,15 +337,35 @@ async def _three_processes(procs: list[Proc]) -> None:
         assert rc.loads_from == dict.fromkeys(addrs, 4)
     for i in range(3):
         assert (local[4 * i : 4 * i + 4] == page_bytes(i)).all()
-    procs[1].proc.kill()  # b dies: its pages leave the others' directories
-    procs[1].proc.wait()
+    async with client(addrs[2]) as cc, client(addrs[1]) as cb:
+        on_b = await cb.watch(keys[4:8])
+        on_c = await cc.watch(keys[8:])
+        fresh = page_keys(50, 16)  # fills c's 16 host pages: its own 4 are evicted for them
+        assert await cc.publish(fresh, page_bytes(50, 16), list(range(16))) == 16
+        gone: list[bytes] = []
+        while len(gone) < 4:
+            gone += await asyncio.wait_for(anext(on_c), TIMEOUT)
+        assert sorted(gone) == sorted(keys[8:])
+        await on_c.aclose()
+        procs[1].proc.kill()  # b dies: its watcher hears it, its pages leave the directories
+        procs[1].proc.wait()
+        with pytest.raises(PeerGoneError):
+            await asyncio.wait_for(anext(on_b), TIMEOUT)
+        await on_b.aclose()
     async with client(addrs[0]) as ca:
 
         async def b_forgotten() -> bool:
             return await ca.locate(keys) == [addrs[0]] * 4
 
         await wait_until(b_forgotten, "a forgot the killed b")
-        assert await ca.locate(keys[8:]) == [addrs[2]] * 4
+
+        async def c_changed() -> bool:
+            return (
+                await ca.locate(keys[8:] + fresh) == []
+                and await ca.locate(fresh) == [addrs[2]] * 16
+            )
+
+        await wait_until(c_changed, "a knows c's departures and its new pages")
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
