@@ -11,7 +11,7 @@ For two page sizes (8 KiB; 64 KiB, a Llama-3-8B layer page of 16 fp16 tokens):
                Target ratio (tier time over best MGET time) <= 1.5.
   layout       pages per value: 64 pages' bytes as 64 values of 1 page, 16 of 4, 4 of 16
                (pipelined SET, one MGET), to choose page-per-value or packing.
-  batch_pages  load and publish of 64 and N pages with RedisTier(batch_pages=b): the default.
+  batch_pages  load and publish of 64 and N pages per (batch_pages, in_flight): the defaults.
 Rounds alternate reference and tier so that load from other processes hits both alike; figures
 are medians of the rounds. The tier's side includes its checks (header, crc32) and the copy
 into a page array; the reference gets raw bytes. Nothing here asserts on time.
@@ -24,18 +24,20 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from redis.asyncio import Redis
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # before benchmarks/, whose transports.py would shadow the package
-sys.path.append(str(ROOT / "tests" / "integration"))
+# the repository first: benchmarks/transports.py would shadow the transports package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
+
+from redis_server import RedisServer
 
 from benchmarks._common import parser, table, write_json
-from redis_server import RedisServer
 from tierkv.remote import RedisTier
 from tierkv.spec import KVSpec
 
@@ -175,32 +177,35 @@ class Bench:
         return out
 
     # -- batch_pages ---------------------------------------------------------------------
-    async def batch_sweep(self) -> dict[int, dict[str, float]]:
-        out: dict[int, dict[str, float]] = {}
+    async def batch_sweep(self) -> dict[str, dict[str, float]]:
+        """(batch_pages, in_flight) configurations, interleaved within each round."""
         n = self.n
-        for b in (8, 16, 32, 64, 128, n):
-            async with RedisTier(self.url, spec=self.spec, timeout=30, batch_pages=b) as rt:
-                fig: dict[str, list[float]] = {"load64": [], f"load{n}": [], f"publish{n}": []}
-                for _ in range(self.rounds):
-                    await self.r.flushdb()
-                    fig[f"publish{n}"].append(
-                        await timed(lambda rt=rt: rt.publish(self.keys, self.pages, list(range(n))))
+        confs = [(16, 4), (32, 1), (32, 4), (64, 1), (64, 2), (64, 4), (128, 1), (n, 1)]
+        tiers = {}
+        for b, f in confs:
+            rt = await RedisTier(self.url, spec=self.spec, timeout=30, batch_pages=b).connect()
+            rt.in_flight = f
+            tiers[f"{b}/{f}"] = rt
+        names = ("load64", f"load{n}", f"publish{n}")
+        fig: dict[str, dict[str, list[float]]] = {c: {k: [] for k in names} for c in tiers}
+        every, first = list(range(n)), list(range(PREFIX))
+        for _ in range(self.rounds):
+            for conf, rt in tiers.items():
+                await self.r.flushdb()
+                f = fig[conf]
+                f[names[2]].append(await timed(partial(rt.publish, self.keys, self.pages, every)))
+                f[names[1]].append(await timed(partial(rt.load, self.keys, self.out, every)))
+                for _ in range(3):
+                    f[names[0]].append(
+                        await timed(partial(rt.load, self.keys[:PREFIX], self.out, first))
                     )
-                    fig[f"load{n}"].append(
-                        await timed(lambda rt=rt: rt.load(self.keys, self.out, list(range(n))))
-                    )
-                    for _ in range(3):
-                        fig["load64"].append(
-                            await timed(
-                                lambda rt=rt: rt.load(self.keys[:PREFIX], self.out, list(range(64)))
-                            )
-                        )
-                out[b] = {k: med(v) for k, v in fig.items()}
-        return out
+        for rt in tiers.values():
+            await rt.aclose()
+        return {c: {k: med(v) for k, v in f.items()} for c, f in fig.items()}
 
 
-def plot(path: str, sweeps: dict[str, dict[int, dict[str, float]]]) -> None:
-    """batch_pages against load / publish times, one panel per page size."""
+def plot(path: str, sweeps: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Load / publish times per (batch_pages, in_flight), one panel per page size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,11 +213,15 @@ def plot(path: str, sweeps: dict[str, dict[int, dict[str, float]]]) -> None:
 
     fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4.5))
     for ax, (name, sweep) in zip(np.atleast_1d(axes), sweeps.items()):
-        bs = sorted(sweep)
-        for fig_name in next(iter(sweep.values())):
-            ax.plot(bs, [sweep[b][fig_name] * 1e3 for b in bs], marker="o", label=fig_name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch_pages")
+        confs = list(sweep)
+        x = np.arange(len(confs))
+        names = list(next(iter(sweep.values())))
+        for i, fig_name in enumerate(names):
+            ys = [sweep[c][fig_name] * 1e3 for c in confs]
+            ax.bar(x + i / (len(names) + 1), ys, 1 / (len(names) + 1), label=fig_name)
+        ax.set_xticks(x + 0.33, confs)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch_pages / in_flight")
         ax.set_ylabel("ms (median)")
         ax.set_title(f"RedisTier, {name} pages")
         ax.legend()
@@ -225,7 +234,7 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
     rounds = 3 if quick else 5
     figures: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
-    sweeps: dict[str, dict[int, dict[str, float]]] = {}
+    sweeps: dict[str, dict[str, dict[str, float]]] = {}
     with RedisServer() as srv:
         print(f"redis-server on {srv.url}; loop {type(asyncio.get_running_loop()).__module__}")
         for name, spec in SPECS.items():
@@ -233,22 +242,12 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
             b = Bench(srv.url, spec, n, rounds)
             print(f"\n== {name} pages ({spec.page_bytes} B), {n} pages ==", flush=True)
             tp = await b.throughput()
-            print(
-                table(
-                    ["op", "per-page pages/s", "RedisTier pages/s", "MB/s", "ratio (>= 1.5)"],
-                    [
-                        [
-                            op,
-                            tp[f"naive_{op}"],
-                            tp[op],
-                            tp[op] * spec.page_bytes / 1e6,
-                            tp[op] / tp[f"naive_{op}"],
-                        ]
-                        for op in ("put", "get")
-                    ],  # fmt: skip
-                ),
-                flush=True,
-            )
+            rows = []
+            for op in ("put", "get"):
+                mbs = tp[op] * spec.page_bytes / 1e6
+                rows.append([op, tp[f"naive_{op}"], tp[op], mbs, tp[op] / tp[f"naive_{op}"]])
+            head = ["op", "per-page pages/s", "RedisTier pages/s", "MB/s", "ratio (>= 1.5)"]
+            print(table(head, rows), flush=True)
             px = await b.prefix()
             best = min(("mget", "mget_pipe16", "mget_4x16"), key=px.__getitem__)
             print(
@@ -271,7 +270,7 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
             cols = list(next(iter(sweep.values())))
             print(
                 table(
-                    ["batch_pages", *(f"{c} ms" for c in cols)],
+                    ["batch_pages/in_flight", *(f"{c} ms" for c in cols)],
                     [[bp, *(v[c] * 1e3 for c in cols)] for bp, v in sweep.items()],
                 ),
                 flush=True,
@@ -279,7 +278,7 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
             await b.aclose()
             sweeps[name] = sweep
             figures[name] = {"throughput_pages_s": tp, "prefix_s": px, "layout": lay,
-                             "batch_pages": {str(k): v for k, v in sweep.items()}}  # fmt: skip
+                             "batch_pages": sweep}  # fmt: skip
             ratios[name] = {
                 "put_vs_per_page": tp["put"] / tp["naive_put"],
                 "get_vs_per_page": tp["get"] / tp["naive_get"],

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 redis = pytest.importorskip("redis")
 
@@ -370,3 +372,30 @@ async def test_foreign_value_type_is_a_miss_not_an_outage(srv: RedisServer, ttl:
         assert rt.available and rt.stats()["errors"] == (0 if ttl is None else 1)
         assert await rt.publish(keys, src, [0, 1, 2, 3]) == 1  # the list stays; key 3 lands
         assert rt.available and rt.stats()["present"] == 3  # NX: the foreign key is kept
+
+
+# -- the value codec (no server) -------------------------------------------------------------
+TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=1)  # 128-byte pages
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    payload=st.binary(min_size=TINY.page_bytes, max_size=TINY.page_bytes),
+    key=st.binary(min_size=1, max_size=40),
+    pos=st.integers(0, HEADER_BYTES + TINY.page_bytes - 1),
+    bit=st.integers(0, 7),
+)
+def test_value_round_trips_and_any_bit_flip_is_caught(
+    payload: bytes, key: bytes, pos: int, bit: int
+) -> None:
+    rt = RedisTier(spec=TINY, namespace="codec")  # never connected
+    rk = rt.redis_key(key)
+    value = rt._value(rk, np.frombuffer(payload, np.uint8))
+    assert len(value) == HEADER_BYTES + TINY.page_bytes
+    got = rt._verify(rk, value)
+    assert got is not None and got.tobytes() == payload
+    flipped = bytearray(value)
+    flipped[pos] ^= 1 << bit
+    assert rt._verify(rk, bytes(flipped)) is None
+    assert rt._verify(rt.redis_key(key + b"\0"), value) is None  # bound to its key
+    assert rt.stats()["corrupt"] == 2

@@ -72,7 +72,7 @@ MAGIC = b"TKVR"
 _HEAD = struct.Struct("<4sBBBB8sII")  # magic, format, codec, flags, 0, spec, payload, 0
 _SUM = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _SUM.size
-BATCH_PAGES = 32
+BATCH_PAGES = 64
 """Pages per MGET / pipeline; chunks of a call run concurrently (docs/redis.md, measured)."""
 
 _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=-]{1,128}")
@@ -127,7 +127,7 @@ class RedisTier:
     """Seconds before the first reconnection attempt after a failure (then doubling)."""
     backoff_cap = 5.0
     """The longest wait between reconnection attempts."""
-    in_flight = 4
+    in_flight = 2
     """Chunks of one call in flight at once (each on its own pooled connection)."""
 
     def __init__(
