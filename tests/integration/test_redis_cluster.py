@@ -151,11 +151,13 @@ def crowd(tier: RedisTier, slots: list[int], per_slot: int) -> list[bytes]:
     return out
 
 
-async def _crowded(cluster: RedisCluster, tier: RedisTier) -> tuple[list[bytes], Array, list]:
-    """Publish PAGES content pages plus 5 more in each of 2 page-holding slots per node;
-    returns all keys, their bytes and the crowded (slot, owner index) pairs."""
+async def _crowded(
+    cluster: RedisCluster, tier: RedisTier, per_node: int
+) -> tuple[list[bytes], Array, list[tuple[int, int]]]:
+    """Publish PAGES content pages plus 5 more in each of ``per_node`` page-holding slots per
+    node; returns all keys, their bytes and the crowded (slot, owner index) pairs."""
     await _publish(tier, page_keys(3), page_bytes(3))
-    picked = _slot_of_each_node(cluster, per_node=2)
+    picked = _slot_of_each_node(cluster, per_node)
     assert {owner for _, owner in picked} == {0, 1, 2}
     extra = crowd(tier, [slot for slot, _ in picked], per_slot=5)
     await _publish(tier, extra, page_bytes(4, len(extra)))
@@ -182,7 +184,7 @@ async def _load_all(tier: RedisTier, keys: list[bytes], within: float = 20.0) ->
 )
 async def test_reads_follow_ask_while_a_slot_is_half_moved(empty: RedisCluster) -> None:
     async with _tier(empty) as tier:
-        keys, data, picked = await _crowded(empty, tier)
+        keys, data, picked = await _crowded(empty, tier, per_node=1)
         n = len(keys)
         assert (await _load_all(tier, keys) == data).all()  # warm: several connections a node
         slot, owner = picked[0]
@@ -207,7 +209,7 @@ async def test_reads_follow_ask_while_a_slot_is_half_moved(empty: RedisCluster) 
 
 async def test_pages_survive_slot_migration_during_reads(empty: RedisCluster) -> None:
     async with _tier(empty) as tier:
-        keys, data, picked = await _crowded(empty, tier)
+        keys, data, picked = await _crowded(empty, tier, per_node=2)
         n = len(keys)
         assert (await _load_all(tier, keys) == data).all()
         reads = [0]  # loads completed (a load may miss pages of a moving slot, never garble)
