@@ -180,3 +180,44 @@ def test_bad_arguments_fail_before_serving(
 ) -> None:
     assert cli_main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+async def test_page_server_collector_follows_the_server_life() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tierkv import KVStore
+    from tierkv.metrics import PageServerCollector, registry
+    from tierkv.remote import PageServer
+
+    def scrape_registry(reg: CollectorRegistry) -> dict[str, float]:
+        text = generate_latest(reg).decode()
+        return {
+            s.name: s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if not s.labels
+        }
+
+    store = KVStore(SPEC, device_bytes=SPEC.page_bytes, host_bytes=8 * SPEC.page_bytes, codec=None)
+    async with store:
+        server = PageServer(store, transports=["tcp"], secret=b"k", timeout=30)
+        reg = CollectorRegistry()
+        reg.register(PageServerCollector(server, labels={}))
+        assert scrape_registry(reg) == {"tierkv_page_server_up": 0.0}  # not started
+        async with server:
+            m = scrape_registry(registry(server))
+            assert m["tierkv_page_server_up"] == 1
+            assert m["tierkv_store_open"] == 1  # the server's registry holds its store's too
+            assert m["tierkv_page_server_host_capacity_pages"] == 8
+            # every other number of stats() is exported under its own name
+            extra = {k for k, v in server.stats().items() if isinstance(v, int | float)} - {
+                "pages",
+                "host_used",
+                "host_capacity",
+                "leases",
+                "expired",
+            }
+            for key in extra:
+                name = key.removesuffix("_total")
+                assert f"tierkv_page_server_{name}" in m or f"tierkv_page_server_{name}_total" in m
+        assert scrape_registry(reg) == {"tierkv_page_server_up": 0.0}  # closed
