@@ -325,6 +325,30 @@ async def test_frozen_server_costs_a_bounded_wait(own_server: RedisServer) -> No
         assert (out == src).all() and rt.available
 
 
+async def test_cancelled_load_leaves_the_tier_usable(own_server: RedisServer) -> None:
+    keys, src = keys_of(15, 8), pages_of(15, 8)
+    out = np.zeros((8, PB), np.uint8)
+    async with tier(own_server.url, timeout=10.0) as rt:
+        assert await rt.publish(keys, src, list(range(8))) == 8
+        own_server.pause()
+        try:
+            task = asyncio.create_task(rt.load(keys, out, list(range(8))))
+            await asyncio.sleep(0.2)  # the request is out, no reply can come
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            own_server.resume()
+        assert (out == 0).all()  # nothing landed
+        assert rt.available  # a cancellation is not an outage
+
+        async def back() -> bool:
+            return await rt.load(keys, out, list(range(8))) == 8
+
+        await until(back, "loads work after a cancelled one")
+        assert (out == src).all() and rt.stats()["timeouts"] == 0
+
+
 async def test_absent_server_is_misses_from_the_start() -> None:
     async with tier(f"redis://127.0.0.1:{free_port()}/0", timeout=0.5) as rt:
         assert not rt.available

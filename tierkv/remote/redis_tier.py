@@ -164,6 +164,7 @@ class RedisTier:
         self._failures = 0
         self._retry_at = 0.0
         self._closed = False
+        self._closing: set[asyncio.Task[None]] = set()
         self._warn = _Warnings()
         self._stats: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "corrupt", "errors", "timeouts", "reconnects", "bytes_in",
@@ -198,17 +199,27 @@ class RedisTier:
         await client.ping()
 
     async def aclose(self) -> None:
-        """Close the client's connections. Idempotent; the tier may `connect` again."""
+        """Close the client's connections (waits at most ``timeout``). Idempotent; calls
+        made after it are misses, until `connect` again."""
         self._closed = True
         self._available = False
-        await self._drop_client()
+        self._drop_client()
+        if self._closing:
+            await asyncio.wait(self._closing, timeout=self.timeout)
 
-    async def _drop_client(self) -> None:
+    def _drop_client(self) -> None:
+        """Forget the client; its connections close in the background (bounded by
+        ``timeout``), so that a failed call returns within its own bound."""
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.timeout):
-                    await client.aclose()
+            task = asyncio.get_running_loop().create_task(self._close(client))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def _close(self, client: Client) -> None:
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self.timeout):
+                await client.aclose()
 
     async def __aenter__(self) -> RedisTier:
         return await self.connect()
@@ -248,11 +259,11 @@ class RedisTier:
                 result = await fn(client, *args)
         except (TimeoutError, RedisTimeoutError) as exc:
             self._stats["timeouts"] += 1
-            await self._failed(what, exc)
+            self._failed(what, exc)
             return None
         except (RedisError, RedisClusterException, OSError) as exc:
             self._stats["errors"] += 1
-            await self._failed(what, exc)
+            self._failed(what, exc)
             return None
         if not self._available:
             if self._ever_up:
@@ -262,7 +273,7 @@ class RedisTier:
         self._failures = 0
         return result
 
-    async def _failed(self, what: str, exc: BaseException) -> None:
+    def _failed(self, what: str, exc: BaseException) -> None:
         self._available = False
         self._failures += 1
         delay = min(self.backoff_cap, self.backoff_base * 2 ** min(self._failures - 1, 30))
@@ -271,7 +282,7 @@ class RedisTier:
             "down", "Redis tier %s: %s failed (%s: %s); misses, next try in %.2g s",
             self.url, what, type(exc).__name__, exc, delay,
         )  # fmt: skip
-        await self._drop_client()  # a connection may hold a late reply: start afresh
+        self._drop_client()  # a connection may hold a late reply: start afresh
 
     # -- argument checks (caller bugs raise) ---------------------------------------------
     def _check(self, keys: list[bytes], array: Pages, slots: list[int], write: bool) -> None:
