@@ -10,10 +10,10 @@ Every figure comes from a peer in a second process (this script re-run with --se
                blocking-socket pair: the peer sendall()s the batch's bytes, we recv_into() them.
                Target ratio >= 0.7.
   nixl bulk    the same batches through NixlTransport against NIXL's own API driven by hand in
-               this process (a second agent: descriptor lists, initialize_xfer, transfer, a busy
-               check_xfer_state loop, release) reading the same peer region. Target ratio
-               >= 0.85. Run twice: UCX's own choice of wire (cross-memory attach on one host)
-               and UCX_TLS=tcp. Skipped when NIXL is not installed.
+               this process (a second agent without a progress thread: descriptor lists,
+               initialize_xfer, transfer, a busy check_xfer_state loop, release) reading the
+               same peer region. Target ratio >= 0.85. Run twice: UCX's own choice of wire
+               (cross-memory attach on one host) and UCX_TLS=tcp. Skipped without NIXL.
   16-page      one read of 16 x 256 KB pages: time of the raw copy / raw socket over the
                transport's time (so >= 0.5 means "within 2x"); for nixl also against raw NIXL.
 Rounds alternate reference and transport so that load from other processes hits both alike;
@@ -156,7 +156,10 @@ class RawNixl:
     """NIXL's own API driven by hand (a second agent in this process): the reference."""
 
     def __init__(self, api: Any, peer_meta: bytes, local: np.ndarray) -> None:
-        self.agent = api.nixl_agent(f"raw-{os.getpid()}", api.nixl_agent_config(backends=["UCX"]))
+        # no progress thread: the busy check_xfer_state loop drives UCX itself (NIXL's default
+        # thread would spin a core for the whole run, slowing every other row)
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent = api.nixl_agent(f"raw-{os.getpid()}", config)
         self.peer = self.agent.add_remote_agent(msgpack.unpackb(peer_meta)["nixl"]).decode()
         self.agent.make_connection(self.peer)
         self.local = local

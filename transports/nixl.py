@@ -65,8 +65,41 @@ __all__ = ["NixlTransport", "load_nixl"]
 
 _NOTE_TAG, _DEREG_TAG, _HELLO_TAG = b"\x01", b"\x02", b"\x03"
 _MIN_WAIT, _MAX_WAIT, _NOTE_WAIT, _IDLE_WAIT = 20e-6, 1e-3, 4e-3, 20e-3
-_SEGMENTS = {"host": "DRAM", "pinned": "DRAM", "device": "VRAM"}
 _STOP = object()
+
+
+_BINDINGS_LOCK = threading.Lock()
+
+
+class _PacedBindings:
+    """NIXL's binding module, except that agents get `pthrDelay` = `delay_us`.
+
+    NIXL's Python API hard-codes ``pthrDelay = 0``, with which UCX's progress thread polls its
+    workers with a zero timeout: one core spinning per agent, idle or not (measured: half of a
+    loaded 2-core host per agent). With a delay the thread sleeps in poll() on the workers' event
+    fds and wakes on traffic, or after the delay (rounded up to whole ms) at the latest.
+    """
+
+    def __init__(self, bindings: Any, delay_us: int) -> None:
+        self._bindings, self._delay_us = bindings, delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # the bindings name it so
+        config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, config)
+
+
+def _new_agent(api: ModuleType, name: str, config: Any, delay_us: int) -> Any:
+    """`api.nixl_agent(name, config)` with the progress thread's poll delay set."""
+    with _BINDINGS_LOCK:  # the swap is module-global: one construction at a time
+        bindings = api.nixlBind
+        api.nixlBind = _PacedBindings(bindings, delay_us)  # type: ignore[attr-defined]
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind = bindings  # type: ignore[attr-defined]
 
 
 def load_nixl() -> ModuleType:
@@ -87,6 +120,11 @@ def load_nixl() -> ModuleType:
     raise TransportError(
         "the nixl transport needs NIXL: pip install --no-deps nixl-cu12 (" + "; ".join(errors) + ")"
     )
+
+
+def _name(value: Any) -> str:
+    """An agent name as NIXL returns it (bytes or str) as a str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _map_error(exc: BaseException, peer: str) -> TransportError:
@@ -232,7 +270,7 @@ class _Engine(threading.Thread):
             try:
                 for md in job.sections:
                     if md not in self._sections:
-                        if a.add_remote_agent(md) != job.peer.encode():
+                        if _name(a.add_remote_agent(md)) != job.peer:
                             raise RemoteAccessError(f"descriptor metadata is not {job.peer!r}'s")
                         self._sections.add(md)
                 local = a.get_xfer_descs(job.local[1], job.local[0])
@@ -244,7 +282,8 @@ class _Engine(threading.Thread):
                 return False
             if state == "PROC":
                 return True
-            self._finish(job, None if state == "DONE" else PeerError(f"{job.peer!r}: ERR"))
+            failed = PeerError(f"nixl transfer with {job.peer!r} failed")
+            self._finish(job, None if state == "DONE" else failed)
             return False
 
     def _poll(self, job: _Job) -> bool:
@@ -299,7 +338,7 @@ class _Engine(threading.Thread):
         except Exception:
             return False
         for peer, messages in notes.items():
-            name = peer.decode() if isinstance(peer, bytes) else str(peer)
+            name = _name(peer)
             for msg in messages:
                 if msg[:1] == _HELLO_TAG and name not in self.known:
                     with contextlib.suppress(Exception):
@@ -347,6 +386,10 @@ class NixlTransport(Transport):
     registers a CUDA buffer (anything with ``__cuda_array_interface__``, e.g. a CuPy array or a
     torch tensor) where NIXL's UCX backend was built with CUDA. Every registered region can be
     targeted by peers. Raises TransportError at construction when NIXL is not installed.
+
+    `backend`: the NIXL plugin ("UCX"); `num_threads`: UCX worker threads (0: NIXL's default);
+    `progress_delay_us`: how long UCX's progress thread sleeps in poll() at most when nothing
+    happens (0 makes it spin a core, NIXL's Python default).
     """
 
     kind = "nixl"
@@ -359,8 +402,12 @@ class NixlTransport(Transport):
         timeout: float = DEFAULT_TIMEOUT_S,
         backend: str = "UCX",
         num_threads: int = 0,
+        progress_delay_us: int = 1000,
     ) -> None:
         super().__init__(name, timeout=timeout)
+        if progress_delay_us < 0:
+            raise ValueError("progress_delay_us must be >= 0")
+        self._delay_us = progress_delay_us
         self._api = load_nixl()
         self._backend = backend
         self._num_threads = num_threads
@@ -383,7 +430,7 @@ class NixlTransport(Transport):
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             )
             try:
-                agent = api.nixl_agent(self.name, config)
+                agent = _new_agent(api, self.name, config, self._delay_us)
             except Exception as exc:
                 raise TransportError(f"cannot create the NIXL agent {self.name!r}: {exc}") from exc
             if self._backend not in agent.backends:
@@ -482,23 +529,26 @@ class NixlTransport(Transport):
         if not isinstance(md, bytes):
             raise PeerError(f"nixl peer {agent!r} sent no NIXL metadata")
         engine = self._engine_or_raise()
-        known = agent in self._peers
 
-        def load() -> None:
+        def load() -> None:  # on the engine thread
             a = self._agent
-            if known:
+            if agent in engine.known:  # re-added, or it introduced itself with a hello
                 with contextlib.suppress(Exception):
                     a.remove_remote_agent(agent)
-            name = a.add_remote_agent(md)
-            if name != agent.encode():
-                a.remove_remote_agent(name.decode())
+                engine.known.discard(agent)
+            before = set(engine.known)
+            name = _name(a.add_remote_agent(md))
+            if name != agent:
+                if name not in before:
+                    with contextlib.suppress(Exception):
+                        a.remove_remote_agent(name)
                 raise PeerError(f"NIXL metadata names {name!r}, not {agent!r}")
             a.make_connection(agent)
             engine.known.add(agent)
             a.send_notif(agent, _HELLO_TAG + bytes(a.get_agent_metadata()))
 
-        if known:
-            engine.forget_sections()
+        if agent in self._peers or agent in engine.known:
+            engine.forget_sections()  # loaded again on first use
         try:
             await engine.call(load, self.timeout)
         except TransferTimeoutError as exc:
@@ -517,6 +567,7 @@ class NixlTransport(Transport):
     async def get_notification(self, timeout: float | None = None) -> Any:
         """The next notification a peer attached to a transfer (delivered after its bytes
         landed); raises TransferTimeoutError after `timeout` s (default: the transport's)."""
+        self._check_open()
         engine = self._engine_or_raise()
         engine.watch_notes(+1)
         try:
