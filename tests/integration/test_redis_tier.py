@@ -402,7 +402,7 @@ async def test_foreign_value_type_is_a_miss_not_an_outage(srv: RedisServer, ttl:
 TINY = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, page_tokens=1)  # 128-byte pages
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     payload=st.binary(min_size=TINY.page_bytes, max_size=TINY.page_bytes),
     key=st.binary(min_size=1, max_size=40),
