@@ -186,7 +186,9 @@ async def test_reads_follow_ask_while_a_slot_is_half_moved(empty: RedisCluster) 
     async with _tier(empty) as tier:
         keys, data, picked = await _crowded(empty, tier, per_node=1)
         n = len(keys)
-        assert (await _load_all(tier, keys) == data).all()  # warm: several connections a node
+        assert (await _load_all(tier, keys) == data).all()
+        warm = [np.zeros_like(data) for _ in range(4)]  # concurrent calls: a pool per node
+        assert await asyncio.gather(*(tier.load(keys, w, list(range(n))) for w in warm)) == [n] * 4
         slot, owner = picked[0]
         src, dst = empty.nodes[owner], empty.nodes[(owner + 1) % 3]
         mig = empty.migration(slot, src, dst)
