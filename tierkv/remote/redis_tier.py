@@ -55,7 +55,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
@@ -261,7 +261,10 @@ class RedisTier:
             self._stats["timeouts"] += 1
             self._failed(what, exc)
             return None
-        except (RedisError, RedisClusterException, OSError) as exc:
+        except Exception as exc:
+            # RedisError, OSError, RedisClusterException (not a RedisError); and AttributeError
+            # or RuntimeError from redis-py's cluster client when a MOVED storm resets it under
+            # a call: all of them misses, never the caller's problem
             self._stats["errors"] += 1
             self._failed(what, exc)
             return None
