@@ -121,10 +121,7 @@ class Timeline:
             if ph == "X":
                 ev["dur"] = max(0.0, (end - start) * 1e6)
             out.append(ev)
-        meta = [
-            {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": cat}}
-            for cat, tid in tids.items()
-        ]
+        meta = [_meta("thread_name", pid, tid, cat) for cat, tid in tids.items()]
         return {
             "traceEvents": meta + out,
             "displayTimeUnit": "ms",
@@ -145,13 +142,23 @@ def merge(parts: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     dropped = 0
     for pid, (label, doc) in enumerate(parts, start=1):
-        events.append(
-            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}}
-        )
+        events.append(_meta("process_name", pid, 0, label))
         events.extend({**ev, "pid": pid} for ev in doc.get("traceEvents", []))
         dropped += int(doc.get("otherData", {}).get("dropped_events", 0))
     other = {"dropped_events": dropped}
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def _meta(kind: str, pid: int, tid: int, name: str) -> dict[str, Any]:
+    """A metadata event naming a thread or process (category as Chrome writes it)."""
+    return {
+        "name": kind,
+        "cat": "__metadata",
+        "ph": "M",
+        "pid": pid,
+        "tid": tid,
+        "args": {"name": name},
+    }
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
