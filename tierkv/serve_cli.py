@@ -186,7 +186,14 @@ async def _metrics_http(server: PageServer, address: str | None) -> AsyncIterato
     if not address:
         yield
         return
-    from tierkv import metrics  # needs prometheus-client and aiohttp (the server extra)
+    try:
+        import aiohttp  # noqa: F401  (start_http_server imports it on first use)
+
+        from tierkv import metrics
+    except ImportError as exc:
+        raise ImportError(
+            f"--metrics needs prometheus-client and aiohttp: pip install 'tierkv[server]' ({exc})"
+        ) from exc
 
     host, port = parse_address(address, "--metrics")
     runner, url = await metrics.start_http_server(server, host, port)
