@@ -17,6 +17,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("redis")  # redis-py: the redis extra
+pytest.importorskip("xxhash")  # RedisTier's checksum: the redis extra
+
 from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
