@@ -423,3 +423,23 @@ def test_value_round_trips_and_any_bit_flip_is_caught(
     assert rt._verify(rk, bytes(flipped)) is None
     assert rt._verify(rt.redis_key(key + b"\0"), value) is None  # bound to its key
     assert rt.stats()["corrupt"] == 2
+
+
+@pytest.mark.parametrize(
+    ("policy", "ttl", "warned"),
+    [("noeviction", None, True), ("volatile-lru", None, True), ("volatile-lru", 60.0, False),
+     ("allkeys-lru", None, False)],
+)  # fmt: skip
+async def test_connect_warns_about_an_eviction_policy_that_does_not_fit(
+    srv: RedisServer, policy: str, ttl: Any, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    with redis.Redis.from_url(srv.url) as r:
+        r.config_set("maxmemory-policy", policy)
+    try:
+        with caplog.at_level(logging.WARNING, LOG):
+            async with tier(srv.url, ttl=ttl) as rt:
+                assert rt.server_policy == policy
+        assert any("maxmemory-policy" in m for m in caplog.messages) == warned
+    finally:
+        with redis.Redis.from_url(srv.url) as r:
+            r.config_set("maxmemory-policy", "noeviction")

@@ -165,6 +165,8 @@ class RedisTier:
         self._retry_at = 0.0
         self._closed = False
         self._closing: set[asyncio.Task[None]] = set()
+        self.server_policy: str | None = None
+        """The server's ``maxmemory-policy`` as read by `connect` (None: unknown)."""
         self._warn = _Warnings()
         self._stats: dict[str, int] = dict.fromkeys(
             ("hits", "misses", "corrupt", "errors", "timeouts", "reconnects", "bytes_in",
@@ -197,6 +199,22 @@ class RedisTier:
 
     async def _ping(self, client: Client) -> None:
         await client.ping()
+        try:  # managed services may refuse CONFIG: then we cannot tell, and say nothing
+            reply = await client.config_get("maxmemory-policy")
+        except RedisError:
+            return
+        policy = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
+        self.server_policy = policy.decode() if isinstance(policy, bytes) else policy
+        if self.server_policy == "noeviction":
+            log.warning(
+                "Redis tier %s: maxmemory-policy noeviction: publishes fail once the server is "
+                "full (counted in 'full'); allkeys-lru suits a cache", self.url,
+            )  # fmt: skip
+        elif self.server_policy and self.server_policy.startswith("volatile") and not self.ttl:
+            log.warning(
+                "Redis tier %s: maxmemory-policy %s evicts only keys with a TTL, and ttl=None: "
+                "our pages are never evicted", self.url, self.server_policy,
+            )  # fmt: skip
 
     async def aclose(self) -> None:
         """Close the client's connections (waits at most ``timeout``). Idempotent; calls
