@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 redis = pytest.importorskip("redis")
+pytest.importorskip("xxhash")  # with redis: the `redis` extra
 
 sys.path.insert(0, str(Path(__file__).parent))
 from redis_server import RedisServer, free_port, skip_without_redis  # noqa: E402
