@@ -215,7 +215,7 @@ async def test_reads_follow_ask_while_a_slot_is_half_moved(empty: RedisCluster) 
 
 async def test_pages_survive_slot_migration_during_reads(empty: RedisCluster) -> None:
     async with _tier(empty) as tier:
-        keys, data, picked = await _crowded(empty, tier, per_node=2)
+        keys, data, picked = await _crowded(empty, tier, per_node=1)
         n = len(keys)
         assert (await _load_all(tier, keys) == data).all()
         reads = [0]  # loads completed (a load may miss pages of a moving slot, never garble)
