@@ -13,8 +13,9 @@ Every timeline of a process measures from the same origin (the import of this mo
 events of several timelines (one per store, say) can be put in one file: :func:`merge`.
 
 Each ``cat`` is a track of its own: a thread id per track, named by a ``thread_name`` metadata
-event. Spans on one track should not overlap (Perfetto nests or flags overlapping slices); a
-track per stream or per kind of work keeps them apart.
+event. Spans of a track nest or follow each other; those that overlap otherwise (concurrent
+tasks waiting) are spread over extra lanes of the track (``"compute #2"``...), as Perfetto drops
+improperly nested slices.
 
 The timeline is a ring buffer of ``max_events`` events (:data:`DEFAULT_MAX_EVENTS` by default):
 once full, each new event drops the oldest one, and :attr:`Timeline.dropped` counts the dropped
@@ -99,29 +100,34 @@ class Timeline:
             self.dropped = 0
 
     def to_chrome(self, pid: int | None = None) -> dict[str, Any]:
-        """The trace as a Chrome trace-event document (``pid``: default this process's id)."""
+        """The trace as a Chrome trace-event document (``pid``: default this process's id).
+
+        Spans of one track that overlap without nesting (waits of concurrent tasks, say) go to
+        extra lanes named ``"<track> #2"``, ``"#3"``...: Perfetto would drop them otherwise.
+        """
         with self._lock:
             events = list(self._events)
             dropped = self.dropped
         pid = os.getpid() if pid is None else pid
-        tids: dict[str, int] = {}
+        events.sort(key=lambda e: (e[3], -e[4]))  # by start; an enclosing span first
+        lanes = _Lanes()
         out: list[dict[str, Any]] = []
         for ph, name, cat, start, end, args in events:
-            # counters belong to the process; spans to their track's thread
-            tid = tids.setdefault(cat, len(tids) + 1) if ph == "X" else 0
             ev: dict[str, Any] = {
                 "name": name,
                 "cat": cat,
                 "ph": ph,
                 "ts": (start - _ORIGIN) * 1e6,
                 "pid": pid,
-                "tid": tid,
+                "tid": 0,  # counters belong to the process
                 "args": args,
             }
             if ph == "X":
-                ev["dur"] = max(0.0, (end - start) * 1e6)
+                end = max(start, end)
+                ev["tid"] = lanes.place(cat, start, end)
+                ev["dur"] = (end - start) * 1e6
             out.append(ev)
-        meta = [_meta("thread_name", pid, tid, cat) for cat, tid in tids.items()]
+        meta = [_meta("thread_name", pid, tid, lane) for lane, tid in lanes.tids.items()]
         return {
             "traceEvents": meta + out,
             "displayTimeUnit": "ms",
@@ -134,6 +140,30 @@ class Timeline:
 
     def __len__(self) -> int:
         return len(self._events)
+
+
+class _Lanes:
+    """Thread ids of tracks: the first lane of a track whose open spans the new one nests in
+    (or that has none open), else a new lane."""
+
+    def __init__(self) -> None:
+        self.tids: dict[str, int] = {}  # lane name -> tid, in order of first use
+        self._open: dict[str, list[list[float]]] = {}  # track -> per lane, ends of open spans
+
+    def place(self, cat: str, start: float, end: float) -> int:
+        stacks = self._open.setdefault(cat, [])
+        for i, ends in enumerate(stacks):
+            while ends and ends[-1] <= start:
+                ends.pop()
+            if not ends or end <= ends[-1]:
+                ends.append(end)
+                return self._tid(cat, i)
+        stacks.append([end])
+        return self._tid(cat, len(stacks) - 1)
+
+    def _tid(self, cat: str, lane: int) -> int:
+        name = cat if lane == 0 else f"{cat} #{lane + 1}"
+        return self.tids.setdefault(name, len(self.tids) + 1)
 
 
 def merge(parts: Iterable[tuple[str, dict[str, Any]]]) -> dict[str, Any]:

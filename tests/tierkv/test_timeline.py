@@ -83,3 +83,40 @@ def test_bad_size_and_unwritable_path(tmp_path: Path) -> None:
         Timeline(max_events=0)
     with pytest.raises(OSError):
         Timeline(enabled=True).write(str(tmp_path / "missing" / "t.json"))
+
+
+def test_overlapping_spans_get_lanes_nested_ones_stay() -> None:
+    tl = Timeline(enabled=True)
+    t = time.perf_counter()
+    tl.span("outer", "compute", t, t + 10)
+    tl.span("inner", "compute", t + 1, t + 2)  # nested: same lane
+    tl.span("other task", "compute", t + 5, t + 15)  # overlaps outer: a second lane
+    tl.span("later", "compute", t + 20, t + 21)  # after both: the first lane again
+    events = tl.to_chrome()["traceEvents"]
+    lanes = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    tid = {e["name"]: e["tid"] for e in events if e["ph"] == "X"}
+    assert set(lanes) == {"compute", "compute #2"}
+    assert tid["outer"] == tid["inner"] == tid["later"] == lanes["compute"]
+    assert tid["other task"] == lanes["compute #2"]
+
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 20), st.sampled_from("ab"))))
+def test_every_lane_nests_properly(spans: list[tuple[int, int, str]]) -> None:
+    tl = Timeline(enabled=True)
+    for i, (start, length, cat) in enumerate(spans):
+        tl.span(f"s{i}", cat, float(start), float(start + length))
+    events = tl.to_chrome()["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    by_lane: dict[int, list[tuple[float, float]]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            assert names[e["tid"]].split(" #")[0] == e["cat"]  # a lane of its own track
+            by_lane.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert sum(map(len, by_lane.values())) == len(spans)
+    for intervals in by_lane.values():
+        open_ends: list[float] = []
+        for start, end in sorted(intervals, key=lambda se: (se[0], -se[1])):
+            while open_ends and open_ends[-1] <= start + 1e-3:  # us; float rounding of ts + dur
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-3  # nested in the enclosing span
+            open_ends.append(end)
