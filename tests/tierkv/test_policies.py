@@ -135,6 +135,41 @@ def test_kvaware_admission() -> None:
     assert len(p) == 1
 
 
+def test_kvaware_admits_the_head_of_a_first_turn() -> None:
+    p = KVAwarePolicy(capacity=4, head_blocks=2)
+    p.insert("root")
+    first = [
+        PageHint(depth=d, prefix_hits=1, parent=f"b{d - 1}" if d > 1 else "root", blocks=40)
+        for d in range(1, 5)
+    ]
+    assert [p.admit(f"b{d}", h) for d, h in enumerate(first, 1)] == [True, True, False, False]
+    # a later turn hit past the root: the fan-out rule decides again, and declined pages that
+    # come back (the second turn) are stored
+    assert p.admit("b3", PageHint(depth=3, prefix_hits=3, parent="b2", blocks=44))
+    assert p.admit("x", PageHint(depth=5, prefix_hits=3, parent="b4", blocks=44)) is False
+    # short first turns are admitted whole, last blocks never; head_blocks=0 turns it off
+    short = [PageHint(depth=d, prefix_hits=1, parent=f"s{d - 1}", blocks=6) for d in (2, 3)]
+    assert p.admit("s1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=6))
+    assert all(p.admit(f"s{h.depth}", h) for h in short)
+    assert not p.admit("z1", PageHint(depth=1, last=True, prefix_hits=1, parent="root"))
+    off = KVAwarePolicy(capacity=4, head_blocks=0)
+    off.insert("root")
+    assert off.admit("c1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=40))
+    assert not off.admit("d1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=40))
+
+
+def test_kvaware_head_blocks_scale_with_capacity() -> None:
+    from tierkv.policies.kvaware import HEAD_PER_PAGES
+
+    p = KVAwarePolicy(capacity=8 * HEAD_PER_PAGES)
+    p.insert("root")
+    hints = [
+        PageHint(depth=d, prefix_hits=1, parent=d - 1 if d > 1 else "root", blocks=40)
+        for d in range(1, 12)
+    ]
+    assert sum(p.admit(d, h) for d, h in enumerate(hints, 1)) == 8
+
+
 def test_kvaware_never_seen_last_block_goes_first() -> None:
     p = KVAwarePolicy(capacity=4)
     p.insert("a")

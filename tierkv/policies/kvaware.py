@@ -17,6 +17,9 @@ _VALUE = (0, 2, 5, *(2 * (c + 1) for c in range(3, MAX_COUNT + 1)))
 ``count + 1``: measured on the conversation trace, a once-used page reuses within 1,000
 requests about as often as a twice-used one with one unit less to live (0.18 vs 0.20)."""
 
+HEAD_PER_PAGES = 750
+"""Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
+
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
@@ -60,7 +63,8 @@ class KVAwarePolicy(EvictionPolicy):
       or if its request is short (``hint.blocks <= short_request``: short first turns are
       resumed about 0.43 of the time against 0.22 for long ones). A declined page is
       remembered, so the next request that brings it again (the conversation's second turn)
-      stores it. Last blocks are declined.
+      stores it. Last blocks are declined. The first ``head_blocks`` of a declined first turn
+      are admitted all the same, so a conversation that resumes finds its head resident.
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
     (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
@@ -74,6 +78,8 @@ class KVAwarePolicy(EvictionPolicy):
         history: remembered departed or declined pages, as a multiple of the capacity.
         max_fanout: never-seen children a page may admit before it counts as shared.
         short_request: requests of at most this many blocks are always admitted (0: none).
+        head_blocks: leading blocks of a declined first turn that are admitted anyway; ``None``
+            scales it with the capacity (one per :data:`HEAD_PER_PAGES` pages; 0: none).
     """
 
     name = "kvaware"
@@ -85,6 +91,7 @@ class KVAwarePolicy(EvictionPolicy):
         history: float = 4.0,
         max_fanout: int = 1,
         short_request: int = 12,
+        head_blocks: int | None = None,
     ) -> None:
         self._capacity = capacity or 0
         self._fixed = capacity is not None
@@ -92,6 +99,7 @@ class KVAwarePolicy(EvictionPolicy):
         self._limit = history * self._capacity
         self._max_fanout = max_fanout
         self._short = short_request
+        self._head_blocks = head_blocks
         # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
         self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}
@@ -177,13 +185,25 @@ class KVAwarePolicy(EvictionPolicy):
         if hint is NO_HINT:  # the short way: no parent, not a last block
             return True
         ok = self._admit(key, hint)
-        if ok and hint is not NO_HINT:  # a later page of the batch may extend it
+        if ok:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
         return ok
+
+    def _head_rule(self) -> int:
+        head = self._head_blocks
+        return self._capacity // HEAD_PER_PAGES if head is None else head
 
     def _admit(self, key: Key, hint: PageHint) -> bool:
         if key in self._gone:
             return True
+        if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
+            head = self._head_rule()
+            if head:
+                if hint.depth <= head:
+                    return True
+                if not 0 < hint.blocks <= self._short:
+                    self._remember(key, 1)
+                    return False
         if hint.last:
             ok = False
         elif hint.parent is None:
