@@ -65,6 +65,7 @@ __all__ = ["NixlTransport", "load_nixl"]
 
 _NOTE_TAG, _DEREG_TAG, _HELLO_TAG = b"\x01", b"\x02", b"\x03"
 _MIN_WAIT, _MAX_WAIT, _NOTE_WAIT, _IDLE_WAIT = 20e-6, 1e-3, 4e-3, 20e-3
+_START_TIMEOUT_S = 60.0
 _STOP = object()
 
 
@@ -171,6 +172,7 @@ class _Engine(threading.Thread):
         self.agent = agent
         self.on_note = on_note
         self.loop = asyncio.get_running_loop()
+        self.loop_thread = threading.get_ident()
         self.note_waiters = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._active: list[_Job] = []
@@ -312,6 +314,9 @@ class _Engine(threading.Thread):
         self._settle(job.future, exc)
 
     def _settle(self, future: asyncio.Future[Any], exc: BaseException | None) -> None:
+        if threading.get_ident() == self.loop_thread:  # posted and done in place
+            _set_outcome(future, exc)
+            return
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody awaits any more
             self.loop.call_soon_threadsafe(_set_outcome, future, exc)
 
@@ -443,7 +448,11 @@ class NixlTransport(Transport):
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        await asyncio.wait_for(loop.run_in_executor(None, self._ensure_agent), self.timeout)
+        limit = max(self.timeout, _START_TIMEOUT_S)  # UCX start-up is slow on a loaded host
+        try:
+            await asyncio.wait_for(loop.run_in_executor(None, self._ensure_agent), limit)
+        except TimeoutError:
+            raise TransferTimeoutError(f"NIXL agent not started after {limit:g} s") from None
         self._engine = _Engine(self._agent, self._on_message)
         self._engine.start()
 
@@ -500,9 +509,14 @@ class NixlTransport(Transport):
             raise RegionError(f"NIXL backend {self._backend} cannot register device memory")
         try:
             reg = agent.register_memory([(address, size, device, "")], seg)
-            partial = agent.get_partial_agent_metadata(reg, False)
         except Exception as exc:
             raise RegionError(f"NIXL refused to register {size} bytes of {seg}: {exc}") from exc
+        try:
+            partial = agent.get_partial_agent_metadata(reg, False)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                agent.deregister_memory(reg)
+            raise RegionError(f"NIXL has no metadata for {size} bytes of {seg}: {exc}") from exc
         self._reg[rid] = reg
         self._base[rid] = (address, device, seg)
         return f"{address:x}:{device}:{seg}:{bytes(partial).hex()}"
@@ -600,7 +614,10 @@ class NixlTransport(Transport):
                     functools.partial(self._agent.send_notif, peer, note), self.timeout
                 )
         try:
-            await asyncio.gather(*(job.future for job in jobs))
+            if len(jobs) == 1:
+                await jobs[0].future
+            else:
+                await asyncio.gather(*(job.future for job in jobs))
         finally:
             for job in jobs:  # a sibling failed or we were cancelled: stop the rest
                 engine.abort(job)
