@@ -59,6 +59,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a peer may pin pages")
     p.add_argument("--every", type=float, default=10.0, help="seconds between status lines")
     p.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="another page server to share the page directory with (repeat; one seed is enough)",
+    )
+    p.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="the address peers use to reach this server (default: the listening address)",
+    )
+    p.add_argument(
         "--metrics",
         metavar="HOST:PORT",
         help="serve Prometheus GET /metrics there (port 0: any free port; needs the server "
@@ -156,6 +168,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 port=port,
                 secret=secret,
                 lease_ttl=args.lease_ttl,
+                peers=args.peer,
+                advertise=args.advertise,
             )
             async with server, _metrics_http(server, args.metrics):
                 pages = store.tiers.table.capacity("host")
@@ -219,7 +233,8 @@ async def _until_stopped(server: PageServer, stop: asyncio.Event, args: argparse
             s = server.stats()
             print(
                 f"pages {s['pages']}/{s['host_capacity']}  leases {s['leases']}  "
-                f"expired {s['expired']}",
+                f"expired {s['expired']}  peers {s.get('peers_connected', 0)}/"
+                f"{len(s.get('peers', ()))}  watchers {s.get('watchers', 0)}",
                 file=sys.stderr,
                 flush=True,
             )

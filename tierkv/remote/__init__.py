@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.remote.client import ReadLease, RemoteTier
+from tierkv.remote.cluster import RemoteCluster
 from tierkv.remote.directory import Directory
 from tierkv.remote.errors import (
     PeerGoneError,
@@ -28,9 +29,11 @@ from tierkv.remote.errors import (
     RemoteTimeoutError,
 )
 from tierkv.remote.hosting import share_host_arena
+from tierkv.remote.link import RemoteCounters, StoreRemote
 from tierkv.remote.server import PageServer
 from tierkv.remote.source import PageSource
 from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
+from tierkv.remote.watch import Watch
 
 if TYPE_CHECKING:
     from tierkv.remote.redis_tier import RedisTier
@@ -42,12 +45,16 @@ __all__ = [
     "PeerGoneError",
     "ReadLease",
     "RedisTier",
+    "RemoteCluster",
+    "RemoteCounters",
     "RemoteError",
     "RemoteFullError",
     "RemoteProtocolError",
     "RemoteRefusedError",
     "RemoteTier",
     "RemoteTimeoutError",
+    "StoreRemote",
+    "Watch",
     "import_prefix",
     "prefix_pages",
     "publish_prefix",
