@@ -116,8 +116,8 @@ class ClientConnection(FrameProtocol):
 
     def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:
         if header["op"] == "data":
-            if not self._pending or self._pending[0].kind != "read":
-                raise ProtocolError("unexpected data frame")
+            if self._trailer is not None or not self._pending or self._pending[0].kind != "read":
+                raise ProtocolError("unexpected data frame")  # before it lands anywhere
             p = self._pending[0]
             self._rx = Incremental(self.csum_update) if p.crc else None
             return p.views
