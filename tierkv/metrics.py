@@ -20,6 +20,7 @@ without it raises ImportError.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -238,6 +239,44 @@ class StoreCollector(_Families):
         yield self._gauge(
             "page_bytes", "Bytes of one page (all tiers but cold)", store.spec.page_bytes
         )
+        remote = s.get("remote")
+        if remote is not None:
+            yield from self._remote(store, remote)
+
+    def _remote(self, store: KVStore, remote: Mapping[str, Any]) -> Iterator[Metric]:
+        """The store's remote tier: its reads and pushes, and each source's own figures."""
+        for key, doc in _REMOTE.items():
+            yield self._counter("remote_" + key, doc, remote[key])
+        link = store.remote
+        per: dict[str, dict[str, float]] = {}
+        for i, src in enumerate(link.sources if link is not None else ()):
+            stats = getattr(src, "stats", None)
+            if stats is None or inspect.iscoroutinefunction(stats):
+                continue  # RemoteTier.stats() asks its peer: not for a scrape
+            name = f"{i}:{type(src).__name__}"
+            for key, value in stats().items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    per.setdefault(key, {})[name] = value
+        for key, values in sorted(per.items()):
+            doc = f"A remote source's stats()[{key!r}] (e.g. RedisTier: available 0/1)"
+            if key in _SOURCE_GAUGES:
+                yield self._gauge("remote_source_" + key, doc, values, label="source")
+            else:
+                yield self._counter("remote_source_" + key, doc, values, label="source")
+
+
+_REMOTE = {
+    "hits": "Pages imported from the remote tier",
+    "misses": "Remote reads that found no page (or a bad one)",
+    "lookups": "Remote lookups",
+    "bytes_in": "Bytes imported from the remote tier",
+    "errors": "Remote calls that failed (counted, not raised)",
+    "pushes": "Pages pushed to the remote tier as they left the host tier",
+    "push_dropped": "Pages leaving the host tier not pushed (no room in time, or failure)",
+    "push_errors": "Push batches that failed",
+    "bytes_out": "Bytes pushed to the remote tier",
+}
+_SOURCE_GAUGES = {"available", "sources"}
 
 
 # PageServer.stats() keys with a metric of their own; any other numeric key is exported too

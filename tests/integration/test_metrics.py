@@ -143,3 +143,49 @@ async def test_aiohttp_handler_serves_the_exposition() -> None:
         assert resp.headers["Content-Type"] == metrics.CONTENT_TYPE_LATEST
         assert isinstance(resp.body, bytes)
         assert get(parse(resp.body), "tierkv_prefix_tokens_reused_total") == 8
+
+
+class DictSource:
+    """A page source in a dict (a test double), with RedisTier-like synchronous stats()."""
+
+    def __init__(self) -> None:
+        self.pages: dict[bytes, bytes] = {}
+        self.calls = 0
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        self.calls += 1
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    async def load(self, keys: list[bytes], array: object, slots: list[int]) -> int:
+        return 0
+
+    async def publish(self, keys: list[bytes], array: object, slots: list[int]) -> int:
+        return 0
+
+    def stats(self) -> dict[str, object]:
+        return {"available": 1, "calls": self.calls, "note": "not a number"}
+
+
+async def test_remote_tier_and_its_sources_are_exported() -> None:
+    src = DictSource()
+    async with KVStore(
+        SPEC, device_bytes=6 * PAGE, host_bytes=40 * PAGE, codec=None, remote=src
+    ) as store:
+        await busy_store(store)
+        m = parse(metrics.render(store))
+        remote = store.stats()["remote"]
+        assert remote["lookups"] > 0
+        for key in ("hits", "misses", "lookups", "bytes_in", "errors", "pushes", "bytes_out"):
+            assert get(m, f"tierkv_remote_{key}_total") == remote[key]
+        assert get(m, "tierkv_remote_source_available", source="0:DictSource") == 1
+        assert get(m, "tierkv_remote_source_calls_total", source="0:DictSource") == src.calls
+        assert not any(name.startswith("tierkv_remote_source_note") for name, _ in m)
+
+
+async def test_a_store_without_remote_exports_no_remote_families() -> None:
+    async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=40 * PAGE, codec=None) as store:
+        await busy_store(store)
+        assert not any(name.startswith("tierkv_remote") for name, _ in parse(metrics.render(store)))
