@@ -37,7 +37,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration
 
 from redis_server import RedisServer
 
-from benchmarks._common import parser, table, write_json
+from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv.remote import RedisTier
 from tierkv.spec import KVSpec
 
@@ -241,14 +241,16 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
             n = (256 if quick else 1024) if spec.page_bytes < 32768 else (256 if quick else 512)
             b = Bench(srv.url, spec, n, rounds)
             print(f"\n== {name} pages ({spec.page_bytes} B), {n} pages ==", flush=True)
-            tp = await b.throughput()
+            with phase(f"{name} throughput"):
+                tp = await b.throughput()
             rows = []
             for op in ("put", "get"):
                 mbs = tp[op] * spec.page_bytes / 1e6
                 rows.append([op, tp[f"naive_{op}"], tp[op], mbs, tp[op] / tp[f"naive_{op}"]])
             head = ["op", "per-page pages/s", "RedisTier pages/s", "MB/s", "ratio (>= 1.5)"]
             print(table(head, rows), flush=True)
-            px = await b.prefix()
+            with phase(f"{name} prefix"):
+                px = await b.prefix()
             best = min(("mget", "mget_pipe16", "mget_4x16"), key=px.__getitem__)
             print(
                 table(
@@ -258,7 +260,8 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
                 ),
                 flush=True,
             )
-            lay = await b.layout()
+            with phase(f"{name} layout"):
+                lay = await b.layout()
             print(
                 table(
                     ["64 pages as", "pipelined SET ms", "MGET ms"],
@@ -266,7 +269,8 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
                 ),
                 flush=True,
             )
-            sweep = await b.batch_sweep()
+            with phase(f"{name} batch sweep"):
+                sweep = await b.batch_sweep()
             cols = list(next(iter(sweep.values())))
             print(
                 table(
@@ -294,9 +298,11 @@ if __name__ == "__main__":
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--plot", metavar="FILE.png", help="draw the batch_pages sweep (matplotlib)")
     args = p.parse_args()
+    start_trace(args.trace)
     try:
         import uvloop
     except ImportError:
         asyncio.run(main(args.quick, args.json, args.plot))
     else:
         uvloop.run(main(args.quick, args.json, args.plot))
+    write_trace(args.trace)
