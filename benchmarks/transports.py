@@ -13,7 +13,9 @@ Every figure comes from a peer in a second process (this script re-run with --se
                this process (a second agent without a progress thread: descriptor lists,
                initialize_xfer, transfer, a busy check_xfer_state loop, release) reading the
                same peer region. Target ratio >= 0.85. Run twice: UCX's own choice of wire
-               (cross-memory attach on one host) and UCX_TLS=tcp. Skipped without NIXL.
+               (cross-memory attach on one host) and UCX_TLS=tcp, each with the default
+               transport and with progress_thread=False ("no-pthr", an initiator-only agent
+               like the raw reader). Skipped without NIXL.
   16-page      one read of 16 x 256 KB pages: time of the raw copy / raw socket over the
                transport's time (so >= 0.5 means "within 2x"); for nixl also against raw NIXL.
 Rounds alternate reference and transport so that load from other processes hits both alike;
@@ -200,19 +202,24 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
         assert peer.stdout is not None
         meta_hex, desc_hex, port = peer.stdout.readline().split()
         meta = bytes.fromhex(meta_hex)
-        async with transports.create("nixl") as t:
+        async with (
+            transports.create("nixl") as t,
+            transports.create("nixl", progress_thread=False) as t0,
+        ):
             await t.add_peer(meta)
+            await t0.add_peer(meta)
             desc = transports.RegionDescriptor.unpack(bytes.fromhex(desc_hex))
             remote_base = int(desc.handle.split(":")[0], 16)
-            mine = t.allocate(size)
+            mine, mine0 = t.allocate(size), t0.allocate(size)
             np.frombuffer(mine.view, np.uint8)[:] = 0  # fault every page in before timing
+            np.frombuffer(mine0.view, np.uint8)[:] = 0
             raw_local = np.zeros(size, np.uint8)
             raw = RawNixl(api, meta, raw_local)
             local_src = np.ones(size, np.uint8)
             sock = socket.create_connection(("127.0.0.1", int(port)))
             sock_buf = memoryview(bytearray(16 * PAGE))
             rng = np.random.default_rng(1)
-            keys = ("bulk", "raw", "p16", "raw16", "copy16", "sock16")
+            keys = ("bulk", "bulk0", "raw", "p16", "p16_0", "raw16", "copy16", "sock16")
             out: dict[str, list[float]] = {k: [] for k in keys}
             for _ in range(rounds + 1):  # the first round warms up
                 pages = size // PAGE
@@ -220,10 +227,13 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
                     zip(rng.permutation(pages)[:64].tolist(), rng.permutation(pages)[:64].tolist())
                 )
                 ops = [TransferOp(mine, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
+                ops0 = [TransferOp(mine0, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
                 out["raw"].append(raw.read(remote_base, offs))
                 out["bulk"].append(await transfer_time(t, ops))
+                out["bulk0"].append(await transfer_time(t0, ops0))
                 out["raw16"].append(raw.read(remote_base, offs[:16]))
                 out["p16"].append(await transfer_time(t, ops[:16]))
+                out["p16_0"].append(await transfer_time(t0, ops0[:16]))
                 out["copy16"].append(copy_time(local_src, raw_local, offs[:16]))
                 out["sock16"].append(raw_receive(sock, sock_buf, 16 * PAGE))
             sock.close()
@@ -276,24 +286,19 @@ async def main(quick: bool, json_path: str | None) -> None:
     for tls, label in ((None, "nixl"), ("tcp", "nixl/ucx-tcp")) if api is not None else ():
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
         m = await measure_nixl(api, size, rounds, tls)
-        gbs = {k: (64 if k in ("bulk", "raw") else 16) * PAGE / v / 1e9 for k, v in m.items()}
+        gbs = {
+            k: (64 if k in ("bulk", "bulk0", "raw") else 16) * PAGE / v / 1e9 for k, v in m.items()
+        }
         figures[label] = {"seconds": m, "GB/s": gbs}
-        ratios[f"{label} bulk / raw NIXL"] = m["raw"] / m["bulk"]
-        rows.append(
-            [
-                f"{label} bulk 64x256KB",
-                gbs["bulk"],
-                gbs["raw"],
-                "raw NIXL",
-                m["raw"] / m["bulk"],
-                0.85,
-            ]
-        )
-        for key, ref in (("raw16", "raw NIXL"), ("copy16", "memcpy"), ("sock16", "raw socket")):
-            ratios[f"{label} 16-page: {ref} time / transport time"] = m[key] / m["p16"]
-            rows.append(
-                [f"{label} 16x256KB read", gbs["p16"], gbs[key], ref, m[key] / m["p16"], 0.5]
-            )
+        for bulk, p16, how in (("bulk", "p16", ""), ("bulk0", "p16_0", " no-pthr")):
+            name, r = label + how, m["raw"] / m[bulk]
+            ratios[f"{name} bulk / raw NIXL"] = r
+            rows.append([f"{name} bulk 64x256KB", gbs[bulk], gbs["raw"], "raw NIXL", r, 0.85])
+            refs = (("raw16", "raw NIXL"), ("copy16", "memcpy"), ("sock16", "raw socket"))
+            for key, ref in refs if not how else refs[:1]:
+                r = m[key] / m[p16]
+                ratios[f"{name} 16-page: {ref} time / transport time"] = r
+                rows.append([f"{name} 16x256KB read", gbs[p16], gbs[key], ref, r, 0.5])
     print(table(["case", "GB/s", "ref GB/s", "ref", "ratio", "target"], rows))
     write_json(json_path, figures, ratios)
 

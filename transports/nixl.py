@@ -393,7 +393,12 @@ class NixlTransport(Transport):
     targeted by peers. Raises TransportError at construction when NIXL is not installed.
 
     `backend`: the NIXL plugin ("UCX"); `num_threads`: UCX worker threads (0: NIXL's default);
-    `progress_delay_us`: how long UCX's progress thread sleeps in poll() at most when nothing
+    `progress_thread`: run UCX's progress thread, which serves peers' one-sided ops where UCX
+    emulates them (UCX over TCP) and completes our transfers in the background. An agent that
+    only initiates, or whose peers reach it over RDMA or cross-memory attach only, can turn it
+    off: the engine thread then drives UCX while transfers are in flight and every 4-20 ms
+    otherwise, and posts no longer contend with the thread for UCX's worker lock;
+    `progress_delay_us`: how long the progress thread sleeps in poll() at most when nothing
     happens (0 makes it spin a core, NIXL's Python default).
     """
 
@@ -407,12 +412,14 @@ class NixlTransport(Transport):
         timeout: float = DEFAULT_TIMEOUT_S,
         backend: str = "UCX",
         num_threads: int = 0,
+        progress_thread: bool = True,
         progress_delay_us: int = 1000,
     ) -> None:
         super().__init__(name, timeout=timeout)
         if progress_delay_us < 0:
             raise ValueError("progress_delay_us must be >= 0")
         self._delay_us = progress_delay_us
+        self._progress_thread = progress_thread
         self._api = load_nixl()
         self._backend = backend
         self._num_threads = num_threads
@@ -428,7 +435,7 @@ class NixlTransport(Transport):
         if self._agent is None:
             api = self._api
             config = api.nixl_agent_config(
-                enable_prog_thread=True,
+                enable_prog_thread=self._progress_thread,
                 enable_listen_thread=False,
                 num_threads=self._num_threads,
                 backends=[self._backend],

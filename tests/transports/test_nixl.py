@@ -185,7 +185,11 @@ async def test_two_and_three_processes_bit_exact_notes_in_order() -> None:
 
 
 async def test_bad_input_is_refused_and_close_releases() -> None:
-    async with create("nixl", timeout=10.0) as a, create("nixl", timeout=10.0) as b:
+    # `a` initiates only: no UCX progress thread, its engine thread drives UCX
+    async with (
+        create("nixl", timeout=10.0, progress_thread=False) as a,
+        create("nixl", timeout=10.0) as b,
+    ):
         theirs = b.allocate(1 << 20)
         theirs.view[:] = os.urandom(1 << 20)
         mine = a.allocate(1 << 20)
