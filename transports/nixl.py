@@ -346,12 +346,22 @@ class _Engine(threading.Thread):
             name = _name(peer)
             for msg in messages:
                 if msg[:1] == _HELLO_TAG and name not in self.known:
-                    with contextlib.suppress(Exception):
-                        self.agent.add_remote_agent(bytes(msg[1:]))
-                        self.known.add(name)
+                    self._hello(name, bytes(msg[1:]))
                 elif msg[:1] in (_NOTE_TAG, _DEREG_TAG):  # else: another NIXL user's message
                     self.loop.call_soon_threadsafe(self.on_note, name, bytes(msg))
         return bool(notes)
+
+    def _hello(self, sender: str, metadata: bytes) -> None:
+        """Load the metadata a new initiator sent, so that we can announce deregistrations."""
+        try:
+            loaded = _name(self.agent.add_remote_agent(metadata))
+        except Exception:
+            return  # malformed, or an agent of that name is loaded already
+        if loaded == sender:
+            self.known.add(sender)
+        else:  # someone else's metadata: not ours to keep
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(loaded)
 
     def _shutdown(self) -> None:
         for job in self._active:
