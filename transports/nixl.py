@@ -359,7 +359,7 @@ class _Engine(threading.Thread):
             return  # malformed, or an agent of that name is loaded already
         if loaded == sender:
             self.known.add(sender)
-        else:  # someone else's metadata: not ours to keep
+        elif loaded not in self.known:  # someone else's metadata: not ours to keep
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(loaded)
 
