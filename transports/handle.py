@@ -69,8 +69,9 @@ class TransferHandle:
         try:
             await asyncio.wait_for(asyncio.shield(self.task), limit)
         except TimeoutError:
-            if self.task.done():  # finished with its own timeout
-                raise
+            if self.task.done():  # settled as time ran out: its own result or error wins
+                self.task.result()
+                return
             raise TransferTimeoutError(
                 f"transfer of {self.nbytes} bytes not done after {limit:g} s"
             ) from None
