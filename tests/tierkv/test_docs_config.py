@@ -138,3 +138,15 @@ def test_the_checker_sees_a_missing_row_and_a_wrong_default() -> None:
     assert "max_inflight" not in dropped["TransferEngine"]
     changed = sections(text.replace("| `--every` | `10.0` |", "| `--every` | `5.0` |"))
     assert changed["tierkv serve"]["--every"] == "5.0"
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    root = Path(__file__).resolve().parents[2]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    ci = (root / ".ci" / "run").read_text(encoding="utf-8")
+    started = readme.index("# 2. install and run the tests")
+    command = next(
+        line for line in readme[started:].splitlines()[1:] if line and not line.startswith("#")
+    )
+    assert command in ci.splitlines()
+    assert command in (root / "docs" / "getting_started.md").read_text(encoding="utf-8")
