@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import transports
-from benchmarks._common import parser, table, write_json
+from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from transports import TransferOp
 
 KB, MB = 1 << 10, 1 << 20
@@ -265,7 +265,8 @@ async def main(quick: bool, json_path: str | None) -> None:
     cases = [("shm", "shm", True), ("tcp", "tcp+crc32", True), ("tcp", "tcp", False)]
     for backend, label, crc in cases:
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        m = await measure(backend, size, rounds, crc)
+        with phase(label, size=size):
+            m = await measure(backend, size, rounds, crc)
         ref = "memcpy" if backend == "shm" else "raw socket"
         gbs = {k: (64 if k in ("bulk", "ref") else 16) * PAGE / v / 1e9 for k, v in m.items()}
         figures[label] = {"seconds": m, "GB/s": gbs}
@@ -285,7 +286,8 @@ async def main(quick: bool, json_path: str | None) -> None:
         )
     for tls, label in ((None, "nixl"), ("tcp", "nixl/ucx-tcp")) if api is not None else ():
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
-        m = await measure_nixl(api, size, rounds, tls)
+        with phase(label, size=size):
+            m = await measure_nixl(api, size, rounds, tls)
         gbs = {
             k: (64 if k in ("bulk", "bulk0", "raw") else 16) * PAGE / v / 1e9 for k, v in m.items()
         }
@@ -308,9 +310,11 @@ if __name__ == "__main__":
         asyncio.run(serve(sys.argv[2], int(sys.argv[3])))
     else:
         args = parser(__doc__.splitlines()[0]).parse_args()
+        start_trace(args.trace)
         try:
             import uvloop
 
             uvloop.run(main(args.quick, args.json))
         except ImportError:
             asyncio.run(main(args.quick, args.json))
+        write_trace(args.trace)
