@@ -58,6 +58,19 @@ def tcp_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+def _stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state T in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tasks:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return False
+    return all(st in ("T", "t") for st in states)
+
+
 class Peer:
     """A nixl_peer_proc.py child: metadata, first region's descriptor, a command channel."""
 
@@ -259,6 +272,7 @@ async def test_stalled_peer_times_out_killed_peer_is_a_peer_error(tcp_only: None
         t.timeout = 1.0
         peer.proc.send_signal(signal.SIGSTOP)
         try:
+            await wait_until(lambda: _stopped(peer.proc.pid))  # stopped before the read posts
             h = t.read(ops[:16])
             with pytest.raises(TransferTimeoutError):
                 await h.wait(timeout=10.0)  # the transfer's own 1 s deadline fires first

@@ -7,23 +7,8 @@
         got = await rt.load(page_keys[:n], arena.array, slots)  # verified pages -> local slots
         stored = await rt.publish(keys, arena.array, slots)     # SET NX (PX ttl)
 
-One page is one value, under a key that names the namespace, the page layout and the page::
-
-    key   = "tkv:" namespace ":" FORMAT "." spec digest (8 hex) ":" page key (hex)
-    value = header (32 bytes) | page bytes (spec.page_bytes)
-
-    value header, little-endian (32 bytes)
-     0  +---------+---------+---------+---------+
-        |  magic b"TKVR"                        |
-     4  +---------+---------+---------+---------+
-        | format  | codec=0 | flags=0 | 0       |   u8 each (codec 0: raw pages)
-     8  +---------+---------+---------+---------+
-        |  spec digest (8 bytes, blake2b of the page layout)
-    16  +---------------------------------------+
-        |  payload bytes (u32)  |  0 (u32)      |
-    24  +---------------------------------------+
-        |  XXH3-64 of the payload, seeded with XXH3-64(redis key | bytes 0..24)
-    32  +---------------------------------------+  <- HEADER_BYTES, payload follows
+One page is one value (layout: `tierkv.remote.redis_value`), under a key that names the
+namespace, the page layout and the page.
 
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
 (length, magic, format, codec, layout, checksum: the checksum binds the value to its key) is a
@@ -39,18 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
 import re
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import xxhash
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -59,19 +40,20 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
-from tierkv.remote.server import spec_fields
+from tierkv.remote.redis_value import (
+    FORMAT,
+    HEADER_BYTES,
+    check_value,
+    encode_value,
+    spec_digest,
+    value_header,
+)
 from tierkv.spec import KVSpec
 
 __all__ = ["BATCH_PAGES", "HEADER_BYTES", "RedisTier"]
 
 log = logging.getLogger("tierkv.remote.redis")
 
-FORMAT = 1
-CODEC_RAW = 0
-MAGIC = b"TKVR"
-_HEAD = struct.Struct("<4sBBBB8sII")  # magic, format, codec, flags, 0, spec, payload, 0
-_SUM = struct.Struct("<Q")
-HEADER_BYTES = _HEAD.size + _SUM.size
 BATCH_PAGES = 64
 """Pages per MGET / pipeline; chunks of a call run concurrently (docs/redis.md, measured)."""
 
@@ -79,12 +61,6 @@ _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=-]{1,128}")
 Pages = npt.NDArray[np.uint8]
 Client = Redis | RedisCluster
 _T = TypeVar("_T")
-
-
-def spec_digest(spec: KVSpec) -> bytes:
-    """8 bytes naming a page layout: equal for specs whose pages are interchangeable."""
-    doc = json.dumps(spec_fields(spec), sort_keys=True).encode()
-    return hashlib.blake2b(doc, digest_size=8, person=b"tierkv-redis").digest()
 
 
 class _Warnings:
@@ -155,7 +131,7 @@ class RedisTier:
         self._options = client_options
         self._digest = spec_digest(spec)
         self._prefix = f"tkv:{namespace}:{FORMAT}.{self._digest[:4].hex()}:".encode()
-        self._head = _HEAD.pack(MAGIC, FORMAT, CODEC_RAW, 0, 0, self._digest, spec.page_bytes, 0)
+        self._head = value_header(self._digest, spec.page_bytes)
         self._px = None if ttl is None else max(1, round(ttl * 1000))
         self._client: Client | None = None
         self._make_client()  # a bad url is a caller bug: raise now, not at the first call
@@ -442,26 +418,12 @@ class RedisTier:
     def _verify(self, rkey: bytes, value: Any) -> Pages | None:
         """The payload of ``value`` as a uint8 array, or None (counted, logged) if any check
         fails."""
-        pb = self.spec.page_bytes
-        why = None
-        if not isinstance(value, bytes) or len(value) != HEADER_BYTES + pb:
-            size = len(value) if isinstance(value, bytes) else type(value).__name__
-            why = f"size {size}, want {HEADER_BYTES + pb}"
-        elif value[: _HEAD.size] != self._head:
-            magic, fmt, codec, _, _, digest, length, _ = _HEAD.unpack_from(value)
-            why = (
-                f"header magic={magic!r} format={fmt} codec={codec} layout={digest.hex()} "
-                f"payload={length}, want layout {self._digest.hex()}"
-            )
-        else:
-            (want,) = _SUM.unpack_from(value, _HEAD.size)
-            if want != _checksum(rkey, self._head, memoryview(value)[HEADER_BYTES:]):
-                why = "checksum mismatch"
+        why = check_value(rkey, value, self._head, self.spec.page_bytes)
         if why is not None:
             self._stats["corrupt"] += 1
             self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
             return None
-        return np.frombuffer(value, np.uint8, pb, HEADER_BYTES)
+        return np.frombuffer(value, np.uint8, self.spec.page_bytes, HEADER_BYTES)
 
     # -- publish -------------------------------------------------------------------------
     async def publish(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
@@ -490,8 +452,7 @@ class RedisTier:
         return stored
 
     def _value(self, rkey: bytes, row: Pages) -> bytes:
-        payload = np.ascontiguousarray(row).data
-        return self._head + _SUM.pack(_checksum(rkey, self._head, payload)) + payload
+        return encode_value(rkey, self._head, np.ascontiguousarray(row).data)
 
     async def _set(
         self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int]
@@ -503,12 +464,6 @@ class RedisTier:
             return list(await pipe.execute(raise_on_error=False))
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
-
-
-def _checksum(rkey: bytes, head: bytes, payload: Any) -> int:
-    """XXH3-64 of ``payload`` seeded by the key and header: a value copied under another key
-    fails too. (~10x zlib's crc32 on one core: the check costs ~1% of a load.)"""
-    return int(xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(rkey + head)))
 
 
 def _describe(array: object) -> str:
