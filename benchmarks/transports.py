@@ -6,8 +6,9 @@ Every figure comes from a peer in a second process (this script re-run with --se
   shm bulk     reads of batches of 64 random 256 KB pages from the peer's segment, against a
                single-thread np.copyto of the same bytes (64 x 256 KB at random offsets, local
                buffers of the same size). Target ratio >= 0.8.
-  tcp bulk     the same batches over tcp on loopback (with and without checksums: CRC32C, or zlib CRC32 where the native helper is unavailable), against a raw
-               blocking-socket pair: the peer sendall()s the batch's bytes, we recv_into() them.
+  tcp bulk     the same batches over tcp on loopback (with and without checksums: CRC32C, or
+               zlib CRC32 where the native helper is unavailable), against a raw blocking-socket
+               pair: the peer sendall()s the batch's bytes, we recv_into() them.
                Target ratio >= 0.7.
   nixl bulk    the same batches through NixlTransport against NIXL's own API driven by hand in
                this process (a second agent without a progress thread: descriptor lists,
