@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from transports.native_build import build_library
 
 from .freelist import SlotIds
 
@@ -96,14 +94,6 @@ def _runs_in_order(src_ids: SlotIds, dst_ids: SlotIds) -> tuple[SlotIds, SlotIds
     return src_ids[starts], dst_ids[starts], lengths
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("TIERKV_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tierkv"
-
-
 @functools.cache
 def native_kernel() -> Any | None:
     """The compiled C copy loop (a ctypes function), or None where it cannot be built.
@@ -114,21 +104,8 @@ def native_kernel() -> Any | None:
     """
     if os.environ.get("TIERKV_NATIVE_KERNEL", "1") == "0" or sys.platform == "win32":
         return None
-    tag = hashlib.sha256(_C_SOURCE + platform.machine().encode()).hexdigest()[:16]
     try:
-        cache = _cache_dir()
-        lib_path = cache / f"copy_rows-{tag}.so"
-        if not lib_path.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                c_file = Path(tmp) / "copy_rows.c"
-                c_file.write_bytes(_C_SOURCE)
-                out = Path(tmp) / "copy_rows.so"
-                cc = os.environ.get("CC", "cc")
-                cmd = [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(c_file)]
-                subprocess.run(cmd, check=True, capture_output=True, timeout=60)
-                os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
-        fn = ctypes.CDLL(str(lib_path)).tierkv_copy_rows  # CDLL calls release the GIL
+        fn = build_library("copy_rows", _C_SOURCE).tierkv_copy_rows
     except (OSError, subprocess.SubprocessError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4

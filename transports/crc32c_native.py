@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
 import platform
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
+
+from .native_build import build_library
 
 __all__ = ["crc32c", "native_crc32c"]
 
@@ -192,14 +191,6 @@ SSE42 uint32_t tierkv_crc32c(uint32_t crc, const unsigned char *p, size_t n) {
 """
 
 
-def _cache_dir() -> Path:
-    env = os.environ.get("TIERKV_CACHE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "tierkv"
-
-
 @functools.cache
 def native_crc32c() -> Any | None:
     """The compiled CRC32C function (ctypes: ``fn(crc, address, nbytes) -> crc``), or None where
@@ -211,24 +202,9 @@ def native_crc32c() -> Any | None:
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None
-    tag = hashlib.sha256(_C_SOURCE + platform.machine().encode()).hexdigest()[:16]
     try:
-        cache = _cache_dir()
-        lib_path = cache / f"crc32c-{tag}.so"
-        if not lib_path.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                c_file = Path(tmp) / "crc32c.c"
-                c_file.write_bytes(_C_SOURCE)
-                out = Path(tmp) / "crc32c.so"
-                cmd = [os.environ.get("CC", "cc"), "-O2", "-shared", "-fPIC", "-o", str(out)]
-                try:
-                    subprocess.run([*cmd, str(c_file)], check=True, capture_output=True, timeout=60)
-                except subprocess.CalledProcessError:  # a compiler without VPCLMULQDQ support
-                    no_fold = [*cmd, "-DTIERKV_NO_FOLD", str(c_file)]
-                    subprocess.run(no_fold, check=True, capture_output=True, timeout=60)
-                os.replace(out, lib_path)  # atomic: concurrent builders never see half a file
-        lib = ctypes.CDLL(str(lib_path))  # CDLL calls release the GIL
+        # a compiler without VPCLMULQDQ support builds the crc32 lanes only
+        lib = build_library("crc32c", _C_SOURCE, ((), ("-DTIERKV_NO_FOLD",)))
         fold = os.environ.get("TIERKV_CRC32C_FOLD", "1") != "0"
         if lib.tierkv_crc32c_init(int(fold)) == 0:
             return None
