@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,8 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import add_trace_flag, phase, span, start_trace, write_trace
 
+# the repository first: benchmarks/transports.py must not shadow the transports package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks._common import add_trace_flag, phase, span, start_trace, write_trace
 from tierkv.codecs import Codec, get_codec
 from tierkv.codecs.header import HEADER_BYTES
 from tierkv.spec import KVSpec

@@ -23,11 +23,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the repository first: benchmarks/transports.py must not shadow the transports package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from _common import parser, phase, start_trace, table, write_json, write_trace
 
+from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from runtime import new_event_loop
 from tierkv import KVSpec
 from tierkv.demo.runner import DemoConfig, all_resident, device_budget, run

@@ -30,11 +30,10 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+# the repository first: benchmarks/transports.py must not shadow the transports package
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import parser, phase, start_trace, table, write_json, write_trace  # noqa: E402
-
+from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace  # noqa: E402
 from runtime.cuda_env import unavailable_reason  # noqa: E402
 
 MB = 1 << 20

@@ -23,10 +23,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the repository first: benchmarks/transports.py must not shadow the transports package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import parser, phase, span, start_trace, table, write_json, write_trace
-
+from benchmarks._common import parser, phase, span, start_trace, table, write_json, write_trace
 from tierkv import DEFAULT_POLICY, PageTable
 
 BATCH = 32

@@ -19,10 +19,10 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the repository first: benchmarks/transports.py must not shadow the transports package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import parser, phase, start_trace, table, write_json, write_trace
-
+from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.replay import load_trace, replay, replay_belady, replay_infinite
 from tierkv.traces import KINDS, synthetic_trace
