@@ -131,6 +131,7 @@ class RedisTier:
         self._options = client_options
         self._digest = spec_digest(spec)
         self._prefix = f"tkv:{namespace}:{FORMAT}.{self._digest[:4].hex()}:".encode()
+        self._page_bytes = spec.page_bytes
         self._head = value_header(self._digest, spec.page_bytes)
         self._px = None if ttl is None else max(1, round(ttl * 1000))
         self._client: Client | None = None
@@ -386,17 +387,21 @@ class RedisTier:
                 return  # an earlier page is already a miss: skip the round trip
             values = await self._get(client, rkeys[lo:hi])
             self._refused("load", values)
-            for i, value in enumerate(values, lo):
-                if i >= end or value is None or isinstance(value, Exception):
-                    end = min(end, i)
-                    return
-                self._stats["bytes_in"] += len(value)
-                payload = self._verify(rkeys[i], value)
-                if payload is None:
-                    bad.append(rkeys[i])
-                    end = min(end, i)
-                    return
-                array[slots[i]] = payload  # verified as it arrives, while others are in flight
+            verify, got = self._verify, 0
+            try:
+                for i, value in enumerate(values, lo):
+                    if i >= end or value is None or isinstance(value, Exception):
+                        end = min(end, i)
+                        return
+                    got += len(value)
+                    payload = verify(rkeys[i], value)
+                    if payload is None:
+                        bad.append(rkeys[i])
+                        end = min(end, i)
+                        return
+                    array[slots[i]] = payload  # verified as it arrives, others in flight
+            finally:
+                self._stats["bytes_in"] += got
 
         await self._chunked(len(rkeys), chunk)
         return end
@@ -418,12 +423,12 @@ class RedisTier:
     def _verify(self, rkey: bytes, value: Any) -> Pages | None:
         """The payload of ``value`` as a uint8 array, or None (counted, logged) if any check
         fails."""
-        why = check_value(rkey, value, self._head, self.spec.page_bytes)
+        why = check_value(rkey, value, self._head, self._page_bytes)
         if why is not None:
             self._stats["corrupt"] += 1
             self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
             return None
-        return np.frombuffer(value, np.uint8, self.spec.page_bytes, HEADER_BYTES)
+        return np.frombuffer(value, np.uint8, self._page_bytes, HEADER_BYTES)
 
     # -- publish -------------------------------------------------------------------------
     async def publish(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:

@@ -48,6 +48,7 @@ MAGIC = b"TKVR"
 _HEAD = struct.Struct("<4sBBBB8sII")  # magic, format, codec, flags, 0, spec, payload, 0
 _SUM = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _SUM.size
+_SUM_AT = _HEAD.size
 
 
 def spec_digest(spec: KVSpec) -> bytes:
@@ -78,14 +79,14 @@ def check_value(rkey: bytes, value: Any, head: bytes, page_bytes: int) -> str | 
     if not isinstance(value, bytes) or len(value) != HEADER_BYTES + page_bytes:
         size = len(value) if isinstance(value, bytes) else type(value).__name__
         return f"size {size}, want {HEADER_BYTES + page_bytes}"
-    if value[: _HEAD.size] != head:
+    if not value.startswith(head):
         magic, fmt, codec, _, _, digest, length, _ = _HEAD.unpack_from(value)
         want = _HEAD.unpack_from(head)[5]
         return (
             f"header magic={magic!r} format={fmt} codec={codec} layout={digest.hex()} "
             f"payload={length}, want layout {want.hex()}"
         )
-    (want_sum,) = _SUM.unpack_from(value, _HEAD.size)
+    (want_sum,) = _SUM.unpack_from(value, _SUM_AT)
     if want_sum != checksum(rkey, head, memoryview(value)[HEADER_BYTES:]):
         return "checksum mismatch"
     return None
