@@ -294,10 +294,18 @@ class RedisTier:
         if (len(slots) < len(keys)) if write else (len(slots) != len(keys)):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         n = array.shape[0]
-        for s in slots[: len(keys)]:
-            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < n:
-                raise SpecError(f"local slot {s!r} is outside [0, {n})")
-        if write and len(set(slots[: len(keys)])) != len(keys):
+        mine = slots[: len(keys)]
+        ids = np.asarray(mine)
+        odd = ids.dtype.kind not in "iu" or any(isinstance(s, bool) for s in mine)
+        if ids.size and (odd or ids.min() < 0 or ids.max() >= n):
+            bad: object = next(
+                (s for s in mine if isinstance(s, bool) or not isinstance(s, (int, np.integer))),
+                None,
+            )
+            if bad is None:
+                bad = next(s for s in mine if not 0 <= s < n)
+            raise SpecError(f"local slot {bad!r} is outside [0, {n})")
+        if write and np.unique(ids).size != ids.size:
             raise SpecError("two pages for one local slot")
         for k in keys:
             if not isinstance(k, bytes) or not k:
@@ -306,6 +314,8 @@ class RedisTier:
     async def _chunked(self, n: int, fn: Callable[[int, int], Awaitable[_T]]) -> list[_T]:
         """``fn(lo, hi)`` over ``[0, n)`` in chunks of ``batch_pages``, at most ``in_flight``
         at a time (each on its own connection), results in order."""
+        if n <= self.batch_pages:  # one chunk: no task, no semaphore
+            return [await fn(0, n)]
         sem = asyncio.Semaphore(self.in_flight)
 
         async def one(lo: int) -> _T:
