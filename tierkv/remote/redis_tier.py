@@ -40,6 +40,7 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
+from tierkv.remote.redis_ask import AskFollower, follow_failed
 from tierkv.remote.redis_value import (
     FORMAT,
     HEADER_BYTES,
@@ -136,6 +137,7 @@ class RedisTier:
         self._px = None if ttl is None else max(1, round(ttl * 1000))
         self._client: Client | None = None
         self._make_client()  # a bad url is a caller bug: raise now, not at the first call
+        self._ask = self._follower()
         self._available = False
         self._ever_up = False
         self._failures = 0
@@ -165,6 +167,11 @@ class RedisTier:
             raise SpecError(f"bad Redis url or client option ({self.url!r}): {exc}") from exc
         self._client = client
         return client
+
+    def _follower(self) -> AskFollower:
+        keep = ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+        opts = {k: v for k, v in self._options.items() if k in keep}
+        return AskFollower(socket_timeout=self.timeout, socket_connect_timeout=self.timeout, **opts)
 
     # -- life cycle ----------------------------------------------------------------------
     async def connect(self) -> RedisTier:
@@ -206,10 +213,15 @@ class RedisTier:
         """Forget the client; its connections close in the background (bounded by
         ``timeout``), so that a failed call returns within its own bound."""
         client, self._client = self._client, None
-        if client is not None:
-            task = asyncio.get_running_loop().create_task(self._close(client))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+        follower, self._ask = self._ask, self._follower()
+        for closing in (
+            self._close(client) if client is not None else None,
+            follower.aclose() if len(follower) else None,
+        ):
+            if closing is not None:
+                task = asyncio.get_running_loop().create_task(closing)
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
 
     async def _close(self, client: Client) -> None:
         with contextlib.suppress(Exception):
@@ -425,7 +437,10 @@ class RedisTier:
                 pipe.get(k)
             else:
                 pipe.getex(k, px=self._px)  # a read renews the page's ttl
-        return list(await pipe.execute(raise_on_error=False))
+        values = list(await pipe.execute(raise_on_error=False))
+        if isinstance(client, RedisCluster):  # reads of a half-moved slot: follow ASK ourselves
+            await follow_failed(self._ask, client, rkeys, values, self._px)
+        return values
 
     async def _delete(self, client: Client, rkey: bytes) -> None:
         await client.delete(rkey)
