@@ -16,7 +16,9 @@ Every figure comes from a peer in a second process (this script re-run with --se
                same peer region. Target ratio >= 0.85. Run twice: UCX's own choice of wire
                (cross-memory attach on one host) and UCX_TLS=tcp, each with the default
                transport and with progress_thread=False ("no-pthr", an initiator-only agent
-               like the raw reader). Skipped without NIXL.
+               like the raw reader); the default is also set against raw NIXL with a progress
+               thread paced as ours ("raw NIXL +pthr", the same configuration on both sides).
+               Skipped without NIXL.
   16-page      one read of 16 x 256 KB pages: time of the raw copy / raw socket over the
                transport's time (so >= 0.5 means "within 2x"); for nixl also against raw NIXL.
 Rounds alternate reference and transport so that load from other processes hits both alike;
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transports
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from transports import TransferOp
+from transports.nixl import _new_agent
 
 KB, MB = 1 << 10, 1 << 20
 PAGE = 256 * KB
@@ -158,11 +161,13 @@ async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -
 class RawNixl:
     """NIXL's own API driven by hand (a second agent in this process): the reference."""
 
-    def __init__(self, api: Any, peer_meta: bytes, local: np.ndarray) -> None:
-        # no progress thread: the busy check_xfer_state loop drives UCX itself (NIXL's default
-        # thread would spin a core for the whole run, slowing every other row)
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent = api.nixl_agent(f"raw-{os.getpid()}", config)
+    def __init__(self, api: Any, peer_meta: bytes, local: np.ndarray, thread: bool = False) -> None:
+        # without a progress thread the busy check_xfer_state loop drives UCX itself. With one,
+        # it polls as NixlTransport's default does (1 ms pthrDelay): NIXL's own default (0)
+        # would spin a core for the whole run, slowing every other row
+        config = api.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
+        name = f"raw{'-pthr' if thread else ''}-{os.getpid()}"
+        self.agent = _new_agent(api, name, config, 1000) if thread else api.nixl_agent(name, config)
         self.peer = self.agent.add_remote_agent(msgpack.unpackb(peer_meta)["nixl"]).decode()
         self.agent.make_connection(self.peer)
         self.local = local
@@ -216,11 +221,12 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
             np.frombuffer(mine0.view, np.uint8)[:] = 0
             raw_local = np.zeros(size, np.uint8)
             raw = RawNixl(api, meta, raw_local)
+            raw_t = RawNixl(api, meta, np.zeros(size, np.uint8), thread=True)
             local_src = np.ones(size, np.uint8)
             sock = socket.create_connection(("127.0.0.1", int(port)))
             sock_buf = memoryview(bytearray(16 * PAGE))
             rng = np.random.default_rng(1)
-            keys = ("bulk", "bulk0", "raw", "p16", "p16_0", "raw16", "copy16", "sock16")
+            keys = ("bulk", "bulk0", "raw", "raw_t", "p16", "p16_0", "raw16", "copy16", "sock16")
             out: dict[str, list[float]] = {k: [] for k in keys}
             for _ in range(rounds + 1):  # the first round warms up
                 pages = size // PAGE
@@ -230,6 +236,7 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
                 ops = [TransferOp(mine, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
                 ops0 = [TransferOp(mine0, j * PAGE, desc, i * PAGE, PAGE) for i, j in offs]
                 out["raw"].append(raw.read(remote_base, offs))
+                out["raw_t"].append(raw_t.read(remote_base, offs))
                 out["bulk"].append(await transfer_time(t, ops))
                 out["bulk0"].append(await transfer_time(t0, ops0))
                 out["raw16"].append(raw.read(remote_base, offs[:16]))
@@ -239,6 +246,7 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
                 out["sock16"].append(raw_receive(sock, sock_buf, 16 * PAGE))
             sock.close()
             raw.close()
+            raw_t.close()
         return {k: statistics.median(v[1:]) for k, v in out.items()}
     finally:
         _stop(peer)
@@ -289,14 +297,19 @@ async def main(quick: bool, json_path: str | None) -> None:
         print(f"measuring {label} ...", file=sys.stderr, flush=True)
         with phase(label, size=size):
             m = await measure_nixl(api, size, rounds, tls)
-        gbs = {
-            k: (64 if k in ("bulk", "bulk0", "raw") else 16) * PAGE / v / 1e9 for k, v in m.items()
-        }
+        bulk_keys = ("bulk", "bulk0", "raw", "raw_t")
+        gbs = {k: (64 if k in bulk_keys else 16) * PAGE / v / 1e9 for k, v in m.items()}
         figures[label] = {"seconds": m, "GB/s": gbs}
         for bulk, p16, how in (("bulk", "p16", ""), ("bulk0", "p16_0", " no-pthr")):
             name, r = label + how, m["raw"] / m[bulk]
             ratios[f"{name} bulk / raw NIXL"] = r
             rows.append([f"{name} bulk 64x256KB", gbs[bulk], gbs["raw"], "raw NIXL", r, 0.85])
+            if not how:  # the same configuration on both sides: a progress thread each
+                r = m["raw_t"] / m[bulk]
+                ratios[f"{name} bulk / raw NIXL with a progress thread"] = r
+                rows.append(
+                    [f"{name} bulk 64x256KB", gbs[bulk], gbs["raw_t"], "raw NIXL +pthr", r, 0.85]
+                )
             refs = (("raw16", "raw NIXL"), ("copy16", "memcpy"), ("sock16", "raw socket"))
             for key, ref in refs if not how else refs[:1]:
                 r = m[key] / m[p16]
