@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import transports
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from transports import TransferOp
-from transports.nixl import _new_agent
+from transports.nixl_engine import _new_agent
 
 KB, MB = 1 << 10, 1 << 20
 PAGE = 256 * KB
