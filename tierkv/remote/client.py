@@ -19,7 +19,6 @@ connection (a late reply could not be told apart); later calls raise PeerGoneErr
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 from collections.abc import Callable
@@ -31,17 +30,16 @@ import numpy.typing as npt
 
 import transports
 from tierkv.errors import SpecError
+from tierkv.remote.control import Control, split_address
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
     RemoteProtocolError,
     RemoteRefusedError,
-    RemoteTimeoutError,
     map_transport_error,
 )
 from tierkv.remote.server import SECRET_ENV, spec_fields
 from tierkv.remote.watch import Watch
-from tierkv.remote.wire import auth_mac, error_for, recv, send
 from tierkv.spec import KVSpec
 
 __all__ = ["ReadLease", "RemoteTier"]
@@ -92,10 +90,7 @@ class RemoteTier:
         timeout: float = 10.0,
         transport_options: dict[str, Any] | None = None,
     ) -> None:
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"address must be host:port, got {address!r}")
-        self.host, self.port = host, int(port)
+        self.host, self.port = split_address(address)
         self.kind = transport
         self.secret = secret if secret is not None else _env_secret()
         self.spec, self.timeout = spec, timeout
@@ -103,10 +98,7 @@ class RemoteTier:
         self.page_bytes = 0
         self.lease_ttl = 0.0
         self.server_name = ""
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._lock = asyncio.Lock()
-        self._ids = 0
+        self._ctl: Control | None = None
         self._transport: transports.Transport | None = None
         self._region: transports.RegionDescriptor | None = None
 
@@ -125,19 +117,8 @@ class RemoteTier:
         return self
 
     async def _connect(self) -> None:
-        try:
-            self._reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), self.timeout
-            )
-        except TimeoutError as exc:
-            raise RemoteTimeoutError(f"no answer from {self.host}:{self.port}") from exc
-        except OSError as exc:
-            raise PeerGoneError(f"cannot reach the page server at {self.host}:{self.port}") from exc
-        first = await self._receive()
-        nonce = first.get("nonce")
-        if not isinstance(nonce, bytes):
-            raise RemoteProtocolError("the page server sent no nonce")
-        hello = await self._call("hello", mac=auth_mac(self.secret, nonce))
+        self._ctl = Control(f"{self.host}:{self.port}", secret=self.secret, timeout=self.timeout)
+        hello = await self._ctl.open()
         spec = hello.get("spec")
         if not isinstance(spec, dict) or type(spec.get("page_bytes")) is not int:
             raise RemoteProtocolError("the page server's hello has no page layout")
@@ -166,9 +147,9 @@ class RemoteTier:
 
     async def aclose(self) -> None:
         """Close the control connection and the data transport. Idempotent."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        ctl, self._ctl = self._ctl, None
+        if ctl is not None:
+            await ctl.aclose()
         if self._transport is not None:
             await self._transport.aclose()
             self._transport = None
@@ -180,45 +161,10 @@ class RemoteTier:
         await self.aclose()
 
     # -- control calls -------------------------------------------------------------------
-    async def _receive(self) -> dict[str, Any]:
-        assert self._reader is not None
-        try:
-            msg = await asyncio.wait_for(recv(self._reader), self.timeout)
-        except TimeoutError as exc:
-            self._break()
-            raise RemoteTimeoutError(f"page server silent for {self.timeout:g} s") from exc
-        except BaseException:
-            self._break()
-            raise
-        if msg is None:
-            self._break()
-            raise PeerGoneError(f"page server at {self.host}:{self.port} closed the connection")
-        return msg
-
-    def _break(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        async with self._lock:
-            if self._writer is None:
-                raise PeerGoneError("not connected to the page server (closed or broken)")
-            self._ids += 1
-            try:
-                await send(self._writer, {"op": op, "id": self._ids, **fields})
-            except (ConnectionError, RuntimeError) as exc:
-                self._break()
-                raise PeerGoneError(f"page server gone while sending {op!r}") from exc
-            except BaseException:
-                self._break()
-                raise
-            reply = await self._receive()
-        if reply.get("id") != self._ids:
-            raise RemoteProtocolError(f"reply {reply.get('id')!r} to request {self._ids}")
-        if "err" in reply:
-            raise error_for(reply)
-        return reply
+        if self._ctl is None:
+            raise PeerGoneError("not connected to the page server (closed or broken)")
+        return await self._ctl.call(op, **fields)
 
     async def lookup(self, keys: list[bytes]) -> int:
         """How many leading pages of ``keys`` the peer holds (readable, in its host tier)."""

@@ -1,6 +1,6 @@
 """A control connection with a reader task: replies go to their callers, events to a handler.
 
-Used where the server speaks first or speaks unasked: peer links between page servers (the
+Used by `RemoteTier`, and where the server speaks unasked: peer links between page servers (the
 directory) and watches (eviction announcements)::
 
     Control(address, secret=s).open()  -> hello fields
@@ -66,14 +66,16 @@ class Control:
     async def open(self) -> dict[str, Any]:
         """Connect and authenticate; returns the server's hello. Raises PeerGoneError,
         RemoteTimeoutError, RemoteRefusedError, RemoteProtocolError (the connection closed)."""
+        what = f"no answer from {self.address}"
         try:
             reader, self._writer = await asyncio.wait_for(
                 asyncio.open_connection(self.host, self.port), self.timeout
             )
+            what = f"{self.address} silent for {self.timeout:g} s"  # connected, no nonce
             first = await asyncio.wait_for(recv(reader), self.timeout)
         except TimeoutError as exc:
             await self.aclose()
-            raise RemoteTimeoutError(f"no answer from {self.address}") from exc
+            raise RemoteTimeoutError(what) from exc
         except OSError as exc:
             await self.aclose()
             raise PeerGoneError(f"cannot reach the page server at {self.address}") from exc
