@@ -306,18 +306,10 @@ class RedisTier:
         if (len(slots) < len(keys)) if write else (len(slots) != len(keys)):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         n = array.shape[0]
-        mine = slots[: len(keys)]
-        ids = np.asarray(mine)
-        odd = ids.dtype.kind not in "iu" or any(isinstance(s, bool) for s in mine)
-        if ids.size and (odd or ids.min() < 0 or ids.max() >= n):
-            bad: object = next(
-                (s for s in mine if isinstance(s, bool) or not isinstance(s, (int, np.integer))),
-                None,
-            )
-            if bad is None:
-                bad = next(s for s in mine if not 0 <= s < n)
-            raise SpecError(f"local slot {bad!r} is outside [0, {n})")
-        if write and np.unique(ids).size != ids.size:
+        for s in slots[: len(keys)]:
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s < n:
+                raise SpecError(f"local slot {s!r} is outside [0, {n})")
+        if write and len(set(slots[: len(keys)])) != len(keys):
             raise SpecError("two pages for one local slot")
         for k in keys:
             if not isinstance(k, bytes) or not k:
