@@ -233,8 +233,8 @@ async def _until_stopped(server: PageServer, stop: asyncio.Event, args: argparse
             s = server.stats()
             print(
                 f"pages {s['pages']}/{s['host_capacity']}  leases {s['leases']}  "
-                f"expired {s['expired']}  peers {s.get('peers_connected', 0)}/"
-                f"{len(s.get('peers', ()))}  watchers {s.get('watchers', 0)}",
+                f"expired {s['expired']}  peers {s['peers_connected']}/"
+                f"{len(s['peers'])}  watchers {s['watchers']}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -87,7 +87,6 @@ async def follow_failed(
         *(follower.get(cluster, rkeys[i], px) for i in failed), return_exceptions=True
     )
     for i, value in zip(failed, got):
-        # an exception stays one (a miss); a cancelled read is a miss too, never a value
-        values[i] = (
-            value if isinstance(value, Exception) or not isinstance(value, BaseException) else None
-        )
+        # an error stays one (a miss); a cancelled read (a BaseException) is a miss too
+        cancelled = isinstance(value, BaseException) and not isinstance(value, Exception)
+        values[i] = None if cancelled else value
