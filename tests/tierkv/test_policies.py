@@ -170,6 +170,49 @@ def test_kvaware_head_blocks_scale_with_capacity() -> None:
     assert sum(p.admit(d, h) for d, h in enumerate(hints, 1)) == 8
 
 
+def test_kvaware_declines_a_large_step_and_favours_a_small_one() -> None:
+    p = KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=3)
+    for d, k in enumerate("rab"):  # a conversation's earlier turns: root, a, b (5 uses each)
+        p.insert(k, PageHint(depth=d, parent="rab"[d - 1] if d else None))
+    for _ in range(4):
+        p.touch_many("rab")
+
+    def later(key: str, depth: int, parent: str, blocks: int) -> PageHint:
+        return PageHint(depth=depth, prefix_hits=3, parent=parent, blocks=blocks)
+
+    # a later turn brings 4 never-seen blocks in a row (depths 3-6): declined from the first
+    assert not p.admit("d3", later("d3", 3, "b", 7))
+    assert not p.admit("d4", later("d4", 4, "d3", 7))
+    p.insert("root2")  # the batch ends
+    assert p.admit("d3", later("d3", 3, "b", 8))  # remembered: the next turn stores it
+    p.insert("d3", later("d3", 3, "b", 8))
+    # a small step (2 new blocks: 3 and the last): admitted, and starts at two uses
+    assert p.admit("s3", later("s3", 3, "b", 5))
+    p.insert("s3", later("s3", 3, "b", 5))
+    p.insert("n")  # a new page with one use
+    # one use (priority 2) goes before two (5): d3 came back from the history, s3 is a small step
+    assert [p.evict(always) for _ in range(4)] == ["root2", "n", "d3", "s3"]
+    # step_blocks=0 turns the rule off: large steps are admitted, small ones start at one use
+    off = KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=0)
+    off.insert("r")
+    off.insert("a", PageHint(depth=1, parent="r"))
+    assert off.admit("x", PageHint(depth=2, prefix_hits=2, parent="a", blocks=40))
+
+
+def test_kvaware_step_blocks_scale_with_capacity() -> None:
+    from tierkv.policies.kvaware import STEP_BLOCKS, STEP_PER_PAGES
+
+    for capacity, step in ((100, STEP_BLOCKS), (10 * STEP_PER_PAGES, 10)):
+        p = KVAwarePolicy(capacity=capacity, head_blocks=0)
+        p.insert("r")
+        p.insert("a", PageHint(depth=1, parent="r"))
+        big = PageHint(depth=2, prefix_hits=2, parent="a", blocks=2 + step)
+        small = PageHint(depth=2, prefix_hits=2, parent="a", blocks=1 + step)
+        assert not p.admit("x", big)
+        p.insert("y")
+        assert p.admit("z", small)
+
+
 def test_kvaware_never_seen_last_block_goes_first() -> None:
     p = KVAwarePolicy(capacity=4)
     p.insert("a")
@@ -243,11 +286,11 @@ class _KeyedKVAware(KVAwarePolicy):
     slot_aware = False
 
 
-def _request(chain: int, n: int, blocks: int) -> tuple[list[int], list[PageHint]]:
+def _request(chain: int, n: int, blocks: int, hits: int = 0) -> tuple[list[int], list[PageHint]]:
     """The first ``n`` blocks of conversation ``chain`` (ids 6c..6c+5, each extending the one
-    before), hinted as the replay hints them."""
+    before), hinted as the replay hints them (``hits``: the request's resident prefix)."""
     keys = [6 * chain + i for i in range(n)]
-    hints = [PageHint(i, i == n - 1, 0, keys[i - 1] if i else None, blocks) for i in range(n)]
+    hints = [PageHint(i, i == n - 1, hits, keys[i - 1] if i else None, blocks) for i in range(n)]
     return keys, hints
 
 
@@ -310,6 +353,8 @@ def test_kvaware_slot_mode_matches_key_mode(
         if op == "store":
             if flag:  # a page with no parent
                 keys, hints = keys[-1:], [PageHint(blocks=blocks)]
+            else:  # hinted with the resident prefix, as the replay does (later turns, steps)
+                keys, hints = _request(chain, max(num, 1), blocks, ref.lookup(keys, "t"))
             alloc = run("prepare_store", keys, "t", hints)[0]
             if alloc is not None and alloc.keys:
                 writing.append(alloc.keys)

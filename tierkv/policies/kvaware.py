@@ -20,6 +20,10 @@ requests about as often as a twice-used one with one unit less to live (0.18 vs 
 HEAD_PER_PAGES = 750
 """Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
 
+STEP_BLOCKS = 6
+STEP_PER_PAGES = 1000
+"""Automatic ``step_blocks``: ``max(STEP_BLOCKS, capacity // STEP_PER_PAGES)`` (6 up to 6,999)."""
+
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
@@ -42,7 +46,7 @@ class KVAwarePolicy(EvictionPolicy):
     """GreedyDual on use counts, evicting stranded blocks first and admitting only chains
     that conversations come back to.
 
-    Three ideas, each from how prefix-cached KV traffic behaves (see ``docs/policies.md``):
+    Four ideas, each from how prefix-cached KV traffic behaves (see ``docs/policies.md``):
 
     * **Value by use count, aged by GreedyDual.** A page's priority is ``L + value(count)``
       where ``value(c) = c + 1`` from three uses on, 1 and 2.5 for one and two uses (0 for
@@ -65,6 +69,11 @@ class KVAwarePolicy(EvictionPolicy):
       remembered, so the next request that brings it again (the conversation's second turn)
       stores it. Last blocks are declined. The first ``head_blocks`` of a declined first turn
       are admitted all the same, so a conversation that resumes finds its head resident.
+    * **Steps.** A later turn of a conversation (a request that hit past the shared root) that
+      brings ``step_blocks`` or more never-seen blocks in a row (a pasted document) is declined
+      from there on: such blocks come back 5-20% of the time. The never-seen blocks of a
+      smaller step come back about half the time, as often as a twice-used page, and start
+      with a use count of 2.
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
     (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
@@ -80,6 +89,9 @@ class KVAwarePolicy(EvictionPolicy):
         short_request: requests of at most this many blocks are always admitted (0: none).
         head_blocks: leading blocks of a declined first turn that are admitted anyway; ``None``
             scales it with the capacity (one per :data:`HEAD_PER_PAGES` pages; 0: none).
+        step_blocks: never-seen blocks in a row from which a later turn is declined; ``None``
+            scales it with the capacity (see :data:`STEP_PER_PAGES`; 0: no step rule, and
+            small steps start at one use like any new page).
     """
 
     name = "kvaware"
@@ -92,6 +104,7 @@ class KVAwarePolicy(EvictionPolicy):
         max_fanout: int = 1,
         short_request: int = 12,
         head_blocks: int | None = None,
+        step_blocks: int | None = None,
     ) -> None:
         self._capacity = capacity or 0
         self._fixed = capacity is not None
@@ -100,6 +113,9 @@ class KVAwarePolicy(EvictionPolicy):
         self._max_fanout = max_fanout
         self._short = short_request
         self._head_blocks = head_blocks
+        self._step_blocks = step_blocks
+        self._run: dict[Key, int] = {}  # this batch's never-seen pages -> depth their run began
+        self._small: set[Key] = set()  # this batch's admitted small-step pages: start at 2 uses
         # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
         self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}
@@ -193,9 +209,22 @@ class KVAwarePolicy(EvictionPolicy):
         head = self._head_blocks
         return self._capacity // HEAD_PER_PAGES if head is None else head
 
+    def _step_rule(self) -> int:
+        step = self._step_blocks
+        return max(STEP_BLOCKS, self._capacity // STEP_PER_PAGES) if step is None else step
+
     def _admit(self, key: Key, hint: PageHint) -> bool:
         if key in self._gone:
             return True
+        later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
+        if later:  # a later turn: how many never-seen blocks in a row does it bring?
+            step = self._step_rule()
+            if step:
+                start = self._run.get(hint.parent, hint.depth)
+                self._run[key] = start
+                if hint.blocks - start >= step:
+                    self._remember(key, 1)
+                    return False
         if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
             head = self._head_rule()
             if head:
@@ -222,6 +251,8 @@ class KVAwarePolicy(EvictionPolicy):
                     self._pending[hint.parent] = fanout + 1
         if not ok:
             self._remember(key, 1)
+        elif later and self._step_rule():
+            self._small.add(key)
         return ok
 
     def _fanout_of(self, key: Key) -> int | None:
@@ -245,11 +276,19 @@ class KVAwarePolicy(EvictionPolicy):
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
         self._keys_only()
         self._insert(key, hint)
-        self._pending.clear()  # a batch of admissions ends with an insert (as in slot mode)
+        self._end_batch()  # a batch of admissions ends with an insert (as in slot mode)
+
+    def _end_batch(self) -> None:
+        self._pending.clear()
+        if self._run:
+            self._run.clear()
+            self._small.clear()
 
     def _insert(self, key: Key, hint: PageHint) -> None:
         seen = self._gone.pop(key, 0)
         count = 0 if hint.last and not seen else min(seen + 1, MAX_COUNT)
+        if count == 1 and key in self._small:
+            count = 2
         parent = hint.parent
         page = _Page(0, 0, parent, self._pending.pop(key, 0))
         self._pages[key] = page
@@ -290,7 +329,7 @@ class KVAwarePolicy(EvictionPolicy):
             p = floor + value[c]
             pages[k] = _Page(p, code, None, pending.pop(k, 0) if pending else 0)
             buckets[p & _MASK][k] = None
-        self._pending.clear()
+        self._end_batch()
         if not self._fixed and len(pages) > self._capacity:
             self._capacity = len(pages)
             self._limit = self._history * self._capacity
@@ -476,6 +515,7 @@ class KVAwarePolicy(EvictionPolicy):
         self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
     ) -> None:
         gone, pending, kids, slot_of = self._gone, self._pending, self._kids, self._slot_of
+        small = self._small
         prv, nxt, qlen, head = self._prev, self._next, self._qlen, self._head
         where, code, qcode, key_of = self._where, self._code, self._qcode, self._key
         parent_of, fanout = self._parent, self._fanout
@@ -485,6 +525,8 @@ class KVAwarePolicy(EvictionPolicy):
         for s, k, h in zip(slots, keys, hints):
             seen = gone.pop(k, 0) if gone else 0
             c = 0 if h.last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
+            if c == 1 and small and k in small:
+                c = 2
             code[s] = qcode[s] = start[c]
             key_of[s] = k
             fanout[s] = pending.pop(k, 0) if pending else 0
@@ -518,7 +560,7 @@ class KVAwarePolicy(EvictionPolicy):
                     for child in mine:
                         self._set_orphan_slot(slot_of[child], False)
         self._n += len(slots)
-        pending.clear()
+        self._end_batch()
         if not self._fixed and self._n > self._capacity:
             self._capacity = self._n
             self._limit = self._history * self._capacity
