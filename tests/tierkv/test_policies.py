@@ -213,6 +213,31 @@ def test_kvaware_step_blocks_scale_with_capacity() -> None:
         assert p.admit("z", small)
 
 
+def test_kvaware_scan_gate_closes_on_a_loop_and_opens_again() -> None:
+    p = KVAwarePolicy(capacity=4, head_blocks=0, step_blocks=0)
+    hint = PageHint(blocks=1)  # any hint: the history's rules apply
+
+    def round_trip(key: int, used: bool) -> None:
+        """``key`` comes in (back from the history after its first time) and leaves."""
+        p.insert(key, hint)
+        if used:
+            p.touch(key)
+        assert p.evict(always) == key
+
+    with mock.patch("tierkv.policies.kvaware.SCAN_WARMUP", 16):
+        for k in range(4):
+            round_trip(k, used=False)  # first time: not from the history, no sample
+        for _ in range(4):  # a loop: each page comes back and leaves unused, 16 samples
+            for k in range(4):
+                assert p.admit(k, hint)
+                round_trip(k, used=False)
+        # the history is a scan's now: 7 of 8 returning pages are declined, 1 is a probe
+        assert [p.admit(k % 4, hint) for k in range(16)].count(True) == 2
+        assert p.admit(99, hint)  # a never-seen page is not the history's
+        round_trip(0, used=True)  # returning pages are used again: the gate opens
+        assert all(p.admit(k, hint) for k in range(4))
+
+
 def test_kvaware_never_seen_last_block_goes_first() -> None:
     p = KVAwarePolicy(capacity=4)
     p.insert("a")
@@ -324,6 +349,7 @@ PT_OPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(2, 8), ops=PT_OPS)
+@mock.patch("tierkv.policies.kvaware.SCAN_WARMUP", 3)  # the scan gate opens and closes too
 def test_kvaware_slot_mode_matches_key_mode(
     capacity: int, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:

@@ -24,6 +24,17 @@ STEP_BLOCKS = 6
 STEP_PER_PAGES = 1000
 """Automatic ``step_blocks``: ``max(STEP_BLOCKS, capacity // STEP_PER_PAGES)`` (6 up to 6,999)."""
 
+SCAN_WARMUP = 2048
+SCAN_RATE = 0.02
+SCAN_DECAY = 0.999
+SCAN_PROBE = 8
+"""The scan gate: once :data:`SCAN_WARMUP` pages that came back from the history have left,
+if fewer than :data:`SCAN_RATE` of the recent ones (a moving average, weight
+:data:`SCAN_DECAY` per page) were used while resident, the history is readmitting a scan that
+is longer than the tier: a page that comes back is then declined, except one in
+:data:`SCAN_PROBE`, which keeps the measure current (so the gate opens again when the
+traffic changes). The conversation trace never closes it (the rate stays at 0.05 or more)."""
+
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
@@ -40,13 +51,14 @@ class _Page:
     code: int  # its use code (see KVAwarePolicy._count) when queued
     parent: Key | None
     fanout: int = 0  # never-seen children that tried to extend this page
+    back: int = -1  # its use code when it came back from the history; -1: it did not
 
 
 class KVAwarePolicy(EvictionPolicy):
     """GreedyDual on use counts, evicting stranded blocks first and admitting only chains
     that conversations come back to.
 
-    Four ideas, each from how prefix-cached KV traffic behaves (see ``docs/policies.md``):
+    The ideas, each from how prefix-cached KV traffic behaves (see ``docs/policies.md``):
 
     * **Value by use count, aged by GreedyDual.** A page's priority is ``L + value(count)``
       where ``value(c) = c + 1`` from three uses on, 1 and 2.5 for one and two uses (0 for
@@ -74,6 +86,9 @@ class KVAwarePolicy(EvictionPolicy):
       from there on: such blocks come back 5-20% of the time. The never-seen blocks of a
       smaller step come back about half the time, as often as a twice-used page, and start
       with a use count of 2.
+    * **Scans.** A page that comes back from the history is admitted, unless such pages have
+      stopped being used before they leave (a loop longer than the tier): then the history is
+      a scan's, and it is only sampled (see :data:`SCAN_WARMUP`).
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
     (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
@@ -116,6 +131,9 @@ class KVAwarePolicy(EvictionPolicy):
         self._step_blocks = step_blocks
         self._run: dict[Key, int] = {}  # this batch's never-seen pages -> depth their run began
         self._small: set[Key] = set()  # this batch's admitted small-step pages: start at 2 uses
+        # the scan gate: pages back from the history that left (decayed), of them used; counts
+        self._back_left = self._back_used = 0.0
+        self._back_seen = self._probes = 0
         # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
         self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}
@@ -140,6 +158,7 @@ class KVAwarePolicy(EvictionPolicy):
         self._key: list[Key] = []
         self._parent: list[Key | None] = []
         self._fanout: list[int] = []
+        self._back: list[int] = []  # slot mode: _Page.back
         self._bump: list[int] = []  # see _tables
         self._start: list[int] = []
         self._start_prio: list[int] = []
@@ -184,8 +203,11 @@ class KVAwarePolicy(EvictionPolicy):
 
     def _detach(self, key: Key, evicted: bool) -> None:
         page = self._pages.pop(key)
-        count = self._count.pop(key) & 15
+        code = self._count.pop(key)
+        count = code & 15
         self._dequeue(key, page)
+        if evicted and page.back >= 0:
+            self._left(code != page.back)
         if page.parent is not None:
             sibs = self._kids[page.parent]
             sibs.discard(key)
@@ -209,12 +231,27 @@ class KVAwarePolicy(EvictionPolicy):
         head = self._head_blocks
         return self._capacity // HEAD_PER_PAGES if head is None else head
 
+    def _left(self, used: bool) -> None:
+        """A page that came back from the history leaves (evicted): was it used meanwhile?"""
+        self._back_left = self._back_left * SCAN_DECAY + 1.0
+        self._back_used = self._back_used * SCAN_DECAY + used
+        self._back_seen += 1
+
+    def _scan(self) -> bool:
+        """True when the history is readmitting a scan (see :data:`SCAN_WARMUP`)."""
+        return self._back_seen >= SCAN_WARMUP and self._back_used < SCAN_RATE * self._back_left
+
     def _step_rule(self) -> int:
         step = self._step_blocks
         return max(STEP_BLOCKS, self._capacity // STEP_PER_PAGES) if step is None else step
 
     def _admit(self, key: Key, hint: PageHint) -> bool:
         if key in self._gone:
+            if self._scan():
+                self._probes += 1
+                if self._probes % SCAN_PROBE:
+                    self._gone.move_to_end(key)  # still remembered, as if declined now
+                    return False
             return True
         later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
         if later:  # a later turn: how many never-seen blocks in a row does it bring?
@@ -292,7 +329,9 @@ class KVAwarePolicy(EvictionPolicy):
         parent = hint.parent
         page = _Page(0, 0, parent, self._pending.pop(key, 0))
         self._pages[key] = page
-        self._count[key] = (self._floor << 4) + count
+        code = self._count[key] = (self._floor << 4) + count
+        if seen:
+            page.back = code
         if parent is not None:
             orphan = parent not in self._pages and parent in self._gone
             self._enqueue(key, page, orphan)
@@ -327,7 +366,9 @@ class KVAwarePolicy(EvictionPolicy):
             c = 0 if h.last and not seen else min(seen + 1, MAX_COUNT)
             code = count[k] = base + c
             p = floor + value[c]
-            pages[k] = _Page(p, code, None, pending.pop(k, 0) if pending else 0)
+            pages[k] = _Page(
+                p, code, None, pending.pop(k, 0) if pending else 0, code if seen else -1
+            )
             buckets[p & _MASK][k] = None
         self._end_batch()
         if not self._fixed and len(pages) > self._capacity:
@@ -397,6 +438,8 @@ class KVAwarePolicy(EvictionPolicy):
             elif can_evict(key):
                 self._floor = prio
                 del pages[key], count[key]
+                if page.back >= 0:
+                    self._left(code != page.back)
                 parent = page.parent
                 if parent is not None:
                     sibs = kids[parent]
@@ -456,6 +499,7 @@ class KVAwarePolicy(EvictionPolicy):
         self._key = [None] * capacity
         self._parent = [None] * capacity
         self._fanout = [0] * capacity
+        self._back = [-1] * capacity
 
     def _link(self, s: int, q: int) -> None:
         """Append slot ``s`` to queue ``q`` (a bucket, or _ORPHANS)."""
@@ -495,8 +539,11 @@ class KVAwarePolicy(EvictionPolicy):
             self._enqueue_slot(s, orphan)
 
     def _detach_slot(self, s: int, key: Key, evicted: bool) -> None:
-        count = self._code[s] & 15
+        code = self._code[s]
+        count = code & 15
         self._unlink(s)
+        if evicted and self._back[s] >= 0:
+            self._left(code != self._back[s])
         self._n -= 1
         parent = self._parent[s]
         if parent is not None:
@@ -515,7 +562,7 @@ class KVAwarePolicy(EvictionPolicy):
         self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
     ) -> None:
         gone, pending, kids, slot_of = self._gone, self._pending, self._kids, self._slot_of
-        small = self._small
+        small, back = self._small, self._back
         prv, nxt, qlen, head = self._prev, self._next, self._qlen, self._head
         where, code, qcode, key_of = self._where, self._code, self._qcode, self._key
         parent_of, fanout = self._parent, self._fanout
@@ -527,7 +574,9 @@ class KVAwarePolicy(EvictionPolicy):
             c = 0 if h.last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
             if c == 1 and small and k in small:
                 c = 2
-            code[s] = qcode[s] = start[c]
+            code[s] = qcode[s] = back[s] = start[c]
+            if not seen:
+                back[s] = -1
             key_of[s] = k
             fanout[s] = pending.pop(k, 0) if pending else 0
             parent = parent_of[s] = h.parent
@@ -617,12 +666,13 @@ class KVAwarePolicy(EvictionPolicy):
             self._key,
             self._parent,
         )
-        kids, gone, limit, slot_of, value = (
+        kids, gone, limit, slot_of, value, back = (
             self._kids,
             self._gone,
             self._limit,
             self._slot_of,
             _VALUE,
+            self._back,
         )
         prio = self._floor
         top = prio + _VALUE[MAX_COUNT] + 2  # every queued priority is below this (ring of 64)
@@ -659,6 +709,8 @@ class KVAwarePolicy(EvictionPolicy):
                 qlen[q] += 1
             elif can_evict is None or can_evict(s):
                 self._floor = prio
+                if back[s] >= 0:
+                    self._left(cd != back[s])
                 nh = nxt[s]
                 nxt[h] = nh
                 prv[nh] = h
