@@ -508,11 +508,12 @@ class PageTable:
 
         Raises:
             UnknownPageError: an old key is not in the tier.
-            PageStateError: a new key is already in the tier, or the lists differ in length.
+            PageStateError: a new key is already in the tier, a key repeats, or the lists differ
+                in length.
         """
         t = self._tier(tier)
-        if len(old) != len(new) or len(set(new)) != len(new):
-            raise PageStateError("rekey needs two lists of equal length and distinct new keys")
+        if len(old) != len(new) or len(set(new)) != len(new) or len(set(old)) != len(old):
+            raise PageStateError("rekey needs two lists of equal length and distinct keys")
         slots = self._slots(t, old)
         for k in new:
             if k in t.slot_of:

@@ -159,6 +159,9 @@ def test_misuse_raises_typed_errors_and_changes_nothing() -> None:
         (PageStateError, lambda: t.prepare_load(["a", "w"], "host")),
         (PageStateError, lambda: t.complete_evict(["a"], "host")),
         (PageStateError, lambda: t.remove(["a", "w"], "host")),
+        (PageStateError, lambda: t.rekey(["a", "a"], ["x", "y"], "host")),  # a key repeats
+        (PageStateError, lambda: t.rekey(["a", "b"], ["x", "x"], "host")),
+        (PageStateError, lambda: t.rekey(["a"], ["b"], "host")),  # already there
         (UnknownPageError, lambda: t.state("zz", "host")),
     ]
     for exc, call in cases:
