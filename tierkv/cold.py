@@ -32,7 +32,7 @@ class ColdStorage:
     table: PageTable
     owners: dict[Key, int]
     stats: TierStats
-    owner_pins: dict[Key, set[str]]
+    owner_pinned: Callable[[Key, str], bool]
     forget_in: Callable[[str, Sequence[Key]], None]
     host_left: Callable[[Sequence[Hashable]], None]
 
@@ -131,7 +131,7 @@ class ColdStorage:
         for k in keys:
             if table.present([k], DEVICE) or not table.lookup([k], HOST):
                 continue
-            if table.pins(k, HOST) != (1 if HOST in self.owner_pins.get(k, ()) else 0):
+            if table.pins(k, HOST) != (1 if self.owner_pinned(k, HOST) else 0):
                 continue
             if table.present([k], COLD):
                 continue

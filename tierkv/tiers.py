@@ -79,7 +79,10 @@ class TierSet(DeviceEviction, ColdStorage):
         self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
         self.owners: dict[Key, int] = {}  # live sequences holding each page
-        self.owner_pins: dict[Key, set[str]] = {}  # lower tiers where owners pin a copy
+        # lower tiers where owners pin a copy, as bits (_tier_bit): a dict of ints is one the
+        # cyclic garbage collector never walks (a set per owned page made its pauses long)
+        self.owner_pins: dict[Key, int] = {}
+        self._tier_bit = {t: 1 << i for i, t in enumerate(self.lower)}
         self.loading: dict[Key, asyncio.Future[None]] = {}
         self.stats = TierStats()
         self._device_lock = asyncio.Lock()
@@ -131,8 +134,10 @@ class TierSet(DeviceEviction, ColdStorage):
             n = self.owners.get(k, 0)
             if n <= 1:
                 self.owners.pop(k, None)
-                for t in list(self.owner_pins.get(k, ())):
-                    self.unpin_owner(k, t)
+                held = self.owner_pins.get(k, 0)
+                for t, bit in self._tier_bit.items():
+                    if held & bit:
+                        self.unpin_owner(k, t)
             else:
                 self.owners[k] = n - 1
 
@@ -142,17 +147,23 @@ class TierSet(DeviceEviction, ColdStorage):
         for t in tiers:
             if keys:
                 self.table.prepare_load(keys, t)
+                pins, bit = self.owner_pins, self._tier_bit[t]
                 for k in keys:
-                    self.owner_pins.setdefault(k, set()).add(t)
+                    pins[k] = pins.get(k, 0) | bit
+
+    def owner_pinned(self, key: Key, tier: str) -> bool:
+        """Whether the owners of ``key`` pin its copy in ``tier``."""
+        return bool(self.owner_pins.get(key, 0) & self._tier_bit.get(tier, 0))
 
     def unpin_owner(self, key: Key, tier: str) -> None:
         """Drop the owner's pin on ``key``'s copy in ``tier`` (if it holds one)."""
-        held = self.owner_pins.get(key)
-        if held is None or tier not in held:
+        held, bit = self.owner_pins.get(key, 0), self._tier_bit.get(tier, 0)
+        if not held & bit:
             return
-        held.discard(tier)
-        if not held:
+        if held == bit:
             del self.owner_pins[key]
+        else:
+            self.owner_pins[key] = held & ~bit
         if self.table.present([key], tier):
             self.table.complete_load([key], tier)
 
