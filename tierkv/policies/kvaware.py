@@ -63,12 +63,12 @@ class KVAwarePolicy(EvictionPolicy):
     * **Value by use count, aged by GreedyDual.** A page's priority is ``L + value(count)``
       where ``value(c) = c + 1`` from three uses on, 1 and 2.5 for one and two uses (0 for
       a never-seen last block of a request, which is almost never reused) and ``L`` is the
-      priority of the last victim. Counts survive eviction in a
-      bounded history, so a page that comes back resumes its count. Counts take
-      :data:`MAX_COUNT` values, and within one count class priorities rise with time, so one
-      FIFO queue per class keeps them sorted: the victim is the lowest of 16 queue heads, O(1).
-      A use only bumps the count (one dict store); the page moves to its new class, with the
-      priority of that moment, when it reaches the head of its old queue (as CLOCK defers LRU).
+      priority of the last victim. Counts survive eviction in a bounded history, so a page
+      that comes back resumes its count. Priorities are integers in half units and every
+      queued one lies in ``[L, L + 32]``, so the pages sit in a ring of 64 FIFO buckets by
+      priority and the victim is the head of the lowest non-empty bucket, O(1). A use only
+      rewrites the page's use code (one store); the page moves to its new bucket, with the
+      priority of that moment, when it reaches the head of its old one (as CLOCK defers LRU).
     * **Chains.** A block is only a hit while every block before it is resident. When a page
       is evicted its resident children become *orphans* and are evicted before anything else;
       a child whose parent was evicted here is an orphan on arrival; an orphan is restored when
@@ -77,7 +77,8 @@ class KVAwarePolicy(EvictionPolicy):
       (resident, or admitted in the same batch) that no other new page has extended yet (a
       conversation's own chain, not a shared system prompt every first turn branches from),
       or if its request is short (``hint.blocks <= short_request``: short first turns are
-      resumed about 0.43 of the time against 0.22 for long ones). A declined page is
+      resumed about 0.43 of the time against 0.22 for long ones; the step rule and the scan
+      gate below still apply). A declined page is
       remembered, so the next request that brings it again (the conversation's second turn)
       stores it. Last blocks are declined. The first ``head_blocks`` of a declined first turn
       are admitted all the same, so a conversation that resumes finds its head resident.
@@ -94,8 +95,9 @@ class KVAwarePolicy(EvictionPolicy):
     (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
     (:meth:`bind_slots`) the policy keeps its per-page state in per-slot lists and decides
     exactly as with keys; its key methods then raise RuntimeError (``admit`` works in both).
-    Without ``hint.parent`` the policy admits every non-last page and runs as chain-blind
-    GreedyDual.
+    With no hint at all (``NO_HINT``, as ``KVStore`` passes) the policy admits every page and
+    runs as chain-blind GreedyDual; a hint without ``parent`` still goes through the head rule
+    and the scan gate.
 
     Args:
         capacity: pages the tier holds; ``None`` learns it as the high-water mark.
