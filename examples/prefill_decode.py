@@ -45,6 +45,7 @@ from tierkv.remote import (
     RedisTier,
     RemoteTier,
     import_prefix,
+    prefix_pages,
     publish_prefix,
     stage_prefix,
 )
@@ -117,7 +118,8 @@ async def prefill(args: argparse.Namespace) -> None:
         await store.add_sequence("s", prompt)
         _, seconds = await _run(store, model, prompt, 0, 1)
         await store.release("s")  # full blocks keep their content keys: cached prefix
-        staged = await stage_prefix(store, prompt)
+        await stage_prefix(store, prompt)  # whatever write-behind has not copied down yet
+        staged = store.tiers.table.lookup(prefix_pages(store, prompt), "host")  # servable
         segment = server.shared["shm"].region.descriptor.handle
         print(
             json.dumps(

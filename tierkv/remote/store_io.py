@@ -33,10 +33,12 @@ def prefix_pages(store: KVStore, tokens: Sequence[int]) -> list[bytes]:
 
 async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
     """Copy the cached blocks of ``tokens``' prefix that are only (or newer) on the device down
-    to the host tier, where a page server can serve them; returns the pages copied.
+    to the host tier, where a page server can serve them; returns the pages this call copied.
 
-    Needed after a prefill: the lease's write-behind names the pages by their private keys, and
-    `release` renames full blocks to content keys before that copy runs, so it skips them.
+    It waits for the store's background work first (`KVStore.drain`), so the pages a lease's
+    write-behind already copied are not copied again (and not counted). Use it to have a
+    prefix servable now: after a prefill with ``write_behind=False``, or to be sure the
+    write-behind has finished.
     """
     await store.drain()
     return await store.tiers.write_behind(prefix_pages(store, tokens))
