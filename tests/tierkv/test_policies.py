@@ -224,7 +224,7 @@ def test_kvaware_scan_gate_closes_on_a_loop_and_opens_again() -> None:
             p.touch(key)
         assert p.evict(always) == key
 
-    with mock.patch("tierkv.policies.kvaware.SCAN_WARMUP", 16):
+    with mock.patch("tierkv.policies.kvaware_admission.SCAN_WARMUP", 16):
         for k in range(4):
             round_trip(k, used=False)  # first time: not from the history, no sample
         for _ in range(4):  # a loop: each page comes back and leaves unused, 16 samples
@@ -349,7 +349,7 @@ PT_OPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(2, 8), ops=PT_OPS)
-@mock.patch("tierkv.policies.kvaware.SCAN_WARMUP", 3)  # the scan gate opens and closes too
+@mock.patch("tierkv.policies.kvaware_admission.SCAN_WARMUP", 3)  # the gate opens and closes
 def test_kvaware_slot_mode_matches_key_mode(
     capacity: int, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:

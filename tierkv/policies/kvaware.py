@@ -7,6 +7,22 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tierkv.policies.base import NO_HINT, CanEvict, CanEvictSlot, EvictionPolicy, Key, PageHint
+from tierkv.policies.kvaware_admission import (
+    HEAD_PER_PAGES,
+    SCAN_WARMUP,
+    STEP_BLOCKS,
+    STEP_PER_PAGES,
+    ConversationAdmission,
+)
+
+__all__ = [
+    "HEAD_PER_PAGES",
+    "MAX_COUNT",
+    "SCAN_WARMUP",
+    "STEP_BLOCKS",
+    "STEP_PER_PAGES",
+    "KVAwarePolicy",
+]
 
 MAX_COUNT = 15
 """Use counts saturate here; the count is also the page's value class."""
@@ -16,24 +32,6 @@ _VALUE = (0, 2, 5, *(2 * (c + 1) for c in range(3, MAX_COUNT + 1)))
 4, 5, ... (``count + 1`` from three uses on). Pages used once or twice are worth less than
 ``count + 1``: measured on the conversation trace, a once-used page reuses within 1,000
 requests about as often as a twice-used one with one unit less to live (0.18 vs 0.20)."""
-
-HEAD_PER_PAGES = 750
-"""Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
-
-STEP_BLOCKS = 6
-STEP_PER_PAGES = 1000
-"""Automatic ``step_blocks``: ``max(STEP_BLOCKS, capacity // STEP_PER_PAGES)`` (6 up to 6,999)."""
-
-SCAN_WARMUP = 2048
-SCAN_RATE = 0.02
-SCAN_DECAY = 0.999
-SCAN_PROBE = 8
-"""The scan gate: once :data:`SCAN_WARMUP` pages that came back from the history have left,
-if fewer than :data:`SCAN_RATE` of the recent ones (a moving average, weight
-:data:`SCAN_DECAY` per page) were used while resident, the history is readmitting a scan that
-is longer than the tier: a page that comes back is then declined, except one in
-:data:`SCAN_PROBE`, which keeps the measure current (so the gate opens again when the
-traffic changes). The conversation trace never closes it (the rate stays at 0.05 or more)."""
 
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
@@ -54,7 +52,7 @@ class _Page:
     back: int = -1  # its use code when it came back from the history; -1: it did not
 
 
-class KVAwarePolicy(EvictionPolicy):
+class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
     """GreedyDual on use counts, evicting stranded blocks first and admitting only chains
     that conversations come back to.
 
@@ -171,15 +169,6 @@ class KVAwarePolicy(EvictionPolicy):
         return _VALUE[count] / 2
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _remember(self, key: Key, count: int) -> None:
-        gone = self._gone
-        gone[key] = count
-        gone.move_to_end(key)
-        if len(gone) > self._limit:
-            pop = gone.popitem
-            while len(gone) > self._limit:
-                pop(last=False)
-
     def _enqueue(self, key: Key, page: _Page, orphan: bool = False) -> None:
         code = page.code = self._count[key]
         if orphan:
@@ -220,80 +209,7 @@ class KVAwarePolicy(EvictionPolicy):
                 self._set_orphan(child, True)
         self._remember(key, count)
 
-    # -- the interface -------------------------------------------------------------------
-    def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
-        if hint is NO_HINT:  # the short way: no parent, not a last block
-            return True
-        ok = self._admit(key, hint)
-        if ok:  # a later page of the batch may extend it
-            self._pending.setdefault(key, 0)
-        return ok
-
-    def _head_rule(self) -> int:
-        head = self._head_blocks
-        return self._capacity // HEAD_PER_PAGES if head is None else head
-
-    def _left(self, used: bool) -> None:
-        """A page that came back from the history leaves (evicted): was it used meanwhile?"""
-        self._back_left = self._back_left * SCAN_DECAY + 1.0
-        self._back_used = self._back_used * SCAN_DECAY + used
-        self._back_seen += 1
-
-    def _scan(self) -> bool:
-        """True when the history is readmitting a scan (see :data:`SCAN_WARMUP`)."""
-        return self._back_seen >= SCAN_WARMUP and self._back_used < SCAN_RATE * self._back_left
-
-    def _step_rule(self) -> int:
-        step = self._step_blocks
-        return max(STEP_BLOCKS, self._capacity // STEP_PER_PAGES) if step is None else step
-
-    def _admit(self, key: Key, hint: PageHint) -> bool:
-        if key in self._gone:
-            if self._scan():
-                self._probes += 1
-                if self._probes % SCAN_PROBE:
-                    self._gone.move_to_end(key)  # still remembered, as if declined now
-                    return False
-            return True
-        later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
-        if later:  # a later turn: how many never-seen blocks in a row does it bring?
-            step = self._step_rule()
-            if step:
-                start = self._run.get(hint.parent, hint.depth)
-                self._run[key] = start
-                if hint.blocks - start >= step:
-                    self._remember(key, 1)
-                    return False
-        if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
-            head = self._head_rule()
-            if head:
-                if hint.depth <= head:
-                    return True
-                if not 0 < hint.blocks <= self._short:
-                    self._remember(key, 1)
-                    return False
-        if hint.last:
-            ok = False
-        elif hint.parent is None:
-            return True
-        else:
-            fanout = self._fanout_of(hint.parent)
-            if fanout is not None:  # the parent is resident
-                ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
-                self._add_fanout(hint.parent)
-            else:
-                fanout = self._pending.get(hint.parent)  # admitted earlier in this batch
-                if fanout is None:
-                    ok = False
-                else:
-                    ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
-                    self._pending[hint.parent] = fanout + 1
-        if not ok:
-            self._remember(key, 1)
-        elif later and self._step_rule():
-            self._small.add(key)
-        return ok
-
+    # -- the interface (admission: kvaware_admission.py) ----------------------------------
     def _fanout_of(self, key: Key) -> int | None:
         """The fan-out of a page the policy holds; None if it holds no such page."""
         if self._bound:
@@ -316,12 +232,6 @@ class KVAwarePolicy(EvictionPolicy):
         self._keys_only()
         self._insert(key, hint)
         self._end_batch()  # a batch of admissions ends with an insert (as in slot mode)
-
-    def _end_batch(self) -> None:
-        self._pending.clear()
-        if self._run:
-            self._run.clear()
-            self._small.clear()
 
     def _insert(self, key: Key, hint: PageHint) -> None:
         seen = self._gone.pop(key, 0)

@@ -1,0 +1,153 @@
+"""kvaware's admission: which never-seen or returning pages a full tier stores at all.
+
+The rules come from how conversation traffic reuses prefix blocks (``docs/policies.md``):
+a first turn is declined but for its head, a later turn's small step is stored and a large
+one is not, a page seen before is stored again unless the history has turned out to be a
+scan's. :class:`ConversationAdmission` is a mixin of
+:class:`~tierkv.policies.kvaware.KVAwarePolicy`, which owns the state it declares.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tierkv.policies.base import NO_HINT, Key, PageHint
+
+HEAD_PER_PAGES = 750
+"""Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
+
+STEP_BLOCKS = 6
+STEP_PER_PAGES = 1000
+"""Automatic ``step_blocks``: ``max(STEP_BLOCKS, capacity // STEP_PER_PAGES)`` (6 up to 6,999)."""
+
+SCAN_WARMUP = 2048
+SCAN_RATE = 0.02
+SCAN_DECAY = 0.999
+SCAN_PROBE = 8
+"""The scan gate: once :data:`SCAN_WARMUP` pages that came back from the history have left,
+if fewer than :data:`SCAN_RATE` of the recent ones (a moving average, weight
+:data:`SCAN_DECAY` per page) were used while resident, the history is readmitting a scan that
+is longer than the tier: a page that comes back is then declined, except one in
+:data:`SCAN_PROBE`, which keeps the measure current (so the gate opens again when the
+traffic changes). The conversation trace never closes it (the rate stays at 0.05 or more)."""
+
+
+class ConversationAdmission:
+    """The admission rules of kvaware and the history they read (a mixin).
+
+    The history (``_gone``) remembers departed and declined pages with their use counts; a
+    page it holds is admitted again (a conversation's next turn) unless the scan gate is
+    closed. A batch of admissions (one request's new pages, asked before any is inserted)
+    ends with ``_end_batch``.
+    """
+
+    _capacity: int
+    _limit: float
+    _max_fanout: int
+    _short: int
+    _head_blocks: int | None
+    _step_blocks: int | None
+    _gone: OrderedDict[Key, int]  # departed/declined key -> use count
+    _pending: dict[Key, int]  # admitted, not yet inserted -> fanout so far
+    _run: dict[Key, int]  # this batch's never-seen pages -> depth their run began
+    _small: set[Key]  # this batch's admitted small-step pages: they start at 2 uses
+    _back_left: float  # the scan gate: pages back from the history that left (decayed)
+    _back_used: float  # ... and of them, used while resident
+    _back_seen: int
+    _probes: int
+
+    def _fanout_of(self, key: Key) -> int | None:
+        """The fan-out of a page the policy holds; None if it holds no such page."""
+        raise NotImplementedError
+
+    def _add_fanout(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
+        """Whether a full tier should store ``key`` (see ``KVAwarePolicy``)."""
+        if hint is NO_HINT:  # the short way: no parent, not a last block
+            return True
+        ok = self._admit(key, hint)
+        if ok:  # a later page of the batch may extend it
+            self._pending.setdefault(key, 0)
+        return ok
+
+    def _remember(self, key: Key, count: int) -> None:
+        gone = self._gone
+        gone[key] = count
+        gone.move_to_end(key)
+        if len(gone) > self._limit:
+            pop = gone.popitem
+            while len(gone) > self._limit:
+                pop(last=False)
+
+    def _end_batch(self) -> None:
+        self._pending.clear()
+        if self._run:
+            self._run.clear()
+            self._small.clear()
+
+    def _head_rule(self) -> int:
+        head = self._head_blocks
+        return self._capacity // HEAD_PER_PAGES if head is None else head
+
+    def _step_rule(self) -> int:
+        step = self._step_blocks
+        return max(STEP_BLOCKS, self._capacity // STEP_PER_PAGES) if step is None else step
+
+    def _left(self, used: bool) -> None:
+        """A page that came back from the history leaves (evicted): was it used meanwhile?"""
+        self._back_left = self._back_left * SCAN_DECAY + 1.0
+        self._back_used = self._back_used * SCAN_DECAY + used
+        self._back_seen += 1
+
+    def _scan(self) -> bool:
+        """True when the history is readmitting a scan (see :data:`SCAN_WARMUP`)."""
+        return self._back_seen >= SCAN_WARMUP and self._back_used < SCAN_RATE * self._back_left
+
+    def _admit(self, key: Key, hint: PageHint) -> bool:
+        if key in self._gone:
+            if self._scan():
+                self._probes += 1
+                if self._probes % SCAN_PROBE:
+                    self._gone.move_to_end(key)  # still remembered, as if declined now
+                    return False
+            return True
+        later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
+        if later:  # a later turn: how many never-seen blocks in a row does it bring?
+            step = self._step_rule()
+            if step:
+                start = self._run.get(hint.parent, hint.depth)
+                self._run[key] = start
+                if hint.blocks - start >= step:
+                    self._remember(key, 1)
+                    return False
+        if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
+            head = self._head_rule()
+            if head:
+                if hint.depth <= head:
+                    return True
+                if not 0 < hint.blocks <= self._short:
+                    self._remember(key, 1)
+                    return False
+        if hint.last:
+            ok = False
+        elif hint.parent is None:
+            return True
+        else:
+            fanout = self._fanout_of(hint.parent)
+            if fanout is not None:  # the parent is resident
+                ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
+                self._add_fanout(hint.parent)
+            else:
+                fanout = self._pending.get(hint.parent)  # admitted earlier in this batch
+                if fanout is None:
+                    ok = False
+                else:
+                    ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
+                    self._pending[hint.parent] = fanout + 1
+        if not ok:
+            self._remember(key, 1)
+        elif later and self._step_rule():
+            self._small.add(key)
+        return ok
