@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tierkv.page_table import PageTable
@@ -37,6 +37,8 @@ class ReplayResult:
     hits: int
     blocks: int
     requests: int
+    policy_stats: dict[str, float] = field(default_factory=dict)
+    """The policy's own counters at the end (``EvictionPolicy.stats``; empty for most)."""
 
     @property
     def hit_rate(self) -> float:
@@ -108,7 +110,8 @@ def replay(
             if alloc is None:  # cannot happen in a one-tier replay: nothing stays pinned
                 raise RuntimeError("page table refused a store with nothing pinned")
             complete_store(alloc.keys, _TIER)
-    return ReplayResult(policy, capacity_blocks, hits, blocks, len(trace))
+    stats = table.policy(_TIER).stats()
+    return ReplayResult(policy, capacity_blocks, hits, blocks, len(trace), stats)
 
 
 def replay_infinite(trace: Trace) -> ReplayResult:

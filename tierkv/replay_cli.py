@@ -76,6 +76,7 @@ def _as_json(
                 "of_belady": r.hit_rate / bound.hit_rate if bound.hit_rate else 0.0,
                 "hits": r.hits,
                 "blocks": r.blocks,
+                **({"policy_stats": r.policy_stats} if r.policy_stats else {}),
             }
             for r in results
         },
@@ -94,6 +95,19 @@ def _print_table(
         oi = rate / inf.hit_rate if inf.hit_rate else 0.0
         mark = " (default)" if name == DEFAULT_POLICY else ""
         print(f"{name:<12} {rate:>9.4f} {ob:>10.3f} {oi:>12.3f}{mark}")
+    for r in results:
+        if r.policy_stats:
+            print(f"{r.policy}: {_describe(r.policy_stats)}")
+
+
+def _describe(stats: dict[str, float]) -> str:
+    """One line of a policy's counters: admissions, then declines by rule, then the rest."""
+    d = {k: v for k, v in stats.items() if k.startswith("declined_") and v}
+    rest = {k: v for k, v in stats.items() if not k.startswith("declined_")}
+    parts = [f"{k}={v:,.3g}" if isinstance(v, float) else f"{k}={v:,}" for k, v in rest.items()]
+    if d:
+        parts.append("declined: " + ", ".join(f"{k[9:]}={v:,}" for k, v in d.items()))
+    return "; ".join(parts)
 
 
 def _plot(

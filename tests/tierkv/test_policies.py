@@ -192,6 +192,9 @@ def test_kvaware_declines_a_large_step_and_favours_a_small_one() -> None:
     p.insert("n")  # a new page with one use
     # one use (priority 2) goes before two (5): d3 came back from the history, s3 is a small step
     assert [p.evict(always) for _ in range(4)] == ["root2", "n", "d3", "s3"]
+    stats = p.stats()
+    assert (stats["declined_step"], stats["readmitted"], stats["admitted"]) == (2, 1, 1)
+    assert stats["step_blocks"] == 3 and stats["head_blocks"] == 0
     # step_blocks=0 turns the rule off: large steps are admitted, small ones start at one use
     off = KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=0)
     off.insert("r")
@@ -233,6 +236,8 @@ def test_kvaware_scan_gate_closes_on_a_loop_and_opens_again() -> None:
                 round_trip(k, used=False)
         # the history is a scan's now: 7 of 8 returning pages are declined, 1 is a probe
         assert [p.admit(k % 4, hint) for k in range(16)].count(True) == 2
+        assert p.stats()["scan_gate_closed"] == 1 and p.stats()["returning_used"] == 0.0
+        assert p.stats()["declined_history_scan"] == 14
         assert p.admit(99, hint)  # a never-seen page is not the history's
         round_trip(0, used=True)  # returning pages are used again: the gate opens
         assert all(p.admit(k, hint) for k in range(4))

@@ -113,6 +113,8 @@ def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
             "512",
             "--policy",
             "lru",
+            "--policy",
+            "kvaware",
             "--json",
             "--quiet",
         ]
@@ -121,6 +123,13 @@ def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     out = json.loads(capsys.readouterr().out)
     assert out["capacity_blocks"] == 4
     assert 0 <= out["policies"]["lru"]["hit_rate"] <= out["infinite"]
+    assert "policy_stats" not in out["policies"]["lru"]  # LRU decides nothing to report
+    stats = out["policies"]["kvaware"]["policy_stats"]  # kvaware's admission, by rule
+    assert stats["scan_gate_closed"] == 0 and stats["history"] > 0
+    assert sum(v for k, v in stats.items() if k.startswith("declined_")) > 0
+    rc = main(["replay", str(trace), "--capacity-tokens", "2048", "--policy", "kvaware", "--quiet"])
+    assert rc == 0
+    assert "kvaware: admitted=" in capsys.readouterr().out
     png = tmp_path / "p.png"
     pytest.importorskip("matplotlib")
     rc = main(

@@ -97,6 +97,10 @@ class EvictionPolicy(ABC):
         """Whether a new page should enter a *full* tier at all (default: always)."""
         return True
 
+    def stats(self) -> dict[str, float]:
+        """Counters of the policy's own decisions, for reports (none by default)."""
+        return {}
+
     def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
         """Choose and forget up to ``n`` victims (fewer only when no more may be evicted)."""
         out: list[Key] = []

@@ -134,6 +134,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         # the scan gate: pages back from the history that left (decayed), of them used; counts
         self._back_left = self._back_used = 0.0
         self._back_seen = self._probes = 0
+        self._decisions: dict[str, int] = {}
         # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
         self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}

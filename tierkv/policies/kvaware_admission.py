@@ -55,6 +55,7 @@ class ConversationAdmission:
     _back_used: float  # ... and of them, used while resident
     _back_seen: int
     _probes: int
+    _decisions: dict[str, int]  # admission outcomes by rule (see stats)
 
     def _fanout_of(self, key: Key) -> int | None:
         """The fan-out of a page the policy holds; None if it holds no such page."""
@@ -71,6 +72,27 @@ class ConversationAdmission:
         if ok:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
         return ok
+
+    def stats(self) -> dict[str, float]:
+        """What admission decided so far, by rule, and the state it reads.
+
+        ``admitted`` (never-seen pages stored), ``readmitted`` (pages the history held),
+        ``declined_history_scan``, ``declined_step``, ``declined_head``, ``declined_fanout``
+        (a shared or missing parent), ``declined_last``; ``history`` (keys remembered),
+        ``scan_gate_closed`` (0/1), ``returning_used`` (the share of pages back from the
+        history that were used before they left, the gate's measure), and the effective
+        ``head_blocks`` and ``step_blocks``.
+        """
+        out: dict[str, float] = dict(self._decisions)
+        out["history"] = len(self._gone)
+        out["scan_gate_closed"] = int(self._scan())
+        out["returning_used"] = self._back_used / self._back_left if self._back_left else 0.0
+        out["head_blocks"] = self._head_rule()
+        out["step_blocks"] = self._step_rule()
+        return out
+
+    def _decided(self, what: str) -> None:
+        self._decisions[what] = self._decisions.get(what, 0) + 1
 
     def _remember(self, key: Key, count: int) -> None:
         gone = self._gone
@@ -111,7 +133,9 @@ class ConversationAdmission:
                 self._probes += 1
                 if self._probes % SCAN_PROBE:
                     self._gone.move_to_end(key)  # still remembered, as if declined now
+                    self._decided("declined_history_scan")
                     return False
+            self._decided("readmitted")
             return True
         later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
         if later:  # a later turn: how many never-seen blocks in a row does it bring?
@@ -121,18 +145,22 @@ class ConversationAdmission:
                 self._run[key] = start
                 if hint.blocks - start >= step:
                     self._remember(key, 1)
+                    self._decided("declined_step")
                     return False
         if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
             head = self._head_rule()
             if head:
                 if hint.depth <= head:
+                    self._decided("admitted")
                     return True
                 if not 0 < hint.blocks <= self._short:
                     self._remember(key, 1)
+                    self._decided("declined_head")
                     return False
         if hint.last:
             ok = False
         elif hint.parent is None:
+            self._decided("admitted")
             return True
         else:
             fanout = self._fanout_of(hint.parent)
@@ -148,6 +176,9 @@ class ConversationAdmission:
                     self._pending[hint.parent] = fanout + 1
         if not ok:
             self._remember(key, 1)
-        elif later and self._step_rule():
-            self._small.add(key)
+            self._decided("declined_last" if hint.last else "declined_fanout")
+        else:
+            self._decided("admitted")
+            if later and self._step_rule():
+                self._small.add(key)
         return ok
