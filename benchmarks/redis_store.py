@@ -235,7 +235,9 @@ async def main(quick: bool, json_path: str | None, plot_path: str | None) -> Non
     figures: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
     sweeps: dict[str, dict[str, dict[str, float]]] = {}
-    with RedisServer() as srv:
+    # a cache server, as docs/redis.md recommends (and RedisTier warns without): no maxmemory
+    # is set, so nothing is evicted during the run
+    with RedisServer(args=["--maxmemory-policy", "allkeys-lru"]) as srv:
         print(f"redis-server on {srv.url}; loop {type(asyncio.get_running_loop()).__module__}")
         for name, spec in SPECS.items():
             n = (256 if quick else 1024) if spec.page_bytes < 32768 else (256 if quick else 512)
