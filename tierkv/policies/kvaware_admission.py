@@ -10,6 +10,7 @@ scan's. :class:`ConversationAdmission` is a mixin of
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 from tierkv.policies.base import NO_HINT, Key, PageHint
 
@@ -57,12 +58,11 @@ class ConversationAdmission:
     _probes: int
     _decisions: dict[str, int]  # admission outcomes by rule (see stats)
 
-    def _fanout_of(self, key: Key) -> int | None:
-        """The fan-out of a page the policy holds; None if it holds no such page."""
-        raise NotImplementedError
+    if TYPE_CHECKING:  # provided by KVAwarePolicy (key or slot mode)
 
-    def _add_fanout(self, key: Key) -> None:
-        raise NotImplementedError
+        def _fanout_of(self, key: Key) -> int | None: ...
+
+        def _add_fanout(self, key: Key) -> None: ...
 
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
         """Whether a full tier should store ``key`` (see ``KVAwarePolicy``)."""
