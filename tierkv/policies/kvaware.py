@@ -487,9 +487,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             c = 0 if h.last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
             if c == 1 and small and k in small:
                 c = 2
-            code[s] = qcode[s] = back[s] = start[c]
-            if not seen:
-                back[s] = -1
+            code[s] = qcode[s] = start[c]
+            back[s] = start[c] if seen else -1
             key_of[s] = k
             fanout[s] = pending.pop(k, 0) if pending else 0
             parent = parent_of[s] = h.parent
