@@ -7,12 +7,21 @@
 An arena knows bytes and slots, never what a slot holds. Ownership of a slot stays with whoever
 allocated it; a slot that an unfinished transfer still reads or writes is *busy* and cannot be
 freed (SlotBusyError), so a cancelled await can never hand a half-written slot to someone else.
+
+A budget is a limit, not an allocation: host buffers reserve address space only (an anonymous
+mapping with MAP_NORESERVE, never touched here), and the kernel commits a page of memory when
+it is first written. An arena of 64 GiB on a 24 GiB machine maps at once and costs the RSS of
+the slots actually used; touching more than the machine holds is then the caller's out-of-memory
+(with ``vm.overcommit_memory=2`` the kernel refuses the reservation itself, and the ArenaError
+says so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import platform
+import sys
 import threading
 
 import numpy as np
@@ -22,25 +31,57 @@ import torch
 from .errors import ArenaError, InvalidSlotError, SlotBusyError
 from .freelist import SlotFreeList, SlotIds, as_slot_ids
 
-__all__ = ["Arena", "allocate_host_buffer"]
+__all__ = ["MAP_NORESERVE", "Arena", "allocate_host_buffer"]
+
+
+def _map_noreserve() -> int:
+    # Python exposes MAP_NORESERVE only from 3.13; its value on Linux depends on the architecture.
+    flag = getattr(mmap, "MAP_NORESERVE", None)
+    if flag is not None:
+        return int(flag)
+    if not sys.platform.startswith("linux"):
+        return 0
+    machine = platform.machine().lower()
+    for prefix, value in (("ppc", 0x40), ("sparc", 0x40), ("mips", 0x400), ("alpha", 0x10000)):
+        if machine.startswith(prefix):
+            return value
+    return 0x4000  # x86, arm, arm64, riscv, s390, loongarch
+
+
+MAP_NORESERVE = _map_noreserve()
+
+
+def _overcommit_mode() -> str:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
 
 
 def allocate_host_buffer(nbytes: int, *, huge_pages: bool = True) -> npt.NDArray[np.uint8]:
-    """An anonymous, page-aligned host buffer of `nbytes`, touched up front.
+    """An anonymous, page-aligned, zero-filled host buffer of `nbytes`, committed lazily.
 
-    Transparent huge pages are requested where the OS offers them (fewer TLB misses on random
-    slot access). Raises ArenaError when the memory cannot be mapped.
+    Only address space is reserved (MAP_NORESERVE, nothing touched): the kernel commits each
+    page of memory when it is first written, so the RSS of a buffer is what has been used of
+    it, whatever its size. Transparent huge pages are requested where the OS offers them
+    (fewer TLB misses on random slot access). Raises ArenaError when the address space cannot
+    be reserved (the message names the overcommit mode when the kernel refused).
     """
     try:
-        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     except (OSError, ValueError, OverflowError) as exc:
-        raise ArenaError(f"cannot map {nbytes} bytes of host memory: {exc}") from exc
+        hint = ""
+        if isinstance(exc, OSError) and exc.errno == 12:
+            hint = (
+                f" (vm.overcommit_memory={_overcommit_mode()}; mode 2 commits every mapping "
+                "up front: lower the budget or allow overcommit)"
+            )
+        raise ArenaError(f"cannot map {nbytes} bytes of host memory: {exc}{hint}") from exc
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # advisory only
             mm.madvise(mmap.MADV_HUGEPAGE)
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    arr.fill(0)  # touch every page now, not during the first transfer
-    return arr
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 class Arena:

@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .arena import Arena
+from .arena import MAP_NORESERVE, Arena
 from .errors import ArenaError
 from .freelist import SlotFreeList, as_slot_ids
 
@@ -155,9 +155,10 @@ class DeviceArena(Arena):
 
 
 def _host_mapping(nbytes: int, name: str) -> npt.NDArray[np.uint8]:
-    # Not touched: pages are faulted in when a chunk is registered (or first written).
+    # Address space only (MAP_NORESERVE, see arena.py): pages are committed when a chunk is
+    # registered (or first written), so a host budget above physical memory still maps.
     try:
-        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
     except (OSError, ValueError, OverflowError) as exc:
         raise ArenaError(f"arena {name!r}: cannot map {nbytes} B of host memory: {exc}") from exc
     return np.frombuffer(mm, dtype=np.uint8)
