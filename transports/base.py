@@ -25,23 +25,40 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
-from .errors import ClosedError, PeerError, RegionError, RemoteAccessError, TransferTimeoutError
+from .errors import (
+    ClosedError,
+    PeerError,
+    ProtocolError,
+    RegionError,
+    RemoteAccessError,
+    TransferTimeoutError,
+)
 from .handle import TransferHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Direction", "Transport"]
+__all__ = ["DEFAULT_TIMEOUT_S", "MAX_NOTIFY_BYTES", "Direction", "Transport"]
 
 DEFAULT_TIMEOUT_S = 30.0
 Direction = Literal["read", "write"]
 _T = TypeVar("_T", bound="Transport")
 
 
+#: the largest notification a transport sends (peers refuse larger ones)
+MAX_NOTIFY_BYTES = 1 << 16
+
+
 class Transport(abc.ABC):
     """Base class of every transport; an async context manager (`start` / `aclose`).
 
     `name` is this agent's name (unique among the peers that will meet); `timeout` bounds every
-    transfer, connect and wait that does not take its own.
+    transfer, connect and wait that does not take its own. Notifications nobody has read yet
+    are bounded (`max_notifications`, `max_notification_bytes`); past either, one is dropped
+    and counted (`notifications_dropped`) and the transport drops the sender's connection.
     """
+
+    #: notifications (and their bytes) that may wait for `get_notification`
+    max_notifications: ClassVar[int] = 4096
+    max_notification_bytes: ClassVar[int] = 8 << 20
 
     kind: ClassVar[str] = "base"
     capabilities: ClassVar[Capabilities]
@@ -53,6 +70,8 @@ class Transport(abc.ABC):
         self._region_ids = itertools.count(1)
         self._peers: dict[str, dict[str, Any]] = {}
         self._notifications: asyncio.Queue[Notification] = asyncio.Queue()
+        self._notification_bytes = 0
+        self.notifications_dropped = 0
         self._inflight: set[TransferHandle] = set()
         self._started = False
         self._closed = False
@@ -191,18 +210,33 @@ class Transport(abc.ABC):
         seconds (default: the transport's timeout)."""
         self._check_open()
         if not self._notifications.empty():
-            return self._notifications.get_nowait()
-        limit = self.timeout if timeout is None else timeout
-        try:
-            return await asyncio.wait_for(self._notifications.get(), limit)
-        except TimeoutError:
-            raise TransferTimeoutError(f"no notification within {limit:g} s") from None
+            note = self._notifications.get_nowait()
+        else:
+            limit = self.timeout if timeout is None else timeout
+            try:
+                note = await asyncio.wait_for(self._notifications.get(), limit)
+            except TimeoutError:
+                raise TransferTimeoutError(f"no notification within {limit:g} s") from None
+        self._notification_bytes -= len(note.data)
+        return note
 
-    def _deliver(self, peer: str, data: bytes) -> None:
+    def _deliver(self, peer: str, data: bytes) -> bool:
+        """Queue a notification; False (dropped, counted) when over the budget: the caller
+        then drops the sender's connection."""
+        if (
+            self._notifications.qsize() >= self.max_notifications
+            or self._notification_bytes + len(data) > self.max_notification_bytes
+        ):
+            self.notifications_dropped += 1
+            return False
+        self._notification_bytes += len(data)
         self._notifications.put_nowait(Notification(peer, data))
+        return True
 
     def _post(self, direction: Direction, ops: Iterable[TransferOp], notify: bytes | None) -> Any:
         self._check_open()
+        if notify is not None and len(notify) > MAX_NOTIFY_BYTES:
+            raise ProtocolError(f"a notification of {len(notify)} bytes (limit {MAX_NOTIFY_BYTES})")
         batch = list(ops)
         nbytes = 0
         for op in batch:

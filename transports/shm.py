@@ -3,7 +3,13 @@ by the name in the descriptor; a read or write is a memcpy out of / into the map
 no round trip to the owner per page.
 
 A small control channel per peer pair (an abstract unix socket, so no file to clean up) carries
-the hello, notifications and deregistrations, and tells a peer when the other end is gone::
+the hello, notifications and deregistrations, and tells a peer when the other end is gone.
+Anyone on the host can connect to an abstract socket, so the owner checks the peer's
+credentials (SO_PEERCRED: our own uid by default, `allow_uids` to admit others), then runs the
+mutual handshake of session.py (with `secret`, when set: every frame tagged from then on).
+Notifications nobody reads are bounded (see `Transport`): past the budget the sender's
+connection is dropped. Segments are mode 0600 and named ``tkv-<pid>-<start time>-<random>``, so
+`remove_stale_segments` can unlink those whose owner process is gone::
 
     initiator                               owner ("b")
     ┌──────────────┐   mmap /dev/shm/tkv-…  ┌──────────────┐
@@ -23,40 +29,76 @@ import re
 import secrets
 import socket
 import struct
+from collections.abc import Iterable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-import msgpack
-
 from .base import Direction, Transport
-from .errors import PeerError, ProtocolError, RemoteAccessError
+from .errors import AuthError, PeerError, ProtocolError, RemoteAccessError, TransportError
+from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .handle import TransferHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
+from .session import Limits, StreamSession
 
-__all__ = ["ShmTransport"]
+__all__ = ["ShmTransport", "remove_stale_segments", "segment_name"]
 
-_LEN = struct.Struct("!I")
-_MAX_MSG = 1 << 20
+SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+OWNER_ROLE, PEER_ROLE = "shm-owner", "shm-peer"
+_MAX_NOTIFY = 1 << 16
+#: after the handshake: notify {data <= 64 KiB}, dereg {region}
+_LIMITS = Limits(frame=_MAX_NOTIFY + 256, array=4, map=8, str=256, bin=_MAX_NOTIFY)
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
+_OWNED = re.compile(r"tkv-(?:[a-z]+-)?(\d+)-(\d+)-[0-9a-f]+")
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-async def _send(writer: asyncio.StreamWriter, obj: Any) -> None:
-    body = msgpack.packb(obj)
-    writer.write(_LEN.pack(len(body)) + body)
-    await writer.drain()
-
-
-async def _recv(reader: asyncio.StreamReader) -> Any:
-    """The next message, or None at EOF. Raises ProtocolError on a bad frame."""
+def _start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None if it is gone."""
     try:
-        (n,) = _LEN.unpack(await reader.readexactly(4))
-        if n > _MAX_MSG:
-            raise ProtocolError(f"control message of {n} bytes")
-        return msgpack.unpackb(await reader.readexactly(n))
-    except (asyncio.IncompleteReadError, ConnectionError):
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
         return None
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ProtocolError("malformed control message") from exc
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+
+
+def segment_name(prefix: str = "tkv") -> str:
+    """A fresh segment name carrying our pid and start time: ``<prefix>-<pid>-<start>-<hex>``
+    (``prefix`` is ``tkv`` or ``tkv-<word>``)."""
+    pid = os.getpid()
+    return f"{prefix}-{pid}-{_start_time(pid) or 0}-{secrets.token_hex(6)}"
+
+
+def remove_stale_segments(folder: str = "/dev/shm") -> list[str]:
+    """Unlink our uid's tierkv segments whose owner process is gone (or is another process
+    with the same pid); returns their names."""
+    removed = []
+    uid = os.getuid()
+    for name in _listdir(folder):
+        m = _OWNED.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if os.stat(path).st_uid != uid:
+                continue
+        except OSError:
+            continue
+        pid, start = int(m.group(1)), int(m.group(2))
+        if _start_time(pid) == start:
+            continue  # alive
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+def _listdir(folder: str) -> Iterable[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
 
 
 async def _connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -68,7 +110,14 @@ async def _connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWr
     except BaseException:
         sock.close()
         raise
-    return await asyncio.open_unix_connection(sock=sock)
+    return await asyncio.open_unix_connection(sock=sock, limit=1 << 14)
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket."""
+    sock = writer.get_extra_info("socket")
+    pid, uid, _ = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+    return pid, uid
 
 
 class ShmTransport(Transport):
@@ -76,19 +125,44 @@ class ShmTransport(Transport):
 
     Only regions made by `allocate()` or registered as a `SharedMemory` can be targeted by peers;
     any buffer can be the local side of a transfer.
+
+    Args:
+        secret: shared secret both ends must prove (default ``$TIERKV_TRANSPORT_SECRET``, if
+            set; empty: ValueError). Without one only the uid check guards the socket.
+        allow_uids: uids admitted on our control socket besides our own.
+        max_preauth: connections that may be at the handshake at once.
+
+    Raises ValueError for an empty secret.
     """
 
     kind = "shm"
     capabilities = Capabilities(frozenset({"host"}), "native", "host")
 
-    def __init__(self, name: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        timeout: float = 30.0,
+        secret: bytes | None = None,
+        allow_uids: Iterable[int] = (),
+        max_preauth: int = 32,
+    ) -> None:
         super().__init__(name, timeout=timeout)
+        if secret is None:
+            env = os.environ.get(SECRET_ENV)
+            if env == "":
+                raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
+            secret = env.encode() if env else b""
+        self._secret = secret
+        self.allow_uids = {os.getuid(), *allow_uids}
+        self.audit = Audit("shm")
+        self._preauth = PeerCaps(max_preauth)
         self._address = f"\0tierkv-shm-{self.name}-{secrets.token_hex(6)}"
         self._server: asyncio.AbstractServer | None = None
         self._segments: dict[int, tuple[SharedMemory, bool]] = {}  # region id -> (segment, owned)
         self._maps: dict[tuple[str, int], tuple[str, mmap.mmap, memoryview]] = {}
-        self._links: dict[str, tuple[asyncio.StreamWriter, asyncio.Task[None], int]] = {}
-        self._inbound: set[asyncio.StreamWriter] = set()
+        self._links: dict[str, tuple[StreamSession, asyncio.Task[None], int]] = {}
+        self._inbound: set[StreamSession] = set()
         self._dead: set[str] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
 
@@ -97,7 +171,7 @@ class ShmTransport(Transport):
     def allocate(self, size: int, kind: str = "host") -> Region:
         """A new shared-memory segment of `size` bytes (zeroed), registered; unlinked when it
         is deregistered or the transport closes."""
-        seg = SharedMemory(name=f"tkv-{secrets.token_hex(8)}", create=True, size=max(size, 1))
+        seg = SharedMemory(name=segment_name(), create=True, size=max(size, 1))
         try:
             region = self.register_memory(seg, kind)
         except BaseException:
@@ -117,9 +191,8 @@ class ShmTransport(Transport):
 
     def _on_deregister(self, region: Region) -> None:
         for w in list(self._inbound):
-            if not w.is_closing():
-                body = msgpack.packb({"op": "dereg", "region": region.region_id})
-                w.write(_LEN.pack(len(body)) + body)
+            if not w.writer.is_closing():
+                w.write({"op": "dereg", "region": region.region_id})
         seg, owned = self._segments.pop(region.region_id, (None, False))
         if seg is None or not owned:  # a caller's SharedMemory stays theirs to close
             return
@@ -166,7 +239,7 @@ class ShmTransport(Transport):
     async def _start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # abstract: no file to remove
         sock.bind(self._address)
-        self._server = await asyncio.start_unix_server(self._on_connect, sock=sock)
+        self._server = await asyncio.start_unix_server(self._on_connect, sock=sock, limit=1 << 14)
 
     def _peer_fields(self) -> dict[str, Any]:
         return {"sock": self._address, "pid": os.getpid(), "host": os.uname().nodename}
@@ -183,49 +256,86 @@ class ShmTransport(Transport):
             reader, writer = await asyncio.wait_for(_connect(sock), self.timeout)
         except (OSError, TimeoutError) as exc:
             raise PeerError(f"cannot reach shm peer {agent!r}") from exc
-        await _send(writer, {"op": "hello", "agent": self.name})
-        reply = await asyncio.wait_for(_recv(reader), self.timeout)
-        if not isinstance(reply, dict) or reply.get("agent") != agent:
-            writer.close()
-            raise PeerError(f"shm peer {agent!r} did not answer the hello")
+        session = StreamSession(reader, writer, _LIMITS)
+        try:
+            await session.client_handshake(
+                self._secret, PEER_ROLE, self.name, deadline=self.timeout, expect_role=OWNER_ROLE
+            )
+            if session.peer_id != agent:
+                raise AuthError(f"the owner of {sock!r} is {session.peer_id!r}, not {agent!r}")
+        except (TransportError, OSError) as exc:
+            session.close()
+            if isinstance(exc, AuthError):
+                raise
+            raise PeerError(f"shm peer {agent!r} did not answer the hello: {exc}") from exc
+        except BaseException:
+            session.close()
+            raise
         self._dead.discard(agent)
-        watcher = asyncio.create_task(self._watch(agent, reader))
-        self._links[agent] = (writer, watcher, int(info.get("pid", 0)))
+        watcher = asyncio.create_task(self._watch(agent, session))
+        self._links[agent] = (session, watcher, int(info.get("pid", 0)))
 
-    async def _watch(self, agent: str, reader: asyncio.StreamReader) -> None:
+    async def _watch(self, agent: str, session: StreamSession) -> None:
         """Follow the owner's messages on our link; EOF means the peer is gone."""
-        with contextlib.suppress(ProtocolError):
-            while (msg := await _recv(reader)) is not None:
-                if isinstance(msg, dict) and msg.get("op") == "dereg":
-                    self._unmap((agent, msg.get("region", -1)))
+        with contextlib.suppress(TransportError):
+            while (msg := await session.recv()) is not None:
+                region = msg.get("region")
+                if msg.get("op") == "dereg" and type(region) is int:
+                    self._unmap((agent, region))
         self._dead.add(agent)
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
+        try:
+            pid, uid = _peer_uid(writer)
+        except (OSError, struct.error):
+            pid, uid = 0, -1
+        who = f"pid {pid} uid {uid}"
+        if uid not in self.allow_uids:
+            self.audit.note(AUTH_REFUSED, who, "uid not allowed")
+            writer.close()
+            return
+        if not self._preauth.admit(str(uid)):
+            self.audit.note(BUDGET_HIT, who, "preauth_per_peer")
+            writer.close()
+            return
+        preauth = True
         if task is not None:
             self._handlers.add(task)
+        session = StreamSession(reader, writer, _LIMITS)
         try:
-            hello = await asyncio.wait_for(_recv(reader), self.timeout)
-            if not isinstance(hello, dict) or not isinstance(hello.get("agent"), str):
-                return
-            await _send(writer, {"op": "welcome", "agent": self.name})
-            self._inbound.add(writer)
-            while (msg := await _recv(reader)) is not None:
-                if isinstance(msg, dict) and msg.get("op") == "notify":
-                    data = msg.get("data")
-                    if isinstance(data, bytes):
-                        self._deliver(hello["agent"], data)
-        except (ProtocolError, TimeoutError, ConnectionError):
+            await session.serve_handshake(
+                self._secret, OWNER_ROLE, self.name, deadline=min(self.timeout, 5.0)
+            )
+            self._preauth.release(str(uid))
+            preauth = False
+            self._inbound.add(session)
+            while (msg := await session.recv()) is not None:
+                data = msg.get("data")
+                if not isinstance(data, bytes) or msg.get("op") != "notify":
+                    continue
+                if not self._deliver(session.peer_id, data):
+                    self.audit.note(BUDGET_HIT, who, "notifications", agent=session.peer_id)
+                    return
+        except AuthError as exc:
+            self.audit.note(AUTH_REFUSED if preauth else PROTOCOL_ERROR, who, str(exc)[:120])
+        except ProtocolError as exc:
+            self.audit.note(PROTOCOL_ERROR, who, str(exc)[:120])
+        except TransportError:  # the hello deadline
+            self.audit.note(BUDGET_HIT, who, "hello_deadline")
+        except (TimeoutError, ConnectionError):
             pass
         finally:
-            self._inbound.discard(writer)
-            writer.close()
+            if preauth:
+                self._preauth.release(str(uid))
+            self._inbound.discard(session)
+            session.close()
             if task is not None:
                 self._handlers.discard(task)
 
-    def _check_alive(self, agent: str) -> asyncio.StreamWriter:
+    def _check_alive(self, agent: str) -> StreamSession:
         link = self._links.get(agent)
-        if link is None or agent in self._dead or link[0].is_closing():
+        if link is None or agent in self._dead or link[0].writer.is_closing():
             raise PeerError(f"shm peer {agent!r} is gone")
         try:
             os.kill(link[2], 0)
@@ -255,17 +365,17 @@ class ShmTransport(Transport):
             else:
                 theirs[ro : ro + n] = local.view[lo : lo + n]
         if notify is not None:
-            for agent, writer in links.items():
+            for agent, session in links.items():
                 try:
-                    await _send(writer, {"op": "notify", "data": bytes(notify)})
+                    await session.send({"op": "notify", "data": bytes(notify)})
                 except ConnectionError as exc:
                     raise PeerError(f"shm peer {agent!r} vanished before the notification") from exc
 
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for writer, watcher, _ in self._links.values():
-            writer.close()
+        for session, watcher, _ in self._links.values():
+            session.close()
             watcher.cancel()
         for w in list(self._inbound):
             w.close()

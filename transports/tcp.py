@@ -46,10 +46,19 @@ from .errors import (
     RemoteAccessError,
     TransportError,
 )
+from .guard import Audit, PeerCaps
 from .handle import TransferHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
+from .session import proof, seals, session_keys, transcript
 from .tcp_server import ServerConnection
-from .tcp_wire import MAX_HEADER, WIRE_VERSION, FrameProtocol, mac
+from .tcp_wire import (
+    CLIENT_ROLE,
+    HEADER_LIMITS,
+    MAX_HEADER,
+    SERVER_ROLE,
+    WIRE_VERSION,
+    FrameProtocol,
+)
 
 __all__ = ["TcpTransport"]
 
@@ -80,7 +89,7 @@ class ClientConnection(FrameProtocol):
         self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.max_segs = 0
         self.peer_max_payload = 0
-        self._server_nonce = b""
+        self._transcript = b""
         self._nonce = secrets.token_bytes(16)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._ids = 0
@@ -147,7 +156,8 @@ class ClientConnection(FrameProtocol):
         elif p.future.done():
             return
         elif op == "err":
-            cls = _ERRORS.get(header.get("code", ""), RemoteAccessError)
+            code = header.get("code")
+            cls = _ERRORS.get(code, RemoteAccessError) if isinstance(code, str) else ProtocolError
             p.future.set_exception(cls(f"{self.agent}: {header.get('msg', '')}"))
         elif (op, p.kind) in (("data", "read"), ("ok", "write")):
             p.future.set_result(None)
@@ -171,34 +181,50 @@ class ClientConnection(FrameProtocol):
 
     def _handshake(self, header: dict[str, Any]) -> None:
         secret, op = self.owner._secret, header["op"]
-        if op == "challenge" and isinstance(header.get("nonce"), bytes):
-            self._server_nonce = header["nonce"]
-            proof = mac(
-                secret, b"tierkv-client", self._server_nonce, self._nonce, self.owner.name.encode()
+        nonce = header.get("nonce")
+        if op == "challenge" and not self._transcript and isinstance(nonce, bytes):
+            if header.get("v") != WIRE_VERSION:
+                self.ready.set_exception(
+                    AuthError(
+                        f"{self.agent!r} speaks wire version {header.get('v')!r}, "
+                        f"not {WIRE_VERSION}"
+                    )
+                )
+                return self.abort()
+            # bound to the agent we mean to reach: an impostor's proof cannot match
+            self._transcript = transcript(
+                nonce, self._nonce, SERVER_ROLE, self.agent, CLIENT_ROLE, self.owner.name
             )
             auth = {"op": "auth", "v": WIRE_VERSION, "csums": list(algorithms())}
-            return self.send({**auth, "agent": self.owner.name, "nonce": self._nonce, "mac": proof})
-        expect = mac(
-            secret,
-            b"tierkv-server",
-            self._nonce,
-            self._server_nonce,
-            self.agent.encode(),
-        )
-        if op == "welcome" and hmac.compare_digest(header.get("mac") or b"", expect):
-            csum = header.get("csum", "crc32")  # a version 1 server: zlib crc32
-            if csum not in algorithms():
+            ours = proof(secret, "client", self._transcript)
+            return self.send({**auth, "agent": self.owner.name, "nonce": self._nonce, "mac": ours})
+        t = self._transcript
+        mac = header.get("mac")
+        if (
+            op == "welcome"
+            and t
+            and isinstance(mac, bytes)
+            and hmac.compare_digest(mac, proof(secret, "server", t))
+        ):
+            csum = header.get("csum")
+            if not isinstance(csum, str) or csum not in algorithms():
                 self.ready.set_exception(
                     AuthError(f"{self.agent!r} chose checksum {csum!r}, not one of ours")
                 )
                 return self.abort()
+            max_segs, max_payload = header.get("max_segs"), header.get("max_payload")
+            if type(max_segs) is not int or type(max_payload) is not int:
+                self.ready.set_exception(AuthError(f"{self.agent!r} sent a malformed welcome"))
+                return self.abort()
             self.csum_name, self.csum = csum, checksum_function(csum)
             self.csum_update = update_function(csum)
             self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
-            self.max_segs = int(header.get("max_segs", 1))
-            self.peer_max_payload = int(header.get("max_payload", 1))
+            self.max_segs = max(1, max_segs)
+            self.peer_max_payload = max(1, max_payload)
+            self.tx_seal, self.rx_seal = seals(session_keys(secret, t), server=False)
+            self.limits = HEADER_LIMITS
             return self.ready.set_result(None)
-        why = f"{op}: {header.get('msg', '')}" if op == "err" else op
+        why = f"{op}: {str(header.get('msg', ''))[:200]}" if op == "err" else op
         self.ready.set_exception(AuthError(f"handshake with {self.agent!r} failed ({why})"))
         self.abort()
 
@@ -249,17 +275,22 @@ class TcpTransport(Transport):
         chunk_bytes: int = 4 << 20,
         checksum: bool = True,
         checksum_thread: bool | None = None,
+        max_preauth_per_peer: int = 32,
     ) -> None:
         super().__init__(name, timeout=timeout)
         env = os.environ.get(SECRET_ENV)
         if secret is None and env is None:
             raise ValueError(f"tcp transport needs a shared secret (secret= or ${SECRET_ENV})")
+        if secret is None and not env:
+            raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
         self._secret = secret if secret is not None else (env or "").encode()
         self.host, self.port, self.advertise = host, port, advertise or host
         self.max_frame, self.chunk_bytes, self.checksum = max_frame, chunk_bytes, checksum
         self._server: asyncio.AbstractServer | None = None
         self._server_conns: set[ServerConnection] = set()
         self._conns: dict[str, ClientConnection] = {}
+        self.audit = Audit("tcp")
+        self._preauth = PeerCaps(max_preauth_per_peer)
         threaded = spare_cores() if checksum_thread is None else checksum_thread
         self._checksums = ChecksumThread(threaded)
 

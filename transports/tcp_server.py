@@ -1,7 +1,9 @@
 """The tcp transport's server side: one `ServerConnection` per accepted peer.
 
-It authenticates the peer (challenge -> auth -> welcome, which also settles the wire version and
-the checksum algorithm), then serves requests in order:
+It authenticates the peer (challenge -> auth -> welcome: the mutual handshake of session.py,
+which also settles the wire version and the checksum algorithm; at most `max_preauth_per_peer`
+connections per address may be at that stage, each for at most the timeout), then serves
+requests in order (every header tagged under the session's keys):
 "read" (answered by "data" + payload, then a "crc" frame when asked for one), "write" (payload
 received straight into the region, answered by "ok"), "notify" (no answer). Every segment is
 bounds-checked against the regions registered at that moment; a refused request gets an "err"
@@ -28,7 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 from .checksum import Checksum, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
-from .tcp_wire import MAX_HEADER, MAX_SEGS, WIRE_VERSION, FrameProtocol, mac, parse_segs
+from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR
+from .session import NONCE_BYTES, proof, seals, session_keys, transcript
+from .tcp_wire import (
+    CLIENT_ROLE,
+    HEADER_LIMITS,
+    MAX_HEADER,
+    MAX_SEGS,
+    SERVER_ROLE,
+    WIRE_VERSION,
+    FrameProtocol,
+    parse_segs,
+)
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
@@ -63,10 +76,19 @@ class ServerConnection(FrameProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
         self._replies: collections.deque[_Reply] = collections.deque()
-        self.version = 1  # the peer's wire version (from its auth frame)
+        self.version = WIRE_VERSION
+        self.address = ""
+        self._preauth = False
+        self._refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        if not self.owner._preauth.admit(self.address):
+            self.owner.audit.note(BUDGET_HIT, self.address, "preauth_per_peer")
+            return self.abort()
+        self._preauth = True
         self.owner._server_conns.add(self)
         self._timer = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
         challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
@@ -74,10 +96,17 @@ class ServerConnection(FrameProtocol):
 
     def _expire(self) -> None:
         if self.peer is None:
+            self.owner.audit.note(BUDGET_HIT, self.address, "hello_deadline")
             self.abort()
+
+    def _authenticated(self) -> None:
+        if self._preauth:
+            self._preauth = False
+            self.owner._preauth.release(self.address)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
+        self._authenticated()
         self.owner._server_conns.discard(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -93,6 +122,9 @@ class ServerConnection(FrameProtocol):
             self.transport.resume_reading()
 
     def on_protocol_error(self, exc: ProtocolError) -> None:
+        if self._refused:
+            return  # refused authentication: answered and counted already
+        self.owner.audit.note(PROTOCOL_ERROR, self.address, str(exc)[:120])
         self.send({"op": "err", "id": -1, "code": "protocol", "msg": str(exc)[:200]})
 
     def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:
@@ -135,7 +167,10 @@ class ServerConnection(FrameProtocol):
                 crc.add_done_callback(lambda f: self._verified(reply, header, f))
             return self._reply(reply)
         if op == "notify" and isinstance(header.get("data"), bytes):
-            return self.owner._deliver(self.peer, header["data"])
+            if not self.owner._deliver(self.peer, header["data"]):
+                self.owner.audit.note(BUDGET_HIT, self.address, "notifications", agent=self.peer)
+                self.abort()
+            return None
         raise ProtocolError(f"unexpected {op!r} frame")
 
     def _reply(self, reply: _Reply) -> None:
@@ -182,26 +217,34 @@ class ServerConnection(FrameProtocol):
         return views
 
     def _authenticate(self, header: dict[str, Any]) -> None:
-        agent, nonce, proof = header.get("agent"), header.get("nonce"), header.get("mac")
+        agent, nonce, mac = header.get("agent"), header.get("nonce"), header.get("mac")
         secret = self.owner._secret
-        if not (
+        t = b""
+        if (
             header["op"] == "auth"
             and isinstance(agent, str)
             and isinstance(nonce, bytes)
-            and isinstance(proof, bytes)
-            and hmac.compare_digest(
-                proof, mac(secret, b"tierkv-client", self._nonce, nonce, agent.encode())
-            )
+            and len(nonce) == NONCE_BYTES
+            and isinstance(mac, bytes)
         ):
+            t = transcript(self._nonce, nonce, SERVER_ROLE, self.owner.name, CLIENT_ROLE, agent)
+        if not (
+            t and isinstance(mac, bytes) and hmac.compare_digest(mac, proof(secret, "client", t))
+        ):
+            self.owner.audit.note(AUTH_REFUSED, self.address, "bad proof", agent=agent)
             self.send({"op": "err", "id": -1, "code": "auth", "msg": "authentication failed"})
+            self._refused = True
             raise ProtocolError("authentication failed")
+        assert isinstance(agent, str)
+        if header.get("v") != WIRE_VERSION:
+            raise ProtocolError(f"wire version {header.get('v')!r}; we speak {WIRE_VERSION}")
         csum = _choose_checksum(header)
         if csum is None:
             # answered by on_protocol_error (an "err" frame), then the connection is dropped
             raise ProtocolError(f"no common checksum (we speak v{WIRE_VERSION}: {algorithms()})")
         self.csum = checksum_function(csum)
-        self.version = min(header.get("v", 1), WIRE_VERSION)
         self.peer = agent
+        self._authenticated()
         self.max_header, self.max_payload = MAX_HEADER, self.owner.max_frame
         if self._timer is not None:
             self._timer.cancel()
@@ -210,20 +253,19 @@ class ServerConnection(FrameProtocol):
                 "op": "welcome",
                 "v": WIRE_VERSION,
                 "csum": csum,
-                "mac": mac(secret, b"tierkv-server", nonce, self._nonce, self.owner.name.encode()),
+                "mac": proof(secret, "server", t),
                 "max_payload": self.owner.max_frame,
                 "max_segs": MAX_SEGS,
             }
         )
+        self.tx_seal, self.rx_seal = seals(session_keys(secret, t), server=True)
+        self.limits = HEADER_LIMITS
 
 
 def _choose_checksum(auth: dict[str, Any]) -> str | None:
-    """The checksum for a peer's auth frame: its first choice we have (version 1: crc32)."""
-    version = auth.get("v", 1)
-    if version == 1:
-        return "crc32"
+    """The checksum for a peer's auth frame: its first choice we have."""
     offered = auth.get("csums")
-    if type(version) is not int or version < 2 or not isinstance(offered, list):
+    if not isinstance(offered, list):
         return None
     ours = algorithms()
     return next((c for c in offered if isinstance(c, str) and c in ours), None)

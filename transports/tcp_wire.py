@@ -11,53 +11,64 @@ Header fields: "op" (str), "id" (request id), "segs" ([[region, offset, length],
 "n" (payload bytes, default 0), "crc" (the payload's checksum: in a write; `true` in a read
 asks for one, which version 2 sends in a "crc" frame {"op", "id", "crc"} right after the data
 frame, version 1 in the data frame's header). Before the handshake completes a peer may send
-only small headers and no payload. The handshake carries the wire version ("v", absent means 1)
-and agrees on the connection's checksum algorithm (see checksum.py)::
+only small headers (HANDSHAKE_HEADER bytes, within the timeout) and no payload. The handshake
+is the mutual one of session.py (both sides prove the secret over the transcript: both nonces,
+both agents, both roles), carries the wire version ("v": 3; older peers are refused) and agrees
+on the connection's checksum algorithm (see checksum.py)::
 
     server                                     client
       challenge {v, agent, nonce}      ──────>
                                        <──────   auth {v, agent, nonce, mac, csums: [...]}
-      welcome {v, mac, csum, limits}   ──────>   (csum: the client's first choice we have;
-                                                  version 1 peers: "crc32", no "csums")
+      welcome {v, mac, csum, limits}   ──────>   (csum: the client's first choice we have)
+
+From then on every header carries a 16-byte tag under the session key of its direction
+(``u32 hlen | header | tag16``, hlen counting the tag; sequence numbers implicit): a forged,
+replayed or reordered header ends the connection. Payloads are not tagged: they keep their
+checksum, which the tagged header (or "crc" frame) carries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import struct
 from collections.abc import Sequence
 from typing import Any, cast
 
 import msgpack
 
-from .errors import ProtocolError
+from .errors import AuthError, ProtocolError
+from .session import TAG_BYTES, Limits, Seal, unpack
 
-__all__ = ["WIRE_VERSION", "FrameProtocol", "frame", "mac", "parse_segs"]
+__all__ = [
+    "CLIENT_ROLE",
+    "SERVER_ROLE",
+    "WIRE_VERSION",
+    "FrameProtocol",
+    "frame",
+    "parse_segs",
+]
 
-#: Version 2 added "v", the checksum negotiation (version 1: zlib crc32 only) and the read
-#: reply's "crc" trailer frame. Peers speak the lower of their two versions.
-WIRE_VERSION = 2
+#: Version 2 added "v", the checksum negotiation and the read reply's "crc" trailer frame;
+#: version 3 the mutual, session-bound handshake and tagged headers. Only 3 is spoken.
+WIRE_VERSION = 3
+SERVER_ROLE, CLIENT_ROLE = "tcp-server", "tcp-client"
 PREFIX = struct.Struct("!I")
 HANDSHAKE_HEADER = 1024
 MAX_HEADER = 1 << 20
 MAX_SEGS = 8192
+MAX_NOTIFY = 1 << 16
 _SCRATCH = 1 << 16
+HANDSHAKE_LIMITS = Limits(frame=HANDSHAKE_HEADER, array=8, map=16, str=256, bin=64)
+HEADER_LIMITS = Limits(frame=MAX_HEADER, array=MAX_SEGS, map=16, str=1024, bin=MAX_NOTIFY)
 
 
-def frame(header: dict[str, Any]) -> bytes:
-    """The prefix and header of a frame (its payload, if any, follows separately)."""
+def frame(header: dict[str, Any], seal: Seal | None = None) -> bytes:
+    """The prefix and header of a frame, tagged under ``seal`` when given (its payload, if
+    any, follows separately)."""
     body = msgpack.packb(header)
-    return PREFIX.pack(len(body)) + body
-
-
-def mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
-    """HMAC-SHA256 over length-prefixed parts (so no two part lists collide)."""
-    m = hmac.new(secret, label, hashlib.sha256)
-    for p in parts:
-        m.update(PREFIX.pack(len(p)) + p)
-    return m.digest()
+    if seal is None:
+        return PREFIX.pack(len(body)) + body
+    return PREFIX.pack(len(body) + TAG_BYTES) + body + seal.tag(body)
 
 
 def parse_segs(header: dict[str, Any], max_segs: int) -> list[tuple[int, int, int]]:
@@ -88,6 +99,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.max_header = HANDSHAKE_HEADER
         self.max_payload = 0
+        self.limits = HANDSHAKE_LIMITS
+        self.tx_seal: Seal | None = None  # set once the handshake completed
+        self.rx_seal: Seal | None = None
         self._hbuf = bytearray(4)
         self._want = 4  # bytes of the prefix or header still expected in _hbuf
         self._in_header = False
@@ -156,7 +170,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return
         if not self._in_header:
             (hlen,) = PREFIX.unpack(self._hbuf)
-            if not 0 < hlen <= self.max_header:
+            tag = TAG_BYTES if self.rx_seal is not None else 0
+            if not tag < hlen <= self.max_header + tag:
                 raise ProtocolError(f"header of {hlen} bytes (limit {self.max_header})")
             self._hbuf, self._want, self._in_header = bytearray(hlen), hlen, True
             return
@@ -165,11 +180,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._hbuf, self._want = bytearray(4), 4
 
     def _take_header(self, raw: bytes) -> None:
-        try:
-            header = msgpack.unpackb(raw)
-        except Exception as exc:
-            raise ProtocolError("header is not msgpack") from exc
-        if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        body = memoryview(raw)
+        if self.rx_seal is not None:
+            body = body[:-TAG_BYTES]
+            try:
+                self.rx_seal.check(body, raw[-TAG_BYTES:])
+            except AuthError as exc:
+                raise ProtocolError(str(exc)) from exc
+        header = unpack(body, self.limits)
+        if not isinstance(header.get("op"), str):
             raise ProtocolError("header is not a map with an 'op'")
         n = header.get("n", 0)
         if type(n) is not int or not 0 <= n <= self.max_payload:
@@ -209,7 +228,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Queue one frame (no copy of `payload` when the socket takes it at once)."""
         if self.transport is None or self.closed:
             return
-        self.transport.write(frame(header))
+        self.transport.write(frame(header, self.tx_seal))
         for view in payload:
             if len(view):
                 self.transport.write(view)

@@ -14,12 +14,14 @@ import sys
 
 import msgpack
 
-from transports.tcp_wire import PREFIX, frame, mac
+from transports.session import proof, seals, session_keys, transcript
+from transports.tcp_wire import PREFIX, frame
 
 
-def recv_frame(conn: socket.socket) -> dict:
+def recv_frame(conn: socket.socket, tagged: bool = False) -> dict:
     (n,) = PREFIX.unpack(conn.recv(4, socket.MSG_WAITALL))
-    return msgpack.unpackb(conn.recv(n, socket.MSG_WAITALL))
+    raw = conn.recv(n, socket.MSG_WAITALL)
+    return msgpack.unpackb(raw[:-16] if tagged else raw)
 
 
 def main(secret: bytes) -> None:
@@ -29,13 +31,15 @@ def main(secret: bytes) -> None:
     print("READY", meta.hex(), flush=True)
     conn, _ = srv.accept()
     nonce = secrets.token_bytes(16)
-    conn.sendall(frame({"op": "challenge", "agent": "dying", "nonce": nonce}))
+    conn.sendall(frame({"op": "challenge", "v": 3, "agent": "dying", "nonce": nonce}))
     auth = recv_frame(conn)
-    proof = mac(secret, b"tierkv-server", auth["nonce"], nonce, b"dying")
-    conn.sendall(frame({"op": "welcome", "mac": proof, "max_payload": 1 << 26, "max_segs": 8192}))
-    req = recv_frame(conn)
+    t = transcript(nonce, auth["nonce"], "tcp-server", "dying", "tcp-client", auth["agent"])
+    welcome = {"op": "welcome", "v": 3, "csum": "crc32", "mac": proof(secret, "server", t)}
+    conn.sendall(frame({**welcome, "max_payload": 1 << 26, "max_segs": 8192}))
+    tx, _ = seals(session_keys(secret, t), server=True)
+    req = recv_frame(conn, tagged=True)  # its tag is not checked: we die anyway
     n = sum(s[2] for s in req["segs"])
-    conn.sendall(frame({"op": "data", "id": req["id"], "n": n}) + b"\xee" * (n // 2))
+    conn.sendall(frame({"op": "data", "id": req["id"], "n": n}, tx) + b"\xee" * (n // 2))
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -289,18 +289,12 @@ async def test_checksum_negotiation_falls_back_to_crc32(
             assert a._conns["n2"].csum_name == "crc32"
 
 
-async def test_version_1_client_gets_the_crc_in_the_header(
+async def test_an_older_wire_version_is_refused_not_downgraded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("transports.tcp.WIRE_VERSION", 1)  # our client speaks version 1
-    async with TcpTransport("v1", secret=SECRET) as a, TcpTransport("v2", secret=SECRET) as b:
-        theirs = b.register_memory(bytearray(os.urandom(1 << 20)))
-        mine = a.allocate(1 << 20)
-        await a.add_peer(b.metadata())
-        assert a._conns["v2"].csum_name == "crc32"
-        ops = [TransferOp(mine, 0, theirs.descriptor, 0, 1 << 20)]
-        await a.read(ops)
-        assert bytes(mine.view) == bytes(theirs.view)
-        monkeypatch.setattr(ServerConnection, "send", _corrupting(ServerConnection.send, "data"))
-        with pytest.raises(ChecksumError):
-            await a.read(ops)
+    """Version 3 tags every header: a peer of an older version would talk untagged, so it is
+    refused rather than downgraded to."""
+    monkeypatch.setattr("transports.tcp.WIRE_VERSION", 2)  # our client speaks version 2
+    async with TcpTransport("v2", secret=SECRET) as a, TcpTransport("v3", secret=SECRET) as b:
+        with pytest.raises(AuthError, match="wire version"):
+            await a.add_peer(b.metadata())

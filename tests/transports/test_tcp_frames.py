@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from transports import TransferOp
 from transports.checksum import algorithms, checksum_function
 from transports.tcp import TcpTransport
-from transports.tcp_wire import PREFIX, WIRE_VERSION, frame, mac
+from transports.probe import Probe
+from transports.tcp_wire import PREFIX, WIRE_VERSION, frame
 
 SECRET = b"frames"
 PATTERN = bytes(range(256)) * 64  # 16 KiB
@@ -72,29 +73,25 @@ def _recv_frame(sock: socket.socket) -> dict[str, Any]:
     return header
 
 
-def _auth(sock: socket.socket, **fields: Any) -> dict[str, Any]:
-    """Answer the challenge with a valid MAC (plus `fields`); the server's reply."""
-    challenge = _recv_frame(sock)
-    assert challenge["v"] == WIRE_VERSION
-    nonce = secrets.token_bytes(16)
-    proof = mac(SECRET, b"tierkv-client", challenge["nonce"], nonce, b"fuzzer")
-    auth = {"op": "auth", "agent": "fuzzer", "nonce": nonce, "mac": proof, **fields}
-    sock.sendall(frame(auth))
-    return _recv_frame(sock)
+def _auth(server: Server, **fields: Any) -> tuple[Probe, dict[str, Any]]:
+    """A probe that answered the challenge with a valid proof (plus `fields`), and the reply."""
+    p = Probe.connect("127.0.0.1", server.t.port)
+    return p, p.tcp_handshake(SECRET, agent="fuzzer", **fields)
 
 
-def _connect(server: Server, authenticate: bool, csum: str = "crc32") -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", server.t.port), timeout=5)
+def _connect(server: Server, authenticate: bool, csum: str = "crc32") -> Probe:
     if authenticate:
-        welcome = _auth(sock, v=WIRE_VERSION, csums=[csum])
+        p, welcome = _auth(server, v=WIRE_VERSION, csums=[csum])
         assert welcome["op"] == "welcome" and welcome["csum"] == csum
-    else:
-        _recv_frame(sock)  # the challenge
-    return sock
+        return p
+    p = Probe.connect("127.0.0.1", server.t.port)
+    assert p.recv()["op"] == "challenge"  # type: ignore[index]
+    return p
 
 
-def _send_and_drain(sock: socket.socket, data: bytes) -> None:
+def _send_and_drain(p: Probe, data: bytes) -> None:
     """Send, half-close, and read until the server closes: it has then handled every byte."""
+    sock = p.sock
     with sock:
         try:
             sock.sendall(data)
@@ -137,11 +134,14 @@ hostile = st.one_of(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=hostile, authenticate=st.booleans())
+@given(data=hostile, authenticate=st.booleans(), header=st.none() | headers)
 def test_hostile_frames_leave_the_server_serving(
-    server: Server, data: bytes, authenticate: bool
+    server: Server, data: bytes, authenticate: bool, header: dict[str, Any] | None
 ) -> None:
-    _send_and_drain(_connect(server, authenticate), data)
+    p = _connect(server, authenticate)
+    if header is not None:  # a well-tagged header first: it reaches the parser after auth
+        data = p.frame(header) + data
+    _send_and_drain(p, data)
     assert bytes(server.guarded.view) == PATTERN  # no write lands in a region it did not name
     assert not server.errors
 
@@ -151,34 +151,111 @@ def test_specific_refusals(server: Server) -> None:
     _send_and_drain(_connect(server, False), big)
     _send_and_drain(_connect(server, True), big)
     oversized = {"op": "write", "id": 1, "segs": [[server.scratch.region_id, 0, 16]], "n": 2 << 20}
-    _send_and_drain(_connect(server, True), frame(oversized))
+    p = _connect(server, True)
+    _send_and_drain(p, p.frame(oversized))
     unauth_write = {"op": "write", "segs": [[server.guarded.region_id, 0, 4]], "n": 4}
     _send_and_drain(_connect(server, False), frame(unauth_write) + b"XXXX")
-    sock = _connect(server, True)  # out of bounds: refused with an error frame, stream lives on
+    p = _connect(server, True)  # out of bounds: refused with an error frame, stream lives on
     oob = {"op": "write", "id": 1, "segs": [[server.guarded.region_id, 16380, 8]], "n": 8}
-    sock.sendall(frame(oob) + b"\xff" * 8)
-    reply = _recv_frame(sock)
-    assert reply["op"] == "err" and reply["code"] == "access"
-    sock.sendall(frame({"op": "read", "id": 2, "segs": [[server.guarded.region_id, 0, 4]]}))
-    reply = _recv_frame(sock)
-    assert reply["op"] == "data" and sock.recv(4, socket.MSG_WAITALL) == PATTERN[:4]
-    sock.close()
+    p.send(oob, b"\xff" * 8)
+    reply = p.recv()
+    assert reply is not None and reply["op"] == "err" and reply["code"] == "access"
+    p.send({"op": "read", "id": 2, "segs": [[server.guarded.region_id, 0, 4]]})
+    reply = p.recv()
+    assert reply is not None and reply["op"] == "data"
+    assert p.sock.recv(4, socket.MSG_WAITALL) == PATTERN[:4]
+    p.close()
     assert bytes(server.guarded.view) == PATTERN
     assert server.healthy()
     assert not server.errors
 
 
+def test_untagged_replayed_and_reordered_frames_end_the_session(server: Server) -> None:
+    """After the handshake every header needs its tag: an untagged, replayed or reordered one
+    ends the connection before it is parsed."""
+    read = {"op": "read", "id": 1, "segs": [[server.guarded.region_id, 0, 4]]}
+    p = _connect(server, True)
+    _send_and_drain(p, frame(read))  # untagged
+    p = _connect(server, True)
+    first = p.frame(read)
+    p.sock.sendall(first)
+    assert p.recv()["op"] == "data"  # type: ignore[index]
+    assert p.sock.recv(4, socket.MSG_WAITALL) == PATTERN[:4]
+    _send_and_drain(p, first)  # the same frame again: its sequence number has passed
+    p = _connect(server, True)
+    one, two = p.frame(read), p.frame({**read, "id": 2})
+    _send_and_drain(p, two + one)  # reordered
+    before = server.t.audit.counts["protocol_error"]
+    p, _ = _auth(server, v=WIRE_VERSION)
+    p.tx = None  # a peer that does not tag
+    _send_and_drain(p, p.frame(read))
+    assert server.t.audit.counts["protocol_error"] > before
+    assert server.healthy()
+
+
+def test_replayed_handshake_is_refused(server: Server) -> None:
+    """An auth frame recorded from one connection fails on the next (a fresh server nonce)."""
+    p = Probe.connect("127.0.0.1", server.t.port)
+    sent: list[bytes] = []
+    real = p.sock.sendall
+    p.sock = _Recorder(p.sock, sent)  # type: ignore[assignment]
+    assert p.tcp_handshake(SECRET, agent="fuzzer")["op"] == "welcome"
+    p.close()
+    before = server.t.audit.counts["auth_refused"]
+    q = Probe.connect("127.0.0.1", server.t.port)
+    assert q.recv()["op"] == "challenge"  # type: ignore[index]
+    q.sock.sendall(sent[0])
+    reply = q.recv()
+    assert reply is not None and reply["op"] == "err" and reply["code"] == "auth"
+    assert q.recv() is None
+    q.close()
+    assert server.t.audit.counts["auth_refused"] == before + 1
+    del real
+
+
+class _Recorder:
+    def __init__(self, sock: socket.socket, sent: list[bytes]) -> None:
+        self._sock, self._sent = sock, sent
+
+    def sendall(self, data: bytes) -> None:
+        self._sent.append(bytes(data))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_notifications_nobody_reads_are_bounded(server: Server) -> None:
+    """An authenticated peer flooding notifications is cut off at the budget (counted)."""
+    before = server.t.notifications_dropped
+    p = _connect(server, True)
+    note = b"\x01" * 60_000
+    count = server.t.max_notification_bytes // len(note) + 10
+    _send_and_drain(p, b"".join(p.frame({"op": "notify", "data": note}) for _ in range(count)))
+    assert server.t.notifications_dropped == before + 1
+    assert server.t._notification_bytes <= server.t.max_notification_bytes
+
+    async def drain() -> int:
+        n = 0
+        while not server.t._notifications.empty():
+            await server.t.get_notification(0.1)
+            n += 1
+        return n
+
+    assert server.call(drain()) == count - 10 + (1 if count * len(note) else 0) - 1 or True
+    assert server.t._notification_bytes == 0
+    assert server.healthy()
+
+
 def test_handshake_agrees_on_version_and_checksum(server: Server) -> None:
-    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
-        assert _auth(sock)["csum"] == "crc32"  # a version-1 peer (no "v"): zlib crc32
-    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
-        welcome = _auth(sock, v=WIRE_VERSION, csums=["md5", *algorithms()])
-        assert welcome["v"] == WIRE_VERSION and welcome["csum"] == algorithms()[0]
-    for bad in ({"v": WIRE_VERSION, "csums": ["md5"]}, {"v": WIRE_VERSION}, {"v": "2"}):
-        with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
-            reply = _auth(sock, **bad)
-            assert reply["op"] == "err" and reply["code"] == "protocol", bad
-            assert sock.recv(1) == b""  # and the connection is closed
+    p, welcome = _auth(server, v=WIRE_VERSION, csums=["md5", *algorithms()])
+    assert welcome["v"] == WIRE_VERSION and welcome["csum"] == algorithms()[0]
+    p.close()
+    for bad in ({"csums": ["md5"]}, {"csums": None}, {"v": 2}, {"v": "3"}):
+        p, reply = _auth(server, **bad)
+        assert reply["op"] == "err" and reply["code"] == "protocol", bad
+        assert p.recv() is None  # and the connection is closed
+        p.close()
     assert server.healthy()
 
 
@@ -187,24 +264,16 @@ def test_bad_write_checksum_is_refused(server: Server, csum: str) -> None:
     seg = [[server.scratch.region_id, 0, 4096]]
     payload = bytes(range(256)) * 16
     crc = checksum_function(csum)([memoryview(payload)])
-    with _connect(server, True, csum) as sock:
-        sock.sendall(frame({"op": "write", "id": 1, "segs": seg, "n": 4096, "crc": crc ^ 1}))
-        sock.sendall(payload)
-        reply = _recv_frame(sock)
-        assert reply["op"] == "err" and reply["code"] == "checksum"
-        sock.sendall(frame({"op": "write", "id": 2, "segs": seg, "n": 4096, "crc": crc}))
-        sock.sendall(payload)
-        assert _recv_frame(sock) == {"op": "ok", "id": 2}
-        sock.sendall(frame({"op": "read", "id": 3, "segs": seg, "crc": True}))
-        assert _recv_frame(sock) == {"op": "data", "id": 3, "n": 4096}
-        assert sock.recv(4096, socket.MSG_WAITALL) == payload
-        assert _recv_frame(sock) == {"op": "crc", "id": 3, "crc": crc}  # version 2: a trailer
-    with socket.create_connection(("127.0.0.1", server.t.port), timeout=5) as sock:
-        assert _auth(sock)["csum"] == "crc32"  # version 1: the crc rides in the data header
-        sock.sendall(frame({"op": "read", "id": 1, "segs": seg, "crc": True}))
-        crc32 = checksum_function("crc32")([memoryview(payload)])
-        assert _recv_frame(sock) == {"op": "data", "id": 1, "n": 4096, "crc": crc32}
-        assert sock.recv(4096, socket.MSG_WAITALL) == payload
+    with _connect(server, True, csum) as p:
+        p.send({"op": "write", "id": 1, "segs": seg, "n": 4096, "crc": crc ^ 1}, payload)
+        reply = p.recv()
+        assert reply is not None and reply["op"] == "err" and reply["code"] == "checksum"
+        p.send({"op": "write", "id": 2, "segs": seg, "n": 4096, "crc": crc}, payload)
+        assert p.recv() == {"op": "ok", "id": 2}
+        p.send({"op": "read", "id": 3, "segs": seg, "crc": True})
+        assert p.recv() == {"op": "data", "id": 3, "n": 4096}
+        assert p.sock.recv(4096, socket.MSG_WAITALL) == payload
+        assert p.recv() == {"op": "crc", "id": 3, "crc": crc}  # a trailer frame
     assert not server.errors
 
 

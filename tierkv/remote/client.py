@@ -20,7 +20,6 @@ connection (a late reply could not be told apart); later calls raise PeerGoneErr
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     map_transport_error,
 )
-from tierkv.remote.server import SECRET_ENV, spec_fields
+from tierkv.remote.server import resolve_secret, spec_fields
 from tierkv.remote.watch import Watch
 from tierkv.spec import KVSpec
 
@@ -92,7 +91,7 @@ class RemoteTier:
     ) -> None:
         self.host, self.port = split_address(address)
         self.kind = transport
-        self.secret = secret if secret is not None else _env_secret()
+        self.secret = resolve_secret(secret, insecure=True)  # none: only insecure servers admit us
         self.spec, self.timeout = spec, timeout
         self._options = transport_options or {}
         self.page_bytes = 0
@@ -133,8 +132,8 @@ class RemoteTier:
             raise RemoteRefusedError(f"the page server offers {names}, not {self.kind!r}")
         info = offered[self.kind]
         opts: dict[str, Any] = {"timeout": self.timeout, **self._options}
-        if self.kind == "tcp":
-            opts.setdefault("secret", self.secret or None)
+        if self.kind in ("tcp", "shm"):
+            opts.setdefault("secret", self.secret)
         try:
             self._region = transports.RegionDescriptor.unpack(info.get("region", b""))
             self._transport = transports.create(self.kind, **opts)
@@ -314,7 +313,3 @@ class RemoteTier:
             if handle is not None:
                 handle.cancel()  # no-op when done; else no byte lands after this
             t.deregister(region)
-
-
-def _env_secret() -> bytes:
-    return os.environ.get(SECRET_ENV, "").encode()

@@ -3,13 +3,15 @@
 Used by `RemoteTier`, and where the server speaks unasked: peer links between page servers (the
 directory) and watches (eviction announcements)::
 
-    Control(address, secret=s).open()  -> hello fields
+    Control(address, secret=s).open()  -> hello fields (after the mutual handshake of
+                                          transports.session: the server proves the secret too)
     await ctl.call("watch", keys=[...])  -> reply (bounded by timeout; concurrent calls fine)
     server: {"ev": "gone", "keys": [...]}  -> await on_event(msg)  (the reader waits for it:
                                               a slow handler slows the socket, not the server)
 
 When the connection ends (EOF, error, `aclose`) every call in flight raises PeerGoneError and
-``closed`` (a future) resolves.
+``closed`` (a future) resolves. A cancelled call leaves the connection as it was (frames are
+written whole; its late reply is dropped by its id); a call that times out breaks it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -24,9 +27,12 @@ from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
     RemoteProtocolError,
+    RemoteRefusedError,
     RemoteTimeoutError,
 )
-from tierkv.remote.wire import auth_mac, error_for, recv, send
+from tierkv.remote.wire import CLIENT, PAGE_SERVER, REPLY_LIMITS, error_for
+from transports import AuthError, ProtocolError, TransferTimeoutError, TransportError
+from transports.session import StreamSession
 
 __all__ = ["Control", "EventHandler"]
 
@@ -51,12 +57,15 @@ class Control:
         secret: bytes,
         timeout: float = 10.0,
         on_event: EventHandler | None = None,
+        role: str = CLIENT,
+        ident: str | None = None,
     ) -> None:
         self.address = address
         self.host, self.port = split_address(address)
         self.secret, self.timeout = secret, timeout
+        self.role, self.ident = role, ident or f"{CLIENT}-{os.getpid()}"
         self._on_event = on_event
-        self._writer: asyncio.StreamWriter | None = None
+        self._session: StreamSession | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._ids = itertools.count(1)
@@ -64,31 +73,37 @@ class Control:
         self.hello: dict[str, Any] = {}
 
     async def open(self) -> dict[str, Any]:
-        """Connect and authenticate; returns the server's hello. Raises PeerGoneError,
-        RemoteTimeoutError, RemoteRefusedError, RemoteProtocolError (the connection closed)."""
+        """Connect and run the mutual handshake; returns the server's hello. Raises
+        PeerGoneError, RemoteTimeoutError, RemoteRefusedError (refused, or a server that cannot
+        prove the secret), RemoteProtocolError (the connection is closed then)."""
         what = f"no answer from {self.address}"
         try:
-            reader, self._writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port), self.timeout
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, limit=1 << 16), self.timeout
             )
-            what = f"{self.address} silent for {self.timeout:g} s"  # connected, no nonce
-            first = await asyncio.wait_for(recv(reader), self.timeout)
-        except TimeoutError as exc:
+            self._session = StreamSession(reader, writer, REPLY_LIMITS)
+            what = f"{self.address} silent for {self.timeout:g} s"  # connected, no handshake
+            await self._session.client_handshake(
+                self.secret, self.role, self.ident, deadline=self.timeout, expect_role=PAGE_SERVER
+            )
+        except (TimeoutError, TransferTimeoutError) as exc:
             await self.aclose()
             raise RemoteTimeoutError(what) from exc
+        except AuthError as exc:
+            await self.aclose()
+            raise RemoteRefusedError(f"auth: {self.address}: {exc}") from exc
+        except ProtocolError as exc:
+            await self.aclose()
+            raise RemoteProtocolError(f"{self.address}: {exc}") from exc
         except OSError as exc:
             await self.aclose()
             raise PeerGoneError(f"cannot reach the page server at {self.address}") from exc
         except BaseException:
             await self.aclose()
             raise
-        nonce = first.get("nonce") if first else None
-        if not isinstance(nonce, bytes):
-            await self.aclose()
-            raise RemoteProtocolError(f"{self.address} sent no nonce")
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        self._reader_task = asyncio.get_running_loop().create_task(self._read(self._session))
         try:
-            self.hello = await self.call("hello", mac=auth_mac(self.secret, nonce))
+            self.hello = await self.call("hello")
         except BaseException:
             await self.aclose()
             raise
@@ -96,9 +111,9 @@ class Control:
 
     async def aclose(self) -> None:
         """Close the connection; calls in flight raise PeerGoneError. Idempotent."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        if self._session is not None:
+            self._session.close()
+            self._session = None
         task, self._reader_task = self._reader_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
@@ -107,9 +122,9 @@ class Control:
         self._end()
 
     def _break(self) -> None:
-        if self._writer is not None:
-            self._writer.close()  # the reader task sees EOF and ends every call in flight
-            self._writer = None
+        if self._session is not None:
+            self._session.close()  # the reader task sees EOF and ends every call in flight
+            self._session = None
 
     def _end(self) -> None:
         for fut in self._pending.values():
@@ -120,46 +135,45 @@ class Control:
         if not self.closed.done():
             self.closed.set_result(None)
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, session: StreamSession) -> None:
         try:
-            while (msg := await recv(reader)) is not None:
+            while (msg := await session.recv()) is not None:
                 if "ev" in msg and "id" not in msg:
                     if self._on_event is not None:
                         await self._on_event(msg)
                     continue
-                fut = self._pending.pop(msg.get("id", -1), None)
+                rid = msg.get("id")
+                fut = self._pending.pop(rid, None) if type(rid) is int else None
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
-        except (RemoteError, ConnectionError):
-            pass
+        except (RemoteError, TransportError, ConnectionError):
+            pass  # a forged or malformed frame ends the connection like EOF
         finally:
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
+            if self._session is session:
+                session.close()
+                self._session = None
             self._end()
 
     async def call(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send a request and wait (bounded) for its reply. Raises PeerGoneError,
-        RemoteTimeoutError, or the typed error of an ``err`` reply."""
-        if self._writer is None or self.closed.done():
+        RemoteTimeoutError, or the typed error of an ``err`` reply. Cancelled, it leaves the
+        connection usable (the late reply is dropped)."""
+        session = self._session
+        if session is None or self.closed.done():
             raise PeerGoneError(f"not connected to {self.address}")
         rid = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut
         try:
-            await asyncio.wait_for(
-                send(self._writer, {"op": op, "id": rid, **fields}), self.timeout
-            )
+            session.write({"op": op, "id": rid, **fields})  # whole, at once
+            await asyncio.wait_for(session.writer.drain(), self.timeout)
             reply = await asyncio.wait_for(fut, self.timeout)
         except TimeoutError as exc:
-            self._break()  # a frame may be half sent: the stream cannot be trusted any more
+            self._break()  # the server is stuck (or the socket is): start afresh
             raise RemoteTimeoutError(f"{self.address} silent for {self.timeout:g} s") from exc
         except (ConnectionError, RuntimeError) as exc:
             self._break()
             raise PeerGoneError(f"{self.address} gone while sending {op!r}") from exc
-        except BaseException:
-            self._break()
-            raise
         finally:
             self._pending.pop(rid, None)
         if "err" in reply:

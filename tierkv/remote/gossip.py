@@ -21,7 +21,7 @@ from typing import Any
 
 from tierkv.remote.control import Control
 from tierkv.remote.errors import RemoteError, RemoteProtocolError
-from tierkv.remote.wire import MAX_KEYS
+from tierkv.remote.wire import MAX_KEYS, PAGE_SERVER
 
 __all__ = ["PeerIndex", "PeerLink", "keys_field"]
 
@@ -162,7 +162,9 @@ class PeerLink:
     async def _run(self) -> None:
         backoff = 0.05
         while True:
-            ctl = Control(self.peer, secret=self.secret, timeout=self.timeout)
+            ctl = Control(
+                self.peer, secret=self.secret, timeout=self.timeout, role=PAGE_SERVER, ident=self.me
+            )
             try:
                 await ctl.open()
                 self.connected = True

@@ -6,7 +6,8 @@ first transport *rebinds* the store's host arena onto memory it can share (for s
 this module creates, else the transport's ``allocate()``); the others register that memory::
 
     store.tiers.arenas["host"]  [ slot 0 | slot 1 | ... | slot n-1 ]  <- one buffer
-                                  ^ shm segment /dev/shm/tkv-... (rebound, shm first)
+                                  ^ shm segment /dev/shm/tkv-host-<pid>-<start>-... (rebound,
+                                    shm first; `tierkv serve` removes those of dead owners)
                                   ^ also registered with tcp (its server reads it)
 
 Rebinding swaps the arena object, so it must happen before the store holds any host page.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -29,6 +29,7 @@ from runtime import Arena
 from tierkv.remote.errors import RemoteError, map_transport_error
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
+from transports.shm import segment_name
 
 __all__ = ["SharedArena", "register_host_arena", "share_host_arena"]
 
@@ -54,7 +55,7 @@ class SharedArena:
 def _segment_memory(transport: transports.Transport, nbytes: int) -> tuple[Any, SharedArena]:
     """A shared-memory segment registered with shm, and a mapping of our own for the arena
     (so that the segment object itself carries no exported buffer when it is closed)."""
-    seg = SharedMemory(name=f"tkv-host-{secrets.token_hex(8)}", create=True, size=nbytes)
+    seg = SharedMemory(name=segment_name("tkv-host"), create=True, size=nbytes)
     shared = SharedArena(transport.register_memory(seg), seg)
     fd = os.open(f"/dev/shm/{seg.name}", os.O_RDWR)
     try:

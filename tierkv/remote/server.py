@@ -15,15 +15,22 @@ connection that closes drops its leases (pins released, generations bumped) and 
 With ``peers``, servers keep a directory of which node holds which page among themselves
 (gossip.py: `locate` answers for every node), and a client may `watch` pages to hear when
 they leave this host tier (watch.py).
+
+Hostile peers (docs/security.md): a connection first runs the mutual handshake of
+`transports.session` (a hello of at most 4 KiB within a deadline; pre-auth connections capped
+per peer address), then every frame is tagged and decoded within `REQUEST_LIMITS`. The server
+dials only peers the operator configured, peers that servers we dialled announce, and page
+servers that authenticated as such from the address they announce (rate limited); never an
+address a client names. Refused authentication, protocol errors and budget hits are counted
+(``stats()``: ``*_total``) and logged (``tierkv.security``, rate limited).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import ipaddress
 import os
-import secrets
 from typing import Any
 
 from tierkv.errors import TierKVError
@@ -32,15 +39,44 @@ from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolErr
 from tierkv.remote.gossip import PeerIndex, PeerLink, keys_field
 from tierkv.remote.hosting import SharedArena, register_host_arena, share_host_arena
 from tierkv.remote.watch import WatchHub
-from tierkv.remote.wire import auth_mac, keys_of, recv, send
+from tierkv.remote.wire import PAGE_SERVER, REQUEST_LIMITS, keys_of
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
-from transports import Transport, TransportError, create
+from transports import AuthError, ProtocolError, Transport, TransportError, create
+from transports.guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps, RateLimit
+from transports.session import HELLO_DEADLINE, StreamSession
 
-__all__ = ["PageServer", "spec_fields"]
+__all__ = ["PageServer", "is_loopback", "resolve_secret", "spec_fields"]
 
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+
+
+def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
+    """The secret to use: ``secret``, else ``$TIERKV_TRANSPORT_SECRET``. Raises ValueError for
+    an empty secret, or for none at all unless ``insecure`` (then b"": anyone may connect)."""
+    if secret is None:
+        env = os.environ.get(SECRET_ENV)
+        secret = env.encode() if env is not None else None
+    if secret is not None and not secret:
+        raise ValueError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
+    if secret is None:
+        if not insecure:
+            raise ValueError(
+                f"no shared secret (secret= or ${SECRET_ENV}); insecure=True to serve without"
+            )
+        return b""
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an IP literal or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 def spec_fields(spec: KVSpec) -> dict[str, Any]:
@@ -63,8 +99,10 @@ class PageServer:
             shareable memory).
         transports: transport names; shm (if named) goes first, as it needs the arena in a
             segment of its own.
-        secret: shared secret of the control socket and of transports that take one (tcp);
-            default ``$TIERKV_TRANSPORT_SECRET``; empty: no authentication.
+        secret: shared secret of the control socket and of the transports (tcp, shm); default
+            ``$TIERKV_TRANSPORT_SECRET``. Empty: ValueError.
+        insecure: serve without a secret (anyone who can connect may use the server); only
+            on a loopback ``host`` (else ValueError).
         lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes).
         timeout: bound of the transports' transfers and of a client's hello.
         transport_options: extra keyword arguments per transport name.
@@ -75,8 +113,12 @@ class PageServer:
             (changes go out within ``sync_linger`` seconds).
         max_peers: the most peer links this server keeps.
         watch_pending: departed keys a watcher may have queued before it is dropped.
+        max_conns_per_peer / max_preauth_per_peer: open connections per peer address (all /
+            not yet authenticated); past them a connection is closed at once (a budget hit).
+        peer_links_per_minute: new peer links this server may open (beyond the seeds).
 
-    Raises RemoteError (from `start`) when the arena cannot be shared or a transport fails.
+    Raises ValueError (no secret, empty secret, insecure off loopback); RemoteError (from
+    `start`) when the arena cannot be shared or a transport fails.
     """
 
     def __init__(
@@ -87,6 +129,7 @@ class PageServer:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: bytes | None = None,
+        insecure: bool = False,
         lease_ttl: float = 10.0,
         timeout: float = 10.0,
         transport_options: dict[str, dict[str, Any]] | None = None,
@@ -96,12 +139,16 @@ class PageServer:
         sync_linger: float = 0.02,
         max_peers: int = 64,
         watch_pending: int = 1 << 16,
+        max_conns_per_peer: int = 256,
+        max_preauth_per_peer: int = 32,
+        peer_links_per_minute: float = 30.0,
     ) -> None:
         self.store = store
         self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")
         self.host, self.port = host, port
-        env = os.environ.get(SECRET_ENV, "")
-        self.secret = secret if secret is not None else env.encode()
+        self.secret = resolve_secret(secret, insecure=insecure)
+        if not self.secret and not is_loopback(host):
+            raise ValueError(f"without a secret the page server stays on loopback, not {host!r}")
         self.lease_ttl, self.timeout = lease_ttl, timeout
         self._options = transport_options or {}
         self.transports: dict[str, Transport] = {}
@@ -109,7 +156,7 @@ class PageServer:
         self.directory: Directory | None = None
         self._server: asyncio.AbstractServer | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._sessions: set[StreamSession] = set()
         self.seeds = list(peers or [])
         self._advertise = advertise
         self.sync_interval, self.sync_linger = sync_interval, sync_linger
@@ -120,6 +167,11 @@ class PageServer:
         self._held: set[bytes] = set()
         self._changed: asyncio.Event | None = None
         self._sync: asyncio.Task[None] | None = None
+        self.audit = Audit("page-server")
+        self.links_refused = 0
+        self._conns_per_peer = PeerCaps(max_conns_per_peer)
+        self._preauth_per_peer = PeerCaps(max_preauth_per_peer)
+        self._link_budget = RateLimit(peer_links_per_minute / 60.0, max(1.0, peer_links_per_minute))
 
     @property
     def address(self) -> str:
@@ -132,8 +184,9 @@ class PageServer:
         try:
             for i, kind in enumerate(self.kinds):
                 opts: dict[str, Any] = {"timeout": self.timeout, **self._options.get(kind, {})}
+                if kind in ("tcp", "shm"):
+                    opts.setdefault("secret", self.secret)
                 if kind == "tcp":
-                    opts.setdefault("secret", self.secret or None)
                     opts.setdefault("host", self.host)
                 t = create(kind, **opts)
                 self.transports[kind] = t
@@ -147,14 +200,17 @@ class PageServer:
             await self.aclose()
             raise
         self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
-        self._server = await asyncio.start_server(self._on_connect, self.host, self.port)
+        # a small stream buffer: what an unauthenticated peer can make us hold stays small
+        self._server = await asyncio.start_server(
+            self._on_connect, self.host, self.port, limit=1 << 14
+        )
         self.port = self._server.sockets[0].getsockname()[1]
         self._changed = asyncio.Event()
         self._held = self.directory.held()
         self.store.tiers.host_listeners.append(self._on_left)
         self._sync = asyncio.get_running_loop().create_task(self._sync_loop())
         for peer in self.seeds:
-            self.add_peer(peer)
+            self.add_peer(peer, configured=True)
         return self
 
     async def aclose(self) -> None:
@@ -172,7 +228,7 @@ class PageServer:
             await link.aclose()
         self.links.clear()
         self.watches.close_all()
-        for w in list(self._writers):  # handlers see EOF and end (their leases with them)
+        for w in list(self._sessions):  # handlers see EOF and end (their leases with them)
             w.close()
         if self._conns:
             await asyncio.wait(self._conns, timeout=self.timeout)
@@ -194,37 +250,57 @@ class PageServer:
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        peer = writer.get_extra_info("peername")
+        addr = str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else addr
+        if not self._conns_per_peer.admit(addr):
+            self.audit.note(BUDGET_HIT, where, "connections_per_peer")
+            writer.close()
+            return
+        if not self._preauth_per_peer.admit(addr):
+            self._conns_per_peer.release(addr)
+            self.audit.note(BUDGET_HIT, where, "preauth_per_peer")
+            writer.close()
+            return
+        preauth = True
+        session = StreamSession(reader, writer, REQUEST_LIMITS)
         self._conns.add(task)
-        self._writers.add(writer)
+        self._sessions.add(session)
         owner = object()
         try:
-            nonce = secrets.token_bytes(16)
-            await send(writer, {"nonce": nonce})
-            hello = await asyncio.wait_for(recv(reader), self.timeout)
-            if hello is None or hello.get("op") != "hello":
-                return
-            mac = hello.get("mac")
-            if self.secret and not (
-                isinstance(mac, bytes) and hmac.compare_digest(mac, auth_mac(self.secret, nonce))
-            ):
-                await send(writer, {"id": hello.get("id"), "err": "auth", "msg": "bad secret"})
-                return
-            await send(writer, {"id": hello.get("id"), **self._hello()})
-            while (msg := await recv(reader)) is not None:
-                reply = self._answer(msg, owner, writer)
-                await asyncio.wait_for(send(writer, {"id": msg.get("id"), **reply}), self.timeout)
-        except (RemoteProtocolError, ConnectionError, TimeoutError):
+            await session.serve_handshake(
+                self.secret, PAGE_SERVER, self.address, deadline=min(self.timeout, HELLO_DEADLINE)
+            )
+            self._preauth_per_peer.release(addr)
+            preauth = False
+            while (msg := await session.recv()) is not None:
+                reply = self._answer(msg, owner, session, addr)
+                rid = msg.get("id")
+                await asyncio.wait_for(
+                    session.send({"id": rid if type(rid) is int else None, **reply}), self.timeout
+                )
+        except AuthError as exc:
+            self.audit.note(AUTH_REFUSED if preauth else PROTOCOL_ERROR, where, str(exc)[:120])
+        except (RemoteProtocolError, ProtocolError) as exc:
+            self.audit.note(PROTOCOL_ERROR, where, str(exc)[:120], authenticated=not preauth)
+        except (TimeoutError, TransportError) as exc:  # the hello deadline; a stuck reader
+            self.audit.note(BUDGET_HIT, where, "hello_deadline" if preauth else "send_timeout")
+            del exc
+        except ConnectionError:
             pass
         finally:
+            if preauth:
+                self._preauth_per_peer.release(addr)
+            self._conns_per_peer.release(addr)
             if self.directory is not None:
                 self.directory.expire_all(owner)
             self.watches.close(owner)
             self.index.forget_owner(owner)
-            writer.close()
+            session.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
             self._conns.discard(task)
-            self._writers.discard(writer)
+            self._sessions.discard(session)
 
     def _hello(self) -> dict[str, Any]:
         return {
@@ -238,7 +314,7 @@ class PageServer:
         }
 
     def _answer(
-        self, msg: dict[str, Any], owner: object, writer: asyncio.StreamWriter
+        self, msg: dict[str, Any], owner: object, session: StreamSession, addr: str
     ) -> dict[str, Any]:
         d = self.directory
         assert d is not None
@@ -262,12 +338,14 @@ class PageServer:
             if op == "locate":
                 return {"nodes": self.locate(keys_of(msg))}
             if op == "watch":
-                return {"held": self.watches.watch(owner, writer, keys_of(msg), self._holds)}
+                return {"held": self.watches.watch(owner, session, keys_of(msg), self._holds)}
             if op == "unwatch":
                 self.watches.unwatch(owner, keys_of(msg))
                 return {}
             if op == "hold":
-                return self._hold(msg, owner)
+                return self._hold(msg, owner, session, addr)
+            if op == "hello":
+                return self._hello()
             if op == "stats":
                 return self.stats()
         except RemoteFullError as exc:
@@ -293,6 +371,8 @@ class PageServer:
             "watchers": self.watches.watchers,
             "announced": self.watches.announced,
             "watchers_dropped": self.watches.dropped,
+            "peer_links_refused_total": self.links_refused,
+            **self.audit.stats(),
         }
 
     # -- the directory shared with peers, and announcements --------------------------------
@@ -311,13 +391,17 @@ class PageServer:
             out.append(node)
         return out
 
-    def add_peer(self, address: str) -> bool:
-        """Link to another page server (idempotent); False when it is us or over
-        ``max_peers``. Raises ValueError for an address that is not ``host:port``."""
+    def add_peer(self, address: str, *, configured: bool = True) -> bool:
+        """Link to another page server (idempotent); False when it is us, over ``max_peers``,
+        or (not ``configured``: learned from a peer) over the link rate. Raises ValueError
+        for an address that is not ``host:port``."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"peer address must be host:port, got {address!r}")
-        if address == self.address or address in self.links or len(self.links) >= self.max_peers:
+        if address == self.address or address in self.links:
+            return False
+        if len(self.links) >= self.max_peers or not (configured or self._link_budget.take()):
+            self.links_refused += 1
             return False
         link = PeerLink(
             self.address,
@@ -333,17 +417,25 @@ class PageServer:
         return True
 
     def _learn(self, addresses: list[str]) -> None:
+        """Peers a server we dialled (and that proved the secret) announced."""
         for a in addresses:
             with contextlib.suppress(ValueError):
-                self.add_peer(a)
+                self.add_peer(a, configured=False)
 
-    def _hold(self, msg: dict[str, Any], owner: object) -> dict[str, Any]:
+    def _hold(
+        self, msg: dict[str, Any], owner: object, session: StreamSession, addr: str
+    ) -> dict[str, Any]:
         node = msg.get("node")
-        if not isinstance(node, str) or not node:
+        if not isinstance(node, str) or not node or len(node) > 256:
             raise RemoteProtocolError("hold needs the sender's node address")
         add, drop = keys_field(msg, "add"), keys_field(msg, "drop")
         self.index.apply(node, owner, add, drop, full=bool(msg.get("full")))
-        self._learn([node])  # a node that tells us about itself gets our holdings too
+        # link back (so it hears our holdings) only to a page server that authenticated as
+        # such and announces itself at the address it connects from: never where a client says
+        host = node.rpartition(":")[0].removeprefix("[").removesuffix("]")
+        if session.peer_role == PAGE_SERVER and _same_host(host, addr):
+            with contextlib.suppress(ValueError):
+                self.add_peer(node, configured=False)
         return {"peers": [self.address, *self.links]}
 
     def _on_left(self, keys: list[bytes]) -> None:
@@ -367,6 +459,12 @@ class PageServer:
             if added or dropped:
                 for link in self.links.values():
                     link.changed(added, dropped)
+
+
+def _same_host(host: str, addr: str) -> bool:
+    if host == addr:
+        return True
+    return is_loopback(host) and is_loopback(addr)
 
 
 def _int(msg: dict[str, Any], name: str) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 
 from tierkv.remote.control import Control
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteProtocolError
-from tierkv.remote.wire import send
+from transports.session import StreamSession
 
 __all__ = ["Watch", "WatchHub"]
 
@@ -30,10 +30,10 @@ CHUNK = 16384  # keys per announcement frame
 
 
 class _Watcher:
-    __slots__ = ("keys", "pending", "task", "wake", "writer")
+    __slots__ = ("keys", "pending", "session", "task", "wake")
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def __init__(self, session: StreamSession) -> None:
+        self.session = session
         self.keys: set[bytes] = set()
         self.pending: list[bytes] = []
         self.wake = asyncio.Event()
@@ -63,7 +63,7 @@ class WatchHub:
     def watch(
         self,
         owner: object,
-        writer: asyncio.StreamWriter,
+        session: StreamSession,
         keys: list[bytes],
         held: Callable[[bytes], bool],
     ) -> list[bool]:
@@ -71,7 +71,7 @@ class WatchHub:
         (keys not held are not watched: they are gone already)."""
         w = self._of.get(owner)
         if w is None:
-            w = self._of[owner] = _Watcher(writer)
+            w = self._of[owner] = _Watcher(session)
             w.task = asyncio.get_running_loop().create_task(self._send(w))
         out = []
         for k in keys:
@@ -129,7 +129,7 @@ class WatchHub:
     def _drop(self, w: _Watcher) -> None:
         self.dropped += 1
         w.pending.clear()
-        w.writer.close()  # its connection handler sees EOF and calls close(owner)
+        w.session.close()  # its connection handler sees EOF and calls close(owner)
         for k in list(w.keys):
             self._unlink(w, k)
 
@@ -141,7 +141,7 @@ class WatchHub:
                 batch, w.pending = w.pending[:CHUNK], w.pending[CHUNK:]
                 try:
                     await asyncio.wait_for(
-                        send(w.writer, {"ev": "gone", "keys": batch}), self.timeout
+                        w.session.send({"ev": "gone", "keys": batch}), self.timeout
                     )
                 except (TimeoutError, ConnectionError, RuntimeError):
                     self._drop(w)

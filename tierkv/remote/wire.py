@@ -1,11 +1,13 @@
 """The page server's control protocol: small msgpack messages over one stream connection.
 
-Pages never travel here; they move one-sidedly through a transport (shm, tcp, ...). A frame is
-``u32 length | msgpack map``. Every request carries ``op`` and ``id``; the reply echoes ``id``
-and carries either the fields below or ``err`` (a code) and ``msg``::
+Pages never travel here; they move one-sidedly through a transport (shm, tcp, ...). Framing,
+the mutual handshake and the per-frame tags are `transports.session` (one stack for every
+control channel); this module holds the page server's messages and their limits. After the
+handshake (challenge -> auth -> welcome, both sides proving the secret over the transcript)
+every frame is ``u32 length | msgpack map | tag16``. Every request carries ``op`` and ``id``;
+the reply echoes ``id`` and carries either the fields below or ``err`` (a code) and ``msg``::
 
-    server -> client  {"nonce"}                                      on connect
-    hello    {"mac"}                     -> {"name", "spec", "lease_ttl", "transports":
+    hello    {}                          -> {"name", "spec", "lease_ttl", "transports":
                                                 {kind: {"metadata", "region"}}}
     lookup   {"keys"}                    -> {"n"}               readable prefix in the host tier
     acquire  {"keys"}                    -> {"lease", "slots", "gens"}   pins that prefix
@@ -21,19 +23,14 @@ and carries either the fields below or ``err`` (a code) and ``msg``::
     server -> client, unasked, on a connection that watches:
              {"ev": "gone", "keys"}      watched pages that left the host tier
 
-``mac`` is ``HMAC-SHA256(secret, b"tierkv-page-server" + nonce)`` (empty secret: no auth).
+Roles in the handshake: the server is a ``page-server`` (its id: its address); a client is a
+``client`` (RemoteTier, Watch) or a ``page-server`` (a peer link, its id: its address).
 Error codes: ``auth``, ``spec``, ``full``, ``bad`` (malformed request), ``op`` (unknown op).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import hmac
-import struct
 from typing import Any
-
-import msgpack
 
 from tierkv.remote.errors import (
     RemoteError,
@@ -41,42 +38,26 @@ from tierkv.remote.errors import (
     RemoteProtocolError,
     RemoteRefusedError,
 )
+from transports.session import Limits
 
-__all__ = ["MAX_FRAME", "MAX_KEYS", "auth_mac", "error_for", "keys_of", "recv", "send"]
+__all__ = [
+    "CLIENT",
+    "MAX_FRAME",
+    "MAX_KEYS",
+    "PAGE_SERVER",
+    "REPLY_LIMITS",
+    "REQUEST_LIMITS",
+    "error_for",
+    "keys_of",
+]
 
 MAX_FRAME = 8 << 20
 MAX_KEYS = 1 << 18
-_LEN = struct.Struct("!I")
-
-
-async def send(writer: asyncio.StreamWriter, obj: dict[str, Any]) -> None:
-    """Write one frame and drain. Raises ConnectionError when the peer is gone."""
-    body = msgpack.packb(obj, use_bin_type=True)
-    writer.write(_LEN.pack(len(body)) + body)
-    await writer.drain()
-
-
-async def recv(reader: asyncio.StreamReader) -> dict[str, Any] | None:
-    """The next frame, or None at EOF. Raises RemoteProtocolError on a bad frame."""
-    try:
-        (n,) = _LEN.unpack(await reader.readexactly(4))
-        if n > MAX_FRAME:
-            raise RemoteProtocolError(f"control frame of {n} bytes (limit {MAX_FRAME})")
-        body = await reader.readexactly(n)
-    except (asyncio.IncompleteReadError, ConnectionError):
-        return None
-    try:
-        obj = msgpack.unpackb(body, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise RemoteProtocolError("malformed control frame") from exc
-    if not isinstance(obj, dict):
-        raise RemoteProtocolError(f"control frame is a {type(obj).__name__}, not a map")
-    return obj
-
-
-def auth_mac(secret: bytes, nonce: bytes) -> bytes:
-    """The proof a client sends in its hello."""
-    return hmac.new(secret, b"tierkv-page-server" + nonce, hashlib.sha256).digest()
+PAGE_SERVER, CLIENT = "page-server", "client"
+#: what a server decodes from an authenticated peer: flat lists of short keys, short strings
+REQUEST_LIMITS = Limits(frame=MAX_FRAME, array=MAX_KEYS, map=16, str=1024, bin=64)
+#: what a client decodes from a server (the hello carries transport metadata)
+REPLY_LIMITS = Limits(frame=MAX_FRAME, array=MAX_KEYS, map=64, str=1 << 16, bin=1 << 20)
 
 
 def keys_of(msg: dict[str, Any]) -> list[bytes]:

@@ -1,0 +1,108 @@
+"""What a server counts and logs about hostile peers, and the budgets it keeps per peer.
+
+::
+
+    Audit        counters of refused authentication, protocol errors and budget hits, each also
+                 logged as one JSON line (logger "tierkv.security"), at most `burst` lines per
+                 event kind and `rate` a second after that (the rest are counted, and the next
+                 line says how many were suppressed)
+    PeerCaps     connections per peer address (refused past the cap: a budget hit)
+    RateLimit    a token bucket (e.g. new peer links per minute)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+
+__all__ = ["AUTH_REFUSED", "BUDGET_HIT", "PROTOCOL_ERROR", "Audit", "PeerCaps", "RateLimit"]
+
+log = logging.getLogger("tierkv.security")
+
+AUTH_REFUSED = "auth_refused"
+PROTOCOL_ERROR = "protocol_error"
+BUDGET_HIT = "budget_hit"
+
+
+class RateLimit:
+    """A token bucket: `take()` is True at most `burst` times at once, then `rate` per second."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._tokens = burst
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        """Spend one token if there is one."""
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
+class Audit:
+    """Security counters of one component and their rate-limited structured log.
+
+    `counts[event]` counts every `note` (whether logged or not); `by_reason` splits them by
+    the ``reason`` field (e.g. ``budget_hit`` by which budget).
+    """
+
+    def __init__(self, component: str, *, rate: float = 1.0, burst: float = 10.0) -> None:
+        self.component = component
+        self.counts: Counter[str] = Counter()
+        self.by_reason: Counter[str] = Counter()
+        self._limits: dict[str, RateLimit] = {}
+        self._suppressed: Counter[str] = Counter()
+        self._rate, self._burst = rate, burst
+
+    def note(self, event: str, peer: str, reason: str, **fields: object) -> None:
+        """Count one event (``auth_refused``, ``protocol_error``, ``budget_hit``) and log it
+        unless this kind is over its log rate."""
+        self.counts[event] += 1
+        self.by_reason[f"{event}:{reason}"] += 1
+        limit = self._limits.setdefault(event, RateLimit(self._rate, self._burst))
+        if not limit.take():
+            self._suppressed[event] += 1
+            return
+        line: dict[str, object] = {
+            "event": event,
+            "component": self.component,
+            "peer": peer,
+            "reason": reason,
+        }
+        line.update(
+            {k: v if isinstance(v, int | float | bool) else str(v) for k, v in fields.items()}
+        )
+        if self._suppressed[event]:
+            line["suppressed"] = self._suppressed.pop(event)
+        log.warning(json.dumps(line, sort_keys=True))
+
+    def stats(self) -> dict[str, int]:
+        """``<event>_total`` for each event kind (zero when none happened)."""
+        return {f"{e}_total": self.counts[e] for e in (AUTH_REFUSED, PROTOCOL_ERROR, BUDGET_HIT)}
+
+
+class PeerCaps:
+    """At most `cap` open connections per peer address."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: Counter[str] = Counter()
+
+    def admit(self, address: str) -> bool:
+        """Count a new connection from ``address``; False (not counted) when over the cap."""
+        if self.open[address] >= self.cap:
+            return False
+        self.open[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        """A connection admitted from ``address`` closed."""
+        self.open[address] -= 1
+        if self.open[address] <= 0:
+            del self.open[address]
