@@ -4,6 +4,11 @@
 
     tierkv serve --listen 127.0.0.1:7600 --metrics 127.0.0.1:9600 --trace serve.json
 
+Security (docs/security.md): a shared secret is required (``--secret`` or
+``$TIERKV_TRANSPORT_SECRET``; an empty one is an error). ``--insecure`` serves without one, and
+then only on a loopback address; a non-loopback ``--listen`` without a secret refuses to start.
+On start, shared-memory segments left by serve processes that are gone are removed.
+
 ``--metrics`` serves Prometheus ``GET /metrics`` (the store's and the page server's figures,
 ``tierkv.metrics``); ``--trace`` records the store's timeline plus counter samples of the host
 tier and the page server every ``--sample-every`` seconds, in a ring of ``--trace-events``
@@ -25,9 +30,11 @@ from typing import Any
 from runtime import new_event_loop
 from tierkv.errors import TierKVError
 from tierkv.remote import PageServer, RemoteError
+from tierkv.remote.server import SECRET_ENV, is_loopback
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
 from tierkv.timeline import Timeline
+from transports.shm import remove_stale_segments
 
 TRACE_EVENTS = 100_000
 
@@ -40,7 +47,8 @@ def add_parser(sub: Any) -> None:
         description="Opens a store with the given page layout and serves its host tier: peers "
         "look pages up on the control socket (--listen) and read or write them one-sidedly "
         "through the data transports (shm on this host, tcp across hosts). Runs until "
-        "interrupted. The secret comes from --secret or $TIERKV_TRANSPORT_SECRET.",
+        "interrupted. The secret comes from --secret or $TIERKV_TRANSPORT_SECRET (required "
+        "unless --insecure, which keeps the server on loopback).",
     )
     p.add_argument("--listen", default="127.0.0.1:7600", help="control socket host:port")
     p.add_argument(
@@ -50,6 +58,20 @@ def add_parser(sub: Any) -> None:
         help="data transport (repeat for several; default tcp)",
     )
     p.add_argument("--secret", help="shared secret (hex); default $TIERKV_TRANSPORT_SECRET")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve without a secret (anyone who can connect may read and write pages); "
+        "only on a loopback --listen",
+    )
+    p.add_argument(
+        "--allow-uid",
+        type=int,
+        action="append",
+        default=[],
+        metavar="UID",
+        help="another user id admitted on the shm control socket (repeat; default: ours only)",
+    )
     p.add_argument("--host-mb", type=float, default=256.0, help="host tier size, MiB")
     p.add_argument("--layers", type=int, default=4, help="model layers (page layout)")
     p.add_argument("--kv-heads", type=int, default=2, help="KV heads per layer (page layout)")
@@ -108,13 +130,31 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
+def _secret(args: argparse.Namespace) -> bytes | None:
+    """The secret to serve with (None: insecure). Raises ValueError: empty, missing without
+    --insecure, not hex, or no secret on a non-loopback --listen."""
+    if args.secret is not None:
+        if not args.secret:
+            raise ValueError("--secret is empty: an empty secret is not a secret")
+        secret: bytes | None = bytes.fromhex(args.secret)  # ValueError names the bad character
+    else:
+        env = os.environ.get(SECRET_ENV)
+        if env is not None and not env:
+            raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
+        secret = env.encode() if env else None
+    host, _ = parse_address(args.listen, "--listen")
+    if secret is None and not args.insecure:
+        raise ValueError(f"no secret: pass --secret or set ${SECRET_ENV} (or --insecure)")
+    if secret is None and not is_loopback(host):
+        raise ValueError(f"--listen {host} is not loopback: serving without a secret stays there")
+    return secret
+
+
 def _check(args: argparse.Namespace) -> None:
     """Raise ValueError for arguments that cannot work, before anything is opened."""
     parse_address(args.listen, "--listen")
     if args.metrics:
         parse_address(args.metrics, "--metrics")
-    if args.secret:
-        bytes.fromhex(args.secret)  # ValueError names the bad character
     for name in ("host_mb", "lease_ttl", "every", "sample_every"):
         if not getattr(args, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be > 0")
@@ -125,6 +165,7 @@ def _check(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"--trace: cannot write into {folder}")
+    _secret(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,7 +190,12 @@ async def _serve(args: argparse.Namespace) -> int:
     spec = KVSpec(
         args.layers, args.kv_heads, args.head_dim, parse_dtype(args.dtype), args.page_tokens
     )
-    secret = bytes.fromhex(args.secret) if args.secret else None
+    secret = _secret(args)
+    stale = remove_stale_segments()
+    if stale:
+        print(f"removed {len(stale)} stale shared-memory segments: {', '.join(stale)}", flush=True)
+    if secret is None:
+        print(f"warning: serving without a secret on {host} (--insecure)", file=sys.stderr)
     host_bytes = int(args.host_mb * 2**20)
     store = KVStore(spec, device_bytes=spec.page_bytes, host_bytes=host_bytes, codec=None)
     # a ring of the newest events; set before open(), which hands it to the tiers
@@ -167,7 +213,9 @@ async def _serve(args: argparse.Namespace) -> int:
                 host=host,
                 port=port,
                 secret=secret,
+                insecure=secret is None,
                 lease_ttl=args.lease_ttl,
+                transport_options={"shm": {"allow_uids": args.allow_uid}},
                 peers=args.peer,
                 advertise=args.advertise,
             )

@@ -182,6 +182,49 @@ def test_bad_arguments_fail_before_serving(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        ([], None, "no secret"),
+        (["--secret", ""], None, "--secret is empty"),
+        ([], "", "TIERKV_TRANSPORT_SECRET is empty"),
+        (["--insecure", "--listen", "0.0.0.0:0"], None, "is not loopback"),
+        (["--insecure", "--listen", "10.1.2.3:0"], None, "is not loopback"),
+    ],
+)
+def test_secure_defaults(
+    argv: list[str],
+    env: str | None,
+    message: str,
+    capsys: pytest.CaptureFixture[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No secret needs --insecure and loopback; an empty secret is an error."""
+    monkeypatch.delenv("TIERKV_TRANSPORT_SECRET", raising=False)
+    if env is not None:
+        monkeypatch.setenv("TIERKV_TRANSPORT_SECRET", env)
+    assert cli_main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_page_server_refuses_insecure_or_empty_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierkv import KVStore
+    from tierkv.remote import PageServer
+
+    monkeypatch.delenv("TIERKV_TRANSPORT_SECRET", raising=False)
+    store = KVStore(SPEC, device_bytes=SPEC.page_bytes, host_bytes=8 * SPEC.page_bytes)
+    with pytest.raises(ValueError, match="no shared secret"):
+        PageServer(store)
+    with pytest.raises(ValueError, match="empty secret"):
+        PageServer(store, secret=b"")
+    with pytest.raises(ValueError, match="stays on loopback"):
+        PageServer(store, insecure=True, host="0.0.0.0")
+    assert PageServer(store, insecure=True).secret == b""
+    monkeypatch.setenv("TIERKV_TRANSPORT_SECRET", "")
+    with pytest.raises(ValueError, match="empty secret"):
+        PageServer(store, insecure=True)
+
+
 async def test_page_server_collector_follows_the_server_life() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 

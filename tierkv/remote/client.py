@@ -13,13 +13,18 @@ from the first one that did not are misses (not counted). The caller owns the lo
 example reserved WRITING in its page table) and keeps only the counted ones; on any error no
 other local memory has been touched and no byte lands after the call returns.
 
-Every wait is bounded by ``timeout``. A control call that times out or is cancelled breaks the
-connection (a late reply could not be told apart); later calls raise PeerGoneError.
+Every wait is bounded by ``timeout``. A cancelled call leaves the connection as it was (its
+late reply is dropped by request id); a call that times out, or a connection that breaks (the
+server restarted, a malformed or forged frame), is followed by a reconnect on the next call,
+with backoff (``retry_after`` doubling up to ``max_backoff`` while the server stays away;
+calls in between raise PeerGoneError at once). Every malformed reply raises a RemoteError.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +61,13 @@ class ReadLease:
     gens: list[int]
 
 
+def _ints(value: Any, low: int | None) -> bool:
+    """``value`` is a list of ints, each >= ``low`` (when given)."""
+    if not isinstance(value, list):
+        return False
+    return all(type(v) is int and (low is None or v >= low) for v in value)
+
+
 def _runs(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]:
     """(local slot, remote slot, count) runs where both sides are consecutive."""
     out: list[tuple[int, int, int]] = []
@@ -77,6 +89,8 @@ class RemoteTier:
         spec: our page layout; `connect` refuses a server whose layout differs.
         timeout: bound of every control reply, connect and transfer, in seconds.
         transport_options: extra keyword arguments for the local transport.
+        retry_after / max_backoff: the first and the longest wait before reconnecting after
+            the connection broke.
     """
 
     def __init__(
@@ -88,8 +102,16 @@ class RemoteTier:
         spec: KVSpec | None = None,
         timeout: float = 10.0,
         transport_options: dict[str, Any] | None = None,
+        retry_after: float = 0.05,
+        max_backoff: float = 2.0,
     ) -> None:
         self.host, self.port = split_address(address)
+        self.retry_after, self.max_backoff = retry_after, max_backoff
+        self._backoff = retry_after
+        self._retry_at = 0.0
+        self._opened = False  # connect() succeeded once and aclose() has not run since
+        self._reconnecting: asyncio.Lock | None = None
+        self.reconnects = 0
         self.kind = transport
         self.secret = resolve_secret(secret, insecure=True)  # none: only insecure servers admit us
         self.spec, self.timeout = spec, timeout
@@ -113,6 +135,7 @@ class RemoteTier:
         except BaseException:
             await self.aclose()
             raise
+        self._opened = True
         return self
 
     async def _connect(self) -> None:
@@ -121,16 +144,23 @@ class RemoteTier:
         spec = hello.get("spec")
         if not isinstance(spec, dict) or type(spec.get("page_bytes")) is not int:
             raise RemoteProtocolError("the page server's hello has no page layout")
+        if spec["page_bytes"] <= 0:
+            raise RemoteProtocolError(f"page_bytes {spec['page_bytes']} in the hello")
         if self.spec is not None and spec != spec_fields(self.spec):
             raise RemoteRefusedError(f"page layout differs: ours {spec_fields(self.spec)}, {spec}")
+        ttl = hello.get("lease_ttl", 0.0)
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool):
+            raise RemoteProtocolError(f"lease_ttl {ttl!r} in the hello")
         self.page_bytes = spec["page_bytes"]
-        self.lease_ttl = float(hello.get("lease_ttl", 0.0))
-        self.server_name = str(hello.get("name", ""))
+        self.lease_ttl = float(ttl)
+        self.server_name = str(hello.get("name", ""))[:256]
         offered = hello.get("transports")
         if not isinstance(offered, dict) or not isinstance(offered.get(self.kind), dict):
-            names = sorted(offered) if isinstance(offered, dict) else []
+            names = sorted(map(str, offered)) if isinstance(offered, dict) else []
             raise RemoteRefusedError(f"the page server offers {names}, not {self.kind!r}")
         info = offered[self.kind]
+        if not isinstance(info.get("region"), bytes) or not isinstance(info.get("metadata"), bytes):
+            raise RemoteProtocolError(f"the hello's {self.kind} entry lacks region or metadata")
         opts: dict[str, Any] = {"timeout": self.timeout, **self._options}
         if self.kind in ("tcp", "shm"):
             opts.setdefault("secret", self.secret)
@@ -143,9 +173,15 @@ class RemoteTier:
             raise map_transport_error(exc, f"reaching the {self.kind} data transport") from exc
         except ValueError as exc:  # a transport option missing (tcp without a secret)
             raise RemoteRefusedError(str(exc)) from exc
+        except (TypeError, KeyError, IndexError) as exc:  # a descriptor that is not one
+            raise RemoteProtocolError(f"the hello's {self.kind} entry: {exc}") from exc
 
     async def aclose(self) -> None:
         """Close the control connection and the data transport. Idempotent."""
+        self._opened = False
+        await self._drop()
+
+    async def _drop(self) -> None:
         ctl, self._ctl = self._ctl, None
         if ctl is not None:
             await ctl.aclose()
@@ -161,9 +197,36 @@ class RemoteTier:
 
     # -- control calls -------------------------------------------------------------------
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        if self._ctl is None:
-            raise PeerGoneError("not connected to the page server (closed or broken)")
-        return await self._ctl.call(op, **fields)
+        ctl = self._ctl
+        if ctl is None or ctl.closed.done():
+            ctl = await self._reconnect()
+        return await ctl.call(op, **fields)
+
+    async def _reconnect(self) -> Control:
+        """A fresh connection after the last one broke (bounded by the backoff). Raises
+        PeerGoneError (closed, or too soon), or what `connect` raises."""
+        if not self._opened:
+            raise PeerGoneError("not connected to the page server (closed)")
+        if self._reconnecting is None:
+            self._reconnecting = asyncio.Lock()
+        async with self._reconnecting:
+            if self._ctl is not None and not self._ctl.closed.done():
+                return self._ctl  # another call reconnected meanwhile
+            wait = self._retry_at - time.monotonic()
+            if wait > 0:
+                raise PeerGoneError(f"{self.host}:{self.port} broke; reconnecting in {wait:.2f} s")
+            await self._drop()
+            try:
+                await self._connect()
+            except BaseException:
+                await self._drop()
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, self.max_backoff)
+                raise
+            self._backoff = self.retry_after
+            self.reconnects += 1
+            assert self._ctl is not None
+            return self._ctl
 
     async def lookup(self, keys: list[bytes]) -> int:
         """How many leading pages of ``keys`` the peer holds (readable, in its host tier)."""
@@ -218,8 +281,9 @@ class RemoteTier:
         """Pin the leading pages of ``keys`` that the peer holds; release with `release`."""
         reply = await self._call("acquire", keys=list(keys))
         slots, gens, lease = reply.get("slots"), reply.get("gens"), reply.get("lease")
-        if not (isinstance(slots, list) and isinstance(gens, list) and type(lease) is int):
+        if not (_ints(slots, 0) and _ints(gens, None) and type(lease) is int):
             raise RemoteProtocolError("bad acquire answer")
+        assert isinstance(slots, list) and isinstance(gens, list)
         if len(slots) != len(gens) or len(slots) > len(keys):
             raise RemoteProtocolError("bad acquire answer")
         return ReadLease(lease, list(keys[: len(slots)]), slots, gens)
@@ -268,7 +332,10 @@ class RemoteTier:
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         reply = await self._call("reserve", keys=list(keys))
         lease, remote = reply.get("lease"), reply.get("slots")
-        if type(lease) is not int or not isinstance(remote, list) or len(remote) != len(keys):
+        if type(lease) is not int or not _ints(remote, -1):
+            raise RemoteProtocolError("bad reserve answer")
+        assert isinstance(remote, list)
+        if len(remote) != len(keys):
             raise RemoteProtocolError("bad reserve answer")
         todo = [(lo, ro) for lo, ro in zip(slots, remote) if ro >= 0]
         try:
@@ -279,7 +346,7 @@ class RemoteTier:
                 await self._call("commit", lease=lease, ok=False)
             raise
         stored = (await self._call("commit", lease=lease, ok=True)).get("stored")
-        if type(stored) is not int:
+        if type(stored) is not int or not 0 <= stored <= len(keys):
             raise RemoteProtocolError("bad commit answer")
         return stored
 

@@ -8,7 +8,8 @@
 
 Imported pages land in the host tier as unowned cached pages, two-phase (WRITING until the
 source confirmed them), exactly as `import_prefix` does. Every call on a source is bounded by
-the store's timeout; a failing source is counted (``errors``) and skipped, never raised.
+the store's timeout; a failing source is counted (``errors``) and skipped, never raised: any
+exception a source raises (a hostile server's malformed answer included) is a counted miss.
 This module does not import the store (the store imports it when given a remote).
 """
 
@@ -19,8 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from tierkv.errors import TierKVError
 from tierkv.keys import KEY_BYTES, KeyKind, key_kind
+from tierkv.remote.errors import RemoteProtocolError
 from tierkv.remote.push import Pusher
 from tierkv.remote.source import PageSource
 from tierkv.tiers import HOST, TierSet
@@ -133,7 +134,9 @@ class StoreRemote:
             try:
                 self.counters.lookups += 1
                 n = await asyncio.wait_for(source.lookup(pages[have:]), self.timeout)
-            except (TierKVError, TimeoutError, OSError) as exc:
+                if type(n) is not int:
+                    raise RemoteProtocolError(f"lookup answered {type(n).__name__}, not an int")
+            except Exception as exc:  # a source's failure is a miss, whatever its type
                 self._fail(exc)
                 continue
             n = min(n, len(pages) - have) // layers * layers
@@ -161,8 +164,11 @@ class StoreRemote:
             ok = await asyncio.wait_for(
                 source.load(new, tiers.arenas[HOST].array, slots), self.timeout
             )
-            ok = max(0, min(int(ok), len(new)))
-        except (TierKVError, TimeoutError, OSError) as exc:
+            if type(ok) is not int:
+                raise RemoteProtocolError(f"load answered {type(ok).__name__}, not an int")
+            ok = max(0, min(ok, len(new)))
+        except Exception as exc:  # a source's failure is a miss, whatever its type
+            ok = 0
             self._fail(exc)
         finally:  # also on cancellation: nothing stays WRITING
             if ok:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.errors import TierKVError
 from tierkv.remote.source import PageSource
 
 __all__ = ["PushCounters", "Pusher"]
@@ -172,8 +171,10 @@ class Pusher:
             stored = await asyncio.wait_for(
                 self.source.publish(keys, self.staging, slots), self.timeout
             )
-            self.counters.pushed += int(stored)
-        except (TierKVError, TimeoutError, OSError) as exc:
+            if type(stored) is not int:
+                raise TypeError(f"publish answered {type(stored).__name__}, not an int")
+            self.counters.pushed += max(0, min(stored, len(keys)))
+        except Exception as exc:  # a failing source (hostile answers too) is counted, not raised
             self.counters.errors += 1
             self.counters.last_error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -373,7 +373,18 @@ class PageServer:
             "watchers_dropped": self.watches.dropped,
             "peer_links_refused_total": self.links_refused,
             **self.audit.stats(),
+            **self._transport_security(),
         }
+
+    def _transport_security(self) -> dict[str, int]:
+        """The data transports' security counters (``<kind>_<event>_total``)."""
+        out: dict[str, int] = {}
+        for kind, t in self.transports.items():
+            audit = getattr(t, "audit", None)
+            if isinstance(audit, Audit):
+                out.update({f"{kind}_{k}": v for k, v in audit.stats().items()})
+            out[f"{kind}_notifications_dropped_total"] = t.notifications_dropped
+        return out
 
     # -- the directory shared with peers, and announcements --------------------------------
     def _holds(self, key: bytes) -> bool:
