@@ -7,10 +7,14 @@ The contract follows the two-phase moves of vLLM's offloading manager::
     complete_load(keys, tier)     unpins, records the use
     prepare_store(keys, tier)     -> StoreAllocation (evicting by policy), or None when there is
                                      no room because everything else is pinned / moving / writing
-    complete_store(keys, tier, ok) commits (WRITING -> READABLE) or rolls back
+    complete_store(keys, tier, ok) commits (WRITING -> READABLE) or rolls back; keys that are
+                                     already READABLE are passed over (completing twice is fine)
     prepare_evict(tier, n)        -> victims, marked MOVING (for a write-back to a lower tier)
-    complete_evict(keys, tier, ok) drops them (or puts them back)
-    touch(keys, tier) / remove(keys, tier) / take_events()
+    complete_evict(keys, tier, ok) drops them (or puts them back exactly where they were)
+    touch(keys, tier)             records uses; keys the tier does not hold are passed over
+                                     (the policy hears of them as misses: ARC's ghost feedback)
+    candidates(tier, n)           the next victims, without changing anything
+    remove(keys, tier) / rekey(old, new, tier) / take_events()
 
 A page's life in one tier::
 
@@ -20,8 +24,11 @@ A page's life in one tier::
                    └──────────> gone           │  └── complete_evict(not ok) ───────────┘
                                                └── evicted by policy (unpinned only) ──> gone
 
-Misuse (an unknown key, a double complete, unpinning an unpinned page, a page in the wrong state)
-raises a :class:`~tierkv.errors.PageTableError` subclass *before* anything changes.
+Misuse (an unknown key, unpinning an unpinned page, a page in the wrong state) raises a
+:class:`~tierkv.errors.PageTableError` subclass *before* anything changes; so does a policy that
+breaks its contract (too few victims: :class:`~tierkv.errors.TierKVError`, after its victims are
+put back). A tier of capacity 0 is legal (offload disabled): it stores nothing. The whole
+contract, call by call, is in ``docs/policies.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from operator import itemgetter
-from typing import Any
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
 from tierkv.policies import DEFAULT_POLICY, NO_HINT, EvictionPolicy, Key, PageHint, make_policy
@@ -94,6 +100,7 @@ class _Tier:
         "slot_aware",
         "slot_of",
         "state",
+        "undo",
         "unevictable",
     )
 
@@ -109,6 +116,7 @@ class _Tier:
         self.free = list(range(capacity - 1, -1, -1))
         self.unevictable = 0  # pages that are pinned, WRITING or MOVING
         self.moving = 0  # MOVING pages (they have left the policy)
+        self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
         self.slot_aware = policy.slot_aware
         if self.slot_aware:
             policy.bind_slots(capacity, self.slot_of)
@@ -124,7 +132,7 @@ class PageTable:
         record_events: keep stored/evicted events for :meth:`take_events`.
 
     Raises:
-        ValueError: no tiers, or a capacity below 1, or an unknown policy.
+        ValueError: no tiers, or a capacity below 0, or an unknown policy.
     """
 
     def __init__(
@@ -138,8 +146,8 @@ class PageTable:
             raise ValueError("a page table needs at least one tier")
         self._tiers: dict[str, _Tier] = {}
         for name, cap in tiers.items():
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-                raise ValueError(f"tier {name!r}: capacity must be a positive int, got {cap!r}")
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+                raise ValueError(f"tier {name!r}: capacity must be an int >= 0, got {cap!r}")
             pol = policy if isinstance(policy, str) else policy.get(name, DEFAULT_POLICY)
             self._tiers[name] = _Tier(name, cap, make_policy(pol))
         self._record = record_events
@@ -282,11 +290,19 @@ class PageTable:
             t.policy.touch_many(keys)
 
     def touch(self, keys: Iterable[Key], tier: str) -> None:
-        """Record a use of resident pages (MOVING ones, already on their way out, are passed
-        over). Raises UnknownPageError (nothing is touched)."""
+        """Record a use of resident pages, in order. Pages the tier does not hold are passed
+        over and reported to the policy as misses (:meth:`EvictionPolicy.miss`: ARC takes ghost
+        feedback from them), as vLLM's and LMCache's managers do; MOVING ones, already on their
+        way out, are passed over. Raises UnknownPageError only for an unknown tier."""
         t = self._tier(tier)
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
-        slots = self._slots(t, keys)  # raises with the missing key's name: nothing touched
+        try:
+            slots = self._slots(t, keys)
+        except UnknownPageError:
+            slot_of = t.slot_of
+            t.policy.miss([k for k in keys if k not in slot_of])
+            keys = [k for k in keys if k in slot_of]
+            slots = [slot_of[k] for k in keys]
         if t.moving:
             state = t.state
             keys = [k for k, s in zip(keys, slots) if state[s] != _MOVING]
@@ -387,8 +403,8 @@ class PageTable:
             elif t.unevictable:
                 can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
             slots = t.policy.evict_slots(n, can_evict)
-            self._check_victims(t, n, slots)
             evicted = [key_of[s] for s in slots]
+            self._check_victims(t, n, slots, evicted)
             for k in evicted:
                 del slot_of[k]
         else:
@@ -399,26 +415,48 @@ class PageTable:
                 return not pins[s] and state[s] == _READABLE and k not in batch
 
             evicted = t.policy.evict_many(n, can_evict_key)
-            self._check_victims(t, n, evicted)
+            self._check_victims(t, n, [slot_of[k] for k in evicted], evicted)
             pop = slot_of.pop
             slots = [pop(k) for k in evicted]
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
         return evicted
 
     @staticmethod
-    def _check_victims(t: _Tier, n: int, victims: list[Any]) -> None:
-        if len(victims) != n:  # the policy disagrees with our count: a policy bug
-            raise TierKVError(f"policy {t.policy.name!r} found too few victims in {t.name!r}")
+    def _check_victims(t: _Tier, n: int, slots: list[int], keys: list[Key]) -> None:
+        if len(slots) == n:
+            return
+        # The policy disagrees with our count (a policy bug): put its victims back, then say so.
+        _restore(t, slots, keys, _evicted_state(t, slots, keys))
+        raise TierKVError(
+            f"policy {t.policy.name!r} found {len(slots)} of {n} victims in {t.name!r} "
+            "(nothing was changed)"
+        )
 
     def complete_store(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
         """Commit (``ok``) or roll back pages reserved by :meth:`prepare_store`.
 
+        Keys that are already READABLE are passed over either way (as in vLLM's offloading
+        managers, a connector may complete the whole list it prepared, present pages included,
+        or complete twice); a key named twice counts once.
+
         Raises:
             UnknownPageError: a key is not in the tier.
-            PageStateError: a page is not WRITING (for example a double complete).
+            PageStateError: a page is MOVING (it was never being written).
         """
         t = self._tier(tier)
-        slots = self._state_slots(t, keys, _WRITING)
+        slots = self._slots(t, keys)
+        state = t.state
+        if _count(state, slots, _WRITING) != len(slots) or len(set(slots)) != len(slots):
+            for k, s in zip(keys, slots):
+                if state[s] == _MOVING:
+                    raise PageStateError(
+                        f"page {_show(k)} in tier {tier!r} is MOVING, expected WRITING"
+                    )
+            writing = dict.fromkeys(
+                (k, s) for k, s in zip(keys, slots) if state[s] == _WRITING
+            )
+            keys = [k for k, _ in writing]
+            slots = [s for _, s in writing]
         if ok:
             state = t.state
             for s in slots:
@@ -430,14 +468,24 @@ class PageTable:
         t.unevictable -= len(slots)
 
     # -- moves down ----------------------------------------------------------------------
-    def prepare_evict(self, tier: str, n: int) -> list[tuple[Key, int]]:
+    def prepare_evict(self, tier: str, n: int, *, exact: bool = False) -> list[tuple[Key, int]]:
         """Choose up to ``n`` victims by policy and mark them MOVING; returns (key, slot) pairs.
 
-        Use it to write pages back to a lower tier before they leave this one.
+        Use it to write pages back to a lower tier before they leave this one. With ``exact``
+        it is all or nothing: fewer than ``n`` evictable pages give ``[]`` and change nothing.
+
+        Raises:
+            ValueError: ``n`` is negative.
+            TierKVError: the policy broke its contract (nothing was changed).
         """
         t = self._tier(tier)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"prepare_evict needs a count >= 0, got {n!r}")
         slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
-        n = min(n, len(slot_of) - t.unevictable)
+        evictable = len(slot_of) - t.unevictable
+        if exact and n > evictable:
+            return []
+        n = min(n, evictable)
         out: list[tuple[Key, int]]
         if t.slot_aware:
 
@@ -452,7 +500,12 @@ class PageTable:
                 return not pins[s] and state[s] == _READABLE
 
             out = [(k, slot_of[k]) for k in t.policy.evict_many(n, can_evict)]
-        for _, s in out:
+        keys = [k for k, _ in out]
+        slots = [s for _, s in out]
+        states = _evicted_state(t, slots, keys)
+        self._check_victims(t, n, slots, keys)
+        t.undo.update(zip(slots, states))
+        for s in slots:
             state[s] = _MOVING
         t.unevictable += len(out)
         t.moving += len(out)
@@ -461,28 +514,33 @@ class PageTable:
     def complete_evict(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
         """Drop MOVING pages from ``tier`` (``ok``), or make them readable again.
 
+        A page put back (not ``ok``) returns to the policy exactly where it was when it was
+        chosen, with its counters: a rollback is not a use.
+
         Raises:
             UnknownPageError / PageStateError: a key is not MOVING in the tier.
         """
         t = self._tier(tier)
         slots = self._state_slots(t, keys, _MOVING)
+        undo = t.undo
         if ok:
             pop = t.slot_of.pop
             key_of = t.key_of
             for k, s in zip(keys, slots):
                 pop(k)
                 key_of[s] = None
+                del undo[s]
             t.free.extend(slots)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
             for s in slots:
                 t.state[s] = _READABLE
-            if t.slot_aware:
-                t.policy.insert_slots(slots, keys, [NO_HINT] * len(slots))
-            else:
-                for k in keys:
-                    t.policy.insert(k)
+            # in the order they were chosen (``undo`` keeps it), so that each lands where it was
+            back = set(slots)
+            vs = [s for s in undo if s in back] if len(slots) > 1 else list(slots)
+            key_of = t.key_of
+            _restore(t, vs, [key_of[s] for s in vs], [undo.pop(s) for s in vs])
         t.unevictable -= len(slots)
         t.moving -= len(slots)
 
@@ -531,6 +589,31 @@ class PageTable:
                     policy.remove(k_old)
                     policy.insert(k_new)
 
+    def candidates(self, tier: str, n: int) -> list[Key]:
+        """The pages :meth:`prepare_evict` would choose next in ``tier`` (at most ``n``, best
+        victim first), without changing anything. Cheap for LRU, LFU and ARC; kvaware and
+        S3-FIFO evict on a copy of their state (O(pages)): for operators, not every step."""
+        t = self._tier(tier)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"candidates needs a count >= 0, got {n!r}")
+        slot_of, state, pins = t.slot_of, t.state, t.pins
+        n = min(n, len(slot_of) - t.unevictable)
+        if n <= 0:
+            return []
+        if t.slot_aware:
+
+            def can_evict_slot(s: int) -> bool:
+                return not pins[s] and state[s] == _READABLE
+
+            key_of = t.key_of
+            return [key_of[s] for s in t.policy.candidate_slots(n, can_evict_slot)]
+
+        def can_evict(k: Key) -> bool:
+            s = slot_of[k]
+            return not pins[s] and state[s] == _READABLE
+
+        return t.policy.candidates(n, can_evict)
+
     def take_events(self) -> list[PageEvent]:
         """Return and clear the stored / evicted / removed events since the last call."""
         ev, self._events = self._events, []
@@ -552,6 +635,8 @@ class PageTable:
             assert all(t.key_of[s] == k for k, s in t.slot_of.items()), f"{t.name} key_of"
             assert all(t.key_of[s] is None for s in t.free), f"{t.name} key_of of a free slot"
             assert len(used) - in_policy == t.moving, f"{t.name} moving count"
+            moving = {s for s in used if t.state[s] == _MOVING}
+            assert set(t.undo) == moving, f"{t.name} undo records"
 
     # -- helpers -------------------------------------------------------------------------
     def _tier(self, name: str) -> _Tier:
@@ -607,6 +692,23 @@ class PageTable:
             for k in keys:
                 remove(k)
         t.free.extend(slots)
+
+
+def _evicted_state(t: _Tier, slots: list[int], keys: list[Key]) -> list[object]:
+    """What ``t``'s policy needs to put back victims it just evicted."""
+    if t.slot_aware:
+        return t.policy.evicted_state_slots(slots, keys)
+    return t.policy.evicted_state(keys)
+
+
+def _restore(t: _Tier, slots: list[int], keys: list[Key], states: list[object]) -> None:
+    """Undo the eviction of ``slots`` / ``keys`` in ``t``'s policy (victim order)."""
+    if not slots:
+        return
+    if t.slot_aware:
+        t.policy.restore_slots(slots, keys, states)
+    else:
+        t.policy.restore(keys, states)
 
 
 def _count(values: list[int], slots: Sequence[int], want: int) -> int:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
 
 _List = OrderedDict[Key, None]
 
@@ -24,8 +25,12 @@ class ARCPolicy(EvictionPolicy):
 
     The page table asks for a victim *before* inserting the page that needs the room; when it
     calls :meth:`admit` first (it does when the tier is full), the ghost hit adapts ``p`` there,
-    so the victim is chosen as in the paper. Pinned pages are rotated to the MRU end of their
-    list as they are skipped; if one list has nothing evictable the other is used.
+    so the victim is chosen as in the paper. A request for a page that is not resident
+    (:meth:`miss`, which the page table calls for a touch of such a page) adapts ``p`` the same
+    way, once per ghost until it is inserted. Pinned pages are rotated to the MRU end of their
+    list as they are skipped; if one list has nothing evictable the other is used. A victim
+    put back by :meth:`restore` returns to the LRU end of its list and leaves its ghost list;
+    ``p`` does not move.
 
     Args:
         capacity: pages the tier holds (``c``); ``None`` learns it as the high-water mark.
@@ -41,7 +46,9 @@ class ARCPolicy(EvictionPolicy):
         self._t2: _List = OrderedDict()
         self._b1: _List = OrderedDict()
         self._b2: _List = OrderedDict()
-        self._adapted: Key | None = None  # ghost key whose hit already adapted p (via admit)
+        self._adapted: Key | None = None  # the ghost key whose hit adapted p last
+        self._fed: set[Key] = set()  # ghost keys whose hit already adapted p (not yet inserted)
+        self._recent: dict[Key, int] = {}  # the last eviction call's victims -> 1 (T1) or 2
 
     @property
     def target(self) -> float:
@@ -49,15 +56,23 @@ class ARCPolicy(EvictionPolicy):
         return self._p
 
     def _adapt(self, key: Key) -> None:
-        if key == self._adapted:
+        if key in self._fed:
             return
         b1, b2 = len(self._b1), len(self._b2)
         if key in self._b1:
             self._p = min(float(self._c), self._p + max(1.0, b2 / b1))
-            self._adapted = key
         elif key in self._b2:
             self._p = max(0.0, self._p - max(1.0, b1 / b2))
-            self._adapted = key
+        else:
+            return
+        self._adapted = key
+        if len(self._fed) > 2 * self._c + 64:  # missed ghosts that never came: forget them
+            self._fed.clear()
+        self._fed.add(key)
+
+    def miss(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self._adapt(k)
 
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
         self._adapt(key)
@@ -66,6 +81,7 @@ class ARCPolicy(EvictionPolicy):
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
         self._adapt(key)
         self._adapted = None
+        self._fed.discard(key)
         if key in self._b1:
             del self._b1[key]
             self._t2[key] = None
@@ -87,14 +103,66 @@ class ARCPolicy(EvictionPolicy):
         if key in self._t1:
             del self._t1[key]
             self._t2[key] = None
-        else:
+        elif key in self._t2:
             self._t2.move_to_end(key)
+        else:
+            raise unknown(key, self.name)
 
     def remove(self, key: Key) -> None:
         if key in self._t1:
             del self._t1[key]
-        else:
+        elif key in self._t2:
             del self._t2[key]
+        else:
+            raise unknown(key, self.name)
+
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        return [self._recent[k] for k in keys]
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        for k, which in zip(reversed(keys), reversed(states)):
+            lst, ghosts = (self._t1, self._b1) if which == 1 else (self._t2, self._b2)
+            ghosts.pop(k, None)
+            lst[k] = None
+            lst.move_to_end(k, last=False)
+
+    def _order(self, t1: int) -> bool:
+        """Whether the next victim comes from T1 first (T1 holding ``t1`` pages)."""
+        in_b2 = self._adapted is not None and self._adapted in self._b2
+        return bool(t1) and (t1 > self._p or (in_b2 and t1 == int(self._p)))
+
+    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
+        ok = can_evict or (lambda k: True)
+
+        def runs(lst: _List) -> Iterator[Key]:
+            return (k for k in lst if ok(k))
+
+        first, second = runs(self._t1), runs(self._t2)
+        out: list[Key] = []
+        t1 = len(self._t1)
+        while len(out) < n:
+            from_t1 = self._order(t1)
+            a, b = (first, second) if from_t1 else (second, first)
+            k = next(a, None)
+            took_t1 = from_t1
+            if k is None:
+                k = next(b, None)
+                took_t1 = not from_t1
+            if k is None:
+                break
+            out.append(k)
+            t1 -= took_t1
+        return out
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        self._recent = {}
+        out: list[Key] = []
+        while len(out) < n:
+            victim = self._evict_one(can_evict)
+            if victim is None:
+                break
+            out.append(victim)
+        return out
 
     @staticmethod
     def _take(lst: _List, ghosts: _List, can_evict: CanEvict) -> Key | None:
@@ -108,15 +176,18 @@ class ARCPolicy(EvictionPolicy):
         return None
 
     def evict(self, can_evict: CanEvict) -> Key | None:
-        t1 = len(self._t1)
-        in_b2 = self._adapted is not None and self._adapted in self._b2
-        if t1 and (t1 > self._p or (in_b2 and t1 == int(self._p))):
-            order = ((self._t1, self._b1), (self._t2, self._b2))
+        self._recent = {}
+        return self._evict_one(can_evict)
+
+    def _evict_one(self, can_evict: CanEvict) -> Key | None:
+        if self._order(len(self._t1)):
+            order = ((self._t1, self._b1, 1), (self._t2, self._b2, 2))
         else:
-            order = ((self._t2, self._b2), (self._t1, self._b1))
-        for lst, ghosts in order:
+            order = ((self._t2, self._b2, 2), (self._t1, self._b1, 1))
+        for lst, ghosts, which in order:
             key = self._take(lst, ghosts, can_evict)
             if key is not None:
+                self._recent[key] = which
                 return key
         return None
 

@@ -16,6 +16,20 @@ one that sets :attr:`EvictionPolicy.slot_aware` is bound to a tier with :meth:`b
 then hears only of slots (``insert_slots``, ``touch_slots``, ``remove_slots``, ``evict_slots``),
 so it can keep array-backed structures and never hash a key. Other policies hear only of keys;
 their slot methods forward to the key methods, so a key-based policy needs nothing new.
+
+The contract (``docs/policies.md`` has the long form):
+
+* ``evict*`` returns ``min(n, evictable)`` victims, never fewer: a page that becomes evictable
+  during the call (a chain orphan, a page promoted between queues) is considered in it.
+* A page passed over because it may not be evicted goes to the back of its queue (that keeps a
+  scan O(1) amortized); its counters do not change.
+* :meth:`restore` undoes an eviction whose page did not leave after all (a failed write-back):
+  the page returns to the head of the queue it left, with the counters it had, and the ghost or
+  history entry the eviction made is taken back. It is not a use.
+* :meth:`miss` hears of requested pages that are not resident (ARC takes ghost feedback from
+  it); touching or removing a key the policy does not hold raises
+  :class:`~tierkv.errors.UnknownPageError`.
+* :meth:`candidates` ranks the next victims without changing anything.
 """
 
 from __future__ import annotations
@@ -24,6 +38,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
+
+from tierkv.errors import UnknownPageError
 
 Key = Hashable
 CanEvict = Callable[[Key], bool]
@@ -97,6 +113,46 @@ class EvictionPolicy(ABC):
         """Whether a new page should enter a *full* tier at all (default: always)."""
         return True
 
+    def miss(self, keys: Iterable[Key]) -> None:
+        """Hear of requested pages that are not resident (a lookup or touch that missed).
+        Default: nothing; ARC adapts its target on a ghost hit."""
+        return None
+
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        """What :meth:`restore` needs to put back ``keys``, read right after they were evicted
+        (before any other call). Default: nothing per page."""
+        return [None] * len(keys)
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        """Undo the eviction of ``keys`` (in victim order), with ``states`` from
+        :meth:`evicted_state`: back at the head of the queue each left, counters unchanged.
+
+        The default inserts them as new pages, which is exact for a policy that keeps no
+        per-page state beyond its order; the built-in policies override it.
+        """
+        self.insert_many(keys, [NO_HINT] * len(keys))
+
+    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
+        """The next ``n`` victims, best first, as :meth:`evict_many` would choose them now,
+        without changing anything. ``None`` for ``can_evict``: every page may go.
+
+        The default evicts on a copy of the policy (``copy.deepcopy``); the built-in
+        policies walk their queues instead where that is exact.
+        """
+        import copy
+
+        clone = copy.deepcopy(self)
+        return clone.evict_many(n, can_evict or _always)
+
+    def evict_exactly(self, n: int, can_evict: CanEvict) -> list[Key] | None:
+        """Evict exactly ``n`` pages, or none: ``None`` (and nothing evicted) when fewer than
+        ``n`` may go. Pages passed over may still move to the back of their queues."""
+        out = self.evict_many(n, can_evict)
+        if len(out) < n:
+            self.restore(out, self.evicted_state(out))
+            return None
+        return out
+
     def stats(self) -> dict[str, float]:
         """Counters of the policy's own decisions, for reports (none by default)."""
         return {}
@@ -145,6 +201,21 @@ class EvictionPolicy(ABC):
         for k in keys:
             self.remove(k)
 
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        """:meth:`evicted_state` for slot victims (``slots`` aligned with ``keys``)."""
+        return self.evicted_state(keys)
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        """:meth:`restore` for slot victims (``slots``, ``keys``, ``states`` aligned)."""
+        self.restore(keys, states)
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        """:meth:`candidates` in slot mode. Raises TypeError for a policy that is not
+        slot-aware."""
+        raise TypeError(f"policy {self.name!r} is not slot-aware")
+
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         """Choose and forget up to ``n`` victim slots (fewer only when no more may be evicted).
 
@@ -152,3 +223,12 @@ class EvictionPolicy(ABC):
         slot-aware policies implement it. Raises TypeError here.
         """
         raise TypeError(f"policy {self.name!r} is not slot-aware")
+
+
+def _always(key: Key) -> bool:
+    return True
+
+
+def unknown(key: Key, policy: str) -> UnknownPageError:
+    """The error a policy raises for a key it does not hold."""
+    return UnknownPageError(f"policy {policy!r} holds no page {key!r}")

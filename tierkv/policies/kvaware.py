@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tierkv.policies.base import NO_HINT, CanEvict, CanEvictSlot, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import (
+    NO_HINT,
+    CanEvict,
+    CanEvictSlot,
+    EvictionPolicy,
+    Key,
+    PageHint,
+    unknown,
+)
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
     SCAN_WARMUP,
@@ -36,9 +45,9 @@ requests about as often as a twice-used one with one unit less to live (0.18 vs 
 _ORPHAN = -1
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
-# evicted, outside the scan's window [L, L + 34). When the window comes up short, the scan goes on
-# round the ring of buckets, lap after lap while a lap still evicts or moves a page. Only a call
-# that would otherwise return too few victims goes on, so no other decision changes.
+# evicted (so does a victim put back by restore), in any bucket of the ring. A scan therefore goes
+# round the whole ring of 64 buckets, lap after lap while a lap still evicts or moves a page, and
+# stops early only when it has its n victims.
 _ORPHANS = _MASK + 1  # slot mode: the orphan queue's index after the buckets'
 _UNLINKED = -1  # slot mode: ``_prev[s]`` of a slot the policy does not hold
 
@@ -145,6 +154,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
+        self._recent: dict[Key, tuple[_Page, int]] = {}  # key mode: last call's victims
         # slot mode (see bind_slots); empty until bound
         self._bound = False
         self._slot_of: Mapping[Key, int] = {}
@@ -185,17 +195,19 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         else:
             del self._buckets[page.prio & _MASK][key]
 
-    def _set_orphan(self, key: Key, orphan: bool) -> None:
+    def _set_orphan(self, key: Key, orphan: bool, reset: bool = True) -> None:
         page = self._pages[key]
         if (page.prio == _ORPHAN) != orphan:
             self._dequeue(key, page)
-            if not orphan:  # restored: its priority counts from now
+            if not orphan and reset:  # restored: its priority counts from now
                 self._count[key] = (self._floor << 4) + (self._count[key] & 15)
             self._enqueue(key, page, orphan)
 
     def _detach(self, key: Key, evicted: bool) -> None:
         page = self._pages.pop(key)
         code = self._count.pop(key)
+        if evicted:
+            self._recent[key] = (page, code)
         count = code & 15
         self._dequeue(key, page)
         if evicted and page.back >= 0:
@@ -296,30 +308,100 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         count = self._count
         now = self._floor << 4
         for k in keys:
-            c = count[k] & 15
+            code = count.get(k)
+            if code is None:
+                raise unknown(k, self.name)
+            c = code & 15
             count[k] = now + (c + 1 if c < MAX_COUNT else c)
 
     def remove(self, key: Key) -> None:
         self._keys_only()
+        if key not in self._pages:
+            raise unknown(key, self.name)
         self._detach(key, evicted=False)
+
+    # -- undoing an eviction, and looking ahead -------------------------------------------
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        self._keys_only()
+        return [self._recent[k] for k in keys]
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        """Put back victims at the head of the queue each left, with their use codes; their
+        history entries are taken back and the children their eviction stranded are requeued
+        by their own use codes. ``L`` and the scan gate's average are not rewound."""
+        self._keys_only()
+        pages, count, gone, kids = self._pages, self._count, self._gone, self._kids
+        for k, state in zip(reversed(keys), reversed(states)):
+            assert isinstance(state, tuple)
+            page: _Page = state[0]
+            code: int = state[1]
+            gone.pop(k, None)
+            pages[k] = page
+            count[k] = code
+            parent = page.parent
+            orphan = parent is not None and parent not in pages and parent in gone
+            if orphan:
+                page.prio = _ORPHAN
+                queue = self._orphans
+            else:
+                if page.prio == _ORPHAN:  # it was stranded, and is no more
+                    page.code = code
+                    page.prio = (code >> 4) + _VALUE[code & 15]
+                queue = self._buckets[page.prio & _MASK]
+            queue[k] = None
+            queue.move_to_end(k, last=False)
+            if parent is not None:
+                kids.setdefault(parent, set()).add(k)
+            for child in kids.get(k, ()):
+                self._set_orphan(child, False, reset=False)
+
+    def _clone(self) -> KVAwarePolicy:
+        """A copy that shares nothing mutable (``_slot_of``, read-only here, is shared)."""
+        c = copy.copy(self)
+        for name in ("_run", "_small", "_decisions", "_count", "_pending", "_gone", "_recent"):
+            setattr(c, name, copy.copy(getattr(self, name)))
+        c._orphans = self._orphans.copy()
+        c._pages = {k: replace(p) for k, p in self._pages.items()}
+        c._buckets = [b.copy() for b in self._buckets]
+        c._kids = {k: set(v) for k, v in self._kids.items()}
+        for name in ("_prev", "_next", "_qlen", "_where", "_code", "_qcode", "_key"):
+            setattr(c, name, list(getattr(self, name)))
+        for name in ("_parent", "_fanout", "_back", "_bump", "_start", "_start_prio"):
+            setattr(c, name, list(getattr(self, name)))
+        return c
+
+    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
+        """The next victims, as :meth:`evict_many` would choose them now (on a copy: O(pages))."""
+        self._keys_only()
+        return self._clone().evict_many(n, can_evict or (lambda k: True))
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        """The next victim slots, as :meth:`evict_slots` would choose them now (on a copy:
+        O(capacity))."""
+        return self._clone().evict_slots(n, can_evict)
 
     def evict(self, can_evict: CanEvict) -> Key | None:
         out = self.evict_many(1, can_evict)
         return out[0] if out else None
 
     def _evict_orphans(self, n: int, can_evict: CanEvict, out: list[Key]) -> None:
+        # Oldest first; evicting one may strand more (appended): they are seen in this call.
         orphans = self._orphans
-        for _ in range(len(orphans)):  # each unevictable one is passed over once
-            if len(out) >= n or not orphans:
-                return
-            key = orphans.popitem(last=False)[0]
-            orphans[key] = None
+        passed: list[Key] = []
+        while len(out) < n and orphans:
+            key = next(iter(orphans))
             if can_evict(key):
                 self._detach(key, evicted=True)
                 out.append(key)
+            else:
+                del orphans[key]
+                passed.append(key)
+        for key in passed:  # passed over: to the back
+            orphans[key] = None
 
     def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
         self._keys_only()
+        self._recent = recent = {}
         out: list[Key] = []
         orphans = self._orphans
         if orphans:  # stranded blocks first, oldest first
@@ -327,7 +409,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         buckets, pages, count, kids = self._buckets, self._pages, self._count, self._kids
         gone, limit = self._gone, self._limit
         prio = self._floor
-        top = prio + _VALUE[MAX_COUNT] + 2  # every queued priority is below this (ring of 64)
+        top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
         while len(out) < n:
@@ -350,6 +432,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 moved += 1
             elif can_evict(key):
                 self._floor = prio
+                recent[key] = (page, code)
                 del pages[key], count[key]
                 if page.back >= 0:
                     self._left(code != page.back)
@@ -444,10 +527,10 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._where[s] = prio = (code >> 4) + _VALUE[code & 15]
             self._link(s, prio & _MASK)
 
-    def _set_orphan_slot(self, s: int, orphan: bool) -> None:
+    def _set_orphan_slot(self, s: int, orphan: bool, reset: bool = True) -> None:
         if (self._where[s] == _ORPHAN) != orphan:
             self._unlink(s)
-            if not orphan:  # restored: its priority counts from now
+            if not orphan and reset:  # restored: its priority counts from now
                 self._code[s] = (self._floor << 4) + (self._code[s] & 15)
             self._enqueue_slot(s, orphan)
 
@@ -458,9 +541,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         if evicted and self._back[s] >= 0:
             self._left(code != self._back[s])
         self._n -= 1
-        parent = self._parent[s]
+        parent = self._parent[s]  # kept: restore_slots reads it (insert_slots overwrites it)
         if parent is not None:
-            self._parent[s] = None
             sibs = self._kids[parent]
             sibs.discard(key)
             if not sibs:
@@ -547,23 +629,62 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._detach_slot(s, k, evicted=False)
 
     def _evict_orphan_slots(self, n: int, can_evict: CanEvictSlot | None, out: list[int]) -> None:
-        qlen, prv, nxt, oh = self._qlen, self._prev, self._next, self._orph
-        for _ in range(qlen[_ORPHANS]):  # each unevictable one is passed over once
-            if len(out) >= n or not qlen[_ORPHANS]:
-                return
+        # As key mode's _evict_orphans: strays stranded on the way are seen in this call.
+        qlen, nxt, oh = self._qlen, self._next, self._orph
+        passed: list[int] = []
+        while len(out) < n and qlen[_ORPHANS]:
             s = nxt[oh]
-            if nxt[s] != oh:  # the head goes to the back (as key mode's pop and re-add)
-                nh = nxt[s]
-                nxt[oh] = nh
-                prv[nh] = oh
-                t = prv[oh]
-                nxt[t] = s
-                prv[s] = t
-                nxt[s] = oh
-                prv[oh] = s
             if can_evict is None or can_evict(s):
                 self._detach_slot(s, self._key[s], evicted=True)
                 out.append(s)
+            else:
+                self._unlink(s)
+                passed.append(s)
+        for s in passed:  # passed over: to the back
+            self._link(s, _ORPHANS)
+
+    def _link_head(self, s: int, q: int) -> None:
+        """Put slot ``s`` at the head of queue ``q``."""
+        h = self._head + q
+        prv, nxt = self._prev, self._next
+        n = nxt[h]
+        nxt[h] = s
+        prv[s] = h
+        nxt[s] = n
+        prv[n] = s
+        self._qlen[q] += 1
+
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        return [None] * len(slots)  # a victim's slot keeps its state until it is reused
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        """:meth:`restore` in slot mode (the same rules)."""
+        gone, kids, slot_of, prv = self._gone, self._kids, self._slot_of, self._prev
+        where, code, qcode = self._where, self._code, self._qcode
+        for s, k in zip(reversed(slots), reversed(keys)):
+            gone.pop(k, None)
+            self._key[s] = k  # a MOVING page may have been renamed (rekey)
+            parent = self._parent[s]
+            orphan = False
+            if parent is not None:
+                ps = slot_of.get(parent)
+                orphan = (ps is None or prv[ps] == _UNLINKED) and parent in gone
+            if orphan:
+                where[s] = _ORPHAN
+                q = _ORPHANS
+            else:
+                if where[s] == _ORPHAN:  # it was stranded, and is no more
+                    cd = qcode[s] = code[s]
+                    where[s] = (cd >> 4) + _VALUE[cd & 15]
+                q = where[s] & _MASK
+            self._link_head(s, q)
+            self._n += 1
+            if parent is not None:
+                kids.setdefault(parent, set()).add(k)
+            for child in kids.get(k, ()):
+                self._set_orphan_slot(slot_of[child], False, reset=False)
 
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         out: list[int] = []
@@ -587,7 +708,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._back,
         )
         prio = self._floor
-        top = prio + _VALUE[MAX_COUNT] + 2  # every queued priority is below this (ring of 64)
+        top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
         while len(out) < n:
@@ -630,9 +751,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 qlen[b] -= 1
                 self._n -= 1
                 key = key_of[s]
-                parent = parent_of[s]
+                parent = parent_of[s]  # kept for restore_slots
                 if parent is not None:
-                    parent_of[s] = None
                     sibs = kids[parent]
                     sibs.discard(key)
                     if not sibs:

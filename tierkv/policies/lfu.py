@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
 
 MAX_COUNT = 15
 """Use counts saturate here (4-bit counters, as in TinyLFU); ties at the top fall back to LRU."""
@@ -39,6 +40,7 @@ class LFUPolicy(EvictionPolicy):
         self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
         self._mask = 0  # bit f set <=> bucket f non-empty
         self._gone: OrderedDict[Key, int] = OrderedDict()
+        self._recent: dict[Key, int] = {}  # the last eviction call's victims -> their counts
 
     def _place(self, key: Key, count: int) -> None:
         self._count[key] = count
@@ -53,13 +55,14 @@ class LFUPolicy(EvictionPolicy):
             self._mask &= ~(1 << count)
         return count
 
-    def _forget(self, key: Key) -> None:
+    def _forget(self, key: Key) -> int:
         count = self._unplace(key)
         if self._history > 0:
             self._gone[key] = count
             limit = self._history * self._capacity
             while len(self._gone) > limit:
                 self._gone.popitem(last=False)
+        return count
 
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
         count = self._gone.pop(key, 0)
@@ -68,12 +71,50 @@ class LFUPolicy(EvictionPolicy):
             self._capacity = len(self._count)
 
     def touch(self, key: Key) -> None:
+        if key not in self._count:
+            raise unknown(key, self.name)
         self._place(key, min(self._unplace(key) + 1, MAX_COUNT))
 
     def remove(self, key: Key) -> None:
+        if key not in self._count:
+            raise unknown(key, self.name)
         self._forget(key)
 
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        return [self._recent[k] for k in keys]
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        for k, count in zip(reversed(keys), reversed(states)):
+            assert isinstance(count, int)
+            self._gone.pop(k, None)  # the history entry its eviction made
+            self._place(k, count)
+            self._buckets[count].move_to_end(k, last=False)  # the head of its bucket
+
+    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
+        out: list[Key] = []
+        for bucket in self._buckets:
+            for k in bucket:
+                if len(out) >= n:
+                    return out
+                if can_evict is None or can_evict(k):
+                    out.append(k)
+        return out
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        self._recent = {}
+        out: list[Key] = []
+        while len(out) < n:
+            victim = self._evict_one(can_evict)
+            if victim is None:
+                break
+            out.append(victim)
+        return out
+
     def evict(self, can_evict: CanEvict) -> Key | None:
+        self._recent = {}
+        return self._evict_one(can_evict)
+
+    def _evict_one(self, can_evict: CanEvict) -> Key | None:
         mask = self._mask
         while mask:
             low = mask & -mask
@@ -81,7 +122,7 @@ class LFUPolicy(EvictionPolicy):
             for _ in range(len(bucket)):
                 key = next(iter(bucket))
                 if can_evict(key):
-                    self._forget(key)
+                    self._recent[key] = self._forget(key)
                     return key
                 bucket.move_to_end(key)
             mask ^= low

@@ -22,6 +22,7 @@ from tierkv.policies.base import (
     EvictionPolicy,
     Key,
     PageHint,
+    unknown,
 )
 
 _UNLINKED = -1
@@ -57,12 +58,32 @@ class LRUPolicy(EvictionPolicy):
         self._keys()[key] = None
 
     def touch(self, key: Key) -> None:
-        self._keys().move_to_end(key)
+        self.touch_many((key,))
 
     def touch_many(self, keys: Iterable[Key]) -> None:
         move = self._keys().move_to_end
         for k in keys:
-            move(k)
+            try:
+                move(k)
+            except KeyError:
+                raise unknown(k, self.name) from None
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        order = self._keys()
+        for k in reversed(keys):  # back to the least recent end, in victim order
+            order[k] = None
+            order.move_to_end(k, last=False)
+
+    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
+        out: list[Key] = []
+        if n <= 0:
+            return out
+        for k in self._keys():
+            if can_evict is None or can_evict(k):
+                out.append(k)
+                if len(out) >= n:
+                    break
+        return out
 
     def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
         self._keys().update(dict.fromkeys(keys))
@@ -84,7 +105,10 @@ class LRUPolicy(EvictionPolicy):
         return out
 
     def remove(self, key: Key) -> None:
-        del self._keys()[key]
+        try:
+            del self._keys()[key]
+        except KeyError:
+            raise unknown(key, self.name) from None
 
     def evict(self, can_evict: CanEvict) -> Key | None:
         order = self._keys()
@@ -154,6 +178,30 @@ class LRUPolicy(EvictionPolicy):
             prv[n] = p
             prv[s] = _UNLINKED
         self._n -= len(slots)
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        prv, nxt = self._prev, self._next
+        p = self._head  # link after the sentinel, in victim order: the least recent end
+        for s in slots:
+            n = nxt[p]
+            nxt[p] = s
+            prv[s] = p
+            nxt[s] = n
+            prv[n] = s
+            p = s
+        self._n += len(slots)
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        nxt, h = self._next, self._head
+        out: list[int] = []
+        s = nxt[h]
+        while s != h and len(out) < n:
+            if can_evict is None or can_evict(s):
+                out.append(s)
+            s = nxt[s]
+        return out
 
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         prv, nxt, h = self._prev, self._next, self._head

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
 
 MAX_FREQ = 3
 
@@ -23,7 +24,9 @@ class S3FIFOPolicy(EvictionPolicy):
     Each resident page has a use counter capped at 3. Eviction takes from S while S holds at
     least 10% of the capacity, otherwise from M; M's tail page is reinserted with its counter
     decremented while the counter is positive. Pinned pages are moved to the head of their queue
-    as they are skipped, keeping their counter; all work is O(1) amortized.
+    as they are skipped, keeping their counter; all work is O(1) amortized. When neither queue
+    yields a victim but S promoted used pages to M on the way, M is tried again: a promoted page
+    may go at once.
 
     Args:
         capacity: pages the tier holds; ``None`` learns it as the high-water mark.
@@ -40,6 +43,8 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[Key, None] = OrderedDict()
         self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._recent: dict[Key, bool] = {}  # the last eviction call's victims -> from S
+        self._promoted = False  # S moved a used page to M during this eviction
 
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
         if key in self._ghost:
@@ -52,11 +57,15 @@ class S3FIFOPolicy(EvictionPolicy):
             self._c = len(self._freq)
 
     def touch(self, key: Key) -> None:
-        f = self._freq[key]
+        f = self._freq.get(key)
+        if f is None:
+            raise unknown(key, self.name)
         if f < MAX_FREQ:
             self._freq[key] = f + 1
 
     def remove(self, key: Key) -> None:
+        if key not in self._freq:
+            raise unknown(key, self.name)
         del self._freq[key]
         if key in self._small:
             del self._small[key]
@@ -80,6 +89,7 @@ class S3FIFOPolicy(EvictionPolicy):
             elif freq[key] > 0:
                 freq[key] = 0
                 self._main[key] = None
+                self._promoted = True
             else:
                 del freq[key]
                 self._remember(key)
@@ -106,15 +116,52 @@ class S3FIFOPolicy(EvictionPolicy):
         return None
 
     def evict(self, can_evict: CanEvict) -> Key | None:
-        if len(self._small) >= self._c * self._ratio:
+        self._recent = {}
+        return self._evict_one(can_evict)
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        self._recent = {}
+        out: list[Key] = []
+        while len(out) < n:
+            victim = self._evict_one(can_evict)
+            if victim is None:
+                break
+            out.append(victim)
+        return out
+
+    def _evict_one(self, can_evict: CanEvict) -> Key | None:
+        self._promoted = False
+        from_small = len(self._small) >= self._c * self._ratio
+        if from_small:
             key = self._evict_small(can_evict)
             if key is None:
                 key = self._evict_main(can_evict)
+                from_small = False
         else:
             key = self._evict_main(can_evict)
             if key is None:
                 key = self._evict_small(can_evict)
+                from_small = True
+                if key is None and self._promoted:  # S moved evictable pages into M
+                    key = self._evict_main(can_evict)
+                    from_small = False
+        if key is not None:
+            self._recent[key] = from_small
         return key
+
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        return [self._recent[k] for k in keys]
+
+    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
+        for k, from_small in zip(reversed(keys), reversed(states)):
+            if from_small:
+                self._ghost.pop(k, None)  # the ghost entry its eviction made
+                queue = self._small
+            else:
+                queue = self._main
+            queue[k] = None
+            queue.move_to_end(k, last=False)  # the head of the queue it left
+            self._freq[k] = 0  # a victim's counter was 0
 
     def __len__(self) -> int:
         return len(self._freq)
