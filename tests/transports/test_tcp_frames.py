@@ -4,7 +4,6 @@ out-of-bounds requests are refused, and the server keeps serving a well-behaved 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -17,8 +16,8 @@ from hypothesis import strategies as st
 
 from transports import TransferOp
 from transports.checksum import algorithms, checksum_function
-from transports.tcp import TcpTransport
 from transports.probe import Probe
+from transports.tcp import TcpTransport
 from transports.tcp_wire import PREFIX, WIRE_VERSION, frame
 
 SECRET = b"frames"

@@ -198,7 +198,7 @@ class RemoteTier:
     # -- control calls -------------------------------------------------------------------
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         ctl = self._ctl
-        if ctl is None or ctl.closed.done():
+        if ctl is None or not ctl.connected:
             ctl = await self._reconnect()
         return await ctl.call(op, **fields)
 
@@ -210,7 +210,7 @@ class RemoteTier:
         if self._reconnecting is None:
             self._reconnecting = asyncio.Lock()
         async with self._reconnecting:
-            if self._ctl is not None and not self._ctl.closed.done():
+            if self._ctl is not None and self._ctl.connected:
                 return self._ctl  # another call reconnected meanwhile
             wait = self._retry_at - time.monotonic()
             if wait > 0:

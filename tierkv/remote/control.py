@@ -109,6 +109,11 @@ class Control:
             raise
         return self.hello
 
+    @property
+    def connected(self) -> bool:
+        """True while calls can be sent (opened, not broken or closed)."""
+        return self._session is not None and not self.closed.done()
+
     async def aclose(self) -> None:
         """Close the connection; calls in flight raise PeerGoneError. Idempotent."""
         if self._session is not None:

@@ -1,0 +1,380 @@
+"""The page server and its clients against hostile peers (issue 14): relayed and replayed
+handshakes, servers that cannot prove the secret, client-chosen peer links, pre-auth floods,
+cancelled requests, broken connections and hostile replies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tierkv import KVSpec
+from tierkv.remote import PageServer, RemoteCluster, RemoteTier
+from tierkv.remote.control import Control
+from tierkv.remote.errors import (
+    PeerGoneError,
+    RemoteError,
+    RemoteProtocolError,
+    RemoteRefusedError,
+)
+from tierkv.remote.server import spec_fields
+from tierkv.store import KVStore
+from transports.session import HELLO_MAX, PREFIX, StreamSession
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
+PAGE = SPEC.page_bytes
+SECRET = b"security-test"
+TIMEOUT = 3.0
+KEYS = [bytes([i]) * 32 for i in range(1, 5)]
+
+
+@contextlib.asynccontextmanager
+async def page_server(**kw: Any) -> AsyncIterator[PageServer]:
+    store = KVStore(SPEC, device_bytes=PAGE, host_bytes=32 * PAGE, codec=None)
+    async with store, PageServer(store, secret=SECRET, timeout=TIMEOUT, **kw) as srv:
+        yield srv
+
+
+def peer(address: str, **kw: Any) -> RemoteTier:
+    return RemoteTier(address, secret=SECRET, spec=SPEC, timeout=TIMEOUT, **kw)
+
+
+async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, log: list[bytes]) -> None:
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        while True:
+            (n,) = PREFIX.unpack(await src.readexactly(4))
+            body = await src.readexactly(n)
+            log.append(PREFIX.pack(n) + body)
+            dst.write(PREFIX.pack(n) + body)
+            await dst.drain()
+
+
+@contextlib.asynccontextmanager
+async def relay(target: PageServer) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """A party without the secret between a client and the server: it forwards frames both
+    ways and records them (``state["up"]``: client -> server; ``state["writer"]``: its
+    connection to the server, to inject frames)."""
+    state: dict[str, Any] = {"up": [], "down": []}
+    tasks: list[asyncio.Task[None]] = []
+
+    async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(target.host, target.port)
+        state["writer"] = sw
+        tasks.append(asyncio.create_task(_pipe(sr, w, state["down"])))
+        await _pipe(r, sw, state["up"])
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", state
+    finally:
+        server.close()
+        for t in tasks:
+            t.cancel()
+        if "writer" in state:
+            state["writer"].close()
+
+
+async def test_a_relayed_session_gives_the_relay_nothing() -> None:
+    """The relay passes the handshake through (so the client and server authenticate each
+    other), but every frame it injects fails its tag: the server drops the connection and
+    nothing is reserved."""
+    async with page_server() as srv, relay(srv) as (address, state), peer(address) as client:
+        assert await client.lookup(KEYS) == 0  # honest traffic passes through
+        forged = b"\x83\xa2op\xa7reserve\xa2id\x63\xa4keys\x91\xc4\x20" + KEYS[0]
+        state["writer"].write(PREFIX.pack(len(forged) + 16) + forged + bytes(16))
+        await state["writer"].drain()
+        for _ in range(100):
+            if srv.stats()["protocol_error_total"]:
+                break
+            await asyncio.sleep(0.02)
+        assert srv.stats()["protocol_error_total"] == 1
+        assert srv.stats()["leases"] == 0
+        with pytest.raises(RemoteError):
+            await client.lookup(KEYS)  # the connection is gone ...
+        # ... and the client reconnects (through the relay: as harmless as a router)
+        assert await client.lookup(KEYS) == 0
+        assert client.reconnects == 1
+
+
+async def test_a_replayed_handshake_is_refused() -> None:
+    async with page_server() as srv, relay(srv) as (address, state):
+        async with peer(address) as client:
+            await client.lookup(KEYS)
+        auth = state["up"][0]  # the client's auth frame, proof included
+        reader, writer = await asyncio.open_connection(srv.host, srv.port)
+        session = StreamSession(reader, writer, srv_limits())
+        assert (await session.recv())["op"] == "challenge"  # type: ignore[index]
+        writer.write(auth)
+        reply = await session.recv()
+        assert reply is not None and reply["err"] == "auth"
+        assert await session.recv() is None
+        writer.close()
+        assert srv.stats()["auth_refused_total"] == 1
+
+
+def srv_limits() -> Any:
+    from tierkv.remote.wire import REPLY_LIMITS
+
+    return REPLY_LIMITS
+
+
+async def test_a_server_that_cannot_prove_the_secret_is_refused() -> None:
+    """A fake page server (no secret) that accepts any client: the client refuses it."""
+
+    async def impostor(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        s = StreamSession(r, w, srv_limits())
+        await s.send(
+            {"op": "challenge", "v": 3, "role": "page-server", "id": "x", "nonce": b"n" * 16}
+        )
+        await s.recv()
+        await s.send({"op": "welcome", "mac": bytes(32)})
+        await asyncio.sleep(1)
+        w.close()
+
+    server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(RemoteRefusedError, match="did not prove"):
+            await peer(f"127.0.0.1:{port}").connect()
+    finally:
+        server.close()
+
+
+async def test_a_wrong_secret_is_refused_and_counted() -> None:
+    async with page_server() as srv:
+        with pytest.raises(RemoteRefusedError, match="auth"):
+            await RemoteTier(srv.address, secret=b"wrong", spec=SPEC, timeout=TIMEOUT).connect()
+        assert srv.stats()["auth_refused_total"] == 1
+
+
+async def test_hold_never_dials_an_address_a_client_names() -> None:
+    """A client's hold (or a page server's claiming another host) never makes the server
+    dial out; 100 holds leave no link."""
+    dialled: list[str] = []
+
+    async def victim(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        dialled.append("x")
+        w.close()
+
+    bait = await asyncio.start_server(victim, "127.0.0.1", 0)
+    bait_addr = f"127.0.0.1:{bait.sockets[0].getsockname()[1]}"
+    try:
+        async with page_server() as srv:
+            ctl = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
+            await ctl.open()
+            for i in range(100):
+                await ctl.call("hold", node=f"127.0.0.1:{20000 + i}", add=[], drop=[])
+            await ctl.call("hold", node=bait_addr, add=[KEYS[0]], drop=[])
+            await ctl.aclose()
+            posing = Control(
+                srv.address, secret=SECRET, timeout=TIMEOUT, role="page-server", ident="x"
+            )
+            await posing.open()
+            await posing.call("hold", node="10.9.9.9:7600", add=[], drop=[])
+            await posing.aclose()
+            await asyncio.sleep(0.3)
+            assert srv.links == {} and not dialled
+    finally:
+        bait.close()
+
+
+async def test_peer_links_learned_from_servers_are_rate_limited() -> None:
+    async with page_server(peer_links_per_minute=2) as srv:
+        srv._learn([f"127.0.0.1:{30000 + i}" for i in range(10)])
+        assert len(srv.links) == 2
+        assert srv.stats()["peer_links_refused_total"] == 8
+
+
+async def test_pre_auth_flood_is_bounded_and_a_client_still_gets_through() -> None:
+    """100 connections sending oversized and garbage hellos are dropped at once (counted);
+    an authenticated client is served meanwhile."""
+    async with page_server() as srv, peer(srv.address) as client:
+        base = srv.stats()
+
+        async def flood(i: int) -> None:
+            with contextlib.suppress(OSError):
+                r, w = await asyncio.open_connection(srv.host, srv.port)
+                blob = PREFIX.pack(8 << 20 if i % 2 else HELLO_MAX) + bytes(HELLO_MAX)
+                w.write(blob)
+                with contextlib.suppress(ConnectionError):
+                    await w.drain()
+                    await asyncio.wait_for(r.read(), TIMEOUT)
+                w.close()
+
+        flood_tasks = [asyncio.create_task(flood(i)) for i in range(100)]
+        for _ in range(20):
+            assert await client.lookup(KEYS) == 0
+        await asyncio.gather(*flood_tasks)
+        st = srv.stats()
+        errors = st["protocol_error_total"] + st["budget_hit_total"]
+        assert errors - base["protocol_error_total"] - base["budget_hit_total"] == 100
+        assert len(srv._sessions) == 1  # only the client's
+
+
+async def test_silent_connections_are_capped_per_peer_and_timed_out() -> None:
+    async with page_server(max_preauth_per_peer=4) as srv:
+        socks = [socket.create_connection((srv.host, srv.port)) for _ in range(6)]
+        for _ in range(100):
+            if srv.stats()["budget_hit_total"] >= 2:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
+        assert srv.stats()["budget_hit_total"] == 2  # the 5th and 6th were closed at once
+        for s in socks:
+            s.close()
+
+
+async def _cancel_soon(call: Awaitable[Any]) -> None:
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, RemoteError):
+        await task
+
+
+async def test_a_cancelled_request_leaves_remote_tier_usable() -> None:
+    async with page_server() as srv, peer(srv.address) as client:
+        for _ in range(5):
+            await _cancel_soon(client.lookup(KEYS))
+            assert await client.lookup(KEYS) == 0
+        assert client.reconnects == 0
+
+
+async def test_a_cancelled_request_leaves_remote_cluster_usable() -> None:
+    async with (
+        page_server() as srv,
+        RemoteCluster(srv.address, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as rc,
+    ):
+        for _ in range(5):
+            await _cancel_soon(rc.lookup(KEYS))
+            assert await rc.lookup(KEYS) == 0
+
+
+async def test_remote_tier_reconnects_after_a_broken_connection() -> None:
+    async with page_server() as srv, peer(srv.address, retry_after=0.05) as client:
+        assert client._ctl is not None
+        client._ctl._break()  # as if the server had dropped us
+        await asyncio.sleep(0.05)
+        assert await client.lookup(KEYS) == 0
+        assert client.reconnects == 1
+
+
+# -- a hostile page server: it authenticates, then answers with malformed replies -----------
+
+
+def _good_hello() -> dict[str, Any]:
+    return {"name": "h", "spec": spec_fields(SPEC), "lease_ttl": 5.0, "transports": {}}
+
+
+HOSTILE: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
+    ("lookup", lambda m: {"n": "3"}),
+    ("lookup", lambda m: {"n": -1}),
+    ("lookup", lambda m: {"n": 10**6}),
+    ("acquire", lambda m: {"lease": 1, "slots": ["a"], "gens": [0]}),
+    ("acquire", lambda m: {"lease": 1, "slots": [0, 1], "gens": [0]}),
+    ("acquire", lambda m: {"lease": [1], "slots": [], "gens": []}),
+    ("acquire", lambda m: {"lease": 1, "slots": [-5], "gens": [0]}),
+    ("locate", lambda m: {"nodes": [1, 2]}),
+    ("locate", lambda m: {"nodes": "x"}),
+    ("lookup", lambda m: {"err": ["x"], "msg": {"a": 1}}),
+    ("lookup", lambda m: {"id": [m["id"]], "n": 0}),  # an unhashable id: dropped, then a timeout
+    ("reserve", lambda m: {"lease": 1, "slots": [None]}),
+    ("reserve", lambda m: {"lease": 1, "slots": [0]}),  # fewer slots than keys
+]
+
+
+@contextlib.asynccontextmanager
+async def hostile_server(answer: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        s = StreamSession(r, w, srv_limits())
+        with contextlib.suppress(Exception):
+            await s.serve_handshake(SECRET, "page-server", "hostile")
+            while (msg := await s.recv()) is not None:
+                if msg["op"] == "hello":
+                    await s.send({"id": msg["id"], **_good_hello()})
+                else:
+                    await s.send({"id": msg["id"], **answer(msg)})
+        w.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def _connected(address: str) -> RemoteTier:
+    """A RemoteTier whose control connection is up (the hostile hello offers no transport)."""
+    client = peer(address, transport="tcp")
+    client._ctl = Control(address, secret=SECRET, timeout=0.5)
+    await client._ctl.open()
+    client.page_bytes = PAGE
+    client._opened = True
+    return client
+
+
+@pytest.mark.parametrize(("op", "answer"), HOSTILE)
+async def test_malformed_replies_raise_typed_errors(
+    op: str, answer: Callable[[dict[str, Any]], dict[str, Any]]
+) -> None:
+    async with hostile_server(answer) as address:
+        client = await _connected(address)
+        try:
+            arr = np.zeros((4, PAGE), np.uint8)
+            call = {
+                "lookup": lambda: client.lookup(KEYS),
+                "acquire": lambda: client.load(KEYS, arr, [0, 1, 2, 3]),
+                "locate": lambda: client.locate(KEYS),
+                "reserve": lambda: client.publish(KEYS[:2], arr, [0, 1]),
+            }[op]
+            with pytest.raises(RemoteError):
+                await call()
+        finally:
+            await client.aclose()
+
+
+async def test_a_hostile_server_is_a_counted_miss_inside_kvstore() -> None:
+    """Every malformed answer of a source is a miss for `add_sequence`, never an exception."""
+
+    class Hostile:
+        def __init__(self, lookup: Any, load: Any) -> None:
+            self._lookup, self._load = lookup, load
+
+        async def lookup(self, keys: list[bytes]) -> Any:
+            return self._lookup
+
+        async def load(self, keys: list[bytes], array: Any, slots: list[int]) -> Any:
+            if isinstance(self._load, BaseException):
+                raise self._load
+            return self._load
+
+        async def publish(self, keys: list[bytes], array: Any, slots: list[int]) -> Any:
+            raise TypeError("hostile")
+
+    cases = [("3", 1), (None, 1), (10**9, "x"), (10**9, ValueError("v")), (2, TypeError("t"))]
+    for lookup, load in cases:
+        store = KVStore(
+            SPEC,
+            device_bytes=8 * PAGE,
+            host_bytes=8 * PAGE,
+            codec=None,
+            remote=Hostile(lookup, load),  # type: ignore[arg-type]
+            timeout=TIMEOUT,
+        )
+        async with store:
+            assert await store.add_sequence("s", list(range(16))) == 0
+            await store.release("s")
+            assert store.stats()["remote"]["errors"] >= 1
+
+
+async def test_a_peer_link_failing_is_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A broken connection mid-call raises PeerGoneError, not an untyped error."""
+    async with page_server() as srv, peer(srv.address) as client:
+        await srv.aclose()
+        with pytest.raises((PeerGoneError, RemoteProtocolError, RemoteError)):
+            await client.lookup(KEYS)
