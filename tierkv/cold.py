@@ -44,6 +44,8 @@ class ColdStorage:
 
         def unpin_owner(self, key: Key, tier: str) -> None: ...
 
+        def signal_progress(self) -> None: ...
+
     def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> asyncio.Future[None]:
         """Decode cold pages into device slots on a worker thread (started now)."""
         codec, spec, stats = self.codec, self.spec, self.stats
@@ -88,6 +90,7 @@ class ColdStorage:
             table.complete_evict(keys, HOST, ok=ok)
             if ok:
                 self.host_left(keys)
+            self.signal_progress()  # a lower copy in flight landed (or left)
 
     async def _compress(self, victims: list[tuple[Key, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
@@ -149,6 +152,7 @@ class ColdStorage:
             return 0
         finally:
             table.complete_load(pk, HOST)
+            self.signal_progress()
         moved = [k for k in pk if table.present([k], COLD)]
         for k in moved:
             self.unpin_owner(k, HOST)  # the owner's pin moved to the cold copy

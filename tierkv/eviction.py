@@ -9,7 +9,6 @@ that a later eviction is a drop with no wait. Part of :class:`tierkv.tiers.TierS
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, cast
 
@@ -31,17 +30,16 @@ class DeviceEviction:
     lower: list[str]
     dirty: dict[Key, int]
     owners: dict[Key, int]
-    loading: dict[Key, asyncio.Future[None]]
     stats: TierStats
     timeline: Timeline
     _gen: int
-    _busy: set[asyncio.Task[None]]
-    _progress: asyncio.Future[None] | None
     _has_lower: Callable[[Key], bool]
     forget_in: Callable[[str, Sequence[Key]], None]
     host_left: Callable[[Sequence[Hashable]], None]
 
     if TYPE_CHECKING:  # provided by ColdStorage and TierSet
+
+        def signal_progress(self) -> None: ...
 
         async def _make_room_host(self, n: int) -> None: ...
 
@@ -49,35 +47,23 @@ class DeviceEviction:
 
         def unpin_owner(self, key: Key, tier: str) -> None: ...
 
-    async def _make_room(self, n: int) -> None:
-        """Free ``n`` device slots: victims by policy, written back when needed, then dropped."""
+    async def _make_room(self, n: int) -> bool:
+        """Free ``n`` device slots: victims by policy, written back when needed, then dropped.
+        Returns False (nothing changed) when too few pages are evictable now: the caller waits
+        for a change outside the device lock, so a lease that holds pins can still append."""
         table = self.table
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
-            return
-        deadline = time.monotonic() + self.engine.timeout
-        while True:
-            victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
-            if len(victims) >= n - free:
-                break
+            return True
+        victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
+        if len(victims) < n - free:
             table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
-            left = deadline - time.monotonic()
-            if not (self._busy or self.loading) or left <= 0:
-                raise TierFullError(
-                    f"device tier full: {n} pages needed, {free} free, "
-                    f"{table.used(DEVICE) - table.evictable(DEVICE)} pinned or in flight "
-                    f"(capacity {table.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
-                )
-            # pages pinned only by copies in flight become evictable when those finish
-            await asyncio.wait([asyncio.shield(self.progress())], timeout=left)
-            free = table.capacity(DEVICE) - table.used(DEVICE)
-            if free >= n:
-                return
+            return False
         keys = [k for k, _ in victims]
         wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
         if not wb:  # clean pages with a lower copy: drop them, no wait
             table.complete_evict(keys, DEVICE, ok=True)
-            return
+            return True
         task = asyncio.ensure_future(self._write_back(wb))
         try:
             await asyncio.shield(task)
@@ -85,16 +71,17 @@ class DeviceEviction:
             if not task.done():  # cancelled caller: the task finishes the eviction on its own
                 task.add_done_callback(lambda t: self._end_evict(keys, t))
                 raise
-            table.complete_evict(keys, DEVICE, ok=False)
+            self._end_evict(keys, task)
             raise
-        table.complete_evict(keys, DEVICE, ok=True)
-        self._clean(keys)
+        self._end_evict(keys, task)
+        return True
 
     def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
         ok = not task.cancelled() and task.exception() is None
         self.table.complete_evict(keys, DEVICE, ok=ok)
         if ok:
             self._clean(keys)
+        self.signal_progress()
 
     async def _write_back(self, victims: list[tuple[Key, int]]) -> None:
         if not victims:
@@ -145,19 +132,6 @@ class DeviceEviction:
             self.unpin_owner(k, COLD)
             self.forget_in(COLD, [k])
 
-    def progress(self) -> asyncio.Future[None]:
-        """A future resolved when the next load or write-behind copy finishes (one future for
-        every waiter, so a full device costs O(1) per wait, not O(copies in flight))."""
-        if self._progress is None or self._progress.done():
-            self._progress = asyncio.get_running_loop().create_future()
-        return self._progress
-
-    def signal_progress(self) -> None:
-        """A copy finished: wake whoever waits for room."""
-        if self._progress is not None and not self._progress.done():
-            self._progress.set_result(None)
-        self._progress = None
-
     def mark_dirty(self, keys: Sequence[Key]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
         for k in keys:
@@ -171,34 +145,23 @@ class DeviceEviction:
 
     async def write_behind(self, keys: Sequence[Key]) -> int:
         """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
-        later costs no wait. Returns the pages written."""
+        later costs no wait. Returns the pages written. The device pages stay pinned (never
+        evicted, never renamed) until the copy has ended, even when the caller is cancelled."""
         table = self.table
-        pick = [
-            k
-            for k in dict.fromkeys(keys)
-            if k in self.dirty and table.lookup([k], DEVICE) and k not in self.loading
-        ]
+        pick = [k for k in dict.fromkeys(keys) if k in self.dirty and table.lookup([k], DEVICE)]
         if not pick:
             return 0
         slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them
         gens = {k: self.dirty[k] for k in pick}
         task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
-        self._busy.add(task)
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done():
-                self._end_write_behind(pick, gens, task)
-            else:
-                task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
+        task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
+        await asyncio.shield(task)
         return len(pick)
 
     def _end_write_behind(
         self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
     ) -> None:
-        if task in self._busy:
-            self._busy.discard(task)
-            self.table.complete_load(keys, DEVICE)
-            self.signal_progress()
-            if not task.cancelled() and task.exception() is None:
-                self._clean(keys, gens)  # a page written again meanwhile stays dirty
+        self.table.complete_load(keys, DEVICE)
+        if not task.cancelled() and task.exception() is None:
+            self._clean(keys, gens)  # a page written again meanwhile stays dirty
+        self.signal_progress()

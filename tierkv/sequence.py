@@ -32,6 +32,7 @@ class SequenceState:
     shared: list[bool] = field(default_factory=list)  # block key is a content key
     kv_len: list[int] = field(default_factory=list)  # tokens of KV held, per layer
     cached_tokens: int = 0
+    incarnation: int = 0  # a store-wide count: a reused id never meets its old private pages
 
     def __post_init__(self) -> None:
         if not self.kv_len:
@@ -53,8 +54,8 @@ class SequenceState:
         return [k for layer in ls for k in self.pages(layer)]
 
     def private_block(self, index: int) -> PageKey:
-        """The private key of block ``index``."""
-        return private_key(self.seq_id, index)
+        """The private key of block ``index`` (of this incarnation of the id)."""
+        return private_key(f"{self.seq_id}\x00{self.incarnation}", index)
 
     def content_key(self, index: int) -> PageKey | None:
         """The content key of block ``index`` once its tokens are known, else None."""

@@ -31,12 +31,13 @@ import torch
 from runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.codecs import Codec
 from tierkv.cold import ColdStorage
-from tierkv.errors import TierFullError, UnknownPageError
+from tierkv.errors import PageStateError, TierFullError, UnknownPageError
 from tierkv.eviction import DeviceEviction
 from tierkv.page_table import PageState, PageTable
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline
+from tierkv.waits import Changes
 
 
 class TierSet(DeviceEviction, ColdStorage):
@@ -83,11 +84,12 @@ class TierSet(DeviceEviction, ColdStorage):
         # cyclic garbage collector never walks (a set per owned page made its pauses long)
         self.owner_pins: dict[Key, int] = {}
         self._tier_bit = {t: 1 << i for i, t in enumerate(self.lower)}
-        self.loading: dict[Key, asyncio.Future[None]] = {}
         self.stats = TierStats()
         self._device_lock = asyncio.Lock()
-        self._busy: set[asyncio.Task[None]] = set()  # write-behind copies holding device pins
-        self._progress: asyncio.Future[None] | None = None  # see DeviceEviction.progress
+        # every change that may free device room or land a page in flight wakes the waiters:
+        # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
+        self.changes = Changes()
+        self.doomed: set[Key] = set()  # released private pages still busy: removed when idle
         # pages leaving the host tier: listeners (a page server's announcements) and the
         # remote tier's offer of exact bytes about to be compressed or dropped
         self.host_listeners: list[Callable[[list[Key]], None]] = []
@@ -95,10 +97,8 @@ class TierSet(DeviceEviction, ColdStorage):
 
     # -- where pages are ---------------------------------------------------------------
     def holds(self, key: Key) -> bool:
-        """True when some tier holds ``key`` in a usable state."""
-        return (
-            any(self.table.lookup([key], t) for t in self.table.tier_names) or key in self.loading
-        )
+        """True when some tier holds ``key`` (readable, or in flight to readable)."""
+        return bool(self.table.tiers_of(key))
 
     def device_slot(self, key: Key) -> int:
         """Device slot of a resident page. Raises UnknownPageError."""
@@ -125,6 +125,7 @@ class TierSet(DeviceEviction, ColdStorage):
         for k in keys:
             n = self.owners.get(k, 0)
             self.owners[k] = n + 1
+            self.doomed.discard(k)
             if n == 0:
                 self.pin_owner([k], [t for t in self.lower if self.table.lookup([k], t)])
 
@@ -168,28 +169,55 @@ class TierSet(DeviceEviction, ColdStorage):
             self.table.complete_load([key], tier)
 
     def forget(self, keys: Sequence[Key]) -> None:
-        """Remove unowned, unpinned pages from every tier (a released private page)."""
-        for t in self.table.tier_names:
-            here = [
-                k
-                for k in self.table.present(keys, t)
-                if self.table.state(k, t) == PageState.READABLE and not self.table.pins(k, t)
-            ]
-            if here:
-                self.table.remove(here, t)
-                if t == HOST:
-                    self.host_left(here)
+        """Remove released private pages from every tier. Copies busy now (pinned by a copy or a
+        lease, or in flight) are *doomed*: removed as soon as they are idle (see :meth:`reap`),
+        so a release during a write-behind copy or inside a lease leaks nothing."""
         for k in keys:
             self.dirty.pop(k, None)
+        self.doomed.update(k for k in keys if k not in self.owners)
+        self.reap()
+
+    def reap(self) -> None:
+        """Remove the doomed pages that are idle now (readable, unpinned) from every tier."""
+        if not self.doomed:
+            return
+        table = self.table
+        for t in table.tier_names:
+            here = [
+                k
+                for k in table.present(self.doomed, t)
+                if table.state(k, t) == PageState.READABLE and not table.pins(k, t)
+            ]
+            if here:
+                table.remove(here, t)
+                if t == HOST:
+                    self.host_left(here)
+        self.doomed = {k for k in self.doomed if table.tiers_of(k)}
+
+    def idle(self, key: Key) -> bool:
+        """True when no copy of ``key`` is in flight or pinned by anything but its owners."""
+        table = self.table
+        for t in table.tiers_of(key):
+            if table.state(key, t) != PageState.READABLE:
+                return False
+            if table.pins(key, t) != (1 if self.owner_pinned(key, t) else 0):
+                return False
+        return True
 
     def rekey(self, old: Sequence[Key], new: Sequence[Key]) -> bool:
-        """Rename pages everywhere (private -> content). False (nothing changed) on a clash."""
-        if any(self.holds(k) for k in new) or any(k in self.loading for k in old):
+        """Rename pages everywhere (private -> content). False (nothing changed) when a new key
+        is in some tier (in any state) or an old page is busy: in flight (a load, a write-back,
+        a compression) or pinned by a copy or a lease. So a rename never races an eviction:
+        the copy that moves a page completes under the name it started with."""
+        table = self.table
+        if any(table.tiers_of(k) for k in new) or not all(self.idle(k) for k in old):
             return False
-        for t in self.table.tier_names:
-            pairs = [(o, n) for o, n in zip(old, new) if self.table.present([o], t)]
+        if any(k in self.doomed for k in old):
+            return False
+        for t in table.tier_names:
+            pairs = [(o, n) for o, n in zip(old, new) if table.present([o], t)]
             if pairs:
-                self.table.rekey([o for o, _ in pairs], [n for _, n in pairs], t)
+                table.rekey([o for o, _ in pairs], [n for _, n in pairs], t)
         for o, n in zip(old, new):
             if o in self.dirty:
                 self.dirty[n] = self.dirty.pop(o)
@@ -199,103 +227,209 @@ class TierSet(DeviceEviction, ColdStorage):
                 self.owner_pins[n] = self.owner_pins.pop(o)
         return True
 
+    # -- waiting ---------------------------------------------------------------------------
+    def signal_progress(self) -> None:
+        """Device state changed (a copy ended, a pin went, a page left): reap the doomed pages
+        that became idle and wake whoever waits for room or for a page in flight."""
+        self.reap()
+        self.changes.notify()
+
+    def deadline(self, timeout: float | None = None) -> float:
+        """Loop time ``timeout`` seconds from now (default: the engine's timeout)."""
+        return self.changes.deadline(self.engine.timeout if timeout is None else timeout)
+
+    def _could_free(self, mine: int) -> bool:
+        """Whether device pages pinned or in flight for others than the caller (who holds
+        ``mine`` of them pinned) may go, so that waiting for room can succeed."""
+        t = self.table
+        return t.used(DEVICE) - t.evictable(DEVICE) > mine
+
+    def full_error(self, n: int, waited: float | None = None) -> TierFullError:
+        """The error of a device with no room for ``n`` pages (after ``waited`` seconds)."""
+        t = self.table
+        free = t.capacity(DEVICE) - t.used(DEVICE)
+        pinned = t.used(DEVICE) - t.evictable(DEVICE)
+        after = f" after waiting {waited:.3g} s" if waited is not None else ""
+        return TierFullError(
+            f"device tier full{after}: {n} pages needed, {free} free, {pinned} pinned or in "
+            f"flight (capacity {t.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
+        )
+
+    def ensure_fits(self, n: int) -> None:
+        """Raise TierFullError at once when ``n`` pages can never be resident together."""
+        cap = self.table.capacity(DEVICE)
+        if n > cap:
+            raise TierFullError(
+                f"device tier: {n} pages can never be resident at once (capacity {cap} pages "
+                f"of {self.spec.page_bytes} B)"
+            )
+
     # -- device allocation ---------------------------------------------------------------
-    async def allocate_device(self, keys: Sequence[Key]) -> list[int]:
+    async def allocate_device(
+        self, keys: Sequence[Key], *, mine: int = 0, timeout: float | None = None
+    ) -> list[int]:
         """Reserve device slots for new pages (WRITING) and return them; the caller writes the
-        bytes and calls :meth:`commit_device`. Raises TierFullError."""
-        async with self._device_lock:
-            await self._make_room(len(keys))
-            alloc = self.table.prepare_store(keys, DEVICE)
-            if alloc is None or alloc.present or alloc.evicted:
-                raise TierFullError(f"device tier: no room for {len(keys)} new pages")
-            self._note_peak()
-            return alloc.slots
+        bytes and calls :meth:`commit_device` (or :meth:`abort_device`). When other holders'
+        pins fill the device it waits for them to go, at most ``timeout`` seconds (default the
+        engine's); ``mine``: device pages the caller itself holds pinned (they never go).
+
+        Raises:
+            TierFullError: the pages never fit, or no room came before the deadline.
+            PageStateError: a key is already on the device (nothing is reserved).
+        """
+        self.ensure_fits(len(keys))
+        deadline = self.deadline(timeout)
+        while True:
+            async with self._device_lock:
+                if self.table.present(keys, DEVICE):
+                    raise PageStateError(f"{len(keys)} new pages: some are already on the device")
+                if await self._make_room(len(keys)):
+                    alloc = self.table.prepare_store(keys, DEVICE)
+                    if alloc is not None and not alloc.evicted:
+                        self._note_peak()
+                        return alloc.slots
+                    if alloc is not None:  # the policy made room by itself: undo, use ours
+                        self.table.complete_store(alloc.keys, DEVICE, ok=False)
+            if not self._could_free(mine):
+                raise self.full_error(len(keys))
+            waited = self.engine.timeout if timeout is None else timeout
+            await self.changes.wait(deadline, lambda: self.full_error(len(keys), waited))  # noqa: B023
 
     def commit_device(self, keys: Sequence[Key]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
         self.table.complete_store(keys, DEVICE)
         self.mark_dirty(keys)
 
-    async def acquire_device(self, keys: Sequence[Key], priority: Priority) -> int:
+    def abort_device(self, keys: Sequence[Key], *, pinned: bool, owned: bool) -> None:
+        """Undo new pages reserved by :meth:`allocate_device` (WRITING), or committed and then
+        ``pinned`` (:meth:`pin_device`) and ``owned`` (:meth:`own`): a failed append leaves no
+        page, pin or owner behind."""
+        if not keys:
+            return
+        table = self.table
+        if owned:
+            self.disown(keys)
+        if pinned:
+            table.complete_load(keys, DEVICE)
+        writing = [k for k in keys if table.state(k, DEVICE) == PageState.WRITING]
+        if writing:
+            table.complete_store(writing, DEVICE, ok=False)
+        rest = [k for k in keys if k not in set(writing)]
+        for k in keys:
+            self.dirty.pop(k, None)
+        if rest:
+            table.remove(rest, DEVICE)
+        self.signal_progress()
+
+    def pin_device(self, keys: Sequence[Key]) -> None:
+        """Pin readable device pages (unpin with :meth:`release_device`)."""
+        self.table.prepare_load(keys, DEVICE)
+
+    async def acquire_device(
+        self,
+        keys: Sequence[Key],
+        priority: Priority,
+        *,
+        wait_room: bool = True,
+        timeout: float | None = None,
+    ) -> int:
         """Make every page of ``keys`` readable on the device, loading what is not, and pin
         them there (release with :meth:`release_device`). Returns how many pages this call had
         to load or wait for (0 when all were resident: no wait).
 
-        Raises UnknownPageError when a page is in no tier, TierFullError when the device cannot
-        make room. On any error (or cancellation) no pin is left behind.
+        Pages in flight (being loaded or written back) are waited for; when other holders'
+        pins leave no room, it waits for them to go (``wait_room=False``: fails at once, as a
+        prefetch should). Every wait is woken by a change and bounded by ``timeout`` (default
+        the engine's).
+
+        Raises:
+            UnknownPageError: a page is in no tier.
+            TierFullError: the pages can never be resident at once, or no room came (or the
+                pages in flight did not land) before the deadline.
+        On any error (or cancellation) no pin is left behind.
         """
         todo = list(dict.fromkeys(keys))
+        self.ensure_fits(len(todo))
+        deadline = self.deadline(timeout)
+        table = self.table
         pinned: list[Key] = []
-        waited = 0
+        waited = -1
         try:
-            for _ in range(16):
-                ready = [k for k in todo if self.table.lookup([k], DEVICE)]
+            while True:
+                ready = [k for k in todo if table.lookup([k], DEVICE)]
                 if ready:
-                    self.table.prepare_load(ready, DEVICE)
+                    table.prepare_load(ready, DEVICE)
                     pinned += ready
                     done = set(ready)
                     todo = [k for k in todo if k not in done]
+                if waited < 0:
+                    waited = len(todo)
                 if not todo:
-                    break
-                waited += len(todo)
-                pending: list[Awaitable[None]] = [
-                    self.loading[k] for k in todo if k in self.loading
-                ]
-                pending += [self._moving_done(k) for k in todo if self._moving(k)]
-                missing = [k for k in todo if k not in self.loading and not self._moving(k)]
-                if pending:
-                    await asyncio.gather(*(asyncio.shield(p) for p in pending))
-                if missing:
-                    await self._load(missing, priority)
-            else:
-                raise TierFullError(
-                    f"device tier thrashing: {len(todo)} pages evicted again before use"
-                )
+                    return waited
+                missing = [k for k in todo if not table.present([k], DEVICE)]
+                loadable = [k for k in missing if self._has_lower(k)]
+                for k in missing:
+                    if k not in loadable and not table.tiers_of(k):
+                        raise UnknownPageError(f"page {k.hex()} is in no tier")
+                if loadable:
+                    got = await self._load(loadable, priority)
+                    if got is not None:
+                        pinned += got
+                        done = set(got)
+                        todo = [k for k in todo if k not in done]
+                        continue
+                    if not wait_room or not self._could_free(len(pinned)):
+                        raise self.full_error(len(loadable))
+                left = list(todo)
+                await self.changes.wait(deadline, lambda: self._stuck(left, timeout))  # noqa: B023
         except BaseException:
             if pinned:
-                self.table.complete_load(pinned, DEVICE)
+                table.complete_load(pinned, DEVICE)
+                self.signal_progress()
             raise
-        return waited
 
-    def release_device(self, keys: Sequence[Key]) -> None:
-        """Unpin pages pinned by :meth:`acquire_device` (records their use)."""
-        self.table.complete_load(list(dict.fromkeys(keys)), DEVICE)
-
-    def _moving(self, key: Key) -> bool:
-        return bool(self.table.present([key], DEVICE)) and (
-            self.table.state(key, DEVICE) == PageState.MOVING
+    def _stuck(self, todo: list[Key], timeout: float | None) -> TierFullError:
+        busy = [k for k in todo if self.table.tiers_of(k)]
+        waited = self.engine.timeout if timeout is None else timeout
+        return TierFullError(
+            f"device tier: {len(todo)} pages not resident after waiting {waited:.3g} s "
+            f"({len(busy)} in flight; {self.full_error(len(todo))})"
         )
 
-    async def _moving_done(self, key: Key) -> None:
-        while self._moving(key):  # noqa: ASYNC110 - a write-back ends within the engine timeout
-            await asyncio.sleep(0.0005)
+    def release_device(self, keys: Sequence[Key]) -> None:
+        """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their
+        use) and wake whoever waits for room."""
+        self.table.complete_load(list(dict.fromkeys(keys)), DEVICE)
+        self.signal_progress()
 
-    async def _load(self, keys: list[Key], priority: Priority) -> None:
-        keys = [k for k in keys if not self.table.present([k], DEVICE)]
-        if not keys:
-            return
-        for k in keys:
-            if not self._has_lower(k):
-                raise UnknownPageError(f"page {k.hex()} is in no tier")
+    async def _load(self, keys: list[Key], priority: Priority) -> list[Key] | None:
+        """Load pages that have a readable lower copy into new device slots and pin them for
+        the caller; returns the pages loaded (and pinned), or None when the device has no room
+        now. The copies are owned by a task of this class: a cancelled caller never frees a slot
+        a copy still writes, and pins that the load took for it are given back."""
+        table = self.table
         async with self._device_lock:
-            await self._make_room(len(keys))
-            keys = [k for k in keys if not self.table.present([k], DEVICE) and self._has_lower(k)]
-            alloc = self.table.prepare_store(keys, DEVICE)
+            keys = [k for k in keys if not table.present([k], DEVICE) and self._has_lower(k)]
+            if not keys:
+                return []
+            if not await self._make_room(len(keys)):
+                return None
+            keys = [k for k in keys if not table.present([k], DEVICE) and self._has_lower(k)]
+            alloc = table.prepare_store(keys, DEVICE)
             if alloc is None or alloc.evicted:  # room was made under the lock
-                raise TierFullError(f"device tier: no room to load {len(keys)} pages")
+                if alloc is not None:
+                    table.complete_store(alloc.keys, DEVICE, ok=False)
+                return None
             self._note_peak()
             new = cast(list[Key], alloc.keys)
             # sources are chosen and pinned now, with no await since the check above
             src: dict[str, tuple[list[Key], list[int]]] = {}
             taken: set[Key] = set()
             for tier in self.lower:
-                ks = [k for k in new if k not in taken and self.table.lookup([k], tier)]
+                ks = [k for k in new if k not in taken and table.lookup([k], tier)]
                 if ks:
-                    src[tier] = (ks, self.table.prepare_load(ks, tier))
+                    src[tier] = (ks, table.prepare_load(ks, tier))
                     taken.update(ks)
-        loop = asyncio.get_running_loop()
-        for k in new:
-            self.loading[k] = loop.create_future()
         slot_of = dict(zip(new, alloc.slots))
         # submit now, before any await: the copies run while the caller computes
         work: list[tuple[str, int, Awaitable[Any]]] = []
@@ -313,7 +447,20 @@ class TierSet(DeviceEviction, ColdStorage):
             task = asyncio.ensure_future(self._finish_load(new, src, work, exc))
         else:
             task = asyncio.ensure_future(self._finish_load(new, src, work, None))
-        await asyncio.shield(task)
+        try:
+            await asyncio.shield(task)
+        except BaseException:
+            if task.done():
+                if not task.cancelled() and task.exception() is None:
+                    self.release_device(new)  # loaded for a caller who is gone
+            else:
+                task.add_done_callback(lambda t: self._orphan_load(new, t))
+            raise
+        return new
+
+    def _orphan_load(self, keys: list[Key], task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.release_device(keys)
 
     async def _finish_load(
         self,
@@ -322,7 +469,8 @@ class TierSet(DeviceEviction, ColdStorage):
         work: list[tuple[str, int, Awaitable[Any]]],
         error: BaseException | None,
     ) -> None:
-        """Owns a load to its end, even when the task that asked for it is cancelled."""
+        """Owns a load to its end, even when the task that asked for it is cancelled: commits
+        the pages pinned for the caller (or rolls them back) and wakes the waiters."""
         for tier, n, aw in work:
             try:
                 res = await aw
@@ -344,14 +492,9 @@ class TierSet(DeviceEviction, ColdStorage):
         for tier, (ks, _) in src.items():
             self.table.complete_load(ks, tier)
         self.table.complete_store(keys, DEVICE, ok=error is None)
+        if error is None:
+            self.table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
         self.signal_progress()
-        for k in keys:
-            fut = self.loading.pop(k)
-            if error is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(error)
-                fut.exception()  # retrieved: waiters re-raise it; nobody else must log it
         if error is not None:
             raise error
 
@@ -389,6 +532,29 @@ class TierSet(DeviceEviction, ColdStorage):
         used = self.table.used(DEVICE)
         if used > self.stats.peak_device_pages:
             self.stats.peak_device_pages = used
+
+    def check(self) -> None:
+        """Assert the invariants (for tests and debugging). Raises AssertionError.
+
+        The page table's own; every owned page has a copy somewhere; owners' pins are recorded
+        exactly on copies that exist; doomed pages are unowned and still somewhere; dirty pages
+        are on the device.
+        """
+        table = self.table
+        table.check()
+        for k, n in self.owners.items():
+            assert n > 0, f"page {k.hex()}: {n} owners"
+            assert table.tiers_of(k), f"owned page {k.hex()} is in no tier"
+        for k, bits in self.owner_pins.items():
+            assert k in self.owners, f"unowned page {k.hex()} holds an owner's pin"
+            for t, bit in self._tier_bit.items():
+                if bits & bit:
+                    assert table.present([k], t), f"owner's pin on a missing {t} copy"
+                    assert table.pins(k, t) >= 1, f"owner's pin on {k.hex()} in {t} lost"
+        for k in self.doomed:
+            assert k not in self.owners, f"doomed page {k.hex()} is owned"
+        for k in self.dirty:
+            assert table.present([k], DEVICE), f"dirty page {k.hex()} is not on the device"
 
     def info(self) -> dict[str, Any]:
         """Pages per tier and capacities."""
