@@ -12,7 +12,6 @@ import torch
 from runtime import Priority
 from tierkv.errors import SequenceError, SpecError
 from tierkv.sequence import SequenceState, page_key
-from tierkv.tiers import DEVICE
 
 if TYPE_CHECKING:
     from tierkv.store import KVStore
@@ -32,17 +31,40 @@ class Lease:
         self._pinned: list[bytes] = []
         self._written: list[tuple[str, int, int]] = []  # (sequence, layer, block)
         self._active = False
+        self._held: int | None = None  # device footprint admitted for this lease
         self.waited_pages = 0
 
     async def __aenter__(self) -> Lease:
+        """Pin the pages on the device, loading what is not resident.
+
+        When other leases' pins leave no room, waits (first come, first served; see
+        :mod:`tierkv.admission`) at most the store's timeout.
+
+        Raises:
+            TierFullError: the pages can never be resident at once (at once), or no room came
+                before the timeout.
+            UnknownPageError: a page is in no tier.
+        On error or cancellation nothing stays pinned or admitted.
+        """
         store = self._store
         tiers = store.tiers
         keys = list(dict.fromkeys(k for s in self._seqs.values() for k in s.all_pages(self.layers)))
+        tiers.ensure_fits(len(keys))
         # Yield once: compute between leases rarely suspends, and background prefetches and
         # write-backs only advance when the loop runs.
         await asyncio.sleep(0)
         t0 = time.perf_counter()
-        waited = await tiers.acquire_device(keys, Priority.DEMAND)
+        deadline = tiers.deadline(store.timeout)
+        footprint = len(keys) + self._reserve()
+        self._held = await store.admission.enter(
+            footprint, deadline, lambda: tiers.full_error(footprint, store.timeout)
+        )
+        try:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            waited = await tiers.acquire_device(keys, Priority.DEMAND, timeout=left)
+        except BaseException:
+            self._leave()
+            raise
         t1 = time.perf_counter()
         self._pinned = keys
         self._active = True
@@ -56,23 +78,43 @@ class Lease:
             store.timeline.span("wait for pages", "compute", t0, t1, pages=waited)
         return self
 
+    def _reserve(self) -> int:
+        """Pages this lease's appends may open: enough for every declared token's KV (at least
+        one more token) of each sequence in each leased layer."""
+        n = 0
+        for seq in self._seqs.values():
+            t = seq.page_tokens
+            for layer in self.layers:
+                have = seq.kv_len[layer]
+                n += max(0, -(-max(len(seq.tokens), have + 1) // t) - -(-have // t))
+        return n
+
+    def _leave(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            if not self._store.closed:
+                self._store.admission.leave(held)
+
     async def __aexit__(self, *exc: object) -> None:
         self._active = False
         store = self._store
         if store.closed:
             return  # close() already let go of every page
-        if self._pinned:
-            store.tiers.release_device(self._pinned)
-            store._touch(self._pinned)
-            self._pinned = []
+        try:
+            if self._pinned:
+                pinned, self._pinned = self._pinned, []
+                store.tiers.release_device(pinned)
+                store._touch(pinned)
+        finally:
+            self._leave()
         for seq in self._seqs.values():
-            if seq.seq_id in store._seqs:
+            if store._seqs.get(seq.seq_id) is seq:
                 store.publish(seq)
         # written pages by their current keys: publish() may have renamed full blocks
         written = [
             page_key(self._seqs[sid].blocks[b], layer)
             for sid, layer, b in dict.fromkeys(self._written)
-            if sid in store._seqs
+            if store._seqs.get(sid) is self._seqs[sid]
         ]
         self._written = []
         store._write_behind(written)
@@ -124,36 +166,52 @@ class Lease:
         n = k.shape[1]
         if n == 0:
             return
+        if store._seqs.get(seq_id) is not seq:  # released (or its id reused) inside the lease
+            raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
         tiers = store.tiers
+        device = tiers.page(0).device
+        try:  # on the device first: a tensor that cannot be copied fails before any allocation
+            k, v = k.to(device), v.to(device)
+        except (RuntimeError, NotImplementedError) as exc:
+            raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
         t = spec.page_tokens
         start = seq.kv_len[layer]
         end = start + n
         have = -(-start // t)  # pages this layer already has
         need = -(-end // t)
-        while len(seq.blocks) < need:
+        while len(seq.blocks) < need:  # (extra private blocks left by a failure are harmless)
             seq.blocks.append(seq.private_block(len(seq.blocks)))
             seq.shared.append(False)
         new = [page_key(seq.blocks[b], layer) for b in range(have, need)]
         if new:
-            slots = await tiers.allocate_device(new)
-            tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak them
-            tiers.commit_device(new)
-            tiers.table.prepare_load(new, DEVICE)  # pinned for the rest of the lease
-            self._pinned += new
-            tiers.own(new)
-        pos = start
-        written: list[bytes] = []
-        while pos < end:
-            b = pos // t
-            off = pos - b * t
-            m = min(t - off, end - pos)
-            key = page_key(seq.blocks[b], layer)
-            page = tiers.page(tiers.device_slot(key))
-            page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
-            page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
-            written.append(key)
-            self._written.append((seq_id, layer, b))
-            pos += m
+            mine = len(set(self._pinned))
+            slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
+        pinned = owned = False
+        try:
+            if new:
+                tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak
+                tiers.commit_device(new)
+                tiers.pin_device(new)  # pinned for the rest of the lease
+                pinned = True
+                tiers.own(new)
+                owned = True
+            pos = start
+            written: list[bytes] = []
+            while pos < end:
+                b = pos // t
+                off = pos - b * t
+                m = min(t - off, end - pos)
+                key = page_key(seq.blocks[b], layer)
+                page = tiers.page(tiers.device_slot(key))
+                page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
+                page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
+                written.append(key)
+                pos += m
+        except BaseException:  # undo every step: no page, pin or owner is left behind
+            tiers.abort_device(new, pinned=pinned, owned=owned)
+            raise
+        self._pinned += new
+        self._written += [(seq_id, layer, pos // t) for pos in range(start - start % t, end, t)]
         tiers.mark_dirty(written)
         seq.kv_len[layer] = end
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime import EngineStats, TransferEngine, get_backend
+from tierkv.admission import Admission
 from tierkv.codecs import get_codec
 from tierkv.errors import (
     SequenceError,
@@ -128,6 +129,8 @@ class KVStore(Prefetcher):
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
         self._tiers: TierSet | None = None
+        self._admission: Admission | None = None
+        self._incarnations = 0
         self._engine: TransferEngine | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._prefetched: set[bytes] = set()
@@ -172,6 +175,7 @@ class KVStore(Prefetcher):
             policy=self._policy,
             timeline=self.timeline,
         )
+        self._admission = Admission(self._pages[DEVICE])
         if self.remote is not None:
             self.remote.attach(self._tiers)
         return self
@@ -209,6 +213,25 @@ class KVStore(Prefetcher):
             raise StoreClosedError("store is closed" if self._closed else "store is not open")
         return self._tiers
 
+    @property
+    def admission(self) -> Admission:
+        """The FIFO admission of leases to the device (raises StoreClosedError when closed)."""
+        self.tiers  # noqa: B018 - raises when closed
+        assert self._admission is not None  # opened together with the tiers
+        return self._admission
+
+    def check(self) -> None:
+        """Assert the store's invariants (for tests and debugging): the page table's, the
+        owners' pins, the doomed pages, the admission's. Raises AssertionError."""
+        tiers = self.tiers
+        tiers.check()
+        self.admission.check()
+        owned: dict[bytes, int] = {}
+        for seq in self._seqs.values():
+            for k in dict.fromkeys(seq.all_pages()):
+                owned[k] = owned.get(k, 0) + 1
+        assert owned == tiers.owners, "owners differ from the live sequences' pages"
+
     # -- sequences -----------------------------------------------------------------------
     def lookup(self, tokens: Sequence[int]) -> int:
         """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier)."""
@@ -242,7 +265,15 @@ class KVStore(Prefetcher):
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
             n = self._cached_blocks(keys)  # no await from here on: nothing can evict them
-        seq = SequenceState(seq_id, self.spec.num_layers, t, self.namespace, tokens=toks)
+        self._incarnations += 1
+        seq = SequenceState(
+            seq_id,
+            self.spec.num_layers,
+            t,
+            self.namespace,
+            tokens=toks,
+            incarnation=self._incarnations,
+        )
         seq.blocks = keys[:n]
         seq.shared = [True] * n
         seq.kv_len = [n * t] * self.spec.num_layers

@@ -143,7 +143,8 @@ async def test_prefetch_schedule_loads_ahead() -> None:
 
 
 async def test_all_pinned_device_raises_and_leaks_nothing() -> None:
-    async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=40 * PAGE) as store:
+    # a lease waits for room (first come, first served) at most the store's timeout
+    async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=40 * PAGE, timeout=0.5) as store:
         await fill(store, "a", 1, n=8)  # 2 blocks x 2 layers = 4 pages
         await fill(store, "b", 2, n=8)
         async with store.lease(["a"]):
