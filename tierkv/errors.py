@@ -3,17 +3,42 @@
 ::
 
     TierKVError
-     ├── SpecError            (also ValueError)   an invalid KVSpec, tensor shape or dtype
-     ├── PageTableError                           misuse of the page table; nothing was changed
-     │    ├── UnknownPageError (also KeyError)    a key that the tier does not hold
-     │    ├── PageStateError                      a page in the wrong state (double complete, ...)
-     │    └── PinError                            unpinning a page that is not pinned
-     ├── TierFullError                            no room: every page is pinned or moving
-     ├── StoreClosedError                         use of a store after close()
-     └── SequenceError (also KeyError)            an unknown or already released sequence
+     ├── InvalidInputError (also ValueError)   a bad argument, rejected at entry: nothing changed
+     │    ├── InvalidTypeError (also TypeError) an argument of the wrong type: a float, str or
+     │    │                                     None token, a list or numpy array as ``k``,
+     │    │                                     ``"1G"`` as a budget, a float sequence id
+     │    └── SpecError                         an invalid KVSpec, or a tensor whose shape,
+     │                                          dtype or device does not match it; a layer or
+     │                                          token id out of range
+     ├── PageTableError                        misuse of the page table; nothing was changed
+     │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
+     │    ├── PageStateError                    a page in the wrong state (double complete, ...)
+     │    └── PinError                          unpinning a page that is not pinned
+     ├── TierFullError                         no room: every page is pinned or moving
+     ├── StoreClosedError                      use of a store after close()
+     ├── SequenceError (also KeyError)         an unknown or already released sequence
+     ├── EngineError                           the runtime underneath failed (see __cause__)
+     │    ├── TransferFailedError              a page copy failed or was dropped
+     │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
+     └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
 
 Errors raised by the runtime (``runtime.errors``) and the transports (``transports.errors``)
-keep their own roots; the store maps them at its boundary with ``raise ... from exc``.
+keep their own roots. Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
+:class:`~tierkv.sync.SyncKVStore` raise is a ``TierKVError``: their public methods map lower
+errors at the boundary (:mod:`tierkv.boundary`) with ``raise ... from exc``, so ``__cause__``
+keeps the original::
+
+    runtime.WaitTimeoutError                 -> StoreTimeoutError
+    runtime.TransferError (and Cancelled)    -> TransferFailedError
+    runtime.EngineClosedError                -> StoreClosedError
+    runtime.ArenaError (cannot map a tier)   -> AllocationError
+    any other runtime.RuntimeEngineError     -> EngineError
+    transports.TransportError                -> tierkv.remote.RemoteError (its own subtree)
+    TimeoutError (an asyncio bound, or a SyncKVStore call past twice the store's timeout)
+                                             -> StoreTimeoutError
+
+Arguments are checked at entry, before anything is allocated (:mod:`tierkv.validate`); the
+ranges and types accepted are documented there and in ``docs/store.md``.
 """
 
 from __future__ import annotations
@@ -23,7 +48,15 @@ class TierKVError(Exception):
     """Root of every error raised by the ``tierkv`` package."""
 
 
-class SpecError(TierKVError, ValueError):
+class InvalidInputError(TierKVError, ValueError):
+    """A bad argument to a public call, rejected at entry before anything changed."""
+
+
+class InvalidTypeError(InvalidInputError, TypeError):
+    """An argument of the wrong type (also a ``TypeError``)."""
+
+
+class SpecError(InvalidInputError):
     """An invalid :class:`~tierkv.spec.KVSpec`, or a tensor that does not match it."""
 
 
@@ -59,3 +92,19 @@ class SequenceError(TierKVError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "unknown sequence"
+
+
+class EngineError(TierKVError):
+    """The runtime underneath the store failed; ``__cause__`` holds the runtime's error."""
+
+
+class TransferFailedError(EngineError):
+    """A page copy failed, or was dropped before it ran (runtime ``TransferError``)."""
+
+
+class AllocationError(EngineError, MemoryError):
+    """A tier's memory could not be reserved (runtime ``ArenaError`` while opening)."""
+
+
+class StoreTimeoutError(TierKVError, TimeoutError):
+    """A bounded wait ran out (runtime ``WaitTimeoutError``, or a SyncKVStore call's bound)."""

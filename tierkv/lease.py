@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from runtime import Priority
+from tierkv import validate
+from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import SequenceError, SpecError
 from tierkv.sequence import SequenceState, page_key
 
@@ -34,6 +36,7 @@ class Lease:
         self._held: int | None = None  # device footprint admitted for this lease
         self.waited_pages = 0
 
+    @async_boundary
     async def __aenter__(self) -> Lease:
         """Pin the pages on the device, loading what is not resident.
 
@@ -95,6 +98,7 @@ class Lease:
             if not self._store.closed:
                 self._store.admission.leave(held)
 
+    @async_boundary
     async def __aexit__(self, *exc: object) -> None:
         self._active = False
         store = self._store
@@ -129,8 +133,14 @@ class Lease:
             raise SpecError(f"layer {layer} is not in this lease (leased: {self.layers})")
         return seq
 
+    @boundary
     def kv(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of every token of a sequence in one layer: two ``[H, S, D]`` tensors."""
+        """K and V of every token of a sequence in one layer: two ``[H, S, D]`` tensors.
+
+        Raises SequenceError (a sequence not in this lease, or the lease is not active),
+        SpecError (a layer not in it), InvalidTypeError (an id or layer of the wrong type).
+        """
+        seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
         seq = self._seq(seq_id, layer)
         spec = self._store.spec
         pages = seq.pages(layer)
@@ -147,22 +157,21 @@ class Lease:
         kv = g.permute(1, 2, 0, 3, 4).reshape(2, h, n * t, d)[:, :, :s]
         return kv[0], kv[1]
 
+    @async_boundary
     async def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append KV of ``n`` new tokens (``k``, ``v``: ``[H, n, D]`` in the spec's dtype).
 
-        Raises SpecError for a wrong shape or dtype, SequenceError for a sequence or layer not
-        in this lease, TierFullError when the device has no room for a new page.
+        Raises SpecError for a wrong shape, dtype or device (k and v must be on the device
+        tier's device or the cpu), InvalidTypeError for a k or v that is not a tensor (or an id
+        or layer of the wrong type), SequenceError for a sequence or layer not in this lease,
+        TierFullError when the device has no room for a new page. Checked before anything is
+        allocated.
         """
+        seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
         seq = self._seq(seq_id, layer)
         store = self._store
         spec = store.spec
-        shape = (spec.num_kv_heads, k.shape[1] if k.dim() == 3 else -1, spec.head_dim)
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape) != shape:
-                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise SpecError(f"{name}: expected shape {shape} ([H, n, D]), got {got}")
-            if x.dtype != spec.dtype:
-                raise SpecError(f"{name}: expected dtype {spec.dtype}, got {x.dtype}")
+        validate.kv_tensors(spec, k, v, store.tiers.page(0).device)
         n = k.shape[1]
         if n == 0:
             return

@@ -24,16 +24,21 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime import EngineStats, TransferEngine, get_backend
+from tierkv import validate
 from tierkv.admission import Admission
+from tierkv.boundary import async_boundary, boundary
 from tierkv.codecs import get_codec
 from tierkv.errors import (
+    InvalidTypeError,
     SequenceError,
     SpecError,
     StoreClosedError,
 )
 from tierkv.keys import prefix_keys
 from tierkv.lease import Lease
+from tierkv.policies import POLICIES
 from tierkv.prefetch import Prefetcher
+from tierkv.prompt import prompt_keys
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -79,7 +84,13 @@ class KVStore(Prefetcher):
             pages are not pushed, counted as ``push_dropped``).
 
     Raises:
+        InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
+        InvalidInputError: an argument out of range (``timeout <= 0``, an unknown policy).
         SpecError: a budget too small for one page per tier.
+        UnknownCodecError: no codec of that name.
+
+    Every public method raises tierkv errors only (see :mod:`tierkv.errors`): arguments are
+    checked at entry (:mod:`tierkv.validate`), runtime failures mapped at the boundary.
     """
 
     def __init__(
@@ -104,6 +115,23 @@ class KVStore(Prefetcher):
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
     ) -> None:
+        spec = validate.spec(spec)  # every argument is checked before anything is allocated
+        device_bytes = validate.byte_size("device_bytes", device_bytes)
+        host_bytes = validate.byte_size("host_bytes", host_bytes)
+        backend = validate.name("backend", backend)
+        policy = validate.name("policy", policy, POLICIES)
+        codec = None if codec is None else validate.name("codec", codec)
+        cold_fraction = validate.fraction("cold_fraction", cold_fraction)
+        compress_after = validate.count("compress_after", compress_after, 0)
+        prefetch_window = validate.count("prefetch_window", prefetch_window, 0)
+        max_inflight = validate.count("max_inflight", max_inflight, 1)
+        namespace = validate.namespace(namespace)
+        timeout = validate.seconds("timeout", timeout)
+        write_behind = validate.flag("write_behind", write_behind)
+        compress_live = validate.flag("compress_live", compress_live)
+        remote_write = validate.flag("remote_write", remote_write)
+        remote_push_pages = validate.count("remote_push_pages", remote_push_pages, 1)
+        remote_push_wait = validate.seconds("remote_push_wait", remote_push_wait, allow_zero=True)
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
@@ -154,8 +182,13 @@ class KVStore(Prefetcher):
             )
 
     # -- life cycle ----------------------------------------------------------------------
+    @async_boundary
     async def open(self) -> KVStore:
-        """Allocate the arenas and start the transfer engine. Returns self."""
+        """Allocate the arenas and start the transfer engine. Returns self.
+
+        Raises AllocationError when a tier's memory cannot be reserved, EngineError when the
+        backend cannot run here.
+        """
         if self._tiers is not None:
             return self
         if self._closed:
@@ -180,6 +213,7 @@ class KVStore(Prefetcher):
             self.remote.attach(self._tiers)
         return self
 
+    @async_boundary
     async def close(self) -> None:
         """Stop background work, finish transfers in flight, free everything. Idempotent."""
         if self._closed:
@@ -233,9 +267,15 @@ class KVStore(Prefetcher):
         assert owned == tiers.owners, "owners differ from the live sequences' pages"
 
     # -- sequences -----------------------------------------------------------------------
+    @boundary
     def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier)."""
-        keys = prefix_keys(list(tokens), self.spec.page_tokens, self.namespace)
+        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier).
+
+        Hashes on the caller's thread: for long prompts prefer :meth:`fetch_prefix`, which
+        gives the loop a turn between slices. Raises InvalidTypeError, SpecError for bad ids.
+        """
+        arr = validate.token_array(tokens)
+        keys = prefix_keys(arr, self.spec.page_tokens, self.namespace)
         return self._cached_blocks(keys) * self.spec.page_tokens
 
     def _cached_blocks(self, keys: list[bytes]) -> int:
@@ -245,19 +285,26 @@ class KVStore(Prefetcher):
             n = min(n, table.lookup([page_key(k, layer) for k in keys[:n]]))
         return n
 
+    @async_boundary
     async def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
         """Start a sequence with its prompt; returns the prompt tokens whose KV was reused.
 
         At least one prompt token is always left to compute (its logits start decoding).
-        With a remote tier, the blocks missing locally are imported first (bounded).
-        Raises SequenceError when the id is in use, StoreClosedError after close.
+        A long prompt is checked and hashed in slices with a loop turn between them
+        (:mod:`tierkv.prompt`). With a remote tier, the blocks missing locally are imported
+        first (bounded). Raises SequenceError when the id is in use, StoreClosedError after
+        close, InvalidTypeError / SpecError for a bad id or token (nothing is changed then).
         """
+        seq_id = validate.seq_id(seq_id)
         tiers = self.tiers
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
-        toks = [int(t) for t in tokens]
         t = self.spec.page_tokens
-        keys = prefix_keys(toks[: max(0, len(toks) - 1) // t * t], t, self.namespace)
+        toks, keys = await prompt_keys(tokens, t, self.namespace)
+        keys = keys[: max(0, len(toks) - 1) // t]
+        tiers = self.tiers  # a long prompt yielded: the store may have closed meanwhile
+        if seq_id in self._seqs:
+            raise SequenceError(f"sequence {seq_id!r} already exists")
         n = self._cached_blocks(keys)
         if self.remote is not None and n < len(keys):
             await self._fetch(keys[n:])
@@ -284,14 +331,17 @@ class KVStore(Prefetcher):
         self.counters.prompt_tokens += len(toks)
         return n * t
 
+    @async_boundary
     async def fetch_prefix(self, tokens: Sequence[int]) -> int:
         """Like :meth:`lookup`, but first imports the blocks of ``tokens``' prefix that are
-        missing locally from the remote tier (if any). Returns the tokens now cached."""
-        keys = prefix_keys(list(tokens), self.spec.page_tokens, self.namespace)
+        missing locally from the remote tier (if any); hashes a long prompt in slices with a
+        loop turn between them. Returns the tokens now cached."""
+        _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace)
         n = self._cached_blocks(keys)
         if self.remote is not None and n < len(keys):
             await self._fetch(keys[n:])
-        return self.lookup(tokens)
+            n = self._cached_blocks(keys)
+        return n * self.spec.page_tokens
 
     async def _fetch(self, blocks: list[bytes]) -> int:
         assert self.remote is not None
@@ -299,23 +349,33 @@ class KVStore(Prefetcher):
         pages = [page_key(b, layer) for b in blocks for layer in range(layers)]
         return await self.remote.fetch(pages, layers)
 
+    @boundary
     def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
-        """Declare generated tokens (their KV is appended by the next step)."""
-        self.sequence(seq_id).tokens.extend(int(t) for t in tokens)
+        """Declare generated tokens (their KV is appended by the next step).
 
+        Raises SequenceError, InvalidTypeError / SpecError for bad ids (nothing is added).
+        """
+        seq = self.sequence(seq_id)
+        seq.tokens.extend(validate.token_array(tokens).tolist())
+
+    @boundary
     def sequence(self, seq_id: str) -> SequenceState:
-        """The state of a live sequence. Raises SequenceError, StoreClosedError."""
+        """The state of a live sequence. Raises SequenceError, StoreClosedError,
+        InvalidTypeError (an id neither str nor int)."""
+        seq_id = validate.seq_id(seq_id)
         self.tiers  # noqa: B018 - raises when closed
         try:
             return self._seqs[seq_id]
         except KeyError:
             raise SequenceError(f"unknown sequence {seq_id!r}") from None
 
+    @async_boundary
     async def release(self, seq_id: str) -> None:
         """End a sequence: its full blocks stay cached for reuse, its private pages are freed.
 
         Raises SequenceError for an unknown (or already released) id.
         """
+        seq_id = validate.seq_id(seq_id)
         seq = self.sequence(seq_id)
         self.publish(seq)
         del self._seqs[seq_id]
@@ -355,18 +415,42 @@ class KVStore(Prefetcher):
             seq.shared[i] = True
 
     # -- leases and prefetch -------------------------------------------------------------
+    @boundary
     def lease(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> Lease:
         """Pin these sequences' pages (of ``layers``, all by default) on the device.
 
         Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
-        id, SpecError for a bad layer.
+        id, SpecError for a bad layer, InvalidTypeError for a single str instead of a list.
         """
-        seqs = [self.sequence(s) for s in seq_ids]
-        ls = list(range(self.spec.num_layers)) if layers is None else list(layers)
-        for layer in ls:
-            if not 0 <= layer < self.spec.num_layers:
-                raise SpecError(f"layer {layer} out of range [0, {self.spec.num_layers})")
+        ls = validate.layers(layers, self.spec.num_layers)
+        seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
         return Lease(self, seqs, ls)
+
+    @async_boundary
+    async def prefetch(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Load these sequences' pages to the device ahead of use; returns pages loaded
+        (see :meth:`tierkv.prefetch.Prefetcher.prefetch`). Raises InvalidTypeError,
+        InvalidInputError or SpecError for bad arguments, before anything is loaded."""
+        ids = validate.seq_ids(seq_ids)
+        ls = None if layers is None else validate.layers(layers, self.spec.num_layers)
+        limit = None if timeout is None else validate.seconds("timeout", timeout)
+        return await super().prefetch(ids, ls, wait=validate.flag("wait", wait), timeout=limit)
+
+    @boundary
+    def schedule(self, steps: Sequence[Sequence[str]]) -> None:
+        """Announce the sequences of the coming steps, the step about to run first (see
+        :meth:`tierkv.prefetch.Prefetcher.schedule`). Raises InvalidTypeError for a step
+        that is not a list of ids."""
+        if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
+            raise InvalidTypeError(f"steps: expected a list of lists of ids, got {steps!r}")
+        super().schedule([validate.seq_ids(step, "a step") for step in steps])
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         clock, last = self._clock, self._last_use
@@ -377,6 +461,7 @@ class KVStore(Prefetcher):
         if keys and self.write_behind:
             self._spawn(self.tiers.write_behind(keys))
 
+    @boundary
     def step(self) -> None:
         """One decode step has finished: advances the clock, compresses idle host pages."""
         self._clock += 1
@@ -411,6 +496,7 @@ class KVStore(Prefetcher):
             self.counters.background_errors += 1
             self.counters.last_error = repr(task.exception())
 
+    @async_boundary
     async def drain(self) -> None:
         """Wait for background prefetches and compressions to finish, then (bounded by the
         timeout) for the pages staged for the remote tier to go out."""
@@ -420,6 +506,7 @@ class KVStore(Prefetcher):
             await self.remote.flush(self.timeout)
 
     # -- figures -------------------------------------------------------------------------
+    @boundary
     def engine_stats(self) -> EngineStats:
         """A snapshot of the transfer engine's totals: batches (per priority), pages, bytes,
         copy seconds and queue-wait seconds. Raises StoreClosedError when closed or not open."""
@@ -427,6 +514,7 @@ class KVStore(Prefetcher):
         assert self._engine is not None  # opened together with the tiers
         return self._engine.stats
 
+    @boundary
     def stats(self) -> dict[str, Any]:
         """Counters: hits per tier, prefetch accuracy, late fetches, bytes moved, tiers..."""
         tiers = self.tiers

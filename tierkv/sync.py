@@ -13,6 +13,7 @@ The store runs on its own event loop in a background thread; every call hops ont
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -21,7 +22,8 @@ from typing import Any, TypeVar
 import torch
 
 from runtime import new_event_loop
-from tierkv.errors import StoreClosedError
+from tierkv.boundary import map_error
+from tierkv.errors import InvalidTypeError, StoreClosedError, StoreTimeoutError
 from tierkv.lease import Lease
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
@@ -45,15 +47,25 @@ class SyncLease:
 
 
 class SyncKVStore:
-    """A :class:`KVStore` driven from ordinary (blocking) code. Arguments as for KVStore."""
+    """A :class:`KVStore` driven from ordinary (blocking) code. Arguments as for KVStore.
+
+    Raises what KVStore raises (tierkv errors only), plus StoreTimeoutError when a call gets no
+    answer from the store's loop within twice the store's timeout. Arguments are checked
+    before the loop thread starts.
+    """
 
     def __init__(self, spec: KVSpec, **kwargs: Any) -> None:
+        try:
+            inspect.signature(KVStore).bind(spec, **kwargs)
+        except TypeError as exc:
+            raise InvalidTypeError(f"SyncKVStore: {exc} (arguments as for KVStore)") from None
+        store = KVStore(spec, **kwargs)  # checks every argument before a thread starts
         self._loop = new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="tierkv-store", daemon=True
         )
         self._thread.start()
-        self.store = KVStore(spec, **kwargs)
+        self.store = store
         self._closed = False
         try:
             self._run(self.store.open())
@@ -71,7 +83,20 @@ class SyncKVStore:
             return await coro
 
         fut = asyncio.run_coroutine_threadsafe(wrap(), self._loop)
-        return fut.result(self.store.timeout * 2)
+        limit = self.store.timeout * 2
+        try:
+            return fut.result(limit)
+        except TimeoutError as exc:
+            if fut.done():  # the store's own (already mapped) timeout
+                raise
+            fut.cancel()
+            msg = f"no answer from the store's loop within {limit:.3g} s"
+            raise StoreTimeoutError(msg) from exc
+        except Exception as exc:
+            mapped = map_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     def _call(self, fn: Callable[[], T]) -> T:
         if self._closed:

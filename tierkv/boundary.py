@@ -1,0 +1,96 @@
+"""The store's error boundary: runtime and transport errors leave it as tierkv errors.
+
+The public methods of :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
+:class:`~tierkv.sync.SyncKVStore` are wrapped with :func:`boundary` (plain methods) or
+:func:`async_boundary` (coroutines). A tierkv error passes unchanged; a lower one is mapped by
+:func:`map_error` and raised ``from`` the original (the mapping is drawn in
+:mod:`tierkv.errors`). Errors the table does not name (a bug's AttributeError, say) pass as they
+are: mapping them would hide the bug. Cancellation is never touched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
+
+import transports
+from runtime import (
+    ArenaError,
+    EngineClosedError,
+    RuntimeEngineError,
+    TransferError,
+    WaitTimeoutError,
+)
+from tierkv.errors import (
+    AllocationError,
+    EngineError,
+    StoreClosedError,
+    StoreTimeoutError,
+    TierKVError,
+    TransferFailedError,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+__all__ = ["async_boundary", "boundary", "map_error"]
+
+
+def map_error(exc: BaseException) -> TierKVError | None:
+    """The tierkv error that stands for ``exc`` at the store's boundary, or None when ``exc``
+    is already a tierkv error or is not one the boundary maps."""
+    if isinstance(exc, TierKVError) or not isinstance(exc, Exception):
+        return None
+    msg = str(exc) or type(exc).__name__
+    if isinstance(exc, RuntimeEngineError):
+        if isinstance(exc, WaitTimeoutError):
+            return StoreTimeoutError(msg)
+        if isinstance(exc, TransferError):
+            return TransferFailedError(msg)
+        if isinstance(exc, EngineClosedError):
+            return StoreClosedError(f"the store's transfer engine is closed: {msg}")
+        if isinstance(exc, ArenaError):
+            return AllocationError(msg)
+        return EngineError(msg)
+    if isinstance(exc, transports.TransportError):
+        from tierkv.remote.errors import map_transport_error  # tierkv.remote imports the store
+
+        return map_transport_error(exc, "the remote tier")
+    if isinstance(exc, TimeoutError):
+        return StoreTimeoutError(msg)
+    return None
+
+
+def boundary(fn: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a public method: lower errors it raises leave it mapped (:func:`map_error`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            mapped = map_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    return wrapper
+
+
+def async_boundary(
+    fn: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R]]:
+    """Wrap a public coroutine method: lower errors leave it mapped (:func:`map_error`)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            mapped = map_error(exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    return wrapper
