@@ -8,7 +8,7 @@ The contract follows the two-phase moves of vLLM's offloading manager::
     prepare_store(keys, tier)     -> StoreAllocation (evicting by policy), or None when there is
                                      no room because everything else is pinned / moving / writing
     complete_store(keys, tier, ok) commits (WRITING -> READABLE) or rolls back; keys that are
-                                     already READABLE are passed over (completing twice is fine)
+                                     not WRITING are passed over (completing twice is fine)
     prepare_evict(tier, n)        -> victims, marked MOVING (for a write-back to a lower tier)
     complete_evict(keys, tier, ok) drops them (or puts them back exactly where they were)
     touch(keys, tier)             records uses; keys the tier does not hold are passed over
@@ -435,26 +435,19 @@ class PageTable:
     def complete_store(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
         """Commit (``ok``) or roll back pages reserved by :meth:`prepare_store`.
 
-        Keys that are already READABLE are passed over either way (as in vLLM's offloading
-        managers, a connector may complete the whole list it prepared, present pages included,
-        or complete twice); a key named twice counts once.
+        Only WRITING pages change: keys that are READABLE (or already MOVING on, written back)
+        are passed over either way, as in vLLM's offloading managers, so a connector may
+        complete the whole list it prepared, present pages included, or complete twice; a key
+        named twice counts once.
 
         Raises:
-            UnknownPageError: a key is not in the tier.
-            PageStateError: a page is MOVING (it was never being written).
+            UnknownPageError: a key is not in the tier (nothing changes).
         """
         t = self._tier(tier)
         slots = self._slots(t, keys)
         state = t.state
         if _count(state, slots, _WRITING) != len(slots) or len(set(slots)) != len(slots):
-            for k, s in zip(keys, slots):
-                if state[s] == _MOVING:
-                    raise PageStateError(
-                        f"page {_show(k)} in tier {tier!r} is MOVING, expected WRITING"
-                    )
-            writing = dict.fromkeys(
-                (k, s) for k, s in zip(keys, slots) if state[s] == _WRITING
-            )
+            writing = dict.fromkeys((k, s) for k, s in zip(keys, slots) if state[s] == _WRITING)
             keys = [k for k, _ in writing]
             slots = [s for _, s in writing]
         if ok:
