@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import socket
 import zlib
+from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import pytest
 
-from transports import PeerError, RegionDescriptor, RemoteAccessError, TransferOp
-from transports.shm import ShmTransport
+from transports import PeerError, ProtocolError, RegionDescriptor, RemoteAccessError, TransferOp
+from transports.shm import ShmTransport, remove_stale_segments, segment_name
 
 PAGE = 16 << 10
 
@@ -118,3 +120,102 @@ async def test_two_processes(peer_process: Any) -> None:
         await peer.proc.wait()
         with pytest.raises(PeerError):
             await t.read(ops)
+
+
+def _connect_as(uid: int, address: str) -> bytes:
+    """Fork a child that becomes ``uid``, connects to ``address`` and returns what it read
+    (b"" when the owner closed the connection)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no asyncio, no pytest, only blocking calls and _exit
+        out = b"?"
+        try:
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(address)
+            out = s.recv(64) or b"closed"
+        except Exception as exc:
+            out = f"error {exc}".encode()
+        os.write(w, out)
+        os._exit(0)
+    os.close(w)
+    try:
+        os.waitpid(pid, 0)
+        return os.read(r, 256)
+    finally:
+        os.close(r)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another uid")
+async def test_another_uid_is_refused_unless_allowed() -> None:
+    loop = asyncio.get_running_loop()
+    async with ShmTransport("owner") as t:
+        got = await loop.run_in_executor(None, _connect_as, 65534, t._address)
+        assert got == b"closed"
+        assert t.audit.counts["auth_refused"] == 1
+    async with ShmTransport("owner", allow_uids=[65534]) as t:
+        got = await loop.run_in_executor(None, _connect_as, 65534, t._address)
+        assert b"challenge" in got  # admitted to the handshake
+
+
+async def test_with_a_secret_both_ends_must_prove_it() -> None:
+    async with (
+        ShmTransport("a", secret=b"s1") as a,
+        ShmTransport("b", secret=b"s1") as b,
+        ShmTransport("c", secret=b"other") as c,
+        ShmTransport("d") as d,
+    ):
+        theirs = b.allocate(PAGE)
+        await a.add_peer(b.metadata())  # same secret: fine
+        mine = a.allocate(PAGE)
+        await a.write([TransferOp(mine, 0, theirs.descriptor, 0, PAGE)], notify=b"ok")
+        assert (await b.get_notification(2)).data == b"ok"
+        for stranger in (c, d):
+            with pytest.raises(PeerError):
+                await stranger.add_peer(b.metadata())
+        assert b.audit.counts["auth_refused"] == 2
+
+
+async def test_notifications_nobody_reads_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ShmTransport, "max_notification_bytes", 1 << 20)
+    async with ShmTransport("a") as a, ShmTransport("b") as b:
+        theirs = b.allocate(PAGE)
+        mine = a.allocate(PAGE)
+        await a.add_peer(b.metadata())
+        op = [TransferOp(mine, 0, theirs.descriptor, 0, 1)]
+        with pytest.raises(PeerError):
+            for _ in range(100):  # 100 x 60 KiB: past the 1 MiB budget the link is dropped
+                await a.write(op, notify=b"n" * 60_000)
+                await asyncio.sleep(0)
+        assert b.notifications_dropped == 1
+        assert b._notification_bytes <= 1 << 20
+        assert b.audit.counts["budget_hit"] == 1
+
+
+async def test_oversized_notifications_are_refused_at_the_sender() -> None:
+    async with ShmTransport("a") as a, ShmTransport("b") as b:
+        theirs, mine = b.allocate(PAGE), a.allocate(PAGE)
+        await a.add_peer(b.metadata())
+        with pytest.raises(ProtocolError):
+            a.write([TransferOp(mine, 0, theirs.descriptor, 0, 1)], notify=bytes(1 << 17))
+
+
+def test_stale_segments_of_gone_owners_are_removed() -> None:
+    mine = SharedMemory(name=segment_name(), create=True, size=4096)
+    pid = os.getpid()
+    dead = SharedMemory(name=f"tkv-host-{pid}-1-abcdef", create=True, size=4096)  # reused pid
+    gone = SharedMemory(name="tkv-4194000-77-abcdef", create=True, size=4096)  # no such pid
+    other = SharedMemory(name="tkvx-4194000-77-abcdef", create=True, size=4096)  # not ours
+    try:
+        removed = remove_stale_segments()
+        assert dead.name in removed and gone.name in removed
+        assert _segment_exists(mine.name) and _segment_exists(other.name)
+        assert not _segment_exists(dead.name) and not _segment_exists(gone.name)
+    finally:
+        for seg in (mine, dead, gone, other):
+            seg.close()
+            try:
+                seg.unlink()
+            except FileNotFoundError:  # removed above: tell the resource tracker too
+                resource_tracker.unregister(f"/{seg.name}", "shared_memory")
