@@ -115,6 +115,12 @@ LEASE_CALLS: dict[str, tuple[type[TierKVError], Callable[[Lease], Any]]] = {
 }
 
 
+def snapshot(store: KVStore) -> tuple[object, ...]:
+    """What a rejected call must leave as it was."""
+    seqs = {sid: (list(s.tokens), list(s.blocks), list(s.kv_len)) for sid, s in store._seqs.items()}
+    return seqs, store.tiers.table.used("device"), dict(store.tiers.owners)
+
+
 async def _filled() -> KVStore:
     store = await store_of().open()
     await store.add_sequence("a", [1, 2, 3, 4, 5, 6])
@@ -130,13 +136,12 @@ async def test_bad_store_input_is_typed_and_changes_nothing(case: str) -> None:
     err, call = STORE_CALLS[case]
     store = await _filled()
     try:
-        before = (dict(store._seqs), list(store.sequence("a").tokens), store.tiers.table.used("device"))
+        before = snapshot(store)
         with pytest.raises(err):
             got = call(store)
             if asyncio.iscoroutine(got):
                 await got
-        after = (dict(store._seqs), list(store.sequence("a").tokens), store.tiers.table.used("device"))
-        assert after == before
+        assert snapshot(store) == before
         await usable(store)
     finally:
         await store.close()
@@ -387,7 +392,9 @@ async def test_a_long_prompt_gives_the_loop_turns_while_it_is_hashed() -> None:
         assert ticks == short  # a prompt under one slice never yields
 
 
-async def test_a_release_while_a_long_prompt_hashes_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_same_id_added_while_a_long_prompt_hashes_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(prompt, "SLICE_TOKENS", 64)
     async with store_of() as store:
         adding = asyncio.create_task(store.add_sequence("x", list(range(1000))))
