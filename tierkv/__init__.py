@@ -11,14 +11,20 @@ The public entry point. Import what you need from here::
 from __future__ import annotations
 
 from tierkv.errors import (
+    AllocationError,
+    EngineError,
+    InvalidInputError,
+    InvalidTypeError,
     PageStateError,
     PageTableError,
     PinError,
     SequenceError,
     SpecError,
     StoreClosedError,
+    StoreTimeoutError,
     TierFullError,
     TierKVError,
+    TransferFailedError,
     UnknownPageError,
 )
 from tierkv.keys import KeyKind, PageKey, block_key, key_kind, prefix_keys, private_key, root_key
@@ -33,7 +39,11 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
+    "AllocationError",
+    "EngineError",
     "EvictionPolicy",
+    "InvalidInputError",
+    "InvalidTypeError",
     "KVSpec",
     "KVStore",
     "KeyKind",
@@ -49,9 +59,11 @@ __all__ = [
     "SpecError",
     "StoreAllocation",
     "StoreClosedError",
+    "StoreTimeoutError",
     "SyncKVStore",
     "TierFullError",
     "TierKVError",
+    "TransferFailedError",
     "UnknownPageError",
     "__version__",
     "block_key",
