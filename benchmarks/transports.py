@@ -54,7 +54,7 @@ SECRET = b"bench"
 
 async def serve(backend: str, size: int) -> None:
     """Peer mode: register `size` bytes, print metadata + descriptor (+ raw port), serve."""
-    kw: dict[str, Any] = {"secret": SECRET} if backend == "tcp" else {}
+    kw: dict[str, Any] = {"secret": SECRET} if backend in ("tcp", "shm") else {}
     async with transports.create(backend, **kw) as t:
         region = t.allocate(size)
         np.frombuffer(region.view, np.uint8)[:] = np.random.default_rng(0).integers(0, 255, size)
@@ -126,7 +126,9 @@ async def measure(backend: str, size: int, rounds: int, checksum: bool = True) -
     try:
         assert peer.stdout is not None and peer.stdin is not None
         meta, desc_hex, port = peer.stdout.readline().split()
-        kw: dict[str, Any] = {"secret": SECRET, "checksum": checksum} if backend == "tcp" else {}
+        kw: dict[str, Any] = {"secret": SECRET}  # authenticated sessions (tcp: tagged headers)
+        if backend == "tcp":
+            kw["checksum"] = checksum
         async with transports.create(backend, **kw) as t:
             await t.add_peer(bytes.fromhex(meta))
             desc = transports.RegionDescriptor.unpack(bytes.fromhex(desc_hex))

@@ -62,9 +62,13 @@ class Audit:
 
     def note(self, event: str, peer: str, reason: str, **fields: object) -> None:
         """Count one event (``auth_refused``, ``protocol_error``, ``budget_hit``) and log it
-        unless this kind is over its log rate."""
+        unless this kind is over its log rate. ``reason`` is one of a few fixed words (it
+        keys ``by_reason``); peer-controlled text goes in ``fields`` (e.g. ``detail``),
+        cut to 160 characters."""
         self.counts[event] += 1
-        self.by_reason[f"{event}:{reason}"] += 1
+        key = f"{event}:{reason}"
+        if key in self.by_reason or len(self.by_reason) < 64:
+            self.by_reason[key] += 1
         limit = self._limits.setdefault(event, RateLimit(self._rate, self._burst))
         if not limit.take():
             self._suppressed[event] += 1
@@ -76,7 +80,7 @@ class Audit:
             "reason": reason,
         }
         line.update(
-            {k: v if isinstance(v, int | float | bool) else str(v) for k, v in fields.items()}
+            {k: v if isinstance(v, int | float | bool) else str(v)[:160] for k, v in fields.items()}
         )
         if self._suppressed[event]:
             line["suppressed"] = self._suppressed.pop(event)

@@ -318,9 +318,14 @@ class ShmTransport(Transport):
                     self.audit.note(BUDGET_HIT, who, "notifications", agent=session.peer_id)
                     return
         except AuthError as exc:
-            self.audit.note(AUTH_REFUSED if preauth else PROTOCOL_ERROR, who, str(exc)[:120])
+            self.audit.note(
+                AUTH_REFUSED if preauth else PROTOCOL_ERROR,
+                who,
+                "bad proof" if preauth else "bad tag",
+                detail=exc,
+            )
         except ProtocolError as exc:
-            self.audit.note(PROTOCOL_ERROR, who, str(exc)[:120])
+            self.audit.note(PROTOCOL_ERROR, who, "malformed", detail=exc)
         except TransportError:  # the hello deadline
             self.audit.note(BUDGET_HIT, who, "hello_deadline")
         except (TimeoutError, ConnectionError):

@@ -124,7 +124,7 @@ class ServerConnection(FrameProtocol):
     def on_protocol_error(self, exc: ProtocolError) -> None:
         if self._refused:
             return  # refused authentication: answered and counted already
-        self.owner.audit.note(PROTOCOL_ERROR, self.address, str(exc)[:120])
+        self.owner.audit.note(PROTOCOL_ERROR, self.address, "malformed", detail=exc)
         self.send({"op": "err", "id": -1, "code": "protocol", "msg": str(exc)[:200]})
 
     def on_header(self, header: dict[str, Any]) -> list[memoryview] | None:

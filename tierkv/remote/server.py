@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ipaddress
 import os
+import socket
 from typing import Any
 
 from tierkv.errors import TierKVError
@@ -50,6 +51,9 @@ from transports.session import HELLO_DEADLINE, StreamSession
 __all__ = ["PageServer", "is_loopback", "resolve_secret", "spec_fields"]
 
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+#: the control sockets' receive buffer: bounds what one read of a hostile peer's bytes costs
+#: (asyncio reads up to 256 KiB at once otherwise); control frames are small
+RCVBUF = 1 << 15
 
 
 def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
@@ -205,6 +209,8 @@ class PageServer:
             self._on_connect, self.host, self.port, limit=1 << 14
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        for sock in self._server.sockets:  # accepted sockets inherit it: a read takes at most
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF)  # ~this much at once
         self._changed = asyncio.Event()
         self._held = self.directory.held()
         self.store.tiers.host_listeners.append(self._on_left)
@@ -280,9 +286,16 @@ class PageServer:
                     session.send({"id": rid if type(rid) is int else None, **reply}), self.timeout
                 )
         except AuthError as exc:
-            self.audit.note(AUTH_REFUSED if preauth else PROTOCOL_ERROR, where, str(exc)[:120])
+            self.audit.note(
+                AUTH_REFUSED if preauth else PROTOCOL_ERROR,
+                where,
+                "bad proof" if preauth else "bad tag",
+                detail=exc,
+            )
         except (RemoteProtocolError, ProtocolError) as exc:
-            self.audit.note(PROTOCOL_ERROR, where, str(exc)[:120], authenticated=not preauth)
+            self.audit.note(
+                PROTOCOL_ERROR, where, "malformed", detail=exc, authenticated=not preauth
+            )
         except (TimeoutError, TransportError) as exc:  # the hello deadline; a stuck reader
             self.audit.note(BUDGET_HIT, where, "hello_deadline" if preauth else "send_timeout")
             del exc
