@@ -365,7 +365,7 @@ class KVStore(Prefetcher):
         Raises SequenceError, InvalidTypeError / SpecError for bad ids (nothing is added).
         """
         seq = self.sequence(seq_id)
-        seq.tokens.extend(validate.token_array(tokens).tolist())
+        seq.tokens.extend(validate.token_ids(tokens))
 
     @boundary
     def sequence(self, seq_id: str) -> SequenceState:

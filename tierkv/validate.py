@@ -92,6 +92,19 @@ def token_array(tokens: object, what: str = "tokens") -> npt.NDArray[np.int64]:
     return arr.astype(np.int64, copy=False)
 
 
+def token_ids(tokens: object, what: str = "tokens") -> list[int]:
+    """``tokens`` checked as by :func:`token_array`, as a new list of ints. A short list of
+    Python ints (a decode step's sampled tokens) is checked without numpy (0.4 us, not 3.7)."""
+    if isinstance(tokens, list) and len(tokens) <= 64 and _plain_ids(tokens):
+        return list(tokens)
+    ids: list[int] = token_array(tokens, what).tolist()
+    return ids
+
+
+def _plain_ids(tokens: list[Any]) -> bool:
+    return all(type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in tokens)
+
+
 def _explain(tokens: Sequence[Any], what: str) -> None:
     for i, x in enumerate(tokens):
         if not _is_int(x):
