@@ -25,6 +25,7 @@ import hmac
 import os
 import secrets
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
 from .base import DEFAULT_TIMEOUT_S, Direction, Transport
@@ -257,6 +258,8 @@ class TcpTransport(Transport):
     payload (CRC32C or CRC32, agreed per connection; a mismatch raises ChecksumError). Read
     payloads are checksummed as they land; the checksums we send are computed in a worker
     thread when `checksum_thread` (default: when this process may use 4 or more CPUs).
+    `ssl_server` / `ssl_client`: TLS contexts for our server and our connections (encrypts
+    headers and payloads; the shared-secret handshake still runs inside; docs/security.md).
     """
 
     kind = "tcp"
@@ -276,7 +279,10 @@ class TcpTransport(Transport):
         checksum: bool = True,
         checksum_thread: bool | None = None,
         max_preauth_per_peer: int = 32,
+        ssl_server: SSLContext | None = None,
+        ssl_client: SSLContext | None = None,
     ) -> None:
+        self.ssl_server, self.ssl_client = ssl_server, ssl_client
         super().__init__(name, timeout=timeout)
         env = os.environ.get(SECRET_ENV)
         if secret is None and env is None:
@@ -297,7 +303,7 @@ class TcpTransport(Transport):
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: ServerConnection(self), self.host, self.port
+            lambda: ServerConnection(self), self.host, self.port, ssl=self.ssl_server
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -322,7 +328,10 @@ class TcpTransport(Transport):
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: ClientConnection(self, agent), info["host"], info["port"]
+                    lambda: ClientConnection(self, agent),
+                    info["host"],
+                    info["port"],
+                    ssl=self.ssl_client,
                 ),
                 self.timeout,
             )

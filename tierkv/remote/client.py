@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from ssl import SSLContext
 from typing import Any
 
 import numpy as np
@@ -91,6 +92,8 @@ class RemoteTier:
         transport_options: extra keyword arguments for the local transport.
         retry_after / max_backoff: the first and the longest wait before reconnecting after
             the connection broke.
+        ssl: a client TLS context for the control connection (docs/security.md); the data
+            transport takes its own (``transport_options={"ssl_client": ctx}`` for tcp).
     """
 
     def __init__(
@@ -104,7 +107,9 @@ class RemoteTier:
         transport_options: dict[str, Any] | None = None,
         retry_after: float = 0.05,
         max_backoff: float = 2.0,
+        ssl: SSLContext | None = None,
     ) -> None:
+        self.ssl = ssl
         self.host, self.port = split_address(address)
         self.retry_after, self.max_backoff = retry_after, max_backoff
         self._backoff = retry_after
@@ -139,7 +144,9 @@ class RemoteTier:
         return self
 
     async def _connect(self) -> None:
-        self._ctl = Control(f"{self.host}:{self.port}", secret=self.secret, timeout=self.timeout)
+        self._ctl = Control(
+            f"{self.host}:{self.port}", secret=self.secret, timeout=self.timeout, ssl=self.ssl
+        )
         hello = await self._ctl.open()
         spec = hello.get("spec")
         if not isinstance(spec, dict) or type(spec.get("page_bytes")) is not int:
@@ -262,6 +269,7 @@ class RemoteTier:
             timeout=self.timeout,
             callback=callback,
             max_batches=max_batches,
+            ssl=self.ssl,
         )
         await w.start()
         try:

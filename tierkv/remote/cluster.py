@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from ssl import SSLContext
 from typing import Any
 
 import numpy as np
@@ -35,8 +36,8 @@ class RemoteCluster:
 
     Args:
         seeds: ``host:port`` of one or more page servers of the cluster.
-        transport, secret, spec, timeout, transport_options: as for `RemoteTier`, for every
-            node.
+        transport, secret, spec, timeout, transport_options, ssl: as for `RemoteTier`, for
+            every node.
         retry_after: seconds a node that failed is left alone.
     """
 
@@ -50,6 +51,7 @@ class RemoteCluster:
         timeout: float = 10.0,
         transport_options: dict[str, Any] | None = None,
         retry_after: float = 1.0,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds)
         if not self.seeds:
@@ -60,6 +62,7 @@ class RemoteCluster:
             "spec": spec,
             "timeout": timeout,
             "transport_options": transport_options,
+            "ssl": ssl,
         }
         self.retry_after = retry_after
         self._tiers: dict[str, RemoteTier] = {}

@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import Awaitable, Callable
+from ssl import SSLContext
 from typing import Any
 
 from tierkv.remote.errors import (
@@ -48,7 +49,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 class Control:
-    """One authenticated control connection to a page server."""
+    """One authenticated control connection to a page server (inside TLS with ``ssl``, a
+    client context)."""
 
     def __init__(
         self,
@@ -59,7 +61,9 @@ class Control:
         on_event: EventHandler | None = None,
         role: str = CLIENT,
         ident: str | None = None,
+        ssl: SSLContext | None = None,
     ) -> None:
+        self.ssl = ssl
         self.address = address
         self.host, self.port = split_address(address)
         self.secret, self.timeout = secret, timeout
@@ -79,7 +83,8 @@ class Control:
         what = f"no answer from {self.address}"
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, limit=1 << 16), self.timeout
+                asyncio.open_connection(self.host, self.port, limit=1 << 16, ssl=self.ssl),
+                self.timeout,
             )
             self._session = StreamSession(reader, writer, REPLY_LIMITS)
             what = f"{self.address} silent for {self.timeout:g} s"  # connected, no handshake

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
+from ssl import SSLContext
 from typing import Any
 
 from tierkv.remote.control import Control
@@ -116,7 +117,9 @@ class PeerLink:
         held: Callable[[], set[bytes]],
         on_peers: Callable[[list[str]], None],
         max_pending: int = 1 << 18,
+        ssl: SSLContext | None = None,
     ) -> None:
+        self.ssl = ssl
         self.me, self.peer = me, peer
         self.secret, self.timeout, self.interval = secret, timeout, interval
         self._held, self._on_peers = held, on_peers
@@ -163,7 +166,12 @@ class PeerLink:
         backoff = 0.05
         while True:
             ctl = Control(
-                self.peer, secret=self.secret, timeout=self.timeout, role=PAGE_SERVER, ident=self.me
+                self.peer,
+                secret=self.secret,
+                timeout=self.timeout,
+                role=PAGE_SERVER,
+                ident=self.me,
+                ssl=self.ssl,
             )
             try:
                 await ctl.open()

@@ -32,6 +32,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+from ssl import SSLContext
 from typing import Any
 
 from tierkv.errors import TierKVError
@@ -120,6 +121,8 @@ class PageServer:
         max_conns_per_peer / max_preauth_per_peer: open connections per peer address (all /
             not yet authenticated); past them a connection is closed at once (a budget hit).
         peer_links_per_minute: new peer links this server may open (beyond the seeds).
+        ssl / peer_ssl: TLS contexts of the control socket (server side) and of our links to
+            peers (client side); docs/security.md.
 
     Raises ValueError (no secret, empty secret, insecure off loopback); RemoteError (from
     `start`) when the arena cannot be shared or a transport fails.
@@ -146,7 +149,10 @@ class PageServer:
         max_conns_per_peer: int = 256,
         max_preauth_per_peer: int = 32,
         peer_links_per_minute: float = 30.0,
+        ssl: SSLContext | None = None,
+        peer_ssl: SSLContext | None = None,
     ) -> None:
+        self.ssl, self.peer_ssl = ssl, peer_ssl
         self.store = store
         self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")
         self.host, self.port = host, port
@@ -206,7 +212,7 @@ class PageServer:
         self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
         # a small stream buffer: what an unauthenticated peer can make us hold stays small
         self._server = await asyncio.start_server(
-            self._on_connect, self.host, self.port, limit=1 << 14
+            self._on_connect, self.host, self.port, limit=1 << 14, ssl=self.ssl
         )
         self.port = self._server.sockets[0].getsockname()[1]
         for sock in self._server.sockets:  # accepted sockets inherit it: a read takes at most
@@ -435,6 +441,7 @@ class PageServer:
             interval=self.sync_interval,
             held=lambda: set(self._held),
             on_peers=self._learn,
+            ssl=self.peer_ssl,
         )
         self.links[address] = link
         link.start()

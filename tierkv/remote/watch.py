@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
+from ssl import SSLContext
 from typing import Any
 
 from tierkv.remote.control import Control
@@ -166,8 +167,10 @@ class Watch:
         timeout: float = 10.0,
         callback: Callable[[list[bytes]], None] | None = None,
         max_batches: int = 256,
+        ssl: SSLContext | None = None,
     ) -> None:
         self.address, self.secret, self.timeout = address, secret, timeout
+        self.ssl = ssl
         self._callback = callback
         self._queue: asyncio.Queue[list[bytes]] = asyncio.Queue(max_batches)
         self.keys: set[bytes] = set()
@@ -178,7 +181,11 @@ class Watch:
         """Open the watch connection. Raises PeerGoneError, RemoteTimeoutError,
         RemoteRefusedError."""
         self._ctl = Control(
-            self.address, secret=self.secret, timeout=self.timeout, on_event=self._event
+            self.address,
+            secret=self.secret,
+            timeout=self.timeout,
+            on_event=self._event,
+            ssl=self.ssl,
         )
         await self._ctl.open()
         return self
