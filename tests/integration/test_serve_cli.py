@@ -91,8 +91,13 @@ class Serve:
         self.proc.wait(STOP_S)
 
 
+STALE = "/dev/shm/tkv-host-4194001-1-0badc0de"  # a segment whose owner (no such pid) is gone
+
+
 @pytest.fixture
 def serve(tmp_path: Path) -> Iterator[Serve]:
+    with open(STALE, "wb") as f:
+        f.write(bytes(4096))
     s = Serve(tmp_path / "serve-trace.json")
     try:
         yield s
@@ -117,6 +122,8 @@ def one(m: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **lab
 
 def test_serve_metrics_and_trace(serve: Serve, tmp_path: Path) -> None:
     # one process start is the cost of this test: run once (not once per event loop)
+    assert os.path.basename(STALE) in serve.expect("removed ")
+    assert not os.path.exists(STALE)
     url = serve.expect("metrics on ").split()[-1]
     address = serve.expect("serving ").split(" on ")[1].split()[0]
     m = scrape(url)
@@ -125,6 +132,9 @@ def test_serve_metrics_and_trace(serve: Serve, tmp_path: Path) -> None:
     assert one(m, "tierkv_page_server_pages") == 0
     assert one(m, "tierkv_page_server_host_capacity_pages") == HOST_PAGES
     assert one(m, "tierkv_page_server_transport", transport="tcp") == 1
+    assert one(m, "tierkv_page_server_auth_refused_total") == 0  # security counters exported
+    assert one(m, "tierkv_page_server_budget_hit_total") == 0
+    assert one(m, "tierkv_page_server_tcp_protocol_error_total") == 0
 
     toks = list(range(3 * SPEC.page_tokens))
     keys = [page_key(b, layer) for b in prefix_keys(toks, 16) for layer in range(2)]
