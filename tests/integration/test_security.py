@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -378,3 +379,33 @@ async def test_a_peer_link_failing_is_not_fatal(monkeypatch: pytest.MonkeyPatch)
         await srv.aclose()
         with pytest.raises((PeerGoneError, RemoteProtocolError, RemoteError)):
             await client.lookup(KEYS)
+
+
+async def test_a_cancelled_request_leaves_a_watch_usable() -> None:
+    async with page_server() as srv, peer(srv.address) as client:
+        w = await client.watch()
+        try:
+            for _ in range(5):
+                await _cancel_soon(w.add(KEYS))
+                assert await w.add(KEYS) == 0  # none held: none watched, and the link lives
+        finally:
+            await w.aclose()
+
+
+async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
+    from transports import TransferOp
+    from transports.tcp import TcpTransport
+
+    async with TcpTransport("a", secret=SECRET) as a, TcpTransport("b", secret=SECRET) as b:
+        theirs = b.register_memory(bytearray(os.urandom(1 << 20)))
+        mine = a.allocate(1 << 20)
+        await a.add_peer(b.metadata())
+        ops = [TransferOp(mine, 0, theirs.descriptor, 0, 1 << 20)]
+        for _ in range(5):
+            handle = a.read(ops)
+            await _cancel_soon(handle.wait(TIMEOUT))  # the wait, not the transfer
+            await handle.wait(TIMEOUT)
+            handle = a.read(ops)
+            handle.cancel()  # the transfer itself: later ones reconnect
+            await a.read(ops)
+            assert bytes(mine.view) == bytes(theirs.view)
