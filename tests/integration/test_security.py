@@ -168,8 +168,12 @@ async def test_hold_never_dials_an_address_a_client_names() -> None:
         async with page_server() as srv:
             ctl = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
             await ctl.open()
-            for i in range(100):
-                await ctl.call("hold", node=f"127.0.0.1:{20000 + i}", add=[], drop=[])
+            for i in range(100):  # past 16 nodes per connection: refused (and never dialled)
+                with contextlib.suppress(RemoteError):
+                    await ctl.call("hold", node=f"127.0.0.1:{20000 + i}", add=[], drop=[])
+            await ctl.aclose()
+            ctl = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
+            await ctl.open()
             await ctl.call("hold", node=bait_addr, add=[KEYS[0]], drop=[])
             await ctl.aclose()
             posing = Control(
@@ -409,3 +413,40 @@ async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
             handle.cancel()  # the transfer itself: later ones reconnect
             await a.read(ops)
             assert bytes(mine.view) == bytes(theirs.view)
+
+
+async def test_hold_is_capped_per_connection() -> None:
+    """hold cannot grow the index without bound: nodes and entries per connection capped."""
+    async with page_server() as srv:
+        srv.index.max_keys, srv.index.max_nodes = 8, 2
+        ctl = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
+        await ctl.open()
+        try:
+            await ctl.call("hold", node="n1:1", add=KEYS, drop=[])
+            await ctl.call("hold", node="n2:1", add=KEYS[:2], drop=[])
+            with pytest.raises(RemoteError, match="at most 2 nodes"):
+                await ctl.call("hold", node="n3:1", add=[], drop=[])
+            with pytest.raises(RemoteError, match="at most 8 entries"):
+                await ctl.call("hold", node="n1:1", add=[bytes([9, i]) * 16 for i in range(3)])
+            assert srv.index.pages() == len(KEYS) + 2
+        finally:
+            await ctl.aclose()
+        for _ in range(100):
+            if not srv.index.pages():
+                break
+            await asyncio.sleep(0.02)
+        assert srv.index.pages() == 0  # gone with its connection
+
+
+async def test_learned_links_that_never_connect_are_dropped() -> None:
+    async with page_server(sync_interval=0.05) as srv:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+        srv._learn([dead])
+        assert dead in srv.links
+        for _ in range(200):
+            if dead not in srv.links:
+                break
+            await asyncio.sleep(0.05)
+        assert dead not in srv.links

@@ -40,9 +40,14 @@ def keys_field(msg: dict[str, Any], name: str) -> list[bytes]:
 
 
 class PeerIndex:
-    """What each peer node holds, and the reverse: which nodes hold a page."""
+    """What each peer node holds, and the reverse: which nodes hold a page.
 
-    def __init__(self) -> None:
+    A connection speaks for at most ``max_nodes`` nodes with at most ``max_keys`` entries in
+    all: an authenticated client cannot grow the index without bound.
+    """
+
+    def __init__(self, max_keys: int = 1 << 21, max_nodes: int = 16) -> None:
+        self.max_keys, self.max_nodes = max_keys, max_nodes
         self.nodes: dict[str, set[bytes]] = {}
         self._owner: dict[str, object] = {}
         self._where: dict[bytes, list[str]] = {}
@@ -50,7 +55,17 @@ class PeerIndex:
     def apply(
         self, node: str, owner: object, add: Iterable[bytes], drop: Iterable[bytes], full: bool
     ) -> None:
-        """Record a hold message from ``node`` (received on connection ``owner``)."""
+        """Record a hold message from ``node`` (received on connection ``owner``). Raises
+        RemoteProtocolError, recording nothing, when ``owner`` would speak for more than
+        ``max_nodes`` nodes or hold more than ``max_keys`` entries."""
+        add, drop = list(add), list(drop)
+        mine = [n for n, o in self._owner.items() if o is owner]
+        if node not in mine and len(mine) >= self.max_nodes:
+            raise RemoteProtocolError(f"a connection speaks for at most {self.max_nodes} nodes")
+        kept = 0 if full or node not in mine else len(self.nodes.get(node, ()))
+        others = sum(len(self.nodes.get(n, ())) for n in mine if n != node)
+        if others + kept + len(add) > self.max_keys:
+            raise RemoteProtocolError(f"a connection holds at most {self.max_keys} entries")
         if full or self._owner.get(node) is not owner:
             self.forget(node)
             self._owner[node] = owner
@@ -130,6 +145,7 @@ class PeerLink:
         self._wake = asyncio.Event()
         self.connected = False
         self.failures = 0
+        self.ever_connected = False
         self.last_error = ""
         self._task: asyncio.Task[None] | None = None
 
@@ -176,6 +192,7 @@ class PeerLink:
             try:
                 await ctl.open()
                 self.connected = True
+                self.ever_connected = True
                 backoff = 0.05
                 self._full = True
                 while True:

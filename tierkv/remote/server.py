@@ -55,6 +55,7 @@ SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
 #: the control sockets' receive buffer: bounds what one read of a hostile peer's bytes costs
 #: (asyncio reads up to 256 KiB at once otherwise); control frames are small
 RCVBUF = 1 << 15
+DEAD_AFTER = 5  # failed tries after which a learned peer link that never connected is dropped
 
 
 def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
@@ -173,6 +174,7 @@ class PageServer:
         self.max_peers = max_peers
         self.index = PeerIndex()
         self.links: dict[str, PeerLink] = {}
+        self._configured: set[str] = set()
         self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
         self._held: set[bytes] = set()
         self._changed: asyncio.Event | None = None
@@ -433,6 +435,8 @@ class PageServer:
         if len(self.links) >= self.max_peers or not (configured or self._link_budget.take()):
             self.links_refused += 1
             return False
+        if configured:
+            self._configured.add(address)
         link = PeerLink(
             self.address,
             address,
@@ -490,6 +494,15 @@ class PageServer:
             if added or dropped:
                 for link in self.links.values():
                     link.changed(added, dropped)
+            await self._drop_dead_links()
+
+    async def _drop_dead_links(self) -> None:
+        """Learned links that never connected after DEAD_AFTER tries go (configured ones stay)."""
+        for address, link in list(self.links.items()):
+            dead = link.failures >= DEAD_AFTER and not link.ever_connected
+            if dead and address not in self._configured:
+                del self.links[address]
+                await link.aclose()
 
 
 def _same_host(host: str, addr: str) -> bool:
