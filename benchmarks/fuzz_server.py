@@ -330,6 +330,10 @@ def fuzz(frames: int, seed: int = 0) -> dict[str, Any]:
                     pass
             sent += 1
             conns += 1
+            now = time.perf_counter()
+            if now - last > 5:
+                last = now
+                print(f"  fuzz: {sent:,} unauthenticated frames", file=sys.stderr, flush=True)
         batch = 512
         while sent < frames:
             with Probe.connect(child.host, child.port, timeout=30) as p:
@@ -476,7 +480,11 @@ def main() -> int:
     }
     write_json(args.json, figures, ratios)
     if args.plot:
-        plot(fl, args.plot)
+        try:
+            plot(fl, args.plot)
+        except ImportError as exc:
+            print(f"--plot needs matplotlib ({exc})", file=sys.stderr)
+            return 1
     return 0
 
 
