@@ -75,3 +75,15 @@ def test_noreserve_flag_matches_the_platform() -> None:
         assert flag == MAP_NORESERVE
     else:
         assert MAP_NORESERVE in (0, 0x40, 0x400, 0x4000, 0x10000)
+
+
+@needs_lazy_commit
+def test_the_cuda_backends_host_arena_maps_lazily_too() -> None:
+    from runtime.cuda_arena import HostArena  # host memory only: no CUDA call until pinned
+
+    before = rss_bytes()
+    a = HostArena("host", MIB, 32 * 1024, pinned=False, backend="cpu")  # 32 GiB, never pinned
+    assert a.nbytes == 32 * GIB
+    assert rss_bytes() - before < 32 * MIB
+    a.slot_view(5).fill_(3)
+    assert int(a.array[5, 0]) == 3 and rss_bytes() - before < 48 * MIB
