@@ -173,8 +173,17 @@ class Transport(abc.ABC):
         """
         self._check_open()
         try:
-            info = msgpack.unpackb(metadata)
-        except Exception as exc:
+            if len(metadata) > 1 << 20:
+                raise ValueError(f"{len(metadata)} bytes")
+            info = msgpack.unpackb(
+                metadata,
+                max_array_len=256,
+                max_map_len=64,
+                max_str_len=1 << 16,
+                max_bin_len=1 << 20,
+                max_ext_len=0,
+            )
+        except Exception as exc:  # malformed, or over the limits (a hostile peer's bytes)
             raise PeerError("malformed peer metadata") from exc
         if not isinstance(info, dict) or not isinstance(info.get("agent"), str):
             raise PeerError("malformed peer metadata")

@@ -72,8 +72,17 @@ class RegionDescriptor:
     def unpack(cls, data: bytes) -> RegionDescriptor:
         """Inverse of `pack`. Raises RegionError on malformed bytes."""
         try:
-            obj = msgpack.unpackb(data)
-        except Exception as exc:
+            if len(data) > 1 << 16:
+                raise ValueError(f"{len(data)} bytes")
+            obj = msgpack.unpackb(
+                data,
+                max_array_len=16,
+                max_map_len=16,
+                max_str_len=4096,
+                max_bin_len=4096,
+                max_ext_len=0,
+            )
+        except Exception as exc:  # malformed, or over the limits (a hostile peer's bytes)
             raise RegionError("malformed region descriptor bytes") from exc
         return cls.from_wire(obj)
 
