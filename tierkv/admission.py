@@ -73,8 +73,9 @@ class Admission:
             if fut.done() and not fut.cancelled():  # admitted as we were cancelled: give it back
                 self.leave(pages)
             else:
-                self._queue.remove(waiter)
-                self._admit_heads()  # we may have blocked smaller requests behind us
+                if waiter in self._queue:  # (a cancelled head may have been dropped already)
+                    self._queue.remove(waiter)
+                self._admit_heads()  # we may have blocked the requests behind us
             if isinstance(exc, TimeoutError):
                 raise error() from None
             raise
@@ -93,8 +94,14 @@ class Admission:
 
     def _admit_heads(self) -> None:
         q = self._queue
-        while q and self._fits(q[0].pages):
-            w = q.popleft()
+        while q:
+            w = q[0]
+            if w.fut.done():  # cancelled, its task not yet resumed: it takes nothing
+                q.popleft()
+                continue
+            if not self._fits(w.pages):
+                break
+            q.popleft()
             self._take(w.pages)
             w.fut.set_result(None)
 
@@ -103,4 +110,5 @@ class Admission:
         assert self.committed >= 0, "negative footprint"
         assert self.active >= 0
         assert self.active > 0 or self.committed == 0, "footprint without a lease"
-        assert not self._queue or not self._fits(self._queue[0].pages), "a head that fits waits"
+        head = self._queue[0] if self._queue else None
+        assert head is None or head.fut.done() or not self._fits(head.pages), "a head fits"

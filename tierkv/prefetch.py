@@ -25,6 +25,7 @@ from tierkv.tier_stats import DEVICE
 from tierkv.timeline import Timeline
 
 if TYPE_CHECKING:
+    from tierkv.admission import Admission
     from tierkv.tiers import TierSet
 
 
@@ -43,6 +44,9 @@ class Prefetcher:
 
         @property
         def tiers(self) -> TierSet: ...
+
+        @property
+        def admission(self) -> Admission: ...
 
         def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
@@ -107,9 +111,12 @@ class Prefetcher:
             return 0
         tiers = self.tiers
         absent = [k for k in absent if tiers.holds(k)]  # a page may have been renamed meanwhile
+        if self.admission.waiting:  # leases wait for room: a prefetch never takes it first
+            self.counters.prefetch_skipped += len(absent)
+            return 0
         t0 = time.perf_counter()
-        try:
-            await tiers.acquire_device(absent, Priority.PREFETCH)
+        try:  # no wait for room: pins of leases go when they end, not when a prefetch needs it
+            await tiers.acquire_device(absent, Priority.PREFETCH, wait_room=False)
         except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
             self.counters.prefetch_skipped += len(absent)
             return 0

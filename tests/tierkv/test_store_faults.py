@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tierkv import KeyKind, SequenceError, SpecError, TierFullError, key_kind
+from tierkv.admission import Admission
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
@@ -337,3 +338,38 @@ def test_sync_store_from_eight_threads_never_fails() -> None:
         table = inner.tiers.table
         assert store._call(lambda: table.used(DEVICE) - table.evictable(DEVICE)) == 0
         assert store._call(lambda: len(table.keys(HOST))) >= 0
+
+
+async def test_admission_drops_a_cancelled_head_and_loses_no_wakeup() -> None:
+    adm = Admission(10)
+    deadline = asyncio.get_running_loop().time() + 5.0
+
+    def err() -> TierFullError:
+        return TierFullError("no room")
+
+    held = await adm.enter(8, deadline, err)
+    a, b, c = (asyncio.ensure_future(adm.enter(n, deadline, err)) for n in (6, 2, 4))
+    await asyncio.sleep(0)
+    assert adm.waiting == 3
+    a.cancel()  # the head is cancelled ...
+    adm.leave(held)  # ... and room comes before its task resumes: b and c go in, in order
+    assert await b == 2 and await c == 4
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    adm.check()
+    assert adm.active == 2 and adm.committed == 6 and adm.waiting == 0
+    adm.leave(2)
+    adm.leave(4)
+    assert adm.active == 0 and adm.committed == 0
+    with pytest.raises(TierFullError):  # a deadline that passes: typed, nothing held
+        await _full_then_timeout(adm, err)
+    assert adm.active == 0 and adm.committed == 0 and adm.waiting == 0
+
+
+async def _full_then_timeout(adm: Admission, err: Any) -> int:
+    loop = asyncio.get_running_loop()
+    held = await adm.enter(10, loop.time() + 1.0, err)
+    try:
+        return await adm.enter(1, loop.time() + 0.05, err)
+    finally:
+        adm.leave(held)

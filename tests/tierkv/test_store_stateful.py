@@ -1,0 +1,281 @@
+"""A model-based stateful test of KVStore (issue 13): whatever the calls, their interleaving and
+their cancellation, every KV read is bit-exact and the store's invariants hold.
+
+The reference model is what a model computes: the KV of token ``i`` in layer ``l`` is a function
+of the prompt prefix ``tokens[: i + 1]`` alone, so a cached prefix reused by another sequence
+must read back exactly the KV that sequence would have appended itself. Tiny tiers force every
+path (eviction with write-back, host -> cold, loads, waiting for room, renames at lease end).
+
+Run longer with ``HYPOTHESIS_PROFILE=long`` (see tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tierkv import KeyKind, KVSpec, SequenceError, TierFullError, key_kind
+from tierkv.page_table import PageState
+from tierkv.store import KVStore
+from tierkv.tiers import DEVICE
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="fp32", page_tokens=4)
+PAGE = SPEC.page_bytes
+MAX_TOKENS = 12  # 3 blocks x 2 layers: a lease of one sequence always fits a 6-page device
+IDS = ["a", "b", "c"]
+PROMPTS = [
+    [1, 2, 3, 4, 5, 6, 7],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9],  # shares one block with the first
+    [1, 2, 3, 4, 9],
+    [7, 7, 7, 7, 7, 7, 7, 7, 7, 7],
+    [3],
+]
+LAYER_SETS = [[0], [1], [0, 1]]
+_KV: dict[tuple[bytes, int], torch.Tensor] = {}
+
+
+def kv_of(prefix: list[int], layer: int) -> torch.Tensor:
+    """K and V of the last token of ``prefix`` in ``layer``: ``[2, H, 1, D]``, a function of
+    the prefix alone."""
+    h = hashlib.blake2b(repr(prefix).encode(), digest_size=8).digest()
+    out = _KV.get((h, layer))
+    if out is None:
+        g = torch.Generator().manual_seed(int.from_bytes(h, "little") ^ layer)
+        out = torch.randn((2, SPEC.num_kv_heads, 1, SPEC.head_dim), generator=g)
+        _KV[(h, layer)] = out
+    return out
+
+
+def expected(tokens: list[int], layer: int, start: int, end: int) -> torch.Tensor:
+    """``[2, H, end - start, D]``: the KV of tokens ``start:end``."""
+    if end <= start:
+        return torch.empty((2, SPEC.num_kv_heads, 0, SPEC.head_dim))
+    return torch.cat([kv_of(tokens[: i + 1], layer) for i in range(start, end)], dim=2)
+
+
+class Model:
+    """What each live sequence holds: its tokens and the KV length of each layer."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[int]] = {}
+        self.kv_len: dict[str, list[int]] = {}
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """KVStore against :class:`Model`, on a private event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.model = Model()
+        self.store: KVStore | None = None
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    @property
+    def s(self) -> KVStore:
+        assert self.store is not None
+        return self.store
+
+    @initialize(
+        device=st.integers(6, 9),
+        host=st.integers(20, 28),
+        cold=st.sampled_from([None, "none"]),
+        write_behind=st.booleans(),
+        compress_live=st.booleans(),
+    )
+    def open_store(
+        self, device: int, host: int, cold: str | None, write_behind: bool, compress_live: bool
+    ) -> None:
+        store = KVStore(
+            SPEC,
+            device_bytes=device * PAGE,
+            host_bytes=host * PAGE,
+            codec=cold,
+            cold_fraction=0.3,
+            compress_after=1,
+            compress_live=compress_live,
+            write_behind=write_behind,
+            timeout=5.0,
+        )
+        self.store = self.run(store.open())
+
+    # -- operations --------------------------------------------------------------------
+    async def _append(self, sid: str, layers: list[int], n: int, done: list[int]) -> None:
+        """Lease ``sid`` on ``layers``, bring every layer to ``target`` tokens, read back."""
+        m = self.model
+        tokens = m.tokens[sid]
+        target = min(max(m.kv_len[sid]) + n, MAX_TOKENS, len(tokens))
+        async with self.s.lease([sid], layers) as lease:
+            for layer in layers:
+                start = m.kv_len[sid][layer]
+                if target > start:
+                    ref = expected(tokens, layer, start, target)
+                    await lease.append(sid, layer, ref[0], ref[1])
+                    m.kv_len[sid][layer] = target  # only once the append returned
+                done.append(layer)
+            self._compare(lease, sid, layers)
+
+    def _compare(self, lease: Any, sid: str, layers: list[int]) -> None:
+        tokens = self.model.tokens[sid]
+        for layer in layers:
+            n = self.model.kv_len[sid][layer]
+            k, v = lease.kv(sid, layer)
+            want = expected(tokens, layer, 0, n)
+            assert torch.equal(k, want[0]) and torch.equal(v, want[1]), (sid, layer, n)
+
+    async def _read(self, sid: str, layers: list[int]) -> None:
+        async with self.s.lease([sid], layers) as lease:
+            self._compare(lease, sid, layers)
+
+    def _grow(self, sid: str, n: int) -> None:
+        """Declare generated tokens (a deterministic continuation, so blocks get shared)."""
+        tokens = self.model.tokens[sid]
+        want = min(max(self.model.kv_len[sid]) + n, MAX_TOKENS)
+        new = [(len(tokens) + i) % 3 + 1 for i in range(max(0, want - len(tokens)))]
+        if new:
+            self.s.add_tokens(sid, new)
+            tokens.extend(new)
+
+    # -- rules -------------------------------------------------------------------------
+    @rule(sid=st.sampled_from(IDS), prompt=st.sampled_from(PROMPTS))
+    def add_sequence(self, sid: str, prompt: list[int]) -> None:
+        if sid in self.model.tokens:
+            try:
+                self.run(self.s.add_sequence(sid, prompt))
+            except SequenceError:
+                return
+            raise AssertionError("a live id was added twice")
+        cached = self.run(self.s.add_sequence(sid, prompt))
+        t = SPEC.page_tokens
+        assert cached % t == 0 and cached <= max(0, len(prompt) - 1)
+        self.model.tokens[sid] = list(prompt)
+        self.model.kv_len[sid] = [cached] * SPEC.num_layers
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data(), layers=st.sampled_from(LAYER_SETS), n=st.integers(1, 5))
+    def lease_append_read(self, data: st.DataObject, layers: list[int], n: int) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
+        self._grow(sid, n)
+        self.run(self._append(sid, layers, n, []))
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data(), layers=st.sampled_from(LAYER_SETS))
+    def read(self, data: st.DataObject, layers: list[int]) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
+        self.run(self._read(sid, layers))
+
+    @precondition(lambda self: len(self.model.tokens) >= 2)
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def concurrent(self, data: st.DataObject, n: int) -> None:
+        """Two sequences at once: an append on one, a read of the other (they may wait)."""
+        a, b = data.draw(st.permutations(sorted(self.model.tokens)))[:2]
+        self._grow(a, n)
+
+        async def both() -> None:
+            await asyncio.gather(self._append(a, [0, 1], n, []), self._read(b, [0, 1]))
+
+        self.run(both())
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(
+        data=st.data(),
+        layers=st.sampled_from(LAYER_SETS),
+        n=st.integers(1, 5),
+        after=st.integers(0, 12),
+        write=st.booleans(),
+    )
+    def cancelled(
+        self, data: st.DataObject, layers: list[int], n: int, after: int, write: bool
+    ) -> None:
+        """Cancel a lease (with appends or reads) after ``after`` loop turns."""
+        sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
+        self._grow(sid, n)
+
+        async def go() -> None:
+            done: list[int] = []
+            coro = self._append(sid, layers, n, done) if write else self._read(sid, layers)
+            task = asyncio.ensure_future(coro)
+            for _ in range(after):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        self.run(go())
+
+    @precondition(lambda self: self.model.tokens)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
+        self.run(self.s.release(sid))
+        del self.model.tokens[sid], self.model.kv_len[sid]
+
+    @rule(ids=st.lists(st.sampled_from(IDS), max_size=3, unique=True), steps=st.integers(1, 3))
+    def schedule_and_step(self, ids: list[str], steps: int) -> None:
+        async def go() -> None:  # (background work is spawned on the running loop)
+            self.s.schedule([[s] for s in ids])
+            for _ in range(steps):
+                self.s.step()
+            await asyncio.sleep(0)
+
+        self.run(go())
+
+    @rule()
+    def drain(self) -> None:
+        self.run(self.s.drain())
+
+    # -- invariants --------------------------------------------------------------------
+    @invariant()
+    def holds(self) -> None:
+        if self.store is None:
+            return
+        self.s.check()
+        adm = self.s.admission
+        assert adm.active == 0 and adm.waiting == 0 and adm.committed == 0
+
+    def teardown(self) -> None:
+        try:
+            if self.store is not None:
+                self.run(self._release_all())
+        finally:
+            if self.store is not None:
+                self.run(self.s.close())
+            self.loop.close()
+
+    async def _release_all(self) -> None:
+        store = self.s
+        for sid in list(self.model.tokens):
+            await store.release(sid)
+        await store.drain()
+        for _ in range(5):
+            await asyncio.sleep(0.001)
+        store.check()
+        tiers = store.tiers
+        table = tiers.table
+        assert not tiers.owners and not tiers.owner_pins and not tiers.doomed
+        for t in table.tier_names:
+            for k in table.keys(t):
+                assert table.state(k, t) == PageState.READABLE, ("stuck", t, k.hex())
+                assert table.pins(k, t) == 0, ("pinned", t, k.hex())
+                assert key_kind(k[:16]) is KeyKind.CONTENT, ("private page left", t, k.hex())
+        assert table.used(DEVICE) <= table.capacity(DEVICE)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestStoreModel = StoreMachine.TestCase
+
+
+def test_lease_that_never_fits_is_refused_by_the_model_sizes() -> None:
+    """The machine's sizes keep every single-sequence lease within the smallest device."""
+    blocks = -(-MAX_TOKENS // SPEC.page_tokens)
+    assert blocks * SPEC.num_layers <= 6
+    assert issubclass(TierFullError, Exception)
