@@ -171,7 +171,7 @@ class Lease:
         seq = self._seq(seq_id, layer)
         store = self._store
         spec = store.spec
-        validate.kv_tensors(spec, k, v, store.tiers.page(0).device)
+        k, v = validate.kv_tensors(spec, k, v, store.tiers.page(0).device)
         n = k.shape[1]
         if n == 0:
             return

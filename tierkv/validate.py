@@ -14,7 +14,8 @@ sequence ids        a non-empty ``str``; an int (not a bool) is taken as its dec
                     SequenceError), never two sequences sharing page keys.
 layers              ints in ``[0, num_layers)``.
 k, v                ``torch.Tensor`` ``[H, n, D]`` in the spec's dtype, on the device tier's
-                    device or the cpu (copied over); never a meta tensor.
+                    device or the cpu (copied over); never a meta tensor. Values are stored:
+                    a tensor that requires grad is detached.
 budgets (bytes)     ints >= 0 (``8 << 30``); strings such as ``"1G"`` are not parsed.
 timeouts (s)        finite numbers > 0.
 ==================  ===========================================================================
@@ -157,9 +158,13 @@ def layers(xs: object, num_layers: int) -> list[int]:
 
 
 # -- tensors --------------------------------------------------------------------------------
-def kv_tensors(spec: KVSpec, k: object, v: object, device: torch.device) -> int:
+def kv_tensors(
+    spec: KVSpec, k: object, v: object, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Check new KV: two tensors ``[H, n, D]`` of the same shape in ``spec.dtype``, on
-    ``device`` or the cpu. Returns ``n``. Raises InvalidTypeError, SpecError."""
+    ``device`` or the cpu. Returns them detached from autograd (a cache holds values: copying
+    a tensor that requires grad into a page would make the whole arena part of its graph).
+    Raises InvalidTypeError, SpecError."""
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise InvalidTypeError(f"{name}: expected a torch.Tensor [H, n, D], got {_type(x)}")
@@ -173,7 +178,7 @@ def kv_tensors(spec: KVSpec, k: object, v: object, device: torch.device) -> int:
             raise SpecError(f"{name}: expected dtype {spec.dtype}, got {x.dtype}")
         if x.device.type == "meta" or (x.device != device and x.device.type != "cpu"):
             raise SpecError(f"{name}: expected a tensor on {device} (or the cpu), got {x.device}")
-    return int(n)
+    return (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
 
 
 # -- construction -----------------------------------------------------------------------------

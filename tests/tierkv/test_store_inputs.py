@@ -404,3 +404,17 @@ async def test_the_same_id_added_while_a_long_prompt_hashes_is_refused(
             await adding
         assert store.sequence("x").tokens == [1, 2, 3]
         store.check()
+
+
+async def test_kv_that_requires_grad_is_stored_as_values() -> None:
+    """Appending a tensor that requires grad once made the arena view part of its autograd
+    graph: every later kv() required grad and the graph grew with each append."""
+    async with store_of() as store:
+        await store.add_sequence("a", [1, 2, 3])
+        k, v = (x.requires_grad_() for x in kv(3, 5))
+        async with store.lease(["a"]) as lease:
+            await lease.append("a", 0, k, v)
+            got_k, got_v = lease.kv("a", 0)
+        assert not got_k.requires_grad and not got_v.requires_grad
+        assert not store.tiers.page(0).requires_grad
+        assert torch.equal(got_k, k.detach()) and torch.equal(got_v, v.detach())
