@@ -399,6 +399,7 @@ class KVStore(Prefetcher):
         self.tiers.forget(private)
         for k in private:
             self._last_use.pop(k, None)
+        self._prefetched.difference_update(private)  # never to be used: no growth
 
     def publish(self, seq: SequenceState) -> None:
         """Give full private blocks their content keys, so other requests can reuse them."""

@@ -31,7 +31,13 @@ import torch
 from runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.codecs import Codec
 from tierkv.cold import ColdStorage
-from tierkv.errors import PageStateError, TierFullError, UnknownPageError
+from tierkv.errors import (
+    PageStateError,
+    StoreTimeoutError,
+    TierFullError,
+    TierKVError,
+    UnknownPageError,
+)
 from tierkv.eviction import DeviceEviction
 from tierkv.page_table import PageState, PageTable
 from tierkv.spec import KVSpec
@@ -344,8 +350,9 @@ class TierSet(DeviceEviction, ColdStorage):
 
         Raises:
             UnknownPageError: a page is in no tier.
-            TierFullError: the pages can never be resident at once, or no room came (or the
-                pages in flight did not land) before the deadline.
+            TierFullError: the pages can never be resident at once, or no room came before
+                the deadline.
+            StoreTimeoutError: pages in flight (a load, a write-back) did not land before it.
         On any error (or cancellation) no pin is left behind.
         """
         todo = list(dict.fromkeys(keys))
@@ -388,13 +395,18 @@ class TierSet(DeviceEviction, ColdStorage):
                 self.signal_progress()
             raise
 
-    def _stuck(self, todo: list[Key], timeout: float | None) -> TierFullError:
-        busy = [k for k in todo if self.table.tiers_of(k)]
+    def _stuck(self, todo: list[Key], timeout: float | None) -> TierKVError:
+        """The error of a deadline passed: pages still in flight (StoreTimeoutError), or no
+        room for the missing ones (TierFullError)."""
+        table = self.table
+        busy = [k for k in todo if table.tiers_of(k) and not self._has_lower(k)]
+        busy += [k for k in todo if table.present([k], DEVICE)]
         waited = self.engine.timeout if timeout is None else timeout
-        return TierFullError(
-            f"device tier: {len(todo)} pages not resident after waiting {waited:.3g} s "
-            f"({len(busy)} in flight; {self.full_error(len(todo))})"
-        )
+        if busy:
+            return StoreTimeoutError(
+                f"device tier: {len(busy)} pages in flight did not land in {waited:.3g} s"
+            )
+        return self.full_error(len(todo), waited)
 
     def release_device(self, keys: Sequence[Key]) -> None:
         """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their

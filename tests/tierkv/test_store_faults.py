@@ -12,6 +12,7 @@ import torch
 
 from tierkv import KeyKind, SequenceError, SpecError, TierFullError, key_kind
 from tierkv.admission import Admission
+from tierkv.errors import StoreTimeoutError
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
@@ -106,6 +107,24 @@ async def test_waiting_for_a_page_in_flight_is_woken_not_polled() -> None:
         before = tiers.changes.notified
         await asyncio.gather(*(check(store, s, refs[s]) for s in ["a", "b", "c", "a"]))
         assert tiers.changes.notified > before  # waiters were woken by changes
+        await no_pins_left(store)
+
+
+async def test_a_page_that_never_lands_ends_the_wait_with_a_typed_timeout() -> None:
+    async with KVStore(
+        SPEC, device_bytes=8 * PAGE, host_bytes=40 * PAGE, codec=None, timeout=0.3
+    ) as store:
+        ref = await fill(store, "a", 1, n=4)
+        await settle(store)
+        table = store.tiers.table
+        moving = table.prepare_evict(DEVICE, table.evictable(DEVICE))  # a copy that never ends
+        assert moving
+        with pytest.raises(StoreTimeoutError):
+            await check(store, "a", ref)
+        assert store.admission.active == 0
+        table.complete_evict([k for k, _ in moving], DEVICE, ok=False)
+        store.tiers.signal_progress()
+        await check(store, "a", ref)
         await no_pins_left(store)
 
 
