@@ -223,8 +223,10 @@ async def test_pre_auth_flood_is_bounded_and_a_client_still_gets_through() -> No
         assert len(srv._sessions) == 1  # only the client's
 
 
-async def test_silent_connections_are_capped_per_peer_and_timed_out() -> None:
-    async with page_server(max_preauth_per_peer=4) as srv:
+@pytest.mark.parametrize("caps", [{"max_preauth_per_peer": 4}, {"max_preauth": 4}])
+async def test_silent_connections_are_capped(caps: dict[str, int]) -> None:
+    """Per peer address and in all: the 5th and 6th silent connections are closed at once."""
+    async with page_server(**caps) as srv:
         socks = [socket.create_connection((srv.host, srv.port)) for _ in range(6)]
         for _ in range(100):
             if srv.stats()["budget_hit_total"] >= 2:

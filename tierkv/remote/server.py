@@ -121,6 +121,7 @@ class PageServer:
         watch_pending: departed keys a watcher may have queued before it is dropped.
         max_conns_per_peer / max_preauth_per_peer: open connections per peer address (all /
             not yet authenticated); past them a connection is closed at once (a budget hit).
+        max_preauth: connections not yet authenticated, from all addresses together.
         peer_links_per_minute: new peer links this server may open (beyond the seeds).
         ssl / peer_ssl: TLS contexts of the control socket (server side) and of our links to
             peers (client side); docs/security.md.
@@ -149,6 +150,7 @@ class PageServer:
         watch_pending: int = 1 << 16,
         max_conns_per_peer: int = 256,
         max_preauth_per_peer: int = 32,
+        max_preauth: int = 1024,
         peer_links_per_minute: float = 30.0,
         ssl: SSLContext | None = None,
         peer_ssl: SSLContext | None = None,
@@ -183,6 +185,7 @@ class PageServer:
         self.links_refused = 0
         self._conns_per_peer = PeerCaps(max_conns_per_peer)
         self._preauth_per_peer = PeerCaps(max_preauth_per_peer)
+        self._preauth_total = PeerCaps(max_preauth)
         self._link_budget = RateLimit(peer_links_per_minute / 60.0, max(1.0, peer_links_per_minute))
 
     @property
@@ -271,7 +274,13 @@ class PageServer:
             self.audit.note(BUDGET_HIT, where, "connections_per_peer")
             writer.close()
             return
+        if not self._preauth_total.admit("*"):
+            self._conns_per_peer.release(addr)
+            self.audit.note(BUDGET_HIT, where, "preauth_total")
+            writer.close()
+            return
         if not self._preauth_per_peer.admit(addr):
+            self._preauth_total.release("*")
             self._conns_per_peer.release(addr)
             self.audit.note(BUDGET_HIT, where, "preauth_per_peer")
             writer.close()
@@ -286,6 +295,7 @@ class PageServer:
                 self.secret, PAGE_SERVER, self.address, deadline=min(self.timeout, HELLO_DEADLINE)
             )
             self._preauth_per_peer.release(addr)
+            self._preauth_total.release("*")
             preauth = False
             while (msg := await session.recv()) is not None:
                 reply = self._answer(msg, owner, session, addr)
@@ -312,6 +322,7 @@ class PageServer:
         finally:
             if preauth:
                 self._preauth_per_peer.release(addr)
+                self._preauth_total.release("*")
             self._conns_per_peer.release(addr)
             if self.directory is not None:
                 self.directory.expire_all(owner)
