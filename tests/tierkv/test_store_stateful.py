@@ -80,6 +80,16 @@ class StoreMachine(RuleBasedStateMachine):
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 
+    def attempt(self, coro: Any) -> None:
+        """Run a lease operation. The one error it may raise is a host tier full of live
+        sequences' pages (a tiny host and no live compression): the invariants checked after
+        the step then show that the failure changed nothing it should not have."""
+        try:
+            self.run(coro)
+        except TierFullError as exc:
+            if "host tier full" not in str(exc):
+                raise
+
     @property
     def s(self) -> KVStore:
         assert self.store is not None
@@ -87,7 +97,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @initialize(
         device=st.integers(6, 9),
-        host=st.integers(20, 28),
+        host=st.integers(22, 36),
         cold=st.sampled_from([None, "none"]),
         write_behind=st.booleans(),
         compress_live=st.booleans(),
@@ -165,13 +175,13 @@ class StoreMachine(RuleBasedStateMachine):
     def lease_append_read(self, data: st.DataObject, layers: list[int], n: int) -> None:
         sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
         self._grow(sid, n)
-        self.run(self._append(sid, layers, n, []))
+        self.attempt(self._append(sid, layers, n, []))
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data(), layers=st.sampled_from(LAYER_SETS))
     def read(self, data: st.DataObject, layers: list[int]) -> None:
         sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
-        self.run(self._read(sid, layers))
+        self.attempt(self._read(sid, layers))
 
     @precondition(lambda self: len(self.model.tokens) >= 2)
     @rule(data=st.data(), n=st.integers(1, 4))
@@ -181,9 +191,14 @@ class StoreMachine(RuleBasedStateMachine):
         self._grow(a, n)
 
         async def both() -> None:
-            await asyncio.gather(self._append(a, [0, 1], n, []), self._read(b, [0, 1]))
+            res = await asyncio.gather(
+                self._append(a, [0, 1], n, []), self._read(b, [0, 1]), return_exceptions=True
+            )
+            for r in res:  # both have ended: the model is settled
+                if isinstance(r, BaseException):
+                    raise r
 
-        self.run(both())
+        self.attempt(both())
 
     @precondition(lambda self: self.model.tokens)
     @rule(
@@ -210,7 +225,7 @@ class StoreMachine(RuleBasedStateMachine):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-        self.run(go())
+        self.attempt(go())
 
     @precondition(lambda self: self.model.tokens)
     @rule(data=st.data())
@@ -272,10 +287,3 @@ class StoreMachine(RuleBasedStateMachine):
 
 StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 TestStoreModel = StoreMachine.TestCase
-
-
-def test_lease_that_never_fits_is_refused_by_the_model_sizes() -> None:
-    """The machine's sizes keep every single-sequence lease within the smallest device."""
-    blocks = -(-MAX_TOKENS // SPEC.page_tokens)
-    assert blocks * SPEC.num_layers <= 6
-    assert issubclass(TierFullError, Exception)
