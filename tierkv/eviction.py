@@ -55,9 +55,9 @@ class DeviceEviction:
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
             return True
-        victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free))
-        if len(victims) < n - free:
-            table.complete_evict([k for k, _ in victims], DEVICE, ok=False)
+        # all or nothing: a partial pick put back would still churn the policy's queues
+        victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free, exact=True))
+        if not victims:
             return False
         keys = [k for k, _ in victims]
         wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tierkv.page_table import PageTable
-from tierkv.policies import PageHint
+from tierkv.policies import DEFAULT_POLICY, PageHint
 from tierkv.progress import Progress
 
 Trace = list[list[int]]
@@ -78,7 +78,7 @@ def _progress(trace: Trace, label: str, show: bool) -> Progress:
 
 
 def replay(
-    trace: Trace, capacity_blocks: int, policy: str = "lru", *, progress: bool = False
+    trace: Trace, capacity_blocks: int, policy: str = DEFAULT_POLICY, *, progress: bool = False
 ) -> ReplayResult:
     """Replay ``trace`` through a one-tier page table of ``capacity_blocks`` pages."""
     table = PageTable({_TIER: capacity_blocks}, policy, record_events=False)

@@ -36,7 +36,7 @@ from tierkv.errors import (
 )
 from tierkv.keys import prefix_keys
 from tierkv.lease import Lease
-from tierkv.policies import POLICIES
+from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.sequence import SequenceState, page_key
@@ -100,7 +100,7 @@ class KVStore(Prefetcher):
         device_bytes: int,
         host_bytes: int,
         backend: str = "cpu",
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         codec: str | None = "int8",
         cold_fraction: float = 0.25,
         compress_after: int = 5,

@@ -11,6 +11,7 @@ import torch
 
 from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
 from tierkv.lease import Lease
+from tierkv.policies import DEFAULT_POLICY
 from tierkv.progress import Progress
 from tierkv.store import KVStore
 
@@ -32,7 +33,7 @@ class DemoConfig:
     codec: str | None = "int8"
     compress_after: int = 5
     compress_live: bool = False
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     backend: str = "cpu"
     model: ModelConfig = field(default_factory=ModelConfig)
     seed: int = 0
