@@ -15,7 +15,10 @@ examples of up to 60 calls; docs/benchmarks.md has the last figures.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -32,6 +35,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from policy_refs import REFERENCES
 
 T = "t"
+CALLS: Counter[str] = Counter()  # page-table calls made per policy, for the long profile's report
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_calls() -> Iterator[None]:
+    yield
+    if os.environ.get("HYPOTHESIS_PROFILE") == "long":  # the figure docs/benchmarks.md quotes
+        for name, n in sorted(CALLS.items()):
+            print(f"\npage-table calls, {name}: {n:,}", file=sys.__stderr__)
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(
@@ -205,6 +219,7 @@ def test_policy_matches_its_reference(name: str, capacity: int, ops: list[Any]) 
     for op in ops:
         d.run(*op)
     d.drain()
+    CALLS[f"{name} vs reference"] += d.calls
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -219,6 +234,7 @@ def test_every_policy_keeps_the_contract(
         d.run(*op)
     d.drain()
     assert d.ref.used(T) == 0
+    CALLS[name] += d.calls
 
 
 def test_issue_example_kvaware_chain() -> None:
