@@ -358,8 +358,10 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
     def _clone(self) -> KVAwarePolicy:
         """A copy that shares nothing mutable (``_slot_of``, read-only here, is shared)."""
         c = copy.copy(self)
-        for name in ("_run", "_small", "_decisions", "_count", "_pending", "_gone", "_recent"):
+        for name in ("_run", "_small", "_decisions", "_count", "_pending", "_recent"):
             setattr(c, name, copy.copy(getattr(self, name)))
+        # the history never steers a victim (only inserts read it): the copy starts without it
+        c._gone = OrderedDict()
         c._orphans = self._orphans.copy()
         c._pages = {k: replace(p) for k, p in self._pages.items()}
         c._buckets = [b.copy() for b in self._buckets]
