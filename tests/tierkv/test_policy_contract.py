@@ -428,6 +428,15 @@ BAD_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("lookup", ([1], "nowhere"), {}),
     ("state", (99, T), {}),
     ("pins", (99, T), {}),
+    ("slot", (99, T), {}),
+    ("capacity", ("nowhere",), {}),
+    ("used", ("nowhere",), {}),
+    ("evictable", ("nowhere",), {}),
+    ("policy", ("nowhere",), {}),
+    ("keys", ("nowhere",), {}),
+    ("present", ([1], "nowhere"), {}),
+    ("prepare_store", ([7], "nowhere"), {}),
+    ("complete_store", ([5], "nowhere"), {}),
 ]
 
 
