@@ -1,0 +1,420 @@
+"""The serving engine: requests are asyncio tasks, one loop runs one forward per step for all
+running requests, and each request's K/V lives in a :class:`~tierkv.KVStore`.
+
+::
+
+    engine = Engine(TinyModel(), EngineConfig(max_running=8))
+    async with engine:
+        async for ev in engine.generate(prompt_ids, SamplingParams(max_tokens=16)):
+            print(ev.token, ev.finish_reason)
+
+A step (see :mod:`tierkv.serving.scheduler` for what runs in it)::
+
+    admit waiting requests   store.add_sequence(id, prompt) -> cached prompt tokens (skipped)
+    store.schedule([step ids, next ids])       pages of the coming steps prefetched
+    for each layer:                            one lease of this layer's pages of the step
+        q, k, v of all rows at once; per request lease.append(k, v), attention over lease.kv
+        prefetch layer + 1 while the rest of the layer computes
+    sample the requests whose prompt is complete; store.add_tokens; store.step()
+    release finished and cancelled requests   full blocks stay cached for later prompts
+
+The device tier only needs one layer's pages of the step at a time, so it can be much smaller
+than the live KV (by default half of ``max_running`` full contexts); the host tier holds the
+rest. When the store is shared and the device is pinned full, a lease waits its turn (the
+store's backpressure) and the step with it; nothing fails.
+
+Errors: :class:`RequestError` (a ``ValueError``) for a request that can never run (empty,
+longer than the context, larger than the device tier); the tierkv errors of a failed step are
+raised from :meth:`Engine.generate` of each request in that step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tierkv.serving.model import ServingModel
+from tierkv.serving.request import Request, TokenEvent
+from tierkv.serving.sampling import Sampler, SamplingParams
+from tierkv.serving.scheduler import Scheduler
+from tierkv.store import KVStore
+
+
+class RequestError(ValueError):
+    """A request that can never run: empty, too long for the context or the device tier."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine is built with.
+
+    Args:
+        max_running: requests decoding together at most (the configured concurrency).
+        max_batch_tokens: tokens in one forward at most (decode tokens plus prefill chunks).
+        max_context: prompt + max_tokens of one request at most (None: the model's, capped at
+            2,048).
+        page_tokens: tokens per KV page.
+        device_bytes: device tier (None: half the KV of ``max_running`` full contexts).
+        host_bytes: host tier (None: twice the KV of ``max_running`` full contexts).
+        prefix_reuse: load the cached KV of a prompt's prefix instead of computing it.
+        prefetch: prefetch layer ``L + 1`` of the step while layer ``L`` computes.
+        codec: the store's cold-pool codec (None: none; a lossy one changes warm outputs).
+        timeout: the store's bound on every wait, in seconds.
+    """
+
+    max_running: int = 8
+    max_batch_tokens: int = 512
+    max_context: int | None = None
+    page_tokens: int = 16
+    device_bytes: int | None = None
+    host_bytes: int | None = None
+    prefix_reuse: bool = True
+    prefetch: bool = True
+    codec: str | None = None
+    timeout: float = 60.0
+
+
+@dataclass
+class EngineCounters:
+    """Totals since the engine opened."""
+
+    requests: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    prefix_tokens_reused: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    step_tokens: int = 0
+    step_seconds: float = 0.0
+    peak_running: int = 0
+    peak_live_kv_bytes: int = 0
+
+
+class Engine:
+    """Continuous batching of requests over one model and one KV store.
+
+    Args:
+        model: a :class:`~tierkv.serving.model.ServingModel`.
+        config: an :class:`EngineConfig` (defaults when None).
+        store: a store to share (opened and closed by its owner); by default the engine opens
+            its own from ``config``.
+
+    Raises ValueError for a bad config (or a store whose spec is not the model's).
+    """
+
+    def __init__(
+        self,
+        model: ServingModel,
+        config: EngineConfig | None = None,
+        *,
+        store: KVStore | None = None,
+    ) -> None:
+        cfg = config or EngineConfig()
+        self.model = model
+        self.config = cfg
+        self.max_context = min(cfg.max_context or min(model.max_context, 2048), model.max_context)
+        self.spec = model.kv_spec(cfg.page_tokens)
+        if store is not None and store.spec != self.spec:
+            raise ValueError(f"the store's spec {store.spec} is not the model's {self.spec}")
+        full = cfg.max_running * self.spec.bytes_for(self.max_context)  # every slot full
+        self.device_bytes = cfg.device_bytes if cfg.device_bytes is not None else full // 2
+        self.host_bytes = cfg.host_bytes if cfg.host_bytes is not None else 2 * full
+        self._own_store = store is None
+        self.store = store or KVStore(
+            self.spec,
+            device_bytes=self.device_bytes,
+            host_bytes=self.host_bytes,
+            codec=cfg.codec,
+            timeout=cfg.timeout,
+        )
+        if store is None:
+            device_pages = self.device_bytes // self.spec.page_bytes
+        else:  # a shared store must be open: its device tier is what it holds
+            device_pages = store.tiers.table.capacity("device")
+            self.device_bytes = device_pages * self.spec.page_bytes
+            self.host_bytes = store.tiers.table.capacity("host") * self.spec.page_bytes
+        # one layer leased, the next being prefetched: each gets half the device
+        self.scheduler = Scheduler(
+            cfg.max_running, cfg.max_batch_tokens, max(1, device_pages // 2), cfg.page_tokens
+        )
+        self._announced: list[str] = []
+        self.counters = EngineCounters()
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def open(self) -> Engine:
+        """Open the store (when the engine owns it) and start the step loop. Returns self."""
+        if self._task is None:
+            if self._own_store:
+                await self.store.open()
+            self._task = asyncio.create_task(self._loop(), name="tierkv-serving-loop")
+        return self
+
+    async def close(self) -> None:
+        """Stop the loop; requests still waiting or running end with ``"abort"``."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        sched = self.scheduler
+        for req in [*sched.running, *sched.waiting]:
+            self._finish(req, "abort")
+            sched.remove(req)
+            await self._release(req)
+        if self._own_store:
+            await self.store.close()
+
+    async def __aenter__(self) -> Engine:
+        return await self.open()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- requests ------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        """Raise :class:`RequestError` when this request can never run here."""
+        n = len(prompt)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if any(not 0 <= t < self.model.vocab_size for t in prompt):
+            raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
+        if n + params.max_tokens > self.max_context:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"of {self.max_context} tokens"
+            )
+        need = -(-(n + params.max_tokens) // self.spec.page_tokens)
+        if need > self.scheduler.layer_pages:
+            raise RequestError(
+                f"prompt + max_tokens need {need} pages per layer, the device tier allows "
+                f"{self.scheduler.layer_pages}"
+            )
+
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        """Generate from token ids: yields one :class:`TokenEvent` per token, the last with its
+        finish reason. Leaving the loop early (``break``, cancellation) ends the request and
+        frees its pages at the next step boundary.
+
+        Raises RequestError (see :meth:`check`), StoreClosedError after close, and the tierkv
+        error of a step that failed.
+        """
+        params = params or SamplingParams()
+        if self._closed or self._task is None:
+            raise RuntimeError("the engine is not open")
+        self.check(prompt, params)
+        req = Request(f"r{next(self._ids)}", list(prompt), params, Sampler(params))
+        self.counters.requests += 1
+        self.scheduler.add(req)
+        self._idle.clear()
+        self._wake.set()
+        try:
+            while True:
+                ev = await req.events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            if req.finished is None:  # left early: the loop frees it between steps
+                req.cancelled = True
+                self._wake.set()
+
+    async def complete(
+        self, prompt: Sequence[int], params: SamplingParams | None = None
+    ) -> tuple[list[int], str]:
+        """All generated tokens and the finish reason (see :meth:`generate`)."""
+        out: list[int] = []
+        reason = "length"
+        async for ev in self.generate(prompt, params):
+            if ev.token is not None:
+                out.append(ev.token)
+            if ev.finish_reason is not None:
+                reason = ev.finish_reason
+        return out, reason
+
+    async def wait_idle(self, timeout: float = 30.0) -> None:
+        """Wait until no request is waiting or running (raises TimeoutError)."""
+        async with asyncio.timeout(timeout):
+            await self._idle.wait()
+
+    @property
+    def running(self) -> int:
+        """Requests in the running set."""
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to be admitted."""
+        return len(self.scheduler.waiting)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters, its sizes and the store's figures (``store``)."""
+        c = self.counters
+        return {
+            "model": self.model.name,
+            "running": self.running,
+            "waiting": self.waiting,
+            "max_running": self.config.max_running,
+            "max_context": self.max_context,
+            "prefix_reuse": self.config.prefix_reuse,
+            "device_bytes": self.device_bytes,
+            "host_bytes": self.host_bytes,
+            **{k: getattr(c, k) for k in c.__dataclass_fields__},
+            "store": self.store.stats(),
+        }
+
+    # -- the loop ------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            await self._reap()
+            for req in sched.admit():
+                await self._join(req)
+            step = sched.plan()
+            if not step:
+                if not sched.running and not sched.waiting:
+                    self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                await self._step(step)
+            except Exception as exc:  # the step's requests fail; the loop and the others go on
+                for req, _ in step:
+                    if req.finished is None:
+                        self.counters.failed += 1
+                        req.finished = "error"
+                        req.events.put_nowait(exc)
+            await asyncio.sleep(0)  # let handlers run between steps
+
+    async def _join(self, req: Request) -> None:
+        store = self.store
+        if self.config.prefix_reuse:
+            req.reused = await store.add_sequence(req.rid, req.prompt)
+        else:
+            await store.add_sequence(req.rid, [])
+            store.add_tokens(req.rid, req.prompt)
+        req.in_store = True
+        req.computed = req.reused
+        req.admitted = time.perf_counter()
+        c = self.counters
+        c.prompt_tokens += len(req.prompt)
+        c.prefix_tokens_reused += req.reused
+        c.peak_running = max(c.peak_running, len(self.scheduler.running))
+
+    async def _reap(self) -> None:
+        sched = self.scheduler
+        for req in [r for r in sched.waiting if r.cancelled]:
+            sched.remove(req)
+            self.counters.cancelled += 1
+        for req in [r for r in sched.running if r.cancelled or r.finished]:
+            if req.cancelled and req.finished is None:
+                self.counters.cancelled += 1
+                req.finished = "cancelled"
+            sched.remove(req)
+            await self._release(req)
+
+    async def _release(self, req: Request) -> None:
+        if req.in_store:
+            req.in_store = False
+            if not self.store.closed:
+                await self.store.release(req.rid)
+
+    def _finish(self, req: Request, reason: str, token: int | None = None) -> None:
+        if req.finished is None:
+            req.finished = reason
+            req.events.put_nowait(TokenEvent(token, reason))
+
+    async def _step(self, step: list[tuple[Request, list[int]]]) -> None:
+        t0 = time.perf_counter()
+        model, store, cfg = self.model, self.store, self.config
+        ids = [req.rid for req, _ in step]
+        if ids != self._announced:  # a request joined or left: announce the coming steps
+            self._announced = ids
+            later = [r.rid for r in self.scheduler.running if r.rid not in set(ids)]
+            store.schedule([ids, ids + later])
+        tokens: list[int] = []
+        positions: list[int] = []
+        rows: list[tuple[Request, int, int, int]] = []  # request, first row, end row, past
+        for req, toks in step:
+            past = req.computed if req.prefilling else len(req.prompt) + len(req.output) - 1
+            a = len(tokens)
+            tokens += toks
+            positions += range(past, past + len(toks))
+            rows.append((req, a, len(tokens), past))
+        self._count_live()
+        with torch.inference_mode():
+            x = model.embed(torch.tensor(tokens))
+            pos = torch.tensor(positions)
+            for layer in range(model.num_layers):
+                q, k, v = model.qkv(layer, x, pos)
+                parts: list[torch.Tensor] = []
+                async with store.lease(ids, [layer]) as lease:
+                    for req, a, b, past in rows:
+                        await lease.append(req.rid, layer, k[:, a:b], v[:, a:b])
+                        kk, vv = lease.kv(req.rid, layer)
+                        parts.append(model.attend(layer, q[:, a:b], kk, vv, past))
+                if cfg.prefetch and layer + 1 < model.num_layers:
+                    await store.prefetch(ids, [layer + 1], wait=False)
+                x = model.finish(layer, x, torch.cat(parts))
+            sample = [(req, b - 1) for req, a, b, past in rows if b - a + past >= len(req.prompt)]
+            logits = model.logits(x[[r for _, r in sample]]) if sample else None
+        now = time.perf_counter()
+        for req, a, b, _ in rows:
+            if req.prefilling:
+                req.computed += b - a
+        for i, (req, _) in enumerate(sample):
+            assert logits is not None
+            self._emit(req, req.sampler(logits[i]), now)
+        store.step()
+        c = self.counters
+        c.steps += 1
+        c.step_tokens += len(tokens)
+        c.step_seconds += now - t0
+
+    def _emit(self, req: Request, tok: int, now: float) -> None:
+        if req.cancelled or req.finished:
+            return
+        if req.first_token is None:
+            req.first_token = now
+        p = req.params
+        if tok in p.stop_ids:
+            self.counters.finished += 1
+            self._finish(req, "stop")
+            return
+        req.output.append(tok)
+        self.store.add_tokens(req.rid, [tok])
+        self.counters.generated_tokens += 1
+        if len(req.output) >= p.max_tokens:
+            self.counters.finished += 1
+            self._finish(req, "length", tok)
+        else:
+            req.events.put_nowait(TokenEvent(tok))
+
+    def _count_live(self) -> None:
+        # the KV every running request holds after this step, as if nothing were shared
+        t = self.spec.page_tokens
+        pages = sum(-(-(r.computed + len(r.output) + 1) // t) for r in self.scheduler.running)
+        live = pages * self.spec.num_layers * self.spec.page_bytes
+        c = self.counters
+        c.peak_live_kv_bytes = max(c.peak_live_kv_bytes, live)

@@ -1,0 +1,104 @@
+"""What the serving engine needs from a model: a Llama-style decoder cut at its attention.
+
+The engine runs every layer for all the tokens of a step at once (rows of several sequences
+concatenated) and calls attention per sequence over the K/V its lease returns::
+
+    x = embed(tokens)                           [N, d]     N = new tokens of all sequences
+    for layer:
+        q, k, v = qkv(layer, x, positions)      q [Hq, N, D], k/v [Hkv, N, D] (rope applied)
+        per sequence s (rows a:b, past P):      lease.append(s, layer, k[:, a:b], v[:, a:b])
+            att[a:b] = attend(layer, q[:, a:b], *lease.kv(s, layer), P)      [n, Hq * D]
+        x = finish(layer, x, att)               residual + output projection + MLP
+    logits(x[last row of each sampled sequence])
+
+and a tokenizer turns text and chat messages into ids and back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tierkv.spec import KVSpec
+
+
+class ServingModel(Protocol):
+    """A decoder the engine can run layer by layer (see the module docstring)."""
+
+    name: str
+    num_layers: int
+    vocab_size: int
+    max_context: int
+
+    def kv_spec(self, page_tokens: int) -> KVSpec:
+        """The page layout of this model's K/V."""
+        ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[N, d]`` of token ids ``[N]``."""
+        ...
+
+    def qkv(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries ``[Hq, N, D]`` and keys, values ``[Hkv, N, D]`` (in the KV dtype) of ``x``
+        at ``positions`` ``[N]``, rotary embedding applied."""
+        ...
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int
+    ) -> torch.Tensor:
+        """Causal attention of one sequence's ``n`` queries (positions ``past...``) over its K/V
+        ``[Hkv, past + n, D]``; returns ``[n, Hq * D]``."""
+        ...
+
+    def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer: ``x + o_proj(att)``, then the MLP block; ``[N, d]``."""
+        ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[M, vocab]`` (float32) of hidden states ``[M, d]``."""
+        ...
+
+
+class Tokenizer(Protocol):
+    """Text <-> token ids for one model."""
+
+    eos_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` (no special tokens added)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens skipped)."""
+        ...
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Ids of a chat (``[{"role": ..., "content": ...}]``), ready for the assistant's turn.
+
+        Raises ValueError for a malformed message."""
+        ...
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """Grouped-query causal attention ``[n, Hq * D]`` of queries ``[Hq, n, D]`` at positions
+    ``past...`` over K/V ``[Hkv, past + n, D]`` (any float dtype; computed in q's dtype)."""
+    hq, n, d = q.shape
+    rep = hq // k.shape[0]
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if rep > 1:
+        k = k.repeat_interleave(rep, 0)
+        v = v.repeat_interleave(rep, 0)
+    if n == 1:
+        out = F.scaled_dot_product_attention(q, k, v)
+    elif past == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        pos = torch.arange(past, past + n, device=q.device)
+        mask = torch.arange(past + n, device=q.device)[None, :] <= pos[:, None]  # [n, S]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(0, 1).reshape(n, hq * d)
