@@ -29,6 +29,7 @@ class DeviceEviction:
     table: PageTable
     lower: list[str]
     dirty: dict[Key, int]
+    write_behind_pinned: int
     owners: dict[Key, int]
     stats: TierStats
     timeline: Timeline
@@ -152,6 +153,7 @@ class DeviceEviction:
         if not pick:
             return 0
         slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them
+        self.write_behind_pinned += len(pick)
         gens = {k: self.dirty[k] for k in pick}
         task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
         task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
@@ -162,6 +164,7 @@ class DeviceEviction:
         self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
     ) -> None:
         self.table.complete_load(keys, DEVICE)
+        self.write_behind_pinned -= len(keys)
         if not task.cancelled() and task.exception() is None:
             self._clean(keys, gens)  # a page written again meanwhile stays dirty
         self.signal_progress()

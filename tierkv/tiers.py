@@ -96,6 +96,7 @@ class TierSet(DeviceEviction, ColdStorage):
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
         self.doomed: set[Key] = set()  # released private pages still busy: removed when idle
+        self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
         # pages leaving the host tier: listeners (a page server's announcements) and the
         # remote tier's offer of exact bytes about to be compressed or dropped
         self.host_listeners: list[Callable[[list[Key]], None]] = []
@@ -250,6 +251,14 @@ class TierSet(DeviceEviction, ColdStorage):
         t = self.table
         return t.used(DEVICE) - t.evictable(DEVICE) > mine
 
+    def _copies_in_flight(self) -> bool:
+        """Whether device pages are held by copies that end on their own: write-behind
+        reads, loads (WRITING) or write-backs (MOVING), as opposed to leases' pins."""
+        if self.write_behind_pinned:
+            return True
+        t = self.table
+        return any(t.state(k, DEVICE) != PageState.READABLE for k in t.keys(DEVICE))
+
     def full_error(self, n: int, waited: float | None = None) -> TierFullError:
         """The error of a device with no room for ``n`` pages (after ``waited`` seconds)."""
         t = self.table
@@ -344,9 +353,9 @@ class TierSet(DeviceEviction, ColdStorage):
         to load or wait for (0 when all were resident: no wait).
 
         Pages in flight (being loaded or written back) are waited for; when other holders'
-        pins leave no room, it waits for them to go (``wait_room=False``: fails at once, as a
-        prefetch should). Every wait is woken by a change and bounded by ``timeout`` (default
-        the engine's).
+        pins leave no room, it waits for them to go (``wait_room=False``, as a prefetch: waits
+        only for copies in flight, fails at once when leases' pins fill the device). Every wait
+        is woken by a change and bounded by ``timeout`` (default the engine's).
 
         Raises:
             UnknownPageError: a page is in no tier.
@@ -385,8 +394,10 @@ class TierSet(DeviceEviction, ColdStorage):
                         done = set(got)
                         todo = [k for k in todo if k not in done]
                         continue
-                    if not wait_room or not self._could_free(len(pinned)):
+                    if not self._could_free(len(pinned)):
                         raise self.full_error(len(loadable))
+                    if not wait_room and not self._copies_in_flight():
+                        raise self.full_error(len(loadable))  # only leases' pins: never wait
                 left = list(todo)
                 await self.changes.wait(deadline, lambda: self._stuck(left, timeout))  # noqa: B023
         except BaseException:
@@ -563,6 +574,7 @@ class TierSet(DeviceEviction, ColdStorage):
                 if bits & bit:
                     assert table.present([k], t), f"owner's pin on a missing {t} copy"
                     assert table.pins(k, t) >= 1, f"owner's pin on {k.hex()} in {t} lost"
+        assert self.write_behind_pinned >= 0, "write-behind pins went negative"
         for k in self.doomed:
             assert k not in self.owners, f"doomed page {k.hex()} is owned"
         for k in self.dirty:
