@@ -371,6 +371,8 @@ class PageTable:
                 if not pins[s] and state[s] == _READABLE:
                     protected += 1
             if need > len(slot_of) - t.unevictable - protected:
+                if t.admits:  # the batch admission judged is not stored after all
+                    t.policy.end_batch()
                 return None
         evicted: list[Key] = []
         if need > 0:

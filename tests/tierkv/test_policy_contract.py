@@ -464,3 +464,18 @@ def test_a_call_that_raises_changes_nothing(name: str, bad: Any) -> None:
     assert isinstance(info.value, (PageTableError, ValueError, PinError))
     t.check()
     assert _state(t) == before
+
+
+def test_a_refused_store_leaves_no_admitted_batch_behind() -> None:
+    """kvaware judged a batch, the store was refused (all pinned): a later page whose parent
+    was in that batch must not find the parent 'admitted earlier in this batch'."""
+    t = PageTable({T: 2}, "kvaware")
+    a = t.prepare_store([1, 2], T)
+    assert a is not None
+    t.complete_store(a.keys, T)
+    t.prepare_load([1, 2], T)
+    assert t.prepare_store([10], T, [PageHint(depth=0, blocks=40)]) is None  # admitted, no room
+    t.complete_load([1, 2], T)
+    b = t.prepare_store([11], T, [PageHint(depth=1, parent=10, blocks=40)])
+    assert b is not None and b.rejected == [11]  # 10 was never stored: 11 would be stranded
+    t.check()

@@ -113,6 +113,12 @@ class EvictionPolicy(ABC):
         """Whether a new page should enter a *full* tier at all (default: always)."""
         return True
 
+    def end_batch(self) -> None:
+        """Forget the batch :meth:`admit` was judging: the page table calls it when a store
+        it admitted pages for is refused (no room), so nothing of that batch is taken for
+        resident later. Default: nothing."""
+        return None
+
     def miss(self, keys: Iterable[Key]) -> None:
         """Hear of requested pages that are not resident (a lookup or touch that missed).
         Default: nothing; ARC adapts its target on a ghost hit."""

@@ -103,6 +103,10 @@ class ConversationAdmission:
             while len(gone) > self._limit:
                 pop(last=False)
 
+    def end_batch(self) -> None:
+        """Forget the batch being admitted (a refused store): its pages were never inserted."""
+        self._end_batch()
+
     def _end_batch(self) -> None:
         self._pending.clear()
         if self._run:
