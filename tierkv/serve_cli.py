@@ -30,7 +30,7 @@ from typing import Any
 from runtime import new_event_loop
 from tierkv.errors import TierKVError
 from tierkv.remote import PageServer, RemoteError
-from tierkv.remote.server import SECRET_ENV, is_loopback
+from tierkv.remote.exposure import SECRET_ENV, is_loopback
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
 from tierkv.timeline import Timeline

@@ -38,9 +38,10 @@ from .errors import AuthError, PeerError, ProtocolError, RemoteAccessError, Tran
 from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .handle import TransferHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
+from .segments import remove_stale_segments, segment_name
 from .session import Limits, StreamSession
 
-__all__ = ["ShmTransport", "remove_stale_segments", "segment_name"]
+__all__ = ["ShmTransport", "remove_stale_segments", "segment_name"]  # the last two: segments.py
 
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
 OWNER_ROLE, PEER_ROLE = "shm-owner", "shm-peer"
@@ -48,57 +49,7 @@ _MAX_NOTIFY = 1 << 16
 #: after the handshake: notify {data <= 64 KiB}, dereg {region}
 _LIMITS = Limits(frame=_MAX_NOTIFY + 256, array=4, map=8, str=256, bin=_MAX_NOTIFY)
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}")
-_OWNED = re.compile(r"tkv-(?:[a-z]+-)?(\d+)-(\d+)-[0-9a-f]+")
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time of process ``pid`` (clock ticks since boot), or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
-
-
-def segment_name(prefix: str = "tkv") -> str:
-    """A fresh segment name carrying our pid and start time: ``<prefix>-<pid>-<start>-<hex>``
-    (``prefix`` is ``tkv`` or ``tkv-<word>``)."""
-    pid = os.getpid()
-    return f"{prefix}-{pid}-{_start_time(pid) or 0}-{secrets.token_hex(6)}"
-
-
-def remove_stale_segments(folder: str = "/dev/shm") -> list[str]:
-    """Unlink our uid's tierkv segments whose owner process is gone (or is another process
-    with the same pid); returns their names."""
-    removed = []
-    uid = os.getuid()
-    for name in _listdir(folder):
-        m = _OWNED.fullmatch(name)
-        if m is None:
-            continue
-        path = os.path.join(folder, name)
-        try:
-            if os.stat(path).st_uid != uid:
-                continue
-        except OSError:
-            continue
-        pid, start = int(m.group(1)), int(m.group(2))
-        if _start_time(pid) == start:
-            continue  # alive
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-            removed.append(name)
-    return removed
-
-
-def _listdir(folder: str) -> Iterable[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
 
 
 async def _connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

@@ -43,7 +43,8 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     map_transport_error,
 )
-from tierkv.remote.server import resolve_secret, spec_fields
+from tierkv.remote.exposure import resolve_secret
+from tierkv.remote.server import spec_fields
 from tierkv.remote.watch import Watch
 from tierkv.spec import KVSpec
 

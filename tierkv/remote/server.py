@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import os
 import socket
 from ssl import SSLContext
 from typing import Any
@@ -38,6 +36,7 @@ from typing import Any
 from tierkv.errors import TierKVError
 from tierkv.remote.directory import Directory, _is_content
 from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
+from tierkv.remote.exposure import is_loopback, resolve_secret, same_host
 from tierkv.remote.gossip import PeerIndex, PeerLink, keys_field
 from tierkv.remote.hosting import SharedArena, register_host_arena, share_host_arena
 from tierkv.remote.watch import WatchHub
@@ -50,39 +49,10 @@ from transports.guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, Pe
 from transports.session import HELLO_DEADLINE, StreamSession
 
 __all__ = ["PageServer", "is_loopback", "resolve_secret", "spec_fields"]
-
-SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
 #: the control sockets' receive buffer: bounds what one read of a hostile peer's bytes costs
 #: (asyncio reads up to 256 KiB at once otherwise); control frames are small
 RCVBUF = 1 << 15
 DEAD_AFTER = 5  # failed tries after which a learned peer link that never connected is dropped
-
-
-def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
-    """The secret to use: ``secret``, else ``$TIERKV_TRANSPORT_SECRET``. Raises ValueError for
-    an empty secret, or for none at all unless ``insecure`` (then b"": anyone may connect)."""
-    if secret is None:
-        env = os.environ.get(SECRET_ENV)
-        secret = env.encode() if env is not None else None
-    if secret is not None and not secret:
-        raise ValueError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
-    if secret is None:
-        if not insecure:
-            raise ValueError(
-                f"no shared secret (secret= or ${SECRET_ENV}); insecure=True to serve without"
-            )
-        return b""
-    return secret
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (an IP literal or ``localhost``) is a loopback address."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
-    except ValueError:
-        return False
 
 
 def spec_fields(spec: KVSpec) -> dict[str, Any]:
@@ -479,7 +449,7 @@ class PageServer:
         # link back (so it hears our holdings) only to a page server that authenticated as
         # such and announces itself at the address it connects from: never where a client says
         host = node.rpartition(":")[0].removeprefix("[").removesuffix("]")
-        if session.peer_role == PAGE_SERVER and _same_host(host, addr):
+        if session.peer_role == PAGE_SERVER and same_host(host, addr):
             with contextlib.suppress(ValueError):
                 self.add_peer(node, configured=False)
         return {"peers": [self.address, *self.links]}
@@ -514,12 +484,6 @@ class PageServer:
             if dead and address not in self._configured:
                 del self.links[address]
                 await link.aclose()
-
-
-def _same_host(host: str, addr: str) -> bool:
-    if host == addr:
-        return True
-    return is_loopback(host) and is_loopback(addr)
 
 
 def _int(msg: dict[str, Any], name: str) -> int:

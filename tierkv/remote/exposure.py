@@ -1,0 +1,51 @@
+"""Who may be served, and where a page server may dial: the secret it serves with and the
+address checks behind its secure defaults (docs/security.md)::
+
+    resolve_secret(None)            $TIERKV_TRANSPORT_SECRET, else ValueError (none, or empty)
+    resolve_secret(None, insecure=True) -> b""      (then only on loopback: is_loopback(host))
+    same_host("10.0.0.8", "10.0.0.8")  a node announcing itself from its own address
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+__all__ = ["SECRET_ENV", "is_loopback", "resolve_secret", "same_host"]
+
+SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+
+
+def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
+    """The secret to use: ``secret``, else ``$TIERKV_TRANSPORT_SECRET``. Raises ValueError for
+    an empty secret, or for none at all unless ``insecure`` (then b"": anyone may connect)."""
+    if secret is None:
+        env = os.environ.get(SECRET_ENV)
+        secret = env.encode() if env is not None else None
+    if secret is not None and not secret:
+        raise ValueError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
+    if secret is None:
+        if not insecure:
+            raise ValueError(
+                f"no shared secret (secret= or ${SECRET_ENV}); insecure=True to serve without"
+            )
+        return b""
+    return secret
+
+
+def is_loopback(host: str) -> bool:
+    """True when ``host`` (an IP literal or ``localhost``) is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def same_host(host: str, addr: str) -> bool:
+    """True when ``host`` (a node's announced host) is the address ``addr`` a connection
+    comes from (any two loopback addresses count as one host)."""
+    if host == addr:
+        return True
+    return is_loopback(host) and is_loopback(addr)
