@@ -1,35 +1,40 @@
-"""An HTTP generate server: concurrent requests share one KVStore and the demo model (aiohttp).
+"""An OpenAI-compatible HTTP server over :mod:`tierkv.serving` (aiohttp): continuous batching,
+the K/V of every request in a tiered store, a shared prompt prefix computed once.
 
 ::
 
-    python examples/server.py --port 8080            # loopback only by default
-    curl -s localhost:8080/generate -d '{"text": "You are terse. Hi!", "max_tokens": 8}'
-    curl -s localhost:8080/metrics                   # Prometheus exposition
-    curl -s localhost:8080/stats                     # the store's figures as JSON
+    python examples/server.py --model smollm2 --listen 127.0.0.1:8080     # or --model tiny
+    curl -s 127.0.0.1:8080/v1/chat/completions -d '{"model": "smollm2",
+         "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 32, "temperature": 0}'
+    curl -sN 127.0.0.1:8080/v1/completions -d '{"model": "smollm2", "prompt": "Once upon",
+         "stream": true}'
+    curl -s 127.0.0.1:8080/metrics                  # Prometheus: the store's and the server's
 
-``POST /generate`` takes ``{"prompt": [token ids]}`` or ``{"text": "..."}`` (one id per character)
-and ``"max_tokens"``; it answers the greedy tokens and timings: time to first token, and how many
-prompt tokens were reused from the cache. A request whose prompt starts like an earlier one (the
-same system prompt) loads that prefix's KV from the store instead of recomputing it:
-``store.add_sequence`` returns the reused tokens and only the rest of the prompt is run.
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream:
+true`` answers server-sent events ending with ``data: [DONE]``), ``GET /health``, ``GET /metrics``
+and ``GET /stats`` (the engine's and the store's figures as JSON). Request fields: ``model``,
+``prompt`` (text, or token ids) or ``messages``, ``max_tokens``, ``temperature`` (0 = greedy;
+default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``.
+``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
-Each request is its own asyncio task with its own leases. The model computes on the event-loop
-thread, so a FIFO lock hands out one forward pass (a prefill or one decode token) at a time; the
-requests waiting for the lock are announced to the store (``schedule``), which prefetches their
-pages while the current one computes.
+Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
+body (not JSON, a wrong field, a prompt longer than the context or the device tier), 404 for an
+unknown model or route, 405, 413 for a body over ``--max-body-mb``, 503 when a request's step
+failed in the store; a streamed request that fails sends an ``error`` event and ends.
 
 The cold pool is off by default (``--codec none``): a cached prefix compressed with a lossy codec
-comes back approximately, and a warm request's tokens could then differ from a cold computation.
+comes back approximately, and a warm request's tokens would then differ from a cold computation.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
+import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
@@ -40,234 +45,481 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from tierkv import KVStore, TierFullError, metrics
-from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
+from tierkv import metrics
+from tierkv.demo.model import ModelConfig
+from tierkv.serving import (
+    Engine,
+    EngineConfig,
+    RequestError,
+    SamplingParams,
+    ServingModel,
+    StopText,
+    Tokenizer,
+    load_model,
+)
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """What the server is built from (the defaults keep KV larger than the device tier)."""
+    """What the server is built from.
 
-    model: ModelConfig = field(default_factory=ModelConfig)
-    kv_dtype: str = "fp16"
-    page_tokens: int = 16
-    device_pages: int = 512
-    host_pages: int = 16384
-    codec: str | None = None
-    max_tokens: int = 256
-    max_prompt: int = 4096
+    ``model``: ``"smollm2"`` or ``"tiny"`` (``tiny`` sizes its random decoder by ``tiny``);
+    ``engine``: the :class:`~tierkv.serving.EngineConfig`; ``max_tokens``: the largest
+    ``max_tokens`` a request may ask (its default is 16, OpenAI's).
+    """
+
+    model: str = "tiny"
+    tiny: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_tokens: int = 1024
+    max_body: int = 4 << 20
     trace: str | None = None
 
 
-class Generator:
-    """Greedy generation for concurrent requests over one store and one model."""
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
 
-    def __init__(self, store: KVStore, model: TinyLlama) -> None:
-        self.store = store
-        self.model = model
-        self._turn = asyncio.Lock()  # FIFO: requests take turns, one forward pass each
-        self._waiting: dict[str, None] = {}  # ids waiting for the lock, in order
-        self._ids = itertools.count()
-        self.in_flight = 0
-        self.peak_in_flight = 0
-        self.served = 0
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
 
-    async def generate(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        """Greedy tokens of ``prompt`` and timings; the prompt's cached prefix is reused.
-
-        Raises ValueError for an empty prompt, ``max_tokens < 1``, or a sequence whose pages
-        cannot all fit the device tier.
-        """
-        if not prompt or max_tokens < 1:
-            raise ValueError("need a non-empty prompt and max_tokens >= 1")
-        store = self.store
-        spec = store.spec
-        need = spec.blocks_for(len(prompt) + max_tokens) * spec.num_layers
-        room = store.tiers.table.capacity("device")
-        if need > room:  # a forward pass leases every layer of the sequence at once
-            raise ValueError(
-                f"prompt + max_tokens need {need} device pages, the device tier holds {room}"
-            )
-        sid = f"req{next(self._ids)}"
-        t0 = time.perf_counter()
-        reused = await store.add_sequence(sid, prompt)
-        self.in_flight += 1
-        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-        out: list[int] = []
-        ttft = 0.0
-        try:
-            feed, pos = prompt[reused:], reused
-            while len(out) < max_tokens:
-                tok = await self._forward(sid, feed, pos)
-                if not out:
-                    ttft = time.perf_counter() - t0
-                out.append(tok)
-                pos += len(feed)
-                feed = [tok]
-        finally:
-            self.in_flight -= 1
-            await store.release(sid)
-        total = time.perf_counter() - t0
-        self.served += 1
+    def body(self) -> dict[str, Any]:
+        """The JSON body."""
         return {
-            "id": sid,
-            "tokens": out,
-            "prompt_tokens": len(prompt),
-            "reused_tokens": reused,
-            "prefix_reused": reused > 0,
-            "computed_prompt_tokens": len(prompt) - reused,
-            "ttft_ms": ttft * 1e3,
-            "total_ms": total * 1e3,
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
         }
 
-    async def _forward(self, sid: str, tokens: list[int], start: int) -> int:
-        store = self.store
-        self._waiting[sid] = None
-        try:
-            async with self._turn:
-                del self._waiting[sid]
-                # the requests queued behind this one run next: load their pages meanwhile
-                store.schedule([[s] for s in self._waiting])
-                t0 = time.perf_counter()
-                async with store.lease([sid]) as lease:
-
-                    async def gate(layer: int) -> KVProvider:
-                        return lease
-
-                    logits = await self.model.forward(sid, tokens, start, gate)
-                tok = int(logits.argmax())
-                store.add_tokens(sid, [tok])
-                store.timeline.span("forward", "compute", t0, time.perf_counter(), seq=sid)
-                store.step()
-                return tok
-        finally:
-            self._waiting.pop(sid, None)
+    def response(self) -> web.Response:
+        """The HTTP response."""
+        return web.json_response(self.body(), status=self.status)
 
 
-GENERATOR = web.AppKey("generator", Generator)
-CONFIG = web.AppKey("config", ServerConfig)
+@dataclass
+class Served:
+    """The running server's state: the model, its tokenizer and the engine."""
+
+    name: str
+    model: ServingModel
+    tokenizer: Tokenizer
+    engine: Engine
+    cfg: ServerConfig
+    created: int = field(default_factory=lambda: int(time.time()))
 
 
-def parse_request(body: Any, cfg: ServerConfig) -> tuple[list[int], int]:
-    """``(prompt ids, max_tokens)`` of a /generate body. Raises ValueError when malformed."""
+SERVED = web.AppKey("served", Served)
+
+
+# -- requests -------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A validated request: prompt ids, sampling, stream or not."""
+
+    prompt: list[int]
+    params: SamplingParams
+    stream: bool
+    chat: bool
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    bad_bool = isinstance(value, bool) and bool not in (
+        kind if isinstance(kind, tuple) else (kind,)
+    )
+    if bad_bool or not isinstance(value, kind):
+        raise ApiError(400, f"'{name}' has the wrong type", param=name, code="invalid_type")
+    return value
+
+
+def parse_job(body: Any, served: Served, chat: bool) -> Job:
+    """Validate a completions or chat body. Raises ApiError (400, or 404 for the model)."""
     if not isinstance(body, dict):
-        raise ValueError("body must be a JSON object")
-    vocab = cfg.model.vocab
-    if "prompt" in body:
-        prompt = body["prompt"]
-        if not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt
-        ):
-            raise ValueError(f"prompt must be a list of token ids in [0, {vocab})")
-    elif isinstance(body.get("text"), str):
-        prompt = [ord(c) % vocab for c in body["text"]]
+        raise ApiError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in (served.name, served.cfg.model):
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist (this server has '{served.name}')",
+            param="model",
+            code="model_not_found",
+        )
+    tok = served.tokenizer
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        try:
+            prompt = tok.chat(messages)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ApiError(400, f"bad 'messages': {exc}", param="messages") from None
     else:
-        raise ValueError('give "prompt" (token ids) or "text"')
-    if not 0 < len(prompt) <= cfg.max_prompt:
-        raise ValueError(f"prompt length must be in [1, {cfg.max_prompt}]")
-    n = body.get("max_tokens", 16)
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 < n <= cfg.max_tokens:
-        raise ValueError(f"max_tokens must be an int in [1, {cfg.max_tokens}]")
-    return prompt, n
+        raw = body.get("prompt")
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+            raw = raw[0]
+        if isinstance(raw, str):
+            prompt = tok.encode(raw)
+        elif (
+            isinstance(raw, list)
+            and raw
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)
+        ):
+            prompt = list(raw)
+        else:
+            raise ApiError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    max_tokens = _field(body, "max_tokens", int, 16)
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _field(body, "max_completion_tokens", int, 16)
+    if not 1 <= max_tokens <= served.cfg.max_tokens:
+        raise ApiError(
+            400, f"'max_tokens' must be in [1, {served.cfg.max_tokens}]", param="max_tokens"
+        )
+    temperature = float(_field(body, "temperature", (int, float), 1.0))
+    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    seed = _field(body, "seed", int, None)
+    stream = _field(body, "stream", bool, False)
+    n = _field(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, "only n = 1 is supported", param="n")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop_ids=tok.eos_ids,
+            stop=tuple(s for s in stops if s),
+        )
+        served.engine.check(prompt, params)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    return Job(prompt, params, stream, chat)
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
+
+
+# -- generation -------------------------------------------------------------------------------
+@dataclass
+class Result:
+    """What a finished request sends back."""
+
+    text: str = ""
+    completion_tokens: int = 0
+    finish_reason: str = "length"
+    ttft: float | None = None
+    cached_tokens: int = 0
+
+
+async def run_job(served: Served, job: Job, res: Result, sm: _ServerMetrics) -> AsyncIterator[str]:
+    """Text pieces of a request as they are decoded; ``res`` is filled as it goes.
+
+    Raises ApiError (503) when the engine closes under it, and a failed step's tierkv error."""
+    engine, tok = served.engine, served.tokenizer
+    text = StopText(tok.decode, job.params.stop)
+    t0 = time.perf_counter()
+    agen = engine.generate(job.prompt, job.params)
+    try:
+        async for ev in agen:
+            if res.ttft is None:
+                res.ttft = time.perf_counter() - t0
+                res.cached_tokens = ev.cached_tokens
+                sm.ttft.observe(res.ttft)
+            if ev.token is not None:
+                res.completion_tokens += 1
+                piece = text.push(ev.token)
+                if piece:
+                    yield piece
+                if text.stopped:
+                    res.finish_reason = "stop"
+                    break
+            if ev.finish_reason is not None:
+                if ev.finish_reason == "abort":
+                    raise ApiError(503, "the server is shutting down", "server_error")
+                res.finish_reason = "stop" if ev.finish_reason == "stop" else "length"
+        rest = text.flush()
+        if rest:
+            yield rest
+    finally:
+        await agen.aclose()  # leaving early frees the request's pages
+    res.text = text.text
+    sm.tokens.inc(res.completion_tokens)
+
+
+def _usage(job: Job, res: Result) -> dict[str, Any]:
+    return {
+        "prompt_tokens": len(job.prompt),
+        "completion_tokens": res.completion_tokens,
+        "total_tokens": len(job.prompt) + res.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": res.cached_tokens},
+    }
+
+
+def _choice(job: Job, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+    if not job.chat:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    if delta:
+        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish}
+    return {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "finish_reason": finish,
+    }
+
+
+async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
+    app = request.app
+    served, sm = app[SERVED], app[SERVER_METRICS]
+    job = parse_job(await _body(request), served, chat)
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    obj = "chat.completion" if chat else "text_completion"
+    head = {"id": rid, "created": int(time.time()), "model": served.name}
+    res = Result()
+    if not job.stream:
+        try:
+            async for _ in run_job(served, job, res, sm):
+                pass
+        except ApiError:
+            raise
+        except Exception as exc:  # a step failed in the store
+            raise ApiError(503, f"generation failed: {exc}", "server_error") from exc
+        return web.json_response(
+            {
+                **head,
+                "object": obj,
+                "choices": [_choice(job, res.text, res.finish_reason, False)],
+                "usage": _usage(job, res),
+            }
+        )
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+    chunk = obj + ".chunk" if chat else obj
+
+    async def send(payload: dict[str, Any]) -> None:
+        await resp.write(f"data: {json.dumps(payload)}\n\n".encode())
+
+    if chat:
+        first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        await send({**head, "object": chunk, "choices": [first]})
+    try:
+        async for piece in run_job(served, job, res, sm):
+            await send({**head, "object": chunk, "choices": [_choice(job, piece, None, True)]})
+        last = _choice(job, "", res.finish_reason, True)
+        await send({**head, "object": chunk, "choices": [last], "usage": _usage(job, res)})
+    except ApiError as exc:
+        await send(exc.body())
+    except Exception as exc:  # a step failed: tell the client in the stream
+        await send(ApiError(503, f"generation failed: {exc}", "server_error").body())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _completions(request, chat=False)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _completions(request, chat=True)
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``."""
+    served = request.app[SERVED]
+    model = {"id": served.name, "object": "model", "created": served.created, "owned_by": "tierkv"}
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 while the engine runs."""
+    engine = request.app[SERVED].engine
+    if engine.store.closed:
+        raise ApiError(503, "the store is closed", "server_error")
+    return web.json_response({"status": "ok", "running": engine.running, "waiting": engine.waiting})
+
+
+async def handle_stats(request: web.Request) -> web.Response:
+    """``GET /stats``: the engine's and the store's figures."""
+    return web.json_response(request.app[SERVED].engine.stats())
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the store's metrics, then the server's."""
+    app = request.app
+    body = metrics.render(app[SERVED].engine.store) + generate_latest(app[SERVER_METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# -- metrics ----------------------------------------------------------------------------------
+class _EngineCollector:
+    """Gauges read from the engine at scrape time."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        served = self.app.get(SERVED)
+        if served is None:
+            return
+        e = served.engine
+        s = e.stats()
+        for name, doc, value in (
+            ("running", "Requests running", s["running"]),
+            ("waiting", "Requests waiting for admission", s["waiting"]),
+            ("peak_running", "Most requests running at once", s["peak_running"]),
+            ("device_peak_bytes", "Peak bytes of the device tier", s["store"]["peak_device_bytes"]),
+            ("device_capacity_bytes", "Device tier budget", e.device_bytes),
+            ("live_kv_peak_bytes", "Peak K/V of the running requests", s["peak_live_kv_bytes"]),
+            ("prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"]),
+            ("cached_prompt_tokens", "Prompt tokens reused", s["prefix_tokens_reused"]),
+            ("generated_tokens", "Tokens generated", s["generated_tokens"]),
+            ("steps", "Forward steps", s["steps"]),
+        ):
+            g = GaugeMetricFamily(f"tierkv_server_{name}", doc)
+            g.add_metric([], float(value))
+            yield g
 
 
 class _ServerMetrics:
-    """Request counts and time to first token (the store's own figures come from metrics.py)."""
+    """Request counts, time to first token, tokens; the engine's gauges."""
 
-    def __init__(self) -> None:
+    def __init__(self, app: web.Application) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "tierkv_server_requests", "Generate requests", ["status"], registry=self.registry
+            "tierkv_server_requests",
+            "HTTP requests by route and status",
+            ["route", "status"],
+            registry=self.registry,
         )
         self.ttft = Histogram(
             "tierkv_server_ttft_seconds",
             "Time to first token",
-            ["prefix_reused"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=self.registry,
         )
+        self.tokens = Counter(
+            "tierkv_server_completion_tokens", "Tokens sent to clients", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(app))
 
 
 SERVER_METRICS = web.AppKey("server_metrics", _ServerMetrics)
 
 
-async def handle_generate(request: web.Request) -> web.Response:
-    app = request.app
-    sm = app[SERVER_METRICS]
+@web.middleware
+async def errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error in OpenAI's shape; counts requests by route and status."""
+    route = request.match_info.route.resource
+    name = route.canonical if route is not None else "unknown"
     try:
-        prompt, n = parse_request(await request.json(), app[CONFIG])
-    except ValueError as exc:  # json.JSONDecodeError is a ValueError
-        sm.requests.labels("bad_request").inc()
-        return web.json_response({"error": str(exc)}, status=400)
-    try:
-        result = await app[GENERATOR].generate(prompt, n)
-    except ValueError as exc:
-        sm.requests.labels("bad_request").inc()
-        return web.json_response({"error": str(exc)}, status=400)
-    except TierFullError as exc:  # the device is pinned full by other requests right now
-        sm.requests.labels("busy").inc()
-        return web.json_response({"error": str(exc)}, status=503)
-    sm.requests.labels("ok").inc()
-    sm.ttft.labels(str(result["prefix_reused"]).lower()).observe(result["ttft_ms"] / 1e3)
-    return web.json_response(result)
+        resp = await handler(request)
+    except ApiError as exc:
+        resp = exc.response()
+    except web.HTTPException as exc:  # 404, 405, 413 from aiohttp itself
+        if exc.status < 400:
+            raise
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        resp = ApiError(exc.status, exc.reason or str(exc), kind).response()
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # a bug: still a JSON error, never an HTML page
+        resp = ApiError(500, f"internal error: {exc!r}", "server_error").response()
+    request.app[SERVER_METRICS].requests.labels(name, str(resp.status)).inc()
+    return resp
 
 
-async def handle_stats(request: web.Request) -> web.Response:
-    gen = request.app[GENERATOR]
-    stats = gen.store.stats()
-    stats["server"] = {
-        "in_flight": gen.in_flight,
-        "peak_in_flight": gen.peak_in_flight,
-        "served": gen.served,
-    }
-    return web.json_response(stats)
-
-
-async def handle_metrics(request: web.Request) -> web.Response:
-    app = request.app
-    body = metrics.render(app[GENERATOR].store) + generate_latest(app[SERVER_METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def make_app(cfg: ServerConfig | None = None) -> web.Application:
-    """The aiohttp application; the store opens at startup and closes at cleanup."""
+# -- the app ----------------------------------------------------------------------------------
+def make_app(
+    cfg: ServerConfig | None = None, loaded: tuple[ServingModel, Tokenizer] | None = None
+) -> web.Application:
+    """The aiohttp application; the model loads (unless ``loaded`` is given) and the engine
+    opens at startup, and the engine closes at cleanup."""
     cfg = cfg or ServerConfig()
-    app = web.Application()
-    app[CONFIG] = cfg
-    app[SERVER_METRICS] = _ServerMetrics()
+    app = web.Application(middlewares=[errors], client_max_size=cfg.max_body)
+    app[SERVER_METRICS] = _ServerMetrics(app)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
-        spec = cfg.model.kv_spec(cfg.kv_dtype, cfg.page_tokens)
-        store = KVStore(
-            spec,
-            device_bytes=cfg.device_pages * spec.page_bytes,
-            host_bytes=cfg.host_pages * spec.page_bytes,
-            codec=cfg.codec,
+        if loaded is not None:
+            model, tok = loaded
+        elif cfg.model == "tiny":
+            model, tok = load_model("tiny", cfg=cfg.tiny)
+        else:
+            model, tok = await asyncio.to_thread(load_model, cfg.model)
+        engine = Engine(model, cfg.engine)
+        await engine.open()
+        engine.store.timeline.enabled = cfg.trace is not None
+        app[SERVED] = Served(
+            cfg.model if cfg.model == "tiny" else model.name, model, tok, engine, cfg
         )
-        await store.open()
-        store.timeline.enabled = cfg.trace is not None
-        app[GENERATOR] = Generator(store, TinyLlama(cfg.model, spec.dtype))
         try:
             yield
         finally:
-            await store.close()
+            await engine.close()
             if cfg.trace:
-                store.timeline.write(cfg.trace)
+                engine.store.timeline.write(cfg.trace)
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/generate", handle_generate)
-    app.router.add_get("/stats", handle_stats)
+    app.router.add_get("/v1/models", handle_models)
+    app.router.add_post("/v1/completions", handle_completions)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_get("/health", handle_health)
     app.router.add_get("/metrics", handle_metrics)
+    app.router.add_get("/stats", handle_stats)
     return app
 
 
 async def start(
-    cfg: ServerConfig | None = None, host: str = "127.0.0.1", port: int = 0
+    cfg: ServerConfig | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    loaded: tuple[ServingModel, Tokenizer] | None = None,
 ) -> tuple[web.AppRunner, str]:
     """Serve in this process; returns the runner (``await runner.cleanup()`` stops it) and the
     base URL (``port=0``: an ephemeral port)."""
-    runner = web.AppRunner(make_app(cfg), handle_signals=False)
+    runner = web.AppRunner(make_app(cfg, loaded), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -275,26 +527,56 @@ async def start(
     return runner, f"http://{addr[0]}:{addr[1]}"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (documented in docs/configuration.md)."""
+    d = EngineConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--device-pages", type=int, default=ServerConfig.device_pages)
-    p.add_argument("--host-pages", type=int, default=ServerConfig.host_pages)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (loopback by default)")
+    p.add_argument("--max-running", type=int, default=d.max_running, help="concurrency")
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    p.add_argument("--max-context", type=int, help="prompt + max_tokens (model's, <= 2048)")
+    p.add_argument("--max-tokens", type=int, default=ServerConfig.max_tokens)
+    p.add_argument("--page-tokens", type=int, default=d.page_tokens)
+    p.add_argument("--device-mb", type=float, help="device tier (half the concurrency's KV)")
+    p.add_argument("--host-mb", type=float, help="host tier (twice the concurrency's KV)")
+    p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt")
     p.add_argument("--codec", default="none", help="cold-pool codec (none, int8, ...)")
-    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
-    a = p.parse_args()
+    p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
+    return p
+
+
+def config_from(a: argparse.Namespace) -> ServerConfig:
+    """The :class:`ServerConfig` of parsed arguments."""
+    engine = replace(
+        EngineConfig(),
+        max_running=a.max_running,
+        max_batch_tokens=a.max_batch_tokens,
+        max_context=a.max_context,
+        page_tokens=a.page_tokens,
+        device_bytes=None if a.device_mb is None else int(a.device_mb * (1 << 20)),
+        host_bytes=None if a.host_mb is None else int(a.host_mb * (1 << 20)),
+        prefix_reuse=not a.no_prefix_reuse,
+        codec=None if a.codec == "none" else a.codec,
+    )
+    return ServerConfig(
+        model=a.model,
+        engine=engine,
+        max_tokens=a.max_tokens,
+        max_body=int(a.max_body_mb * (1 << 20)),
+        trace=a.trace,
+    )
+
+
+def main() -> None:
+    a = build_parser().parse_args()
     import torch
 
     torch.set_num_threads(a.threads)
-    cfg = ServerConfig(
-        device_pages=a.device_pages,
-        host_pages=a.host_pages,
-        codec=None if a.codec == "none" else a.codec,
-        trace=a.trace,
-    )
-    web.run_app(make_app(cfg), host=a.host, port=a.port)
+    host, _, port = a.listen.rpartition(":")
+    web.run_app(make_app(config_from(a)), host=host or "127.0.0.1", port=int(port))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,7 +209,7 @@ class Engine:
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams | None = None
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """Generate from token ids: yields one :class:`TokenEvent` per token, the last with its
         finish reason. Leaving the loop early (``break``, cancellation) ends the request and
         frees its pages at the next step boundary.
@@ -343,7 +343,7 @@ class Engine:
     def _finish(self, req: Request, reason: str, token: int | None = None) -> None:
         if req.finished is None:
             req.finished = reason
-            req.events.put_nowait(TokenEvent(token, reason))
+            req.events.put_nowait(TokenEvent(token, reason, req.reused))
 
     async def _step(self, step: list[tuple[Request, list[int]]]) -> None:
         t0 = time.perf_counter()
@@ -409,7 +409,7 @@ class Engine:
             self.counters.finished += 1
             self._finish(req, "length", tok)
         else:
-            req.events.put_nowait(TokenEvent(tok))
+            req.events.put_nowait(TokenEvent(tok, None, req.reused))
 
     def _count_live(self) -> None:
         # the KV every running request holds after this step, as if nothing were shared

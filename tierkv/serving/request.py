@@ -25,6 +25,7 @@ class TokenEvent:
 
     token: int | None
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from the cache
 
 
 @dataclass(slots=True)
