@@ -1,0 +1,221 @@
+"""The serving engine on the tiny model: continuous batching gives the tokens of sequential runs,
+requests join and leave between steps, cancellation frees pages, admission and lease
+backpressure wait instead of failing, a shared prefix is reused."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tierkv import KVStore, SequenceError
+from tierkv.demo.model import ModelConfig
+from tierkv.serving import Engine, EngineConfig, RequestError, SamplingParams, TinyModel
+
+MODEL = ModelConfig(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seed=3)
+PAGE = 8
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine is shared; oversubscribed threads only slow it down
+    yield
+    torch.set_num_threads(n)
+
+
+def engine(**kw: object) -> Engine:
+    cfg = EngineConfig(**{"page_tokens": PAGE, "max_context": 256, **kw})  # type: ignore[arg-type]
+    return Engine(TinyModel(MODEL), cfg)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 70) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(MODEL.vocab) for _ in range(rnd.randrange(lo, hi))] for _ in range(n)]
+
+
+async def sequential(ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    out = []
+    async with engine(max_running=1, max_batch_tokens=512) as e:
+        for p in ps:
+            out.append((await e.complete(p, params))[0])
+    return out
+
+
+async def test_batched_continuous_decoding_matches_sequential() -> None:
+    ps = prompts(8)
+    params = SamplingParams(max_tokens=10)
+    want = await sequential(ps, params)
+    # small steps: prompts are prefilled in chunks batched with the others' decode tokens
+    async with engine(max_running=6, max_batch_tokens=24) as e:
+        got = await asyncio.gather(*(e.complete(p, params) for p in ps))
+        c = e.counters
+        assert c.peak_running == 6 and c.finished == 8
+        assert c.steps < sum(len(p) for p in ps) // 24 + 8 * 10  # rows were batched
+        assert e.store.stats()["background_errors"] == 0
+    assert [g[0] for g in got] == want
+    assert all(reason == "length" for _, reason in got)
+
+
+async def test_requests_join_and_leave_between_steps() -> None:
+    ps = prompts(4, seed=1)
+    lengths = [3, 12, 6, 9]
+    want = [(await sequential([p], SamplingParams(max_tokens=n)))[0] for p, n in zip(ps, lengths)]
+    async with engine(max_running=4) as e:
+        first = asyncio.create_task(e.complete(ps[1], SamplingParams(max_tokens=12)))
+        seen: list[int] = []
+        async for _ in e.generate(ps[0], SamplingParams(max_tokens=3)):
+            seen.append(e.running)
+        # the short request left while the long one goes on; two more join mid-flight
+        late = [
+            asyncio.create_task(e.complete(p, SamplingParams(max_tokens=n)))
+            for p, n in zip(ps[2:], lengths[2:])
+        ]
+        got = [(await t)[0] for t in (first, *late)]
+        assert max(seen) == 2
+        await e.wait_idle()
+        assert e.running == 0 and e.counters.peak_running >= 2
+    assert got == [want[1], want[2], want[3]]
+
+
+async def test_a_stop_id_ends_the_request_without_emitting_it() -> None:
+    p = prompts(1, seed=2)[0]
+    (full,) = await sequential([p], SamplingParams(max_tokens=8))
+    async with engine() as e:
+        tokens, reason = await e.complete(
+            p, SamplingParams(max_tokens=8, stop_ids=frozenset({full[3]}))
+        )
+    assert reason == "stop" and tokens == full[: full.index(full[3])]
+
+
+async def test_cancellation_frees_the_request_pages() -> None:
+    async with engine(max_running=1) as e:
+        store = e.store
+        agen = e.generate([1, 2, 3, 4, 5], SamplingParams(max_tokens=50))
+        n = 0
+        async for _ in agen:  # 5 + 2 tokens: less than a page, so every page is private
+            n += 1
+            if n == 2:
+                break
+        await agen.aclose()
+        # one waiting behind another, cancelled before it was admitted
+        running = asyncio.create_task(e.complete([7] * 3, SamplingParams(max_tokens=4)))
+        waiting = asyncio.create_task(e.complete([9] * 3, SamplingParams(max_tokens=4)))
+        for _ in range(1000):  # until the loop has queued it
+            if e.waiting:
+                break
+            await asyncio.sleep(0)
+        waiting.cancel()
+        await running
+        assert waiting.cancelled()
+        await e.wait_idle()
+        assert e.counters.cancelled == 2
+        await store.drain()  # background write-backs and prefetches
+        tiers = store.tiers
+        assert not tiers.owners  # no page is held by a sequence any more
+        # what stays is the cache of full blocks (content pages), none pinned; private ones went
+        left = list(tiers.table.keys("device")) + list(tiers.table.keys("host"))
+        assert all(tiers.table.pins(k, "device") == 0 for k in tiers.table.keys("device"))
+        assert len(left) <= 2 * (5 + 50) // PAGE * MODEL.layers
+        for sid in ("r0", "r1", "r2"):
+            with pytest.raises(SequenceError):
+                store.sequence(sid)
+
+
+async def test_prefix_is_computed_once_and_reused() -> None:
+    rnd = random.Random(4)
+    system = [rnd.randrange(MODEL.vocab) for _ in range(5 * PAGE)]
+    users = [[rnd.randrange(MODEL.vocab) for _ in range(5)] for _ in range(3)]
+    params = SamplingParams(max_tokens=6)
+    want = await sequential([system + u for u in users], params)
+    async with engine() as e:
+        first = [ev async for ev in e.generate(system + users[0], params)]
+        assert first[0].cached_tokens == 0
+        rest = []
+        for u in users[1:]:
+            rest.append([ev async for ev in e.generate(system + u, params)])
+        assert all(evs[0].cached_tokens == 5 * PAGE for evs in rest)
+        assert e.counters.prefix_tokens_reused == 2 * 5 * PAGE
+        got = [[ev.token for ev in evs] for evs in [first, *rest]]
+    assert got == want
+    async with engine(prefix_reuse=False) as e:
+        for u in users:
+            evs = [ev async for ev in e.generate(system + u, params)]
+            assert evs[0].cached_tokens == 0
+        assert e.counters.prefix_tokens_reused == 0
+
+
+async def test_admission_waits_for_room_on_the_device() -> None:
+    # the device holds two layers' pages of one request at a time: the others wait their turn
+    spec = TinyModel(MODEL).kv_spec(PAGE)
+    ps = prompts(3, seed=5, lo=40, hi=41)
+    params = SamplingParams(max_tokens=8)
+    want = await sequential(ps, params)
+    async with engine(max_running=3, device_bytes=12 * spec.page_bytes) as e:
+        assert e.scheduler.layer_pages == 6
+        got = await asyncio.gather(*(e.complete(p, params) for p in ps))
+        assert e.counters.peak_running == 1
+    assert [g[0] for g in got] == want
+
+
+async def test_a_step_waits_for_lease_backpressure_on_a_shared_store() -> None:
+    model = TinyModel(MODEL)
+    spec = model.kv_spec(PAGE)
+    params = SamplingParams(max_tokens=4)
+    p = prompts(1, seed=6, lo=20, hi=21)[0]
+    (want,) = await sequential([p], params)
+    async with KVStore(
+        spec, device_bytes=24 * spec.page_bytes, host_bytes=256 * spec.page_bytes, codec=None
+    ) as store:
+        # another user of the store pins 22 of the 24 device pages
+        await store.add_sequence("other", list(range(88)))
+        k = torch.zeros(MODEL.kv_heads, 88, MODEL.head_dim, dtype=spec.dtype)
+        async with Engine(model, EngineConfig(page_tokens=PAGE, max_context=64), store=store) as e:
+            lease = store.lease(["other"], [0, 1])
+            await lease.__aenter__()
+            for layer in (0, 1):
+                await lease.append("other", layer, k, k)
+            task = asyncio.create_task(e.complete(p, params))
+            t0 = time.perf_counter()
+            while store.admission.waiting == 0:  # the engine's lease waits its turn
+                await asyncio.sleep(0.01)
+                assert time.perf_counter() - t0 < 10 and not task.done()
+            assert not task.done()
+            await lease.__aexit__(None, None, None)
+            tokens, _ = await task
+        await store.release("other")
+    assert tokens == want
+
+
+async def test_oversized_requests_are_refused_and_the_device_defaults_to_half() -> None:
+    async with engine(max_running=4) as e:
+        spec = e.spec
+        assert e.device_bytes == 4 * spec.bytes_for(256) // 2
+        with pytest.raises(RequestError, match="context"):
+            await e.complete([1] * 250, SamplingParams(max_tokens=10))
+        with pytest.raises(RequestError, match="empty"):
+            await e.complete([], SamplingParams())
+        with pytest.raises(RequestError, match="token ids"):
+            await e.complete([MODEL.vocab], SamplingParams())
+        assert (await e.complete([1, 2], SamplingParams(max_tokens=2)))[1] == "length"
+
+
+async def test_sampling_with_a_seed_repeats() -> None:
+    params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=11)
+    async with engine() as e:
+        a = await e.complete([5, 6, 7], params)
+        b = await e.complete([5, 6, 7], params)
+    assert a == b
+
+
+async def test_close_aborts_requests_in_flight() -> None:
+    e = await engine(max_running=1).open()
+    agen = e.generate([1, 2, 3], SamplingParams(max_tokens=100))
+    await agen.__anext__()
+    await e.close()
+    reasons = [ev.finish_reason async for ev in agen]
+    assert reasons[-1] == "abort"

@@ -1,0 +1,68 @@
+"""Units of tierkv.serving: stop strings on streamed text, the scheduler's plan and admission,
+sampling parameters."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierkv.serving import SamplingParams, StopText
+from tierkv.serving.request import Request
+from tierkv.serving.sampling import Sampler
+from tierkv.serving.scheduler import Scheduler
+
+
+def chars(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def test_stop_text_holds_back_a_possible_stop_and_cuts_before_it() -> None:
+    s = StopText(chars, ["END"])
+    out = "".join(s.push(ord(c)) for c in "abcEN")
+    assert out == "abc"  # "EN" may start "END": held back
+    assert s.push(ord("D")) == "" and s.stopped and s.text == "abc"
+    s = StopText(chars, ["END"])
+    out = "".join(s.push(ord(c)) for c in "abENx") + s.flush()
+    assert out == "abENx" and not s.stopped
+
+
+def test_stop_text_without_stops_emits_everything() -> None:
+    s = StopText(chars, [])
+    assert [s.push(ord(c)) for c in "hi"] == ["h", "i"] and s.flush() == ""
+
+
+def request(rid: str, prompt: int, max_tokens: int) -> Request:
+    params = SamplingParams(max_tokens=max_tokens)
+    return Request(rid, list(range(prompt)), params, Sampler(params))
+
+
+def test_the_plan_puts_decode_tokens_first_then_prefill_chunks() -> None:
+    s = Scheduler(max_running=4, max_batch_tokens=8, layer_pages=100, page_tokens=4)
+    a, b, c = request("a", 3, 4), request("b", 20, 4), request("c", 20, 4)
+    for r in (a, b, c):
+        s.add(r)
+    assert s.admit() == [a, b, c]
+    a.computed, a.output = 3, [7]  # a decodes
+    b.computed = 4
+    plan = s.plan()
+    assert [(r.rid, len(t)) for r, t in plan] == [("a", 1), ("b", 7)]
+    assert plan[1][1] == list(range(4, 11))
+
+
+def test_admission_is_fifo_by_layer_footprint() -> None:
+    s = Scheduler(max_running=8, max_batch_tokens=8, layer_pages=7, page_tokens=4)
+    small, big, tiny = request("small", 4, 4), request("big", 20, 4), request("tiny", 1, 1)
+    for r in (small, big, tiny):
+        s.add(r)
+    assert s.admit() == [small]  # 2 pages; big's 6 do not fit beside them, tiny never overtakes
+    s.remove(small)
+    assert s.admit() == [big, tiny]  # 6 + 1 pages
+    assert s.admit() == [] and not s.waiting
+    assert not s.could_fit(request("huge", 30, 4))
+    alone = request("alone", 20, 20)  # 10 pages: alone it could never run
+    assert not s.could_fit(alone)
+
+
+def test_sampling_params_are_checked() -> None:
+    for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"stop": ("",)}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)  # type: ignore[arg-type]
