@@ -1,18 +1,19 @@
-"""Fire N concurrent generate requests at the example server and report time to first token.
+"""An OpenAI-compatible load generator: concurrent streamed completions, time to first token,
+time per output token, tokens/s, prefix tokens reused and the server's device-tier peak.
 
 ::
 
-    python examples/load.py                      # starts the server in this process (loopback)
-    python examples/load.py --url http://127.0.0.1:8080 -n 16 --json load.json
+    python examples/server.py --model smollm2 --listen 127.0.0.1:8080 &
+    python examples/load.py --url http://127.0.0.1:8080 --concurrency 8 --requests 16 \\
+        --system 1000 --shared 1.0 --user 32 --max-tokens 32
+    python examples/load.py                  # starts a tiny-model server in this process
 
-Two rounds of N concurrent requests, each prompt a system prompt plus a short user part:
-
-* ``cold``: every request has its own system prompt, so nothing can be reused;
-* ``warm``: every request shares one system prompt, which one earlier request (not counted) has
-  left in the cache, so each request loads that prefix's KV instead of computing it.
-
-Prints time to first token (server-side, p50 / p95 / max) per round and the warm / cold ratio.
-Every loop is bounded; the script stops by itself.
+Each request is a system part plus a user part, sent as token ids to ``/v1/completions`` with
+``stream: true`` and ``temperature: 0``. A fraction ``--shared`` of the requests share one
+system part (which one earlier request, not counted, leaves in the server's cache); the others
+get a system part of their own. ``--concurrency`` workers send ``--requests`` in all, each
+waiting for its previous answer. Works against any server with that API (``--vocab`` bounds the
+random ids); the prefix and device-tier figures come from a tierkv server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -25,71 +26,163 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 
-def _percentile(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (nearest rank; 0 when empty)."""
+    if not xs:
+        return 0.0
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-async def _post(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], n: int
-) -> dict[str, Any]:
-    async with session.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": n}) as r:
-        r.raise_for_status()
-        result: dict[str, Any] = await r.json()
-        return result
+@dataclass
+class LoadSpec:
+    """One load: how many requests, how alike, how long."""
+
+    concurrency: int = 8
+    requests: int = 16
+    system: int = 256
+    shared: float = 1.0
+    user: int = 16
+    max_tokens: int = 16
+    vocab: int = 2000
+    seed: int = 0
+    warmup: bool = True
 
 
-async def _round(
-    session: aiohttp.ClientSession, url: str, prompts: list[list[int]], n: int
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(_post(session, url, p, n) for p in prompts))
-    wall = time.perf_counter() - t0
-    ttft = [r["ttft_ms"] for r in results]
-    return {
-        "requests": len(results),
-        "reused_tokens_mean": statistics.fmean(r["reused_tokens"] for r in results),
-        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in results),
-        "ttft_ms_p50": _percentile(ttft, 0.5),
-        "ttft_ms_p95": _percentile(ttft, 0.95),
-        "ttft_ms_max": max(ttft),
-        "wall_s": wall,
-        "tokens_per_s": sum(len(r["tokens"]) for r in results) / wall,
+@dataclass
+class Sample:
+    """One request's timings (client side)."""
+
+    ttft: float
+    total: float
+    tokens: int
+    cached: int
+
+
+async def stream_one(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, model: str
+) -> Sample:
+    """Send one streamed completion; returns its timings. Raises RuntimeError on an error."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
     }
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    usage: dict[str, Any] = {}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
+        async for line in r.content:
+            text = line.decode().strip()
+            if not text.startswith("data: ") or text == "data: [DONE]":
+                continue
+            event = json.loads(text[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if ttft is None and event["choices"][0].get("text"):
+                ttft = time.perf_counter() - t0
+            usage = event.get("usage") or usage
+    total = time.perf_counter() - t0
+    details = usage.get("prompt_tokens_details") or {}
+    return Sample(
+        ttft if ttft is not None else total,
+        total,
+        int(usage.get("completion_tokens", 0)),
+        int(details.get("cached_tokens", 0)),
+    )
 
 
-async def run_load(
-    url: str, n: int, system: int, user: int, max_tokens: int, vocab: int, seed: int
-) -> dict[str, Any]:
-    """Both rounds against ``url``; returns their figures."""
-    rnd = random.Random(seed)
-
-    def ids(k: int) -> list[int]:
-        return [rnd.randrange(vocab) for _ in range(k)]
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        out: dict[str, Any] = {}
-        print(f"cold: {n} requests, distinct system prompts ({system} + {user} tokens)", flush=True)
-        out["cold"] = await _round(
-            session, url, [ids(system) + ids(user) for _ in range(n)], max_tokens
-        )
-        shared = ids(system)
-        await _post(session, url, shared + ids(user), 1)  # leaves the system prompt cached
-        print(f"warm: {n} requests, one shared system prompt", flush=True)
-        out["warm"] = await _round(session, url, [shared + ids(user) for _ in range(n)], max_tokens)
-        async with session.get(f"{url}/stats") as r:
-            out["store"] = await r.json()
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """The unlabelled ``tierkv_server_*`` gauges of ``/metrics`` (empty when there are none)."""
+    try:
+        async with session.get(f"{url}/metrics") as r:
+            if r.status != 200:
+                return {}
+            text = await r.text()
+    except aiohttp.ClientError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tierkv_") and "{" not in line:
+            name, _, value = line.partition(" ")
+            out[name] = float(value)
     return out
 
 
-def _load_server() -> Any:
+async def run_load(
+    url: str, spec: LoadSpec, model: str = "", progress: bool = True
+) -> dict[str, Any]:
+    """Run one load against ``url``; returns its figures."""
+    rnd = random.Random(spec.seed)
+
+    def ids(n: int) -> list[int]:
+        return [rnd.randrange(1, spec.vocab) for _ in range(n)]
+
+    shared = ids(spec.system)
+    prompts = [
+        (shared if rnd.random() < spec.shared else ids(spec.system)) + ids(spec.user)
+        for _ in range(spec.requests)
+    ]
+    timeout = aiohttp.ClientTimeout(total=3600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        if not model:
+            async with session.get(f"{url}/v1/models") as r:
+                model = (await r.json())["data"][0]["id"]
+        if spec.warmup and spec.shared > 0:
+            await stream_one(session, url, shared + ids(spec.user), 1, model)
+        before = await scrape(session, url)
+        queue = list(enumerate(prompts))
+        samples: list[Sample] = []
+
+        async def worker() -> None:
+            while queue:
+                _, prompt = queue.pop(0)
+                samples.append(await stream_one(session, url, prompt, spec.max_tokens, model))
+                if progress:
+                    print(f"\r  {len(samples)}/{len(prompts)} requests", end="", file=sys.stderr)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(spec.concurrency)))
+        wall = time.perf_counter() - t0
+        if progress:
+            print(file=sys.stderr)
+        after = await scrape(session, url)
+    ttft = [s.ttft for s in samples]
+    tpot = [(s.total - s.ttft) / (s.tokens - 1) for s in samples if s.tokens > 1]
+    tokens = sum(s.tokens for s in samples)
+    return {
+        "requests": len(samples),
+        "concurrency": spec.concurrency,
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
+        "prompt_tokens": sum(len(p) for p in prompts),
+        "prefix_tokens_reused": sum(s.cached for s in samples),
+        "device_peak_bytes": after.get("tierkv_server_device_peak_bytes", 0.0),
+        "device_capacity_bytes": after.get("tierkv_server_device_capacity_bytes", 0.0),
+        "live_kv_peak_bytes": after.get("tierkv_server_live_kv_peak_bytes", 0.0),
+        "server_reused_tokens": after.get("tierkv_server_cached_prompt_tokens", 0.0)
+        - before.get("tierkv_server_cached_prompt_tokens", 0.0),
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+    }
+
+
+def load_server_module() -> Any:
+    """``examples/server.py`` as a module (to serve in this process)."""
     path = Path(__file__).with_name("server.py")
     spec = importlib.util.spec_from_file_location("tierkv_example_server", path)
     assert spec is not None and spec.loader is not None
@@ -99,50 +192,65 @@ def _load_server() -> Any:
     return mod
 
 
+def report(res: dict[str, Any]) -> str:
+    """The figures as lines of text."""
+    mib = 1 << 20
+    return "\n".join(
+        [
+            f"requests          {res['requests']} at concurrency {res['concurrency']}",
+            f"TTFT p50 / p99    {res['ttft_p50_s'] * 1e3:.1f} / {res['ttft_p99_s'] * 1e3:.1f} ms",
+            f"time per token    {res['tpot_p50_s'] * 1e3:.1f} ms (p50)",
+            f"output tokens/s   {res['tokens_per_s']:.1f}",
+            f"prefix reused     {res['prefix_tokens_reused']} of {res['prompt_tokens']} tokens",
+            f"device-tier peak  {res['device_peak_bytes'] / mib:.1f} MiB "
+            f"(budget {res['device_capacity_bytes'] / mib:.1f} MiB, "
+            f"live KV peak {res['live_kv_peak_bytes'] / mib:.1f} MiB)",
+        ]
+    )
+
+
 async def amain(a: argparse.Namespace) -> dict[str, Any]:
-    runner = None
-    url = a.url
-    vocab = 2048
-    if url is None:
-        server = _load_server()
-        cfg = server.ServerConfig()
-        vocab = cfg.model.vocab
-        runner, url = await server.start(cfg)
-        print(f"server on {url} (in this process)", flush=True)
+    spec = LoadSpec(
+        concurrency=a.concurrency,
+        requests=a.requests,
+        system=a.system,
+        shared=a.shared,
+        user=a.user,
+        max_tokens=a.max_tokens,
+        vocab=a.vocab,
+        seed=a.seed,
+    )
+    if a.url is not None:
+        return await run_load(a.url, spec)
+    server = load_server_module()
+    runner, url = await server.start(server.ServerConfig())
+    print(f"tiny-model server on {url} (in this process)", file=sys.stderr)
     try:
-        return await run_load(url, a.n, a.system, a.user, a.max_tokens, vocab, a.seed)
+        return await run_load(url, spec)
     finally:
-        if runner is not None:
-            await runner.cleanup()
+        await runner.cleanup()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--url", help="a running server (default: start one here, on loopback)")
-    p.add_argument("-n", type=int, default=16, help="concurrent requests per round")
-    p.add_argument("--system", type=int, default=256, help="system prompt tokens")
-    p.add_argument("--user", type=int, default=16, help="user tokens per request")
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (in-process server)")
+    p.add_argument("--url", help="a running server (default: a tiny-model one, in this process)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    p.add_argument("--requests", type=int, default=16, help="requests in all")
+    p.add_argument("--system", type=int, default=256, help="system-part tokens")
+    p.add_argument("--shared", type=float, default=1.0, help="fraction sharing one system part")
+    p.add_argument("--user", type=int, default=16, help="user-part tokens")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--vocab", type=int, default=2000, help="random ids are below this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (in-process server)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     a = p.parse_args()
-    import torch
+    if a.url is None:
+        import torch
 
-    torch.set_num_threads(a.threads)
+        torch.set_num_threads(a.threads)
     res = asyncio.run(amain(a))
-    print(f"\n{'round':<6} {'reused':>8} {'p50 ms':>9} {'p95 ms':>9} {'max ms':>9} {'tok/s':>8}")
-    for name in ("cold", "warm"):
-        r = res[name]
-        print(
-            f"{name:<6} {r['reused_tokens_mean']:>8.0f} {r['ttft_ms_p50']:>9.1f} "
-            f"{r['ttft_ms_p95']:>9.1f} {r['ttft_ms_max']:>9.1f} {r['tokens_per_s']:>8.1f}"
-        )
-    cold, warm = res["cold"], res["warm"]
-    print(
-        f"\nwarm / cold time to first token: p50 {warm['ttft_ms_p50'] / cold['ttft_ms_p50']:.2f}, "
-        f"p95 {warm['ttft_ms_p95'] / cold['ttft_ms_p95']:.2f}"
-    )
+    print(report(res))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 

@@ -335,10 +335,19 @@ class Engine:
             await self._release(req)
 
     async def _release(self, req: Request) -> None:
-        if req.in_store:
-            req.in_store = False
-            if not self.store.closed:
-                await self.store.release(req.rid)
+        if not req.in_store:
+            return
+        req.in_store = False
+        store = self.store
+        if store.closed:
+            return
+        if self.config.prefix_reuse and req.finished in ("length", "stop"):
+            seq = store.sequence(req.rid)
+            if sum(seq.shared) < seq.length // seq.page_tokens:
+                # a full block not yet published: a page in flight (a write-back the last
+                # lease started) cannot be renamed, and release would free it uncached
+                await store.drain()
+        await store.release(req.rid)
 
     def _finish(self, req: Request, reason: str, token: int | None = None) -> None:
         if req.finished is None:
