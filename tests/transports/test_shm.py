@@ -6,14 +6,19 @@ import asyncio
 import os
 import random
 import socket
+import threading
 import zlib
+from collections.abc import Iterator
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from transports import PeerError, ProtocolError, RegionDescriptor, RemoteAccessError, TransferOp
+from transports.probe import Probe
 from transports.shm import ShmTransport, remove_stale_segments, segment_name
 
 PAGE = 16 << 10
@@ -219,3 +224,82 @@ def test_stale_segments_of_gone_owners_are_removed() -> None:
                 seg.unlink()
             except FileNotFoundError:  # removed above: tell the resource tracker too
                 resource_tracker.unregister(f"/{seg.name}", "shared_memory")
+
+
+class _Owner:
+    """An shm transport (with a secret) serving from its own loop in a thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.errors: list[dict[str, Any]] = []
+        self.loop.set_exception_handler(lambda _, ctx: self.errors.append(ctx))
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.t = self.call(ShmTransport("owner", secret=b"s", timeout=2).start())
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
+
+    def probe(self, authenticate: bool) -> Probe:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        sock.connect(self.t._address)
+        p = Probe(sock)
+        if authenticate:
+            assert p.handshake(b"s", role="shm-peer", ident="fuzzer")["op"] == "welcome"
+        else:
+            assert p.recv()["op"] == "challenge"  # type: ignore[index]
+        return p
+
+    def close(self) -> None:
+        self.call(self.t.aclose())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def owner() -> Iterator[_Owner]:
+    o = _Owner()
+    yield o
+    o.close()
+
+
+msgs = st.fixed_dictionaries(
+    {"op": st.sampled_from(["notify", "dereg", "auth", "zz"])},
+    optional={
+        "data": st.binary(max_size=300) | st.integers(0, 2**64 - 1),
+        "region": st.integers(-(2**63), 2**63 - 1) | st.text(max_size=4),
+    },
+)
+blobs = st.one_of(
+    st.binary(max_size=200),
+    st.integers(0, 2**32 - 1).map(lambda n: n.to_bytes(4, "big")),
+    st.integers(1, 3000)
+    .map(lambda d: b"\x91" * d + b"\xc0")
+    .map(lambda b: len(b).to_bytes(4, "big") + b),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=st.lists(msgs, max_size=4), tail=blobs, authenticate=st.booleans())
+def test_the_control_socket_survives_fuzzing(
+    owner: _Owner, frames: list[dict[str, Any]], tail: bytes, authenticate: bool
+) -> None:
+    """Random, truncated, oversized and deeply nested frames before and after the handshake:
+    the owner stays up and nothing fails untyped."""
+    with owner.probe(authenticate) as p:
+        try:
+            p.sock.sendall(b"".join(p.frame(f) for f in frames) + tail)
+            p.sock.shutdown(socket.SHUT_WR)
+            while p.sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+    assert not owner.errors, owner.errors[:2]
+
+
+def test_the_owner_still_serves_after_fuzzing(owner: _Owner) -> None:
+    with owner.probe(True):
+        pass
+    assert owner.t._notification_bytes <= owner.t.max_notification_bytes
