@@ -70,7 +70,8 @@ class Admission:
             async with asyncio.timeout_at(deadline):
                 await fut
         except BaseException as exc:
-            if fut.done() and not fut.cancelled():  # admitted as we were cancelled: give it back
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                # admitted as we were cancelled: give it back
                 self.leave(pages)
             else:
                 if waiter in self._queue:  # (a cancelled head may have been dropped already)
@@ -87,6 +88,15 @@ class Admission:
         self.active -= 1
         assert self.committed >= 0 and self.active >= 0, "admission left more than it took"
         self._admit_heads()
+
+    def close(self, error: Callable[[], BaseException]) -> None:
+        """Fail every waiting lease with ``error()`` (the store is closing); the admitted ones
+        leave as they end."""
+        q = self._queue
+        while q:
+            w = q.popleft()
+            if not w.fut.done():
+                w.fut.set_exception(error())
 
     def _take(self, pages: int) -> None:
         self.committed += pages

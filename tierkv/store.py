@@ -219,6 +219,8 @@ class KVStore(Prefetcher):
         if self._closed:
             return
         self._closed = True
+        if self._admission is not None:  # leases waiting for room fail now, not at their deadline
+            self._admission.close(lambda: StoreClosedError("store closed while the lease waited"))
         if self.remote is not None:
             await self.remote.aclose()
         for t in list(self._tasks):

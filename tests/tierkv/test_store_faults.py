@@ -12,7 +12,7 @@ import torch
 
 from tierkv import KeyKind, SequenceError, SpecError, TierFullError, key_kind
 from tierkv.admission import Admission
-from tierkv.errors import StoreTimeoutError
+from tierkv.errors import StoreClosedError, StoreTimeoutError
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
@@ -392,3 +392,20 @@ async def _full_then_timeout(adm: Admission, err: Any) -> int:
         return await adm.enter(1, loop.time() + 0.05, err)
     finally:
         adm.leave(held)
+
+
+async def test_closing_the_store_fails_waiting_leases_at_once() -> None:
+    store = await KVStore(
+        SPEC, device_bytes=6 * PAGE, host_bytes=40 * PAGE, codec=None, timeout=60
+    ).open()
+    refs = {s: await fill(store, s, i, n=8) for i, s in enumerate("ab")}
+    holder = store.lease(["a"])
+    await holder.__aenter__()
+    waiter = asyncio.ensure_future(check(store, "b", refs["b"]))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert store.admission.waiting == 1
+    await store.close()
+    with pytest.raises(StoreClosedError):
+        await asyncio.wait_for(waiter, 5)  # not after the 60 s timeout
+    await holder.__aexit__(None, None, None)
