@@ -70,8 +70,8 @@ async def stream_one(
     session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int, model: str
 ) -> Sample:
     """Send one streamed completion; returns its timings. Raises RuntimeError on an error."""
-    body = {
-        "model": model,
+    body: dict[str, Any] = {"model": model} if model else {}
+    body |= {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
