@@ -10,7 +10,10 @@
   unchanged.
 
 Under the ``long`` hypothesis profile (``HYPOTHESIS_PROFILE=long``) each property runs 10^5
-examples of up to 60 calls; docs/benchmarks.md has the last figures.
+examples of up to 60 calls. ``python tests/tierkv/test_policy_contract.py [CALLS]`` runs the same
+op language from a seeded generator without hypothesis's overhead until each policy (and each
+classic against its reference) has taken CALLS page-table calls (10^6 by default);
+docs/benchmarks.md has the last figures.
 """
 
 from __future__ import annotations
@@ -479,3 +482,41 @@ def test_a_refused_store_leaves_no_admitted_batch_behind() -> None:
     b = t.prepare_store([11], T, [PageHint(depth=1, parent=10, blocks=40)])
     assert b is not None and b.rejected == [11]  # 10 was never stored: 11 would be stranded
     t.check()
+
+
+def fuzz(name: str, calls: int, seed: int, reference: bool) -> int:
+    """Seeded random legal sequences (the ops of :data:`OPS`) until ``calls`` page-table calls
+    have run on ``name`` (against its reference when ``reference``); returns the calls made.
+    Any broken contract raises."""
+    import random
+
+    rng = random.Random(seed)
+    kinds = ["store"] * 3 + ["done"] * 2 + ["load", "unload", "touch", "evict", "settle"]
+    kinds += ["remove", "rekey", "ranks"]
+    made = 0
+    while made < calls:
+        capacity = rng.randint(0, 9)
+        if reference:
+            with mock.patch.dict(POLICIES, {f"ref-{name}": REFERENCES[name]}):
+                tables = [PageTable({T: capacity}, name), PageTable({T: capacity}, f"ref-{name}")]
+            d = Driver(tables, hints=False)
+        else:
+            d = Driver([PageTable({T: capacity}, name)], hints=rng.random() < 0.5)
+        for _ in range(rng.randint(1, 60)):
+            keys = [rng.randint(0, 17) for _ in range(rng.randint(0, 5))]
+            d.run(rng.choice(kinds), keys, rng.randint(0, 5), rng.random() < 0.5)
+        d.drain()
+        made += d.calls
+    return made
+
+
+if __name__ == "__main__":  # the long run: python tests/tierkv/test_policy_contract.py [CALLS]
+    import time
+
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
+    for pol in sorted(POLICIES):
+        for ref in [False, True] if pol in REFERENCES else [False]:
+            t0 = time.process_time()
+            done = fuzz(pol, n, seed=12, reference=ref)
+            what = f"{pol} vs reference" if ref else pol
+            print(f"{what}: {done:,} calls, 0 violations ({time.process_time() - t0:.0f} cpu-s)")
