@@ -94,6 +94,8 @@ async def serve(preauth_cap: int, trace: bool) -> None:
             numeric = {k: v for k, v in srv.stats().items() if isinstance(v, int)}
             reply = {"rss": st["VmRSS"], "hwm": st["VmHWM"], "traced": traced, **numeric}
             reply["traced_peak"] = peak
+            t = os.times()
+            reply["cpu_us"] = int((t.user + t.system) * 1e6)
             reply["sessions"] = len(srv._sessions)
             print(json.dumps(reply), flush=True)
 
@@ -239,6 +241,7 @@ def flood(conns: int, calls: int) -> dict[str, Any]:
             flooder.kill()
             flooder.wait()
         refused = sum(after[k] - base[k] for k in ("protocol_error_total", "budget_hit_total"))
+        cpu = (after["cpu_us"] - base["cpu_us"]) / 1e6
         return {
             "quiet_ms": [x * 1e3 for x in quiet],
             "flood_ms": [x * 1e3 for x in loud],
@@ -249,6 +252,8 @@ def flood(conns: int, calls: int) -> dict[str, Any]:
             "flood_connect_median_ms": statistics.median(loud_fresh) * 1e3,
             "flood_p99_ms": sorted(loud)[int(0.99 * len(loud))] * 1e3,
             "flood_connections_refused_per_s": refused / dt,
+            "server_cpu_us_per_flood_connection": cpu / max(1, refused) * 1e6,
+            "server_cpu_share_during_flood": cpu / dt,
             "server_rss_after_MB": after["rss"] / 2**20,
         }
     finally:
@@ -453,6 +458,15 @@ def main() -> int:
             f"{fl['quiet_connect_median_ms']:.2f} -> {fl['flood_connect_median_ms']:.2f}",
             "",
             f"{fl['flood_connect_median_ms'] / fl['quiet_connect_median_ms']:.2f}x",
+        ]
+    )
+    rows.append(
+        [
+            "server CPU per flood connection, us (CPU share during the flood)",
+            f"{fl['server_cpu_us_per_flood_connection']:.0f} "
+            f"({fl['server_cpu_share_during_flood']:.2f})",
+            "",
+            "",
         ]
     )
     rows.append(
