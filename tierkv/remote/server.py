@@ -284,9 +284,8 @@ class PageServer:
             self.audit.note(
                 PROTOCOL_ERROR, where, "malformed", detail=exc, authenticated=not preauth
             )
-        except (TimeoutError, TransportError) as exc:  # the hello deadline; a stuck reader
+        except (TimeoutError, TransportError):  # the hello deadline; a stuck reader
             self.audit.note(BUDGET_HIT, where, "hello_deadline" if preauth else "send_timeout")
-            del exc
         except ConnectionError:
             pass
         finally:
