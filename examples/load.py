@@ -231,19 +231,28 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
         await runner.cleanup()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (documented in docs/configuration.md)."""
+    d = LoadSpec()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--url", help="a running server (default: a tiny-model one, in this process)")
-    p.add_argument("--concurrency", type=int, default=8, help="requests in flight")
-    p.add_argument("--requests", type=int, default=16, help="requests in all")
-    p.add_argument("--system", type=int, default=256, help="system-part tokens")
-    p.add_argument("--shared", type=float, default=1.0, help="fraction sharing one system part")
-    p.add_argument("--user", type=int, default=16, help="user-part tokens")
-    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
-    p.add_argument("--vocab", type=int, default=2000, help="random ids are below this")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests in all")
+    p.add_argument("--system", type=int, default=d.system, help="system-part tokens")
+    p.add_argument(
+        "--shared", type=float, default=d.shared, help="fraction sharing one system part"
+    )
+    p.add_argument("--user", type=int, default=d.user, help="user-part tokens")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
+    p.add_argument("--vocab", type=int, default=d.vocab, help="random ids are below this")
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=1, help="torch threads (in-process server)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+    return p
+
+
+def main() -> None:
+    p = build_parser()
     a = p.parse_args()
     if a.url is None:
         import torch

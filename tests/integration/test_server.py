@@ -289,3 +289,35 @@ def test_the_command_line_serves_on_a_loopback_port() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _docs_checker() -> Any:
+    path = ROOT / "tests" / "tierkv" / "test_docs_config.py"
+    spec = importlib.util.spec_from_file_location("tierkv_docs_config_check", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_serving_flags_and_options_are_documented() -> None:
+    docs = _docs_checker()
+    got = docs.sections()
+    load = importlib.util.spec_from_file_location(
+        "tierkv_example_load", ROOT / "examples" / "load.py"
+    )
+    assert load is not None and load.loader is not None
+    load_mod = importlib.util.module_from_spec(load)
+    sys.modules[load.name] = load_mod  # (its dataclasses look their module up)
+    load.loader.exec_module(load_mod)
+    for title, parser in (
+        ("examples/server.py", server.build_parser()),
+        ("examples/load.py", load_mod.build_parser()),
+    ):
+        want = {
+            max(a.option_strings, key=len): docs.cli_default(a)
+            for a in parser._actions
+            if a.option_strings and a.dest != "help"
+        }
+        assert got.get(title) == want, title
+    assert got["EngineConfig"] == docs.python_options(EngineConfig)
