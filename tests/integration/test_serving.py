@@ -219,3 +219,28 @@ async def test_close_aborts_requests_in_flight() -> None:
     await e.close()
     reasons = [ev.finish_reason async for ev in agen]
     assert reasons[-1] == "abort"
+
+
+class FlakyModel(TinyModel):
+    """Fails one forward (as a store error inside a step would)."""
+
+    fail_next = False
+
+    def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        return super().finish(layer, x, att)
+
+
+async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None:
+    model = FlakyModel(MODEL)
+    async with Engine(model, EngineConfig(page_tokens=PAGE, max_context=128)) as e:
+        model.fail_next = True
+        with pytest.raises(RuntimeError, match="boom"):
+            await e.complete([1, 2, 3], SamplingParams(max_tokens=4))
+        await e.wait_idle()
+        assert e.counters.failed == 1
+        assert not e.store.tiers.owners  # its pages were released
+        tokens, reason = await e.complete([1, 2, 3], SamplingParams(max_tokens=4))
+        assert len(tokens) == 4 and reason == "length"

@@ -97,6 +97,7 @@ class EngineCounters:
     step_seconds: float = 0.0
     peak_running: int = 0
     peak_live_kv_bytes: int = 0
+    last_error: str = ""
 
 
 class Engine:
@@ -289,7 +290,10 @@ class Engine:
         while True:
             await self._reap()
             for req in sched.admit():
-                await self._join(req)
+                try:
+                    await self._join(req)
+                except Exception as exc:  # (the store closed, a bad id): this request fails
+                    self._fail(req, exc)
             step = sched.plan()
             if not step:
                 if not sched.running and not sched.waiting:
@@ -301,11 +305,14 @@ class Engine:
                 await self._step(step)
             except Exception as exc:  # the step's requests fail; the loop and the others go on
                 for req, _ in step:
-                    if req.finished is None:
-                        self.counters.failed += 1
-                        req.finished = "error"
-                        req.events.put_nowait(exc)
+                    self._fail(req, exc)
             await asyncio.sleep(0)  # let handlers run between steps
+
+    def _fail(self, req: Request, exc: Exception) -> None:
+        if req.finished is None:
+            self.counters.failed += 1
+            req.finished = "error"
+            req.events.put_nowait(exc)
 
     async def _join(self, req: Request) -> None:
         store = self.store
@@ -332,7 +339,11 @@ class Engine:
                 self.counters.cancelled += 1
                 req.finished = "cancelled"
             sched.remove(req)
-            await self._release(req)
+            try:
+                await self._release(req)
+            except Exception as exc:  # counted; the loop goes on
+                self.counters.failed += 1
+                self.counters.last_error = repr(exc)
 
     async def _release(self, req: Request) -> None:
         if not req.in_store:
