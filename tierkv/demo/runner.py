@@ -61,6 +61,7 @@ class RunResult:
     device_bytes: int
     trace: dict[str, Any] | None = None
     loads_after_first_step: float = 0.0
+    cpu_seconds: float = 0.0  # the process's CPU time (all threads) over the same span
 
     @property
     def tokens_per_s(self) -> float:
@@ -100,7 +101,12 @@ def _store(cfg: DemoConfig, device_bytes: int) -> KVStore:
 
 
 async def run_swap(
-    cfg: DemoConfig, device_bytes: int, *, progress: bool = False, trace: bool = False
+    cfg: DemoConfig,
+    device_bytes: int,
+    *,
+    progress: bool = False,
+    trace: bool = False,
+    label: str = "",
 ) -> RunResult:
     """Sequences in batches take turns of ``cfg.turn`` tokens; the next batches are announced
     (and prefetched) while the current one computes."""
@@ -116,9 +122,9 @@ async def run_swap(
         for s in ids:
             await store.add_sequence(s, prompts[s])
         first_loads: int | None = None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with Progress(
-            rounds * len(batches) * cfg.turn, f"demo {cfg.mode}", enabled=progress
+            rounds * len(batches) * cfg.turn, label or f"demo {cfg.mode}", enabled=progress
         ) as bar:
             for _ in range(rounds):
                 for bi, batch in enumerate(batches):
@@ -132,12 +138,13 @@ async def run_swap(
                             first_loads = store.stats()["page_loads"]
                         bar.update()
         seconds = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         await store.drain()
         stats = store.stats()
         tl = store.timeline.to_chrome() if trace else None
     total = stats["page_loads"]
     after = (total - (first_loads or 0)) / total if total else 0.0
-    return RunResult(out, logits, seconds, stats, device_bytes, tl, after)
+    return RunResult(out, logits, seconds, stats, device_bytes, tl, after, cpu)
 
 
 async def _decode_step(
@@ -167,7 +174,12 @@ async def _decode_step(
 
 
 async def run_stream(
-    cfg: DemoConfig, device_bytes: int, *, progress: bool = False, trace: bool = False
+    cfg: DemoConfig,
+    device_bytes: int,
+    *,
+    progress: bool = False,
+    trace: bool = False,
+    label: str = "",
 ) -> RunResult:
     """One sequence whose KV exceeds the device tier: each layer's pages are leased in turn
     while the next layer's are prefetched."""
@@ -179,8 +191,8 @@ async def run_stream(
     async with _store(cfg, device_bytes) as store:
         store.timeline.enabled = trace
         await store.add_sequence("seq0", prompt)
-        t0 = time.perf_counter()
-        with Progress(cfg.generate, "demo stream", enabled=progress) as bar:
+        t0, c0 = time.perf_counter(), time.process_time()
+        with Progress(cfg.generate, label or "demo stream", enabled=progress) as bar:
             for _ in range(cfg.generate):
                 async with _LayerStream(store, "seq0", layers) as gate:
                     toks = out["seq0"]
@@ -196,10 +208,11 @@ async def run_stream(
                 store.step()
                 bar.update()
         seconds = time.perf_counter() - t0
+        cpu = time.process_time() - c0
         await store.drain()
         stats = store.stats()
         tl = store.timeline.to_chrome() if trace else None
-    return RunResult(out, logits, seconds, stats, device_bytes, tl)
+    return RunResult(out, logits, seconds, stats, device_bytes, tl, cpu_seconds=cpu)
 
 
 class _LayerStream:

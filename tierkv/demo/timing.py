@@ -1,0 +1,101 @@
+"""How the demos time their passes: a warm-up pass of every kind first, then ``repeat``
+rounds in which the kinds alternate (the order rotates each round), and the median per kind.
+
+On a shared machine a single pass's speed swings with whatever else runs; a ratio of two
+passes that ran minutes apart swings twice as much. Alternating the kinds exposes them to the
+same load, and the median drops the round a neighbour's burst hit::
+
+    warm-up  R T I                         (short, not counted)
+    round 1  R T I   round 2  T I R   round 3  I R T
+    figure   median(T) / median(R), with the spread of the per-round ratios T_k / R_k
+
+Each pass is timed twice: wall clock (tokens/s, what a user waits for) and the process's CPU
+time (all its threads). On a machine that others load, the scheduler shares the cores per
+thread, so a pass whose store works in a second thread gets a bigger share the busier the
+machine is: the wall ratio then drifts with the load, while tokens per CPU-second measure the
+work each pass does, whatever the load.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def order(kinds: Sequence[str], round_index: int) -> list[str]:
+    """The kinds of round ``round_index``, rotated so that each kind leads a round in turn."""
+    k = round_index % len(kinds) if kinds else 0
+    return [*kinds[k:], *kinds[:k]]
+
+
+class Clock:
+    """Wall and process CPU seconds of a block: ``with Clock() as c: ...``, then ``c.wall``,
+    ``c.cpu``."""
+
+    wall = cpu = 0.0
+
+    def __enter__(self) -> Clock:
+        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._wall
+        self.cpu = time.process_time() - self._cpu
+
+
+def _ratios(tokens: int, ref_s: list[float], got_s: list[float]) -> list[float]:
+    """[median tokens/s tiered, median reference, their ratio, lowest and highest round]."""
+    ref = statistics.median(tokens / s for s in ref_s)
+    got = statistics.median(tokens / s for s in got_s)
+    per_round = [r / g for g, r in zip(got_s, ref_s)]  # (n / g) / (n / r)
+    return [got, ref, got / ref, min(per_round), max(per_round)]
+
+
+def speed_figures(
+    tokens: int,
+    reference: Sequence[tuple[float, float]],
+    tiered: Sequence[tuple[float, float]],
+) -> dict[str, Any]:
+    """Medians of tokens/s (wall) and tokens per CPU-second over the rounds, their ratios and
+    the spread of the per-round ratios. ``reference`` and ``tiered``: (wall, cpu) seconds per
+    round. Raises ValueError for no rounds or rounds of different counts.
+    """
+    if not reference or len(reference) != len(tiered):
+        raise ValueError("speed_figures: one reference and one tiered time per round")
+    wall = _ratios(tokens, [w for w, _ in reference], [w for w, _ in tiered])
+    cpu = _ratios(tokens, [max(c, 1e-9) for _, c in reference], [max(c, 1e-9) for _, c in tiered])
+    return {
+        "tokens_per_s": wall[0],
+        "all_resident_tokens_per_s": wall[1],
+        "speed_of_all_resident": wall[2],
+        "speed_rounds_min_max": wall[3:],
+        "tokens_per_cpu_s": cpu[0],
+        "all_resident_tokens_per_cpu_s": cpu[1],
+        "cpu_speed_of_all_resident": cpu[2],
+        "cpu_speed_rounds_min_max": cpu[3:],
+        "rounds": len(reference),
+    }
+
+
+def speed_rows(r: dict[str, Any], note: str = "") -> list[tuple[str, str]]:
+    """The table rows of :func:`speed_figures`'s figures."""
+
+    def spread(key: str) -> str:
+        lo, hi = r[key]
+        n = r["rounds"]
+        return f"median of {n}; rounds {lo:.3f}-{hi:.3f}" if n > 1 else "1 round"
+
+    return [
+        (
+            "tokens/s vs all-resident",
+            f"{r['tokens_per_s']:.1f} / {r['all_resident_tokens_per_s']:.1f} "
+            f"= {r['speed_of_all_resident']:.3f} ({spread('speed_rounds_min_max')}){note}",
+        ),
+        (
+            "tokens/CPU-s vs all-resident",
+            f"{r['tokens_per_cpu_s']:.1f} / {r['all_resident_tokens_per_cpu_s']:.1f} "
+            f"= {r['cpu_speed_of_all_resident']:.3f} ({spread('cpu_speed_rounds_min_max')})",
+        ),
+    ]
