@@ -66,3 +66,21 @@ def test_sampling_params_are_checked() -> None:
     for bad in ({"max_tokens": 0}, {"temperature": -1.0}, {"top_p": 0.0}, {"stop": ("",)}):
         with pytest.raises(ValueError):
             SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("n", "past"), [(1, 0), (1, 37), (5, 0), (5, 37)])
+def test_grouped_attention_matches_repeated_heads(n: int, past: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from tierkv.serving.model import causal_attention
+
+    g = torch.Generator().manual_seed(n * 100 + past)
+    q = torch.randn(6, n, 8, generator=g)
+    k = torch.randn(2, past + n, 8, generator=g)
+    v = torch.randn(2, past + n, 8, generator=g)
+    kk, vv = k.repeat_interleave(3, 0), v.repeat_interleave(3, 0)
+    mask = torch.arange(past + n)[None, :] <= torch.arange(past, past + n)[:, None]
+    want = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    got = causal_attention(q, k, v, past)
+    torch.testing.assert_close(got, want.transpose(0, 1).reshape(n, 48))
