@@ -6,7 +6,10 @@ of the prompt prefix ``tokens[: i + 1]`` alone, so a cached prefix reused by ano
 must read back exactly the KV that sequence would have appended itself. Tiny tiers force every
 path (eviction with write-back, host -> cold, loads, waiting for room, renames at lease end).
 
-Run longer with ``HYPOTHESIS_PROFILE=long`` (see tests/conftest.py).
+A remote tier (a dict behind the ``PageSource`` protocol) is drawn in half the runs; a
+``flood`` request pushes cached prefixes out of the host tier into it, and later prompts import
+them back. Run longer with ``HYPOTHESIS_PROFILE=long`` (see tests/conftest.py):
+``HYPOTHESIS_LONG_EXAMPLES=4000`` runs ~10^5 steps in about 6 minutes on two cores.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import hashlib
 from typing import Any
 
+import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -60,6 +64,39 @@ def expected(tokens: list[int], layer: int, start: int, end: int) -> torch.Tenso
     return torch.cat([kv_of(tokens[: i + 1], layer) for i in range(start, end)], dim=2)
 
 
+class DictSource:
+    """A remote tier in a dict (a :class:`~tierkv.remote.PageSource`); yields once per call so
+    that its calls interleave with the store's other work."""
+
+    def __init__(self) -> None:
+        self.pages: dict[bytes, bytes] = {}
+
+    async def lookup(self, keys: list[bytes]) -> int:
+        await asyncio.sleep(0)
+        n = 0
+        while n < len(keys) and keys[n] in self.pages:
+            n += 1
+        return n
+
+    async def load(self, keys: list[bytes], array: Any, slots: list[int]) -> int:
+        await asyncio.sleep(0)
+        n = 0
+        for k, s in zip(keys, slots):
+            page = self.pages.get(k)
+            if page is None:
+                break
+            array[s] = np.frombuffer(page, dtype=np.uint8)
+            n += 1
+        return n
+
+    async def publish(self, keys: list[bytes], array: Any, slots: list[int]) -> int:
+        await asyncio.sleep(0)
+        new = [k for k in keys if k not in self.pages]
+        for k, s in zip(keys, slots):
+            self.pages[k] = array[s].tobytes()
+        return len(new)
+
+
 class Model:
     """What each live sequence holds: its tokens and the KV length of each layer."""
 
@@ -101,10 +138,19 @@ class StoreMachine(RuleBasedStateMachine):
         cold=st.sampled_from([None, "none"]),
         write_behind=st.booleans(),
         compress_live=st.booleans(),
+        remote=st.booleans(),
     )
     def open_store(
-        self, device: int, host: int, cold: str | None, write_behind: bool, compress_live: bool
+        self,
+        device: int,
+        host: int,
+        cold: str | None,
+        write_behind: bool,
+        compress_live: bool,
+        remote: bool,
     ) -> None:
+        if remote:  # a host tier that drops cached prefixes, so that they go to the remote
+            cold, host = None, host - 8
         store = KVStore(
             SPEC,
             device_bytes=device * PAGE,
@@ -115,6 +161,7 @@ class StoreMachine(RuleBasedStateMachine):
             compress_live=compress_live,
             write_behind=write_behind,
             timeout=5.0,
+            remote=DictSource() if remote else None,
         )
         self.store = self.run(store.open())
 
@@ -233,6 +280,25 @@ class StoreMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from(sorted(self.model.tokens)))
         self.run(self.s.release(sid))
         del self.model.tokens[sid], self.model.kv_len[sid]
+
+    @rule(seed=st.integers(0, 10_000))
+    def flood(self, seed: int) -> None:
+        """A short-lived request with a prompt of its own: its cached blocks push older
+        cached prefixes out of the host tier (to the remote tier, when there is one)."""
+        prompt = [100 + (seed * 13 + i) % 997 for i in range(MAX_TOKENS)]
+
+        async def go() -> None:
+            await self.s.add_sequence("flood", prompt)
+            seq = self.s.sequence("flood")
+            try:
+                async with self.s.lease(["flood"]) as lease:
+                    for layer in range(SPEC.num_layers):
+                        ref = expected(prompt, layer, seq.kv_len[layer], len(prompt))
+                        await lease.append("flood", layer, ref[0], ref[1])
+            finally:
+                await self.s.release("flood")
+
+        self.attempt(go())
 
     @rule(ids=st.lists(st.sampled_from(IDS), max_size=3, unique=True), steps=st.integers(1, 3))
     def schedule_and_step(self, ids: list[str], steps: int) -> None:
