@@ -12,7 +12,9 @@ baseline measured in the same run.
    first token with the default device tier (half the KV) against an all-resident one (target:
    within 5%, a ratio <= 1.05).
 
-The servers run in this process on loopback (the load generator is examples/load.py); on a
+Configurations run in turn, ``--reps`` times each (section 3 twice as often), and each figure is
+the median of its repetitions. The servers run in this process on loopback (the load generator
+is examples/load.py); on a
 machine without a GPU both tiers are host memory, so the ratios measure the engine and the
 store, not PCIe. Figures on a shared machine move with its load: the ratios, measured back to
 back, are the figures to read.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -140,7 +143,7 @@ async def serve_load(
         gc.collect()
 
 
-async def shared_prefix(loaded: tuple[Any, Any], quick: bool) -> dict[str, Any]:
+async def shared_prefix(loaded: tuple[Any, Any], quick: bool, reps: int) -> dict[str, Any]:
     """Section 2: reuse on / off / one at a time, one shared system prompt."""
     import load
 
@@ -157,17 +160,36 @@ async def shared_prefix(loaded: tuple[Any, Any], quick: bool) -> dict[str, Any]:
     )
     base = EngineConfig(max_running=8, max_context=ctx)
     out: dict[str, Any] = {"system_tokens": system, "user_tokens": user, "output_tokens": new}
-    for name, cfg in (
-        ("reuse", base),
-        ("no_reuse", replace(base, prefix_reuse=False)),
-        ("one_at_a_time", replace(base, max_running=1)),
-    ):
-        log(f"shared prefix: {name}")
-        out[name] = await serve_load(loaded, cfg, spec)
-    return out
+    runs = {
+        "reuse": base,
+        "no_reuse": replace(base, prefix_reuse=False),
+        "one_at_a_time": replace(base, max_running=1),
+    }
+    return out | await interleaved(loaded, runs, spec, reps, "shared prefix")
 
 
-async def distinct(loaded: tuple[Any, Any], quick: bool) -> dict[str, Any]:
+async def interleaved(
+    loaded: tuple[Any, Any],
+    runs: dict[str, EngineConfig],
+    spec: Any,
+    reps: int,
+    label: str,
+    warm: list[int] | None = None,
+) -> dict[str, Any]:
+    """Each configuration ``reps`` times, in turn (a, b, a, b...): the machine's drift falls on
+    all of them alike; each figure is the median over the repetitions."""
+    got: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    for rep in range(reps):
+        for name, cfg in runs.items():
+            log(f"{label}: {name} ({rep + 1}/{reps})")
+            got[name].append(await serve_load(loaded, cfg, spec, warm=warm))
+    return {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} | {"reps": len(rs)}
+        for name, rs in got.items()
+    }
+
+
+async def distinct(loaded: tuple[Any, Any], quick: bool, reps: int) -> dict[str, Any]:
     """Section 3: nothing to reuse; the default device tier against an all-resident one."""
     import load
 
@@ -187,14 +209,12 @@ async def distinct(loaded: tuple[Any, Any], quick: bool) -> dict[str, Any]:
     model = loaded[0]
     full = 8 * model.kv_spec(base.page_tokens).bytes_for(ctx)
     out: dict[str, Any] = {"prompt_tokens": system + user, "output_tokens": new}
+    runs = {
+        "tiered": base,  # device: half the KV of 8 full contexts
+        "all_resident": replace(base, device_bytes=2 * full),
+    }
     warm = list(range(1000, 1040))
-    for name, cfg in (
-        ("tiered", base),  # device: half the KV of 8 full contexts
-        ("all_resident", replace(base, device_bytes=2 * full)),
-    ):
-        log(f"distinct prompts: {name}")
-        out[name] = await serve_load(loaded, cfg, spec, warm=warm)
-    return out
+    return out | await interleaved(loaded, runs, spec, reps, "distinct prompts", warm)
 
 
 def plot(ratios: dict[str, float], path: str) -> None:
@@ -229,7 +249,7 @@ async def amain(a: Any) -> None:
         ratios["identical_single"] = eq["single_identical"] / eq["prompts"]
         ratios["identical_batched"] = eq["batched_identical"] / eq["prompts"]
     log("2. shared system prompt, concurrency 8")
-    sp = await shared_prefix(loaded, a.quick)
+    sp = await shared_prefix(loaded, a.quick, a.reps)
     figures["shared_prefix"] = sp
     ratios["ttft_p50_reuse_vs_off"] = sp["reuse"]["ttft_p50_s"] / sp["no_reuse"]["ttft_p50_s"]
     ratios["tokens_per_s_vs_one_at_a_time"] = (
@@ -239,7 +259,7 @@ async def amain(a: Any) -> None:
         sp["reuse"]["device_peak_bytes"] / sp["reuse"]["live_kv_peak_bytes"]
     )
     log("3. distinct prompts, concurrency 8")
-    dp = await distinct(loaded, a.quick)
+    dp = await distinct(loaded, a.quick, 2 * a.reps)
     figures["distinct"] = dp
     ratios["ttft_p50_tiered_vs_all_resident"] = (
         dp["tiered"]["ttft_p50_s"] / dp["all_resident"]["ttft_p50_s"]
@@ -309,6 +329,9 @@ def main() -> None:
     p.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--skip-equivalence", action="store_true", help="skip section 1")
+    p.add_argument(
+        "--reps", type=int, default=1, help="interleaved repetitions (section 3: twice this)"
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw the ratios")
     asyncio.run(amain(p.parse_args()))
 
