@@ -244,3 +244,22 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None
         assert not e.store.tiers.owners  # its pages were released
         tokens, reason = await e.complete([1, 2, 3], SamplingParams(max_tokens=4))
         assert len(tokens) == 4 and reason == "length"
+
+
+async def test_requests_arriving_together_compute_a_shared_prompt_once() -> None:
+    rnd = random.Random(7)
+    system = [rnd.randrange(MODEL.vocab) for _ in range(5 * PAGE)]
+    ps = [system + [rnd.randrange(MODEL.vocab) for _ in range(5)] for _ in range(4)]
+    other = prompts(1, seed=8, lo=30, hi=31)[0]  # shares nothing: runs beside the first
+    params = SamplingParams(max_tokens=5)
+    want = await sequential([*ps, other], params)
+    async with engine(max_running=8) as e:
+
+        async def run(p: list[int]) -> tuple[int, list[int]]:
+            evs = [ev async for ev in e.generate(p, params)]
+            return evs[0].cached_tokens, [ev.token for ev in evs if ev.token is not None]
+
+        got = await asyncio.gather(*(run(p) for p in [*ps, other]))
+        assert [c for c, _ in got] == [0, 5 * PAGE, 5 * PAGE, 5 * PAGE, 0]
+        assert e.counters.peak_running >= 2
+    assert [t for _, t in got] == want

@@ -145,7 +145,11 @@ class Engine:
             self.host_bytes = store.tiers.table.capacity("host") * self.spec.page_bytes
         # one layer leased, the next being prefetched: each gets half the device
         self.scheduler = Scheduler(
-            cfg.max_running, cfg.max_batch_tokens, max(1, device_pages // 2), cfg.page_tokens
+            cfg.max_running,
+            cfg.max_batch_tokens,
+            max(1, device_pages // 2),
+            cfg.page_tokens,
+            share_prefill=cfg.prefix_reuse,
         )
         self._announced: list[str] = []
         self.counters = EngineCounters()
@@ -317,6 +321,7 @@ class Engine:
     async def _join(self, req: Request) -> None:
         store = self.store
         if self.config.prefix_reuse:
+            await self._publish_shared(req)
             req.reused = await store.add_sequence(req.rid, req.prompt)
         else:
             await store.add_sequence(req.rid, [])
@@ -328,6 +333,18 @@ class Engine:
         c.prompt_tokens += len(req.prompt)
         c.prefix_tokens_reused += req.reused
         c.peak_running = max(c.peak_running, len(self.scheduler.running))
+
+    async def _publish_shared(self, req: Request) -> None:
+        # A running request with the same first page may hold full blocks not yet published
+        # (a write-back of the last lease was in flight): publish them now, so they are reused.
+        t = self.spec.page_tokens
+        for r in self.scheduler.running:
+            if r is req or not r.in_store or r.prompt[:t] != req.prompt[:t]:
+                continue
+            seq = self.store.sequence(r.rid)
+            if sum(seq.shared) < seq.length // t:
+                await self.store.drain()
+                self.store.publish(seq)
 
     async def _reap(self) -> None:
         sched = self.scheduler

@@ -10,6 +10,10 @@ Requests join between steps, in arrival order, while there is a running slot and
 device footprint fits: every running request's pages of one layer at its full length
 (prompt + max_tokens), twice (the leased layer and the one being prefetched). A request that
 does not fit waits for others to leave; one that could never fit is refused at submission.
+
+With ``share_prefill``, a request whose first page of prompt is that of a running request still
+prefilling its prompt waits until that prompt is computed: its shared pages are then cached and
+loaded, not computed twice (requests that arrive together with one system prompt).
 """
 
 from __future__ import annotations
@@ -27,10 +31,16 @@ class Scheduler:
         max_batch_tokens: tokens in one step at most (decode tokens plus prefill chunks).
         layer_pages: device pages the running requests may hold in one layer.
         page_tokens: tokens per page.
+        share_prefill: hold a request back while another computes the same first page.
     """
 
     def __init__(
-        self, max_running: int, max_batch_tokens: int, layer_pages: int, page_tokens: int
+        self,
+        max_running: int,
+        max_batch_tokens: int,
+        layer_pages: int,
+        page_tokens: int,
+        share_prefill: bool = False,
     ) -> None:
         if max_running < 1 or max_batch_tokens < 1:
             raise ValueError("max_running and max_batch_tokens must be >= 1")
@@ -38,6 +48,7 @@ class Scheduler:
         self.max_batch_tokens = max_batch_tokens
         self.layer_pages = layer_pages
         self.page_tokens = page_tokens
+        self.share_prefill = share_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._held = 0  # layer pages of the running requests at their full length
@@ -62,11 +73,24 @@ class Scheduler:
             need = self.pages(req)
             if self.running and self._held + need > self.layer_pages:
                 break  # waits for a running request to leave
+            if self.share_prefill and self.prefix_in_prefill(req) is not None:
+                break  # waits for the shared pages to be computed once
             self.waiting.popleft()
             self.running.append(req)
             self._held += need
             out.append(req)
         return out
+
+    def prefix_in_prefill(self, req: Request) -> Request | None:
+        """A running request still prefilling a prompt whose first page is ``req``'s."""
+        t = self.page_tokens
+        if len(req.prompt) <= t:
+            return None
+        head = req.prompt[:t]
+        for r in self.running:
+            if r.prefilling and len(r.prompt) > t and r.prompt[:t] == head:
+                return r
+        return None
 
     def remove(self, req: Request) -> None:
         """Take a request out (finished, cancelled or failed); a no-op if it is not here."""
