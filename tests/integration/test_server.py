@@ -321,3 +321,32 @@ def test_the_serving_flags_and_options_are_documented() -> None:
         }
         assert got.get(title) == want, title
     assert got["EngineConfig"] == docs.python_options(EngineConfig)
+
+
+async def test_a_failed_step_is_a_503_in_openai_shape() -> None:
+    from tierkv.serving import CharTokenizer
+
+    class Flaky(TinyModel):
+        fail = 0
+
+        def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                self.fail -= 1
+                raise RuntimeError("boom")
+            return super().finish(layer, x, att)
+
+    model = Flaky(MODEL)
+    runner, url = await server.start(CFG, loaded=(model, CharTokenizer(MODEL.vocab)))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            model.fail = 1
+            status, body = await post(session, url, "/v1/completions", {"prompt": "hi"})
+            assert status == 503 and body["error"]["type"] == "server_error"
+            assert "boom" in body["error"]["message"]
+            model.fail = 1
+            events = await sse(session, url, "/v1/completions", {"prompt": "hi"})
+            assert "boom" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
+            status, body = await post(session, url, "/v1/completions", {"prompt": "hi"})
+            assert status == 200
+    finally:
+        await runner.cleanup()
