@@ -84,3 +84,16 @@ def test_grouped_attention_matches_repeated_heads(n: int, past: int) -> None:
     want = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     got = causal_attention(q, k, v, past)
     torch.testing.assert_close(got, want.transpose(0, 1).reshape(n, 48))
+
+
+def test_engine_config_is_checked() -> None:
+    from tierkv.serving import EngineConfig
+
+    for bad in (
+        {"max_running": 0},
+        {"max_batch_tokens": 0},
+        {"max_context": 1},
+        {"host_bytes": -1},
+    ):
+        with pytest.raises(ValueError):
+            EngineConfig(**bad)  # type: ignore[arg-type]

@@ -67,6 +67,8 @@ class EngineConfig:
         prefetch: prefetch layer ``L + 1`` of the step while layer ``L`` computes.
         codec: the store's cold-pool codec (None: none; a lossy one changes warm outputs).
         timeout: the store's bound on every wait, in seconds.
+
+    Raises ValueError for a count below 1 or a negative size.
     """
 
     max_running: int = 8
@@ -79,6 +81,16 @@ class EngineConfig:
     prefetch: bool = True
     codec: str | None = None
     timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_running", "max_batch_tokens", "page_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+        for name in ("device_bytes", "host_bytes"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
