@@ -232,7 +232,7 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
 async def _body(request: web.Request) -> Any:
     try:
         return await request.json()
-    except ValueError:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError; deep nesting
         raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
 
 

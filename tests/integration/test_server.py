@@ -208,6 +208,8 @@ async def test_errors_have_the_openai_shape(served: tuple[str, Any]) -> None:
         ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, None),
         ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, None),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, None),
         ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop"),
         ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
         ("/v1/completions", [1, 2], 400, None),
@@ -223,7 +225,8 @@ async def test_errors_have_the_openai_shape(served: tuple[str, Any]) -> None:
         assert set(err) == {"message", "type", "param", "code"} and err["message"], got
         if param is not None:
             assert err["param"] == param, (body, got)
-    for raw in (b"{not json", b"\xff\xfe"):  # not JSON; not even UTF-8
+    deep = b"[" * 100_000 + b"]" * 100_000
+    for raw in (b"{not json", b"\xff\xfe", deep):  # not JSON; not UTF-8; nested too deep
         async with session.post(f"{url}/v1/completions", data=raw) as r:
             assert r.status == 400
             assert (await r.json())["error"]["code"] == "invalid_json"
