@@ -519,7 +519,7 @@ async def start(
 ) -> tuple[web.AppRunner, str]:
     """Serve in this process; returns the runner (``await runner.cleanup()`` stops it) and the
     base URL (``port=0``: an ephemeral port)."""
-    runner = web.AppRunner(make_app(cfg, loaded), handle_signals=False)
+    runner = web.AppRunner(make_app(cfg, loaded), handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -576,7 +576,9 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     host, _, port = a.listen.rpartition(":")
-    web.run_app(make_app(config_from(a)), host=host or "127.0.0.1", port=int(port))
+    # a client that hangs up cancels its handler, and with it the request (its pages freed)
+    app = make_app(config_from(a))
+    web.run_app(app, host=host or "127.0.0.1", port=int(port), handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -239,18 +239,35 @@ async def test_errors_have_the_openai_shape(served: tuple[str, Any]) -> None:
     assert status == 200 and ok["usage"]["completion_tokens"] == 2
 
 
-async def test_a_client_that_leaves_a_stream_frees_its_request(served: tuple[str, Any]) -> None:
-    url, session = served
-    body = {"prompt": "abc", "max_tokens": 60, "temperature": 0, "stream": True}
-    async with session.post(f"{url}/v1/completions", json=body) as r:
-        await r.content.readline()  # one event, then hang up
-    for _ in range(200):
-        async with session.get(f"{url}/health") as r:
-            health = await r.json()
-        if health["running"] == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert health["running"] == 0 and health["waiting"] == 0
+async def test_a_client_that_leaves_frees_its_request() -> None:
+    from tierkv.serving import CharTokenizer
+
+    class Slow(TinyModel):
+        def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.01)  # 60 tokens take over a second: the client leaves well before
+            return super().finish(layer, x, att)
+
+    runner, url = await server.start(CFG, loaded=(Slow(MODEL), CharTokenizer(MODEL.vocab)))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            body = {"prompt": "abc", "max_tokens": 60, "temperature": 0, "stream": True}
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                await r.content.readline()  # one event, then hang up
+            # a non-streamed request whose client gives up
+            short = aiohttp.ClientTimeout(total=0.3)
+            with pytest.raises(asyncio.TimeoutError):
+                async with aiohttp.ClientSession(timeout=short) as s2:
+                    await post(s2, url, "/v1/completions", {"prompt": "abc", "max_tokens": 60})
+            for _ in range(200):
+                async with session.get(f"{url}/stats") as r:
+                    stats = await r.json()
+                if stats["cancelled"] == 2 and stats["running"] == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["cancelled"] == 2 and stats["running"] == 0 and stats["waiting"] == 0
+            assert stats["generated_tokens"] < 60  # neither ran to its end
+    finally:
+        await runner.cleanup()
 
 
 def _free_port() -> int:
