@@ -8,6 +8,7 @@ describes: a warm-up pass of each kind, then alternating rounds and the median."
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from dataclasses import replace
@@ -27,12 +28,14 @@ from tierkv.demo.runner import (
     run,
 )
 
+TINY_GENERATE = 64  # DemoConfig's 256 takes minutes a pass on two busy cores, times 15 passes
+
 
 def add_parser(sub: Any) -> None:
     """Register the ``demo`` subcommand."""
     d = DemoConfig()
     m = ModelConfig()
-    hf_tokens = 48  # tierkv.demo.hf_demo.DEFAULT_NEW_TOKENS (that module imports transformers)
+    hf_tokens = 32  # tierkv.demo.hf_demo.DEFAULT_NEW_TOKENS (that module imports transformers)
     p = sub.add_parser(
         "demo",
         help="decode with KV larger than the device tier; check tokens against all-resident",
@@ -58,10 +61,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--generate",
         type=int,
-        help=f"tokens to generate per sequence (smollm2: {hf_tokens}; tiny: {d.generate})",
+        help=f"tokens to generate per sequence (smollm2: {hf_tokens}; tiny: {TINY_GENERATE})",
     )
     p.add_argument(
-        "--repeat", type=int, default=3, help="timed rounds of all passes (the median is shown)"
+        "--repeat", type=int, default=5, help="timed rounds of all passes (the median is shown)"
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up passes")
     p.add_argument("--turn", type=int, default=d.turn, help="decode steps per turn (swap)")
@@ -93,7 +96,7 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
         sequences=args.sequences,
         batch=args.batch,
         prompt=args.prompt,
-        generate=args.generate if args.generate is not None else DemoConfig.generate,
+        generate=args.generate if args.generate is not None else TINY_GENERATE,
         turn=args.turn,
         page_tokens=args.page_tokens,
         device_fraction=args.device_fraction,
@@ -151,7 +154,7 @@ async def demo(
     progress: bool = True,
     trace: str | None = None,
     int8: bool = True,
-    repeat: int = 3,
+    repeat: int = 5,
     warmup: bool = True,
 ) -> dict[str, Any]:
     """Warm-up, then ``repeat`` rounds of the all-resident, tiered and (swap) int8 passes,
@@ -165,6 +168,7 @@ async def demo(
         kinds.append("int8")
 
     async def one(kind: str, c: DemoConfig, label: str, last: bool = False) -> RunResult:
+        gc.collect()  # not a previous pass's garbage collected inside this one's timing
         torch.manual_seed(c.seed)
         if kind == "reference":
             ref = all_resident(c)

@@ -108,9 +108,8 @@ def test_demo_cli_table_json_and_trace(tmp_path, capsys) -> None:  # type: ignor
     assert "tokens identical to all-resident  yes" in text
     report = json.loads(out.read_text())
     assert report["tokens_identical"] and report["peak_of_full_kv"] <= 0.45 + 1e-9
-    assert report["rounds"] == 2 and "median of 2" in text
-    lo, hi = report["speed_rounds_min_max"]
-    assert lo <= hi and report["cpu_speed_of_all_resident"] > 0
+    assert report["rounds"] == 2 and "median of 2 rounds" in text
+    assert len(report["speed_per_round"]) == 2 and report["cpu_speed_of_all_resident"] > 0
     assert "lossy_check" in report
     events = json.loads(trace.read_text())["traceEvents"]
     cats = {e["cat"] for e in events}
@@ -121,7 +120,7 @@ def test_demo_defaults_to_smollm2_and_rejects_no_rounds(capsys) -> None:  # type
     from tierkv.cli import build_parser, main
 
     args = build_parser().parse_args(["demo"])
-    assert args.model == "smollm2" and args.repeat == 3 and not args.no_warmup
+    assert args.model == "smollm2" and args.repeat == 5 and not args.no_warmup
     assert main(["demo", "--model", "tiny", "--repeat", "0"]) == 2
     assert "--repeat" in capsys.readouterr().err
 
@@ -136,7 +135,7 @@ def test_timing_rounds_alternate_and_take_medians() -> None:
     f = timing.speed_figures(10, [(1.0, 1.0), (3.0, 1.0), (1.0, 1.0)], [(2.0, 2.0)] * 3)
     assert f["tokens_per_s"] == 5.0 and f["all_resident_tokens_per_s"] == 10.0
     assert f["speed_of_all_resident"] == 0.5  # the median drops the burst
-    assert f["speed_rounds_min_max"] == [0.5, 1.5]
+    assert f["speed_per_round"] == [0.5, 1.5, 0.5]
     assert f["cpu_speed_of_all_resident"] == 0.5 and f["rounds"] == 3
     rows = dict(timing.speed_rows(f))
-    assert "= 0.500 (median of 3; rounds 0.500-1.500)" in rows["tokens/s vs all-resident"]
+    assert "10.0: 0.500 (median of 3 rounds; 0.500-1.500)" in rows["tokens/s vs all-resident"]

@@ -7,7 +7,7 @@ same load, and the median drops the round a neighbour's burst hit::
 
     warm-up  R T I                         (short, not counted)
     round 1  R T I   round 2  T I R   round 3  I R T
-    figure   median(T) / median(R), with the spread of the per-round ratios T_k / R_k
+    figure   median over rounds k of T_k / R_k (a round's passes share the load of the moment)
 
 Each pass is timed twice: wall clock (tokens/s, what a user waits for) and the process's CPU
 time (all its threads). On a machine that others load, the scheduler shares the cores per
@@ -45,12 +45,14 @@ class Clock:
         self.cpu = time.process_time() - self._cpu
 
 
-def _ratios(tokens: int, ref_s: list[float], got_s: list[float]) -> list[float]:
-    """[median tokens/s tiered, median reference, their ratio, lowest and highest round]."""
-    ref = statistics.median(tokens / s for s in ref_s)
-    got = statistics.median(tokens / s for s in got_s)
+def _ratios(tokens: int, ref_s: list[float], got_s: list[float]) -> dict[str, Any]:
     per_round = [r / g for g, r in zip(got_s, ref_s)]  # (n / g) / (n / r)
-    return [got, ref, got / ref, min(per_round), max(per_round)]
+    return {
+        "tiered": statistics.median(tokens / s for s in got_s),
+        "reference": statistics.median(tokens / s for s in ref_s),
+        "ratio": statistics.median(per_round),
+        "per_round": per_round,
+    }
 
 
 def speed_figures(
@@ -58,24 +60,26 @@ def speed_figures(
     reference: Sequence[tuple[float, float]],
     tiered: Sequence[tuple[float, float]],
 ) -> dict[str, Any]:
-    """Medians of tokens/s (wall) and tokens per CPU-second over the rounds, their ratios and
-    the spread of the per-round ratios. ``reference`` and ``tiered``: (wall, cpu) seconds per
-    round. Raises ValueError for no rounds or rounds of different counts.
+    """Median tokens/s (wall) and tokens per CPU-second of each kind over the rounds, and the
+    median of the per-round ratios tiered / reference (a round's passes ran side by side, so a
+    slow drift of the machine's load cancels in its ratio). ``reference`` and ``tiered``:
+    (wall, cpu) seconds per round. Raises ValueError for no rounds or unequal counts.
     """
     if not reference or len(reference) != len(tiered):
         raise ValueError("speed_figures: one reference and one tiered time per round")
     wall = _ratios(tokens, [w for w, _ in reference], [w for w, _ in tiered])
     cpu = _ratios(tokens, [max(c, 1e-9) for _, c in reference], [max(c, 1e-9) for _, c in tiered])
     return {
-        "tokens_per_s": wall[0],
-        "all_resident_tokens_per_s": wall[1],
-        "speed_of_all_resident": wall[2],
-        "speed_rounds_min_max": wall[3:],
-        "tokens_per_cpu_s": cpu[0],
-        "all_resident_tokens_per_cpu_s": cpu[1],
-        "cpu_speed_of_all_resident": cpu[2],
-        "cpu_speed_rounds_min_max": cpu[3:],
+        "tokens_per_s": wall["tiered"],
+        "all_resident_tokens_per_s": wall["reference"],
+        "speed_of_all_resident": wall["ratio"],
+        "speed_per_round": wall["per_round"],
+        "tokens_per_cpu_s": cpu["tiered"],
+        "all_resident_tokens_per_cpu_s": cpu["reference"],
+        "cpu_speed_of_all_resident": cpu["ratio"],
+        "cpu_speed_per_round": cpu["per_round"],
         "rounds": len(reference),
+        "seconds_per_round": {"reference": list(reference), "tiered": list(tiered)},
     }
 
 
@@ -83,19 +87,20 @@ def speed_rows(r: dict[str, Any], note: str = "") -> list[tuple[str, str]]:
     """The table rows of :func:`speed_figures`'s figures."""
 
     def spread(key: str) -> str:
-        lo, hi = r[key]
-        n = r["rounds"]
-        return f"median of {n}; rounds {lo:.3f}-{hi:.3f}" if n > 1 else "1 round"
+        rounds = r[key]
+        if len(rounds) == 1:
+            return "1 round"
+        return f"median of {len(rounds)} rounds; {min(rounds):.3f}-{max(rounds):.3f}"
 
     return [
         (
             "tokens/s vs all-resident",
-            f"{r['tokens_per_s']:.1f} / {r['all_resident_tokens_per_s']:.1f} "
-            f"= {r['speed_of_all_resident']:.3f} ({spread('speed_rounds_min_max')}){note}",
+            f"{r['tokens_per_s']:.1f} / {r['all_resident_tokens_per_s']:.1f}: "
+            f"{r['speed_of_all_resident']:.3f} ({spread('speed_per_round')}){note}",
         ),
         (
             "tokens/CPU-s vs all-resident",
-            f"{r['tokens_per_cpu_s']:.1f} / {r['all_resident_tokens_per_cpu_s']:.1f} "
-            f"= {r['cpu_speed_of_all_resident']:.3f} ({spread('cpu_speed_rounds_min_max')})",
+            f"{r['tokens_per_cpu_s']:.1f} / {r['all_resident_tokens_per_cpu_s']:.1f}: "
+            f"{r['cpu_speed_of_all_resident']:.3f} ({spread('cpu_speed_per_round')})",
         ),
     ]
