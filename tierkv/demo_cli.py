@@ -42,9 +42,9 @@ def add_parser(sub: Any) -> None:
         description="Generates greedily with SmolLM2-135M (or, --model tiny, a small decoder "
         "with seeded random weights) all-resident, tiered with the device tier holding at most "
         "--device-fraction of the KV, and tiered with int8 compression of live KV; compares the "
-        "tokens. After a warm-up pass of each kind, --repeat rounds alternate the three and "
-        "the speeds are medians. On a machine without a GPU both tiers are host memory: speed "
-        "figures then measure the runtime's overhead, not PCIe.",
+        "tokens. After a warm-up pass of each kind, --repeat rounds alternate the three; a speed "
+        "ratio is the median of the rounds' ratios. On a machine without a GPU both tiers are "
+        "host memory: speed figures then measure the runtime's overhead, not PCIe.",
     )
     p.add_argument(
         "--model",

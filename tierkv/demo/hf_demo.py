@@ -54,6 +54,8 @@ def main(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         print("error: --repeat must be at least 1", file=sys.stderr)
         return 2
+    if args.trace:
+        print("note: --trace applies to --model tiny; ignored", file=sys.stderr)
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # spinning intra-op workers on two cores slow a forward 5x
     print(
