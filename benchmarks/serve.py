@@ -218,8 +218,12 @@ async def distinct(loaded: tuple[Any, Any], quick: bool, reps: int) -> dict[str,
 
 
 def plot(ratios: dict[str, float], path: str) -> None:
-    """The ratios against their targets, as a bar chart."""
-    import matplotlib
+    """The ratios against their targets, as a bar chart (needs matplotlib: extra ``plot``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("--plot needs matplotlib (pip install -e '.[plot]'): no plot drawn")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -332,7 +336,7 @@ def main() -> None:
     p.add_argument(
         "--reps", type=int, default=1, help="interleaved repetitions (section 3: twice this)"
     )
-    p.add_argument("--plot", metavar="FILE.png", help="draw the ratios")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the ratios (needs matplotlib)")
     asyncio.run(amain(p.parse_args()))
 
 
