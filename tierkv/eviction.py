@@ -30,6 +30,8 @@ class DeviceEviction:
     lower: list[str]
     dirty: dict[Key, int]
     write_behind_pinned: int
+    soon: frozenset[Key]
+    soon_order: tuple[Key, ...]
     owners: dict[Key, int]
     stats: TierStats
     timeline: Timeline
@@ -57,7 +59,12 @@ class DeviceEviction:
         if free >= n:
             return True
         # all or nothing: a partial pick put back would still churn the policy's queues
-        victims = cast(list[tuple[Key, int]], table.prepare_evict(DEVICE, n - free, exact=True))
+        victims = cast(
+            list[tuple[Key, int]],
+            table.prepare_evict(
+                DEVICE, n - free, exact=True, keep=self.soon, keep_order=self.soon_order
+            ),
+        )
         if not victims:
             return False
         keys = [k for k, _ in victims]

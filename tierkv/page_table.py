@@ -33,7 +33,7 @@ contract, call by call, is in ``docs/policies.md``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from operator import itemgetter
@@ -463,11 +463,23 @@ class PageTable:
         t.unevictable -= len(slots)
 
     # -- moves down ----------------------------------------------------------------------
-    def prepare_evict(self, tier: str, n: int, *, exact: bool = False) -> list[tuple[Key, int]]:
+    def prepare_evict(
+        self,
+        tier: str,
+        n: int,
+        *,
+        exact: bool = False,
+        keep: Collection[Key] | None = None,
+        keep_order: Sequence[Key] | None = None,
+    ) -> list[tuple[Key, int]]:
         """Choose up to ``n`` victims by policy and mark them MOVING; returns (key, slot) pairs.
 
         Use it to write pages back to a lower tier before they leave this one. With ``exact``
         it is all or nothing: fewer than ``n`` evictable pages give ``[]`` and change nothing.
+        ``keep``: pages to evict only when no other page can go (for example the pages of the
+        steps a server announced: the schedule outranks the policy); the policy ranks them
+        among themselves, unless ``keep_order`` lists them soonest needed first: then the
+        last of it goes first.
 
         Raises:
             ValueError: ``n`` is negative.
@@ -476,34 +488,85 @@ class PageTable:
         t = self._tier(tier)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"prepare_evict needs a count >= 0, got {n!r}")
-        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
-        evictable = len(slot_of) - t.unevictable
+        evictable = len(t.slot_of) - t.unevictable
         if exact and n > evictable:
             return []
         n = min(n, evictable)
+        if not keep or not n:
+            return self._pick(t, n, None)
+        first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
+        if len(first) == n:
+            return first
+        try:
+            return first + self._pick(t, n - len(first), None, keep_order)
+        except TierKVError:  # a policy bug: the first pick goes back too
+            self.complete_evict([k for k, _ in first], tier, ok=False)
+            raise
+
+    def _pick(
+        self,
+        t: _Tier,
+        n: int,
+        keep: Collection[Key] | None,
+        order: Sequence[Key] | None = None,
+    ) -> list[tuple[Key, int]]:
+        """Up to ``n`` victims not in ``keep`` (any, when ``keep`` is None), marked MOVING;
+        with ``order``, the evictable pages latest in it go first."""
+        if n <= 0:
+            return []
+        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
+        only: set[Key] | None = None
+        if order:
+            late: dict[Key, None] = {}
+            for k in reversed(order):
+                s = slot_of.get(k)
+                if s is not None and not pins[s] and state[s] == _READABLE:
+                    late[k] = None
+                    if len(late) >= n:
+                        break
+            only = set(late)
         out: list[tuple[Key, int]]
         if t.slot_aware:
 
             def can_evict_slot(s: int) -> bool:
                 return not pins[s] and state[s] == _READABLE
 
-            out = [(key_of[s], s) for s in t.policy.evict_slots(n, can_evict_slot)]
+            kept: Collection[Key] = keep or ()
+            chosen: Collection[Key] = only or ()
+
+            def can_evict_unkept(s: int) -> bool:
+                return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
+
+            def can_evict_chosen(s: int) -> bool:
+                return key_of[s] in chosen  # evictable, checked when chosen
+
+            if only is not None:
+                pick, want = can_evict_chosen, len(only)
+            else:
+                pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
+            out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
         else:
 
             def can_evict(k: Key) -> bool:
+                if only is not None:
+                    return k in only
                 s = slot_of[k]
-                return not pins[s] and state[s] == _READABLE
+                return not pins[s] and state[s] == _READABLE and (keep is None or k not in keep)
 
-            out = [(k, slot_of[k]) for k in t.policy.evict_many(n, can_evict)]
+            want = n if only is None else len(only)
+            out = [(k, slot_of[k]) for k in t.policy.evict_many(want, can_evict)]
         keys = [k for k, _ in out]
         slots = [s for _, s in out]
         states = _evicted_state(t, slots, keys)
-        self._check_victims(t, n, slots, keys)
+        if keep is None:  # every candidate it may take was evictable: the policy owes them all
+            self._check_victims(t, want, slots, keys)
         t.undo.update(zip(slots, states))
         for s in slots:
             state[s] = _MOVING
         t.unevictable += len(out)
         t.moving += len(out)
+        if only is not None and len(out) < n:  # the rest by policy
+            out += self._pick(t, n - len(out), None)
         return out
 
     def complete_evict(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:

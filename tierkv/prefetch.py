@@ -137,6 +137,7 @@ class Prefetcher:
         if not order:
             return
         table = self.tiers.table
+        self.tiers.announce(k for s in order for k in self._seqs[s].all_pages())
         # announced pages count as about to be used: the ones due first become the most recent,
         # so that loads evict pages nobody announced before any announced one
         for s in reversed(order):

@@ -23,7 +23,7 @@ Rules that keep KV safe:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -96,11 +96,20 @@ class TierSet(DeviceEviction, ColdStorage):
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
         self.doomed: set[Key] = set()  # released private pages still busy: removed when idle
+        self.soon: frozenset[Key] = frozenset()  # pages of announced steps (see announce)
+        self.soon_order: tuple[Key, ...] = ()  # the same, soonest needed first
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
         # pages leaving the host tier: listeners (a page server's announcements) and the
         # remote tier's offer of exact bytes about to be compressed or dropped
         self.host_listeners: list[Callable[[list[Key]], None]] = []
         self.remote_offer: Callable[[list[tuple[Key, int]]], Awaitable[None]] | None = None
+
+    def announce(self, keys: Iterable[Key]) -> None:
+        """Pages the coming steps read, soonest needed first (the server's schedule): device
+        evictions take them only when no other page can go, the last needed first, whatever
+        the policy ranks (the schedule outranks it)."""
+        self.soon_order = tuple(keys)
+        self.soon = frozenset(self.soon_order)
 
     # -- where pages are ---------------------------------------------------------------
     def holds(self, key: Key) -> bool:
