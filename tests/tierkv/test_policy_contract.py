@@ -148,6 +148,21 @@ class Driver:
             self.call("complete_load", self.loaded.pop(n % len(self.loaded)), T)
         elif op == "touch":
             self.call("touch", keys, T)  # absent keys are passed over (ARC: ghost feedback)
+        elif op == "evict" and keys and n % 2:  # keep some pages while others can go
+            before = self.evictable()
+            out = self.call("prepare_evict", T, n, exact=flag, keep=set(keys), keep_order=keys)
+            if flag and n > len(before):
+                assert out == []
+            else:
+                got = [k for k, _ in out]
+                assert len(got) == min(n, len(before))
+                others = [k for k in before if k not in keys]
+                if len(others) >= len(got):  # kept pages stay while others can go
+                    assert set(got) <= set(others)
+                else:
+                    assert set(others) <= set(got)
+            if out:
+                self.moving.append([k for k, _ in out])
         elif op == "evict":
             expect = self.call("candidates", T, n)
             out = self.call("prepare_evict", T, n, exact=flag)
