@@ -28,7 +28,7 @@ from tierkv.demo.runner import (
     run,
 )
 
-TINY_GENERATE = 32  # DemoConfig's 256 took 5 minutes a pass on two busy cores; a run has 15 passes
+TINY_GENERATE = 64  # DemoConfig's 256: 15 passes of 2,560 tokens, minutes on two shared cores
 
 
 def add_parser(sub: Any) -> None:
