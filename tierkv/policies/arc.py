@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
+from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
 
 _List = OrderedDict[Key, None]
 
 
-class ARCPolicy(EvictionPolicy):
+class ARCPolicy(OneByOne):
     """Balances recency against frequency with two resident lists and two ghost lists.
 
     ::
@@ -48,7 +48,7 @@ class ARCPolicy(EvictionPolicy):
         self._b2: _List = OrderedDict()
         self._adapted: Key | None = None  # the ghost key whose hit adapted p last
         self._fed: set[Key] = set()  # ghost keys whose hit already adapted p (not yet inserted)
-        self._recent: dict[Key, int] = {}  # the last eviction call's victims -> 1 (T1) or 2
+        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> 1 (T1) or 2
 
     @property
     def target(self) -> float:
@@ -116,9 +116,6 @@ class ARCPolicy(EvictionPolicy):
         else:
             raise unknown(key, self.name)
 
-    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
-        return [self._recent[k] for k in keys]
-
     def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
         for k, which in zip(reversed(keys), reversed(states)):
             lst, ghosts = (self._t1, self._b1) if which == 1 else (self._t2, self._b2)
@@ -154,16 +151,6 @@ class ARCPolicy(EvictionPolicy):
             t1 -= took_t1
         return out
 
-    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
-        self._recent = {}
-        out: list[Key] = []
-        while len(out) < n:
-            victim = self._evict_one(can_evict)
-            if victim is None:
-                break
-            out.append(victim)
-        return out
-
     @staticmethod
     def _take(lst: _List, ghosts: _List, can_evict: CanEvict) -> Key | None:
         for _ in range(len(lst)):
@@ -174,10 +161,6 @@ class ARCPolicy(EvictionPolicy):
                 return key
             lst.move_to_end(key)
         return None
-
-    def evict(self, can_evict: CanEvict) -> Key | None:
-        self._recent = {}
-        return self._evict_one(can_evict)
 
     def _evict_one(self, can_evict: CanEvict) -> Key | None:
         if self._order(len(self._t1)):

@@ -231,6 +231,34 @@ class EvictionPolicy(ABC):
         raise TypeError(f"policy {self.name!r} is not slot-aware")
 
 
+class OneByOne(EvictionPolicy):
+    """A key policy that evicts one page at a time (:meth:`_evict_one`) and keeps what
+    :meth:`restore` needs of each victim of the last eviction call in ``_recent``."""
+
+    _recent: dict[Key, object]
+
+    @abstractmethod
+    def _evict_one(self, can_evict: CanEvict) -> Key | None:
+        """Evict one page (recording ``_recent[victim]``), or return None."""
+
+    def evict(self, can_evict: CanEvict) -> Key | None:
+        self._recent = {}
+        return self._evict_one(can_evict)
+
+    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
+        self._recent = {}
+        out: list[Key] = []
+        while len(out) < n:
+            victim = self._evict_one(can_evict)
+            if victim is None:
+                break
+            out.append(victim)
+        return out
+
+    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
+        return [self._recent[k] for k in keys]
+
+
 def _always(key: Key) -> bool:
     return True
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
+from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
 
 MAX_COUNT = 15
 """Use counts saturate here (4-bit counters, as in TinyLFU); ties at the top fall back to LRU."""
 
 
-class LFUPolicy(EvictionPolicy):
+class LFUPolicy(OneByOne):
     """Evicts the page with the fewest uses; among equals, the least recently used.
 
     One bucket (an ordered dict, oldest use first) per use count 1..:data:`MAX_COUNT`, and a
@@ -40,7 +40,7 @@ class LFUPolicy(EvictionPolicy):
         self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
         self._mask = 0  # bit f set <=> bucket f non-empty
         self._gone: OrderedDict[Key, int] = OrderedDict()
-        self._recent: dict[Key, int] = {}  # the last eviction call's victims -> their counts
+        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> their counts
 
     def _place(self, key: Key, count: int) -> None:
         self._count[key] = count
@@ -80,9 +80,6 @@ class LFUPolicy(EvictionPolicy):
             raise unknown(key, self.name)
         self._forget(key)
 
-    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
-        return [self._recent[k] for k in keys]
-
     def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
         for k, count in zip(reversed(keys), reversed(states)):
             assert isinstance(count, int)
@@ -99,20 +96,6 @@ class LFUPolicy(EvictionPolicy):
                 if can_evict is None or can_evict(k):
                     out.append(k)
         return out
-
-    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
-        self._recent = {}
-        out: list[Key] = []
-        while len(out) < n:
-            victim = self._evict_one(can_evict)
-            if victim is None:
-                break
-            out.append(victim)
-        return out
-
-    def evict(self, can_evict: CanEvict) -> Key | None:
-        self._recent = {}
-        return self._evict_one(can_evict)
 
     def _evict_one(self, can_evict: CanEvict) -> Key | None:
         mask = self._mask

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint, unknown
+from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
 
 MAX_FREQ = 3
 
 
-class S3FIFOPolicy(EvictionPolicy):
+class S3FIFOPolicy(OneByOne):
     """Quick demotion of one-hit wonders through a small probationary FIFO.
 
     ::
@@ -43,7 +43,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[Key, None] = OrderedDict()
         self._ghost: OrderedDict[Key, None] = OrderedDict()
-        self._recent: dict[Key, bool] = {}  # the last eviction call's victims -> from S
+        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> from S
         self._promoted = False  # S moved a used page to M during this eviction
 
     def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
@@ -115,20 +115,6 @@ class S3FIFOPolicy(EvictionPolicy):
                 return key
         return None
 
-    def evict(self, can_evict: CanEvict) -> Key | None:
-        self._recent = {}
-        return self._evict_one(can_evict)
-
-    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
-        self._recent = {}
-        out: list[Key] = []
-        while len(out) < n:
-            victim = self._evict_one(can_evict)
-            if victim is None:
-                break
-            out.append(victim)
-        return out
-
     def _evict_one(self, can_evict: CanEvict) -> Key | None:
         self._promoted = False
         from_small = len(self._small) >= self._c * self._ratio
@@ -148,9 +134,6 @@ class S3FIFOPolicy(EvictionPolicy):
         if key is not None:
             self._recent[key] = from_small
         return key
-
-    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
-        return [self._recent[k] for k in keys]
 
     def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
         for k, from_small in zip(reversed(keys), reversed(states)):
