@@ -29,6 +29,9 @@ Misuse (an unknown key, unpinning an unpinned page, a page in the wrong state) r
 breaks its contract (too few victims: :class:`~tierkv.errors.TierKVError`, after its victims are
 put back). A tier of capacity 0 is legal (offload disabled): it stores nothing. The whole
 contract, call by call, is in ``docs/policies.md``.
+
+The file stays whole (over 400 lines) because it is the one owner of page state: every change
+of state, pins and slots is here, where :meth:`PageTable.check` can be read against it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""KV-aware eviction: chain-aware GreedyDual on use counts, with conversation-shaped admission."""
+"""KV-aware eviction: chain-aware GreedyDual on use counts, with conversation-shaped admission.
+
+The file stays whole (over 400 lines): the same rules run over keys and over a page table's
+slots, side by side, so that a reader (and the test that runs both) can check one against the
+other; its admission rules live in ``kvaware_admission.py``.
+"""
 
 from __future__ import annotations
 
