@@ -19,16 +19,33 @@ from typing import Any
 import msgpack
 
 from .errors import AuthError, ProtocolError
-from .session import PREFIX, TAG_BYTES, VERSION, Seal, proof, seals, session_keys, transcript
+from .session import (
+    PREFIX,
+    TAG_BYTES,
+    VERSION,
+    Limits,
+    Seal,
+    proof,
+    seals,
+    session_keys,
+    transcript,
+    unpack,
+)
 
-__all__ = ["Probe"]
+__all__ = ["REPLY_LIMITS", "Probe"]
+
+REPLY_LIMITS = Limits(frame=8 << 20, array=1 << 18, map=64, str=1 << 16, bin=1 << 20)
+"""What a probe decodes of a frame the other end sent (it may be hostile too): a page server's
+largest reply, as ``tierkv.remote.wire.REPLY_LIMITS`` bounds it."""
 
 
 class Probe:
-    """One blocking connection; `tx` / `rx` seal frames once a handshake completed."""
+    """One blocking connection; `tx` / `rx` seal frames once a handshake completed. Frames it
+    receives are decoded within ``limits``."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, limits: Limits = REPLY_LIMITS) -> None:
         self.sock = sock
+        self.limits = limits
         self.tx: Seal | None = None
         self.rx: Seal | None = None
 
@@ -63,16 +80,15 @@ class Probe:
         if head is None:
             return None
         (n,) = PREFIX.unpack(head)
+        if n > self.limits.frame + TAG_BYTES:  # before reading it: the length is the peer's
+            raise ProtocolError(f"frame of {n} bytes (limit {self.limits.frame})")
         raw = self._exactly(n)
         if raw is None:
             return None
         if self.rx is not None:
             raw, tag = raw[:-TAG_BYTES], raw[-TAG_BYTES:]
             self.rx.check(raw, tag)
-        obj = msgpack.unpackb(raw)
-        if not isinstance(obj, dict):
-            raise ProtocolError("not a map")
-        return obj
+        return unpack(raw, self.limits)
 
     def frame(self, obj: dict[str, Any] | bytes) -> bytes:
         """The bytes of one frame (a map, or a raw body), tagged when authenticated."""
