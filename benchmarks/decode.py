@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
-from runtime import new_event_loop
 from tierkv import KVSpec
 from tierkv.demo.runner import DemoConfig, all_resident, device_budget, run
 from tierkv.demo_cli import _lossy
+from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 
 

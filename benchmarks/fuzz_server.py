@@ -52,8 +52,8 @@ from tierkv import KVSpec
 from tierkv.remote import PageServer
 from tierkv.remote.control import Control
 from tierkv.store import KVStore
-from transports.probe import Probe
-from transports.session import HELLO_MAX, PREFIX
+from tierkv.transports.probe import Probe
+from tierkv.transports.session import HELLO_MAX, PREFIX
 
 SECRET = b"fuzz-bench"
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)

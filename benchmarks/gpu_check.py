@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace  # noqa: E402
-from runtime.cuda_env import unavailable_reason  # noqa: E402
+from tierkv.runtime.cuda_env import unavailable_reason  # noqa: E402
 
 MB = 1 << 20
 KB = 1 << 10
@@ -140,8 +140,8 @@ async def both_ways(
 
 
 def page_moves(cupy: Any, quick: bool) -> dict[str, dict[str, float]]:
-    from runtime import TransferEngine, run
-    from runtime.cuda_backend import CudaBackend
+    from tierkv.runtime import TransferEngine, run
+    from tierkv.runtime.cuda_backend import CudaBackend
 
     arena_bytes = (256 if quick else 1024) * MB
     out: dict[str, dict[str, float]] = {}
@@ -172,7 +172,7 @@ def page_moves(cupy: Any, quick: bool) -> dict[str, dict[str, float]]:
 async def wait_figures(strategy: str, rounds: int) -> dict[str, float]:
     import cupy
 
-    from runtime.cuda_backend import CudaBackend
+    from tierkv.runtime.cuda_backend import CudaBackend
 
     backend = CudaBackend(wait_strategy=strategy)
     buf = cupy.zeros(1, dtype=cupy.uint8)
@@ -247,7 +247,7 @@ def main() -> int:
         return 0
     import cupy
 
-    from runtime.cuda_stream import pick_wait_strategy
+    from tierkv.runtime.cuda_stream import pick_wait_strategy
 
     props = cupy.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -264,7 +264,7 @@ def main() -> int:
     figures["wait"] = {}
     for strategy in ("thread", "poll"):
         step(f"event waiting, {strategy} ...")
-        from runtime import run
+        from tierkv.runtime import run
 
         with phase(f"event waiting, {strategy}"):
             figures["wait"][strategy] = run(wait_figures(strategy, rounds))

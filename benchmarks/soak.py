@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks._common import parser, table, write_json
-from runtime import new_event_loop
 from tierkv import KeyKind, KVSpec, TierKVError, key_kind
 from tierkv.page_table import PageState
+from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)

@@ -24,9 +24,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import parser, phase, table, write_json
-from runtime import new_event_loop
 from tierkv import KVSpec
 from tierkv.keys import prefix_keys
+from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 from tierkv.validate import token_array
 

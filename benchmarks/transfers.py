@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import add_trace_flag, phase, start_trace, table, write_json, write_trace
-from runtime import Arena, CpuBackend, Priority, TransferEngine, run
-from runtime.arena import allocate_host_buffer
+from tierkv.runtime import Arena, CpuBackend, Priority, TransferEngine, run
+from tierkv.runtime.arena import allocate_host_buffer
 from tierkv.timeline import Timeline
 
 MB = 1 << 20

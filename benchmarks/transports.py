@@ -42,10 +42,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import transports
+import tierkv.transports as transports
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
-from transports import TransferOp
-from transports.nixl_engine import _new_agent
+from tierkv.transports import TransferOp
+from tierkv.transports.nixl_engine import _new_agent
 
 KB, MB = 1 << 10, 1 << 20
 PAGE = 256 * KB
@@ -261,7 +261,7 @@ async def measure_nixl(api: Any, size: int, rounds: int, tls: str | None) -> dic
 def nixl_api() -> Any | None:
     """NIXL's Python API, or None when it is not installed."""
     try:
-        from transports.nixl import load_nixl
+        from tierkv.transports.nixl import load_nixl
 
         return load_nixl()
     except transports.TransportError:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import transports
-from transports import Capabilities, PeerError, TransferOp, Transport, group_by_peer
-from transports.base import Direction
-from transports.handle import TransferHandle
+import tierkv.transports as transports
+from tierkv.transports import Capabilities, PeerError, TransferOp, Transport, group_by_peer
+from tierkv.transports.base import Direction
+from tierkv.transports.handle import TransferHandle
 
 _SERVERS: dict[str, QueueTransport] = {}  # agent name -> transport (one process)
 

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 from _redis_server import PrivateRedis
 
-from runtime import new_event_loop
 from tierkv import KVStore
 from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
 from tierkv.remote import (
@@ -49,6 +48,7 @@ from tierkv.remote import (
     publish_prefix,
     stage_prefix,
 )
+from tierkv.runtime import new_event_loop
 
 MODEL = ModelConfig(seed=0)  # the demo's TinyLlama: 4 layers, 256 wide, seeded weights
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"

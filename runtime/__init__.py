@@ -2,7 +2,7 @@
 
 Mechanism only: it knows bytes, arenas and slots, never what a KV page means::
 
-    from runtime import get_backend, TransferEngine, Priority
+    from tierkv.runtime import get_backend, TransferEngine, Priority
 
     backend = get_backend("auto")
     host = backend.create_arena("host", slot_bytes=page_bytes, num_slots=n)

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from transports.native_build import build_library
+from tierkv.transports.native_build import build_library
 
 from .freelist import SlotIds
 

@@ -14,14 +14,7 @@ import functools
 from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
-import transports
-from runtime import (
-    ArenaError,
-    EngineClosedError,
-    RuntimeEngineError,
-    TransferError,
-    WaitTimeoutError,
-)
+import tierkv.transports as transports
 from tierkv.errors import (
     AllocationError,
     EngineError,
@@ -29,6 +22,13 @@ from tierkv.errors import (
     StoreTimeoutError,
     TierKVError,
     TransferFailedError,
+)
+from tierkv.runtime import (
+    ArenaError,
+    EngineClosedError,
+    RuntimeEngineError,
+    TransferError,
+    WaitTimeoutError,
 )
 
 P = ParamSpec("P")

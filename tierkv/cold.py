@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from runtime import Arena
 from tierkv.codecs import Codec
 from tierkv.errors import TierFullError
 from tierkv.page_table import PageTable
+from tierkv.runtime import Arena
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from runtime import new_event_loop
 from tierkv.demo import timing
 from tierkv.demo.model import ModelConfig
 from tierkv.demo.runner import (
@@ -27,6 +26,7 @@ from tierkv.demo.runner import (
     device_budget,
     run,
 )
+from tierkv.runtime import new_event_loop
 
 TINY_GENERATE = 64  # DemoConfig's 256: 15 passes of 2,560 tokens, minutes on two shared cores
 

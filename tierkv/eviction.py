@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, cast
 
-from runtime import Arena, Priority, TransferEngine
 from tierkv.errors import TierFullError
 from tierkv.page_table import PageTable
+from tierkv.runtime import Arena, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from runtime import Priority
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import SequenceError, SpecError
+from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
 
 if TYPE_CHECKING:

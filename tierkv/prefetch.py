@@ -15,9 +15,9 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from runtime import Priority
 from tierkv.errors import TierFullError, UnknownPageError
 from tierkv.page_table import PageState
+from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters

@@ -27,14 +27,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from runtime import new_event_loop
 from tierkv.errors import TierKVError
 from tierkv.remote import PageServer, RemoteError
 from tierkv.remote.exposure import SECRET_ENV, is_loopback
+from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
 from tierkv.timeline import Timeline
-from transports.shm import remove_stale_segments
+from tierkv.transports.shm import remove_stale_segments
 
 TRACE_EVENTS = 100_000
 

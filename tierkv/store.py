@@ -23,7 +23,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from runtime import EngineStats, TransferEngine, get_backend
 from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
@@ -39,6 +38,7 @@ from tierkv.lease import Lease
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
+from tierkv.runtime import EngineStats, TransferEngine, get_backend
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters

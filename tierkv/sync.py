@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from runtime import new_event_loop
 from tierkv.boundary import map_error
 from tierkv.errors import InvalidTypeError, StoreClosedError, StoreTimeoutError
 from tierkv.lease import Lease
+from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
 

@@ -28,7 +28,6 @@ from typing import Any, cast
 
 import torch
 
-from runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.codecs import Codec
 from tierkv.cold import ColdStorage
 from tierkv.errors import (
@@ -40,6 +39,7 @@ from tierkv.errors import (
 )
 from tierkv.eviction import DeviceEviction
 from tierkv.page_table import PageState, PageTable
+from tierkv.runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline

@@ -2,7 +2,7 @@
 
 This package knows registered memory regions and peers, never tiers or KV pages::
 
-    import transports
+    import tierkv.transports as transports
 
     async with transports.create("shm") as t:
         region = t.allocate(1 << 20)

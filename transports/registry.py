@@ -24,10 +24,10 @@ ENTRY_POINT_GROUP = "tierkv.transports"
 Factory = Callable[..., Transport]
 
 _BUILTINS = {
-    "loopback": "transports.loopback:LoopbackTransport",
-    "nixl": "transports.nixl:NixlTransport",  # needs nixl-cu12; imported only when created
-    "shm": "transports.shm:ShmTransport",
-    "tcp": "transports.tcp:TcpTransport",
+    "loopback": "tierkv.transports.loopback:LoopbackTransport",
+    "nixl": "tierkv.transports.nixl:NixlTransport",  # needs nixl-cu12; imported only when created
+    "shm": "tierkv.transports.shm:ShmTransport",
+    "tcp": "tierkv.transports.tcp:TcpTransport",
 }
 _factories: dict[str, Factory] = {}
 

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from tierkv import KVSpec
 from tierkv.remote import PageServer
 from tierkv.store import KVStore
-from transports.probe import Probe
-from transports.session import HELLO_MAX, PREFIX
+from tierkv.transports.probe import Probe
+from tierkv.transports.session import HELLO_MAX, PREFIX
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 SECRET = b"fuzz"

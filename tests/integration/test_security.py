@@ -25,7 +25,7 @@ from tierkv.remote.errors import (
 )
 from tierkv.remote.server import spec_fields
 from tierkv.store import KVStore
-from transports.session import HELLO_MAX, PREFIX, StreamSession
+from tierkv.transports.session import HELLO_MAX, PREFIX, StreamSession
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
@@ -401,8 +401,8 @@ async def test_a_cancelled_request_leaves_a_watch_usable() -> None:
 
 
 async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
-    from transports import TransferOp
-    from transports.tcp import TcpTransport
+    from tierkv.transports import TransferOp
+    from tierkv.transports.tcp import TcpTransport
 
     async with TcpTransport("a", secret=SECRET) as a, TcpTransport("b", secret=SECRET) as b:
         theirs = b.register_memory(bytearray(os.urandom(1 << 20)))

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from runtime import CpuBackend, get_backend
-from runtime.cuda_backend import cuda_available
+from tierkv.runtime import CpuBackend, get_backend
+from tierkv.runtime.cuda_backend import cuda_available
 
 
 def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import (
+from tierkv.runtime import (
     ArenaError,
     ArenaFullError,
     CpuBackend,

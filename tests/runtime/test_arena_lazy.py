@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from runtime import ArenaError, CpuBackend
-from runtime.arena import MAP_NORESERVE, allocate_host_buffer
+from tierkv.runtime import ArenaError, CpuBackend
+from tierkv.runtime.arena import MAP_NORESERVE, allocate_host_buffer
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -79,7 +79,7 @@ def test_noreserve_flag_matches_the_platform() -> None:
 
 @needs_lazy_commit
 def test_the_cuda_backends_host_arena_maps_lazily_too() -> None:
-    from runtime.cuda_arena import HostArena  # host memory only: no CUDA call until pinned
+    from tierkv.runtime.cuda_arena import HostArena  # host memory only: no CUDA call until pinned
 
     before = rss_bytes()
     a = HostArena("host", MIB, 32 * 1024, pinned=False, backend="cpu")  # 32 GiB, never pinned

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runtime import (
+from tierkv.runtime import (
     Arena,
     CopyInfo,
     CpuBackend,
@@ -23,7 +23,7 @@ from runtime import (
     TransferHandle,
     run,
 )
-from runtime.loop import has_uvloop
+from tierkv.runtime.loop import has_uvloop
 
 SLOTS = 24
 SLOT_BYTES = 256

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import CpuBackend
-from runtime.copy_kernels import copy_rows, native_kernel
+from tierkv.runtime import CpuBackend
+from tierkv.runtime.copy_kernels import copy_rows, native_kernel
 
 HAVE_NATIVE = native_kernel() is not None
 KERNELS = ["auto", "numpy", "runs", "staged"] + (["native"] if HAVE_NATIVE else [])

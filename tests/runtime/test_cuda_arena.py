@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from runtime import ArenaError
-from runtime.cuda_arena import HostArena, PinError, pinned_bytes
-from runtime.cuda_env import cuda_available
+from tierkv.runtime import ArenaError
+from tierkv.runtime.cuda_arena import HostArena, PinError, pinned_bytes
+from tierkv.runtime.cuda_env import cuda_available
 
 
 def test_host_arena_is_lazy_and_chunked() -> None:

@@ -11,16 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime import ArenaError, Priority, TransferEngine
-from runtime.cuda_env import cuda_available
+from tierkv.runtime import ArenaError, Priority, TransferEngine
+from tierkv.runtime.cuda_env import cuda_available
 
 cupy = pytest.importorskip("cupy")
 if not cuda_available():
     pytest.skip("needs CuPy and a CUDA device", allow_module_level=True)
 
-from runtime.cuda_arena import DeviceArena, HostArena  # noqa: E402
-from runtime.cuda_backend import CudaBackend  # noqa: E402
-from runtime.cuda_ipc import ArenaDescriptor, export_arena, open_arena  # noqa: E402
+from tierkv.runtime.cuda_arena import DeviceArena, HostArena  # noqa: E402
+from tierkv.runtime.cuda_backend import CudaBackend  # noqa: E402
+from tierkv.runtime.cuda_ipc import ArenaDescriptor, export_arena, open_arena  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -159,7 +159,7 @@ def _ipc_child(desc: ArenaDescriptor, index: int, q: Any) -> None:
     try:
         import cupy as cp
 
-        from runtime.cuda_ipc import open_arena as open_
+        from tierkv.runtime.cuda_ipc import open_arena as open_
 
         with open_(desc) as arena:
             s = cp.cuda.Stream(non_blocking=True)

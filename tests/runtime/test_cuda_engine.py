@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from runtime import Arena, Backend, Priority, TransferEngine, get_backend
+from tierkv.runtime import Arena, Backend, Priority, TransferEngine, get_backend
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import runtime
-from runtime import BackendUnavailableError, get_backend
-from runtime.copy_kernels import coalesce_runs
-from runtime.cuda_backend import CUDA_BACKEND_READY, DEFAULT_WAIT_STRATEGY, CudaBackend
-from runtime.cuda_env import cuda_available, unavailable_reason
-from runtime.cuda_kernels import (
+import tierkv.runtime as runtime
+from tierkv.runtime import BackendUnavailableError, get_backend
+from tierkv.runtime.copy_kernels import coalesce_runs
+from tierkv.runtime.cuda_backend import CUDA_BACKEND_READY, DEFAULT_WAIT_STRATEGY, CudaBackend
+from tierkv.runtime.cuda_env import cuda_available, unavailable_reason
+from tierkv.runtime.cuda_kernels import (
     KERNEL_NAMES,
     KERNEL_SOURCE,
     MAX_GRID_X,
@@ -23,7 +23,7 @@ from runtime.cuda_kernels import (
     split_runs,
     vector_width,
 )
-from runtime.cuda_stream import WAIT_STRATEGIES, check_strategy, pick_wait_strategy
+from tierkv.runtime.cuda_stream import WAIT_STRATEGIES, check_strategy, pick_wait_strategy
 
 ids = np.asarray
 

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from runtime import CpuBackend, CpuStream, EngineClosedError, TransferError, WaitTimeoutError
+from tierkv.runtime import CpuBackend, CpuStream, EngineClosedError, TransferError, WaitTimeoutError
 
 
 async def test_fifo_order_and_awaitable_events(backend: CpuBackend) -> None:

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from runtime import (
+from tierkv.runtime import (
     Arena,
     ArenaMismatchError,
     CpuBackend,
@@ -17,7 +17,7 @@ from runtime import (
     TransferEngine,
     TransferError,
 )
-from runtime.copy_kernels import native_kernel
+from tierkv.runtime.copy_kernels import native_kernel
 
 
 def fill_random(arena: Arena, ids: np.ndarray, seed: int = 0) -> np.ndarray:

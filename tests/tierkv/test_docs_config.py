@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from runtime import TransferEngine
 from tierkv import KVStore, SyncKVStore
 from tierkv.cli import build_parser
 from tierkv.remote import PageServer, RemoteTier
+from tierkv.runtime import TransferEngine
 from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import tierkv
-from runtime import TransferError, WaitTimeoutError
 from tierkv import prompt
 from tierkv.errors import (
     AllocationError,
@@ -30,6 +29,7 @@ from tierkv.errors import (
     TransferFailedError,
 )
 from tierkv.lease import Lease
+from tierkv.runtime import TransferError, WaitTimeoutError
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from transports import RegionDescriptor
+from tierkv.transports import RegionDescriptor
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import sys
 
 import msgpack
 
-from transports.session import proof, seals, session_keys, transcript
-from transports.tcp_wire import PREFIX, frame
+from tierkv.transports.session import proof, seals, session_keys, transcript
+from tierkv.transports.tcp_wire import PREFIX, frame
 
 
 def recv_frame(conn: socket.socket, tagged: bool = False) -> dict:

@@ -17,7 +17,7 @@ import random
 import sys
 import zlib
 
-from transports.nixl import NixlTransport
+from tierkv.transports.nixl import NixlTransport
 
 
 async def main(size: int, seed: int) -> None:

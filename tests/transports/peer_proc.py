@@ -16,7 +16,7 @@ import sys
 import zlib
 from typing import Any
 
-import transports
+import tierkv.transports as transports
 
 
 async def main(backend: str, size: int, seed: int, secret: str | None) -> None:

@@ -24,8 +24,8 @@ import sys
 import time
 from typing import Any
 
-import transports
-from transports import RegionDescriptor, TransferOp, TransportError
+import tierkv.transports as transports
+from tierkv.transports import RegionDescriptor, TransferOp, TransportError
 
 PAGE = 64 << 10
 LANES = 4

@@ -8,7 +8,7 @@ import os
 import msgpack
 import pytest
 
-from transports import (
+from tierkv.transports import (
     ClosedError,
     PeerError,
     RegionDescriptor,
@@ -18,7 +18,7 @@ from transports import (
     TransferTimeoutError,
     create,
 )
-from transports.loopback import LoopbackTransport
+from tierkv.transports.loopback import LoopbackTransport
 
 
 async def test_batch_read_write_bit_exact() -> None:

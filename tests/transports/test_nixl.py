@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from transports import (
+from tierkv.transports import (
     ClosedError,
     PeerError,
     RegionDescriptor,
@@ -43,7 +43,7 @@ def _needs_nixl(request: pytest.FixtureRequest) -> None:
     if request.node.name.startswith("test_missing_nixl"):
         return
     try:
-        from transports.nixl import load_nixl
+        from tierkv.transports.nixl import load_nixl
 
         load_nixl()
     except TransportError:

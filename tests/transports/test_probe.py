@@ -9,9 +9,9 @@ import threading
 import msgpack
 import pytest
 
-from transports.errors import ProtocolError
-from transports.probe import REPLY_LIMITS, Probe
-from transports.session import PREFIX
+from tierkv.transports.errors import ProtocolError
+from tierkv.transports.probe import REPLY_LIMITS, Probe
+from tierkv.transports.session import PREFIX
 
 
 def _framed(obj: object) -> bytes:

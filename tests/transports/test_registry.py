@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-import transports
-from transports import TransferOp, TransportError
+import tierkv.transports as transports
+from tierkv.transports import TransferOp, TransportError
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PLUGIN = '''
-from transports.loopback import LoopbackTransport
+from tierkv.transports.loopback import LoopbackTransport
 
 class PluginTransport(LoopbackTransport):
     """A third party's transport (a renamed loopback)."""

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transports import AuthError, ProtocolError
-from transports.session import (
+from tierkv.transports import AuthError, ProtocolError
+from tierkv.transports.session import (
     HELLO_LIMITS,
     PREFIX,
     TAG_BYTES,

@@ -17,9 +17,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transports import PeerError, ProtocolError, RegionDescriptor, RemoteAccessError, TransferOp
-from transports.probe import Probe
-from transports.shm import ShmTransport, remove_stale_segments, segment_name
+from tierkv.transports import (
+    PeerError,
+    ProtocolError,
+    RegionDescriptor,
+    RemoteAccessError,
+    TransferOp,
+)
+from tierkv.transports.probe import Probe
+from tierkv.transports.shm import ShmTransport, remove_stale_segments, segment_name
 
 PAGE = 16 << 10
 

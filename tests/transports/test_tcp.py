@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports import (
+from tierkv.transports import (
     AuthError,
     ChecksumError,
     PeerError,
@@ -22,7 +22,7 @@ from transports import (
     TransferOp,
     TransferTimeoutError,
 )
-from transports.checksum import (
+from tierkv.transports.checksum import (
     Incremental,
     algorithms,
     checksum_function,
@@ -30,8 +30,8 @@ from transports.checksum import (
     native_crc32c,
     update_function,
 )
-from transports.tcp import ClientConnection, TcpTransport
-from transports.tcp_server import ServerConnection
+from tierkv.transports.tcp import ClientConnection, TcpTransport
+from tierkv.transports.tcp_server import ServerConnection
 
 SECRET = b"s3cret"
 PAGE = 16 << 10
@@ -283,7 +283,7 @@ async def test_checksum_negotiation_falls_back_to_crc32(
         await t.read([TransferOp(mine, 0, peer.desc, 0, size)])
         assert bytes(mine.view) == random.Random(3).randbytes(size)
     with monkeypatch.context() as m:  # and in-process: a client offering crc32 only
-        m.setattr("transports.tcp.algorithms", lambda: ("crc32",))
+        m.setattr("tierkv.transports.tcp.algorithms", lambda: ("crc32",))
         async with TcpTransport("n1", secret=SECRET) as a, TcpTransport("n2", secret=SECRET) as b:
             await a.add_peer(b.metadata())
             assert a._conns["n2"].csum_name == "crc32"
@@ -294,7 +294,7 @@ async def test_an_older_wire_version_is_refused_not_downgraded(
 ) -> None:
     """Version 3 tags every header: a peer of an older version would talk untagged, so it is
     refused rather than downgraded to."""
-    monkeypatch.setattr("transports.tcp.WIRE_VERSION", 2)  # our client speaks version 2
+    monkeypatch.setattr("tierkv.transports.tcp.WIRE_VERSION", 2)  # our client speaks version 2
     async with TcpTransport("v2", secret=SECRET) as a, TcpTransport("v3", secret=SECRET) as b:
         with pytest.raises(AuthError, match="wire version"):
             await a.add_peer(b.metadata())

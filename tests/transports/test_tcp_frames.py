@@ -14,11 +14,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transports import TransferOp
-from transports.checksum import algorithms, checksum_function
-from transports.probe import Probe
-from transports.tcp import TcpTransport
-from transports.tcp_wire import PREFIX, WIRE_VERSION, frame
+from tierkv.transports import TransferOp
+from tierkv.transports.checksum import algorithms, checksum_function
+from tierkv.transports.probe import Probe
+from tierkv.transports.tcp import TcpTransport
+from tierkv.transports.tcp_wire import PREFIX, WIRE_VERSION, frame
 
 SECRET = b"frames"
 PATTERN = bytes(range(256)) * 64  # 16 KiB

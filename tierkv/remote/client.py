@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-import transports
+import tierkv.transports as transports
 from tierkv.errors import SpecError
 from tierkv.remote.control import Control, split_address
 from tierkv.remote.errors import (

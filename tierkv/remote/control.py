@@ -32,8 +32,8 @@ from tierkv.remote.errors import (
     RemoteTimeoutError,
 )
 from tierkv.remote.wire import CLIENT, PAGE_SERVER, REPLY_LIMITS, error_for
-from transports import AuthError, ProtocolError, TransferTimeoutError, TransportError
-from transports.session import StreamSession
+from tierkv.transports import AuthError, ProtocolError, TransferTimeoutError, TransportError
+from tierkv.transports.session import StreamSession
 
 __all__ = ["Control", "EventHandler"]
 

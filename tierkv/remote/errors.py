@@ -16,7 +16,7 @@ RemoteTimeoutError, anything else -> RemoteError.
 
 from __future__ import annotations
 
-import transports
+import tierkv.transports as transports
 from tierkv.errors import TierKVError
 
 __all__ = [

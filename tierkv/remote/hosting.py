@@ -24,12 +24,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-import transports
-from runtime import Arena
+import tierkv.transports as transports
 from tierkv.remote.errors import RemoteError, map_transport_error
+from tierkv.runtime import Arena
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
-from transports.shm import segment_name
+from tierkv.transports.shm import segment_name
 
 __all__ = ["SharedArena", "register_host_arena", "share_host_arena"]
 

@@ -44,9 +44,16 @@ from tierkv.remote.wire import PAGE_SERVER, REQUEST_LIMITS, keys_of
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
-from transports import AuthError, ProtocolError, Transport, TransportError, create
-from transports.guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps, RateLimit
-from transports.session import HELLO_DEADLINE, StreamSession
+from tierkv.transports import AuthError, ProtocolError, Transport, TransportError, create
+from tierkv.transports.guard import (
+    AUTH_REFUSED,
+    BUDGET_HIT,
+    PROTOCOL_ERROR,
+    Audit,
+    PeerCaps,
+    RateLimit,
+)
+from tierkv.transports.session import HELLO_DEADLINE, StreamSession
 
 __all__ = ["PageServer", "is_loopback", "resolve_secret", "spec_fields"]
 #: the control sockets' receive buffer: bounds what one read of a hostile peer's bytes costs

@@ -23,7 +23,7 @@ from typing import Any
 
 from tierkv.remote.control import Control
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteProtocolError
-from transports.session import StreamSession
+from tierkv.transports.session import StreamSession
 
 __all__ = ["Watch", "WatchHub"]
 

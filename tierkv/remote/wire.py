@@ -38,7 +38,7 @@ from tierkv.remote.errors import (
     RemoteProtocolError,
     RemoteRefusedError,
 )
-from transports.session import Limits
+from tierkv.transports.session import Limits
 
 __all__ = [
     "CLIENT",
