@@ -1,15 +1,17 @@
-"""Backend registry: `get_backend("cpu" | "cuda" | "auto")`."""
+"""Backends by name: `get_backend("cpu" | "cuda" | "auto")`, one `Registry` like every other."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from tierkv.transports.named import Registry
+
 from .backend import Backend
 from .cpu_backend import CpuBackend
 from .errors import BackendUnavailableError
 
-__all__ = ["available_backends", "get_backend", "register_backend"]
+__all__ = ["BACKENDS", "available_backends", "get_backend", "register_backend"]
 
 
 def _cuda(**kwargs: Any) -> Backend:
@@ -18,19 +20,28 @@ def _cuda(**kwargs: Any) -> Backend:
     return CudaBackend(**kwargs)
 
 
-_FACTORIES: dict[str, Callable[..., Backend]] = {"cpu": CpuBackend, "cuda": _cuda}
+BACKENDS: Registry[Backend] = Registry(
+    "backend",
+    error=BackendUnavailableError,
+    builtins={"cpu": CpuBackend, "cuda": _cuda},
+    result=Backend,
+)
+"""Backend factories by name; :func:`get_backend` adds "auto"."""
 
 
-def register_backend(name: str, factory: Callable[..., Backend]) -> None:
-    """Make `get_backend(name)` call `factory(**kwargs)`. Replaces an existing entry."""
-    _FACTORIES[name] = factory
+def register_backend(name: str, factory: Callable[..., Backend], *, replace: bool = False) -> None:
+    """Make `get_backend(name)` call `factory(**kwargs)`.
+
+    Raises ValueError if `name` is taken and `replace` is false.
+    """
+    BACKENDS.register(name, factory, replace=replace)
 
 
 def available_backends() -> list[str]:
     """Registered backend names that can run on this machine."""
     from .cuda_backend import cuda_available
 
-    return [n for n in _FACTORIES if n != "cuda" or cuda_available()]
+    return [n for n in BACKENDS.available() if n != "cuda" or cuda_available()]
 
 
 def get_backend(name: str = "auto", **kwargs: Any) -> Backend:
@@ -42,9 +53,4 @@ def get_backend(name: str = "auto", **kwargs: Any) -> Backend:
         from .cuda_backend import CUDA_BACKEND_READY, cuda_available
 
         name = "cuda" if CUDA_BACKEND_READY and cuda_available() else "cpu"
-    factory = _FACTORIES.get(name)
-    if factory is None:
-        raise BackendUnavailableError(
-            f"unknown backend {name!r}; known: {', '.join(sorted(_FACTORIES))}"
-        )
-    return factory(**kwargs)
+    return BACKENDS.create(name, **kwargs)

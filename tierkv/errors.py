@@ -8,8 +8,9 @@
      │    │                                     None token, a list or numpy array as ``k``,
      │    │                                     ``"1G"`` as a budget, a float sequence id
      │    └── SpecError                         an invalid KVSpec, or a tensor whose shape,
-     │                                          dtype or device does not match it; a layer or
-     │                                          token id out of range
+     │         │                                dtype or device does not match it; a layer or
+     │         │                                token id out of range
+     │         └── UnknownPolicyError           no eviction policy of that name
      ├── PageTableError                        misuse of the page table; nothing was changed
      │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
@@ -22,7 +23,8 @@
      │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
      └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
 
-Errors raised by the runtime (``runtime.errors``) and the transports (``transports.errors``)
+Errors raised by the runtime (``tierkv.runtime.errors``) and the transports
+(``tierkv.transports.errors``)
 keep their own roots. Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
 :class:`~tierkv.sync.SyncKVStore` raise is a ``TierKVError``: their public methods map lower
 errors at the boundary (:mod:`tierkv.boundary`) with ``raise ... from exc``, so ``__cause__``
@@ -58,6 +60,10 @@ class InvalidTypeError(InvalidInputError, TypeError):
 
 class SpecError(InvalidInputError):
     """An invalid :class:`~tierkv.spec.KVSpec`, or a tensor that does not match it."""
+
+
+class UnknownPolicyError(SpecError):
+    """No eviction policy is registered under that name."""
 
 
 class PageTableError(TierKVError):

@@ -38,6 +38,7 @@ from tierkv.codecs.downcast import Bf16Codec, DowncastCodec, Fp16Codec, Identity
 from tierkv.codecs.header import HEADER_BYTES, MAGIC, VERSION, unpack_header
 from tierkv.codecs.int8 import Int8Codec, Int8GroupCodec
 from tierkv.errors import SpecError
+from tierkv.transports.named import Registry
 
 __all__ = [
     "CODECS",
@@ -57,15 +58,22 @@ __all__ = [
     "get_codec",
 ]
 
-CODECS: dict[str, Callable[..., Codec]] = {
-    "none": IdentityCodec,
-    "identity": IdentityCodec,
-    "fp16": Fp16Codec,
-    "bf16": Bf16Codec,
-    "int8": Int8Codec,
-    "int8-group": Int8GroupCodec,
-}
-"""Codec factories by name; :func:`get_codec` passes options through."""
+CODECS: Registry[Codec] = Registry(
+    "codec",
+    error=UnknownCodecError,
+    builtins={
+        "none": IdentityCodec,
+        "identity": IdentityCodec,
+        "fp16": Fp16Codec,
+        "bf16": Bf16Codec,
+        "int8": Int8Codec,
+        "int8-group": Int8GroupCodec,
+    },
+    result=Codec,
+    fold_case=True,
+)
+"""Codec factories by name (case-insensitive); :func:`get_codec` passes options through,
+``CODECS.register(name, factory)`` adds one."""
 
 _BY_ID: dict[int, Callable[..., Codec]] = {
     c.codec_id: c for c in (IdentityCodec, Fp16Codec, Bf16Codec, Int8Codec, Int8GroupCodec)
@@ -79,14 +87,14 @@ def get_codec(name: str, **options: Any) -> Codec:
         UnknownCodecError: no codec of that name.
         SpecError: an option the codec does not take, or a bad value for one.
     """
+    factory = CODECS.factory(name)
     try:
-        factory = CODECS[name.lower()]
-    except KeyError:
-        raise UnknownCodecError(f"unknown codec {name!r}; use one of {sorted(CODECS)}") from None
-    try:
-        return factory(**options)
+        made = factory(**options)
     except TypeError as exc:
         raise SpecError(f"codec {name!r}: {exc}") from exc
+    if not isinstance(made, Codec):
+        raise UnknownCodecError(f"codec factory for {name!r} returned {type(made).__name__}")
+    return made
 
 
 def codec_for(data: torch.Tensor) -> Codec:

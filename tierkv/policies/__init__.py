@@ -2,22 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from tierkv.errors import UnknownPolicyError
 from tierkv.policies.arc import ARCPolicy
 from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
 from tierkv.policies.kvaware import KVAwarePolicy
 from tierkv.policies.lfu import LFUPolicy
 from tierkv.policies.lru import LRUPolicy
 from tierkv.policies.s3fifo import S3FIFOPolicy
+from tierkv.transports.named import Registry
 
-POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "arc": ARCPolicy,
-    "s3fifo": S3FIFOPolicy,
-    "kvaware": KVAwarePolicy,
-}
+POLICIES: Registry[EvictionPolicy] = Registry(
+    "eviction policy",
+    error=UnknownPolicyError,
+    builtins={
+        "lru": LRUPolicy,
+        "lfu": LFUPolicy,
+        "arc": ARCPolicy,
+        "s3fifo": S3FIFOPolicy,
+        "kvaware": KVAwarePolicy,
+    },
+    result=EvictionPolicy,
+)
+"""Policy factories by name; ``POLICIES.register(name, factory)`` adds one (a callable taking no
+arguments that returns an :class:`EvictionPolicy`)."""
 
 DEFAULT_POLICY = "kvaware"
 """The policy a tier uses unless told otherwise (see ``docs/policies.md`` for why)."""
@@ -27,14 +34,9 @@ def make_policy(name: str) -> EvictionPolicy:
     """A new policy instance by name (see :data:`POLICIES`).
 
     Raises:
-        ValueError: the name is unknown.
+        UnknownPolicyError: the name is unknown (a ValueError).
     """
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown eviction policy {name!r}; choose from {sorted(POLICIES)}"
-        ) from None
+    return POLICIES.create(name)
 
 
 __all__ = [
