@@ -6,11 +6,15 @@ Pairs are cut into runs where both sides are adjacent (in the caller's order)::
 
 Kernels (`copy_rows(kernel=...)`):
 
-- ``native``: one C call per batch, a loop of one ``memmove`` per run (GIL released). numpy and
-  torch have no single-pass gather-to-scatter copy (fancy indexing on both sides goes through a
-  temporary), and a Python loop of memmoves costs ~1 us a call, a third of a 16 KB copy. The C
-  loop is six lines, compiled with the system C compiler on first use and cached (see
-  `native_kernel`); where that fails, "auto" falls back to the numpy kernels below.
+- ``native``: one C call per batch (`tierkv.runtime._copy`, runtime/_copy.c, built at install
+  time by setup.py): it checks every id, finds the runs and copies them with the GIL released,
+  the address of each run computed in C from the ids (no per-page Python). A batch of at least
+  `STREAM_MIN_BYTES` is written with non-temporal stores: a scattered 16 KB row is too small for
+  glibc's memcpy to make that switch, and a store that misses the cache first reads the line it
+  overwrites. numpy and torch have no single-pass gather-to-scatter copy (fancy indexing on both
+  sides goes through a temporary), and a Python loop of memmoves costs ~1 us a call, a third of a
+  16 KB copy. Where the extension was not built (no compiler at install), "auto" falls back to
+  the numpy kernels below.
 - ``runs``: one numpy copy per run (Python loop per run; fine when runs are long).
 - ``staged``: a chunk at a time through a staging buffer kept at most L2-sized: numpy ``take``
   gathers the chunk's source rows, fancy assignment scatters them (C loops, GIL released).
@@ -18,21 +22,27 @@ Kernels (`copy_rows(kernel=...)`):
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import importlib
 import os
-import subprocess
-import sys
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.transports.native_build import build_library
-
 from .freelist import SlotIds
 
-__all__ = ["DEFAULT_STAGING_BYTES", "KERNELS", "coalesce_runs", "copy_rows", "native_kernel"]
+__all__ = [
+    "DEFAULT_STAGING_BYTES",
+    "KERNELS",
+    "STREAM_MIN_BYTES",
+    "coalesce_runs",
+    "copy_rows",
+    "native_kernel",
+    "native_streaming",
+]
 
 #: Default staging buffer size (used only by the "staged" fallback kernel).
 DEFAULT_STAGING_BYTES = 2 << 20
@@ -40,29 +50,19 @@ DEFAULT_STAGING_BYTES = 2 << 20
 #: Kernel names `copy_rows` accepts.
 KERNELS = ("auto", "native", "numpy", "runs", "staged")
 
+#: Batches of at least this many bytes are written with non-temporal stores by the native kernel
+#: (about the L2 of one core: a larger batch would evict it anyway; measured faster from 1 MB
+#: batches of 16 KB and 256 KB rows on, see docs/runtime.md). Smaller ones stay in cache.
+STREAM_MIN_BYTES = 1 << 20
+
 # The staged kernel moves at most this much per chunk so the staging rows stay in L2.
 _STAGE_CHUNK_BYTES = 512 << 10
 
 # Without the native kernel: runs shorter than this on average go through the staged kernel.
 _RUN_MIN_BYTES = 192 << 10
 
-_C_SOURCE = b"""
-#include <stdint.h>
-#include <string.h>
-/* Copy row s[i] of src to row d[i] of dst, merging pairs adjacent on both sides into one memmove.
-   Returns the number of runs, or -1 (nothing copied) when an id is out of range. */
-int64_t tierkv_copy_rows(char *dst, const char *src, const int64_t *d, const int64_t *s,
-                         int64_t n, int64_t row, int64_t dst_rows, int64_t src_rows) {
-    for (int64_t i = 0; i < n; i++)
-        if (s[i] < 0 || s[i] >= src_rows || d[i] < 0 || d[i] >= dst_rows) return -1;
-    int64_t runs = 0;
-    for (int64_t i = 0, j; i < n; i = j, runs++) {
-        for (j = i + 1; j < n && s[j] == s[j - 1] + 1 && d[j] == d[j - 1] + 1; j++) {}
-        memmove(dst + d[i] * row, src + s[i] * row, (size_t)((j - i) * row));
-    }
-    return runs;
-}
-"""
+#: The native kernel's signature: (dst, src, dst_ids, src_ids, row, stream_min) -> runs.
+NativeKernel = Callable[[Any, Any, Any, Any, int, int], int]
 
 
 def coalesce_runs(src_ids: SlotIds, dst_ids: SlotIds) -> tuple[SlotIds, SlotIds, SlotIds]:
@@ -94,23 +94,29 @@ def _runs_in_order(src_ids: SlotIds, dst_ids: SlotIds) -> tuple[SlotIds, SlotIds
     return src_ids[starts], dst_ids[starts], lengths
 
 
-@functools.cache
-def native_kernel() -> Any | None:
-    """The compiled C copy loop (a ctypes function), or None where it cannot be built.
+def _native_module() -> ModuleType | None:
+    try:  # through sys.modules, so that a test can hide the module
+        return importlib.import_module(f"{__package__}._copy")
+    except ImportError:  # not built: no compiler at install time, or TIERKV_NO_EXTENSIONS=1
+        return None
 
-    Built once per source version and machine with ``$CC`` (default ``cc``) into
-    ``$TIERKV_CACHE_DIR`` (default ``~/.cache/tierkv``); ``TIERKV_NATIVE_KERNEL=0`` disables it.
-    Never raises: any failure (no compiler, read-only cache) means the numpy kernels are used.
-    """
-    if os.environ.get("TIERKV_NATIVE_KERNEL", "1") == "0" or sys.platform == "win32":
+
+@functools.cache
+def native_kernel() -> NativeKernel | None:
+    """The native batch copy (`tierkv.runtime._copy.copy_rows`), or None where the extension
+    was not built at install time (no C compiler then) or ``TIERKV_NATIVE_KERNEL=0`` disables it.
+    Never raises; without it the numpy kernels are used."""
+    if os.environ.get("TIERKV_NATIVE_KERNEL", "1") == "0":
         return None
-    try:
-        fn = build_library("copy_rows", _C_SOURCE).tierkv_copy_rows
-    except (OSError, subprocess.SubprocessError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
-    fn.restype = ctypes.c_int64
-    return fn
+    module = _native_module()
+    return None if module is None else module.copy_rows
+
+
+def native_streaming() -> str:
+    """The instructions of the native kernel's non-temporal path: "avx2", "sse2", or "" where
+    there is none (not x86-64, or no native kernel)."""
+    module = _native_module() if native_kernel() is not None else None
+    return "" if module is None else str(module.STREAMING)
 
 
 def copy_rows(
@@ -121,11 +127,13 @@ def copy_rows(
     staging: npt.NDArray[np.uint8],
     *,
     kernel: str = "auto",
+    stream_min_bytes: int = STREAM_MIN_BYTES,
 ) -> tuple[int, str]:
     """Copy rows `src[src_ids]` into `dst[dst_ids]` (2-D C-contiguous uint8, equal row size).
 
     `kernel` is one of KERNELS: "auto" is "native" when it is available, else "numpy", which
     picks "runs" for long runs and "staged" otherwise. `dst_ids` must be unique (callers check).
+    The native kernel writes batches of at least `stream_min_bytes` with non-temporal stores.
     Raises IndexError for an id out of range (before copying anything) and ValueError for an
     unknown or unavailable kernel. Returns (number of runs, kernel used).
     """
@@ -143,13 +151,16 @@ def copy_rows(
         # work runs with caches just flushed by the previous copy, so keep it minimal).
         fn = native_kernel()
         if fn is None:
-            raise ValueError("the native copy kernel is not available (no C compiler?)")
+            raise ValueError(
+                "the native copy kernel is not available (tierkv.runtime._copy was not built "
+                "at install time, or TIERKV_NATIVE_KERNEL=0)"
+            )
         if not (src.flags.c_contiguous and dst.flags.c_contiguous):
             raise ValueError("the native copy kernel needs C-contiguous arrays")
-        nruns = fn(dst.ctypes.data, src.ctypes.data, dst_ids.ctypes.data, src_ids.ctypes.data,
-                   src_ids.size, row, dst.shape[0], src.shape[0])  # fmt: skip
-        if nruns < 0:
-            raise IndexError(f"slot id out of range ({src.shape[0]} / {dst.shape[0]} rows)")
+        if not dst.flags.writeable:
+            raise ValueError("the destination array is read-only")
+        # raises IndexError (nothing copied) for an id out of range
+        nruns = fn(dst, src, dst_ids, src_ids, row, stream_min_bytes)
         return nruns, "native" if nruns else "none"
     if src_ids.size and (
         min(src_ids.min(), dst_ids.min()) < 0

@@ -1,4 +1,4 @@
-"""The cpu backend: host arenas, one worker thread per stream, numpy/torch batch copies.
+"""The cpu backend: host arenas, one worker thread per stream, one native call per batch copy.
 
 On a machine without a GPU every tier is host memory, so its figures measure the runtime's own
 overhead against memcpy, not PCIe.
@@ -23,8 +23,8 @@ __all__ = ["CpuBackend"]
 class CpuBackend(Backend):
     """Host-memory backend. `kernel` picks the copy kernel (`copy_kernels.KERNELS`).
 
-    "auto" uses the native C loop where it could be built, numpy kernels otherwise; "native"
-    raises ValueError here when it is not available.
+    "auto" uses the native kernel (the extension built at install time) where it exists, numpy
+    kernels otherwise; "native" raises ValueError here when it is not available.
     """
 
     name = "cpu"
@@ -39,7 +39,10 @@ class CpuBackend(Backend):
         if kernel not in KERNELS:
             raise ValueError(f"unknown copy kernel {kernel!r}")
         if kernel == "native" and native_kernel() is None:
-            raise ValueError("the native copy kernel is not available (no C compiler?)")
+            raise ValueError(
+                "the native copy kernel is not available (tierkv.runtime._copy was not built "
+                "at install time, or TIERKV_NATIVE_KERNEL=0)"
+            )
         self.huge_pages = huge_pages
         self.kernel = kernel
         self.wait_timeout = wait_timeout

@@ -2,13 +2,14 @@
 
 Two algorithms, named on the wire (the handshake agrees on one per connection):
 
-- ``crc32c`` (Castagnoli): the native helper in crc32c_native.py (SSE4.2 crc32 lanes plus a
-  VPCLMULQDQ-folded lane; ~10x zlib here). Preferred wherever it builds.
-- ``crc32``: ``zlib.crc32`` (~2 GB/s on one core); always available, the fallback wherever the
-  helper cannot be built or the CPU lacks SSE4.2, and what version-1 peers use.
+- ``crc32c`` (Castagnoli): the extension built at install time (transports/_crc32c.c: SSE4.2
+  crc32 lanes plus a VPCLMULQDQ-folded lane; ~10x zlib here), else the ``crc32c`` package when
+  installed (crc32c_native.py picks). Preferred wherever one of them is available.
+- ``crc32``: ``zlib.crc32`` (~2 GB/s on one core); always available, the fallback wherever
+  neither is (no compiler at install time, a CPU without SSE4.2), and what version-1 peers use.
 
 Both are CRCs, so a checksum fed in pieces equals the checksum of the whole (`Incremental`), and
-both release the GIL.
+both release the GIL on large buffers.
 
 `ChecksumThread` computes checksums of large payloads in a worker thread (both algorithms
 release the GIL), so that the event loop keeps the socket busy meanwhile: on a multi-core host
@@ -51,9 +52,12 @@ Update = Callable[[Any, int], int]
 
 
 def _crc32c_views(views: Sequence[memoryview]) -> int:
+    fn = native_crc32c()
+    if fn is None:
+        return crc32c(b"")  # raises the explanation
     crc = 0
     for v in views:
-        crc = crc32c(v, crc)
+        crc = fn(v, crc)
     return crc
 
 
@@ -68,7 +72,8 @@ def update_function(name: str) -> Update:
     """The incremental form of algorithm `name`. Raises ValueError as `checksum_function`."""
     if name not in algorithms():
         raise ValueError(f"checksum {name!r} is not available here (have {algorithms()})")
-    return crc32c if name == "crc32c" else zlib.crc32
+    fn = native_crc32c() if name == "crc32c" else None
+    return zlib.crc32 if fn is None else fn
 
 
 class Incremental:

@@ -1,16 +1,19 @@
 from __future__ import annotations
 
-import shutil
+import platform
+import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv.runtime import CpuBackend
-from tierkv.runtime.copy_kernels import copy_rows, native_kernel
+from tierkv.runtime.copy_kernels import copy_rows, native_kernel, native_streaming
 
 HAVE_NATIVE = native_kernel() is not None
+needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="tierkv.runtime._copy not built here")
 KERNELS = ["auto", "numpy", "runs", "staged"] + (["native"] if HAVE_NATIVE else [])
 
 PAIRS = {
@@ -89,22 +92,119 @@ def test_native_kernel_can_be_disabled(
         CpuBackend(kernel="native")
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
-def test_native_kernel_builds_into_its_cache_dir(
-    fresh_native_cache: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.delenv("TIERKV_NATIVE_KERNEL", raising=False)
-    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
-    assert native_kernel() is not None
-    assert len(list(tmp_path.glob("copy_rows-*.so"))) == 1
-    native_kernel.cache_clear()
-    assert native_kernel() is not None  # loads the cached build
+def test_native_kernel_is_the_extension_built_at_install() -> None:
+    if not HAVE_NATIVE:
+        pytest.skip("tierkv.runtime._copy was not built here")
+    from tierkv.runtime import _copy
+
+    assert native_kernel() is _copy.copy_rows
+    assert native_streaming() == _copy.STREAMING
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        assert native_streaming() in ("avx2", "sse2")
 
 
-def test_broken_compiler_falls_back(
-    fresh_native_cache: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def test_without_the_extension_numpy_kernels_are_used(
+    fresh_native_cache: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("TIERKV_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert native_kernel() is None
-    assert not list(tmp_path.glob("*.so"))
+    monkeypatch.setitem(sys.modules, "tierkv.runtime._copy", None)  # as if never built
+    assert native_kernel() is None and native_streaming() == ""
+    src = np.arange(6 * 8, dtype=np.uint8).reshape(6, 8)
+    dst = np.zeros_like(src)
+    runs, used = copy_rows(src, np.array([4, 1]), dst, np.array([0, 5]), np.zeros(64, np.uint8))
+    assert used in ("runs", "staged") and runs == 2
+    assert np.array_equal(dst[[0, 5]], src[[4, 1]])
+    with pytest.raises(ValueError, match="not built"):
+        CpuBackend(kernel="native")
+    with pytest.raises(ValueError, match="not built"):
+        copy_rows(src, np.array([0]), dst, np.array([1]), np.zeros(64, np.uint8), kernel="native")
+
+
+def _rows(
+    nrows: int, row: int, skew: int, fill: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """A C-contiguous (nrows, row) array starting `skew` bytes into a buffer with 64 guard
+    bytes on each side; returns (array, whole buffer)."""
+    rng = np.random.default_rng(nrows * 7919 + row)
+    buf = rng.integers(0, 256, skew + nrows * row + 128, np.uint8)
+    if fill is not None:
+        buf[:] = fill
+    return buf[64 + skew : 64 + skew + nrows * row].reshape(nrows, row), buf
+
+
+@needs_native
+@settings(max_examples=150, deadline=None)
+@given(
+    row=st.sampled_from([1, 7, 63, 64, 65, 127, 1000, 1023, 1024, 1025, 4097, 16384])
+    | st.integers(1, 5000),
+    shape=st.tuples(st.integers(1, 40), st.integers(1, 40)),
+    skews=st.tuples(st.integers(0, 63), st.integers(0, 63)),
+    data=st.data(),
+    stream_min=st.sampled_from([0, 1 << 62, 4096]),
+    in_order=st.booleans(),
+)
+def test_native_gives_the_bytes_of_the_numpy_kernels(
+    row: int,
+    shape: tuple[int, int],
+    skews: tuple[int, int],
+    data: st.DataObject,
+    stream_min: int,
+    in_order: bool,
+) -> None:
+    """Odd row sizes, unaligned starts, runs of every length, both store paths (streamed and
+    memcpy): the native kernel writes exactly the bytes numpy does, and nothing outside."""
+    nsrc, ndst = shape
+    n = data.draw(st.integers(0, min(nsrc, ndst)), label="pairs")
+    ids = st.lists(st.integers(0, nsrc - 1), min_size=n, max_size=n, unique=True)
+    s = data.draw(ids, label="src ids")
+    d = data.draw(st.lists(st.integers(0, ndst - 1), min_size=n, max_size=n, unique=True))
+    if in_order:  # long runs: both sides ascending
+        s, d = sorted(s), sorted(d)
+    src_ids, dst_ids = np.array(s, np.int64), np.array(d, np.int64)
+    src, _ = _rows(nsrc, row, skews[0])
+    results = []
+    for kernel in ("native", "runs", "staged"):
+        dst, whole = _rows(ndst, row, skews[1], fill=0xA5)
+        staging = np.zeros(3 * row, np.uint8)
+        runs, _ = copy_rows(
+            src, src_ids, dst, dst_ids, staging, kernel=kernel, stream_min_bytes=stream_min
+        )
+        results.append((runs, whole.copy()))
+    want = _rows(ndst, row, skews[1], fill=0xA5)[1]
+    want[64 + skews[1] : 64 + skews[1] + ndst * row].reshape(ndst, row)[dst_ids] = src[src_ids]
+    for runs, whole in results:
+        assert runs == results[0][0]
+        assert np.array_equal(whole, want)  # guard bytes included
+
+
+@needs_native
+@pytest.mark.parametrize("stream_min", [0, 1 << 62])
+@pytest.mark.parametrize("shift", [1, -1, 3])
+def test_a_run_overlapping_itself_copies_as_memmove(stream_min: int, shift: int) -> None:
+    arr, _ = _rows(64, 1100, 5)
+    want = arr.copy()
+    s = np.arange(10, 40, dtype=np.int64)
+    want[s + shift] = arr[s].copy()
+    runs, _ = copy_rows(arr, s, arr, s + shift, np.zeros(0, np.uint8), stream_min_bytes=stream_min)
+    assert runs == 1 and np.array_equal(arr, want)
+
+
+@needs_native
+def test_the_native_kernel_rejects_malformed_arguments() -> None:
+    fn = native_kernel()
+    assert fn is not None
+    ids = np.zeros(1, np.int64)
+    dst = np.zeros((4, 8), np.uint8)
+    with pytest.raises(ValueError):
+        fn(dst, dst, ids, ids, 0, 0)  # row size 0
+    with pytest.raises(ValueError):
+        fn(dst, np.zeros(12, np.uint8), ids, ids, 8, 0)  # not whole rows
+    with pytest.raises(ValueError):
+        fn(dst, dst, ids, np.zeros(2, np.int64), 8, 0)  # id counts differ
+    with pytest.raises(ValueError):
+        fn(dst, dst, np.zeros(3, np.uint8), np.zeros(3, np.uint8), 8, 0)  # not int64
+    with pytest.raises(BufferError):
+        fn(bytes(32), dst, ids, ids, 8, 0)  # read-only destination
+    ro = np.zeros((4, 8), np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        copy_rows(dst, ids, ro, ids, np.zeros(64, np.uint8), kernel="native")

@@ -1,5 +1,5 @@
 """The tcp transport: in one process, against peers in other processes, and against bad frames;
-its checksums (CRC32C against its definition, negotiation, corruption detected both ways)."""
+its checksums (negotiation, corruption detected both ways; the algorithms: test_checksum.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import zlib
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tierkv.transports import (
     AuthError,
@@ -22,14 +20,7 @@ from tierkv.transports import (
     TransferOp,
     TransferTimeoutError,
 )
-from tierkv.transports.checksum import (
-    Incremental,
-    algorithms,
-    checksum_function,
-    crc32c,
-    native_crc32c,
-    update_function,
-)
+from tierkv.transports.checksum import algorithms
 from tierkv.transports.tcp import ClientConnection, TcpTransport
 from tierkv.transports.tcp_server import ServerConnection
 
@@ -148,69 +139,6 @@ async def test_peer_killed_mid_transfer(script_process: Any) -> None:
 
 
 # -- checksums -----------------------------------------------------------------------------------
-
-
-def _crc32c_table() -> list[int]:
-    table = []
-    for byte in range(256):
-        c = byte
-        for _ in range(8):
-            c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)
-        table.append(c)
-    return table
-
-
-_TABLE = _crc32c_table()
-
-
-def _crc32c_reference(data: bytes, crc: int = 0) -> int:
-    """CRC32C straight from its definition (reflected polynomial 0x82F63B78), table-driven."""
-    c = crc ^ 0xFFFFFFFF
-    for b in data:
-        c = (c >> 8) ^ _TABLE[(c ^ b) & 0xFF]
-    return c ^ 0xFFFFFFFF
-
-
-needs_native = pytest.mark.skipif(native_crc32c() is None, reason="no native crc32c here")
-
-
-@needs_native
-@settings(max_examples=40, deadline=None)
-@given(
-    data=st.binary(max_size=4096) | st.integers(20_000, 90_000).map(random.Random(5).randbytes),
-    skew=st.integers(0, 7),
-    cut=st.floats(0, 1),
-)
-def test_crc32c_matches_its_definition(data: bytes, skew: int, cut: float) -> None:
-    buf = bytearray(skew) + data  # unaligned starts too
-    view = memoryview(buf)[skew:]
-    expected = _crc32c_reference(data)
-    fn = native_crc32c()
-    try:
-        for fold in (0, 1):  # crc32 lanes only, then with the folded lane (where the CPU has it)
-            fn.init(fold)
-            assert crc32c(view) == expected
-            k = int(len(data) * cut)  # split anywhere: incremental use gives the same value
-            assert crc32c(view[k:], crc32c(view[:k])) == crc32c(bytes(data))  # read-only too
-    finally:
-        fn.init(1)
-
-
-@needs_native
-def test_crc32c_check_value() -> None:
-    assert crc32c(b"123456789") == 0xE3069283  # the catalogued check value of CRC-32C
-
-
-@pytest.mark.parametrize("name", algorithms())
-def test_incremental_equals_whole(name: str) -> None:
-    rng = random.Random(9)
-    pieces = [memoryview(rng.randbytes(rng.choice([0, 1, 999, 70_000]))) for _ in range(40)]
-    inc = Incremental(update_function(name), batch=100_000)
-    for p in pieces:
-        inc.add(p)
-    assert inc.finish() == checksum_function(name)(pieces)
-    with pytest.raises(ValueError):
-        checksum_function("md5")
 
 
 @pytest.mark.parametrize("threads", [False, True])

@@ -1,0 +1,207 @@
+/* tierkv.runtime._copy: the cpu backend's batch copy, one call per batch (built by setup.py).
+
+   copy_rows(dst, src, dst_ids, src_ids, row, stream_min) -> number of runs
+
+   Copies row src_ids[i] of `src` to row dst_ids[i] of `dst` (buffers of whole rows of `row`
+   bytes; ids int64). Pairs adjacent on both sides are merged into one run:
+
+       src ids  4 5 6 | 9 | 1 2      dst ids  10 11 12 | 3 | 7 8     ->  3 runs
+
+   Every id is checked before anything is copied (IndexError). The copy runs with the GIL
+   released. A batch of at least `stream_min` bytes is written with non-temporal stores (x86-64:
+   AVX2 where the CPU has it, else SSE2): the rows of a large batch would only evict the cache on
+   their way to memory, and a store that misses the cache first reads the line it overwrites
+   (three bytes of memory traffic per byte copied instead of two). glibc's memcpy makes the same
+   switch, but per call and only above its `x86_non_temporal_threshold` (3/4 of the L3 here), so
+   a loop of row-sized memcpys never makes it. Elsewhere, and for small batches: memcpy per run;
+   memmove where a run overlaps itself (same buffer).
+
+   Each streamed run:  | memcpy up to a 64-byte line of dst | 128-byte streamed blocks | memcpy |
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define TIERKV_X86 1
+#include <immintrin.h>
+#endif
+
+/* runs shorter than this are copied with memcpy even in a streamed batch */
+#define STREAM_MIN_RUN 1024
+
+#ifdef TIERKV_X86
+static int have_avx2;
+
+__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
+    for (size_t o = 0; o < n; o += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + o + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(s + o + 96));
+        _mm256_stream_si256((__m256i *)(d + o), a);
+        _mm256_stream_si256((__m256i *)(d + o + 32), b);
+        _mm256_stream_si256((__m256i *)(d + o + 64), c);
+        _mm256_stream_si256((__m256i *)(d + o + 96), e);
+    }
+}
+
+static void stream_sse2(char *d, const char *s, size_t n) {
+    for (size_t o = 0; o < n; o += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + o + 48));
+        _mm_stream_si128((__m128i *)(d + o), a);
+        _mm_stream_si128((__m128i *)(d + o + 16), b);
+        _mm_stream_si128((__m128i *)(d + o + 32), c);
+        _mm_stream_si128((__m128i *)(d + o + 48), e);
+    }
+}
+
+/* n bytes from s to d (not overlapping), the 64-byte lines of d written with streaming stores */
+static void stream_copy(char *d, const char *s, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)d & 63);
+    if (head > n) head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    size_t body = n & ~(size_t)127;
+    if (have_avx2)
+        stream_avx2(d, s, body);
+    else
+        stream_sse2(d, s, body);
+    memcpy(d + body, s + body, n - body);
+}
+#endif
+
+static const char *streaming_name(void) {
+#ifdef TIERKV_X86
+    return have_avx2 ? "avx2" : "sse2";
+#else
+    return "";
+#endif
+}
+
+/* Returns the number of runs; -1 when an id is out of range (nothing copied). */
+static int64_t copy_rows_impl(char *dst, const char *src, const int64_t *d, const int64_t *s,
+                              int64_t n, int64_t row, int64_t dst_rows, int64_t src_rows,
+                              int stream) {
+    for (int64_t i = 0; i < n; i++)
+        if (s[i] < 0 || s[i] >= src_rows || d[i] < 0 || d[i] >= dst_rows) return -1;
+    int64_t runs = 0;
+    int streamed = 0;
+    for (int64_t i = 0, j; i < n; i = j, runs++) {
+        for (j = i + 1; j < n && s[j] == s[j - 1] + 1 && d[j] == d[j - 1] + 1; j++) {
+        }
+        char *dp = dst + d[i] * row;
+        const char *sp = src + s[i] * row;
+        size_t len = (size_t)((j - i) * row);
+        if (dp < sp + len && sp < dp + len) {
+            memmove(dp, sp, len);
+            continue;
+        }
+#ifdef TIERKV_X86
+        if (stream && len >= STREAM_MIN_RUN) {
+            stream_copy(dp, sp, len);
+            streamed = 1;
+            continue;
+        }
+#endif
+        memcpy(dp, sp, len);
+    }
+#ifdef TIERKV_X86
+    if (streamed) _mm_sfence(); /* streamed lines reach memory before the batch counts as done */
+#else
+    (void)stream;
+    (void)streamed;
+#endif
+    return runs;
+}
+
+static int check_ids(Py_buffer *b, const char *what) {
+    if (b->len % 8 != 0 || ((uintptr_t)b->buf & 7) != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be an aligned buffer of int64", what);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_rows_doc,
+             "copy_rows(dst, src, dst_ids, src_ids, row, stream_min) -> runs\n\n"
+             "Copy row src_ids[i] of src to row dst_ids[i] of dst (contiguous buffers of whole\n"
+             "rows of `row` bytes; ids: contiguous int64 buffers of equal length; dst_ids\n"
+             "unique). Batches of at least `stream_min` bytes use non-temporal stores where the\n"
+             "CPU has them. Raises IndexError (nothing copied) for an id out of range and\n"
+             "ValueError for malformed arguments. Returns the number of runs copied.");
+
+static PyObject *copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "copy_rows takes 6 arguments");
+        return NULL;
+    }
+    Py_ssize_t row = PyLong_AsSsize_t(args[4]);
+    if (row == -1 && PyErr_Occurred()) return NULL;
+    long long stream_min = PyLong_AsLongLong(args[5]);
+    if (stream_min == -1 && PyErr_Occurred()) return NULL;
+    if (row <= 0) {
+        PyErr_Format(PyExc_ValueError, "row size must be > 0, got %zd", row);
+        return NULL;
+    }
+    Py_buffer bufs[4];
+    int flags[4] = {PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_SIMPLE, PyBUF_SIMPLE};
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < 4; got++)
+        if (PyObject_GetBuffer(args[got], &bufs[got], flags[got]) < 0) goto done;
+    if (check_ids(&bufs[2], "dst_ids") < 0 || check_ids(&bufs[3], "src_ids") < 0) goto done;
+    if (bufs[2].len != bufs[3].len) {
+        PyErr_SetString(PyExc_ValueError, "dst_ids and src_ids differ in length");
+        goto done;
+    }
+    if (bufs[0].len % row != 0 || bufs[1].len % row != 0) {
+        PyErr_Format(PyExc_ValueError, "buffers of %zd and %zd bytes are not whole rows of %zd",
+                     bufs[0].len, bufs[1].len, row);
+        goto done;
+    }
+    int64_t n = (int64_t)(bufs[2].len / 8), runs;
+    int stream = (long long)n * row >= stream_min;
+    Py_BEGIN_ALLOW_THREADS
+    runs = copy_rows_impl(bufs[0].buf, bufs[1].buf, bufs[2].buf, bufs[3].buf, n, row,
+                          bufs[0].len / row, bufs[1].len / row, stream);
+    Py_END_ALLOW_THREADS
+    if (runs < 0)
+        PyErr_Format(PyExc_IndexError, "slot id out of range (%zd / %zd rows)", bufs[1].len / row,
+                     bufs[0].len / row);
+    else
+        result = PyLong_FromLongLong(runs);
+done:
+    while (got-- > 0) PyBuffer_Release(&bufs[got]);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copy", "The cpu backend's batch copy (see runtime/_copy.c).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__copy(void) {
+#ifdef TIERKV_X86
+    __builtin_cpu_init();
+    have_avx2 = __builtin_cpu_supports("avx2");
+#endif
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    /* "avx2" or "sse2": the instructions of the non-temporal path; "" where there is none */
+    if (PyModule_AddStringConstant(m, "STREAMING", streaming_name()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

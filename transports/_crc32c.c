@@ -1,0 +1,260 @@
+/* tierkv.transports._crc32c: CRC-32C (Castagnoli) for the tcp transport (built by setup.py).
+
+   crc32c(data, crc=0) -> int    CRC-32C of a buffer, continuing from `crc`
+   init(fold) -> int              0: unusable here; 1: crc32 lanes; 2: crc32 lanes + folded lane
+
+Three independent lanes of the SSE4.2 `crc32` instruction hide its 3-cycle latency (~8 bytes a
+cycle at best). The lanes are joined by "shifting" a CRC over the length of the lanes after it
+(appending L zero bytes is a linear map of the register, applied with four 256-entry tables):
+
+    block of 3 x L bytes:  | lane 0 (crc = c) | lane 1 (crc = 0) | lane 2 (crc = 0) |
+    c' = shift_L(shift_L(c0) ^ c1) ^ c2
+
+Where the CPU has AVX2 and VPCLMULQDQ, each 28 KB block also gets a fourth lane folded with
+carry-less multiplies in the same loop (another execution unit): its 16-byte blocks are moved
+forward by multiplying with x^k mod P, the last one's crc is the lane's, and it is shifted in like
+the others. The instruction sets are picked at run time (target attributes), so a module built on
+any x86-64 machine runs on any other. x86-64 with GCC or Clang only; elsewhere init() returns 0
+and the Python side uses its fallbacks. TIERKV_NO_FOLD (setup.py retries with it when the
+compiler lacks VPCLMULQDQ) builds the three lanes only.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* buffers from this size on are checksummed with the GIL released */
+#define RELEASE_GIL_BYTES (64 << 10)
+
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+#define TIERKV_X86 1
+#include <immintrin.h>
+
+#define LANE_LONG 8192
+#define LANE_MID 2048
+#define LANE_SHORT 256
+/* hybrid block: three crc32 lanes and one lane folded with carry-less multiplies, in one loop
+   (the two kinds of instruction run on different units) */
+#define HY_ITERS 256
+#define HY_LANE (16 * HY_ITERS)
+#define HY_FOLD (64 * (HY_ITERS + 1))
+#define HY_BLOCK (3 * HY_LANE + HY_FOLD)
+#define SSE42 __attribute__((target("sse4.2")))
+#define FOLD __attribute__((target("sse4.2,pclmul,avx2,vpclmulqdq")))
+
+static uint32_t shift_long[4][256], shift_mid[4][256], shift_short[4][256];
+static uint32_t shift_lane[4][256], shift_fold[4][256];
+static uint64_t k_fold64[4], k_fold16[4][2];
+static int use_fold;
+
+SSE42 static uint32_t over_zeros(uint32_t c, size_t n) {
+    for (size_t i = 0; i < n; i += 8) c = (uint32_t)_mm_crc32_u64(c, 0);
+    return c;
+}
+
+/* x^e mod P, as a register (bit i <-> x^(31-i)) */
+SSE42 static uint32_t x_pow(size_t e) {
+    uint32_t c = 1u << (31 - e % 8);
+    for (size_t i = 0; i < e / 8; i++) c = _mm_crc32_u8(c, 0);
+    return c;
+}
+
+/* multipliers moving a 16-byte block d bytes on: its first 8 bytes by x^(8d+64), its last 8 by
+   x^(8d), each less one power because the carry-less product of two reflected values is one
+   bit short */
+SSE42 static void fold_key(uint64_t k[2], size_t d) {
+    k[0] = (uint64_t)x_pow(8 * d + 63) << 32;
+    k[1] = (uint64_t)x_pow(8 * d - 1) << 32;
+}
+
+/* t[k][v]: the register v << 8k advanced over n zero bytes (linear in the register). */
+SSE42 static void build(uint32_t t[4][256], size_t n) {
+    uint32_t bit[32];
+    for (int b = 0; b < 32; b++) bit[b] = over_zeros(1u << b, n);
+    for (int k = 0; k < 4; k++)
+        for (int v = 0; v < 256; v++) {
+            uint32_t r = 0;
+            for (int b = 0; b < 8; b++)
+                if (v >> b & 1) r ^= bit[8 * k + b];
+            t[k][v] = r;
+        }
+}
+
+static inline uint32_t shift(uint32_t t[4][256], uint32_t c) {
+    return t[0][c & 255] ^ t[1][c >> 8 & 255] ^ t[2][c >> 16 & 255] ^ t[3][c >> 24];
+}
+
+static inline uint64_t load(const unsigned char *p) { uint64_t x; memcpy(&x, p, 8); return x; }
+
+/* 0: no SSE4.2; 1: crc32 lanes; 2: crc32 lanes and the folded lane (when `fold` and the CPU
+   has AVX2 and VPCLMULQDQ). Call before crc32c_impl, again to switch. */
+static int crc32c_init(int fold) {
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("sse4.2")) return 0;
+    build(shift_long, LANE_LONG);
+    build(shift_mid, LANE_MID);
+    build(shift_short, LANE_SHORT);
+#ifdef TIERKV_NO_FOLD
+    fold = 0;
+#endif
+    use_fold = fold && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("pclmul")
+               && __builtin_cpu_supports("vpclmulqdq");
+    if (!use_fold) return 1;
+    build(shift_lane, HY_LANE);
+    build(shift_fold, HY_FOLD);
+    fold_key(k_fold64, 64);
+    k_fold64[2] = k_fold64[0], k_fold64[3] = k_fold64[1];
+    for (int j = 1; j < 4; j++) fold_key(k_fold16[j], 16 * j);
+    return 2;
+}
+
+#ifndef TIERKV_NO_FOLD
+FOLD static inline __m256i fold32(__m256i x, __m256i k) {
+    return _mm256_xor_si256(_mm256_clmulepi64_epi128(x, k, 0x00),
+                            _mm256_clmulepi64_epi128(x, k, 0x11));
+}
+
+FOLD static inline __m128i fold16(__m128i x, const uint64_t k[2]) {
+    __m128i kk = _mm_loadu_si128((const void *)k);
+    return _mm_xor_si128(_mm_clmulepi64_si128(x, kk, 0x00), _mm_clmulepi64_si128(x, kk, 0x11));
+}
+
+/*  | lane 0 (crc = c) | lane 1 (0) | lane 2 (0) | folded lane: 2 x 32-byte accumulators | */
+FOLD static uint32_t hybrid(uint32_t c, const unsigned char **pp, size_t *pn) {
+    const unsigned char *p = *pp;
+    size_t n = *pn;
+    const __m256i k = _mm256_loadu_si256((const void *)k_fold64);
+    for (; n >= HY_BLOCK; n -= HY_BLOCK, p += HY_BLOCK) {
+        const unsigned char *f = p + 3 * HY_LANE;
+        uint64_t c0 = c, c1 = 0, c2 = 0;
+        __m256i a0 = _mm256_loadu_si256((const void *)f);
+        __m256i a1 = _mm256_loadu_si256((const void *)(f + 32));
+        for (size_t i = 0; i < HY_ITERS; i++) {
+            const unsigned char *q = p + 16 * i, *g = f + 64 * (i + 1);
+            c0 = _mm_crc32_u64(c0, load(q));
+            c1 = _mm_crc32_u64(c1, load(q + HY_LANE));
+            c2 = _mm_crc32_u64(c2, load(q + 2 * HY_LANE));
+            c0 = _mm_crc32_u64(c0, load(q + 8));
+            c1 = _mm_crc32_u64(c1, load(q + HY_LANE + 8));
+            c2 = _mm_crc32_u64(c2, load(q + 2 * HY_LANE + 8));
+            a0 = _mm256_xor_si256(fold32(a0, k), _mm256_loadu_si256((const void *)g));
+            a1 = _mm256_xor_si256(fold32(a1, k), _mm256_loadu_si256((const void *)(g + 32)));
+        }
+        /* the four 16-byte blocks left, moved onto the last one; its crc is the lane's */
+        __m128i r = _mm256_extracti128_si256(a1, 1);
+        r = _mm_xor_si128(r, fold16(_mm256_castsi256_si128(a0), k_fold16[3]));
+        r = _mm_xor_si128(r, fold16(_mm256_extracti128_si256(a0, 1), k_fold16[2]));
+        r = _mm_xor_si128(r, fold16(_mm256_castsi256_si128(a1), k_fold16[1]));
+        uint64_t cf = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+        cf = _mm_crc32_u64(cf, (uint64_t)_mm_extract_epi64(r, 1));
+        c = shift(shift_lane, shift(shift_lane, (uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        c = shift(shift_fold, c) ^ (uint32_t)cf;
+    }
+    *pp = p;
+    *pn = n;
+    return c;
+}
+#endif
+
+#define LANES(L, TABLE)                                                              \
+    while (n >= 3 * (L)) {                                                           \
+        uint64_t c0 = c, c1 = 0, c2 = 0;                                             \
+        for (size_t i = 0; i < (L); i += 8) {                                        \
+            c0 = _mm_crc32_u64(c0, load(p + i));                                     \
+            c1 = _mm_crc32_u64(c1, load(p + (L) + i));                               \
+            c2 = _mm_crc32_u64(c2, load(p + 2 * (L) + i));                           \
+        }                                                                            \
+        c = shift(TABLE, shift(TABLE, (uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;  \
+        p += 3 * (L);                                                                \
+        n -= 3 * (L);                                                                \
+    }
+
+/* CRC32C of n bytes at buf, continuing from crc (0 to start). */
+SSE42 static uint32_t crc32c_impl(uint32_t crc, const unsigned char *p, size_t n) {
+    uint32_t c = ~crc;
+    for (; n && ((uintptr_t)p & 7); n--) c = _mm_crc32_u8(c, *p++);
+#ifndef TIERKV_NO_FOLD
+    if (use_fold) c = hybrid(c, &p, &n);
+#endif
+    LANES(LANE_LONG, shift_long)
+    LANES(LANE_MID, shift_mid)
+    LANES(LANE_SHORT, shift_short)
+    for (; n >= 8; n -= 8, p += 8) c = (uint32_t)_mm_crc32_u64(c, load(p));
+    for (; n; n--) c = _mm_crc32_u8(c, *p++);
+    return ~c;
+}
+#endif /* TIERKV_X86 */
+
+static int level; /* what init() returned last */
+
+PyDoc_STRVAR(init_doc,
+             "init(fold) -> level\n\n"
+             "Select the code path: 0 where this CPU (or platform) cannot run it, 1 for the\n"
+             "crc32 lanes, 2 with the folded lane as well (when `fold` and the CPU has AVX2\n"
+             "and VPCLMULQDQ). Not thread-safe against running checksums: call it at import.");
+
+static PyObject *init(PyObject *self, PyObject *arg) {
+    (void)self;
+    int fold = PyObject_IsTrue(arg);
+    if (fold < 0) return NULL;
+#ifdef TIERKV_X86
+    level = crc32c_init(fold);
+#else
+    level = 0;
+#endif
+    return PyLong_FromLong(level);
+}
+
+PyDoc_STRVAR(crc32c_doc,
+             "crc32c(data, crc=0) -> int\n\n"
+             "CRC-32C of a contiguous buffer, continuing from `crc` (0 to start). Raises\n"
+             "RuntimeError when init() found no usable code path, BufferError for a\n"
+             "non-contiguous buffer.");
+
+static PyObject *crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "crc32c takes a buffer and an optional crc");
+        return NULL;
+    }
+    unsigned long crc = 0;
+    if (nargs == 2) {
+        crc = PyLong_AsUnsignedLong(args[1]);
+        if (crc == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+        if (crc > 0xFFFFFFFFul) {
+            PyErr_SetString(PyExc_ValueError, "crc must fit in 32 bits");
+            return NULL;
+        }
+    }
+    if (level == 0) {
+        PyErr_SetString(PyExc_RuntimeError, "crc32c: no usable code path on this CPU");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint32_t out = (uint32_t)crc;
+#ifdef TIERKV_X86
+    if (b.len >= RELEASE_GIL_BYTES) {
+        Py_BEGIN_ALLOW_THREADS
+        out = crc32c_impl(out, b.buf, (size_t)b.len);
+        Py_END_ALLOW_THREADS
+    } else if (b.len) {
+        out = crc32c_impl(out, b.buf, (size_t)b.len);
+    }
+#endif
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(out);
+}
+
+static PyMethodDef methods[] = {
+    {"crc32c", (PyCFunction)(void (*)(void))crc32c, METH_FASTCALL, crc32c_doc},
+    {"init", init, METH_O, init_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_crc32c", "CRC-32C (see transports/_crc32c.c).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__crc32c(void) { return PyModule_Create(&module); }

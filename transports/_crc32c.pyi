@@ -1,0 +1,6 @@
+"""Type stub of the native CRC-32C (transports/_crc32c.c; built by setup.py where a compiler is)."""
+
+from typing_extensions import Buffer
+
+def crc32c(data: Buffer, crc: int = 0, /) -> int: ...
+def init(fold: bool, /) -> int: ...
