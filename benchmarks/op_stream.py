@@ -6,14 +6,16 @@ blocks, each turn longer than the last)::
     lookup(blocks) -> h; touch(hits); prepare_load(hits)
     prepare_store(misses, hints) ; complete_store(stored) ; complete_load(hits)
 
-with the hints built per request inside the timed loop (``--no-hints`` passes none). An
-operation is one block through one call, as in ``benchmarks/page_table.py``. Every policy runs
+with the hints built per request inside the timed loop: one :class:`~tierkv.policies.ChainHint`
+per request, from which the table derives each block's hint (``--page-hints`` builds a
+``PageHint`` per block instead, ``--no-hints`` passes none). An operation is one block through
+one call, as in ``benchmarks/page_table.py``. Every policy runs
 at 10^3 to 10^6 pages, interleaved, and its rate is printed beside LRU's from the same run (issue
 17: the default policy and ARC >= 0.5 of LRU's rate). Rates are per CPU second of this process
 (``time.process_time``), so a shared machine's other load is not counted.
 
-    python benchmarks/op_stream.py [--quick] [--json FILE] [--policy NAME ...] [--no-hints]
-                                   [--trace FILE.json]
+    python benchmarks/op_stream.py [--quick] [--json FILE] [--policy NAME ...]
+                                   [--no-hints | --page-hints] [--trace FILE.json]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from benchmarks._common import parser, phase, span, start_trace, table, write_json, write_trace
 from tierkv import DEFAULT_POLICY, PageHint, PageTable
+from tierkv.policies import ChainHint
 
 SYSTEM = 8  # shared system-prompt blocks every request starts with
 TURN = (2, 12)  # blocks a conversation adds per turn (uniform)
@@ -63,7 +66,7 @@ class Stream:
 class Workload:
     """One table of ``pages`` pages under one policy, and its own request stream."""
 
-    def __init__(self, pages: int, policy: str, hints: bool) -> None:
+    def __init__(self, pages: int, policy: str, hints: str) -> None:
         self.pages, self.policy, self.hints = pages, policy, hints
         self.table = PageTable({"t": pages}, policy, record_events=False)
         self.stream = Stream(pages)
@@ -81,7 +84,7 @@ class Workload:
             t.complete_load,
         )
         prepare_store, complete_store = t.prepare_store, t.complete_store
-        hinted = self.hints
+        chained, per_page = self.hints == "chain", self.hints == "page"
         ops = hits = blocks = 0
         c0 = time.process_time()
         w0 = time.perf_counter()
@@ -93,11 +96,13 @@ class Workload:
                 touch(hit, "t")
                 prepare_load(hit, "t")
             miss = ids[h:]
-            hints = (
-                [PageHint(j, j == n - 1, h, ids[j - 1] if j else None, n) for j in range(h, n)]
-                if hinted
-                else None
-            )
+            hints: list[PageHint] | ChainHint | None = None
+            if chained:
+                hints = ChainHint(h, ids[h - 1] if h else None, h, n)
+            elif per_page:
+                hints = [
+                    PageHint(j, j == n - 1, h, ids[j - 1] if j else None, n) for j in range(h, n)
+                ]
             alloc = prepare_store(miss, "t", hints)
             stored = 0
             if alloc is not None:
@@ -119,7 +124,8 @@ class Workload:
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--policy", action="append", help="repeatable; default: lru, arc, default")
-    p.add_argument("--no-hints", action="store_true", help="pass no PageHint (as KVStore does)")
+    p.add_argument("--no-hints", action="store_true", help="pass no hints (as KVStore does)")
+    p.add_argument("--page-hints", action="store_true", help="a PageHint per block, not a chain")
     p.add_argument("--rounds", type=int, default=4)
     args = p.parse_args()
     start_trace(args.trace)
@@ -129,11 +135,12 @@ def main() -> None:
     sizes = [10**3, 10**4, 10**5] + ([] if args.quick else [10**6])
     per_round = 400 if args.quick else 1500
     loads: dict[tuple[str, int], Workload] = {}
+    form = "none" if args.no_hints else "page" if args.page_hints else "chain"
     for n in sizes:
         for pol in policies:
             with phase(f"build {pol} {n:,}"):
                 print(f"\rbuilding {pol} at {n:,} pages ...", end="", file=sys.stderr, flush=True)
-                loads[pol, n] = Workload(n, pol, not args.no_hints)
+                loads[pol, n] = Workload(n, pol, form)
     print(file=sys.stderr)
     for r in range(args.rounds):  # interleaved: every (policy, size) gets each round's load
         for w in loads.values():
@@ -150,7 +157,11 @@ def main() -> None:
             rows.append(
                 [n, pol, rate[pol, n], rate[pol, n] / rate["lru", n], w.hits / max(1, w.blocks)]
             )
-    hints = "no hints" if args.no_hints else "hints built per request"
+    hints = {
+        "none": "no hints",
+        "page": "a PageHint per block, built per request",
+        "chain": "a ChainHint per request",
+    }[form]
     print(f"op stream ({hints}), block-ops per CPU second")
     print(table(["pages", "policy", "block-ops/s", "of lru", "hit rate"], rows))
     worst = {
@@ -164,7 +175,7 @@ def main() -> None:
     write_json(
         args.json,
         {
-            "hints": not args.no_hints,
+            "hints": form,
             "rates": {f"{pol}@{n}": rate[pol, n] for pol, n in rate},
         },
         {f"{pol}_worst_of_lru": r for pol, r in worst.items()},

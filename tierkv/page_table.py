@@ -42,8 +42,8 @@ from enum import IntEnum
 from operator import itemgetter
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
-from tierkv.policies import DEFAULT_POLICY, NO_HINT, EvictionPolicy, Key, PageHint, make_policy
-from tierkv.policies.base import CanEvictSlot
+from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, make_policy
+from tierkv.policies.base import CanEvictSlot, ChainHint, Hints, page_hints
 
 
 class PageState(IntEnum):
@@ -100,7 +100,6 @@ class _Tier:
         "name",
         "pins",
         "policy",
-        "slot_aware",
         "slot_of",
         "state",
         "undo",
@@ -111,7 +110,7 @@ class _Tier:
         self.name = name
         self.capacity = capacity
         self.policy = policy
-        self.admits = type(policy).admit is not EvictionPolicy.admit  # skip a no-op call per page
+        self.admits = policy.admits  # skip a no-op call per batch
         self.slot_of: dict[Key, int] = {}
         self.key_of: list[Key | None] = [None] * capacity
         self.state = [_READABLE] * capacity
@@ -120,9 +119,7 @@ class _Tier:
         self.unevictable = 0  # pages that are pinned, WRITING or MOVING
         self.moving = 0  # MOVING pages (they have left the policy)
         self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
-        self.slot_aware = policy.slot_aware
-        if self.slot_aware:
-            policy.bind_slots(capacity, self.slot_of)
+        policy.bind_slots(capacity, self.slot_of)
 
 
 class PageTable:
@@ -287,10 +284,7 @@ class PageTable:
             if p == 1 and state[s] == _READABLE:
                 freed += 1
         t.unevictable -= freed
-        if t.slot_aware:
-            t.policy.touch_slots(slots, keys)
-        else:
-            t.policy.touch_many(keys)
+        t.policy.touch_slots(slots, keys)
 
     def touch(self, keys: Iterable[Key], tier: str) -> None:
         """Record a use of resident pages, in order. Pages the tier does not hold are passed
@@ -310,23 +304,24 @@ class PageTable:
             state = t.state
             keys = [k for k, s in zip(keys, slots) if state[s] != _MOVING]
             slots = [s for s in slots if state[s] != _MOVING]
-        if t.slot_aware:
-            t.policy.touch_slots(slots, keys)
-        else:
-            t.policy.touch_many(keys)
+        t.policy.touch_slots(slots, keys)
 
     # -- stores --------------------------------------------------------------------------
     def prepare_store(
         self,
         keys: Sequence[Key],
         tier: str,
-        hints: Sequence[PageHint] | None = None,
+        hints: Sequence[PageHint] | ChainHint | None = None,
     ) -> StoreAllocation | None:
         """Reserve slots for the pages of ``keys`` not yet in ``tier``, evicting by policy.
 
         Pages already present are reported in ``present`` (call :meth:`touch` to record a
         use); they, and the new pages, are never chosen as victims. New pages are WRITING until
         :meth:`complete_store`.
+
+        ``hints``: one :class:`PageHint` per key, or one :class:`ChainHint` when ``keys`` are
+        consecutive blocks of one request's chain (the table derives each page's hint from
+        its place in ``keys``: no object per block), or None.
 
         Returns:
             The allocation, or ``None`` when the tier cannot make room because too many pages
@@ -336,24 +331,25 @@ class PageTable:
             ValueError: ``hints`` and ``keys`` differ in length.
         """
         t = self._tier(tier)
-        if hints is not None and len(hints) != len(keys):
-            raise ValueError(f"{len(hints)} hints for {len(keys)} keys")
+        chain = isinstance(hints, ChainHint)
+        if hints is not None and not chain and len(hints) != len(keys):  # type: ignore[arg-type]
+            raise ValueError(f"{len(hints)} hints for {len(keys)} keys")  # type: ignore[arg-type]
         slot_of, state, pins = t.slot_of, t.state, t.pins
         present: list[Key] = []
         new: list[Key]
-        new_hints: Sequence[PageHint]
+        new_hints: Hints
         if not any(map(slot_of.__contains__, keys)) and len(set(keys)) == len(keys):
             new = list(keys)  # the common case: distinct pages, none resident
-            new_hints = [NO_HINT] * len(new) if hints is None else hints
+            new_hints = hints
         else:
             batch = dict.fromkeys(keys)  # distinct keys, in order
             new = [k for k in batch if k not in slot_of]
             present = [k for k in batch if k in slot_of]
             if hints is None:
-                new_hints = [NO_HINT] * len(new)
+                new_hints = None
             else:
                 hint_of: dict[Key, PageHint] = {}
-                for k, h in zip(keys, hints):
+                for k, h in zip(keys, page_hints(keys, hints)):
                     hint_of.setdefault(k, h)
                 new_hints = [hint_of[k] for k in new]
         rejected: list[Key] = []
@@ -361,11 +357,13 @@ class PageTable:
         need = len(new) - len(free)
         if need > 0:
             if t.admits:
-                admit = t.policy.admit
-                kept = [admit(k, h) for k, h in zip(new, new_hints)]
-                if not all(kept):
+                kept = t.policy.admit_many(new, new_hints)
+                if kept is not None:
                     rejected = [k for k, ok in zip(new, kept) if not ok]
-                    new_hints = [h for h, ok in zip(new_hints, kept) if ok]
+                    if isinstance(new_hints, ChainHint):  # the rest is no chain: per page
+                        new_hints = new_hints.hints(new, kept)
+                    elif new_hints is not None:
+                        new_hints = [h for h, ok in zip(new_hints, kept) if ok]
                     new = [k for k, ok in zip(new, kept) if ok]
                     need = len(new) - len(free)
             protected = 0
@@ -390,39 +388,24 @@ class PageTable:
         for k, s in zip(new, slots):
             state[s] = _WRITING
             key_of[s] = k
-        if t.slot_aware:
-            t.policy.insert_slots(slots, new, new_hints)
-        else:
-            t.policy.insert_many(new, new_hints)
+        t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
 
     def _evict(self, t: _Tier, n: int, present: list[Key]) -> list[Key]:
         """Evict ``n`` pages by policy (never those of ``present``); their slots go free."""
         slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
-        if t.slot_aware:
-            can_evict: CanEvictSlot | None = None  # None: nothing pinned, moving or protected
-            if present:
-                keep = set(self._slots(t, present))
-                can_evict = lambda s: not pins[s] and state[s] == _READABLE and s not in keep  # noqa: E731
-            elif t.unevictable:
-                can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
-            slots = t.policy.evict_slots(n, can_evict)
-            evicted = [key_of[s] for s in slots]
-            self._check_victims(t, n, slots, evicted)
-            for k in evicted:
-                del slot_of[k]
-        else:
-            batch = set(present)
-
-            def can_evict_key(k: Key) -> bool:
-                s = slot_of[k]
-                return not pins[s] and state[s] == _READABLE and k not in batch
-
-            evicted = t.policy.evict_many(n, can_evict_key)
-            self._check_victims(t, n, [slot_of[k] for k in evicted], evicted)
-            pop = slot_of.pop
-            slots = [pop(k) for k in evicted]
+        can_evict: CanEvictSlot | None = None  # None: nothing pinned, moving or protected
+        if present:
+            keep = set(self._slots(t, present))
+            can_evict = lambda s: not pins[s] and state[s] == _READABLE and s not in keep  # noqa: E731
+        elif t.unevictable:
+            can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
+        slots = t.policy.evict_slots(n, can_evict)
+        evicted = [key_of[s] for s in slots]
+        self._check_victims(t, n, slots, evicted)
+        for k in evicted:
+            del slot_of[k]
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
         return evicted
 
@@ -431,7 +414,8 @@ class PageTable:
         if len(slots) == n:
             return
         # The policy disagrees with our count (a policy bug): put its victims back, then say so.
-        _restore(t, slots, keys, _evicted_state(t, slots, keys))
+        if slots:
+            t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
         raise TierKVError(
             f"policy {t.policy.name!r} found {len(slots)} of {n} victims in {t.name!r} "
             "(nothing was changed)"
@@ -528,39 +512,27 @@ class PageTable:
                     if len(late) >= n:
                         break
             only = set(late)
-        out: list[tuple[Key, int]]
-        if t.slot_aware:
 
-            def can_evict_slot(s: int) -> bool:
-                return not pins[s] and state[s] == _READABLE
+        def can_evict_slot(s: int) -> bool:
+            return not pins[s] and state[s] == _READABLE
 
-            kept: Collection[Key] = keep or ()
-            chosen: Collection[Key] = only or ()
+        kept: Collection[Key] = keep or ()
+        chosen: Collection[Key] = only or ()
 
-            def can_evict_unkept(s: int) -> bool:
-                return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
+        def can_evict_unkept(s: int) -> bool:
+            return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
 
-            def can_evict_chosen(s: int) -> bool:
-                return key_of[s] in chosen  # evictable, checked when chosen
+        def can_evict_chosen(s: int) -> bool:
+            return key_of[s] in chosen  # evictable, checked when chosen
 
-            if only is not None:
-                pick, want = can_evict_chosen, len(only)
-            else:
-                pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
-            out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
+        if only is not None:
+            pick, want = can_evict_chosen, len(only)
         else:
-
-            def can_evict(k: Key) -> bool:
-                if only is not None:
-                    return k in only
-                s = slot_of[k]
-                return not pins[s] and state[s] == _READABLE and (keep is None or k not in keep)
-
-            want = n if only is None else len(only)
-            out = [(k, slot_of[k]) for k in t.policy.evict_many(want, can_evict)]
+            pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
+        out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
         keys = [k for k, _ in out]
         slots = [s for _, s in out]
-        states = _evicted_state(t, slots, keys)
+        states = t.policy.evicted_state_slots(slots, keys)
         if keep is None:  # every candidate it may take was evictable: the policy owes them all
             self._check_victims(t, want, slots, keys)
         t.undo.update(zip(slots, states))
@@ -601,7 +573,8 @@ class PageTable:
             back = set(slots)
             vs = [s for s in undo if s in back] if len(slots) > 1 else list(slots)
             key_of = t.key_of
-            _restore(t, vs, [key_of[s] for s in vs], [undo.pop(s) for s in vs])
+            if vs:
+                t.policy.restore_slots(vs, [key_of[s] for s in vs], [undo.pop(s) for s in vs])
         t.unevictable -= len(slots)
         t.moving -= len(slots)
 
@@ -643,12 +616,8 @@ class PageTable:
             t.slot_of[k_new] = s
             t.key_of[s] = k_new
             if t.state[s] != _MOVING:  # MOVING pages already left the policy
-                if t.slot_aware:  # to the recent end, as a remove and an insert would
-                    policy.remove_slots((s,), (k_old,))
-                    policy.insert_slots((s,), (k_new,), (NO_HINT,))
-                else:
-                    policy.remove(k_old)
-                    policy.insert(k_new)
+                policy.remove_slots((s,), (k_old,))  # to the recent end, as a remove and an
+                policy.insert_slots((s,), (k_new,), None)  # insert would
 
     def candidates(self, tier: str, n: int) -> list[Key]:
         """The pages :meth:`prepare_evict` would choose next in ``tier`` (at most ``n``, best
@@ -661,19 +630,12 @@ class PageTable:
         n = min(n, len(slot_of) - t.unevictable)
         if n <= 0:
             return []
-        if t.slot_aware:
 
-            def can_evict_slot(s: int) -> bool:
-                return not pins[s] and state[s] == _READABLE
-
-            key_of = t.key_of
-            return [key_of[s] for s in t.policy.candidate_slots(n, can_evict_slot)]
-
-        def can_evict(k: Key) -> bool:
-            s = slot_of[k]
+        def can_evict_slot(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE
 
-        return t.policy.candidates(n, can_evict)
+        key_of = t.key_of
+        return [key_of[s] for s in t.policy.candidate_slots(n, can_evict_slot)]
 
     def take_events(self) -> list[PageEvent]:
         """Return and clear the stored / evicted / removed events since the last call."""
@@ -746,30 +708,8 @@ class PageTable:
         for k, s in zip(keys, slots):
             del slot_of[k]
             key_of[s] = None
-        if t.slot_aware:
-            t.policy.remove_slots(slots, keys)
-        else:
-            remove = t.policy.remove
-            for k in keys:
-                remove(k)
+        t.policy.remove_slots(slots, keys)
         t.free.extend(slots)
-
-
-def _evicted_state(t: _Tier, slots: list[int], keys: list[Key]) -> list[object]:
-    """What ``t``'s policy needs to put back victims it just evicted."""
-    if t.slot_aware:
-        return t.policy.evicted_state_slots(slots, keys)
-    return t.policy.evicted_state(keys)
-
-
-def _restore(t: _Tier, slots: list[int], keys: list[Key], states: list[object]) -> None:
-    """Undo the eviction of ``slots`` / ``keys`` in ``t``'s policy (victim order)."""
-    if not slots:
-        return
-    if t.slot_aware:
-        t.policy.restore_slots(slots, keys, states)
-    else:
-        t.policy.restore(keys, states)
 
 
 def _count(values: list[int], slots: Sequence[int], want: int) -> int:

@@ -1,8 +1,10 @@
 """Reference eviction policies: plain lists and linear scans, slow and easy to check by eye.
 
 Each one states, in a few lines, the rules its optimised twin in ``tierkv.policies`` keeps with
-buckets, bit masks and intrusive lists. The differential tests run both behind the same page
-table and require the same victims, op for op. Shared rules (``tierkv/policies/base.py``):
+buckets, bit masks and intrusive lists of slots. The references work on keys; :class:`KeyPolicy`
+binds one to a page table's tier (the slot interface every policy has), so the differential
+tests run both behind the same page table and require the same victims, op for op. Shared rules
+(``tierkv/policies/base.py``):
 
 * a page passed over because it may not be evicted goes to the back of its queue;
 * ``restore`` puts victims back at the head of the queue they left, counters unchanged, and
@@ -14,21 +16,129 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from tierkv.errors import UnknownPageError
-from tierkv.policies import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies import NO_HINT, CanEvictSlot, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import Hints, page_hints
+
+CanEvict = Callable[[Key], bool]
 
 
 def _unknown(key: Key) -> UnknownPageError:
     return UnknownPageError(f"reference policy holds no page {key!r}")
 
 
-class _Ref(EvictionPolicy):
+class KeyPolicy(EvictionPolicy):
+    """A key-based policy (``insert``, ``touch``, ``remove``, ``evict_many``, ``restore``, ...)
+    behind the slot interface: slots are translated to keys and back through the tier's map."""
+
+    admits = True
+
+    def __init__(self, ref: Any, name: str | None = None) -> None:
+        self.ref = ref
+        self.name = name or ref.name  # type: ignore[misc]
+        self._key: list[Key] = []
+
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        self._bind(capacity, slot_of)
+        self._key = [None] * capacity
+
+    def _keyed(self, can_evict: CanEvictSlot | None) -> CanEvict:
+        slot_of = self._slot_of
+        if can_evict is None:
+            return lambda k: True
+        return lambda k: can_evict(slot_of[k])
+
+    def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
+        for s, k in zip(slots, keys):
+            self._key[s] = k
+        self.ref.insert_many(keys, page_hints(keys, hints))
+
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        self.ref.touch_many(keys)
+
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        for s, k in zip(slots, keys):
+            self._key[s] = None
+            self.ref.remove(k)
+
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        keys = self.ref.evict_many(n, self._keyed(can_evict))
+        slots = [self._slot_of[k] for k in keys]
+        for s in slots:
+            self._key[s] = None
+        return slots
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        return [self._slot_of[k] for k in self.ref.candidates(n, self._keyed(can_evict))]
+
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        return list(self.ref.evicted_state(keys))
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        for s, k in zip(slots, keys):
+            self._key[s] = k
+        self.ref.restore(keys, states)
+
+    def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
+        if hints is None:
+            return None
+        kept = [self.ref.admit(k, h) for k, h in zip(keys, page_hints(keys, hints))]
+        return None if all(kept) else kept
+
+    def end_batch(self) -> None:
+        self.ref.end_batch()
+
+    def miss(self, keys: Iterable[Key]) -> None:
+        self.ref.miss(keys)
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.ref.stats())
+
+    def __len__(self) -> int:
+        return len(self.ref)
+
+    def holds(self, s: int) -> bool:
+        return self._key[s] is not None and self._key[s] in self.ref
+
+
+class _Ref:
     """evict / candidates from one ``_evict_one`` rule; victims remembered for restore."""
+
+    name = "ref"
 
     def __init__(self) -> None:
         self.recent: dict[Key, object] = {}
+
+    def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
+        return True
+
+    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
+        raise NotImplementedError
+
+    def touch(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
+        for k, h in zip(keys, hints):
+            self.insert(k, h)
+
+    def touch_many(self, keys: Iterable[Key]) -> None:
+        for k in keys:
+            self.touch(k)
+
+    def end_batch(self) -> None:
+        return None
+
+    def miss(self, keys: Iterable[Key]) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {}
 
     def _evict_one(self, can_evict: CanEvict) -> tuple[Key, object] | None:
         raise NotImplementedError
@@ -370,10 +480,10 @@ class RefS3FIFO(_Ref):
         return key in self.freq
 
 
-REFERENCES: dict[str, type[EvictionPolicy]] = {
-    "lru": RefLRU,
-    "lfu": RefLFU,
-    "arc": RefARC,
-    "s3fifo": RefS3FIFO,
+REFERENCES: dict[str, Callable[[], EvictionPolicy]] = {
+    "lru": lambda: KeyPolicy(RefLRU()),
+    "lfu": lambda: KeyPolicy(RefLFU()),
+    "arc": lambda: KeyPolicy(RefARC()),
+    "s3fifo": lambda: KeyPolicy(RefS3FIFO()),
 }
-"""Each built-in policy's reference, by the built-in's name."""
+"""Each built-in policy's reference, by the built-in's name, bound through :class:`KeyPolicy`."""

@@ -1,3 +1,5 @@
+import sys
+from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
@@ -13,7 +15,11 @@ from tierkv import (
     PinError,
     UnknownPageError,
 )
+from tierkv.errors import TierKVError
 from tierkv.policies import POLICIES, LRUPolicy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_refs import KeyPolicy, RefLRU
 
 
 def stored(table: PageTable, keys: list[Any], tier: str = "host") -> None:
@@ -336,14 +342,13 @@ TestPageTableMachine = PageTableMachine.TestCase
 TestPageTableMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-class KeyLRU(LRUPolicy):
-    """The LRU policy on keys only: the reference for the slot-aware path of the table."""
-
-    slot_aware = False
+def key_lru() -> KeyPolicy:
+    """LRU on keys (``policy_refs.RefLRU``), bound through ``KeyPolicy``: the reference."""
+    return KeyPolicy(RefLRU(), "lru-keys")
 
 
 class LFUPageTableMachine(PageTableMachine):
-    """The same machine over a key-based policy (the table's non-slot path)."""
+    """The same machine over another policy (LFU: several queues, a history)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -366,8 +371,8 @@ OPS = st.lists(
 @settings(max_examples=200, deadline=None)
 @given(OPS)
 def test_slot_lru_evicts_exactly_as_key_lru(ops: list[tuple[str, list[int], bool]]) -> None:
-    """Every victim of the slot-aware LRU equals the key-based LRU's, op for op."""
-    with patch.dict(POLICIES, {"lru-keys": KeyLRU}):
+    """Every victim of LRU equals the key-based reference LRU's, op for op."""
+    with patch.dict(POLICIES, {"lru-keys": key_lru}):
         tables = [PageTable({"host": 6}, "lru"), PageTable({"host": 6}, "lru-keys")]
     renamed = 100
     for op, keys, ok in ops:
@@ -401,20 +406,18 @@ def test_slot_lru_evicts_exactly_as_key_lru(ops: list[tuple[str, list[int], bool
         renamed += len(keys)
         assert results[0] == results[1], op
         assert snapshot(tables[0]) == snapshot(tables[1])
-    slot_lru, key_lru = (t.policy("host") for t in tables)
-    assert isinstance(slot_lru, LRUPolicy) and isinstance(key_lru, LRUPolicy)
-    assert len(slot_lru) == len(key_lru)
-    assert all((k in slot_lru) == (k in key_lru) for k in range(renamed))
+    slot_lru, ref_lru = (t.policy("host") for t in tables)
+    assert isinstance(slot_lru, LRUPolicy) and isinstance(ref_lru, KeyPolicy)
+    assert len(slot_lru) == len(ref_lru)
+    assert all((k in slot_lru) == (k in ref_lru) for k in range(renamed))
 
 
-def test_bound_lru_refuses_keys_and_touch_slots_handles_repeats() -> None:
+def test_bound_lru_refuses_a_second_binding_and_touch_slots_handles_repeats() -> None:
     p = LRUPolicy()
     p.bind_slots(4, {})
-    with pytest.raises(RuntimeError):
-        p.insert("a")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(TierKVError):
         p.bind_slots(4, {})
-    p.insert_slots([0, 1, 2, 3], (), ())
+    p.insert_slots([0, 1, 2, 3], (), None)
     p.touch_slots([1, 0, 1, 3, 3], ())  # order now 2, 0, 1, 3
     assert p.evict_slots(2, None) == [2, 0]
     assert p.evict_slots(5, lambda s: s != 1) == [3]  # 1 skipped: to the recent end

@@ -1,8 +1,13 @@
-"""Eviction policies: scripted victims, pinned pages, properties, the registry."""
+"""Eviction policies: scripted victims, pinned pages, properties, the registry.
+
+The scripted tests drive each policy by keys through ``slot_harness.Bound`` (a slot map of its
+own, as a page table's tier would give it)."""
 
 from __future__ import annotations
 
 import itertools
+import sys
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -11,11 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv import PageTable
-from tierkv.errors import PageTableError
+from tierkv.errors import PageTableError, TierKVError
 from tierkv.policies import (
     DEFAULT_POLICY,
     POLICIES,
     ARCPolicy,
+    ChainHint,
     EvictionPolicy,
     KVAwarePolicy,
     LFUPolicy,
@@ -25,6 +31,11 @@ from tierkv.policies import (
     make_policy,
 )
 from tierkv.traces import KINDS, synthetic_trace
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kvaware_ref import RefKVAware
+from policy_refs import KeyPolicy
+from slot_harness import Bound
 
 
 def always(key: object) -> bool:
@@ -39,7 +50,7 @@ def but(*pinned: object):  # type: ignore[no-untyped-def]
 
 
 def test_lru_victims_and_pinned_skip() -> None:
-    p = LRUPolicy()
+    p = Bound(LRUPolicy())
     for k in "abc":
         p.insert(k)
     p.touch("a")
@@ -50,7 +61,7 @@ def test_lru_victims_and_pinned_skip() -> None:
 
 
 def test_lfu_fewest_uses_then_oldest() -> None:
-    p = LFUPolicy()
+    p = Bound(LFUPolicy())
     for k in "abc":
         p.insert(k)
     p.touch_many(["a", "a", "b"])  # a:3 b:2 c:1
@@ -68,7 +79,7 @@ def test_lfu_fewest_uses_then_oldest() -> None:
 
 
 def test_arc_ghost_hit_moves_the_target() -> None:
-    p = ARCPolicy(capacity=2)
+    p = Bound(ARCPolicy(capacity=2))
     p.insert("a")
     p.insert("b")  # T1 = [a, b]
     p.touch("a")  # T1 = [b], T2 = [a]
@@ -84,7 +95,7 @@ def test_arc_ghost_hit_moves_the_target() -> None:
 
 
 def test_s3fifo_small_queue_promotes_used_pages() -> None:
-    p = S3FIFOPolicy(capacity=10)
+    p = Bound(S3FIFOPolicy(capacity=10))
     for k in "abcdefghij":
         p.insert(k)
     p.touch("a")
@@ -96,7 +107,7 @@ def test_s3fifo_small_queue_promotes_used_pages() -> None:
 
 
 def test_kvaware_orphans_go_first() -> None:
-    p = KVAwarePolicy(capacity=4)
+    p = Bound(KVAwarePolicy(capacity=4))
     p.insert("r")
     p.insert("x1", PageHint(depth=1, parent="r"))
     p.insert("x2", PageHint(depth=2, parent="x1"))
@@ -110,7 +121,7 @@ def test_kvaware_orphans_go_first() -> None:
 
 
 def test_kvaware_orphan_restored_when_parent_returns() -> None:
-    p = KVAwarePolicy(capacity=4)
+    p = Bound(KVAwarePolicy(capacity=4))
     p.insert("a")
     p.insert("b", PageHint(depth=1, parent="a"))
     p.touch("b")
@@ -123,7 +134,7 @@ def test_kvaware_orphan_restored_when_parent_returns() -> None:
 
 
 def test_kvaware_admission() -> None:
-    p = KVAwarePolicy(capacity=4)
+    p = Bound(KVAwarePolicy(capacity=4))
     p.insert("root")
     assert not p.admit("tail", PageHint(depth=1, last=True, parent="root"))
     assert p.admit("r2")  # no parent known: admitted
@@ -136,7 +147,7 @@ def test_kvaware_admission() -> None:
 
 
 def test_kvaware_admits_the_head_of_a_first_turn() -> None:
-    p = KVAwarePolicy(capacity=4, head_blocks=2)
+    p = Bound(KVAwarePolicy(capacity=4, head_blocks=2))
     p.insert("root")
     first = [
         PageHint(depth=d, prefix_hits=1, parent=f"b{d - 1}" if d > 1 else "root", blocks=40)
@@ -152,7 +163,7 @@ def test_kvaware_admits_the_head_of_a_first_turn() -> None:
     assert p.admit("s1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=6))
     assert all(p.admit(f"s{h.depth}", h) for h in short)
     assert not p.admit("z1", PageHint(depth=1, last=True, prefix_hits=1, parent="root"))
-    off = KVAwarePolicy(capacity=4, head_blocks=0)
+    off = Bound(KVAwarePolicy(capacity=4, head_blocks=0))
     off.insert("root")
     assert off.admit("c1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=40))
     assert not off.admit("d1", PageHint(depth=1, prefix_hits=1, parent="root", blocks=40))
@@ -161,7 +172,7 @@ def test_kvaware_admits_the_head_of_a_first_turn() -> None:
 def test_kvaware_head_blocks_scale_with_capacity() -> None:
     from tierkv.policies.kvaware import HEAD_PER_PAGES
 
-    p = KVAwarePolicy(capacity=8 * HEAD_PER_PAGES)
+    p = Bound(KVAwarePolicy(capacity=8 * HEAD_PER_PAGES))
     p.insert("root")
     hints = [
         PageHint(depth=d, prefix_hits=1, parent=d - 1 if d > 1 else "root", blocks=40)
@@ -171,7 +182,7 @@ def test_kvaware_head_blocks_scale_with_capacity() -> None:
 
 
 def test_kvaware_declines_a_large_step_and_favours_a_small_one() -> None:
-    p = KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=3)
+    p = Bound(KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=3))
     for d, k in enumerate("rab"):  # a conversation's earlier turns: root, a, b (5 uses each)
         p.insert(k, PageHint(depth=d, parent="rab"[d - 1] if d else None))
     for _ in range(4):
@@ -196,7 +207,7 @@ def test_kvaware_declines_a_large_step_and_favours_a_small_one() -> None:
     assert (stats["declined_step"], stats["readmitted"], stats["admitted"]) == (2, 1, 1)
     assert stats["step_blocks"] == 3 and stats["head_blocks"] == 0
     # step_blocks=0 turns the rule off: large steps are admitted, small ones start at one use
-    off = KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=0)
+    off = Bound(KVAwarePolicy(capacity=8, head_blocks=0, step_blocks=0))
     off.insert("r")
     off.insert("a", PageHint(depth=1, parent="r"))
     assert off.admit("x", PageHint(depth=2, prefix_hits=2, parent="a", blocks=40))
@@ -206,7 +217,7 @@ def test_kvaware_step_blocks_scale_with_capacity() -> None:
     from tierkv.policies.kvaware import STEP_BLOCKS, STEP_PER_PAGES
 
     for capacity, step in ((100, STEP_BLOCKS), (10 * STEP_PER_PAGES, 10)):
-        p = KVAwarePolicy(capacity=capacity, head_blocks=0)
+        p = Bound(KVAwarePolicy(capacity=capacity, head_blocks=0))
         p.insert("r")
         p.insert("a", PageHint(depth=1, parent="r"))
         big = PageHint(depth=2, prefix_hits=2, parent="a", blocks=2 + step)
@@ -217,7 +228,7 @@ def test_kvaware_step_blocks_scale_with_capacity() -> None:
 
 
 def test_kvaware_scan_gate_closes_on_a_loop_and_opens_again() -> None:
-    p = KVAwarePolicy(capacity=4, head_blocks=0, step_blocks=0)
+    p = Bound(KVAwarePolicy(capacity=4, head_blocks=0, step_blocks=0))
     hint = PageHint(blocks=1)  # any hint: the history's rules apply
 
     def round_trip(key: int, used: bool) -> None:
@@ -244,7 +255,7 @@ def test_kvaware_scan_gate_closes_on_a_loop_and_opens_again() -> None:
 
 
 def test_kvaware_never_seen_last_block_goes_first() -> None:
-    p = KVAwarePolicy(capacity=4)
+    p = Bound(KVAwarePolicy(capacity=4))
     p.insert("a")
     p.insert("z", PageHint(depth=1, last=True, parent="a"))
     p.insert("b")
@@ -253,7 +264,7 @@ def test_kvaware_never_seen_last_block_goes_first() -> None:
 
 def test_kvaware_once_used_page_is_worth_less_than_count_plus_one() -> None:
     # values in half units: one use 2, two uses 5 (with count + 1 for both, "a" would go)
-    p = KVAwarePolicy(capacity=3)
+    p = Bound(KVAwarePolicy(capacity=3))
     p.insert("a")
     p.insert("b")
     p.touch("a")  # two uses, priority 0 + 5
@@ -281,7 +292,7 @@ OPS = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS)
 def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int], bool]]) -> None:
-    p = make_policy(name)
+    p = Bound(make_policy(name), 16)
     model: set[int] = set()
     for op, key, pinned, last in ops:
         hint = PageHint(depth=key % 4, last=last, parent=key - 1 if key % 4 else None)
@@ -306,14 +317,12 @@ def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int
         assert all((k in p) == (k in model) for k in range(12))
 
 
-# -- kvaware: slot mode decides exactly as key mode ------------------------------------------
+# -- kvaware: the slot implementation decides exactly as the key-based reference ----------------
 
 
-class _KeyedKVAware(KVAwarePolicy):
-    """kvaware told of keys only (as before it was slot-aware): the reference for slot mode."""
-
-    name = "kvaware-keys"
-    slot_aware = False
+def _keyed_kvaware() -> EvictionPolicy:
+    """kvaware as it ran on keys (``kvaware_ref.py``), bound through ``KeyPolicy``."""
+    return KeyPolicy(RefKVAware())
 
 
 def _request(chain: int, n: int, blocks: int, hits: int = 0) -> tuple[list[int], list[PageHint]]:
@@ -341,6 +350,8 @@ PT_OPS = st.lists(
                 "evict",
                 "moved",
                 "rekey",
+                "chain",
+                "chain",
             ]
         ),
         st.integers(0, 4),  # a conversation (or, for touch, the number of uses)
@@ -355,12 +366,15 @@ PT_OPS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(2, 8), ops=PT_OPS)
 @mock.patch("tierkv.policies.kvaware_admission.SCAN_WARMUP", 3)  # the gate opens and closes
-def test_kvaware_slot_mode_matches_key_mode(
+def test_kvaware_matches_its_key_reference(
     capacity: int, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:
-    with mock.patch.dict(POLICIES, {"kvaware-keys": _KeyedKVAware}):
+    """Every call, victim and residency of kvaware equals the key-based reference's; stores
+    hinted per page and by one ChainHint (the table derives the page hints) alike."""
+    with mock.patch.dict(POLICIES, {"kvaware-keys": _keyed_kvaware}):
         tables = [PageTable({"t": capacity}, name) for name in ("kvaware", "kvaware-keys")]
-    assert tables[0].policy("t").slot_aware and not tables[1].policy("t").slot_aware
+    assert isinstance(tables[0].policy("t"), KVAwarePolicy)
+    assert isinstance(tables[1].policy("t"), KeyPolicy)
     writing: list[list[int]] = []  # outstanding prepare_store / prepare_load / prepare_evict
     loaded: list[list[int]] = []
     moving: list[list[int]] = []
@@ -387,6 +401,15 @@ def test_kvaware_slot_mode_matches_key_mode(
             else:  # hinted with the resident prefix, as the replay does (later turns, steps)
                 keys, hints = _request(chain, max(num, 1), blocks, ref.lookup(keys, "t"))
             alloc = run("prepare_store", keys, "t", hints)[0]
+            if alloc is not None and alloc.keys:
+                writing.append(alloc.keys)
+        elif op == "chain":  # a request's misses with one ChainHint, or all of it (flag)
+            keys = _request(chain, max(num, 1), blocks)[0]
+            h = ref.lookup(keys, "t")
+            store = keys if flag else keys[h:]
+            at = len(keys) - len(store)
+            hint = ChainHint(at, keys[at - 1] if at else None, h, len(keys) if blocks else 0)
+            alloc = run("prepare_store", store, "t", hint)[0]
             if alloc is not None and alloc.keys:
                 writing.append(alloc.keys)
         elif op == "done" and writing:
@@ -416,13 +439,25 @@ def test_kvaware_slot_mode_matches_key_mode(
         assert sorted(tables[0].keys("t")) == sorted(tables[1].keys("t"))
 
 
-def test_kvaware_bound_to_slots_refuses_key_calls() -> None:
-    table = PageTable({"t": 4}, "kvaware")
-    p = table.policy("t")
-    with pytest.raises(RuntimeError, match="slot methods"):
-        p.insert("a")
-    with pytest.raises(RuntimeError, match="slot methods"):
-        p.evict(always)
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_bound_policy_refuses_a_second_binding(name: str) -> None:
+    table = PageTable({"t": 4}, name)
+    with pytest.raises(TierKVError, match="bound to a tier already"):
+        table.policy("t").bind_slots(4, {})
+
+
+def test_chain_hint_derives_the_page_hints() -> None:
+    chain = ChainHint(depth=2, parent="b", prefix_hits=2, blocks=5)
+    assert chain.hints(["c", "d", "e"]) == [
+        PageHint(2, False, 2, "b", 5),
+        PageHint(3, False, 2, "c", 5),
+        PageHint(4, True, 2, "d", 5),
+    ]
+    assert chain.hints(["c", "d", "e"], [True, False, True]) == [
+        PageHint(2, False, 2, "b", 5),
+        PageHint(4, True, 2, "d", 5),
+    ]
+    assert ChainHint().hints(["x"]) == [PageHint()]  # blocks unknown: no last block
 
 
 # -- registry ----------------------------------------------------------------------------------

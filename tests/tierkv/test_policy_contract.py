@@ -384,36 +384,34 @@ def test_complete_store_is_idempotent_on_readable_pages() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_policies_raise_typed_errors_for_unknown_keys(name: str) -> None:
-    from tierkv.policies import make_policy
-
-    p = make_policy(name)
-    if p.slot_aware:
-        p.bind_slots(4, {})
-        with pytest.raises(RuntimeError):  # bound: key calls are refused
-            p.touch("nope")
-        return
-    p.insert("a")
+def test_unknown_keys_are_typed_errors_before_any_policy_call(name: str) -> None:
+    """A policy hears only of slots the table holds: unknown keys stop at the table, typed."""
+    t = PageTable({T: 4}, name)
+    a = t.prepare_store([1], T)
+    assert a is not None
+    t.complete_store(a.keys, T)
     with pytest.raises(UnknownPageError):
-        p.touch("nope")
+        t.remove(["nope"], T)
     with pytest.raises(UnknownPageError):
-        p.remove("nope")
-    assert len(p) == 1
+        t.complete_load(["nope"], T)
+    t.touch(["nope"], T)  # passed over (a miss)
+    assert len(t.policy(T)) == 1 and 1 in t.policy(T) and "nope" not in t.policy(T)
+    t.check()
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_evict_exactly_is_all_or_nothing(name: str) -> None:
-    from tierkv.policies import make_policy
-
-    p = make_policy(name)
-    if p.slot_aware:
-        pytest.skip("slot-aware policies are all-or-nothing through PageTable.prepare_evict")
-    for k in range(5):
-        p.insert(k)
-    assert p.evict_exactly(3, lambda k: k in (1, 3)) is None
-    assert len(p) == 5
-    got = p.evict_exactly(2, lambda k: k in (1, 3))
-    assert got is not None and sorted(got) == [1, 3] and len(p) == 3
+def test_exact_eviction_is_all_or_nothing(name: str) -> None:
+    t = PageTable({T: 5}, name)
+    a = t.prepare_store(list(range(5)), T)
+    assert a is not None
+    t.complete_store(a.keys, T)
+    t.prepare_load([0, 2, 4], T)  # only 1 and 3 may go
+    before = _state(t)
+    assert t.prepare_evict(T, 3, exact=True) == []
+    assert _state(t) == before
+    got = t.prepare_evict(T, 2, exact=True)
+    assert sorted(k for k, _ in got) == [1, 3]
+    t.check()
 
 
 def _state(t: PageTable) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tierkv.errors import UnknownPolicyError
 from tierkv.policies.arc import ARCPolicy
-from tierkv.policies.base import NO_HINT, CanEvict, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import NO_HINT, CanEvictSlot, ChainHint, EvictionPolicy, Key, PageHint
 from tierkv.policies.kvaware import KVAwarePolicy
 from tierkv.policies.lfu import LFUPolicy
 from tierkv.policies.lru import LRUPolicy
@@ -44,7 +44,8 @@ __all__ = [
     "NO_HINT",
     "POLICIES",
     "ARCPolicy",
-    "CanEvict",
+    "CanEvictSlot",
+    "ChainHint",
     "EvictionPolicy",
     "KVAwarePolicy",
     "Key",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
+from tierkv.policies.base import NO_HINT, CanEvictSlot, EvictionPolicy, Hints, Key, PageHint
+from tierkv.policies.links import Links
 
-_List = OrderedDict[Key, None]
+_T1, _T2 = 0, 1  # the resident lists: queues of Links
 
 
-class ARCPolicy(OneByOne):
+class ARCPolicy(EvictionPolicy):
     """Balances recency against frequency with two resident lists and two ghost lists.
 
     ::
@@ -23,37 +24,51 @@ class ARCPolicy(OneByOne):
     takes T1's LRU page while T1 exceeds ``p``, else T2's. Ghost lists are trimmed so that
     ``|T1| + |B1| <= c`` and all four lists hold at most ``2c`` keys.
 
-    The page table asks for a victim *before* inserting the page that needs the room; when it
-    calls :meth:`admit` first (it does when the tier is full), the ghost hit adapts ``p`` there,
-    so the victim is chosen as in the paper. A request for a page that is not resident
+    The page table asks for victims *before* inserting the pages that need the room; it calls
+    :meth:`admit_many` first (when the tier is full), and a ghost hit adapts ``p`` there, so
+    the victims are chosen as in the paper. A request for a page that is not resident
     (:meth:`miss`, which the page table calls for a touch of such a page) adapts ``p`` the same
-    way, once per ghost until it is inserted. Pinned pages are rotated to the MRU end of their
-    list as they are skipped; if one list has nothing evictable the other is used. A victim
-    put back by :meth:`restore` returns to the LRU end of its list and leaves its ghost list;
-    ``p`` does not move.
+    way, once per ghost until it is inserted. T1 and T2 are queues of slots; one
+    :meth:`evict_slots` call takes its ``n`` victims in at most three scans (T1 while T1
+    exceeds ``p``, then T2, then T1), as ``n`` calls for one victim each would choose them
+    (``p`` does not move while evicting). Pinned pages are rotated to the MRU end of their list
+    as they are skipped. A victim put back by :meth:`restore_slots` returns to the LRU end of
+    its list and leaves its ghost list; ``p`` does not move.
 
     Args:
         capacity: pages the tier holds (``c``); ``None`` learns it as the high-water mark.
     """
 
     name = "arc"
+    admits = True
 
     def __init__(self, capacity: int | None = None) -> None:
         self._c = capacity or 0
         self._fixed = capacity is not None
         self._p = 0.0
-        self._t1: _List = OrderedDict()
-        self._t2: _List = OrderedDict()
-        self._b1: _List = OrderedDict()
-        self._b2: _List = OrderedDict()
+        self._links = Links(0, 2)
+        self._key: list[Key] = []
+        self._b1: OrderedDict[Key, None] = OrderedDict()
+        self._b2: OrderedDict[Key, None] = OrderedDict()
         self._adapted: Key | None = None  # the ghost key whose hit adapted p last
         self._fed: set[Key] = set()  # ghost keys whose hit already adapted p (not yet inserted)
-        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> 1 (T1) or 2
 
     @property
     def target(self) -> float:
         """The current target size ``p`` of T1."""
         return self._p
+
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        self._bind(capacity, slot_of)
+        self._links = Links(capacity, 2)
+        self._key = [None] * capacity
+
+    def __len__(self) -> int:
+        size = self._links.size
+        return size[_T1] + size[_T2]
+
+    def holds(self, s: int) -> bool:
+        return self._links.linked(s)
 
     def _adapt(self, key: Key) -> None:
         if key in self._fed:
@@ -78,104 +93,95 @@ class ARCPolicy(OneByOne):
         self._adapt(key)
         return True
 
-    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
-        self._adapt(key)
+    def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
+        b1, b2 = self._b1, self._b2
+        if b1 or b2:
+            for k in keys:
+                if k in b1 or k in b2:
+                    self._adapt(k)
+        return None
+
+    def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
+        links, key_of, b1, b2, fed = self._links, self._key, self._b1, self._b2, self._fed
+        size = links.size
+        for s, k in zip(slots, keys):
+            key_of[s] = k
+            if (b1 or b2) and (k in b1 or k in b2):
+                if k not in fed:
+                    self._adapt(k)
+                fed.discard(k)
+                if k in b1:
+                    del b1[k]
+                else:
+                    del b2[k]
+                links.append(_T2, s)
+            else:
+                if fed:
+                    fed.discard(k)
+                links.append(_T1, s)
+            t1 = size[_T1]
+            resident = t1 + size[_T2]
+            if not self._fixed and resident > self._c:
+                self._c = resident
+            c = self._c
+            while b1 and t1 + len(b1) > c:
+                b1.popitem(last=False)
+            while b2 and resident + len(b1) + len(b2) > 2 * c:
+                b2.popitem(last=False)
         self._adapted = None
-        self._fed.discard(key)
-        if key in self._b1:
-            del self._b1[key]
-            self._t2[key] = None
-        elif key in self._b2:
-            del self._b2[key]
-            self._t2[key] = None
-        else:
-            self._t1[key] = None
-        resident = len(self._t1) + len(self._t2)
-        if not self._fixed and resident > self._c:
-            self._c = resident
-        c = self._c
-        while self._b1 and len(self._t1) + len(self._b1) > c:
-            self._b1.popitem(last=False)
-        while self._b2 and resident + len(self._b1) + len(self._b2) > 2 * c:
-            self._b2.popitem(last=False)
 
-    def touch(self, key: Key) -> None:
-        if key in self._t1:
-            del self._t1[key]
-            self._t2[key] = None
-        elif key in self._t2:
-            self._t2.move_to_end(key)
-        else:
-            raise unknown(key, self.name)
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        self._links.move_to_back(_T2, slots)
 
-    def remove(self, key: Key) -> None:
-        if key in self._t1:
-            del self._t1[key]
-        elif key in self._t2:
-            del self._t2[key]
-        else:
-            raise unknown(key, self.name)
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        self._links.unlink_many(slots)
 
-    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
-        for k, which in zip(reversed(keys), reversed(states)):
-            lst, ghosts = (self._t1, self._b1) if which == 1 else (self._t2, self._b2)
-            ghosts.pop(k, None)
-            lst[k] = None
-            lst.move_to_end(k, last=False)
-
-    def _order(self, t1: int) -> bool:
-        """Whether the next victim comes from T1 first (T1 holding ``t1`` pages)."""
+    def _from_t1(self, n: int) -> int:
+        """How many of ``n`` victims T1 gives first: while ``|T1| > p`` (or, after a hit in
+        B2, ``|T1| == int(p)``), the paper's REPLACE; ``p`` does not move while evicting."""
         in_b2 = self._adapted is not None and self._adapted in self._b2
-        return bool(t1) and (t1 > self._p or (in_b2 and t1 == int(self._p)))
+        floor = int(self._p)
+        lowest = max(floor, 1) if in_b2 else floor + 1  # T1 gives while |T1| >= lowest
+        return max(0, min(n, self._links.size[_T1] - lowest + 1))
 
-    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
-        ok = can_evict or (lambda k: True)
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        links = self._links
+        k1 = self._from_t1(n)
+        first = links.take(_T1, k1, can_evict) if k1 else []
+        second = links.take(_T2, n - len(first), can_evict) if len(first) < n else []
+        third: list[int] = []
+        got = len(first) + len(second)
+        if got < n and len(first) == k1:  # T2 ran dry: T1 again (unless it ran dry first)
+            third = links.take(_T1, n - got, can_evict)
+        key_of = self._key
+        b1, b2 = self._b1, self._b2
+        for s in first:
+            b1[key_of[s]] = None
+        for s in second:
+            b2[key_of[s]] = None
+        for s in third:
+            b1[key_of[s]] = None
+        return first + second + third if second or third else first
 
-        def runs(lst: _List) -> Iterator[Key]:
-            return (k for k in lst if ok(k))
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        links = self._links
+        k1 = self._from_t1(n)
+        first = links.peek(_T1, k1, can_evict) if k1 else []
+        second = links.peek(_T2, n - len(first), can_evict) if len(first) < n else []
+        got = len(first) + len(second)
+        if got < n and len(first) == k1:
+            return first + second + links.peek(_T1, k1 + n - got, can_evict)[k1:]
+        return first + second
 
-        first, second = runs(self._t1), runs(self._t2)
-        out: list[Key] = []
-        t1 = len(self._t1)
-        while len(out) < n:
-            from_t1 = self._order(t1)
-            a, b = (first, second) if from_t1 else (second, first)
-            k = next(a, None)
-            took_t1 = from_t1
-            if k is None:
-                k = next(b, None)
-                took_t1 = not from_t1
-            if k is None:
-                break
-            out.append(k)
-            t1 -= took_t1
-        return out
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        queue = self._links.queue  # the list each victim left (kept until it is reused)
+        return [queue[s] for s in slots]
 
-    @staticmethod
-    def _take(lst: _List, ghosts: _List, can_evict: CanEvict) -> Key | None:
-        for _ in range(len(lst)):
-            key = next(iter(lst))
-            if can_evict(key):
-                del lst[key]
-                ghosts[key] = None
-                return key
-            lst.move_to_end(key)
-        return None
-
-    def _evict_one(self, can_evict: CanEvict) -> Key | None:
-        if self._order(len(self._t1)):
-            order = ((self._t1, self._b1, 1), (self._t2, self._b2, 2))
-        else:
-            order = ((self._t2, self._b2, 2), (self._t1, self._b1, 1))
-        for lst, ghosts, which in order:
-            key = self._take(lst, ghosts, can_evict)
-            if key is not None:
-                self._recent[key] = which
-                return key
-        return None
-
-    def __len__(self) -> int:
-        return len(self._t1) + len(self._t2)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._t1 or key in self._t2
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        links, key_of = self._links, self._key
+        for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
+            (self._b1 if which == _T1 else self._b2).pop(k, None)
+            key_of[s] = k  # a MOVING page may have been renamed
+            links.appendleft(_T1 if which == _T1 else _T2, s)

@@ -1,26 +1,17 @@
 """KV-aware eviction: chain-aware GreedyDual on use counts, with conversation-shaped admission.
 
-The file stays whole (over 400 lines): the same rules run over keys and over a page table's
-slots, side by side, so that a reader (and the test that runs both) can check one against the
-other; its admission rules live in ``kvaware_admission.py``.
+The file stays whole (over 400 lines): insertion, the eviction scan with its orphan cascade and
+the rollback read and write the same per-slot state and queues, and their invariants are
+checked together (its admission rules live in ``kvaware_admission.py``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
 
-from tierkv.policies.base import (
-    NO_HINT,
-    CanEvict,
-    CanEvictSlot,
-    EvictionPolicy,
-    Key,
-    PageHint,
-    unknown,
-)
+from tierkv.policies.base import CanEvictSlot, ChainHint, EvictionPolicy, Hints, Key
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
     SCAN_WARMUP,
@@ -28,6 +19,7 @@ from tierkv.policies.kvaware_admission import (
     STEP_PER_PAGES,
     ConversationAdmission,
 )
+from tierkv.policies.links import UNLINKED, Links
 
 __all__ = [
     "HEAD_PER_PAGES",
@@ -47,23 +39,13 @@ _VALUE = (0, 2, 5, *(2 * (c + 1) for c in range(3, MAX_COUNT + 1)))
 ``count + 1``: measured on the conversation trace, a once-used page reuses within 1,000
 requests about as often as a twice-used one with one unit less to live (0.18 vs 0.20)."""
 
-_ORPHAN = -1
+_ORPHAN = -1  # ``_where[s]`` of a page in the orphan queue
 _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
 # evicted (so does a victim put back by restore), in any bucket of the ring. A scan therefore goes
 # round the whole ring of 64 buckets, lap after lap while a lap still evicts or moves a page, and
 # stops early only when it has its n victims.
-_ORPHANS = _MASK + 1  # slot mode: the orphan queue's index after the buckets'
-_UNLINKED = -1  # slot mode: ``_prev[s]`` of a slot the policy does not hold
-
-
-@dataclass(slots=True)
-class _Page:
-    prio: int  # GreedyDual priority when queued (its bucket); _ORPHAN in the orphan queue
-    code: int  # its use code (see KVAwarePolicy._count) when queued
-    parent: Key | None
-    fanout: int = 0  # never-seen children that tried to extend this page
-    back: int = -1  # its use code when it came back from the history; -1: it did not
+_ORPHANS = _MASK + 1  # the orphan queue's index after the buckets'
 
 
 class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
@@ -104,12 +86,12 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
       a scan's, and it is only sampled (see :data:`SCAN_WARMUP`).
 
     Pages that may not be evicted are moved to the back of their queue as they are skipped
-    (O(1) amortized, plus one step per pinned page passed over). Bound to a page table
-    (:meth:`bind_slots`) the policy keeps its per-page state in per-slot lists and decides
-    exactly as with keys; its key methods then raise RuntimeError (``admit`` works in both).
-    With no hint at all (``NO_HINT``, as ``KVStore`` passes) the policy admits every page and
-    runs as chain-blind GreedyDual; a hint without ``parent`` still goes through the head rule
-    and the scan gate.
+    (O(1) amortized, plus one step per pinned page passed over). Per-page state lives in
+    per-slot lists and the queues are ``links.py`` queues over the slots; ghost, chain and batch
+    state (the history, the children of each parent, the batch being admitted) stay keyed by
+    page key, since they outlive a slot. With no hint at all (``NO_HINT``, as ``KVStore``
+    passes) the policy admits every page and runs as chain-blind GreedyDual; a hint without
+    ``parent`` still goes through the head rule and the scan gate.
 
     Args:
         capacity: pages the tier holds; ``None`` learns it as the high-water mark.
@@ -124,7 +106,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
     """
 
     name = "kvaware"
-    slot_aware = True
+    admits = True
 
     def __init__(
         self,
@@ -149,353 +131,28 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._back_left = self._back_used = 0.0
         self._back_seen = self._probes = 0
         self._decisions: dict[str, int] = {}
-        # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
-        self._count: dict[Key, int] = {}
-        self._pages: dict[Key, _Page] = {}
-        # queued pages by priority, a ring: every queued priority lies in [L, L + 32] (half units)
-        self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(_MASK + 1)]
-        self._orphans: OrderedDict[Key, None] = OrderedDict()
         self._kids: dict[Key, set[Key]] = {}  # parent key -> resident children
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
-        self._recent: dict[Key, tuple[_Page, int]] = {}  # key mode: last call's victims
-        # slot mode (see bind_slots); empty until bound
-        self._bound = False
-        self._slot_of: Mapping[Key, int] = {}
         self._n = 0
-        self._head = self._orph = 0
-        self._prev: list[int] = []
-        self._next: list[int] = []
-        self._qlen: list[int] = []
-        self._where: list[int] = []
-        self._code: list[int] = []
-        self._qcode: list[int] = []
+        # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans)
+        self._links = Links(0, _ORPHANS + 1)
+        self._where: list[int] = []  # its priority (its bucket is prio & _MASK), or _ORPHAN
+        self._code: list[int] = []  # its use code: (L at its last use) * 16 + uses
+        self._qcode: list[int] = []  # its use code when queued
         self._key: list[Key] = []
         self._parent: list[Key | None] = []
-        self._fanout: list[int] = []
-        self._back: list[int] = []  # slot mode: _Page.back
+        self._fanout: list[int] = []  # never-seen children that tried to extend it
+        self._back: list[int] = []  # its use code when it came back from the history; -1: not
         self._bump: list[int] = []  # see _tables
         self._start: list[int] = []
         self._start_prio: list[int] = []
         self._tables_floor = -1
 
-    @staticmethod
-    def _value(count: int) -> float:
-        return _VALUE[count] / 2
-
-    # -- bookkeeping ---------------------------------------------------------------------
-    def _enqueue(self, key: Key, page: _Page, orphan: bool = False) -> None:
-        code = page.code = self._count[key]
-        if orphan:
-            page.prio = _ORPHAN
-            self._orphans[key] = None
-        else:
-            page.prio = prio = (code >> 4) + _VALUE[code & 15]
-            self._buckets[prio & _MASK][key] = None
-
-    def _dequeue(self, key: Key, page: _Page) -> None:
-        if page.prio == _ORPHAN:
-            del self._orphans[key]
-        else:
-            del self._buckets[page.prio & _MASK][key]
-
-    def _set_orphan(self, key: Key, orphan: bool, reset: bool = True) -> None:
-        page = self._pages[key]
-        if (page.prio == _ORPHAN) != orphan:
-            self._dequeue(key, page)
-            if not orphan and reset:  # restored: its priority counts from now
-                self._count[key] = (self._floor << 4) + (self._count[key] & 15)
-            self._enqueue(key, page, orphan)
-
-    def _detach(self, key: Key, evicted: bool) -> None:
-        page = self._pages.pop(key)
-        code = self._count.pop(key)
-        if evicted:
-            self._recent[key] = (page, code)
-        count = code & 15
-        self._dequeue(key, page)
-        if evicted and page.back >= 0:
-            self._left(code != page.back)
-        if page.parent is not None:
-            sibs = self._kids[page.parent]
-            sibs.discard(key)
-            if not sibs:
-                del self._kids[page.parent]
-        if evicted:
-            for child in self._kids.get(key, ()):
-                self._set_orphan(child, True)
-        self._remember(key, count)
-
-    # -- the interface (admission: kvaware_admission.py) ----------------------------------
-    def _fanout_of(self, key: Key) -> int | None:
-        """The fan-out of a page the policy holds; None if it holds no such page."""
-        if self._bound:
-            s = self._slot_of.get(key)
-            return None if s is None or self._prev[s] == _UNLINKED else self._fanout[s]
-        page = self._pages.get(key)
-        return None if page is None else page.fanout
-
-    def _add_fanout(self, key: Key) -> None:
-        if self._bound:
-            self._fanout[self._slot_of[key]] += 1
-        else:
-            self._pages[key].fanout += 1
-
-    def _keys_only(self) -> None:
-        if self._bound:
-            raise RuntimeError("this kvaware policy is bound to a page table: use the slot methods")
-
-    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
-        self._keys_only()
-        self._insert(key, hint)
-        self._end_batch()  # a batch of admissions ends with an insert (as in slot mode)
-
-    def _insert(self, key: Key, hint: PageHint) -> None:
-        seen = self._gone.pop(key, 0)
-        count = 0 if hint.last and not seen else min(seen + 1, MAX_COUNT)
-        if count == 1 and key in self._small:
-            count = 2
-        parent = hint.parent
-        page = _Page(0, 0, parent, self._pending.pop(key, 0))
-        self._pages[key] = page
-        code = self._count[key] = (self._floor << 4) + count
-        if seen:
-            page.back = code
-        if parent is not None:
-            orphan = parent not in self._pages and parent in self._gone
-            self._enqueue(key, page, orphan)
-            kids = self._kids.get(parent)
-            if kids is None:
-                self._kids[parent] = {key}
-            else:
-                kids.add(key)
-        else:
-            self._enqueue(key, page)
-        kids = self._kids.get(key)
-        if kids:
-            for child in kids:
-                self._set_orphan(child, False)
-        if not self._fixed and len(self._pages) > self._capacity:
-            self._capacity = len(self._pages)
-            self._limit = self._history * self._capacity
-
-    def insert_many(self, keys: Sequence[Key], hints: Sequence[PageHint]) -> None:
-        self._keys_only()
-        gone, pages, count, buckets = self._gone, self._pages, self._count, self._buckets
-        insert, pending, value = self._insert, self._pending, _VALUE
-        floor = self._floor
-        base = floor << 4
-        for k, h in zip(keys, hints):
-            if h.parent is not None or self._kids:
-                insert(k, h)
-                floor = self._floor
-                base = floor << 4
-                continue
-            seen = gone.pop(k, 0) if gone else 0  # a chain-blind page: the short way
-            c = 0 if h.last and not seen else min(seen + 1, MAX_COUNT)
-            code = count[k] = base + c
-            p = floor + value[c]
-            pages[k] = _Page(
-                p, code, None, pending.pop(k, 0) if pending else 0, code if seen else -1
-            )
-            buckets[p & _MASK][k] = None
-        self._end_batch()
-        if not self._fixed and len(pages) > self._capacity:
-            self._capacity = len(pages)
-            self._limit = self._history * self._capacity
-
-    def touch(self, key: Key) -> None:
-        self.touch_many((key,))
-
-    def touch_many(self, keys: Iterable[Key]) -> None:
-        self._keys_only()
-        count = self._count
-        now = self._floor << 4
-        for k in keys:
-            code = count.get(k)
-            if code is None:
-                raise unknown(k, self.name)
-            c = code & 15
-            count[k] = now + (c + 1 if c < MAX_COUNT else c)
-
-    def remove(self, key: Key) -> None:
-        self._keys_only()
-        if key not in self._pages:
-            raise unknown(key, self.name)
-        self._detach(key, evicted=False)
-
-    # -- undoing an eviction, and looking ahead -------------------------------------------
-    def evicted_state(self, keys: Sequence[Key]) -> list[object]:
-        self._keys_only()
-        return [self._recent[k] for k in keys]
-
-    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
-        """Put back victims at the head of the queue each left, with their use codes; their
-        history entries are taken back and the children their eviction stranded are requeued
-        by their own use codes. ``L`` and the scan gate's average are not rewound."""
-        self._keys_only()
-        pages, count, gone, kids = self._pages, self._count, self._gone, self._kids
-        for k, state in zip(reversed(keys), reversed(states)):
-            assert isinstance(state, tuple)
-            page: _Page = state[0]
-            code: int = state[1]
-            gone.pop(k, None)
-            pages[k] = page
-            count[k] = code
-            parent = page.parent
-            orphan = parent is not None and parent not in pages and parent in gone
-            if orphan:
-                page.prio = _ORPHAN
-                queue = self._orphans
-            else:
-                if page.prio == _ORPHAN:  # it was stranded, and is no more
-                    page.code = code
-                    page.prio = (code >> 4) + _VALUE[code & 15]
-                queue = self._buckets[page.prio & _MASK]
-            queue[k] = None
-            queue.move_to_end(k, last=False)
-            if parent is not None:
-                kids.setdefault(parent, set()).add(k)
-            for child in kids.get(k, ()):
-                self._set_orphan(child, False, reset=False)
-
-    def _clone(self) -> KVAwarePolicy:
-        """A copy that shares nothing mutable (``_slot_of``, read-only here, is shared)."""
-        c = copy.copy(self)
-        for name in ("_run", "_small", "_decisions", "_count", "_pending", "_recent"):
-            setattr(c, name, copy.copy(getattr(self, name)))
-        # the history never steers a victim (only inserts read it): the copy starts without it
-        c._gone = OrderedDict()
-        c._orphans = self._orphans.copy()
-        c._pages = {k: replace(p) for k, p in self._pages.items()}
-        c._buckets = [b.copy() for b in self._buckets]
-        c._kids = {k: set(v) for k, v in self._kids.items()}
-        for name in ("_prev", "_next", "_qlen", "_where", "_code", "_qcode", "_key"):
-            setattr(c, name, list(getattr(self, name)))
-        for name in ("_parent", "_fanout", "_back", "_bump", "_start", "_start_prio"):
-            setattr(c, name, list(getattr(self, name)))
-        return c
-
-    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
-        """The next victims, as :meth:`evict_many` would choose them now (on a copy: O(pages))."""
-        self._keys_only()
-        return self._clone().evict_many(n, can_evict or (lambda k: True))
-
-    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
-        """The next victim slots, as :meth:`evict_slots` would choose them now (on a copy:
-        O(capacity))."""
-        return self._clone().evict_slots(n, can_evict)
-
-    def evict(self, can_evict: CanEvict) -> Key | None:
-        out = self.evict_many(1, can_evict)
-        return out[0] if out else None
-
-    def _evict_orphans(self, n: int, can_evict: CanEvict, out: list[Key]) -> None:
-        # Oldest first; evicting one may strand more (appended): they are seen in this call.
-        orphans = self._orphans
-        passed: list[Key] = []
-        while len(out) < n and orphans:
-            key = next(iter(orphans))
-            if can_evict(key):
-                self._detach(key, evicted=True)
-                out.append(key)
-            else:
-                del orphans[key]
-                passed.append(key)
-        for key in passed:  # passed over: to the back
-            orphans[key] = None
-
-    def evict_many(self, n: int, can_evict: CanEvict) -> list[Key]:
-        self._keys_only()
-        self._recent = recent = {}
-        out: list[Key] = []
-        orphans = self._orphans
-        if orphans:  # stranded blocks first, oldest first
-            self._evict_orphans(n, can_evict, out)
-        buckets, pages, count, kids = self._buckets, self._pages, self._count, self._kids
-        gone, limit = self._gone, self._limit
-        prio = self._floor
-        top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
-        skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
-        moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
-        while len(out) < n:
-            q = buckets[prio & _MASK]
-            if not q or (skips and skips.get(prio, 1) <= 0):
-                prio += 1
-                if prio >= top:  # see Laps (top of the module)
-                    if len(out) + moved == lap:
-                        break
-                    lap = len(out) + moved
-                    top = prio + _MASK + 1
-                continue
-            key = q.popitem(last=False)[0]
-            page = pages[key]
-            code = count[key]
-            if code != page.code:  # used since it was queued: to its bucket now
-                page.code = code
-                p = page.prio = (code >> 4) + _VALUE[code & 15]
-                buckets[p & _MASK][key] = None
-                moved += 1
-            elif can_evict(key):
-                self._floor = prio
-                recent[key] = (page, code)
-                del pages[key], count[key]
-                if page.back >= 0:
-                    self._left(code != page.back)
-                parent = page.parent
-                if parent is not None:
-                    sibs = kids[parent]
-                    sibs.discard(key)
-                    if not sibs:
-                        del kids[parent]
-                    mine = kids.get(key)
-                    if mine:
-                        for child in mine:
-                            self._set_orphan(child, True)
-                elif kids:
-                    mine = kids.get(key)
-                    if mine:
-                        for child in mine:
-                            self._set_orphan(child, True)
-                gone[key] = code & 15
-                if len(gone) > limit:
-                    gone.popitem(last=False)
-                out.append(key)
-                if orphans:  # the victim's children, now stranded, go next
-                    self._evict_orphans(n, can_evict, out)
-            else:
-                q[key] = None  # to the back of its queue
-                skips[prio] = skips.get(prio, len(q)) - 1
-        return out
-
-    def __len__(self) -> int:
-        return self._n if self._bound else len(self._pages)
-
-    def __contains__(self, key: object) -> bool:
-        if not self._bound:
-            return key in self._pages
-        s = self._slot_of.get(key)
-        return s is not None and self._prev[s] != _UNLINKED
-
-    # -- slots (bound to a page table) ---------------------------------------------------
-    # The same rules over per-slot int lists; the queues are intrusive lists with one sentinel
-    # per queue, as in ``lru.py``. ``_where[s]`` is the page's priority (its bucket) or _ORPHAN,
-    # ``_qcode[s]`` its use code when queued (``_Page.code``). Ghost, chain and batch state
-    # (``_gone``, ``_kids``, ``_pending``) stay keyed by page key, so both modes decide alike.
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
-        if self._pages or self._gone or self._bound:
-            raise RuntimeError("bind_slots needs a fresh kvaware policy")
-        self._bound = True
-        self._slot_of = slot_of
-        self._head = capacity  # bucket b's sentinel is capacity + b; the orphans' is _ORPHANS
-        self._orph = capacity + _ORPHANS
-        size = capacity + _ORPHANS + 1
-        self._prev = [_UNLINKED] * size
-        self._next = [_UNLINKED] * size
-        for h in range(capacity, size):
-            self._prev[h] = self._next[h] = h
-        self._qlen = [0] * (_ORPHANS + 1)
+        self._bind(capacity, slot_of)
+        self._links = Links(capacity, _ORPHANS + 1)
         self._where = [0] * capacity
         self._code = [0] * capacity
         self._qcode = [0] * capacity
@@ -504,86 +161,100 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._fanout = [0] * capacity
         self._back = [-1] * capacity
 
-    def _link(self, s: int, q: int) -> None:
-        """Append slot ``s`` to queue ``q`` (a bucket, or _ORPHANS)."""
-        h = self._head + q
-        prv = self._prev
-        t = prv[h]
-        self._next[t] = s
-        prv[s] = t
-        self._next[s] = h
-        prv[h] = s
-        self._qlen[q] += 1
+    def __len__(self) -> int:
+        return self._n
 
-    def _unlink(self, s: int) -> None:
-        prv, nxt = self._prev, self._next
-        p = prv[s]
-        n = nxt[s]
-        nxt[p] = n
-        prv[n] = p
-        prv[s] = _UNLINKED
-        w = self._where[s]
-        self._qlen[_ORPHANS if w == _ORPHAN else w & _MASK] -= 1
+    def holds(self, s: int) -> bool:
+        return self._links.linked(s)
 
-    def _enqueue_slot(self, s: int, orphan: bool) -> None:
-        code = self._qcode[s] = self._code[s]
+    @staticmethod
+    def _value(count: int) -> float:
+        return _VALUE[count] / 2
+
+    # -- what admission reads (kvaware_admission.py) --------------------------------------
+    def _fanout_of(self, key: Key) -> int | None:
+        """The fan-out of a page the policy holds; None if it holds no such page."""
+        s = self._slot_of.get(key)
+        return None if s is None or not self._links.linked(s) else self._fanout[s]
+
+    def _add_fanout(self, key: Key) -> None:
+        self._fanout[self._slot_of[key]] += 1
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _tables(self) -> None:
+        """The use codes and priorities of this floor, by count: a touch or an insert then
+        stores a shared int instead of making one (most are too large for CPython's cache)."""
+        now = self._floor << 4
+        self._bump = [now + (c + 1 if c < MAX_COUNT else c) for c in range(16)]
+        self._start = [now + c for c in range(16)]
+        self._start_prio = [self._floor + v for v in _VALUE]
+        self._tables_floor = self._floor
+
+    def _requeue(self, s: int, orphan: bool, reset: bool = True) -> None:
+        """Move linked slot ``s`` into the orphan queue, or out of it to its bucket (its
+        priority counting from now unless not ``reset``)."""
+        if (self._where[s] == _ORPHAN) == orphan:
+            return
+        links = self._links
+        links.unlink(s)
         if orphan:
+            self._qcode[s] = self._code[s]
             self._where[s] = _ORPHAN
-            self._link(s, _ORPHANS)
-        else:
-            self._where[s] = prio = (code >> 4) + _VALUE[code & 15]
-            self._link(s, prio & _MASK)
+            links.append(_ORPHANS, s)
+            return
+        if reset:
+            self._code[s] = (self._floor << 4) + (self._code[s] & 15)
+        code = self._qcode[s] = self._code[s]
+        self._where[s] = prio = (code >> 4) + _VALUE[code & 15]
+        links.append(prio & _MASK, s)
 
-    def _set_orphan_slot(self, s: int, orphan: bool, reset: bool = True) -> None:
-        if (self._where[s] == _ORPHAN) != orphan:
-            self._unlink(s)
-            if not orphan and reset:  # restored: its priority counts from now
-                self._code[s] = (self._floor << 4) + (self._code[s] & 15)
-            self._enqueue_slot(s, orphan)
-
-    def _detach_slot(self, s: int, key: Key, evicted: bool) -> None:
-        code = self._code[s]
-        count = code & 15
-        self._unlink(s)
-        if evicted and self._back[s] >= 0:
-            self._left(code != self._back[s])
-        self._n -= 1
-        parent = self._parent[s]  # kept: restore_slots reads it (insert_slots overwrites it)
-        if parent is not None:
-            sibs = self._kids[parent]
-            sibs.discard(key)
-            if not sibs:
-                del self._kids[parent]
-        if evicted:
-            slot_of = self._slot_of
-            for child in self._kids.get(key, ()):
-                self._set_orphan_slot(slot_of[child], True)
-        self._remember(key, count)
-
-    def insert_slots(
-        self, slots: Sequence[int], keys: Sequence[Key], hints: Sequence[PageHint]
-    ) -> None:
+    # -- the interface -------------------------------------------------------------------
+    def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
         gone, pending, kids, slot_of = self._gone, self._pending, self._kids, self._slot_of
-        small, back = self._small, self._back
-        prv, nxt, qlen, head = self._prev, self._next, self._qlen, self._head
+        small, back, links, prv = self._small, self._back, self._links, self._links.prev
         where, code, qcode, key_of = self._where, self._code, self._qcode, self._key
         parent_of, fanout = self._parent, self._fanout
+        extend = links.extend
+        run: list[int] = []  # slots for queue run_q, appended in one call
+        run_q = -1
         if self._tables_floor != self._floor:  # constant below: only evictions move it
             self._tables()
         start, start_prio = self._start, self._start_prio
-        for s, k, h in zip(slots, keys, hints):
+        n = len(keys)
+        lasts = [False] * n
+        if hints is None:
+            parents: Sequence[Key | None] = lasts  # no parents (False stands for None)
+            check = 0
+        elif isinstance(hints, ChainHint):
+            parents = [hints.parent, *keys[:-1]]
+            if n and hints.depth + n == hints.blocks:
+                lasts[-1] = True
+            check = 1  # block i > 0 extends the block just queued: not an orphan
+        else:
+            parents = [h.parent for h in hints]
+            lasts = [h.last for h in hints]
+            check = n
+        for i, (s, k, parent, last) in enumerate(zip(slots, keys, parents, lasts)):
             seen = gone.pop(k, 0) if gone else 0
-            c = 0 if h.last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
+            c = 0 if last and not seen else (seen + 1 if seen < MAX_COUNT else MAX_COUNT)
             if c == 1 and small and k in small:
                 c = 2
             code[s] = qcode[s] = start[c]
             back[s] = start[c] if seen else -1
             key_of[s] = k
             fanout[s] = pending.pop(k, 0) if pending else 0
-            parent = parent_of[s] = h.parent
-            if parent is not None:
-                ps = slot_of.get(parent)
-                if (ps is None or prv[ps] == _UNLINKED) and parent in gone:
+            if parent is None or parent is False:
+                parent_of[s] = None
+                where[s] = p = start_prio[c]
+                q = p & _MASK
+            else:
+                parent_of[s] = parent
+                if i < check and parent in gone:
+                    ps = slot_of.get(parent)
+                    orphan = ps is None or prv[ps] == UNLINKED
+                else:
+                    orphan = False
+                if orphan:
                     where[s] = _ORPHAN
                     q = _ORPHANS
                 else:
@@ -594,35 +265,26 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     kids[parent] = {k}
                 else:
                     sibs.add(k)
+            if q == run_q:
+                run.append(s)
             else:
-                where[s] = p = start_prio[c]
-                q = p & _MASK
-            hq = head + q  # append to queue q
-            t = prv[hq]
-            nxt[t] = s
-            prv[s] = t
-            nxt[s] = hq
-            prv[hq] = s
-            qlen[q] += 1
+                if run:
+                    extend(run_q, run)
+                run, run_q = [s], q
             if kids:
                 mine = kids.get(k)
-                if mine:
+                if mine:  # its stranded children are orphans no more
+                    extend(run_q, run)
+                    run, run_q = [], -1
                     for child in mine:
-                        self._set_orphan_slot(slot_of[child], False)
-        self._n += len(slots)
+                        self._requeue(slot_of[child], False)
+        if run:
+            extend(run_q, run)
+        self._n += n
         self._end_batch()
         if not self._fixed and self._n > self._capacity:
             self._capacity = self._n
             self._limit = self._history * self._capacity
-
-    def _tables(self) -> None:
-        """The use codes and priorities of this floor, by count: a touch or an insert then
-        stores a shared int instead of making one (most are too large for CPython's cache)."""
-        now = self._floor << 4
-        self._bump = [now + (c + 1 if c < MAX_COUNT else c) for c in range(16)]
-        self._start = [now + c for c in range(16)]
-        self._start_prio = [self._floor + v for v in _VALUE]
-        self._tables_floor = self._floor
 
     def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         if self._tables_floor != self._floor:
@@ -632,73 +294,79 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             code[s] = bump[code[s] & 15]
 
     def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        links, kids = self._links, self._kids
         for s, k in zip(slots, keys):
-            self._detach_slot(s, k, evicted=False)
-
-    def _evict_orphan_slots(self, n: int, can_evict: CanEvictSlot | None, out: list[int]) -> None:
-        # As key mode's _evict_orphans: strays stranded on the way are seen in this call.
-        qlen, nxt, oh = self._qlen, self._next, self._orph
-        passed: list[int] = []
-        while len(out) < n and qlen[_ORPHANS]:
-            s = nxt[oh]
-            if can_evict is None or can_evict(s):
-                self._detach_slot(s, self._key[s], evicted=True)
-                out.append(s)
-            else:
-                self._unlink(s)
-                passed.append(s)
-        for s in passed:  # passed over: to the back
-            self._link(s, _ORPHANS)
-
-    def _link_head(self, s: int, q: int) -> None:
-        """Put slot ``s`` at the head of queue ``q``."""
-        h = self._head + q
-        prv, nxt = self._prev, self._next
-        n = nxt[h]
-        nxt[h] = s
-        prv[s] = h
-        nxt[s] = n
-        prv[n] = s
-        self._qlen[q] += 1
-
-    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
-        return [None] * len(slots)  # a victim's slot keeps its state until it is reused
-
-    def restore_slots(
-        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
-    ) -> None:
-        """:meth:`restore` in slot mode (the same rules)."""
-        gone, kids, slot_of, prv = self._gone, self._kids, self._slot_of, self._prev
-        where, code, qcode = self._where, self._code, self._qcode
-        for s, k in zip(reversed(slots), reversed(keys)):
-            gone.pop(k, None)
-            self._key[s] = k  # a MOVING page may have been renamed (rekey)
+            links.unlink(s)
+            self._n -= 1
             parent = self._parent[s]
-            orphan = False
             if parent is not None:
-                ps = slot_of.get(parent)
-                orphan = (ps is None or prv[ps] == _UNLINKED) and parent in gone
-            if orphan:
-                where[s] = _ORPHAN
-                q = _ORPHANS
-            else:
-                if where[s] == _ORPHAN:  # it was stranded, and is no more
-                    cd = qcode[s] = code[s]
-                    where[s] = (cd >> 4) + _VALUE[cd & 15]
-                q = where[s] & _MASK
-            self._link_head(s, q)
-            self._n += 1
+                sibs = kids[parent]
+                sibs.discard(k)
+                if not sibs:
+                    del kids[parent]
+            self._remember(k, self._code[s] & 15)
+
+    # -- eviction ------------------------------------------------------------------------
+    def _evict_orphans(
+        self, n: int, can_evict: CanEvictSlot | None, out: list[int], fresh: list[int]
+    ) -> None:
+        """Stranded blocks first, oldest first: the orphan queue, then ``fresh`` (orphans just
+        stranded, not yet queued: the queue's tail); evicting one strands its children, which
+        join ``fresh`` and are seen in this call. Orphans passed over go to the back, after
+        the fresh ones left."""
+        links = self._links
+        size, unlink = links.size, links.unlink
+        key_of, code, qcode, where = self._key, self._code, self._qcode, self._where
+        back, parent_of, kids, gone = self._back, self._parent, self._kids, self._gone
+        slot_of, limit = self._slot_of, self._limit
+        if size[_ORPHANS]:  # the queue first, then the fresh ones
+            fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
+        passed: list[int] = []
+        before, i = len(out), 0
+        for s in fresh:  # grows as children are stranded
+            if len(out) >= n:
+                break
+            i += 1
+            if can_evict is not None and not can_evict(s):
+                passed.append(s)
+                continue
+            key = key_of[s]
+            cd = code[s]
+            if back[s] >= 0:
+                self._left(cd != back[s])
+            parent = parent_of[s]  # kept: restore_slots reads it
             if parent is not None:
-                kids.setdefault(parent, set()).add(k)
-            for child in kids.get(k, ()):
-                self._set_orphan_slot(slot_of[child], False, reset=False)
+                sibs = kids[parent]
+                sibs.discard(key)
+                if not sibs:
+                    del kids[parent]
+            mine = kids.get(key)
+            if mine:  # stranded in turn
+                for child in mine:
+                    c = slot_of[child]
+                    if where[c] != _ORPHAN:
+                        unlink(c)
+                        qcode[c] = code[c]
+                        where[c] = _ORPHAN
+                        fresh.append(c)
+            gone[key] = cd & 15  # remembered (as _remember)
+            gone.move_to_end(key)
+            while len(gone) > limit:
+                gone.popitem(last=False)
+            out.append(s)
+        self._n -= len(out) - before
+        if i < len(fresh):
+            links.extend(_ORPHANS, fresh[i:])
+        if passed:
+            links.extend(_ORPHANS, passed)
 
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         out: list[int] = []
-        qlen = self._qlen
-        if qlen[_ORPHANS]:  # stranded blocks first, oldest first
-            self._evict_orphan_slots(n, can_evict, out)
-        prv, nxt, head = self._prev, self._next, self._head
+        links = self._links
+        size, nxt, base = links.size, links.next, links.base
+        if size[_ORPHANS]:
+            self._evict_orphans(n, can_evict, out, [])
+        move, unlink = links.move, links.unlink
         where, code, qcode, key_of, parent_of = (
             self._where,
             self._code,
@@ -706,21 +374,15 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._key,
             self._parent,
         )
-        kids, gone, limit, slot_of, value, back = (
-            self._kids,
-            self._gone,
-            self._limit,
-            self._slot_of,
-            _VALUE,
-            self._back,
-        )
+        kids, gone, limit, back, value = self._kids, self._gone, self._limit, self._back, _VALUE
+        slot_of = self._slot_of
         prio = self._floor
         top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
         while len(out) < n:
             b = prio & _MASK
-            if not qlen[b] or (skips and skips.get(prio, 1) <= 0):
+            if not size[b] or (skips and skips.get(prio, 1) <= 0):
                 prio += 1
                 if prio >= top:  # see Laps (top of the module)
                     if len(out) + moved == lap:
@@ -728,34 +390,18 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     lap = len(out) + moved
                     top = prio + _MASK + 1
                 continue
-            h = head + b
-            s = nxt[h]  # the head of the bucket
+            s = nxt[base + b]  # the head of the bucket
             cd = code[s]
             if cd != qcode[s]:  # used since it was queued: to its bucket now
                 qcode[s] = cd
                 where[s] = p = (cd >> 4) + value[cd & 15]
                 moved += 1
-                q = p & _MASK
-                nh = nxt[s]
-                nxt[h] = nh
-                prv[nh] = h
-                qlen[b] -= 1
-                hq = head + q
-                t = prv[hq]
-                nxt[t] = s
-                prv[s] = t
-                nxt[s] = hq
-                prv[hq] = s
-                qlen[q] += 1
+                move(p & _MASK, s)
             elif can_evict is None or can_evict(s):
                 self._floor = prio
                 if back[s] >= 0:
                     self._left(cd != back[s])
-                nh = nxt[s]
-                nxt[h] = nh
-                prv[nh] = h
-                prv[s] = _UNLINKED
-                qlen[b] -= 1
+                unlink(s)
                 self._n -= 1
                 key = key_of[s]
                 parent = parent_of[s]  # kept for restore_slots
@@ -764,26 +410,74 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     sibs.discard(key)
                     if not sibs:
                         del kids[parent]
+                fresh: list[int] = []
                 if kids:
                     mine = kids.get(key)
-                    if mine:
+                    if mine:  # stranded: orphans now
                         for child in mine:
-                            self._set_orphan_slot(slot_of[child], True)
+                            c = slot_of[child]
+                            if where[c] != _ORPHAN:
+                                unlink(c)
+                                qcode[c] = code[c]
+                                where[c] = _ORPHAN
+                                fresh.append(c)
                 gone[key] = cd & 15
                 if len(gone) > limit:
                     gone.popitem(last=False)
                 out.append(s)
-                if qlen[_ORPHANS]:  # the victim's children, now stranded, go next
-                    self._evict_orphan_slots(n, can_evict, out)
+                if fresh or size[_ORPHANS]:  # the victim's children, now stranded, go next
+                    self._evict_orphans(n, can_evict, out, fresh)
             else:
-                if nxt[s] != h:  # to the back of its queue
-                    nh = nxt[s]
-                    nxt[h] = nh
-                    prv[nh] = h
-                    t = prv[h]
-                    nxt[t] = s
-                    prv[s] = t
-                    nxt[s] = h
-                    prv[h] = s
-                skips[prio] = skips.get(prio, qlen[b]) - 1
+                move(b, s)  # to the back of its queue
+                skips[prio] = skips.get(prio, size[b]) - 1
         return out
+
+    # -- undoing an eviction, and looking ahead -------------------------------------------
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        """Put back victims at the head of the queue each left, with their use codes; their
+        history entries are taken back and the children their eviction stranded are requeued
+        by their own use codes. ``L`` and the scan gate's average are not rewound."""
+        gone, kids, slot_of, links = self._gone, self._kids, self._slot_of, self._links
+        where, code, qcode = self._where, self._code, self._qcode
+        for s, k in zip(reversed(slots), reversed(keys)):
+            gone.pop(k, None)
+            self._key[s] = k  # a MOVING page may have been renamed (rekey)
+            parent = self._parent[s]
+            orphan = False
+            if parent is not None:
+                ps = slot_of.get(parent)
+                orphan = (ps is None or not links.linked(ps)) and parent in gone
+            if orphan:
+                where[s] = _ORPHAN
+                q = _ORPHANS
+            else:
+                if where[s] == _ORPHAN:  # it was stranded, and is no more
+                    cd = qcode[s] = code[s]
+                    where[s] = (cd >> 4) + _VALUE[cd & 15]
+                q = where[s] & _MASK
+            links.appendleft(q, s)
+            self._n += 1
+            if parent is not None:
+                kids.setdefault(parent, set()).add(k)
+            for child in kids.get(k, ()):
+                self._requeue(slot_of[child], False, reset=False)
+
+    def _clone(self) -> KVAwarePolicy:
+        """A copy that shares nothing mutable (``_slot_of``, read-only here, is shared)."""
+        c = copy.copy(self)
+        for name in ("_run", "_small", "_decisions", "_pending"):
+            setattr(c, name, copy.copy(getattr(self, name)))
+        # the history never steers a victim (only inserts read it): the copy starts without it
+        c._gone = OrderedDict()
+        c._kids = {k: set(v) for k, v in self._kids.items()}
+        c._links = self._links.copy()
+        for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):
+            setattr(c, name, list(getattr(self, name)))
+        return c
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        """The next victim slots, as :meth:`evict_slots` would choose them now (on a copy:
+        O(capacity))."""
+        return self._clone().evict_slots(n, can_evict)

@@ -10,9 +10,10 @@ scan's. :class:`ConversationAdmission` is a mixin of
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierkv.policies.base import NO_HINT, Key, PageHint
+from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint
 
 HEAD_PER_PAGES = 750
 """Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
@@ -58,7 +59,7 @@ class ConversationAdmission:
     _probes: int
     _decisions: dict[str, int]  # admission outcomes by rule (see stats)
 
-    if TYPE_CHECKING:  # provided by KVAwarePolicy (key or slot mode)
+    if TYPE_CHECKING:  # provided by KVAwarePolicy
 
         def _fanout_of(self, key: Key) -> int | None: ...
 
@@ -68,10 +69,38 @@ class ConversationAdmission:
         """Whether a full tier should store ``key`` (see ``KVAwarePolicy``)."""
         if hint is NO_HINT:  # the short way: no parent, not a last block
             return True
-        ok = self._admit(key, hint)
+        ok = self._judge(key, hint.depth, hint.last, hint.prefix_hits, hint.parent, hint.blocks)
         if ok:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
         return ok
+
+    def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
+        """:meth:`admit` for a batch, in order; None when every page is admitted. A
+        :class:`~tierkv.policies.base.ChainHint` is read block by block, no hint built."""
+        if hints is None:
+            return None
+        judge, pending = self._judge, self._pending
+        out: list[bool] = []
+        every = True
+        if isinstance(hints, ChainHint):
+            depth, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
+            last = blocks - 1
+            for k in keys:
+                ok = judge(k, depth, depth == last, hits, parent, blocks)
+                if ok:
+                    pending.setdefault(k, 0)
+                else:
+                    every = False
+                out.append(ok)
+                depth += 1
+                parent = k
+        else:
+            admit = self.admit
+            for k, h in zip(keys, hints):
+                ok = admit(k, h)
+                every = every and ok
+                out.append(ok)
+        return None if every else out
 
     def stats(self) -> dict[str, float]:
         """What admission decided so far, by rule, and the state it reads.
@@ -131,7 +160,10 @@ class ConversationAdmission:
         """True when the history is readmitting a scan (see :data:`SCAN_WARMUP`)."""
         return self._back_seen >= SCAN_WARMUP and self._back_used < SCAN_RATE * self._back_left
 
-    def _admit(self, key: Key, hint: PageHint) -> bool:
+    def _judge(
+        self, key: Key, depth: int, last: bool, hits: int, parent: Key | None, blocks: int
+    ) -> bool:
+        """The admission rules for one page, its hint given field by field."""
         if key in self._gone:
             if self._scan():
                 self._probes += 1
@@ -141,46 +173,46 @@ class ConversationAdmission:
                     return False
             self._decided("readmitted")
             return True
-        later = hint.prefix_hits > 1 and hint.parent is not None and not hint.last
+        later = hits > 1 and parent is not None and not last
         if later:  # a later turn: how many never-seen blocks in a row does it bring?
             step = self._step_rule()
             if step:
-                start = self._run.get(hint.parent, hint.depth)
+                start = self._run.get(parent, depth)
                 self._run[key] = start
-                if hint.blocks - start >= step:
+                if blocks - start >= step:
                     self._remember(key, 1)
                     self._decided("declined_step")
                     return False
-        if hint.prefix_hits <= 1 and not hint.last:  # nothing hit past the shared root
+        if hits <= 1 and not last:  # nothing hit past the shared root
             head = self._head_rule()
             if head:
-                if hint.depth <= head:
+                if depth <= head:
                     self._decided("admitted")
                     return True
-                if not 0 < hint.blocks <= self._short:
+                if not 0 < blocks <= self._short:
                     self._remember(key, 1)
                     self._decided("declined_head")
                     return False
-        if hint.last:
+        if last:
             ok = False
-        elif hint.parent is None:
+        elif parent is None:
             self._decided("admitted")
             return True
         else:
-            fanout = self._fanout_of(hint.parent)
+            fanout = self._fanout_of(parent)
             if fanout is not None:  # the parent is resident
-                ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
-                self._add_fanout(hint.parent)
+                ok = fanout < self._max_fanout or 0 < blocks <= self._short
+                self._add_fanout(parent)
             else:
-                fanout = self._pending.get(hint.parent)  # admitted earlier in this batch
+                fanout = self._pending.get(parent)  # admitted earlier in this batch
                 if fanout is None:
                     ok = False
                 else:
-                    ok = fanout < self._max_fanout or 0 < hint.blocks <= self._short
-                    self._pending[hint.parent] = fanout + 1
+                    ok = fanout < self._max_fanout or 0 < blocks <= self._short
+                    self._pending[parent] = fanout + 1
         if not ok:
             self._remember(key, 1)
-            self._decided("declined_last" if hint.last else "declined_fanout")
+            self._decided("declined_last" if last else "declined_fanout")
         else:
             self._decided("admitted")
             if later and self._step_rule():

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
+from tierkv.policies.base import CanEvictSlot, EvictionPolicy, Hints, Key
+from tierkv.policies.links import Links
 
 MAX_COUNT = 15
 """Use counts saturate here (4-bit counters, as in TinyLFU); ties at the top fall back to LRU."""
 
 
-class LFUPolicy(OneByOne):
+class LFUPolicy(EvictionPolicy):
     """Evicts the page with the fewest uses; among equals, the least recently used.
 
-    One bucket (an ordered dict, oldest use first) per use count 1..:data:`MAX_COUNT`, and a
-    bit mask of the non-empty ones, so insert, touch, remove and evict are O(1); pages that may
-    not be evicted are moved to the recent end of their bucket as they are skipped (O(1)
+    One queue of slots (``links.py``, oldest use first) per use count 1..:data:`MAX_COUNT`, and
+    a bit mask of the non-empty ones, so insert, touch, remove and evict are O(1); pages that
+    may not be evicted are moved to the recent end of their queue as they are skipped (O(1)
     amortized, plus one step per pinned page passed over).
 
     Counts outlive residency: the counts of the last ``history * capacity`` pages to leave are
@@ -36,83 +37,96 @@ class LFUPolicy(OneByOne):
         self._capacity = capacity or 0
         self._fixed = capacity is not None
         self._history = history
-        self._count: dict[Key, int] = {}
-        self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(MAX_COUNT + 1)]
-        self._mask = 0  # bit f set <=> bucket f non-empty
+        self._links = Links(0, MAX_COUNT + 1)
+        self._count: list[int] = []
+        self._key: list[Key] = []
+        self._mask = 0  # bit f set <=> queue f non-empty
         self._gone: OrderedDict[Key, int] = OrderedDict()
-        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> their counts
 
-    def _place(self, key: Key, count: int) -> None:
-        self._count[key] = count
-        self._buckets[count][key] = None
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        self._bind(capacity, slot_of)
+        self._links = Links(capacity, MAX_COUNT + 1)
+        self._count = [0] * capacity
+        self._key = [None] * capacity
+
+    def __len__(self) -> int:
+        return sum(self._links.size)
+
+    def holds(self, s: int) -> bool:
+        return self._links.linked(s)
+
+    def _place(self, s: int, count: int, head: bool = False) -> None:
+        self._count[s] = count
+        if head:
+            self._links.appendleft(count, s)
+        else:
+            self._links.append(count, s)
         self._mask |= 1 << count
 
-    def _unplace(self, key: Key) -> int:
-        count = self._count.pop(key)
-        bucket = self._buckets[count]
-        del bucket[key]
-        if not bucket:
+    def _unplace(self, s: int) -> int:
+        count = self._links.unlink(s)
+        if not self._links.size[count]:
             self._mask &= ~(1 << count)
         return count
 
-    def _forget(self, key: Key) -> int:
-        count = self._unplace(key)
+    def _forget(self, s: int, count: int) -> None:
         if self._history > 0:
-            self._gone[key] = count
+            gone = self._gone
+            gone[self._key[s]] = count
             limit = self._history * self._capacity
-            while len(self._gone) > limit:
-                self._gone.popitem(last=False)
-        return count
+            while len(gone) > limit:
+                gone.popitem(last=False)
 
-    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
-        count = self._gone.pop(key, 0)
-        self._place(key, min(count + 1, MAX_COUNT))
-        if not self._fixed and len(self._count) > self._capacity:
-            self._capacity = len(self._count)
+    def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
+        gone, key_of = self._gone, self._key
+        for s, k in zip(slots, keys):
+            key_of[s] = k
+            self._place(s, min(gone.pop(k, 0) + 1, MAX_COUNT))
+        n = len(self)
+        if not self._fixed and n > self._capacity:
+            self._capacity = n
 
-    def touch(self, key: Key) -> None:
-        if key not in self._count:
-            raise unknown(key, self.name)
-        self._place(key, min(self._unplace(key) + 1, MAX_COUNT))
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        for s in slots:
+            self._place(s, min(self._unplace(s) + 1, MAX_COUNT))
 
-    def remove(self, key: Key) -> None:
-        if key not in self._count:
-            raise unknown(key, self.name)
-        self._forget(key)
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        for s in slots:
+            self._forget(s, self._unplace(s))
 
-    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
-        for k, count in zip(reversed(keys), reversed(states)):
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        count = self._count  # kept until the slot is reused
+        return [count[s] for s in slots]
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        for s, k, count in zip(reversed(slots), reversed(keys), reversed(states)):
             assert isinstance(count, int)
             self._gone.pop(k, None)  # the history entry its eviction made
-            self._place(k, count)
-            self._buckets[count].move_to_end(k, last=False)  # the head of its bucket
+            self._key[s] = k
+            self._place(s, count, head=True)
 
-    def candidates(self, n: int, can_evict: CanEvict | None = None) -> list[Key]:
-        out: list[Key] = []
-        for bucket in self._buckets:
-            for k in bucket:
-                if len(out) >= n:
-                    return out
-                if can_evict is None or can_evict(k):
-                    out.append(k)
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        out: list[int] = []
+        for count in range(1, MAX_COUNT + 1):
+            if len(out) >= n:
+                break
+            out += self._links.peek(count, n - len(out), can_evict)
         return out
 
-    def _evict_one(self, can_evict: CanEvict) -> Key | None:
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        out: list[int] = []
         mask = self._mask
-        while mask:
+        size = self._links.size
+        while mask and len(out) < n:
             low = mask & -mask
-            bucket = self._buckets[low.bit_length() - 1]
-            for _ in range(len(bucket)):
-                key = next(iter(bucket))
-                if can_evict(key):
-                    self._recent[key] = self._forget(key)
-                    return key
-                bucket.move_to_end(key)
+            count = low.bit_length() - 1
+            got = self._links.take(count, n - len(out), can_evict)
+            for s in got:
+                self._forget(s, count)
+            out += got
+            if not size[count]:
+                self._mask &= ~low
             mask ^= low
-        return None
-
-    def __len__(self) -> int:
-        return len(self._count)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._count
+        return out

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from tierkv.policies.base import NO_HINT, CanEvict, Key, OneByOne, PageHint, unknown
+from tierkv.policies.base import CanEvictSlot, EvictionPolicy, Hints, Key
+from tierkv.policies.links import Links
 
 MAX_FREQ = 3
+_S, _M = 0, 1  # the small and main queues (of Links)
 
 
-class S3FIFOPolicy(OneByOne):
+class S3FIFOPolicy(EvictionPolicy):
     """Quick demotion of one-hit wonders through a small probationary FIFO.
 
     ::
@@ -26,7 +28,7 @@ class S3FIFOPolicy(OneByOne):
     decremented while the counter is positive. Pinned pages are moved to the head of their queue
     as they are skipped, keeping their counter; all work is O(1) amortized. When neither queue
     yields a victim but S promoted used pages to M on the way, M is tried again: a promoted page
-    may go at once.
+    may go at once. S and M are queues of slots (``links.py``); G holds keys.
 
     Args:
         capacity: pages the tier holds; ``None`` learns it as the high-water mark.
@@ -39,38 +41,47 @@ class S3FIFOPolicy(OneByOne):
         self._c = capacity or 0
         self._fixed = capacity is not None
         self._ratio = small_ratio
-        self._freq: dict[Key, int] = {}
-        self._small: OrderedDict[Key, None] = OrderedDict()  # oldest first
-        self._main: OrderedDict[Key, None] = OrderedDict()
+        self._links = Links(0, 2)
+        self._freq: list[int] = []
+        self._key: list[Key] = []
         self._ghost: OrderedDict[Key, None] = OrderedDict()
-        self._recent: dict[Key, object] = {}  # the last eviction call's victims -> from S
         self._promoted = False  # S moved a used page to M during this eviction
 
-    def insert(self, key: Key, hint: PageHint = NO_HINT) -> None:
-        if key in self._ghost:
-            del self._ghost[key]
-            self._main[key] = None
-        else:
-            self._small[key] = None
-        self._freq[key] = 0
-        if not self._fixed and len(self._freq) > self._c:
-            self._c = len(self._freq)
+    def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
+        self._bind(capacity, slot_of)
+        self._links = Links(capacity, 2)
+        self._freq = [0] * capacity
+        self._key = [None] * capacity
 
-    def touch(self, key: Key) -> None:
-        f = self._freq.get(key)
-        if f is None:
-            raise unknown(key, self.name)
-        if f < MAX_FREQ:
-            self._freq[key] = f + 1
+    def __len__(self) -> int:
+        size = self._links.size
+        return size[_S] + size[_M]
 
-    def remove(self, key: Key) -> None:
-        if key not in self._freq:
-            raise unknown(key, self.name)
-        del self._freq[key]
-        if key in self._small:
-            del self._small[key]
-        else:
-            del self._main[key]
+    def holds(self, s: int) -> bool:
+        return self._links.linked(s)
+
+    def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
+        ghost, links, freq, key_of = self._ghost, self._links, self._freq, self._key
+        for s, k in zip(slots, keys):
+            key_of[s] = k
+            freq[s] = 0
+            if ghost and k in ghost:
+                del ghost[k]
+                links.append(_M, s)
+            else:
+                links.append(_S, s)
+        n = len(self)
+        if not self._fixed and n > self._c:
+            self._c = n
+
+    def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        freq = self._freq
+        for s in slots:
+            if freq[s] < MAX_FREQ:
+                freq[s] += 1
+
+    def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
+        self._links.unlink_many(slots)
 
     def _remember(self, key: Key) -> None:
         ghost = self._ghost
@@ -79,75 +90,80 @@ class S3FIFOPolicy(OneByOne):
         while len(ghost) > limit:
             ghost.popitem(last=False)
 
-    def _evict_small(self, can_evict: CanEvict) -> Key | None:
-        small, freq = self._small, self._freq
-        for _ in range(len(small)):
-            key = next(iter(small))
-            del small[key]
-            if not can_evict(key):
-                small[key] = None
-            elif freq[key] > 0:
-                freq[key] = 0
-                self._main[key] = None
+    def _evict_small(self, can_evict: CanEvictSlot | None) -> int:
+        links, freq = self._links, self._freq
+        for _ in range(links.size[_S]):
+            s = links.head(_S)
+            links.unlink(s)
+            if can_evict is not None and not can_evict(s):
+                links.append(_S, s)
+            elif freq[s] > 0:
+                freq[s] = 0
+                links.append(_M, s)
                 self._promoted = True
             else:
-                del freq[key]
-                self._remember(key)
-                return key
-        return None
+                self._remember(self._key[s])
+                return s
+        return -1
 
-    def _evict_main(self, can_evict: CanEvict) -> Key | None:
-        main, freq = self._main, self._freq
+    def _evict_main(self, can_evict: CanEvictSlot | None) -> int:
+        links, freq = self._links, self._freq
         # Each page is passed over at most MAX_FREQ times before it goes or is skipped as pinned.
-        for _ in range((MAX_FREQ + 1) * len(main)):
-            if not main:
+        for _ in range((MAX_FREQ + 1) * links.size[_M]):
+            s = links.head(_M)
+            if s < 0:
                 break
-            key = next(iter(main))
-            main.move_to_end(key)
-            if not can_evict(key):
-                continue
-            f = freq[key]
-            if f > 0:
-                freq[key] = f - 1
+            if can_evict is not None and not can_evict(s):
+                links.move(_M, s)
+            elif freq[s] > 0:
+                freq[s] -= 1
+                links.move(_M, s)
             else:
-                del main[key]
-                del freq[key]
-                return key
-        return None
+                links.unlink(s)
+                return s
+        return -1
 
-    def _evict_one(self, can_evict: CanEvict) -> Key | None:
+    def _evict_one(self, can_evict: CanEvictSlot | None) -> int:
         self._promoted = False
-        from_small = len(self._small) >= self._c * self._ratio
-        if from_small:
-            key = self._evict_small(can_evict)
-            if key is None:
-                key = self._evict_main(can_evict)
-                from_small = False
+        if self._links.size[_S] >= self._c * self._ratio:
+            s = self._evict_small(can_evict)
+            if s < 0:
+                s = self._evict_main(can_evict)
         else:
-            key = self._evict_main(can_evict)
-            if key is None:
-                key = self._evict_small(can_evict)
-                from_small = True
-                if key is None and self._promoted:  # S moved evictable pages into M
-                    key = self._evict_main(can_evict)
-                    from_small = False
-        if key is not None:
-            self._recent[key] = from_small
-        return key
+            s = self._evict_main(can_evict)
+            if s < 0:
+                s = self._evict_small(can_evict)
+                if s < 0 and self._promoted:  # S moved evictable pages into M
+                    s = self._evict_main(can_evict)
+        return s
 
-    def restore(self, keys: Sequence[Key], states: Sequence[object]) -> None:
-        for k, from_small in zip(reversed(keys), reversed(states)):
-            if from_small:
+    def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            s = self._evict_one(can_evict)
+            if s < 0:
+                break
+            out.append(s)
+        return out
+
+    def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        clone = S3FIFOPolicy.__new__(S3FIFOPolicy)  # evict on a copy: O(pages)
+        clone.__dict__.update(self.__dict__)
+        clone._links = self._links.copy()
+        clone._freq = list(self._freq)
+        clone._ghost = OrderedDict()  # the ghost list never steers a victim
+        return clone.evict_slots(n, can_evict)
+
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        queue = self._links.queue  # the queue each victim left (kept until it is reused)
+        return [queue[s] for s in slots]
+
+    def restore_slots(
+        self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
+    ) -> None:
+        for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
+            if which == _S:
                 self._ghost.pop(k, None)  # the ghost entry its eviction made
-                queue = self._small
-            else:
-                queue = self._main
-            queue[k] = None
-            queue.move_to_end(k, last=False)  # the head of the queue it left
-            self._freq[k] = 0  # a victim's counter was 0
-
-    def __len__(self) -> int:
-        return len(self._freq)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._freq
+            self._key[s] = k
+            self._links.appendleft(_S if which == _S else _M, s)
+            self._freq[s] = 0  # a victim's counter was 0

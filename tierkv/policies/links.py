@@ -1,0 +1,222 @@
+"""Queues of slots as intrusive doubly linked lists: the one list structure of the policies.
+
+A policy bound to a page table's tier knows its pages by slot (small ints). :class:`Links`
+keeps any number of FIFO queues over those slots in two flat int lists, with one sentinel per
+queue after the slots (as vLLM's ``FreeKVCacheBlockQueue``), so a use, a move between queues or
+an eviction allocates no object and never hashes a key::
+
+    next:  H ──> s0 ──> s1 ──> ... ──> sk ──> H      H = capacity + q (queue q's sentinel)
+           head (oldest)                tail (newest)
+    prev[s] == UNLINKED: slot s is in no queue
+
+Every splice lives here, once; the batch methods (:meth:`Links.move_to_back`,
+:meth:`Links.take`, :meth:`Links.extend`) run their loop inside one call, which is what keeps
+LRU at list speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+UNLINKED = -1
+"""``prev[s]`` of a slot that is in no queue."""
+
+
+class Links:
+    """``queues`` FIFO queues over slots ``0 .. capacity - 1`` (a slot is in one queue at most).
+
+    Attributes:
+        prev, next: the links; ``next[capacity + q]`` is queue ``q``'s head, ``prev[...]`` its
+            tail. Read them to walk a queue; change them only through the methods.
+        size: pages per queue.
+        queue: the queue each linked slot is in.
+    """
+
+    __slots__ = ("base", "next", "prev", "queue", "size")
+
+    def __init__(self, capacity: int, queues: int = 1) -> None:
+        self.base = capacity
+        n = capacity + queues
+        self.prev = [UNLINKED] * n
+        self.next = [UNLINKED] * n
+        for h in range(capacity, n):
+            self.prev[h] = self.next[h] = h
+        self.size = [0] * queues
+        self.queue = [0] * capacity
+
+    def copy(self) -> Links:
+        """An independent copy."""
+        c = Links.__new__(Links)
+        c.base = self.base
+        c.prev, c.next = list(self.prev), list(self.next)
+        c.size, c.queue = list(self.size), list(self.queue)
+        return c
+
+    def linked(self, s: int) -> bool:
+        """Whether slot ``s`` is in a queue."""
+        return self.prev[s] != UNLINKED
+
+    def head(self, q: int) -> int:
+        """The oldest slot of queue ``q``, or -1 when it is empty."""
+        s = self.next[self.base + q]
+        return -1 if s >= self.base else s
+
+    def walk(self, q: int) -> Iterator[int]:
+        """The slots of queue ``q``, oldest first (do not change the queue meanwhile)."""
+        nxt, h = self.next, self.base + q
+        s = nxt[h]
+        while s != h:
+            yield s
+            s = nxt[s]
+
+    def append(self, q: int, s: int) -> None:
+        """Put slot ``s`` (in no queue) at the tail of queue ``q``."""
+        prv, nxt = self.prev, self.next
+        h = self.base + q
+        t = prv[h]
+        nxt[t] = s
+        prv[s] = t
+        nxt[s] = h
+        prv[h] = s
+        self.queue[s] = q
+        self.size[q] += 1
+
+    def appendleft(self, q: int, s: int) -> None:
+        """Put slot ``s`` (in no queue) at the head of queue ``q``."""
+        prv, nxt = self.prev, self.next
+        h = self.base + q
+        n = nxt[h]
+        nxt[h] = s
+        prv[s] = h
+        nxt[s] = n
+        prv[n] = s
+        self.queue[s] = q
+        self.size[q] += 1
+
+    def extend(self, q: int, slots: Iterable[int]) -> None:
+        """Append ``slots`` (in no queue), in order, at the tail of queue ``q``."""
+        prv, nxt, queue = self.prev, self.next, self.queue
+        h = self.base + q
+        t = prv[h]
+        k = 0
+        for s in slots:
+            nxt[t] = s
+            prv[s] = t
+            queue[s] = q
+            t = s
+            k += 1
+        nxt[t] = h
+        prv[h] = t
+        self.size[q] += k
+
+    def extendleft(self, q: int, slots: Sequence[int]) -> None:
+        """Put ``slots`` (in no queue) at the head of queue ``q``, ``slots[0]`` first."""
+        prv, nxt, queue = self.prev, self.next, self.queue
+        p = self.base + q
+        for s in slots:
+            n = nxt[p]
+            nxt[p] = s
+            prv[s] = p
+            nxt[s] = n
+            prv[n] = s
+            queue[s] = q
+            p = s
+        self.size[q] += len(slots)
+
+    def unlink(self, s: int) -> int:
+        """Take slot ``s`` out of its queue; returns that queue."""
+        prv, nxt = self.prev, self.next
+        p = prv[s]
+        n = nxt[s]
+        nxt[p] = n
+        prv[n] = p
+        prv[s] = UNLINKED
+        q = self.queue[s]
+        self.size[q] -= 1
+        return q
+
+    def unlink_many(self, slots: Iterable[int]) -> None:
+        """Take every slot of ``slots`` out of its queue."""
+        prv, nxt, queue, size = self.prev, self.next, self.queue, self.size
+        for s in slots:
+            p = prv[s]
+            n = nxt[s]
+            nxt[p] = n
+            prv[n] = p
+            prv[s] = UNLINKED
+            size[queue[s]] -= 1
+
+    def move(self, q: int, s: int) -> None:
+        """Move linked slot ``s`` to the tail of queue ``q`` (from any queue)."""
+        self.unlink(s)
+        self.append(q, s)
+
+    def move_to_back(self, q: int, slots: Iterable[int]) -> None:
+        """Move linked ``slots``, in order, to the tail of queue ``q`` (from any queue; a slot
+        named twice ends where its last mention puts it)."""
+        prv, nxt, queue, size = self.prev, self.next, self.queue, self.size
+        h = self.base + q
+        t = prv[h]  # the tail; its own next link is stale until the end
+        for s in slots:
+            if s == t:
+                continue
+            p = prv[s]
+            n = nxt[s]
+            nxt[p] = n
+            prv[n] = p
+            nxt[t] = s
+            prv[s] = t
+            t = s
+            qs = queue[s]
+            if qs != q:
+                size[qs] -= 1
+                size[q] += 1
+                queue[s] = q
+        nxt[t] = h
+        prv[h] = t
+
+    def take(self, q: int, n: int, can_go: Callable[[int], bool] | None) -> list[int]:
+        """Unlink and return up to ``n`` slots from the head of queue ``q`` for which
+        ``can_go`` is true (every slot when None); the slots passed over on the way go to the
+        tail, in order. Looks at each slot once at most."""
+        prv, nxt, size = self.prev, self.next, self.size
+        h = self.base + q
+        out: list[int] = []
+        s = nxt[h]
+        if can_go is None:
+            for _ in range(min(n, size[q])):
+                out.append(s)
+                prv[s] = UNLINKED
+                s = nxt[s]
+            nxt[h] = s
+            prv[s] = h
+            size[q] -= len(out)
+            return out
+        passed: list[int] = []
+        for _ in range(size[q]):
+            if len(out) >= n:
+                break
+            after = nxt[s]
+            if can_go(s):
+                out.append(s)
+                prv[s] = UNLINKED
+            else:
+                passed.append(s)
+            s = after
+        nxt[h] = s  # cut the scanned run off the front
+        prv[s] = h
+        size[q] -= len(out) + len(passed)
+        if passed:
+            self.extend(q, passed)
+        return out
+
+    def peek(self, q: int, n: int, can_go: Callable[[int], bool] | None) -> list[int]:
+        """The slots :meth:`take` would return, without changing anything."""
+        nxt, h = self.next, self.base + q
+        out: list[int] = []
+        s = nxt[h]
+        while s != h and len(out) < n:
+            if can_go is None or can_go(s):
+                out.append(s)
+            s = nxt[s]
+        return out
