@@ -186,7 +186,7 @@ class Soak:
 def tier_bytes(store: KVStore, high: dict[str, int]) -> int:
     """Bytes of the most slots each tier has used so far (what its arena has committed)."""
     tiers = store.tiers
-    return sum(n * tiers.arenas[t].slot_bytes for t, n in high.items())
+    return sum(n * tiers.slot_bytes(t) for t, n in high.items())
 
 
 def leftovers(store: KVStore) -> dict[str, int]:

@@ -88,7 +88,14 @@ class Arena:
     """A buffer of `num_slots` slots of `slot_bytes` bytes each, with an O(1) slot free list.
 
     Thread-safe: allocation, free and the busy counts are guarded by one lock.
+
+    An owner that keeps its own slot bookkeeping (the KV store's page table, whose page states
+    already say which slot a copy reads or writes) calls :meth:`hand_over` once: from then on
+    the arena keeps no free list and no busy counts, so slots and in-flight state are kept in
+    one place, the owner's.
     """
+
+    _handed_over = False  # class default: subclasses that init slots themselves inherit it
 
     def __init__(
         self,
@@ -132,13 +139,13 @@ class Arena:
 
     @property
     def num_free(self) -> int:
-        """Number of free slots."""
-        return self._free.num_free
+        """Number of free slots (0 once handed over: the owner holds them all)."""
+        return 0 if self._handed_over else self._free.num_free
 
     @property
     def num_used(self) -> int:
-        """Number of allocated slots."""
-        return self.num_slots - self._free.num_free
+        """Number of allocated slots (all of them once handed over)."""
+        return self.num_slots - self.num_free
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -150,22 +157,47 @@ class Arena:
         """The whole buffer as a uint8 numpy array of shape [num_slots, slot_bytes] (zero-copy)."""
         return self._array
 
+    @property
+    def handed_over(self) -> bool:
+        """True once :meth:`hand_over` gave the slot bookkeeping to the arena's owner."""
+        return self._handed_over
+
+    def hand_over(self) -> None:
+        """Give every slot, and the bookkeeping of which are in use or in flight, to the
+        caller: allocate / free raise ArenaError from now on, and transfers no longer count
+        busy slots (the owner must never reuse a slot a transfer still uses). Raises
+        ArenaError when some slot is already allocated or busy. Idempotent."""
+        with self._lock:
+            if self._handed_over:
+                return
+            if self._free.num_free != self.num_slots or self._busy.any():
+                raise ArenaError(f"arena {self.name!r}: cannot hand over slots already in use")
+            self._handed_over = True
+
+    def _own_slots(self, what: str) -> None:
+        if self._handed_over:
+            raise ArenaError(f"arena {self.name!r}: {what}: its slots were handed over")
+
     def allocate(self, n: int) -> SlotIds:
         """Allocate `n` slots and return their ids (int64, ascending runs where possible).
 
-        Raises ArenaFullError when fewer than `n` slots are free; nothing is allocated then.
+        Raises ArenaFullError when fewer than `n` slots are free; nothing is allocated then;
+        ArenaError when the slots were handed over (:meth:`hand_over`).
         """
         with self._lock:
+            self._own_slots("allocate")
             return self._free.allocate(n)
 
     def free(self, ids: object) -> None:
         """Return slots to the free list.
 
         Raises InvalidSlotError (bad ids), DoubleFreeError (already free) or SlotBusyError
-        (an unfinished transfer still uses one); in every case nothing is freed.
+        (an unfinished transfer still uses one), ArenaError when the slots were handed over;
+        in every case nothing is freed.
         """
         arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r} free")
         with self._lock:
+            self._own_slots("free")
             busy = self._busy[arr]
             if busy.any():
                 raise SlotBusyError(
@@ -191,10 +223,11 @@ class Arena:
         return self._tensor.index_select(0, torch.from_numpy(arr))
 
     def is_allocated(self, ids: object) -> bool:
-        """True when every id is currently allocated. Raises InvalidSlotError for bad ids."""
+        """True when every id is currently allocated (every slot of an arena whose slots were
+        handed over). Raises InvalidSlotError for bad ids."""
         arr = as_slot_ids(ids, self.num_slots, what=f"arena {self.name!r}")
         with self._lock:
-            return self._free.is_allocated(arr)
+            return self._handed_over or self._free.is_allocated(arr)
 
     def is_busy(self, ids: object) -> bool:
         """True when any id is used by an unfinished transfer."""
@@ -205,7 +238,10 @@ class Arena:
     # Engine side: pin slots for the duration of a transfer.
 
     def _acquire(self, ids: SlotIds, what: str) -> None:
-        """Mark `ids` busy; they must be allocated. Raises InvalidSlotError otherwise."""
+        """Mark `ids` busy; they must be allocated. Raises InvalidSlotError otherwise.
+        Nothing to do for handed-over slots: their owner tracks what is in flight."""
+        if self._handed_over:
+            return
         with self._lock:
             if not self._free.is_allocated(ids):
                 state = self._free.allocated_mask()[ids]
@@ -215,5 +251,7 @@ class Arena:
             self._busy[ids] += 1
 
     def _release(self, ids: SlotIds) -> None:
+        if self._handed_over:
+            return
         with self._lock:
             self._busy[ids] -= 1

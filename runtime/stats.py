@@ -29,6 +29,7 @@ class TransferStats:
     finished_at: float = 0.0
     runs: int = 0
     kernel: str = ""
+    kind: str = "copy"  # "copy" (backend kernel), "call" (a host function), "async" (on the loop)
 
     @property
     def queue_wait_s(self) -> float:
@@ -65,6 +66,7 @@ class EngineStats:
     queue_wait_s: float = 0.0
     max_inflight_seen: int = 0
     by_priority: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, int] = field(default_factory=dict)  # completed batches per job kind
 
     def record(self, t: TransferStats, state: str) -> None:
         """Account one finished batch (`state`: "done", "failed" or "cancelled")."""
@@ -81,6 +83,7 @@ class EngineStats:
         self.queue_wait_s += t.queue_wait_s
         name = t.priority.name
         self.by_priority[name] = self.by_priority.get(name, 0) + 1
+        self.by_kind[t.kind] = self.by_kind.get(t.kind, 0) + 1
 
     @property
     def bandwidth_gbps(self) -> float:
@@ -89,4 +92,4 @@ class EngineStats:
 
     def snapshot(self) -> EngineStats:
         """An independent copy."""
-        return replace(self, by_priority=dict(self.by_priority))
+        return replace(self, by_priority=dict(self.by_priority), by_kind=dict(self.by_kind))

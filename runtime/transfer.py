@@ -1,14 +1,28 @@
 """The transfer engine: batches of slots moved between arenas, one copy call per batch.
 
     submit() --> [pending heap: priority, seq] --dispatch (<= max_inflight)--> stream per direction
-                                                                               | wait_event(after)
+    submit_call()                                                              | wait_event(after)
                                                                                | copy_slots(batch)
+                                                                               | or the job's fn
     handle  <------------ one completion (call_soon_threadsafe) per batch -----+
+
+    submit_async() --> [pending heap] --dispatch (<= max_external)--> a task on the loop
+
+Every byte copy of the store is a job of this engine, so that one set of priorities, bounds,
+cancellation rules and statistics covers them all. Three kinds (``TransferStats.kind``):
+
+* ``copy``: the backend's batch copy kernel between two arenas of equal slot size;
+* ``call``: a host function run on the stream of its two arenas (a codec encoding host slots
+  into cold ones, decoding them into device slots; the slot sizes may differ);
+* ``async``: a coroutine run on the submitting loop (a remote peer reading or writing host
+  slots over the network), bounded apart (``max_external``), so that a slow peer never holds
+  the streams' in-flight budget.
 
 Ownership: the slots of a batch are *busy* from submit() until its copy has really finished (or it
 was dropped before it started). A busy slot cannot be freed (SlotBusyError). Cancelling a task that
 awaits a handle never stops a copy that has started; `handle.cancel()` drops a batch only while it
-is still pending.
+is still pending. (An arena whose slots were handed over to their owner, `Arena.hand_over`, keeps
+no busy counts: the owner's own state says what is in flight.)
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from typing import Any
 
 import numpy as np
@@ -55,7 +69,10 @@ class TransferHandle:
         "_deps",
         "_engine",
         "_event",
+        "_fn",
+        "_loop",
         "_priority",
+        "_result",
         "_seq",
         "_staging",
         "_state",
@@ -76,8 +93,14 @@ class TransferHandle:
         dst: Arena,
         dst_ids: SlotIds,
         deps: list[Event],
+        kind: str = "copy",
+        fn: Callable[[], Any] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._engine = engine
+        self._fn = fn  # "call": run on the stream; "async": returns the awaitable to run
+        self._loop = loop
+        self._result: Any = None
         self._seq = seq
         self._priority = priority
         self.src, self.src_ids, self.dst, self.dst_ids = src, src_ids, dst, dst_ids
@@ -86,11 +109,13 @@ class TransferHandle:
         self._state = _PENDING
         self._staging: Any = None
         self._callbacks: list[Callable[[TransferHandle], None]] = []
+        side, ids = (src, src_ids) if src_ids.size else (dst, dst_ids)  # a remote side has none
         self._stats = TransferStats(
             priority=priority,
-            pages=int(src_ids.size),
-            bytes=int(src_ids.size) * src.slot_bytes,
+            pages=int(ids.size),
+            bytes=int(ids.size) * side.slot_bytes,
             submitted_at=time.perf_counter(),
+            kind=kind,
         )
 
     def __repr__(self) -> str:
@@ -129,6 +154,11 @@ class TransferHandle:
     def exception(self) -> BaseException | None:
         """The error the transfer ended with, or None."""
         return self._event.exception()
+
+    def result(self) -> Any:
+        """What the job's function returned (``call`` and ``async`` jobs; None for a copy, or
+        while not done)."""
+        return self._result
 
     def cancel(self) -> bool:
         """Drop the batch if it has not been dispatched yet. True when dropped.
@@ -178,22 +208,29 @@ class TransferEngine:
         max_inflight: int = 4,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         timeout: float = DEFAULT_TIMEOUT_S,
+        max_external: int = 4,
     ) -> None:
         if max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if max_external < 1:
+            raise ValueError(f"max_external must be >= 1, got {max_external}")
         self.backend = backend
         self.max_inflight = max_inflight
+        self.max_external = max_external
         self.staging_bytes = staging_bytes
         self.timeout = timeout
         self._lock = threading.Lock()
         self._seq = itertools.count()
         self._pending: list[TransferHandle] = []
+        self._pending_ext: list[TransferHandle] = []  # async jobs: their own lane and bound
+        self._inflight_ext = 0
         self._outstanding: set[TransferHandle] = set()
         self._inflight = 0
         self._staging_pool: list[Any] = []
         self._staging_made = 0
         self._streams: dict[tuple[int, int], Stream] = {}
         self._stats = EngineStats()
+        self._tasks: set[asyncio.Future[None]] = set()  # async jobs running on the loop
         self._closed = False
 
     def __repr__(self) -> str:
@@ -215,7 +252,7 @@ class TransferEngine:
     @property
     def pending(self) -> int:
         """Batches waiting to be dispatched."""
-        return len(self._pending)
+        return len(self._pending) + len(self._pending_ext)
 
     @property
     def stats(self) -> EngineStats:
@@ -266,6 +303,67 @@ class TransferEngine:
                 f"slot sizes differ: {src.name!r} has {src.slot_bytes} B, "
                 f"{dst.name!r} has {dst.slot_bytes} B"
             )
+        return self._queue(src, src_slots, dst, dst_slots, priority, after, "copy", None, None)
+
+    def submit_call(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        fn: Callable[[], Any],
+        *,
+        priority: Priority = Priority.PREFETCH,
+        after: Iterable[Event | TransferHandle] = (),
+    ) -> TransferHandle:
+        """Queue a host function that reads `src[src_slots]` and writes `dst[dst_slots]` (a
+        codec's encode or decode: the slot sizes may differ) as one batch of the stream from
+        `src` to `dst`: dispatched by priority within `max_inflight`, its slots busy until it
+        has run, cancellable while pending, counted in the statistics (kind ``"call"``).
+        `fn` runs on the stream's thread; what it returns is `handle.result()`, what it raises
+        fails the handle with TransferError. Raises like `submit`; nothing changes then.
+        """
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        return self._queue(src, src_slots, dst, dst_slots, priority, after, "call", fn, None)
+
+    def submit_async(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        start: Callable[[], Awaitable[Any]],
+        *,
+        priority: Priority = Priority.PREFETCH,
+    ) -> TransferHandle:
+        """Queue a job that runs on the calling event loop: `start()` is called when the job is
+        dispatched and its awaitable awaited (a remote peer reading `src` slots or writing
+        `dst` slots over the network; `src` and `dst` may be the same arena when one side is
+        remote: give the other side no slots). Async jobs have a lane of their own, bounded by
+        `max_external`, so that a slow peer never holds the copy streams. What the awaitable
+        returns is `handle.result()`; what it raises fails the handle with TransferError; a
+        pending job is dropped by `handle.cancel()`, a running one is cancelled by
+        `aclose(cancel_pending=True)` only. Must be called on the loop's thread.
+        Raises like `submit`; nothing changes then.
+        """
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        loop = asyncio.get_running_loop()
+        return self._queue(src, src_slots, dst, dst_slots, priority, (), "async", start, loop)
+
+    def _queue(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        priority: Priority,
+        after: Iterable[Event | TransferHandle],
+        kind: str,
+        fn: Callable[[], Any] | None,
+        loop: asyncio.AbstractEventLoop | None,
+    ) -> TransferHandle:
         if src.backend != self.backend.name or dst.backend != self.backend.name:
             raise ArenaMismatchError(
                 f"arenas {src.name!r} ({src.backend}) and {dst.name!r} ({dst.backend}) "
@@ -273,7 +371,7 @@ class TransferEngine:
             )
         s_ids = as_slot_ids(src_slots, src.num_slots, what=f"source slots in {src.name!r}")
         d_ids = as_slot_ids(dst_slots, dst.num_slots, what=f"destination slots in {dst.name!r}")
-        if s_ids.size != d_ids.size:
+        if kind == "copy" and s_ids.size != d_ids.size:
             raise InvalidSlotError(f"{s_ids.size} source slots but {d_ids.size} destination slots")
         if src is dst and np.intersect1d(s_ids, d_ids).size:
             raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
@@ -290,10 +388,20 @@ class TransferEngine:
                 dst._release(d_ids)
                 raise EngineClosedError("transfer engine is closed")
             handle = TransferHandle(
-                self, next(self._seq), Priority(priority), src, s_ids, dst, d_ids, deps
+                self,
+                next(self._seq),
+                Priority(priority),
+                src,
+                s_ids,
+                dst,
+                d_ids,
+                deps,
+                kind,
+                fn,
+                loop,
             )
             self._raise_dep_priorities(after, handle._priority)
-            heapq.heappush(self._pending, handle)
+            heapq.heappush(self._pending_ext if kind == "async" else self._pending, handle)
             self._outstanding.add(handle)
             self._stats.submitted += 1
             self._dispatch_locked()
@@ -332,6 +440,25 @@ class TransferEngine:
             heapq.heapify(self._pending)
 
     def _dispatch_locked(self) -> None:
+        while self._pending_ext and self._inflight_ext < self.max_external:
+            handle = heapq.heappop(self._pending_ext)
+            if handle._state != _PENDING:
+                continue  # cancelled while queued
+            handle._state = _RUNNING
+            handle._stats.dispatched_at = time.perf_counter()
+            self._inflight_ext += 1
+            assert handle._loop is not None
+            try:
+                handle._loop.call_soon_threadsafe(self._start_async, handle)
+            except RuntimeError as exc:  # the loop is closed: the job can never run
+                err = EngineClosedError(f"{handle!r}: its event loop is closed")
+                err.__cause__ = exc
+                self._inflight_ext -= 1
+                handle._state = _FAILED
+                self._stats.record(handle._stats, _FAILED)
+                self._outstanding.discard(handle)
+                handle._callbacks = []  # their loop is gone with it
+                handle._event._set(err)
         while self._pending and self._inflight < self.max_inflight:
             handle = heapq.heappop(self._pending)
             if handle._state != _PENDING:
@@ -358,12 +485,16 @@ class TransferEngine:
             info: CopyInfo | None = None
             if error is None:
                 try:
-                    info = self.backend.copy_slots(
-                        handle.src, handle.src_ids, handle.dst, handle.dst_ids, handle._staging
-                    )
+                    if handle._fn is not None:
+                        handle._result = handle._fn()
+                    else:
+                        info = self.backend.copy_slots(
+                            handle.src, handle.src_ids, handle.dst, handle.dst_ids, handle._staging
+                        )
                 except Exception as exc:
+                    what = "job" if handle._fn is not None else "copy"
                     error = TransferError(
-                        f"copy {handle.src.name}->{handle.dst.name} failed: {exc!r}"
+                        f"{what} {handle.src.name}->{handle.dst.name} failed: {exc!r}"
                     )
                     error.__cause__ = exc
             stats.finished_at = time.perf_counter()
@@ -373,12 +504,37 @@ class TransferEngine:
 
         return work
 
+    def _start_async(self, handle: TransferHandle) -> None:
+        """On the loop: run an async job to its end (a task of the engine, not the caller's)."""
+        handle._stats.started_at = time.perf_counter()
+
+        async def run() -> None:
+            error: BaseException | None = None
+            try:
+                assert handle._fn is not None
+                handle._result = await handle._fn()
+            except asyncio.CancelledError as exc:
+                error = TransferCancelledError(f"{handle!r} cancelled while running")
+                error.__cause__ = exc
+            except Exception as exc:
+                error = TransferError(f"job {handle.src.name}->{handle.dst.name} failed: {exc!r}")
+                error.__cause__ = exc
+            handle._stats.finished_at = time.perf_counter()
+            self._finish(handle, error)
+
+        task = asyncio.ensure_future(run())
+        with self._lock:
+            self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _finish(self, handle: TransferHandle, error: BaseException | None) -> None:
         """Release the slots, account, dispatch more, then wake waiters (once per batch)."""
         handle.src._release(handle.src_ids)
         handle.dst._release(handle.dst_ids)
         with self._lock:
-            if handle._state == _RUNNING:
+            if handle._state == _RUNNING and handle._stats.kind == "async":
+                self._inflight_ext -= 1
+            elif handle._state == _RUNNING:
                 self._inflight -= 1
                 self._staging_pool.append(handle._staging)
                 handle._staging = None
@@ -405,7 +561,7 @@ class TransferEngine:
     def cancel_pending(self) -> int:
         """Drop every batch not yet dispatched; returns how many were dropped."""
         with self._lock:
-            queued = [h for h in self._pending if h._state == _PENDING]
+            queued = [h for h in self._pending + self._pending_ext if h._state == _PENDING]
         return sum(self._cancel(h) for h in queued)
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -458,6 +614,11 @@ class TransferEngine:
         in-flight ones, stop the streams. Idempotent. Raises WaitTimeoutError.
         """
         streams = self._begin_close(cancel_pending)
+        if cancel_pending:  # async jobs can stop mid-way (a peer's read): cancel them too
+            with self._lock:
+                tasks = list(self._tasks)
+            for t in tasks:
+                t.cancel()
         await self.drain(timeout)
         for stream in streams:
             await asyncio.to_thread(stream.close, timeout)

@@ -2,55 +2,105 @@
 
 Host pages that no live sequence needs soon (idle for ``compress_after`` steps, or displaced when
 the host tier fills) are encoded by the store's codec into the cold pool's smaller slots; a load
-decodes them straight into a device slot on a worker thread. Part of
-:class:`tierkv.tiers.TierSet`.
+decodes them straight into a device slot. Encoding and decoding are jobs of the transfer engine
+(``submit_call``: a host function on the stream of its two arenas), so its priorities, bounds,
+cancellation rules and statistics cover them like every other copy.
+
+Pages leaving the host tier are announced (:class:`Departures`: a page server's listeners) and
+offered, exact bytes, to the remote tier first. A collaborator of the tier core
+(:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
+gives it, and tells the core of every change by ``progress``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import cast
 
 import torch
 
 from tierkv.codecs import Codec
 from tierkv.errors import TierFullError
-from tierkv.page_table import PageTable
-from tierkv.runtime import Arena
+from tierkv.jobs import job_done, when_done
+from tierkv.owners import Owners
+from tierkv.page_table import PageState, PageTable
+from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 
+__all__ = ["ColdStorage", "Departures"]
+
+Offer = Callable[[list[tuple[Key, int]]], Awaitable[None]]
+
+
+class Departures:
+    """Who hears of pages leaving the host tier: listeners (told the keys after they left) and
+    the remote tier's offer (given the exact bytes before they are compressed or dropped)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[list[Key]], None]] = []
+        self.offer: Offer | None = None
+
+    def left(self, keys: Sequence[object]) -> None:
+        """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners."""
+        if keys and self.listeners:
+            gone = cast(list[Key], list(keys))
+            for listener in list(self.listeners):
+                listener(gone)
+
+    async def offer_remote(self, victims: list[tuple[Key, int]]) -> None:
+        """Offer host pages about to leave (pinned or MOVING, so their bytes hold) to the
+        remote tier, if any; bounded and best-effort (the remote counts its failures)."""
+        if self.offer is not None and victims:
+            await self.offer(victims)
+
 
 class ColdStorage:
-    """Mixin of :class:`~tierkv.tiers.TierSet`: the host and cold tiers."""
+    """The host and cold tiers of one tier core."""
 
-    spec: KVSpec
-    codec: Codec | None
-    arenas: dict[str, Arena]
-    table: PageTable
-    owners: dict[Key, int]
-    stats: TierStats
-    owner_pinned: Callable[[Key, str], bool]
-    forget_in: Callable[[str, Sequence[Key]], None]
-    host_left: Callable[[Sequence[Hashable]], None]
+    def __init__(
+        self,
+        spec: KVSpec,
+        table: PageTable,
+        arenas: dict[str, Arena],
+        engine: TransferEngine,
+        codec: Codec | None,
+        owners: Owners,
+        departures: Departures,
+        stats: TierStats,
+        progress: Callable[[], None],
+    ) -> None:
+        self._spec = spec
+        self._table = table
+        self._arenas = arenas
+        self._engine = engine
+        self.codec = codec
+        self._owners = owners
+        self._departures = departures
+        self._stats = stats
+        self._progress = progress
 
-    if TYPE_CHECKING:  # provided by TierSet
+    def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
+        """Remove readable, unpinned pages from one tier."""
+        table = self._table
+        here = [
+            k
+            for k in table.present(keys, tier)
+            if table.state(k, tier) == PageState.READABLE and not table.pins(k, tier)
+        ]
+        if here:
+            table.remove(here, tier)
+            if tier == HOST:
+                self._departures.left(here)
 
-        async def offer_remote(self, victims: list[tuple[Key, int]]) -> None: ...
-
-        def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None: ...
-
-        def unpin_owner(self, key: Key, tier: str) -> None: ...
-
-        def signal_progress(self) -> None: ...
-
-    def _decode(self, cold_slots: list[int], dev_slots: list[int]) -> asyncio.Future[None]:
-        """Decode cold pages into device slots on a worker thread (started now)."""
-        codec, spec, stats = self.codec, self.spec, self.stats
+    def decode(
+        self, cold_slots: list[int], dev_slots: list[int], priority: Priority
+    ) -> TransferHandle:
+        """Decode cold pages into device slots: a job of the transfer engine (queued now)."""
+        codec, spec, stats = self.codec, self._spec, self._stats
         assert codec is not None
-        cold, dev = self.arenas[COLD], self.arenas[DEVICE]
+        cold, dev = self._arenas[COLD], self._arenas[DEVICE]
 
         def work() -> None:
             t0 = time.perf_counter()
@@ -62,65 +112,77 @@ class ColdStorage:
             target.index_copy_(0, idx, out.to(target.device))
             stats.decode_s += time.perf_counter() - t0
 
-        return asyncio.get_running_loop().run_in_executor(None, work)
+        return self._engine.submit_call(cold, cold_slots, dev, dev_slots, work, priority=priority)
 
-    async def _make_room_host(self, n: int) -> None:
-        """Free ``n`` host slots: unowned victims are compressed into cold, or dropped."""
-        table = self.table
+    async def make_room(self, n: int) -> None:
+        """Free ``n`` host slots: unowned victims are offered to the remote tier, then
+        compressed into cold, or dropped. Fewer when too few are evictable (the reservation
+        that follows reports the tier as full)."""
+        table = self._table
         free = table.capacity(HOST) - table.used(HOST)
         if free >= n:
             return
         victims = cast(list[tuple[Key, int]], table.prepare_evict(HOST, n - free))
         if not victims:
-            return  # prepare_store will report the tier as full
+            return
         keys = [k for k, _ in victims]
         ok = True
         try:
-            await self.offer_remote(victims)  # exact bytes, before they are compressed or gone
+            await self._departures.offer_remote(victims)  # exact bytes, before they change
             if self.codec is not None:
                 await self._compress(victims)
             else:
-                self.stats.pages_dropped += len(keys)
+                self._stats.pages_dropped += len(keys)
         except TierFullError:
-            self.stats.pages_dropped += len(keys)  # cold is full of owned pages: drop them
+            self._stats.pages_dropped += len(keys)  # cold is full of owned pages: drop them
         except BaseException:
             ok = False
             raise
         finally:
             table.complete_evict(keys, HOST, ok=ok)
             if ok:
-                self.host_left(keys)
-            self.signal_progress()  # a lower copy in flight landed (or left)
+                self._departures.left(keys)
+            self._progress()  # a lower copy in flight landed (or left)
 
     async def _compress(self, victims: list[tuple[Key, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
-        table = self.table
-        codec, spec = self.codec, self.spec
+        table = self._table
+        codec, spec = self.codec, self._spec
         assert codec is not None
         keys = [k for k, _ in victims]
         alloc = table.prepare_store(keys, COLD)
         if alloc is None:
             raise TierFullError("cold tier full of owned pages")
-        self.stats.pages_dropped += len(alloc.evicted)
-        todo = [(k, s) for k, s in victims if k in set(alloc.keys)]
-        host, cold = self.arenas[HOST], self.arenas[COLD]
+        self._stats.pages_dropped += len(alloc.evicted)
+        new = set(alloc.keys)
+        todo = [(k, s) for k, s in victims if k in new]
+        host, cold = self._arenas[HOST], self._arenas[COLD]
         cold_of = dict(zip(alloc.keys, alloc.slots))
+        src = [s for _, s in todo]
+        dst = [cold_of[k] for k, _ in todo]
 
         def work() -> float:
             t0 = time.perf_counter()
-            src = host.tensor.index_select(0, torch.tensor([s for _, s in todo]))
-            enc = codec.encode(src, spec)
-            cold.tensor.index_copy_(0, torch.tensor([cold_of[k] for k, _ in todo]), enc)
+            enc = codec.encode(host.tensor.index_select(0, torch.tensor(src)), spec)
+            cold.tensor.index_copy_(0, torch.tensor(dst), enc)
             return time.perf_counter() - t0
 
+        handle = self._engine.submit_call(host, src, cold, dst, work, priority=Priority.WRITEBACK)
         try:
-            self.stats.encode_s += await asyncio.to_thread(work)
+            await job_done(handle)
         except BaseException:
-            table.complete_store(alloc.keys, COLD, ok=False)
+            handle.cancel()  # dropped if still pending; else its slots are freed once it ends
+
+            def undo() -> None:
+                table.complete_store(alloc.keys, COLD, ok=False)
+                self._progress()
+
+            when_done(handle, undo)
             raise
+        self._stats.encode_s += cast(float, handle.result())
         table.complete_store(alloc.keys, COLD)
-        self.pin_owner([k for k in alloc.keys if k in self.owners], [COLD])
-        self.stats.pages_compressed += len(alloc.keys)
+        self._owners.pin_owned(cast(list[Key], alloc.keys), COLD)
+        self._stats.pages_compressed += len(alloc.keys)
 
     async def compress_idle(self, keys: Sequence[Key]) -> int:
         """Compress these host pages (idle ones, chosen by the caller) into cold; returns count.
@@ -129,12 +191,12 @@ class ColdStorage:
         """
         if self.codec is None:
             return 0
-        table = self.table
+        table, owners = self._table, self._owners
         pick: list[tuple[Key, int]] = []
         for k in keys:
             if table.present([k], DEVICE) or not table.lookup([k], HOST):
                 continue
-            if table.pins(k, HOST) != (1 if self.owner_pinned(k, HOST) else 0):
+            if table.pins(k, HOST) != (1 if owners.holds_pin(k, HOST) else 0):
                 continue
             if table.present([k], COLD):
                 continue
@@ -146,15 +208,15 @@ class ColdStorage:
         pk = [k for k, _ in pick]
         table.prepare_load(pk, HOST)  # hold the sources while encoding
         try:
-            await self.offer_remote(pick)
+            await self._departures.offer_remote(pick)
             await self._compress(pick)
         except TierFullError:
             return 0
         finally:
             table.complete_load(pk, HOST)
-            self.signal_progress()
+            self._progress()
         moved = [k for k in pk if table.present([k], COLD)]
         for k in moved:
-            self.unpin_owner(k, HOST)  # the owner's pin moved to the cold copy
+            owners.unpin(k, HOST)  # the owner's pin moved to the cold copy
         self.forget_in(HOST, moved)
         return len(moved)

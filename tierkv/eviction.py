@@ -3,58 +3,75 @@
 A device page leaves only after its bytes are safe below: when it is dirty (newer than its lower
 copies) or has no lower copy, it is copied to the host first (``WRITEBACK`` priority, after the
 compute that wrote it). Write-behind copies pages a lease wrote as soon as the lease ends, so
-that a later eviction is a drop with no wait. Part of :class:`tierkv.tiers.TierSet`.
+that a later eviction is a drop with no wait. A collaborator of the tier core
+(:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
+gives it, and tells the core of every change by ``progress``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
-from tierkv.errors import TierFullError
+from tierkv.cold import ColdStorage, Departures
+from tierkv.errors import StoreTimeoutError, TierFullError
+from tierkv.jobs import job_done, when_done, within
+from tierkv.owners import Owners
 from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline
 
+__all__ = ["DeviceEviction"]
+
 
 class DeviceEviction:
-    """Mixin of :class:`~tierkv.tiers.TierSet`: making room on the device."""
+    """Making room on the device of one tier core, and the dirty pages it must write back."""
 
-    spec: KVSpec
-    engine: TransferEngine
-    arenas: dict[str, Arena]
-    table: PageTable
-    lower: list[str]
-    dirty: dict[Key, int]
-    write_behind_pinned: int
-    soon: frozenset[Key]
-    soon_order: tuple[Key, ...]
-    owners: dict[Key, int]
-    stats: TierStats
-    timeline: Timeline
-    _gen: int
-    _has_lower: Callable[[Key], bool]
-    forget_in: Callable[[str, Sequence[Key]], None]
-    host_left: Callable[[Sequence[Hashable]], None]
+    def __init__(
+        self,
+        spec: KVSpec,
+        table: PageTable,
+        arenas: dict[str, Arena],
+        engine: TransferEngine,
+        lower: Sequence[str],
+        owners: Owners,
+        host: ColdStorage,
+        departures: Departures,
+        stats: TierStats,
+        timeline: Timeline,
+        progress: Callable[[], None],
+    ) -> None:
+        self._spec = spec
+        self._table = table
+        self._arenas = arenas
+        self._engine = engine
+        self._lower = list(lower)
+        self._owners = owners
+        self._host = host
+        self._departures = departures
+        self._stats = stats
+        self._timeline = timeline
+        self._progress = progress
+        self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
+        self._gen = 0
+        self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
+        self.soon: frozenset[Key] = frozenset()  # pages of announced steps
+        self.soon_order: tuple[Key, ...] = ()  # the same, soonest needed first
 
-    if TYPE_CHECKING:  # provided by ColdStorage and TierSet
+    def has_lower(self, key: Key) -> bool:
+        """Whether some lower tier holds ``key`` readable."""
+        return any(self._table.lookup([key], t) for t in self._lower)
 
-        def signal_progress(self) -> None: ...
-
-        async def _make_room_host(self, n: int) -> None: ...
-
-        def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None: ...
-
-        def unpin_owner(self, key: Key, tier: str) -> None: ...
-
-    async def _make_room(self, n: int) -> bool:
+    async def make_room(self, n: int, deadline: float) -> bool:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped.
         Returns False (nothing changed) when too few pages are evictable now: the caller waits
-        for a change outside the device lock, so a lease that holds pins can still append."""
-        table = self.table
+        for a change outside the device lock, so a lease that holds pins can still append.
+        Raises StoreTimeoutError when a write-back does not end by ``deadline`` (loop time; the
+        eviction then ends on its own when the copy does)."""
+        table = self._table
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
             return True
@@ -68,13 +85,13 @@ class DeviceEviction:
         if not victims:
             return False
         keys = [k for k, _ in victims]
-        wb = [(k, s) for k, s in victims if k in self.dirty or not self._has_lower(k)]
+        wb = [(k, s) for k, s in victims if k in self.dirty or not self.has_lower(k)]
         if not wb:  # clean pages with a lower copy: drop them, no wait
             table.complete_evict(keys, DEVICE, ok=True)
             return True
         task = asyncio.ensure_future(self._write_back(wb))
         try:
-            await asyncio.shield(task)
+            await within(deadline, asyncio.shield(task), lambda: _late(len(wb)))
         except BaseException:
             if not task.done():  # cancelled caller: the task finishes the eviction on its own
                 task.add_done_callback(lambda t: self._end_evict(keys, t))
@@ -86,46 +103,48 @@ class DeviceEviction:
 
     def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
         ok = not task.cancelled() and task.exception() is None
-        self.table.complete_evict(keys, DEVICE, ok=ok)
+        self._table.complete_evict(keys, DEVICE, ok=ok)
         if ok:
-            self._clean(keys)
-        self.signal_progress()
+            self.clean(keys)
+        self._progress()
 
     async def _write_back(self, victims: list[tuple[Key, int]]) -> None:
         if not victims:
             return
-        table = self.table
+        table = self._table
         keys = [k for k, _ in victims]
-        stale_cold = [k for k in keys if COLD in self.lower and table.present([k], COLD)]
-        await self._make_room_host(len(keys))
+        stale_cold = [k for k in keys if COLD in self._lower and table.present([k], COLD)]
+        await self._host.make_room(len(keys))
         alloc = table.prepare_store(keys, HOST)
         if alloc is None:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
-        self.host_left(alloc.evicted)  # only when room was taken since _make_room_host
+        self._departures.left(alloc.evicted)  # only when room was taken since make_room
         dst_of = dict(zip(alloc.keys, alloc.slots))
         for k in alloc.present:  # a stale host copy: overwrite it in place
             dst_of[k] = table.slot(k, HOST)
-        written = self.engine.backend.compute_event()  # the copy waits for the compute
-        handle = self.engine.submit(
-            self.arenas[DEVICE],
+        written = self._engine.backend.compute_event()  # the copy waits for the compute
+        handle = self._engine.submit(
+            self._arenas[DEVICE],
             [s for _, s in victims],
-            self.arenas[HOST],
+            self._arenas[HOST],
             [dst_of[k] for k in keys],
             priority=Priority.WRITEBACK,
             after=[written] if written is not None else [],
         )
         try:
-            st = await handle.wait()
+            st = await job_done(handle)  # the slots are the copy's until it has ended
         except BaseException:
-            if not handle.done():
-                await asyncio.shield(asyncio.ensure_future(handle.wait()))
+            if not handle.done():  # cancelled: the host slots are freed once the copy ended
+                handle.cancel()
+                when_done(handle, lambda: table.complete_store(alloc.keys, HOST, ok=False))
+                raise
             table.complete_store(alloc.keys, HOST, ok=False)
             raise
         table.complete_store(alloc.keys, HOST)
-        self.stats.copy_s += st.copy_s
-        self.timeline.span(
+        self._stats.copy_s += st.copy_s
+        self._timeline.span(
             "write back",
             "stream device->host",
             st.started_at,
@@ -133,12 +152,12 @@ class DeviceEviction:
             pages=len(keys),
             queue_wait_s=st.queue_wait_s,
         )
-        self.stats.bytes_d2h += len(keys) * self.spec.page_bytes
-        self.stats.pages_written_back += len(keys)
-        self.pin_owner([k for k in alloc.keys if k in self.owners], [HOST])
+        self._stats.bytes_d2h += len(keys) * self._spec.page_bytes
+        self._stats.pages_written_back += len(keys)
+        self._owners.pin_owned(cast(list[Key], alloc.keys), HOST)
         for k in stale_cold:  # the cold copy is older than the one just written
-            self.unpin_owner(k, COLD)
-            self.forget_in(COLD, [k])
+            self._owners.unpin(k, COLD)
+            self._host.forget_in(COLD, [k])
 
     def mark_dirty(self, keys: Sequence[Key]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
@@ -146,7 +165,8 @@ class DeviceEviction:
             self._gen += 1
             self.dirty[k] = self._gen
 
-    def _clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
+    def clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
+        """The device copies of ``keys`` are safe below (those of generation ``gens`` only)."""
         for k in keys:
             if gens is None or self.dirty.get(k) == gens.get(k):
                 self.dirty.pop(k, None)
@@ -155,7 +175,7 @@ class DeviceEviction:
         """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
         later costs no wait. Returns the pages written. The device pages stay pinned (never
         evicted, never renamed) until the copy has ended, even when the caller is cancelled."""
-        table = self.table
+        table = self._table
         pick = [k for k in dict.fromkeys(keys) if k in self.dirty and table.lookup([k], DEVICE)]
         if not pick:
             return 0
@@ -170,8 +190,12 @@ class DeviceEviction:
     def _end_write_behind(
         self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
     ) -> None:
-        self.table.complete_load(keys, DEVICE)
+        self._table.complete_load(keys, DEVICE)
         self.write_behind_pinned -= len(keys)
         if not task.cancelled() and task.exception() is None:
-            self._clean(keys, gens)  # a page written again meanwhile stays dirty
-        self.signal_progress()
+            self.clean(keys, gens)  # a page written again meanwhile stays dirty
+        self._progress()
+
+
+def _late(n: int) -> StoreTimeoutError:
+    return StoreTimeoutError(f"device tier: writing {n} pages back did not end in time")

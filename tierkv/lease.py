@@ -1,22 +1,74 @@
-"""A lease: sequences' pages pinned on the device while compute reads and appends KV."""
+"""A lease: sequences' pages pinned on the device while compute reads and appends KV.
+
+A lease depends on its store only through :class:`LeaseHost`, the small public surface the
+store implements (this module never imports the store)::
+
+    store.lease(ids) --> Lease(store) --enter--> admission, tiers.acquire_device, lease_began
+                                      --exit---> tiers.release_device, lease_ended, lease_wrote
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from tierkv import validate
+from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import SequenceError, SpecError
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
+from tierkv.spec import KVSpec
+from tierkv.stats import StoreCounters
+from tierkv.tiers import TierSet
+from tierkv.timeline import Timeline
 
-if TYPE_CHECKING:
-    from tierkv.store import KVStore
+__all__ = ["Lease", "LeaseHost"]
+
+
+class LeaseHost(Protocol):
+    """What a lease needs of its store (:class:`tierkv.store.KVStore` implements it)."""
+
+    spec: KVSpec
+    timeout: float
+    counters: StoreCounters
+    timeline: Timeline
+
+    @property
+    def closed(self) -> bool:
+        """True once the store is closed."""
+        ...
+
+    @property
+    def tiers(self) -> TierSet:
+        """The tier core (raises StoreClosedError when closed)."""
+        ...
+
+    @property
+    def admission(self) -> Admission:
+        """The FIFO admission of leases to the device."""
+        ...
+
+    def is_live(self, seq: SequenceState) -> bool:
+        """True while ``seq`` is a live sequence of the store (not released, id not reused)."""
+        ...
+
+    def lease_began(self, keys: Sequence[bytes]) -> None:
+        """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
+        ...
+
+    def lease_ended(self, seqs: Sequence[SequenceState], pinned: Sequence[bytes]) -> None:
+        """A lease let go of ``pinned`` (already unpinned): recency, and publishing the full
+        blocks of the live ``seqs``."""
+        ...
+
+    def lease_wrote(self, keys: list[bytes]) -> None:
+        """Pages a lease wrote: copy them down in the background (if the store does)."""
+        ...
 
 
 class Lease:
@@ -25,7 +77,7 @@ class Lease:
     Created by :meth:`tierkv.store.KVStore.lease`; use as an async context manager.
     """
 
-    def __init__(self, store: KVStore, seqs: list[SequenceState], layers: list[int]) -> None:
+    def __init__(self, store: LeaseHost, seqs: list[SequenceState], layers: list[int]) -> None:
         self._store = store
         self._seqs = {s.seq_id: s for s in seqs}
         self.layers = layers
@@ -76,7 +128,7 @@ class Lease:
         c.pages_leased += len(keys)
         c.device_hits += len(keys) - waited
         c.late_fetches += waited
-        store._used(keys)  # (the idle clock is touched once, when the lease ends)
+        store.lease_began(keys)  # (the idle clock is touched once, when the lease ends)
         if waited:
             store.timeline.span("wait for pages", "compute", t0, t1, pages=waited)
         return self
@@ -89,7 +141,7 @@ class Lease:
             t = seq.page_tokens
             for layer in self.layers:
                 have = seq.kv_len[layer]
-                n += max(0, -(-max(len(seq.tokens), have + 1) // t) - -(-have // t))
+                n += max(0, -(-max(seq.num_tokens, have + 1) // t) - -(-have // t))
         return n
 
     def _leave(self) -> None:
@@ -104,24 +156,22 @@ class Lease:
         store = self._store
         if store.closed:
             return  # close() already let go of every page
+        pinned: list[bytes] = []
         try:
             if self._pinned:
                 pinned, self._pinned = self._pinned, []
                 store.tiers.release_device(pinned)
-                store._touch(pinned)
         finally:
             self._leave()
-        for seq in self._seqs.values():
-            if store._seqs.get(seq.seq_id) is seq:
-                store.publish(seq)
-        # written pages by their current keys: publish() may have renamed full blocks
+        store.lease_ended(list(self._seqs.values()), pinned)
+        # written pages by their current keys: lease_ended may have renamed full blocks
         written = [
             page_key(self._seqs[sid].blocks[b], layer)
             for sid, layer, b in dict.fromkeys(self._written)
-            if store._seqs.get(sid) is self._seqs[sid]
+            if store.is_live(self._seqs[sid])
         ]
         self._written = []
-        store._write_behind(written)
+        store.lease_wrote(written)
 
     def _seq(self, seq_id: str, layer: int) -> SequenceState:
         if not self._active:
@@ -146,7 +196,7 @@ class Lease:
         pages = seq.pages(layer)
         n, s = len(pages), seq.kv_len[layer]
         if not n:
-            device = self._store.tiers.page(0).device
+            device = self._store.tiers.device
             empty = torch.empty(
                 (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
             )
@@ -171,14 +221,14 @@ class Lease:
         seq = self._seq(seq_id, layer)
         store = self._store
         spec = store.spec
-        k, v = validate.kv_tensors(spec, k, v, store.tiers.page(0).device)
+        k, v = validate.kv_tensors(spec, k, v, store.tiers.device)
         n = k.shape[1]
         if n == 0:
             return
-        if store._seqs.get(seq_id) is not seq:  # released (or its id reused) inside the lease
+        if not store.is_live(seq):  # released (or its id reused) inside the lease
             raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
         tiers = store.tiers
-        device = tiers.page(0).device
+        device = tiers.device
         try:  # on the device first: a tensor that cannot be copied fails before any allocation
             k, v = k.to(device), v.to(device)
         except (RuntimeError, NotImplementedError) as exc:
@@ -216,12 +266,12 @@ class Lease:
                 page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
                 written.append(key)
                 pos += m
+            tiers.mark_dirty(written)
         except BaseException:  # undo every step: no page, pin or owner is left behind
             tiers.abort_device(new, pinned=pinned, owned=owned)
             raise
         self._pinned += new
         self._written += [(seq_id, layer, pos // t) for pos in range(start - start % t, end, t)]
-        tiers.mark_dirty(written)
         seq.kv_len[layer] = end
 
     def sequences(self) -> Sequence[str]:

@@ -16,7 +16,6 @@ from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tierkv.errors import TierFullError, UnknownPageError
-from tierkv.page_table import PageState
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
@@ -50,8 +49,8 @@ class Prefetcher:
 
         def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
-    def _used(self, keys: Sequence[bytes]) -> None:
-        """Pages that compute reads now: prefetch accounting."""
+    def lease_began(self, keys: Sequence[bytes]) -> None:
+        """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
         pf = self._prefetched
         if pf:
             hit = [k for k in keys if k in pf]
@@ -87,24 +86,7 @@ class Prefetcher:
             seq = self._seqs.get(s)
             if seq is not None:
                 keys += seq.all_pages(None if layers is None else list(layers))
-        return await self._load_ahead(self._room_for(keys, set(keys)))
-
-    def _room_for(self, keys: list[bytes], protect: set[bytes]) -> list[bytes]:
-        """The absent pages of ``keys`` (in order) that fit without evicting a page in
-        ``protect`` or a pinned one."""
-        table = self.tiers.table
-        absent = [k for k in keys if not table.lookup([k], DEVICE)]
-        if not absent:
-            return []
-        free = table.capacity(DEVICE) - table.used(DEVICE)
-        junk = sum(
-            1
-            for k in table.keys(DEVICE)
-            if k not in protect
-            and table.state(k, DEVICE) == PageState.READABLE
-            and not table.pins(k, DEVICE)
-        )
-        return absent[: max(0, free + junk)]
+        return await self._load_ahead(self.tiers.device_room(keys, set(keys)))
 
     async def _load_ahead(self, absent: list[bytes]) -> int:
         if not absent:
@@ -136,14 +118,13 @@ class Prefetcher:
         order = list(dict.fromkeys(ahead))
         if not order:
             return
-        table = self.tiers.table
-        self.tiers.announce(k for s in order for k in self._seqs[s].all_pages())
+        tiers = self.tiers
+        table = tiers.table
+        tiers.announce(k for s in order for k in self._seqs[s].all_pages())
         # announced pages count as about to be used: the ones due first become the most recent,
         # so that loads evict pages nobody announced before any announced one
         for s in reversed(order):
-            here = [k for k in self._seqs[s].all_pages() if table.lookup([k], DEVICE)]
-            if here:
-                table.touch(here, DEVICE)
+            tiers.touch_device(self._seqs[s].all_pages())
         # walk the announced sequences in order while the device holds them all
         budget = table.capacity(DEVICE) - len(steps[0]) * self.spec.num_layers * 2  # new pages
         room: list[bytes] = []

@@ -47,7 +47,10 @@ from tierkv.timeline import Timeline
 
 if TYPE_CHECKING:  # tierkv.remote imports this module: the store imports it when needed
     from tierkv.remote.link import StoreRemote
-    from tierkv.remote.source import PageSource
+    from tierkv.remote.sources.source import PageSource
+
+
+_OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
 
 class KVStore(Prefetcher):
@@ -336,7 +339,35 @@ class KVStore(Prefetcher):
         seq.shared = [True] * n
         seq.kv_len = [n * t] * self.spec.num_layers
         seq.cached_tokens = n * t
-        tiers.own(seq.all_pages())
+        pages = seq.all_pages()
+        if len(pages) <= _OWN_AT_ONCE:
+            tiers.own(pages)
+        else:  # a million-token prompt: owned in slices, a loop turn between them
+            await tiers.own_async(pages, _OWN_AT_ONCE)
+            try:
+                tiers = self.tiers
+                if seq_id in self._seqs:
+                    raise SequenceError(f"sequence {seq_id!r} already exists")
+            except BaseException:
+                tiers.disown(pages)
+                raise
+            held = next(
+                (
+                    i
+                    for i, b in enumerate(keys[:n])
+                    if not all(
+                        tiers.holds(page_key(b, layer)) for layer in range(self.spec.num_layers)
+                    )
+                ),
+                n,
+            )  # pages owned late may have left meanwhile: keep the prefix still held
+            if held < n:
+                tiers.disown(pages)
+                n = held
+                seq.blocks, seq.shared = keys[:n], [True] * n
+                seq.kv_len = [n * t] * self.spec.num_layers
+                seq.cached_tokens = n * t
+                tiers.own(seq.all_pages())
         self._seqs[seq_id] = seq
         self.counters.prefix_tokens_reused += n * t
         self.counters.prompt_tokens += len(toks)
@@ -367,7 +398,7 @@ class KVStore(Prefetcher):
         Raises SequenceError, InvalidTypeError / SpecError for bad ids (nothing is added).
         """
         seq = self.sequence(seq_id)
-        seq.tokens.extend(validate.token_ids(tokens))
+        seq.add_tokens(validate.token_ids(tokens))
 
     @boundary
     def sequence(self, seq_id: str) -> SequenceState:
@@ -416,7 +447,7 @@ class KVStore(Prefetcher):
                 break
             old = [page_key(seq.blocks[i], layer) for layer in range(seq.num_layers)]
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
-            if any(tiers.table.pins(k, DEVICE) for k in old if tiers.table.present([k], DEVICE)):
+            if tiers.pinned_on_device(old):
                 break  # leased right now: publish at the end of the lease
             if not tiers.rekey(old, new):
                 break
@@ -464,12 +495,23 @@ class KVStore(Prefetcher):
             raise InvalidTypeError(f"steps: expected a list of lists of ids, got {steps!r}")
         super().schedule([validate.seq_ids(step, "a step") for step in steps])
 
-    def _touch(self, keys: Sequence[bytes]) -> None:
-        clock, last = self._clock, self._last_use
-        for k in keys:
-            last[k] = clock
+    # -- the lease's hooks (tierkv.lease.LeaseHost) -------------------------------------------
+    def is_live(self, seq: SequenceState) -> bool:
+        """True while ``seq`` is a live sequence of this store (not released, id not reused)."""
+        return self._seqs.get(seq.seq_id) is seq
 
-    def _write_behind(self, keys: list[bytes]) -> None:
+    def lease_ended(self, seqs: Sequence[SequenceState], pinned: Sequence[bytes]) -> None:
+        """A lease let go of ``pinned``: they were used now (the idle clock), and the full
+        blocks of its live sequences get their content keys (:meth:`publish`)."""
+        clock, last = self._clock, self._last_use
+        for k in pinned:
+            last[k] = clock
+        for seq in seqs:
+            if self.is_live(seq):
+                self.publish(seq)
+
+    def lease_wrote(self, keys: list[bytes]) -> None:
+        """Pages a lease wrote: with ``write_behind``, copied down in the background."""
         if keys and self.write_behind:
             self._spawn(self.tiers.write_behind(keys))
 

@@ -18,18 +18,32 @@ Rules that keep KV safe:
 * a slot that a transfer reads or writes is never reused before the transfer has finished: the
   pages are WRITING / MOVING / pinned in the page table until a task owned by this class (not the
   caller, who may be cancelled) has seen the copy complete.
+
+One owner: :class:`TierSet` is the tier core. It alone holds the page table and the arenas (the
+arenas hand their slots over to it, ``Arena.hand_over``: the page table's free lists are the one
+record of slots, its page states the one record of what is in flight, its pins the one record of
+pins) and it alone changes page state, with two collaborators it builds and hands exactly what
+they need: :class:`~tierkv.eviction.DeviceEviction` (room on the device, write-back,
+write-behind) and :class:`~tierkv.cold.ColdStorage` (host room, compression, decoding);
+:class:`~tierkv.owners.Owners` keeps the sequences' hold on pages. Everything else (leases,
+prefetch, the remote glue, the page server, metrics) uses the public methods below and reads
+through :attr:`TierSet.table`, a read-only view. This file stays whole (over 400 lines): it is
+that one public surface, and every transition it makes is checked by :meth:`TierSet.check`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, cast
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from tierkv.codecs import Codec
-from tierkv.cold import ColdStorage
+from tierkv.cold import ColdStorage, Departures, Offer
 from tierkv.errors import (
     PageStateError,
     StoreTimeoutError,
@@ -38,16 +52,27 @@ from tierkv.errors import (
     UnknownPageError,
 )
 from tierkv.eviction import DeviceEviction
-from tierkv.page_table import PageState, PageTable
-from tierkv.runtime import Arena, Backend, Priority, TransferEngine
+from tierkv.jobs import job_done, when_done, within
+from tierkv.owners import Owners
+from tierkv.page_table import PageState, PageTable, StoreAllocation
+from tierkv.runtime import Arena, Backend, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
+from tierkv.table_view import TableView
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
 from tierkv.timeline import Timeline
 from tierkv.waits import Changes
 
+__all__ = ["COLD", "DEVICE", "HOST", "HostLoad", "Key", "TierSet", "TierStats"]
 
-class TierSet(DeviceEviction, ColdStorage):
-    """Arenas, page table and moves of one store. Used from one event loop."""
+# a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
+HostLoad = Callable[[list[Key], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
+
+
+class TierSet:
+    """The tier core of one store: arenas, page table and every move between tiers.
+
+    Used from one event loop. See the module docstring for who may change what.
+    """
 
     def __init__(
         self,
@@ -65,158 +90,215 @@ class TierSet(DeviceEviction, ColdStorage):
         self.spec = spec
         self.timeline = timeline if timeline is not None else Timeline()
         self.engine = engine
-        self.codec = codec if cold_pages > 0 else None
-        self.arenas: dict[str, Arena] = {
+        codec = codec if cold_pages > 0 else None
+        arenas: dict[str, Arena] = {
             DEVICE: backend.create_arena(DEVICE, spec.page_bytes, device_pages),
             HOST: backend.create_arena(HOST, spec.page_bytes, host_pages, kind="pinned"),
         }
         tiers = {DEVICE: device_pages, HOST: host_pages}
-        if self.codec is not None:
-            self.arenas[COLD] = backend.create_arena(
-                COLD, self.codec.encoded_bytes(spec), cold_pages, kind="pinned"
+        if codec is not None:
+            arenas[COLD] = backend.create_arena(
+                COLD, codec.encoded_bytes(spec), cold_pages, kind="pinned"
             )
             tiers[COLD] = cold_pages
-        # every device slot as a page [2, H, T, D] in the KV dtype, without copies
-        raw = self.arenas[DEVICE].tensor[:, : 2 * spec.kv_bytes]
-        self._pages = raw.view(spec.dtype).view(device_pages, *spec.page_shape)
-        for arena in self.arenas.values():  # the page table hands out slots, not the arena
-            arena.allocate(arena.num_slots)
-        self.table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
+        for arena in arenas.values():  # the page table alone hands out slots
+            arena.hand_over()
+        self._arenas = arenas
+        self._pages = self._page_views(arenas[DEVICE])
+        self._table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
+        self.table = TableView(self._table)
         self.lower = [t for t in (HOST, COLD) if t in tiers]
-        self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
-        self._gen = 0
-        self.owners: dict[Key, int] = {}  # live sequences holding each page
-        # lower tiers where owners pin a copy, as bits (_tier_bit): a dict of ints is one the
-        # cyclic garbage collector never walks (a set per owned page made its pauses long)
-        self.owner_pins: dict[Key, int] = {}
-        self._tier_bit = {t: 1 << i for i, t in enumerate(self.lower)}
         self.stats = TierStats()
+        self._owners = Owners(self._table, self.lower)
+        self._departures = Departures()
+        self._cold = ColdStorage(
+            spec,
+            self._table,
+            arenas,
+            engine,
+            codec,
+            self._owners,
+            self._departures,
+            self.stats,
+            self.signal_progress,
+        )
+        self._evict = DeviceEviction(
+            spec,
+            self._table,
+            arenas,
+            engine,
+            self.lower,
+            self._owners,
+            self._cold,
+            self._departures,
+            self.stats,
+            self.timeline,
+            self.signal_progress,
+        )
         self._device_lock = asyncio.Lock()
         # every change that may free device room or land a page in flight wakes the waiters:
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
-        self.doomed: set[Key] = set()  # released private pages still busy: removed when idle
-        self.soon: frozenset[Key] = frozenset()  # pages of announced steps (see announce)
-        self.soon_order: tuple[Key, ...] = ()  # the same, soonest needed first
-        self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
-        # pages leaving the host tier: listeners (a page server's announcements) and the
-        # remote tier's offer of exact bytes about to be compressed or dropped
-        self.host_listeners: list[Callable[[list[Key]], None]] = []
-        self.remote_offer: Callable[[list[tuple[Key, int]]], Awaitable[None]] | None = None
+        self._doomed: set[Key] = set()  # released private pages still busy: removed when idle
 
-    def announce(self, keys: Iterable[Key]) -> None:
-        """Pages the coming steps read, soonest needed first (the server's schedule): device
-        evictions take them only when no other page can go, the last needed first, whatever
-        the policy ranks (the schedule outranks it)."""
-        self.soon_order = tuple(keys)
-        self.soon = frozenset(self.soon_order)
+    def _page_views(self, arena: Arena) -> torch.Tensor:
+        # every device slot as a page [2, H, T, D] in the KV dtype, without copies
+        spec = self.spec
+        raw = arena.tensor[:, : 2 * spec.kv_bytes]
+        return raw.view(spec.dtype).view(arena.num_slots, *spec.page_shape)
 
-    # -- where pages are ---------------------------------------------------------------
+    # -- read-only state -------------------------------------------------------------------
+    @property
+    def codec(self) -> Codec | None:
+        """The cold tier's codec (None without a cold tier)."""
+        return self._cold.codec
+
+    @property
+    def owners(self) -> Mapping[Key, int]:
+        """Live sequences holding each owned page (read-only)."""
+        return self._owners.counts
+
+    @property
+    def owner_pins(self) -> Mapping[Key, int]:
+        """Owned pages whose lower copies the owners pin (read-only)."""
+        return self._owners.pinned
+
+    @property
+    def doomed(self) -> AbstractSet[Key]:
+        """Released private pages still busy, removed once idle (read-only)."""
+        return self._doomed
+
+    @property
+    def dirty(self) -> Mapping[Key, int]:
+        """Device pages newer than their lower copies (read-only)."""
+        return self._evict.dirty
+
+    @property
+    def write_behind_pinned(self) -> int:
+        """Device pages pinned by write-behind copies now."""
+        return self._evict.write_behind_pinned
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device of the device tier's pages."""
+        return self._pages.device
+
+    def slot_bytes(self, tier: str) -> int:
+        """Bytes of one slot of ``tier`` (a page, or an encoded page in cold)."""
+        return self._arenas[tier].slot_bytes
+
     def holds(self, key: Key) -> bool:
         """True when some tier holds ``key`` (readable, or in flight to readable)."""
-        return bool(self.table.tiers_of(key))
+        return bool(self._table.tiers_of(key))
 
     def device_slot(self, key: Key) -> int:
         """Device slot of a resident page. Raises UnknownPageError."""
-        return self.table.slot(key, DEVICE)
+        return self._table.slot(key, DEVICE)
 
     def page(self, slot: int) -> torch.Tensor:
         """A device slot viewed as a page ``[2, H, T, D]`` (zero-copy)."""
         return self._pages[slot]
-
-    def zero_device(self, slots: Sequence[int]) -> None:
-        """Zero device slots (new pages start clean, whatever the slot held before)."""
-        arena = self.arenas[DEVICE]
-        for s in slots:  # a handful of pages: a memset each (index_fill_ scans the whole arena)
-            arena.slot_view(s).zero_()
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self._pages.device)
         return self._pages.index_select(0, idx)
 
+    def pinned_on_device(self, keys: Iterable[Key]) -> bool:
+        """Whether some of ``keys`` is pinned on the device (by a lease or a copy)."""
+        table = self._table
+        return any(table.pins(k, DEVICE) for k in table.present(keys, DEVICE))
+
+    def device_room(self, keys: Sequence[Key], protect: AbstractSet[Key]) -> list[Key]:
+        """The pages of ``keys`` not readable on the device (in order) that fit there now
+        without evicting a page of ``protect`` or a pinned or in-flight one."""
+        table = self._table
+        absent = [k for k in keys if not table.lookup([k], DEVICE)]
+        if not absent:
+            return []
+        free = table.capacity(DEVICE) - table.used(DEVICE)
+        junk = sum(
+            1
+            for k in table.keys(DEVICE)
+            if k not in protect
+            and table.state(k, DEVICE) == PageState.READABLE
+            and not table.pins(k, DEVICE)
+        )
+        return absent[: max(0, free + junk)]
+
+    # -- announcements -----------------------------------------------------------------
+    def announce(self, keys: Iterable[Key]) -> None:
+        """Pages the coming steps read, soonest needed first (the server's schedule): device
+        evictions take them only when no other page can go, the last needed first, whatever
+        the policy ranks (the schedule outranks it)."""
+        order = tuple(keys)
+        self._evict.soon_order = order
+        self._evict.soon = frozenset(order)
+
+    def touch_device(self, keys: Iterable[Key]) -> None:
+        """Mark readable device pages as just used (the policy's recency)."""
+        here = [k for k in keys if self._table.lookup([k], DEVICE)]
+        if here:
+            self._table.touch(here, DEVICE)
+
     # -- ownership ---------------------------------------------------------------------
     def own(self, keys: Sequence[Key]) -> None:
         """A live sequence holds ``keys``: pin their lower copies so none is dropped."""
+        owners, doomed = self._owners, self._doomed
         for k in keys:
-            n = self.owners.get(k, 0)
-            self.owners[k] = n + 1
-            self.doomed.discard(k)
-            if n == 0:
-                self.pin_owner([k], [t for t in self.lower if self.table.lookup([k], t)])
+            if owners.add(k):
+                owners.pin_lower(k)
+            if doomed:
+                doomed.discard(k)
+
+    async def own_async(self, keys: Sequence[Key], batch: int = 4096) -> None:
+        """:meth:`own` in slices with a loop turn between them (a million-token prompt owns
+        125,000 pages: one pass blocked the loop ~0.2 s). Cancelled midway, it undoes what it
+        did (nothing stays owned)."""
+        done = 0
+        try:
+            while done < len(keys):
+                part = keys[done : done + batch]
+                self.own(part)
+                done += len(part)
+                if done < len(keys):
+                    await asyncio.sleep(0)
+        except BaseException:
+            self.disown(keys[:done])
+            raise
 
     def disown(self, keys: Sequence[Key]) -> None:
         """Drop one owner of each key; unowned pages become evictable cache."""
+        drop = self._owners.drop
         for k in keys:
-            n = self.owners.get(k, 0)
-            if n <= 1:
-                self.owners.pop(k, None)
-                held = self.owner_pins.get(k, 0)
-                for t, bit in self._tier_bit.items():
-                    if held & bit:
-                        self.unpin_owner(k, t)
-            else:
-                self.owners[k] = n - 1
-
-    def pin_owner(self, keys: Sequence[Key], tiers: Sequence[str]) -> None:
-        """Pin the copies of owned pages in ``tiers`` on behalf of their owners (recorded, so
-        that only these pins, never a copy's transient pin, are dropped with the owner)."""
-        for t in tiers:
-            if keys:
-                self.table.prepare_load(keys, t)
-                pins, bit = self.owner_pins, self._tier_bit[t]
-                for k in keys:
-                    pins[k] = pins.get(k, 0) | bit
-
-    def owner_pinned(self, key: Key, tier: str) -> bool:
-        """Whether the owners of ``key`` pin its copy in ``tier``."""
-        return bool(self.owner_pins.get(key, 0) & self._tier_bit.get(tier, 0))
-
-    def unpin_owner(self, key: Key, tier: str) -> None:
-        """Drop the owner's pin on ``key``'s copy in ``tier`` (if it holds one)."""
-        held, bit = self.owner_pins.get(key, 0), self._tier_bit.get(tier, 0)
-        if not held & bit:
-            return
-        if held == bit:
-            del self.owner_pins[key]
-        else:
-            self.owner_pins[key] = held & ~bit
-        if self.table.present([key], tier):
-            self.table.complete_load([key], tier)
+            drop(k)
 
     def forget(self, keys: Sequence[Key]) -> None:
         """Remove released private pages from every tier. Copies busy now (pinned by a copy or a
         lease, or in flight) are *doomed*: removed as soon as they are idle (see :meth:`reap`),
         so a release during a write-behind copy or inside a lease leaks nothing."""
+        dirty = self._evict.dirty
         for k in keys:
-            self.dirty.pop(k, None)
-        self.doomed.update(k for k in keys if k not in self.owners)
+            dirty.pop(k, None)
+        self._doomed.update(k for k in keys if k not in self._owners)
         self.reap()
 
     def reap(self) -> None:
         """Remove the doomed pages that are idle now (readable, unpinned) from every tier."""
-        if not self.doomed:
+        if not self._doomed:
             return
-        table = self.table
+        table = self._table
         for t in table.tier_names:
-            here = [
-                k
-                for k in table.present(self.doomed, t)
-                if table.state(k, t) == PageState.READABLE and not table.pins(k, t)
-            ]
-            if here:
-                table.remove(here, t)
-                if t == HOST:
-                    self.host_left(here)
-        self.doomed = {k for k in self.doomed if table.tiers_of(k)}
+            self._cold.forget_in(t, cast(list[Key], table.present(self._doomed, t)))
+        self._doomed = {k for k in self._doomed if table.tiers_of(k)}
 
     def idle(self, key: Key) -> bool:
         """True when no copy of ``key`` is in flight or pinned by anything but its owners."""
-        table = self.table
+        table = self._table
         for t in table.tiers_of(key):
             if table.state(key, t) != PageState.READABLE:
                 return False
-            if table.pins(key, t) != (1 if self.owner_pinned(key, t) else 0):
+            if table.pins(key, t) != (1 if self._owners.holds_pin(key, t) else 0):
                 return False
         return True
 
@@ -225,22 +307,20 @@ class TierSet(DeviceEviction, ColdStorage):
         is in some tier (in any state) or an old page is busy: in flight (a load, a write-back,
         a compression) or pinned by a copy or a lease. So a rename never races an eviction:
         the copy that moves a page completes under the name it started with."""
-        table = self.table
+        table = self._table
         if any(table.tiers_of(k) for k in new) or not all(self.idle(k) for k in old):
             return False
-        if any(k in self.doomed for k in old):
+        if any(k in self._doomed for k in old):
             return False
         for t in table.tier_names:
             pairs = [(o, n) for o, n in zip(old, new) if table.present([o], t)]
             if pairs:
                 table.rekey([o for o, _ in pairs], [n for _, n in pairs], t)
+        dirty = self._evict.dirty
         for o, n in zip(old, new):
-            if o in self.dirty:
-                self.dirty[n] = self.dirty.pop(o)
-            if o in self.owners:
-                self.owners[n] = self.owners.pop(o)
-            if o in self.owner_pins:
-                self.owner_pins[n] = self.owner_pins.pop(o)
+            if o in dirty:
+                dirty[n] = dirty.pop(o)
+            self._owners.rename(o, n)
         return True
 
     # -- waiting ---------------------------------------------------------------------------
@@ -257,20 +337,20 @@ class TierSet(DeviceEviction, ColdStorage):
     def _could_free(self, mine: int) -> bool:
         """Whether device pages pinned or in flight for others than the caller (who holds
         ``mine`` of them pinned) may go, so that waiting for room can succeed."""
-        t = self.table
+        t = self._table
         return t.used(DEVICE) - t.evictable(DEVICE) > mine
 
     def _copies_in_flight(self) -> bool:
         """Whether device pages are held by copies that end on their own: write-behind
         reads, loads (WRITING) or write-backs (MOVING), as opposed to leases' pins."""
-        if self.write_behind_pinned:
+        if self._evict.write_behind_pinned:
             return True
-        t = self.table
+        t = self._table
         return any(t.state(k, DEVICE) != PageState.READABLE for k in t.keys(DEVICE))
 
     def full_error(self, n: int, waited: float | None = None) -> TierFullError:
         """The error of a device with no room for ``n`` pages (after ``waited`` seconds)."""
-        t = self.table
+        t = self._table
         free = t.capacity(DEVICE) - t.used(DEVICE)
         pinned = t.used(DEVICE) - t.evictable(DEVICE)
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
@@ -281,12 +361,195 @@ class TierSet(DeviceEviction, ColdStorage):
 
     def ensure_fits(self, n: int) -> None:
         """Raise TierFullError at once when ``n`` pages can never be resident together."""
-        cap = self.table.capacity(DEVICE)
+        cap = self._table.capacity(DEVICE)
         if n > cap:
             raise TierFullError(
                 f"device tier: {n} pages can never be resident at once (capacity {cap} pages "
                 f"of {self.spec.page_bytes} B)"
             )
+
+    # -- writes that leases and background work ask for ------------------------------------
+    def zero_device(self, slots: Sequence[int]) -> None:
+        """Zero device slots (new pages start clean, whatever the slot held before)."""
+        arena = self._arenas[DEVICE]
+        for s in slots:  # a handful of pages: a memset each (index_fill_ scans the whole arena)
+            arena.slot_view(s).zero_()
+
+    def mark_dirty(self, keys: Sequence[Key]) -> None:
+        """Device copies of ``keys`` were written: newer than any lower copy."""
+        self._evict.mark_dirty(keys)
+
+    async def write_behind(self, keys: Sequence[Key]) -> int:
+        """Copy dirty device pages of ``keys`` down to the host now; returns pages written
+        (see :meth:`tierkv.eviction.DeviceEviction.write_behind`)."""
+        return await self._evict.write_behind(keys)
+
+    async def compress_idle(self, keys: Sequence[Key]) -> int:
+        """Compress idle host pages into cold; returns how many (see
+        :meth:`tierkv.cold.ColdStorage.compress_idle`)."""
+        return await self._cold.compress_idle(keys)
+
+    def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
+        """Remove the readable, unpinned pages of ``keys`` from one tier."""
+        self._cold.forget_in(tier, keys)
+
+    # -- the host tier, for the remote glue and the page server --------------------------------
+    @property
+    def host_array(self) -> npt.NDArray[np.uint8]:
+        """The host arena's bytes, ``[slots, page_bytes]`` (what transports register)."""
+        return self._arenas[HOST].array
+
+    @property
+    def host_arena(self) -> Arena:
+        """The host tier's arena (its size and backend; its slots belong to this core)."""
+        return self._arenas[HOST]
+
+    def replace_host_arena(self, arena: Arena) -> None:
+        """Put the host tier on other memory of the same shape (shared with peers). Raises
+        PageStateError when the host tier holds pages, or the shape differs."""
+        old = self._arenas[HOST]
+        if self._table.used(HOST):
+            raise PageStateError("the host arena can only be replaced while it holds no page")
+        if (arena.slot_bytes, arena.num_slots) != (old.slot_bytes, old.num_slots):
+            raise PageStateError(
+                f"host arena of {arena.num_slots} x {arena.slot_bytes} B cannot replace "
+                f"{old.num_slots} x {old.slot_bytes} B"
+            )
+        arena.hand_over()
+        self._arenas[HOST] = arena
+
+    def add_host_listener(self, listener: Callable[[list[Key]], None]) -> None:
+        """Call ``listener(keys)`` whenever pages leave the host tier."""
+        self._departures.listeners.append(listener)
+
+    def remove_host_listener(self, listener: Callable[[list[Key]], None]) -> None:
+        """Stop calling ``listener`` (no error when it is not registered)."""
+        if listener in self._departures.listeners:
+            self._departures.listeners.remove(listener)
+
+    def set_remote_offer(self, offer: Offer | None) -> None:
+        """The remote tier's offer of host pages about to leave (None: no remote tier)."""
+        self._departures.offer = offer
+
+    @property
+    def remote_offer(self) -> Offer | None:
+        """The remote tier's offer, if one is set."""
+        return self._departures.offer
+
+    async def make_host_room(self, n: int) -> None:
+        """Free ``n`` host slots if it can: victims offered to the remote tier, compressed or
+        dropped (never owned pages)."""
+        await self._cold.make_room(n)
+
+    def reserve_host(self, keys: Sequence[Key]) -> StoreAllocation | None:
+        """Reserve host slots for new pages (WRITING) that a peer or a test writes; returns
+        the allocation (``keys`` reserved, ``slots``, ``present``: already held), or None when
+        the host is full of pinned pages. Pages evicted for room are announced. Commit with
+        :meth:`commit_host`."""
+        alloc = self._table.prepare_store(keys, HOST)
+        if alloc is not None:
+            self._departures.left(alloc.evicted)
+        return alloc
+
+    def commit_host(self, keys: Sequence[Key], ok: bool = True) -> None:
+        """End a :meth:`reserve_host`: the pages are readable (``ok``) or rolled back."""
+        if keys:
+            self._table.complete_store(keys, HOST, ok=ok)
+            self.signal_progress()
+
+    def pin_host(self, keys: Sequence[Key]) -> list[int]:
+        """Pin readable host pages (none can be evicted) and return their slots. Raises
+        PageStateError / UnknownPageError (nothing pinned) when one is not readable."""
+        return self._table.prepare_load(keys, HOST) if keys else []
+
+    def unpin_host(self, keys: Sequence[Key]) -> None:
+        """Drop pins taken by :meth:`pin_host`."""
+        if keys:
+            self._table.complete_load(keys, HOST)
+            self.signal_progress()
+
+    async def import_host(
+        self,
+        keys: Sequence[Key],
+        load: HostLoad,
+        *,
+        timeout: float | None = None,
+        make_room: bool = True,
+    ) -> int:
+        """Bring pages no tier holds into the host tier from a remote peer: room is made (the
+        victims offered, compressed or dropped; with ``make_room=False`` only what the policy
+        drops by itself), slots reserved, ``load(keys, host bytes, slots)`` run as an async
+        job of the transfer engine, and the first pages it delivered committed, the rest
+        rolled back (also on error or cancellation). Returns the pages imported (0 when there
+        is no room and ``make_room``). Raises TierFullError (``make_room=False`` and the host
+        is full of pinned pages), what ``load`` raised (TransferError wraps it) or
+        WaitTimeoutError after ``timeout`` (the engine's by default)."""
+        table = self._table
+        want = [k for k in dict.fromkeys(keys) if not table.tiers_of(k)]
+        if not want:
+            return 0
+        if make_room:
+            await self._cold.make_room(len(want))
+            want = [k for k in want if not table.tiers_of(k)]
+        alloc = self.reserve_host(want) if want else None
+        if alloc is None and not make_room:
+            raise TierFullError(f"host tier: no room to import {len(want)} pages")
+        if alloc is None or not alloc.keys:
+            return 0
+        new, slots = cast(list[Key], list(alloc.keys)), list(alloc.slots)
+        host = self._arenas[HOST]
+        handle = self.engine.submit_async(
+            host, [], host, slots, lambda: load(new, host.array, slots), priority=Priority.PREFETCH
+        )
+
+        def settle() -> None:
+            got = handle.result() if handle.exception() is None else 0
+            ok = max(0, min(got, len(new))) if type(got) is int else 0
+            self.commit_host(new[:ok])
+            self.commit_host(new[ok:], ok=False)
+
+        try:
+            await within(self.deadline(timeout), job_done(handle), lambda: _late(len(new)))
+        except BaseException:
+            handle.cancel()
+            when_done(handle, settle)
+            raise
+        settle()
+        got = handle.result()
+        return max(0, min(got, len(new))) if type(got) is int else 0
+
+    async def export_host(
+        self,
+        keys: Sequence[Key],
+        send: HostLoad,
+        *,
+        timeout: float | None = None,
+    ) -> int:
+        """Send readable host pages to a remote peer: pinned (never evicted or reused) while
+        ``send(keys, host bytes, slots)`` runs as an async job of the transfer engine, then
+        unpinned. Returns what ``send`` returned (the pages the peer stored). Raises what it
+        raised (TransferError wraps it), WaitTimeoutError after ``timeout``."""
+        keys = list(keys)
+        if not keys:
+            return 0
+        slots = self.pin_host(keys)
+        host = self._arenas[HOST]
+        handle = self.engine.submit_async(
+            host,
+            slots,
+            host,
+            [],
+            lambda: send(keys, host.array, slots),
+            priority=Priority.WRITEBACK,
+        )
+        try:
+            await within(self.deadline(timeout), job_done(handle), lambda: _late(len(keys)))
+        except BaseException:
+            handle.cancel()
+            when_done(handle, lambda: self.unpin_host(keys))
+            raise
+        self.unpin_host(keys)
+        return cast(int, handle.result())
 
     # -- device allocation ---------------------------------------------------------------
     async def allocate_device(
@@ -305,15 +568,15 @@ class TierSet(DeviceEviction, ColdStorage):
         deadline = self.deadline(timeout)
         while True:
             async with self._device_lock:
-                if self.table.present(keys, DEVICE):
+                if self._table.present(keys, DEVICE):
                     raise PageStateError(f"{len(keys)} new pages: some are already on the device")
-                if await self._make_room(len(keys)):
-                    alloc = self.table.prepare_store(keys, DEVICE)
+                if await self._evict.make_room(len(keys), deadline):
+                    alloc = self._table.prepare_store(keys, DEVICE)
                     if alloc is not None and not alloc.evicted:
                         self._note_peak()
                         return alloc.slots
                     if alloc is not None:  # the policy made room by itself: undo, use ours
-                        self.table.complete_store(alloc.keys, DEVICE, ok=False)
+                        self._table.complete_store(alloc.keys, DEVICE, ok=False)
             if not self._could_free(mine):
                 raise self.full_error(len(keys))
             waited = self.engine.timeout if timeout is None else timeout
@@ -321,7 +584,7 @@ class TierSet(DeviceEviction, ColdStorage):
 
     def commit_device(self, keys: Sequence[Key]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
-        self.table.complete_store(keys, DEVICE)
+        self._table.complete_store(keys, DEVICE)
         self.mark_dirty(keys)
 
     def abort_device(self, keys: Sequence[Key], *, pinned: bool, owned: bool) -> None:
@@ -330,7 +593,7 @@ class TierSet(DeviceEviction, ColdStorage):
         page, pin or owner behind."""
         if not keys:
             return
-        table = self.table
+        table = self._table
         if owned:
             self.disown(keys)
         if pinned:
@@ -339,15 +602,14 @@ class TierSet(DeviceEviction, ColdStorage):
         if writing:
             table.complete_store(writing, DEVICE, ok=False)
         rest = [k for k in keys if k not in set(writing)]
-        for k in keys:
-            self.dirty.pop(k, None)
+        self._evict.clean(keys)
         if rest:
             table.remove(rest, DEVICE)
         self.signal_progress()
 
     def pin_device(self, keys: Sequence[Key]) -> None:
         """Pin readable device pages (unpin with :meth:`release_device`)."""
-        self.table.prepare_load(keys, DEVICE)
+        self._table.prepare_load(keys, DEVICE)
 
     async def acquire_device(
         self,
@@ -376,7 +638,7 @@ class TierSet(DeviceEviction, ColdStorage):
         todo = list(dict.fromkeys(keys))
         self.ensure_fits(len(todo))
         deadline = self.deadline(timeout)
-        table = self.table
+        table = self._table
         pinned: list[Key] = []
         waited = -1
         try:
@@ -392,12 +654,12 @@ class TierSet(DeviceEviction, ColdStorage):
                 if not todo:
                     return waited
                 missing = [k for k in todo if not table.present([k], DEVICE)]
-                loadable = [k for k in missing if self._has_lower(k)]
+                loadable = [k for k in missing if self._evict.has_lower(k)]
                 for k in missing:
                     if k not in loadable and not table.tiers_of(k):
                         raise UnknownPageError(f"page {k.hex()} is in no tier")
                 if loadable:
-                    got = await self._load(loadable, priority)
+                    got = await self._load(loadable, priority, deadline)
                     if got is not None:
                         pinned += got
                         done = set(got)
@@ -418,8 +680,8 @@ class TierSet(DeviceEviction, ColdStorage):
     def _stuck(self, todo: list[Key], timeout: float | None) -> TierKVError:
         """The error of a deadline passed: pages still in flight (StoreTimeoutError), or no
         room for the missing ones (TierFullError)."""
-        table = self.table
-        busy = [k for k in todo if table.tiers_of(k) and not self._has_lower(k)]
+        table = self._table
+        busy = [k for k in todo if table.tiers_of(k) and not self._evict.has_lower(k)]
         busy += [k for k in todo if table.present([k], DEVICE)]
         waited = self.engine.timeout if timeout is None else timeout
         if busy:
@@ -431,22 +693,22 @@ class TierSet(DeviceEviction, ColdStorage):
     def release_device(self, keys: Sequence[Key]) -> None:
         """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their
         use) and wake whoever waits for room."""
-        self.table.complete_load(list(dict.fromkeys(keys)), DEVICE)
+        self._table.complete_load(list(dict.fromkeys(keys)), DEVICE)
         self.signal_progress()
 
-    async def _load(self, keys: list[Key], priority: Priority) -> list[Key] | None:
+    async def _load(self, keys: list[Key], priority: Priority, deadline: float) -> list[Key] | None:
         """Load pages that have a readable lower copy into new device slots and pin them for
         the caller; returns the pages loaded (and pinned), or None when the device has no room
         now. The copies are owned by a task of this class: a cancelled caller never frees a slot
         a copy still writes, and pins that the load took for it are given back."""
-        table = self.table
+        table = self._table
         async with self._device_lock:
-            keys = [k for k in keys if not table.present([k], DEVICE) and self._has_lower(k)]
+            keys = [k for k in keys if not table.present([k], DEVICE) and self._evict.has_lower(k)]
             if not keys:
                 return []
-            if not await self._make_room(len(keys)):
+            if not await self._evict.make_room(len(keys), deadline):
                 return None
-            keys = [k for k in keys if not table.present([k], DEVICE) and self._has_lower(k)]
+            keys = [k for k in keys if not table.present([k], DEVICE) and self._evict.has_lower(k)]
             alloc = table.prepare_store(keys, DEVICE)
             if alloc is None or alloc.evicted:  # room was made under the lock
                 if alloc is not None:
@@ -464,23 +726,23 @@ class TierSet(DeviceEviction, ColdStorage):
                     taken.update(ks)
         slot_of = dict(zip(new, alloc.slots))
         # submit now, before any await: the copies run while the caller computes
-        work: list[tuple[str, int, Awaitable[Any]]] = []
+        work: list[tuple[str, int, TransferHandle]] = []
         try:
             for tier, (ks, src_slots) in src.items():
                 dst = [slot_of[k] for k in ks]
                 if tier == HOST:
                     h = self.engine.submit(
-                        self.arenas[HOST], src_slots, self.arenas[DEVICE], dst, priority=priority
+                        self._arenas[HOST], src_slots, self._arenas[DEVICE], dst, priority=priority
                     )
-                    work.append((tier, len(ks), h.wait()))
                 else:
-                    work.append((tier, len(ks), self._decode(src_slots, dst)))
+                    h = self._cold.decode(src_slots, dst, priority)
+                work.append((tier, len(ks), h))
         except BaseException as exc:  # the copies already submitted finish before the rollback
             task = asyncio.ensure_future(self._finish_load(new, src, work, exc))
         else:
             task = asyncio.ensure_future(self._finish_load(new, src, work, None))
         try:
-            await asyncio.shield(task)
+            await within(deadline, asyncio.shield(task), lambda: _in_flight(len(new)))
         except BaseException:
             if task.done():
                 if not task.cancelled() and task.exception() is None:
@@ -498,14 +760,14 @@ class TierSet(DeviceEviction, ColdStorage):
         self,
         keys: list[Key],
         src: dict[str, tuple[list[Key], list[int]]],
-        work: list[tuple[str, int, Awaitable[Any]]],
+        work: list[tuple[str, int, TransferHandle]],
         error: BaseException | None,
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled: commits
         the pages pinned for the caller (or rolls them back) and wakes the waiters."""
-        for tier, n, aw in work:
+        for tier, n, handle in work:
             try:
-                res = await aw
+                res = await job_done(handle)  # the slots are the copy's until it has ended
             except BaseException as exc:  # roll back: the slots are free again
                 error = error or exc
                 continue
@@ -522,46 +784,16 @@ class TierSet(DeviceEviction, ColdStorage):
                 self.stats.bytes_h2d += n * self.spec.page_bytes
             self.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
-            self.table.complete_load(ks, tier)
-        self.table.complete_store(keys, DEVICE, ok=error is None)
+            self._table.complete_load(ks, tier)
+        self._table.complete_store(keys, DEVICE, ok=error is None)
         if error is None:
-            self.table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
+            self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
         self.signal_progress()
         if error is not None:
             raise error
 
-    def _has_lower(self, key: Key) -> bool:
-        return any(self.table.lookup([key], t) for t in self.lower)
-
-    def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
-        """Remove readable, unpinned pages from one tier."""
-        here = [
-            k
-            for k in self.table.present(keys, tier)
-            if self.table.state(k, tier) == PageState.READABLE and not self.table.pins(k, tier)
-        ]
-        if here:
-            self.table.remove(here, tier)
-            if tier == HOST:
-                self.host_left(here)
-
-    def host_left(self, keys: Sequence[Hashable]) -> None:
-        """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners.
-        Call it for every departure outside this class too (a direct ``prepare_store`` on the
-        host tier that evicted pages)."""
-        if keys and self.host_listeners:
-            left = cast(list[Key], list(keys))
-            for listener in self.host_listeners:
-                listener(left)
-
-    async def offer_remote(self, victims: list[tuple[Key, int]]) -> None:
-        """Offer host pages about to leave (pinned or MOVING, so their bytes hold) to the
-        remote tier, if any; bounded and best-effort (the remote counts its failures)."""
-        if self.remote_offer is not None and victims:
-            await self.remote_offer(victims)
-
     def _note_peak(self) -> None:
-        used = self.table.used(DEVICE)
+        used = self._table.used(DEVICE)
         if used > self.stats.peak_device_pages:
             self.stats.peak_device_pages = used
 
@@ -572,26 +804,26 @@ class TierSet(DeviceEviction, ColdStorage):
         exactly on copies that exist; doomed pages are unowned and still somewhere; dirty pages
         are on the device.
         """
-        table = self.table
+        table = self._table
         table.check()
-        for k, n in self.owners.items():
-            assert n > 0, f"page {k.hex()}: {n} owners"
-            assert table.tiers_of(k), f"owned page {k.hex()} is in no tier"
-        for k, bits in self.owner_pins.items():
-            assert k in self.owners, f"unowned page {k.hex()} holds an owner's pin"
-            for t, bit in self._tier_bit.items():
-                if bits & bit:
-                    assert table.present([k], t), f"owner's pin on a missing {t} copy"
-                    assert table.pins(k, t) >= 1, f"owner's pin on {k.hex()} in {t} lost"
-        assert self.write_behind_pinned >= 0, "write-behind pins went negative"
-        for k in self.doomed:
-            assert k not in self.owners, f"doomed page {k.hex()} is owned"
-        for k in self.dirty:
+        self._owners.check()
+        assert self._evict.write_behind_pinned >= 0, "write-behind pins went negative"
+        for k in self._doomed:
+            assert k not in self._owners, f"doomed page {k.hex()} is owned"
+        for k in self._evict.dirty:
             assert table.present([k], DEVICE), f"dirty page {k.hex()} is not on the device"
 
     def info(self) -> dict[str, Any]:
         """Pages per tier and capacities."""
         return {
-            t: {"used": self.table.used(t), "capacity": self.table.capacity(t)}
-            for t in self.table.tier_names
+            t: {"used": self._table.used(t), "capacity": self._table.capacity(t)}
+            for t in self._table.tier_names
         }
+
+
+def _late(n: int) -> StoreTimeoutError:
+    return StoreTimeoutError(f"a remote transfer of {n} pages did not end in time")
+
+
+def _in_flight(n: int) -> StoreTimeoutError:
+    return StoreTimeoutError(f"device tier: {n} pages being loaded did not land in time")

@@ -110,21 +110,34 @@ async def test_waiting_for_a_page_in_flight_is_woken_not_polled() -> None:
         await no_pins_left(store)
 
 
-async def test_a_page_that_never_lands_ends_the_wait_with_a_typed_timeout() -> None:
+async def test_a_page_that_never_lands_ends_the_wait_with_a_typed_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     async with KVStore(
         SPEC, device_bytes=8 * PAGE, host_bytes=40 * PAGE, codec=None, timeout=0.3
     ) as store:
         ref = await fill(store, "a", 1, n=4)
         await settle(store)
-        table = store.tiers.table
-        moving = table.prepare_evict(DEVICE, table.evictable(DEVICE))  # a copy that never ends
-        assert moving
+        await fill(store, "b", 2, n=16)  # 8 pages: a's pages leave the device (to the host)
+        await settle(store)
+        assert not store.tiers.table.present(store.sequence("a").all_pages(), DEVICE)
+        gate = threading.Event()  # a host->device copy that does not end until the gate opens
+        backend = store.tiers.engine.backend
+        copy = backend.copy_slots
+
+        def held(src: Any, *args: Any) -> Any:
+            if src.name == HOST:
+                gate.wait(20)
+            return copy(src, *args)
+
+        monkeypatch.setattr(backend, "copy_slots", held)
         with pytest.raises(StoreTimeoutError):
             await check(store, "a", ref)
         assert store.admission.active == 0
-        table.complete_evict([k for k, _ in moving], DEVICE, ok=False)
-        store.tiers.signal_progress()
-        await check(store, "a", ref)
+        assert stuck(store), "the load is still in flight: its device slots are not freed"
+        gate.set()
+        await check(store, "a", ref)  # the load landed; the next lease uses it
+        assert stuck(store) == []
         await no_pins_left(store)
 
 

@@ -7,7 +7,8 @@
                                src.lookup -> prepare_store(host) -> src.load -> complete_store
 
 Imported pages land in the host tier as unowned cached pages, two-phase (WRITING until the
-source confirmed them), exactly as `import_prefix` does. Every call on a source is bounded by
+source confirmed them), exactly as `import_prefix` does: `TierSet.import_host` reserves them and
+runs the source's read as a job of the transfer engine. Every call on a source is bounded by
 the store's timeout; a failing source is counted (``errors``) and skipped, never raised: any
 exception a source raises (a hostile server's malformed answer included) is a counted miss.
 This module does not import the store (the store imports it when given a remote).
@@ -18,13 +19,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from tierkv.keys import KEY_BYTES, KeyKind, key_kind
 from tierkv.remote.errors import RemoteProtocolError
-from tierkv.remote.push import Pusher
-from tierkv.remote.source import PageSource
-from tierkv.tiers import HOST, TierSet
+from tierkv.remote.sources.push import Pusher
+from tierkv.remote.sources.source import PageSource
+from tierkv.tiers import TierSet
 
 __all__ = ["RemoteCounters", "StoreRemote"]
 
@@ -53,7 +57,7 @@ class StoreRemote:
         write: push pages leaving the host tier (else read only).
         timeout: bound of every call on a source.
         push_pages / push_batch / push_wait: staging size, batch size, and the longest an
-            eviction waits for staging room (see :class:`~tierkv.remote.push.Pusher`).
+            eviction waits for staging room (see :class:`~tierkv.remote.sources.push.Pusher`).
     """
 
     def __init__(
@@ -93,12 +97,12 @@ class StoreRemote:
         self._tiers = tiers
         if self.pusher is not None:
             self.pusher.start()
-            tiers.remote_offer = self._offer
+            tiers.set_remote_offer(self._offer)
 
     async def aclose(self, flush: float = 0.0) -> None:
         """Stop pushing (staged pages get ``flush`` seconds to go out)."""
         if self._tiers is not None:
-            self._tiers.remote_offer = None
+            self._tiers.set_remote_offer(None)
         if self.pusher is not None:
             await self.pusher.aclose(flush)
 
@@ -111,7 +115,7 @@ class StoreRemote:
         content = [(k, s) for k, s in victims if _content(k)]
         if content:
             await self.pusher.offer(
-                [k for k, _ in content], self._tiers.arenas[HOST].array, [s for _, s in content]
+                [k for k, _ in content], self._tiers.host_array, [s for _, s in content]
             )
 
     def _fail(self, exc: BaseException) -> None:
@@ -148,35 +152,21 @@ class StoreRemote:
         return got
 
     async def _import(self, tiers: TierSet, source: PageSource, keys: list[bytes]) -> int:
-        table = tiers.table
-        want = [k for k in keys if not table.tiers_of(k)]
-        if not want:
-            return 0
-        await tiers._make_room_host(len(want))  # victims compressed / pushed, not just dropped
-        want = [k for k in want if not table.tiers_of(k)]
-        alloc = table.prepare_store(want, HOST) if want else None
-        if alloc is None:
-            return 0
-        tiers.host_left(alloc.evicted)
-        new, slots = cast(list[bytes], alloc.keys), list(alloc.slots)
-        ok = 0
-        try:
-            ok = await asyncio.wait_for(
-                source.load(new, tiers.arenas[HOST].array, slots), self.timeout
-            )
-            if type(ok) is not int:
-                raise RemoteProtocolError(f"load answered {type(ok).__name__}, not an int")
-            ok = max(0, min(ok, len(new)))
-        except Exception as exc:  # a source's failure is a miss, whatever its type
-            ok = 0
-            self._fail(exc)
-        finally:  # also on cancellation: nothing stays WRITING
-            if ok:
-                table.complete_store(new[:ok], HOST)
-            if ok < len(new):
-                table.complete_store(new[ok:], HOST, ok=False)
+        async def load(new: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
+            try:
+                ok = await asyncio.wait_for(source.load(new, host, slots), self.timeout)
+                if type(ok) is not int:
+                    raise RemoteProtocolError(f"load answered {type(ok).__name__}, not an int")
+            except Exception as exc:  # a source's failure is a miss, whatever its type
+                self._fail(exc)
+                ok = 0
+            got = max(0, min(ok, len(new)))
+            self.counters.misses += len(new) - got
+            return got
+
+        # victims compressed / pushed for room, not just dropped; nothing stays WRITING
+        ok = await tiers.import_host(keys, load, timeout=self.timeout + 1.0)
         self.counters.hits += ok
-        self.counters.misses += len(new) - ok
         self.counters.bytes_in += ok * self.page_bytes
         return ok
 

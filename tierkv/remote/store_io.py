@@ -11,11 +11,15 @@ store had computed and released them; `KVStore.add_sequence` then reuses them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
-from tierkv.errors import TierFullError
+import numpy as np
+import numpy.typing as npt
+
+from tierkv import validate
 from tierkv.keys import prefix_keys
-from tierkv.remote.source import PageSource
+from tierkv.prompt import prompt_keys
+from tierkv.remote.sources.source import PageSource
+from tierkv.runtime import TransferError
 from tierkv.sequence import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
@@ -24,11 +28,23 @@ __all__ = ["import_prefix", "prefix_pages", "publish_prefix", "stage_prefix"]
 
 
 def prefix_pages(store: KVStore, tokens: Sequence[int]) -> list[bytes]:
-    """Page keys (block-major) of the blocks `add_sequence` would reuse for ``tokens``."""
+    """Page keys (block-major) of the blocks `add_sequence` would reuse for ``tokens``.
+
+    Raises InvalidTypeError / SpecError for token ids that are not ints in range (checked as
+    the store checks them: a float or a string is refused, not truncated)."""
     t = store.spec.page_tokens
-    toks = [int(x) for x in tokens]
+    toks = validate.token_array(tokens)
     blocks = prefix_keys(toks[: max(0, len(toks) - 1) // t * t], t, store.namespace)
     return [page_key(b, layer) for b in blocks for layer in range(store.spec.num_layers)]
+
+
+async def _prefix_pages(store: KVStore, tokens: Sequence[int]) -> tuple[list[bytes], int]:
+    """:func:`prefix_pages` hashed in slices with a loop turn between them (long prompts), and
+    the pages of every full block of ``tokens`` (what `KVStore.lookup` counts) after them."""
+    t = store.spec.page_tokens
+    toks, blocks = await prompt_keys(tokens, t, store.namespace)
+    pages = [page_key(b, layer) for b in blocks for layer in range(store.spec.num_layers)]
+    return pages, max(0, len(toks) - 1) // t * store.spec.num_layers
 
 
 async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
@@ -41,55 +57,56 @@ async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
     write-behind has finished.
     """
     await store.drain()
-    return await store.tiers.write_behind(prefix_pages(store, tokens))
+    every, n = await _prefix_pages(store, tokens)
+    return await store.tiers.write_behind(every[:n])
 
 
 async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
     """Load from ``peer`` the blocks of ``tokens``' prefix this store lacks; returns the prompt
-    tokens now cached locally (what `add_sequence` will reuse).
+    tokens now cached locally (what `add_sequence` will reuse). A long prompt is checked and
+    hashed in slices with a loop turn between them; the read is a job of the store's transfer
+    engine.
 
-    Raises TierFullError (no room in the local host tier), PeerGoneError, RemoteTimeoutError,
-    RemoteError. On any error (or cancellation) no local page has changed.
+    Raises TierFullError (the local host tier is full of pinned pages), PeerGoneError,
+    RemoteTimeoutError, RemoteError; InvalidTypeError / SpecError for bad token ids. On any
+    error (or cancellation) no local page has changed.
     """
-    table = store.tiers.table
-    pages = prefix_pages(store, tokens)
+    tiers = store.tiers
+    table = tiers.table
+    every, n = await _prefix_pages(store, tokens)
+    pages = every[:n]
     layers = store.spec.num_layers
     have = table.lookup(pages) // layers * layers  # any tier
     held = have + (await peer.lookup(pages[have:])) // layers * layers
     want = [k for k in pages[have:held] if not table.tiers_of(k)]
     if want:
-        alloc = table.prepare_store(want, HOST)
-        if alloc is None:
-            raise TierFullError(f"host tier: no room to import {len(want)} pages")
-        store.tiers.host_left(alloc.evicted)
-        keys, slots = cast(list[bytes], alloc.keys), list(alloc.slots)
-        ok = 0
         try:
-            ok = await peer.load(keys, store.tiers.arenas[HOST].array, slots)
-        finally:
-            if ok:
-                table.complete_store(keys[:ok], HOST)
-            if ok < len(keys):
-                table.complete_store(keys[ok:], HOST, ok=False)
-    return store.lookup(tokens)
+            await tiers.import_host(want, peer.load, timeout=store.timeout, make_room=False)
+        except TransferError as exc:  # the peer's own error, as it raised it
+            raise (exc.__cause__ or exc) from None
+    return tiers.table.lookup(every) // layers * store.spec.page_tokens  # = store.lookup
 
 
 async def publish_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
     """Write the cached blocks of ``tokens``' prefix that sit in the local host tier to
     ``peer``; returns the pages the peer newly stored. Call `stage_prefix` first so that
-    pages computed on the device are in the host tier.
+    pages computed on the device are in the host tier. The write is a job of the store's
+    transfer engine; the pages stay pinned until it has ended.
 
     Raises RemoteFullError, PeerGoneError, RemoteTimeoutError, RemoteError.
     """
-    table = store.tiers.table
-    pages = prefix_pages(store, tokens)
+    tiers = store.tiers
+    every, n = await _prefix_pages(store, tokens)
+    pages = every[:n]
     layers = store.spec.num_layers
-    n = table.lookup(pages, HOST) // layers * layers
+    n = tiers.table.lookup(pages, HOST) // layers * layers
     if not n:
         return 0
-    keys = pages[:n]
-    slots = table.prepare_load(keys, HOST)  # no eviction while the peer copies them
+
+    async def send(keys: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
+        return await peer.publish(keys, host, slots)
+
     try:
-        return await peer.publish(keys, store.tiers.arenas[HOST].array, slots)
-    finally:
-        table.complete_load(keys, HOST)
+        return await tiers.export_host(pages[:n], send, timeout=store.timeout)
+    except TransferError as exc:  # the peer's own error, as it raised it
+        raise (exc.__cause__ or exc) from None
