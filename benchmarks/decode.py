@@ -30,6 +30,7 @@ import torch
 
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv import KVSpec
+from tierkv.collector import restore_collector, settle_collector
 from tierkv.demo.runner import DemoConfig, all_resident, device_budget, run
 from tierkv.demo_cli import _lossy
 from tierkv.runtime import new_event_loop
@@ -142,6 +143,7 @@ async def stall_check(
     steps: int,
     batch: int = 32,
     traces: list[tuple[str, dict[str, Any]]] | None = None,
+    settle: bool = False,
 ) -> dict[str, Any]:
     """``n_seqs`` tasks decode concurrently through one store (``batch`` leases at a time, as a
     scheduler would admit them); measures the longest single callback on the loop and how late
@@ -185,16 +187,15 @@ async def stall_check(
                 await asyncio.sleep(0)
             await store.release(sid)
 
-        # what a server does after start-up (vLLM does it too): move the long-lived objects
-        # (torch, the store) out of the collector's reach, so a full collection stays short
-        gc.collect()
-        gc.freeze()
+        settled = settle_collector() if settle else None
         tasks = [asyncio.ensure_future(sequence(i)) for i in range(n_seqs)]
         mon = asyncio.ensure_future(monitor())
         t0 = time.perf_counter()
         with CallbackTimer() as cbt:
             await asyncio.gather(*tasks)
         seconds = time.perf_counter() - t0
+        if settled is not None:
+            restore_collector(settled)
         done.set()
         await mon
         st = store.stats()

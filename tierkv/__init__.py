@@ -10,6 +10,7 @@ The public entry point. Import what you need from here::
 
 from __future__ import annotations
 
+from tierkv.collector import restore_collector, settle_collector
 from tierkv.errors import (
     AllocationError,
     EngineError,
@@ -28,6 +29,7 @@ from tierkv.errors import (
     UnknownPageError,
 )
 from tierkv.keys import KeyKind, PageKey, block_key, key_kind, prefix_keys, private_key, root_key
+from tierkv.lease import Lease
 from tierkv.page_table import PageEvent, PageState, PageTable, StoreAllocation
 from tierkv.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PageHint, make_policy
 from tierkv.spec import KVSpec
@@ -47,6 +49,7 @@ __all__ = [
     "KVSpec",
     "KVStore",
     "KeyKind",
+    "Lease",
     "PageEvent",
     "PageHint",
     "PageKey",
@@ -71,5 +74,7 @@ __all__ = [
     "make_policy",
     "prefix_keys",
     "private_key",
+    "restore_collector",
     "root_key",
+    "settle_collector",
 ]

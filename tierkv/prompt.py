@@ -15,6 +15,7 @@ yields. The keys are exactly :func:`tierkv.keys.prefix_keys`'s.
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,8 +32,8 @@ SLICE_TOKENS = 8192
 
 async def prompt_keys(
     tokens: object, page_tokens: int, namespace: Any = None, what: str = "tokens"
-) -> tuple[list[int], list[PageKey]]:
-    """``tokens`` as a list of ints, and the content keys of its full blocks.
+) -> tuple[array[int], list[PageKey]]:
+    """``tokens`` as a flat ``array('q')`` of ids, and the content keys of its full blocks.
 
     Yields to the loop between slices of a long prompt. Raises InvalidTypeError or SpecError
     (see :func:`tierkv.validate.token_array`) before anything is hashed when the container is
@@ -50,13 +51,13 @@ async def prompt_keys(
     size = max(1, SLICE_TOKENS // page_tokens) * page_tokens
     if n <= size:
         arr = token_array(tokens, what)
-        return arr.tolist(), chain_keys(root_key(namespace), arr, page_tokens)
+        return _ids(arr), chain_keys(root_key(namespace), arr, page_tokens)
     parent = root_key(namespace)
-    ids: list[int] = []
+    ids: array[int] = array("q")
     keys: list[PageKey] = []
     for start in range(0, n, size):
         arr = token_array(tokens[start : start + size], f"{what}[{start}:]")
-        ids += arr.tolist()
+        ids.extend(_ids(arr))
         got = chain_keys(parent, arr, page_tokens)
         if got:
             keys += got
@@ -64,3 +65,10 @@ async def prompt_keys(
         if start + size < n:
             await asyncio.sleep(0)
     return ids, keys
+
+
+def _ids(arr: np.ndarray[Any, Any]) -> array[int]:
+    """Checked int64 ids as an ``array('q')`` (one bulk copy, no Python int per token)."""
+    out: array[int] = array("q")
+    out.frombytes(np.ascontiguousarray(arr, dtype=np.int64).tobytes())
+    return out

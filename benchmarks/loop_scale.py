@@ -1,0 +1,143 @@
+"""The loop at scale (issue 17): many sequences without stalls.
+
+1. **10,000 idle sequences**, each with a 48-token prompt whose KV (3 blocks x 4 layers = 12
+   pages) was appended through a lease: the time of one full collector pass before and after
+   they exist (default collector settings, nothing frozen; best of 3), the tracked objects they
+   add, and the Python heap they hold per sequence, split into the sequence's own bookkeeping and
+   its pages' (the page table, the policy, the tier maps; found by the file that allocated it).
+2. **1,000 concurrent sequences** decoding through one store (``benchmarks/decode.py``'s stall
+   check): the longest loop callback and the 1 ms timer's p99 lateness, with the collector's
+   default settings and after :func:`tierkv.settle_collector`.
+
+Run: ``python benchmarks/loop_scale.py [--quick] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+from benchmarks._common import parser, phase, table, write_json
+from benchmarks.decode import stall_check
+from tierkv import KVSpec
+from tierkv.sequence import page_key
+from tierkv.store import KVStore
+
+# allocations made for pages rather than for a sequence (the page table, the policies, the
+# tiers' maps, the page keys): the bookkeeping figure is the rest
+_PAGE_FILES = ("page_table.py", "policies", "tiers.py", "eviction.py", "cold.py", "arena.py")
+
+
+def _full_pass_ms(reps: int = 3) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        gc.collect()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _split(diff: list[tracemalloc.StatisticDiff]) -> tuple[int, int]:
+    first = page_key.__code__.co_firstlineno
+    pages = seqs = 0
+    for d in diff:
+        frame = d.traceback[0]
+        name = frame.filename
+        in_page_key = name.endswith("sequence.py") and first <= frame.lineno <= first + 3
+        if in_page_key or any(p in name for p in _PAGE_FILES):
+            pages += d.size_diff
+        else:
+            seqs += d.size_diff
+    return seqs, pages
+
+
+async def idle_sequences(n: int) -> dict[str, Any]:
+    """``n`` idle sequences of 48 tokens with their KV appended; see the module docstring."""
+    spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
+    per = spec.bytes_for(48)
+    async with KVStore(spec, device_bytes=per * n // 4, host_bytes=per * n * 2) as store:
+        k = torch.zeros(spec.num_kv_heads, 48, spec.head_dim, dtype=spec.dtype)
+        await store.add_sequence("warm", list(range(48)))
+        await store.release("warm")
+        base_ms = _full_pass_ms()
+        base_objects = len(gc.get_objects())
+        tracemalloc.start(1)
+        before = tracemalloc.take_snapshot()
+        t0 = time.perf_counter()
+        for i in range(n):
+            sid = f"s{i}"
+            await store.add_sequence(sid, [(i * 7919 + t) % 50_000 for t in range(48)])
+            async with store.lease([sid]) as lease:
+                for layer in range(spec.num_layers):
+                    await lease.append(sid, layer, k, k)
+        await store.drain()
+        build_s = time.perf_counter() - t0
+        after = tracemalloc.take_snapshot()
+        tracemalloc.stop()
+        seq_bytes, page_bytes = _split(after.compare_to(before, "lineno"))
+        pass_ms = _full_pass_ms()
+        objects = len(gc.get_objects()) - base_objects
+        gc.collect()
+        gc.freeze()
+        frozen_ms = _full_pass_ms()
+        gc.unfreeze()
+    return {
+        "sequences": n,
+        "build_s": build_s,
+        "full_pass_before_ms": base_ms,
+        "full_pass_ms": pass_ms,
+        "full_pass_added_ms": pass_ms - base_ms,
+        "full_pass_frozen_ms": frozen_ms,
+        "tracked_objects_per_sequence": objects / n,
+        "bookkeeping_bytes_per_sequence": seq_bytes / n,
+        "page_bytes_per_sequence": page_bytes / n,
+    }
+
+
+def main() -> None:
+    args = parser(__doc__ or "").parse_args()
+    n = 2_000 if args.quick else 10_000
+    with phase(f"{n} idle sequences"):
+        idle = asyncio.run(idle_sequences(n))
+    steps = 4 if args.quick else 8
+    with phase("1000 sequences, default collector"):
+        plain = asyncio.run(stall_check(1000, steps))
+    with phase("1000 sequences, settled collector"):
+        settled = asyncio.run(stall_check(1000, steps, settle=True))
+    rows = [
+        [f"{n} idle: full collector pass ms", idle["full_pass_ms"], "<= 10 (see added)"],
+        [f"{n} idle: pass ms added by the sequences", idle["full_pass_added_ms"], "<= 10"],
+        [f"{n} idle: full pass ms before them", idle["full_pass_before_ms"], "reported"],
+        [f"{n} idle: full pass ms, frozen", idle["full_pass_frozen_ms"], "reported"],
+        ["idle: tracked objects / sequence", idle["tracked_objects_per_sequence"], "reported"],
+        ["idle: bookkeeping bytes / sequence", idle["bookkeeping_bytes_per_sequence"], "<= 4096"],
+        ["idle: page bytes / sequence (12 pages)", idle["page_bytes_per_sequence"], "reported"],
+        ["1000 seqs: longest callback ms", plain["max_callback_ms"], "<= 10"],
+        ["1000 seqs: ... outside collector ms", plain["max_callback_outside_gc_ms"], "reported"],
+        ["1000 seqs: longest collector pass ms", plain["max_gc_pause_ms"], "reported"],
+        ["1000 seqs: 1 ms timer p99 late ms", plain["p99_timer_lateness_ms"], "<= 5"],
+        ["settled: longest callback ms", settled["max_callback_ms"], "reported"],
+        ["settled: 1 ms timer p99 late ms", settled["p99_timer_lateness_ms"], "reported"],
+    ]
+    print(table(["figure", "value", "target"], rows))
+    print(f"longest callback: {plain['max_callback']}; load {os.getloadavg()[0]:.2f}")
+    ratios = {
+        "idle_pass_added_of_10ms": idle["full_pass_added_ms"] / 10,
+        "idle_bookkeeping_of_4KiB": idle["bookkeeping_bytes_per_sequence"] / 4096,
+        "longest_callback_of_10ms": plain["max_callback_ms"] / 10,
+        "timer_p99_of_5ms": plain["p99_timer_lateness_ms"] / 5,
+    }
+    write_json(args.json, {"idle": idle, "default": plain, "settled": settled}, ratios)
+
+
+if __name__ == "__main__":
+    main()
