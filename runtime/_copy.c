@@ -17,6 +17,7 @@
    memmove where a run overlaps itself (same buffer).
 
    Each streamed run:  | memcpy up to a 64-byte line of dst | 128-byte streamed blocks | memcpy |
+   and four runs are streamed at once, a block of each in turn (see STREAM_BATCH).
 */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,25 +31,72 @@
 
 /* runs shorter than this are copied with memcpy even in a streamed batch */
 #define STREAM_MIN_RUN 1024
+/* runs streamed at once, 128 bytes of each in turn */
+#define LANES 4
+
+typedef struct {
+    char *dst;
+    const char *src;
+    const int64_t *d, *s;
+    int64_t n, row, i, runs;
+    int stream;
+} batch_t;
+
+typedef struct {
+    char *d;
+    const char *s;
+    size_t left; /* a multiple of 128; 0: idle */
+} lane_t;
+
+/* Move on to the next run of the batch. A run to be streamed leaves its 64-byte-aligned body
+   (a multiple of 128 bytes) in *lane and returns 1; its unaligned head and its tail are copied
+   at once, as is every other run on the way. Returns 0 when the batch is done. */
+static int next_run(batch_t *b, lane_t *lane) {
+    const int64_t *d = b->d, *s = b->s;
+    while (b->i < b->n) {
+        int64_t i = b->i, j = i + 1;
+        while (j < b->n && s[j] == s[j - 1] + 1 && d[j] == d[j - 1] + 1) j++;
+        b->i = j;
+        b->runs++;
+        char *dp = b->dst + d[i] * b->row;
+        const char *sp = b->src + s[i] * b->row;
+        size_t len = (size_t)((j - i) * b->row);
+        if (dp < sp + len && sp < dp + len) {
+            memmove(dp, sp, len);
+            continue;
+        }
+        if (!b->stream || len < STREAM_MIN_RUN) {
+            memcpy(dp, sp, len);
+            continue;
+        }
+        size_t head = (size_t)(-(uintptr_t)dp & 63);
+        size_t body = (len - head) & ~(size_t)127; /* > 0: len >= STREAM_MIN_RUN */
+        memcpy(dp, sp, head);
+        memcpy(dp + head + body, sp + head + body, len - head - body);
+        lane->d = dp + head;
+        lane->s = sp + head;
+        lane->left = body;
+        return 1;
+    }
+    return 0;
+}
 
 #ifdef TIERKV_X86
 static int have_avx2;
 
-__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
-    for (size_t o = 0; o < n; o += 128) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + o));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + o + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + o + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + o + 96));
-        _mm256_stream_si256((__m256i *)(d + o), a);
-        _mm256_stream_si256((__m256i *)(d + o + 32), b);
-        _mm256_stream_si256((__m256i *)(d + o + 64), c);
-        _mm256_stream_si256((__m256i *)(d + o + 96), e);
-    }
+__attribute__((target("avx2"))) static inline void block_avx2(char *d, const char *s) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)s);
+    __m256i b = _mm256_loadu_si256((const __m256i *)(s + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(s + 64));
+    __m256i e = _mm256_loadu_si256((const __m256i *)(s + 96));
+    _mm256_stream_si256((__m256i *)d, a);
+    _mm256_stream_si256((__m256i *)(d + 32), b);
+    _mm256_stream_si256((__m256i *)(d + 64), c);
+    _mm256_stream_si256((__m256i *)(d + 96), e);
 }
 
-static void stream_sse2(char *d, const char *s, size_t n) {
-    for (size_t o = 0; o < n; o += 64) {
+static inline void block_sse2(char *d, const char *s) {
+    for (int o = 0; o < 128; o += 64) {
         __m128i a = _mm_loadu_si128((const __m128i *)(s + o));
         __m128i b = _mm_loadu_si128((const __m128i *)(s + o + 16));
         __m128i c = _mm_loadu_si128((const __m128i *)(s + o + 32));
@@ -60,19 +108,31 @@ static void stream_sse2(char *d, const char *s, size_t n) {
     }
 }
 
-/* n bytes from s to d (not overlapping), the 64-byte lines of d written with streaming stores */
-static void stream_copy(char *d, const char *s, size_t n) {
-    size_t head = (size_t)(-(uintptr_t)d & 63);
-    if (head > n) head = n;
-    memcpy(d, s, head);
-    d += head, s += head, n -= head;
-    size_t body = n & ~(size_t)127;
-    if (have_avx2)
-        stream_avx2(d, s, body);
-    else
-        stream_sse2(d, s, body);
-    memcpy(d + body, s + body, n - body);
-}
+/* The streamed bodies of LANES runs at a time, 128 bytes of each in turn: a single stream of
+   scattered 16 KB rows keeps too few cache misses in flight (the hardware prefetcher starts
+   over at every row); four interleaved ones measured 1.3-1.7x faster here. */
+#define STREAM_BATCH(NAME, TARGET, BLOCK)                                \
+    TARGET static void NAME(batch_t *b) {                               \
+        lane_t lane[LANES];                                              \
+        int active = 0;                                                  \
+        for (int k = 0; k < LANES; k++) {                                \
+            lane[k].left = 0;                                            \
+            active += next_run(b, &lane[k]);                             \
+        }                                                                \
+        while (active) {                                                 \
+            for (int k = 0; k < LANES; k++) {                            \
+                lane_t *l = &lane[k];                                    \
+                if (!l->left) continue;                                  \
+                BLOCK(l->d, l->s);                                       \
+                l->d += 128, l->s += 128, l->left -= 128;                \
+                if (!l->left && !next_run(b, l)) active--;               \
+            }                                                            \
+        }                                                                \
+        _mm_sfence(); /* streamed lines are in memory before the batch counts as done */ \
+    }
+
+STREAM_BATCH(stream_avx2, __attribute__((target("avx2"))), block_avx2)
+STREAM_BATCH(stream_sse2, , block_sse2)
 #endif
 
 static const char *streaming_name(void) {
@@ -89,34 +149,21 @@ static int64_t copy_rows_impl(char *dst, const char *src, const int64_t *d, cons
                               int stream) {
     for (int64_t i = 0; i < n; i++)
         if (s[i] < 0 || s[i] >= src_rows || d[i] < 0 || d[i] >= dst_rows) return -1;
-    int64_t runs = 0;
-    int streamed = 0;
-    for (int64_t i = 0, j; i < n; i = j, runs++) {
-        for (j = i + 1; j < n && s[j] == s[j - 1] + 1 && d[j] == d[j - 1] + 1; j++) {
-        }
-        char *dp = dst + d[i] * row;
-        const char *sp = src + s[i] * row;
-        size_t len = (size_t)((j - i) * row);
-        if (dp < sp + len && sp < dp + len) {
-            memmove(dp, sp, len);
-            continue;
-        }
+    batch_t b = {dst, src, d, s, n, row, 0, 0, stream};
 #ifdef TIERKV_X86
-        if (stream && len >= STREAM_MIN_RUN) {
-            stream_copy(dp, sp, len);
-            streamed = 1;
-            continue;
-        }
-#endif
-        memcpy(dp, sp, len);
+    if (stream) {
+        if (have_avx2)
+            stream_avx2(&b);
+        else
+            stream_sse2(&b);
+        return b.runs;
     }
-#ifdef TIERKV_X86
-    if (streamed) _mm_sfence(); /* streamed lines reach memory before the batch counts as done */
-#else
-    (void)stream;
-    (void)streamed;
 #endif
-    return runs;
+    lane_t unused;
+    b.stream = 0; /* no streaming here: next_run copies every run itself */
+    while (next_run(&b, &unused)) {
+    }
+    return b.runs;
 }
 
 static int check_ids(Py_buffer *b, const char *what) {
