@@ -53,15 +53,15 @@ from .errors import (
 )
 from .handle import TransferHandle
 from .nixl_engine import (
-    _DEREG_TAG,
-    _HELLO_TAG,
-    _NOTE_TAG,
-    _START_TIMEOUT_S,
-    _Engine,
-    _Job,
-    _name,
-    _new_agent,
+    DEREG_TAG,
+    HELLO_TAG,
+    NOTE_TAG,
+    START_TIMEOUT_S,
+    NixlEngine,
+    NixlJob,
+    agent_name,
     load_nixl,
+    new_agent,
 )
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
 
@@ -108,7 +108,7 @@ class NixlTransport(Transport):
         self._backend = backend
         self._num_threads = num_threads
         self._agent: Any = None
-        self._engine: _Engine | None = None
+        self._engine: NixlEngine | None = None
         self._reg: dict[int, Any] = {}  # region id -> NIXL registration list
         self._base: dict[int, tuple[int, int, str]] = {}  # region id -> (address, device, seg)
         self._gone: set[tuple[str, int]] = set()  # peers' regions announced as deregistered
@@ -126,7 +126,7 @@ class NixlTransport(Transport):
                 sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
             )
             try:
-                agent = _new_agent(api, self.name, config, self._delay_us)
+                agent = new_agent(api, self.name, config, self._delay_us)
             except Exception as exc:
                 raise TransportError(f"cannot create the NIXL agent {self.name!r}: {exc}") from exc
             if self._backend not in agent.backends:
@@ -139,15 +139,15 @@ class NixlTransport(Transport):
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
-        limit = max(self.timeout, _START_TIMEOUT_S)  # UCX start-up is slow on a loaded host
+        limit = max(self.timeout, START_TIMEOUT_S)  # UCX start-up is slow on a loaded host
         try:
             await asyncio.wait_for(loop.run_in_executor(None, self._ensure_agent), limit)
         except TimeoutError:
             raise TransferTimeoutError(f"NIXL agent not started after {limit:g} s") from None
-        self._engine = _Engine(self._agent, self._on_message)
+        self._engine = NixlEngine(self._agent, self._on_message)
         self._engine.start()
 
-    def _engine_or_raise(self) -> _Engine:
+    def _engine_or_raise(self) -> NixlEngine:
         if self._engine is None:
             raise TransportError(f"transport {self.name!r} is not started (use `async with`)")
         return self._engine
@@ -216,7 +216,7 @@ class NixlTransport(Transport):
         reg = self._reg.pop(region.region_id, None)
         self._base.pop(region.region_id, None)
         if reg is not None and self._engine is not None:  # tell initiators before it goes
-            message = _DEREG_TAG + region.region_id.to_bytes(8, "big")
+            message = DEREG_TAG + region.region_id.to_bytes(8, "big")
             for agent in tuple(self._engine.known):
                 with contextlib.suppress(Exception):
                     self._agent.send_notif(agent, message)
@@ -242,7 +242,7 @@ class NixlTransport(Transport):
                     a.remove_remote_agent(agent)
                 engine.known.discard(agent)
             before = set(engine.known)
-            name = _name(a.add_remote_agent(md))
+            name = agent_name(a.add_remote_agent(md))
             if name != agent:
                 if name not in before:
                     with contextlib.suppress(Exception):
@@ -250,7 +250,7 @@ class NixlTransport(Transport):
                 raise PeerError(f"NIXL metadata names {name!r}, not {agent!r}")
             a.make_connection(agent)
             engine.known.add(agent)
-            a.send_notif(agent, _HELLO_TAG + bytes(a.get_agent_metadata()))
+            a.send_notif(agent, HELLO_TAG + bytes(a.get_agent_metadata()))
 
         if agent in self._peers or agent in engine.known:
             engine.forget_sections()  # loaded again on first use
@@ -264,9 +264,9 @@ class NixlTransport(Transport):
             raise PeerError(f"cannot add nixl peer {agent!r}: {exc}") from exc
 
     def _on_message(self, peer: str, message: bytes) -> None:
-        if message[:1] == _NOTE_TAG:
+        if message[:1] == NOTE_TAG:
             self._deliver(peer, message[1:])
-        elif message[:1] == _DEREG_TAG and len(message) == 9:
+        elif message[:1] == DEREG_TAG and len(message) == 9:
             self._gone.add((peer, int.from_bytes(message[1:], "big")))
 
     async def get_notification(self, timeout: float | None = None) -> Any:
@@ -290,9 +290,9 @@ class NixlTransport(Transport):
         handle: TransferHandle,
     ) -> None:
         engine = self._engine_or_raise()
-        note = b"" if notify is None else _NOTE_TAG + bytes(notify)
+        note = b"" if notify is None else NOTE_TAG + bytes(notify)
         jobs = [
-            _Job("READ" if direction == "read" else "WRITE", peer, local, remote, sections, note)
+            NixlJob("READ" if direction == "read" else "WRITE", peer, local, remote, sections, note)
             for peer, local, remote, sections in self._batches(ops)
         ]
         for job in jobs:

@@ -24,12 +24,22 @@ from .errors import (
     TransportError,
 )
 
-__all__ = ["load_nixl"]
+__all__ = [
+    "DEREG_TAG",
+    "HELLO_TAG",
+    "NOTE_TAG",
+    "START_TIMEOUT_S",
+    "NixlEngine",
+    "NixlJob",
+    "agent_name",
+    "load_nixl",
+    "new_agent",
+]
 
-_NOTE_TAG, _DEREG_TAG, _HELLO_TAG = b"\x01", b"\x02", b"\x03"
+NOTE_TAG, DEREG_TAG, HELLO_TAG = b"\x01", b"\x02", b"\x03"
 _MIN_WAIT, _MAX_WAIT, _NOTE_WAIT, _IDLE_WAIT = 20e-6, 1e-3, 4e-3, 20e-3
 
-_START_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 60.0
 _STOP = object()
 
 
@@ -56,7 +66,7 @@ class _PacedBindings:
         return self._bindings.nixlAgent(name, config)
 
 
-def _new_agent(api: ModuleType, name: str, config: Any, delay_us: int) -> Any:
+def new_agent(api: ModuleType, name: str, config: Any, delay_us: int) -> Any:
     """`api.nixl_agent(name, config)` with the progress thread's poll delay set."""
     with _BINDINGS_LOCK:  # the swap is module-global: one construction at a time
         bindings = api.nixlBind
@@ -87,7 +97,7 @@ def load_nixl() -> ModuleType:
     )
 
 
-def _name(value: Any) -> str:
+def agent_name(value: Any) -> str:
     """An agent name as NIXL returns it (bytes or str) as a str."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -105,7 +115,7 @@ def _map_error(exc: BaseException, peer: str) -> TransportError:
 
 
 @dataclass(slots=True, eq=False)
-class _Job:
+class NixlJob:
     """One NIXL transfer: posted from the loop, polled on the engine thread, aborted from the loop.
 
     `local` / `remote`: (NIXL segment, N x 3 uint64 array of address, length, device id).
@@ -128,7 +138,7 @@ class _Job:
         self.future.add_done_callback(_retrieve)  # a sibling's failure may leave it unawaited
 
 
-class _Engine(threading.Thread):
+class NixlEngine(threading.Thread):
     """The thread that posts and polls NIXL transfers and drains notifications."""
 
     def __init__(self, agent: Any, on_note: Callable[[str, bytes], None]) -> None:
@@ -139,7 +149,7 @@ class _Engine(threading.Thread):
         self.loop_thread = threading.get_ident()
         self.note_waiters = 0
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._active: list[_Job] = []
+        self._active: list[NixlJob] = []
         self._leaked: list[Any] = []  # handles NIXL could not cancel: polled until they finish
         self._sections: set[bytes] = set()
         self.known: set[str] = set()  # agents whose full metadata is loaded
@@ -150,7 +160,7 @@ class _Engine(threading.Thread):
         """Queue a callable to run on this thread."""
         self._queue.put(item)
 
-    def post(self, job: _Job) -> None:
+    def post(self, job: NixlJob) -> None:
         """Build and post `job`'s NIXL transfer (from the loop); if it is still in progress,
         the thread polls it. Errors settle `job.future`."""
         if self._begin(job):
@@ -180,7 +190,7 @@ class _Engine(threading.Thread):
         if delta > 0:
             self.submit(None)  # wake the thread
 
-    def abort(self, job: _Job) -> None:
+    def abort(self, job: NixlJob) -> None:
         """Stop `job` (cancel its NIXL transfer); once this returns, none of its bytes land."""
         with job.lock:
             if job.done:
@@ -215,7 +225,7 @@ class _Engine(threading.Thread):
                 if item is _STOP:
                     self._shutdown()
                     return
-                if isinstance(item, _Job):
+                if isinstance(item, NixlJob):
                     self._active.append(item)
                     progressed = True
                 elif item is not None:
@@ -227,7 +237,7 @@ class _Engine(threading.Thread):
             progressed |= self._drain_notes()
             wait = _MIN_WAIT if progressed else min(wait * 2, _MAX_WAIT)
 
-    def _begin(self, job: _Job) -> bool:
+    def _begin(self, job: NixlJob) -> bool:
         """Post; True while the transfer is in progress."""
         a = self.agent
         with job.lock:
@@ -236,7 +246,7 @@ class _Engine(threading.Thread):
             try:
                 for md in job.sections:
                     if md not in self._sections:
-                        if _name(a.add_remote_agent(md)) != job.peer:
+                        if agent_name(a.add_remote_agent(md)) != job.peer:
                             raise RemoteAccessError(f"descriptor metadata is not {job.peer!r}'s")
                         self._sections.add(md)
                 local = a.get_xfer_descs(job.local[1], job.local[0])
@@ -252,7 +262,7 @@ class _Engine(threading.Thread):
             self._finish(job, None if state == "DONE" else failed)
             return False
 
-    def _poll(self, job: _Job) -> bool:
+    def _poll(self, job: NixlJob) -> bool:
         with job.lock:
             if job.done:  # aborted from the loop
                 self._active.remove(job)
@@ -269,7 +279,7 @@ class _Engine(threading.Thread):
             self._finish(job, None if state == "DONE" else error)
             return True
 
-    def _finish(self, job: _Job, exc: BaseException | None) -> None:
+    def _finish(self, job: NixlJob, exc: BaseException | None) -> None:
         """Release the job's NIXL handle and settle its future (job.lock held)."""
         job.done = True
         self._release(job.handle)
@@ -307,18 +317,18 @@ class _Engine(threading.Thread):
         except Exception:
             return False
         for peer, messages in notes.items():
-            name = _name(peer)
+            name = agent_name(peer)
             for msg in messages:
-                if msg[:1] == _HELLO_TAG and name not in self.known:
+                if msg[:1] == HELLO_TAG and name not in self.known:
                     self._hello(name, bytes(msg[1:]))
-                elif msg[:1] in (_NOTE_TAG, _DEREG_TAG):  # else: another NIXL user's message
+                elif msg[:1] in (NOTE_TAG, DEREG_TAG):  # else: another NIXL user's message
                     self.loop.call_soon_threadsafe(self.on_note, name, bytes(msg))
         return bool(notes)
 
     def _hello(self, sender: str, metadata: bytes) -> None:
         """Load the metadata a new initiator sent, so that we can announce deregistrations."""
         try:
-            loaded = _name(self.agent.add_remote_agent(metadata))
+            loaded = agent_name(self.agent.add_remote_agent(metadata))
         except Exception:
             return  # malformed, or an agent of that name is loaded already
         if loaded == sender:
