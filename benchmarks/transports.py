@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tierkv.transports as transports
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv.transports import TransferOp
-from tierkv.transports.nixl_engine import _new_agent
+from tierkv.transports.nixl_engine import new_agent
 
 KB, MB = 1 << 10, 1 << 20
 PAGE = 256 * KB
@@ -169,7 +169,7 @@ class RawNixl:
         # would spin a core for the whole run, slowing every other row
         config = api.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
         name = f"raw{'-pthr' if thread else ''}-{os.getpid()}"
-        self.agent = _new_agent(api, name, config, 1000) if thread else api.nixl_agent(name, config)
+        self.agent = new_agent(api, name, config, 1000) if thread else api.nixl_agent(name, config)
         self.peer = self.agent.add_remote_agent(msgpack.unpackb(peer_meta)["nixl"]).decode()
         self.agent.make_connection(self.peer)
         self.local = local
