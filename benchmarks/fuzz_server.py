@@ -1,6 +1,7 @@
 """Hostile load against a page server (issue 14), measured in one run.
 
-    python benchmarks/fuzz_server.py [--quick] [--frames N] [--json FILE] [--plot FILE.png]
+    python benchmarks/fuzz_server.py [--quick] [--frames N] [--repeat R] [--json FILE]
+                                     [--plot FILE.png]
 
 The page server runs in a child process (this script re-run with ``--serve``) that reports its
 RSS, peak RSS (VmHWM) and traced Python memory on request, so the client's memory never counts.
@@ -12,16 +13,22 @@ RSS, peak RSS (VmHWM) and traced Python memory on request, so the client's memor
                    Python memory (tracemalloc) and RSS growth. Target <= 64 KiB.
   flood            an authenticated lookup of 64 keys timed quiet, then while a flood process
                    keeps 100 unauthenticated connections sending maximum-size garbage (an 8 MiB
-                   length and 64 KiB of junk, reconnecting whenever dropped; from 127.0.0.3, an
-                   address of its own, as an attacker's would be). Target: the median under
-                   flood within 2x the quiet median. Also timed: a fresh connection (handshake
-                   and one lookup).
+                   length and 64 KiB of junk, reconnecting whenever dropped or after 5 s without
+                   an answer; from an address of its own, 127.0.0.<3+r> in repetition r, as an
+                   attacker's would be, so each repetition meets a server that has not penalized
+                   it yet). R repetitions (default 5) on one server; the figure is the median of
+                   the repetitions' ratios (flood median / quiet median). Target: <= 2x. Also
+                   timed: a fresh connection (handshake and one lookup). The machine's load
+                   average is reported before and after (the ratio follows it on a shared box).
   fuzz             N frames (default 10^5; --frames 1000000 for the issue's figure): 1% to
                    unauthenticated connections, one each (random bytes; truncated, oversized,
                    deeply nested frames; hellos with bad proofs), the rest tagged on
                    authenticated connections (random ops and fields, pipelined in batches of
                    512; one batch in 64 ends in a connection-killing frame). Crashes: the server
-                   must still answer (0 expected); its peak RSS is reported.
+                   must still answer (0 expected); its peak RSS is reported. The failed-handshake
+                   penalty is off here and in the pre-auth memory phase (they come from one
+                   address on purpose: they measure the parsers and what an admitted
+                   connection costs); the flood phase runs with the defaults.
 Nothing here asserts on time.
 """
 
@@ -50,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import table, write_json
 from tierkv import KVSpec
 from tierkv.remote import PageServer
-from tierkv.remote.control import Control
+from tierkv.remote.protocol.control import Control
 from tierkv.store import KVStore
 from tierkv.transports.probe import Probe
 from tierkv.transports.session import HELLO_MAX, PREFIX
@@ -58,7 +65,6 @@ from tierkv.transports.session import HELLO_MAX, PREFIX
 SECRET = b"fuzz-bench"
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
 KB = 1 << 10
-FLOOD_FROM = "127.0.0.3"
 OPS = ["hello", "lookup", "acquire", "release", "reserve", "commit", "stats", "locate"]
 OPS += ["watch", "unwatch", "hold", "zz", ""]
 
@@ -73,14 +79,20 @@ def _status() -> dict[str, int]:
     return out
 
 
-async def serve(preauth_cap: int, trace: bool) -> None:
+async def serve(preauth_cap: int, trace: bool, penalty: bool) -> None:
     """Child mode: serve, print the address, answer "stats" lines on stdin until EOF."""
     if trace:
         tracemalloc.start()
     store = KVStore(SPEC, device_bytes=SPEC.page_bytes, host_bytes=64 * SPEC.page_bytes)
     async with (
         store,
-        PageServer(store, secret=SECRET, timeout=5.0, max_preauth_per_peer=preauth_cap) as srv,
+        PageServer(
+            store,
+            secret=SECRET,
+            timeout=5.0,
+            max_preauth_per_peer=preauth_cap,
+            max_preauth_failures=64 if penalty else None,
+        ) as srv,
     ):
         print(srv.address, flush=True)
         loop = asyncio.get_running_loop()
@@ -96,15 +108,16 @@ async def serve(preauth_cap: int, trace: bool) -> None:
             reply["traced_peak"] = peak
             t = os.times()
             reply["cpu_us"] = int((t.user + t.system) * 1e6)
-            reply["sessions"] = len(srv._sessions)
+            reply["sessions"] = srv.control.sessions
             print(json.dumps(reply), flush=True)
 
 
 class Child:
     """A page server in a child process."""
 
-    def __init__(self, preauth_cap: int = 32, trace: bool = False) -> None:
-        args = [sys.executable, __file__, "--serve", str(preauth_cap), "1" if trace else "0"]
+    def __init__(self, preauth_cap: int = 32, trace: bool = False, penalty: bool = True) -> None:
+        args = [sys.executable, __file__, "--serve", str(preauth_cap), str(int(trace))]
+        args.append(str(int(penalty)))
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         self.address = self.proc.stdout.readline().strip()
@@ -138,7 +151,7 @@ def _settle(child: Child, seconds: float = 0.3) -> dict[str, Any]:
 
 def preauth_memory(conns: int) -> dict[str, Any]:
     """Per connection: what an unauthenticated connection makes the server hold."""
-    child = Child(preauth_cap=10 * conns, trace=True)
+    child = Child(preauth_cap=10 * conns, trace=True, penalty=False)
     out: dict[str, Any] = {}
     try:
         for label, blob in (
@@ -169,7 +182,7 @@ def preauth_memory(conns: int) -> dict[str, Any]:
     return out
 
 
-async def flood_main(host: str, port: int, conns: int) -> None:
+async def flood_main(host: str, port: int, conns: int, source: str) -> None:
     """Flood mode: ``conns`` connections sending maximum-size garbage, until killed."""
     junk = PREFIX.pack(8 << 20) + os.urandom(64 * KB)
     sent = 0
@@ -180,7 +193,7 @@ async def flood_main(host: str, port: int, conns: int) -> None:
             try:
                 # from an address of its own (as an attacker's would be): the per-address
                 # caps then stop it, not the legitimate client
-                r, w = await asyncio.open_connection(host, port, local_addr=(FLOOD_FROM, 0))
+                r, w = await asyncio.open_connection(host, port, local_addr=(source, 0))
                 w.write(junk)
                 await w.drain()
                 sent += 1
@@ -221,43 +234,76 @@ async def _lookups(address: str, n: int) -> tuple[list[float], list[float]]:
     return out, fresh
 
 
-def flood(conns: int, calls: int) -> dict[str, Any]:
-    child = Child()
+def _flood_once(child: Child, conns: int, calls: int, source: str) -> dict[str, Any]:
+    """One repetition: quiet lookups, then lookups while a flood process runs from ``source``."""
+    quiet, quiet_fresh = asyncio.run(_lookups(child.address, calls))
+    args = [sys.executable, __file__, "--flood", child.host, str(child.port), str(conns), source]
+    flooder = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
-        quiet, quiet_fresh = asyncio.run(_lookups(child.address, calls))
+        assert flooder.stdout is not None
+        flooder.stdout.readline()  # its connections are running
+        time.sleep(0.5)
         base = child.stats()
-        args = [sys.executable, __file__, "--flood", child.host, str(child.port), str(conns)]
-        flooder = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        try:
-            assert flooder.stdout is not None
-            flooder.stdout.readline()  # its connections are running
-            time.sleep(0.5)
-            base = child.stats()
-            t0 = time.perf_counter()
-            loud, loud_fresh = asyncio.run(_lookups(child.address, calls))
-            dt = time.perf_counter() - t0
-            after = child.stats()
-        finally:
-            flooder.kill()
-            flooder.wait()
-        refused = sum(after[k] - base[k] for k in ("protocol_error_total", "budget_hit_total"))
-        cpu = (after["cpu_us"] - base["cpu_us"]) / 1e6
-        return {
-            "quiet_ms": [x * 1e3 for x in quiet],
-            "flood_ms": [x * 1e3 for x in loud],
-            "quiet_median_ms": statistics.median(quiet) * 1e3,
-            "flood_median_ms": statistics.median(loud) * 1e3,
-            "quiet_p99_ms": sorted(quiet)[int(0.99 * len(quiet))] * 1e3,
-            "quiet_connect_median_ms": statistics.median(quiet_fresh) * 1e3,
-            "flood_connect_median_ms": statistics.median(loud_fresh) * 1e3,
-            "flood_p99_ms": sorted(loud)[int(0.99 * len(loud))] * 1e3,
-            "flood_connections_refused_per_s": refused / dt,
-            "server_cpu_us_per_flood_connection": cpu / max(1, refused) * 1e6,
-            "server_cpu_share_during_flood": cpu / dt,
-            "server_rss_after_MB": after["rss"] / 2**20,
-        }
+        t0 = time.perf_counter()
+        loud, loud_fresh = asyncio.run(_lookups(child.address, calls))
+        dt = time.perf_counter() - t0
+        after = child.stats()
+    finally:
+        flooder.kill()
+        flooder.wait()
+    refused = sum(after[k] - base[k] for k in ("protocol_error_total", "budget_hit_total"))
+    cpu = (after["cpu_us"] - base["cpu_us"]) / 1e6
+    q, f = statistics.median(quiet), statistics.median(loud)
+    return {
+        "quiet_ms": [x * 1e3 for x in quiet],
+        "flood_ms": [x * 1e3 for x in loud],
+        "quiet_median_ms": q * 1e3,
+        "flood_median_ms": f * 1e3,
+        "ratio": f / q,
+        "quiet_p99_ms": sorted(quiet)[int(0.99 * len(quiet))] * 1e3,
+        "flood_p99_ms": sorted(loud)[int(0.99 * len(loud))] * 1e3,
+        "quiet_connect_median_ms": statistics.median(quiet_fresh) * 1e3,
+        "flood_connect_median_ms": statistics.median(loud_fresh) * 1e3,
+        "flood_connections_refused_per_s": refused / dt,
+        "server_cpu_us_per_flood_connection": cpu / max(1, refused) * 1e6,
+        "server_cpu_share_during_flood": cpu / dt,
+        "refused_held": after["refused_held"],
+        "server_rss_after_MB": after["rss"] / 2**20,
+    }
+
+
+def flood(conns: int, calls: int, repeat: int) -> dict[str, Any]:
+    """``repeat`` repetitions on one server, each flooding from a new address; the figures
+    are the medians over the repetitions (each repetition's own in ``runs``)."""
+    child = Child()
+    load_before = os.getloadavg()
+    runs = []
+    try:
+        for r in range(repeat):
+            run = _flood_once(child, conns, calls, f"127.0.0.{3 + r}")
+            runs.append(run)
+            print(
+                f"  flood {r + 1}/{repeat}: {run['quiet_median_ms']:.2f} -> "
+                f"{run['flood_median_ms']:.2f} ms ({run['ratio']:.2f}x), server CPU "
+                f"{run['server_cpu_share_during_flood']:.2f}, refused "
+                f"{run['flood_connections_refused_per_s']:.0f}/s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         child.close()
+    out: dict[str, Any] = {
+        k: statistics.median(run[k] for run in runs)
+        for k in runs[0]
+        if not isinstance(runs[0][k], list)
+    }
+    out["ratios"] = [run["ratio"] for run in runs]
+    out["quiet_ms"] = [x for run in runs for x in run["quiet_ms"]]
+    out["flood_ms"] = [x for run in runs for x in run["flood_ms"]]
+    out["runs"] = [{k: v for k, v in run.items() if not isinstance(v, list)} for run in runs]
+    out["load_average_before"] = list(load_before)
+    out["load_average_after"] = list(os.getloadavg())
+    return out
 
 
 # -- fuzzed frames ------------------------------------------------------------------------------
@@ -317,7 +363,7 @@ def _preauth_blob(rng: random.Random) -> bytes:
 
 def fuzz(frames: int, seed: int = 0) -> dict[str, Any]:
     rng = random.Random(seed)
-    child = Child(preauth_cap=64)
+    child = Child(preauth_cap=64, penalty=False)
     sent = conns = closed = 0
     t0 = time.perf_counter()
     last = t0
@@ -413,6 +459,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer connections, calls, frames")
     ap.add_argument("--frames", type=int, help="fuzzed frames (default 10^5; 10^4 quick)")
+    ap.add_argument("--repeat", type=int, help="flood repetitions (default 5; 3 quick)")
     ap.add_argument("--json", metavar="FILE", help="write {figures, ratios} here")
     ap.add_argument("--plot", metavar="PNG", help="draw the flood latencies (needs matplotlib)")
     args = ap.parse_args()
@@ -421,7 +468,7 @@ def main() -> int:
     print("measuring pre-auth memory ...", file=sys.stderr, flush=True)
     mem = preauth_memory(conns)
     print("measuring a legitimate request under a flood ...", file=sys.stderr, flush=True)
-    fl = flood(100, calls)
+    fl = flood(100, calls, args.repeat or (3 if args.quick else 5))
     print(f"fuzzing {frames:,} frames ...", file=sys.stderr, flush=True)
     fz = fuzz(frames)
     worst = max(max(v["traced_per_conn"], v["rss_per_conn"]) for v in mem.values())
@@ -435,14 +482,17 @@ def main() -> int:
         ]
         for k, v in mem.items()
     ]
-    ratio = fl["flood_median_ms"] / fl["quiet_median_ms"]
+    ratio = fl["ratio"]
     rows.append(
         [
-            "lookup median ms, quiet -> flood",
+            f"lookup median ms, quiet -> flood (median of {len(fl['ratios'])} repetitions)",
             f"{fl['quiet_median_ms']:.2f} -> {fl['flood_median_ms']:.2f}",
             "<= 2x",
             f"{ratio:.2f}x",
         ]
+    )
+    rows.append(
+        ["flood / quiet per repetition", " ".join(f"{r:.2f}" for r in fl["ratios"]), "", ""]
     )
     rows.append(
         [
@@ -474,6 +524,16 @@ def main() -> int:
     )
     rows.append(
         [
+            "load average (1, 5, 15 min) before -> after",
+            " ".join(f"{x:.2f}" for x in fl["load_average_before"])
+            + " -> "
+            + " ".join(f"{x:.2f}" for x in fl["load_average_after"]),
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        [
             f"fuzzed frames ({fz['frames']:,}, {fz['frames_per_s']:.0f}/s): crashes",
             str(fz["crashes"]),
             "0",
@@ -484,8 +544,7 @@ def main() -> int:
     print(table(["figure", "value", "target", "ratio"], rows))
     figures = {
         "preauth": mem,
-        "flood": {k: v for k, v in fl.items() if not k.endswith("_ms")}
-        | {k: v for k, v in fl.items() if k.endswith("median_ms") or "p99" in k},
+        "flood": {k: v for k, v in fl.items() if k not in ("quiet_ms", "flood_ms")},
         "fuzz": fz,
     }
     ratios = {
@@ -504,8 +563,8 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
-        asyncio.run(serve(int(sys.argv[2]), sys.argv[3] == "1"))
+        asyncio.run(serve(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"))
     elif len(sys.argv) > 1 and sys.argv[1] == "--flood":
-        asyncio.run(flood_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+        asyncio.run(flood_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
     else:
         sys.exit(main())

@@ -29,7 +29,7 @@ from typing import Any
 
 from tierkv.errors import TierKVError
 from tierkv.remote import PageServer, RemoteError
-from tierkv.remote.exposure import SECRET_ENV, is_loopback
+from tierkv.remote.protocol.exposure import SECRET_ENV, is_loopback
 from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore

@@ -8,6 +8,10 @@
                  line says how many were suppressed)
     PeerCaps     connections per peer address (refused past the cap: a budget hit)
     RateLimit    a token bucket (e.g. new peer links per minute)
+    Gate         who may start a handshake now, decided from the address alone (before anything
+                 is read or allocated for the connection): connections per address (all / not
+                 yet authenticated), unauthenticated ones in total, and a penalty per address
+                 that failed its handshake too often (each failure takes a token of its bucket)
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ import logging
 import time
 from collections import Counter
 
-__all__ = ["AUTH_REFUSED", "BUDGET_HIT", "PROTOCOL_ERROR", "Audit", "PeerCaps", "RateLimit"]
+__all__ = [
+    "AUTH_REFUSED",
+    "BUDGET_HIT",
+    "PROTOCOL_ERROR",
+    "Audit",
+    "Gate",
+    "PeerCaps",
+    "RateLimit",
+]
 
 log = logging.getLogger("tierkv.security")
 
@@ -34,12 +46,16 @@ class RateLimit:
         self._tokens = burst
         self._at = time.monotonic()
 
-    def take(self) -> bool:
-        """Spend one token if there is one."""
+    def available(self) -> float:
+        """The tokens there are now."""
         now = time.monotonic()
         self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
         self._at = now
-        if self._tokens >= 1.0:
+        return self._tokens
+
+    def take(self) -> bool:
+        """Spend one token if there is one."""
+        if self.available() >= 1.0:
             self._tokens -= 1.0
             return True
         return False
@@ -110,3 +126,87 @@ class PeerCaps:
         self.open[address] -= 1
         if self.open[address] <= 0:
             del self.open[address]
+
+
+class Gate:
+    """Admission of new connections by peer address, before their handshake.
+
+    Args:
+        per_peer: open connections per address (authenticated or not).
+        preauth_per_peer: connections per address that have not authenticated yet.
+        preauth_total: connections that have not authenticated yet, from every address.
+        failures: handshake failures (bad proof, malformed hello, deadline) an address may
+            have at once before its new connections are refused; None: no penalty.
+        forgiven_per_s: failures forgotten per second (the penalty's refill rate).
+        max_tracked: addresses whose failures are remembered (the oldest go first; an
+            attacker with more addresses than this can flush the table: the other caps and
+            `preauth_total` still bound it).
+
+    `admit` counts a connection (both caps) or names the budget that refuses it; the caller
+    reports `authenticated` once, and `closed` exactly once for every admitted connection.
+    """
+
+    def __init__(
+        self,
+        *,
+        per_peer: int,
+        preauth_per_peer: int,
+        preauth_total: int,
+        failures: int | None = 64,
+        forgiven_per_s: float = 1.0,
+        max_tracked: int = 4096,
+    ) -> None:
+        self._open = PeerCaps(per_peer)
+        self._preauth = PeerCaps(preauth_per_peer)
+        self.preauth_total = preauth_total
+        self.preauth_now = 0
+        self.failures, self.forgiven_per_s = failures, forgiven_per_s
+        self.max_tracked = max_tracked
+        self._strikes: dict[str, RateLimit] = {}
+
+    def penalized(self, address: str) -> bool:
+        """True while ``address`` has used up its handshake failures."""
+        bucket = self._strikes.get(address)
+        if bucket is None:
+            return False
+        if bucket.available() >= bucket.burst:
+            del self._strikes[address]  # forgiven: forget it
+            return False
+        return bucket.available() < 1.0
+
+    def admit(self, address: str) -> str | None:
+        """Count a new connection from ``address``, or return the budget that refuses it
+        (``penalty``, ``preauth_total``, ``connections_per_peer``, ``preauth_per_peer``)."""
+        if self.penalized(address):
+            return "penalty"
+        if self.preauth_now >= self.preauth_total:
+            return "preauth_total"
+        if not self._open.admit(address):
+            return "connections_per_peer"
+        if not self._preauth.admit(address):
+            self._open.release(address)
+            return "preauth_per_peer"
+        self.preauth_now += 1
+        return None
+
+    def authenticated(self, address: str) -> None:
+        """An admitted connection from ``address`` completed its handshake."""
+        self._preauth.release(address)
+        self.preauth_now -= 1
+
+    def closed(self, address: str, *, authenticated: bool) -> None:
+        """An admitted connection from ``address`` closed (``authenticated`` or not)."""
+        if not authenticated:
+            self.authenticated(address)  # its pre-auth slot goes too
+        self._open.release(address)
+
+    def failed(self, address: str) -> None:
+        """``address`` failed a handshake: one strike (no-op without a penalty)."""
+        if self.failures is None:
+            return
+        bucket = self._strikes.get(address)
+        if bucket is None:
+            if len(self._strikes) >= self.max_tracked:
+                del self._strikes[next(iter(self._strikes))]
+            bucket = self._strikes[address] = RateLimit(self.forgiven_per_s, self.failures)
+        bucket.take()

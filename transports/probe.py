@@ -36,7 +36,7 @@ __all__ = ["REPLY_LIMITS", "Probe"]
 
 REPLY_LIMITS = Limits(frame=8 << 20, array=1 << 18, map=64, str=1 << 16, bin=1 << 20)
 """What a probe decodes of a frame the other end sent (it may be hostile too): a page server's
-largest reply, as ``tierkv.remote.wire.REPLY_LIMITS`` bounds it."""
+largest reply, as ``tierkv.remote.protocol.wire.REPLY_LIMITS`` bounds it."""
 
 
 class Probe:

@@ -2,7 +2,7 @@
 gone (a SIGKILLed server leaves its segments in /dev/shm)::
 
     tkv-<pid>-<start time>-<random>         transports.shm's allocate()
-    tkv-host-<pid>-<start time>-<random>    a page server's host arena (tierkv.remote.hosting)
+    tkv-host-<pid>-<start time>-<random>    a page server's host arena (remote.server.hosting)
 
 The start time (clock ticks since boot, /proc/<pid>/stat field 22) tells a live owner from
 another process that reused its pid.

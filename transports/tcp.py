@@ -51,7 +51,7 @@ from .guard import Audit, PeerCaps
 from .handle import TransferHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
 from .session import proof, seals, session_keys, transcript
-from .tcp_server import ServerConnection
+from .tcp_server import ServerConnection, ServerSide
 from .tcp_wire import (
     CLIENT_ROLE,
     HEADER_LIMITS,
@@ -293,17 +293,26 @@ class TcpTransport(Transport):
         self.host, self.port, self.advertise = host, port, advertise or host
         self.max_frame, self.chunk_bytes, self.checksum = max_frame, chunk_bytes, checksum
         self._server: asyncio.AbstractServer | None = None
-        self._server_conns: set[ServerConnection] = set()
         self._conns: dict[str, ClientConnection] = {}
         self.audit = Audit("tcp")
-        self._preauth = PeerCaps(max_preauth_per_peer)
         threaded = spare_cores() if checksum_thread is None else checksum_thread
         self._checksums = ChecksumThread(threaded)
+        self._serving = ServerSide(
+            name=self.name,
+            secret=self._secret,
+            timeout=timeout,
+            max_frame=max_frame,
+            audit=self.audit,
+            preauth=PeerCaps(max_preauth_per_peer),
+            checksums=self._checksums,
+            deliver=self._deliver,
+            serve_view=self._serve_view,
+        )
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: ServerConnection(self), self.host, self.port, ssl=self.ssl_server
+            lambda: ServerConnection(self._serving), self.host, self.port, ssl=self.ssl_server
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -394,7 +403,7 @@ class TcpTransport(Transport):
     async def _close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for conn in [*self._conns.values(), *self._server_conns]:
+        for conn in [*self._conns.values(), *self._serving.conns]:
             conn.abort()
         self._conns.clear()
         self._checksums.close()

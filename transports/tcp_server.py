@@ -25,12 +25,13 @@ import asyncio
 import collections
 import hmac
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .checksum import Checksum, algorithms, checksum_function
+from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
-from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR
+from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .session import NONCE_BYTES, proof, seals, session_keys, transcript
 from .tcp_wire import (
     CLIENT_ROLE,
@@ -43,10 +44,27 @@ from .tcp_wire import (
     parse_segs,
 )
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
+__all__ = ["ServerConnection", "ServerSide"]
 
-__all__ = ["ServerConnection"]
+
+@dataclass(slots=True)
+class ServerSide:
+    """What the server connections of one transport share with it (the transport builds it;
+    this module never imports the transport): its identity and secret, the bounds, the
+    security counters, the checksum thread, where notifications go (``deliver``: False when
+    over its budget) and how a request's segment resolves (``serve_view``: raises
+    RemoteAccessError), and the connections open now (closed with the transport)."""
+
+    name: str
+    secret: bytes
+    timeout: float
+    max_frame: int
+    audit: Audit
+    preauth: PeerCaps
+    checksums: ChecksumThread
+    deliver: Callable[[str, bytes], bool]
+    serve_view: Callable[[int, int, int], memoryview]
+    conns: set[ServerConnection] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -64,9 +82,9 @@ class _Reply:
 
 
 class ServerConnection(FrameProtocol):
-    """Serves one authenticated peer against `owner`'s registered regions."""
+    """Serves one authenticated peer against the regions `owner` resolves."""
 
-    def __init__(self, owner: TcpTransport) -> None:
+    def __init__(self, owner: ServerSide) -> None:
         super().__init__()
         self.owner = owner
         self.peer: str | None = None
@@ -85,11 +103,11 @@ class ServerConnection(FrameProtocol):
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        if not self.owner._preauth.admit(self.address):
+        if not self.owner.preauth.admit(self.address):
             self.owner.audit.note(BUDGET_HIT, self.address, "preauth_per_peer")
             return self.abort()
         self._preauth = True
-        self.owner._server_conns.add(self)
+        self.owner.conns.add(self)
         self._timer = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
         challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
         self.send({**challenge, "nonce": self._nonce})
@@ -102,12 +120,12 @@ class ServerConnection(FrameProtocol):
     def _authenticated(self) -> None:
         if self._preauth:
             self._preauth = False
-            self.owner._preauth.release(self.address)
+            self.owner.preauth.release(self.address)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self._authenticated()
-        self.owner._server_conns.discard(self)
+        self.owner.conns.discard(self)
         if self._timer is not None:
             self._timer.cancel()
 
@@ -154,7 +172,7 @@ class ServerConnection(FrameProtocol):
             # version 1: the crc is in the header, so the reply waits for it
             reply.wants_trailer, reply.held = self.version >= 2, self.version < 2
             self._reply(reply)
-            crc = self.owner._checksums.compute(self.csum, views)
+            crc = self.owner.checksums.compute(self.csum, views)
             crc.add_done_callback(lambda f: self._checksummed(reply, f))
             return None
         if op == "write":
@@ -163,11 +181,11 @@ class ServerConnection(FrameProtocol):
             reply = _Reply({"op": "ok", "id": header.get("id")})
             if header.get("crc") is not None:
                 reply.held = True
-                crc = self.owner._checksums.compute(self.csum, self._views)
+                crc = self.owner.checksums.compute(self.csum, self._views)
                 crc.add_done_callback(lambda f: self._verified(reply, header, f))
             return self._reply(reply)
         if op == "notify" and isinstance(header.get("data"), bytes):
-            if not self.owner._deliver(self.peer, header["data"]):
+            if not self.owner.deliver(self.peer, header["data"]):
                 self.owner.audit.note(BUDGET_HIT, self.address, "notifications", agent=self.peer)
                 self.abort()
             return None
@@ -211,14 +229,14 @@ class ServerConnection(FrameProtocol):
 
     def _resolve(self, header: dict[str, Any]) -> list[memoryview]:
         segs = parse_segs(header, MAX_SEGS)
-        views = [self.owner._serve_view(rid, off, n) for rid, off, n in segs]
+        views = [self.owner.serve_view(rid, off, n) for rid, off, n in segs]
         if sum(len(v) for v in views) > self.max_payload:
             raise ProtocolError("request larger than the frame limit")
         return views
 
     def _authenticate(self, header: dict[str, Any]) -> None:
         agent, nonce, mac = header.get("agent"), header.get("nonce"), header.get("mac")
-        secret = self.owner._secret
+        secret = self.owner.secret
         t = b""
         if (
             header["op"] == "auth"

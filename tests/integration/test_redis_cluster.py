@@ -25,7 +25,7 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
 from tierkv import prefix_keys
-from tierkv.remote.redis_tier import RedisTier
+from tierkv.remote.sources.redis_tier import RedisTier
 from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 

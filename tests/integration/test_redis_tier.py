@@ -28,7 +28,7 @@ from redis_server import RedisServer, free_port, skip_without_redis  # noqa: E40
 from tierkv import KVStore  # noqa: E402
 from tierkv.errors import SpecError  # noqa: E402
 from tierkv.remote import RedisTier, import_prefix, prefix_pages, publish_prefix  # noqa: E402
-from tierkv.remote.redis_tier import HEADER_BYTES  # noqa: E402
+from tierkv.remote.sources.redis_tier import HEADER_BYTES  # noqa: E402
 from tierkv.spec import KVSpec  # noqa: E402
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)
@@ -149,17 +149,17 @@ async def test_import_prefix_moves_a_prompt_between_stores(srv: RedisServer) -> 
     async with store() as a, store() as b, tier(srv.url) as rt:
         pages = prefix_pages(a, tokens)
         assert len(pages) == 6 * SPEC.num_layers
-        table, arena = a.tiers.table, a.tiers.arenas["host"].array
-        alloc = table.prepare_store(pages, "host")
+        arena = a.tiers.host_array
+        alloc = a.tiers.reserve_host(pages)
         assert alloc is not None
         want = pages_of(7, len(pages))
         arena[list(alloc.slots)] = want
-        table.complete_store(pages, "host")
+        a.tiers.commit_host(pages)
         assert await publish_prefix(a, rt, tokens) == len(pages)
         assert b.lookup(tokens) == 0
         assert await import_prefix(b, rt, tokens) == 6 * 16
         assert b.lookup(tokens) == 6 * 16
-        got = b.tiers.arenas["host"].array
+        got = b.tiers.host_array
         for i, k in enumerate(pages):
             assert (got[b.tiers.table.slot(k, "host")] == want[i]).all()
 

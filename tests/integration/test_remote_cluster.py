@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from tierkv.keys import prefix_keys
 from tierkv.remote import PageServer, PeerGoneError, RemoteTier
-from tierkv.remote.cluster import RemoteCluster
-from tierkv.remote.gossip import PeerIndex
+from tierkv.remote.server.gossip import PeerIndex
+from tierkv.remote.sources.cluster import RemoteCluster
 from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
@@ -47,12 +47,12 @@ def page_bytes(seed: int, n: int = 4) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 def store_pages(store: KVStore, seed: int, n: int = 4) -> list[bytes]:
     """Put pages of ``seed`` into the store's host tier (as a compute or import would)."""
-    table, arena = store.tiers.table, store.tiers.arenas["host"].array
+    arena = store.tiers.host_array
     keys = page_keys(seed, n)
-    alloc = table.prepare_store(keys, "host")
+    alloc = store.tiers.reserve_host(keys)
     assert alloc is not None and not alloc.evicted
     arena[alloc.slots] = page_bytes(seed, n)
-    table.complete_store(keys, "host")
+    store.tiers.commit_host(keys)
     return keys
 
 

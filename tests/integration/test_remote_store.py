@@ -19,7 +19,7 @@ import torch
 
 from tierkv import KVSpec
 from tierkv.remote import PageServer, RemoteTier
-from tierkv.remote.cluster import RemoteCluster
+from tierkv.remote.sources.cluster import RemoteCluster
 from tierkv.store import KVStore
 from tierkv.tiers import COLD, DEVICE, HOST
 
@@ -185,12 +185,12 @@ async def test_silent_remote_is_bounded_and_a_later_source_serves() -> None:
 
 async def test_full_remote_counts_errors_and_evictions_go_on() -> None:
     async with page_server(pages=2) as srv, peer(srv) as p, peer(srv) as holder:
-        table, arena = srv.store.tiers.table, srv.store.tiers.arenas[HOST].array
+        tiers, arena = srv.store.tiers, srv.store.tiers.host_array
         keys = [b"\x01" * 16 + bytes([i]) for i in range(2)]  # two content pages, pinned
-        alloc = table.prepare_store(keys, HOST)
+        alloc = tiers.reserve_host(keys)
         assert alloc is not None
         arena[alloc.slots] = 7
-        table.complete_store(keys, HOST)
+        tiers.commit_host(keys)
         lease = await holder.acquire(keys)
         assert len(lease.slots) == 2
         a = small_store(p)
@@ -235,7 +235,7 @@ def test_bad_remote_is_a_type_error() -> None:
 async def test_tiers_report_every_host_departure() -> None:
     left: list[bytes] = []
     async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
-        s.tiers.host_listeners.append(left.extend)
+        s.tiers.add_host_listener(left.extend)
         for i in range(6):
             await fill(s, f"a{i}", i)
         await s.drain()

@@ -16,14 +16,14 @@ import pytest
 
 from tierkv import KVSpec
 from tierkv.remote import PageServer, RemoteCluster, RemoteTier
-from tierkv.remote.control import Control
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
     RemoteProtocolError,
     RemoteRefusedError,
 )
-from tierkv.remote.server import spec_fields
+from tierkv.remote.protocol.control import Control
+from tierkv.remote.protocol.wire import spec_fields
 from tierkv.store import KVStore
 from tierkv.transports.session import HELLO_MAX, PREFIX, StreamSession
 
@@ -121,7 +121,7 @@ async def test_a_replayed_handshake_is_refused() -> None:
 
 
 def srv_limits() -> Any:
-    from tierkv.remote.wire import REPLY_LIMITS
+    from tierkv.remote.protocol.wire import REPLY_LIMITS
 
     return REPLY_LIMITS
 
@@ -185,15 +185,15 @@ async def test_hold_never_dials_an_address_a_client_names() -> None:
             await posing.call("hold", node="10.9.9.9:7600", add=[], drop=[])
             await posing.aclose()
             await asyncio.sleep(0.3)
-            assert srv.links == {} and not dialled
+            assert srv.mesh.links == {} and not dialled
     finally:
         bait.close()
 
 
 async def test_peer_links_learned_from_servers_are_rate_limited() -> None:
     async with page_server(peer_links_per_minute=2) as srv:
-        srv._learn([f"127.0.0.1:{30000 + i}" for i in range(10)])
-        assert len(srv.links) == 2
+        srv.mesh.learn([f"127.0.0.1:{30000 + i}" for i in range(10)])
+        assert len(srv.mesh.links) == 2
         assert srv.stats()["peer_links_refused_total"] == 8
 
 
@@ -220,7 +220,7 @@ async def test_pre_auth_flood_is_bounded_and_a_client_still_gets_through() -> No
         st = srv.stats()
         errors = st["protocol_error_total"] + st["budget_hit_total"]
         assert errors - base["protocol_error_total"] - base["budget_hit_total"] == 100
-        assert len(srv._sessions) == 1  # only the client's
+        assert srv.control.sessions == 1  # only the client's
 
 
 @pytest.mark.parametrize("caps", [{"max_preauth_per_peer": 4}, {"max_preauth": 4}])
@@ -422,7 +422,7 @@ async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
 async def test_hold_is_capped_per_connection() -> None:
     """hold cannot grow the index without bound: nodes and entries per connection capped."""
     async with page_server() as srv:
-        srv.index.max_keys, srv.index.max_nodes = 8, 2
+        srv.mesh.index.max_keys, srv.mesh.index.max_nodes = 8, 2
         ctl = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
         await ctl.open()
         try:
@@ -432,14 +432,14 @@ async def test_hold_is_capped_per_connection() -> None:
                 await ctl.call("hold", node="n3:1", add=[], drop=[])
             with pytest.raises(RemoteError, match="at most 8 entries"):
                 await ctl.call("hold", node="n1:1", add=[bytes([9, i]) * 16 for i in range(3)])
-            assert srv.index.pages() == len(KEYS) + 2
+            assert srv.mesh.index.pages() == len(KEYS) + 2
         finally:
             await ctl.aclose()
         for _ in range(100):
-            if not srv.index.pages():
+            if not srv.mesh.index.pages():
                 break
             await asyncio.sleep(0.02)
-        assert srv.index.pages() == 0  # gone with its connection
+        assert srv.mesh.index.pages() == 0  # gone with its connection
 
 
 async def test_learned_links_that_never_connect_are_dropped() -> None:
@@ -447,10 +447,10 @@ async def test_learned_links_that_never_connect_are_dropped() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             dead = f"127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
-        srv._learn([dead])
-        assert dead in srv.links
+        srv.mesh.learn([dead])
+        assert dead in srv.mesh.links
         for _ in range(200):
-            if dead not in srv.links:
+            if dead not in srv.mesh.links:
                 break
             await asyncio.sleep(0.05)
-        assert dead not in srv.links
+        assert dead not in srv.mesh.links

@@ -44,8 +44,8 @@ CLASSES: dict[str, Callable[[], Any]] = {
     "TransferEngine": lambda: TransferEngine,
     "PageServer": lambda: PageServer,
     "RemoteTier": lambda: RemoteTier,
-    "RemoteCluster": _optional("tierkv.remote.cluster", "RemoteCluster"),
-    "RedisTier": _optional("tierkv.remote.redis_tier", "RedisTier"),
+    "RemoteCluster": _optional("tierkv.remote.sources.cluster", "RemoteCluster"),
+    "RedisTier": _optional("tierkv.remote.sources.redis_tier", "RedisTier"),
     "TieredCache": _optional("tierkv.integrations.hf", "TieredCache"),
     "Timeline": lambda: Timeline,
 }

@@ -4,22 +4,28 @@
 
     prefill process                                   decode process
     KVStore ── host arena ──┐                         KVStore ── host arena
-    PageServer (serve.py) ──┤ control: lookup,        RemoteTier.load(keys, arena, slots)
+    PageServer ─────────────┤ control: lookup,        RemoteTier.load(keys, arena, slots)
       Directory: slot, gen  │ acquire, release ...    import_prefix(store, peer, prompt)
                             └ data: shm / tcp  <────  one-sided reads (writes: publish)
 
-`PageServer` exposes an opened store (`tierkv serve` runs one); `RemoteTier` is its client;
-`import_prefix` / `publish_prefix` move a prompt's cached blocks to and from any `PageSource`,
-`RedisTier` (Redis / Valkey, docs/redis.md) included. See docs/remote.md.
+`PageServer` exposes an opened store (`tierkv serve`, tierkv/serve_cli.py, runs one);
+`RemoteTier` is its client; `import_prefix` / `publish_prefix` move a prompt's cached blocks to
+and from any `PageSource`, `RedisTier` (Redis / Valkey, docs/redis.md) included. See
+docs/remote.md. The package is split by role, imports running one way (no side imports the
+other's modules)::
+
+    sources/    PageSource and its clients (RemoteTier, RemoteCluster, Watch, RedisTier, Pusher)
+    server/     PageServer, its admission, directory, mesh (gossip), watches, hosting
+    protocol/   what both sides speak: messages and limits, the Control connection, secrets
+    errors.py   the RemoteError tree;  link.py, store_io.py: the store's glue to a PageSource
+
+    sources ──> protocol <── server        (both ──> errors, tierkv.transports)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierkv.remote.client import ReadLease, RemoteTier
-from tierkv.remote.cluster import RemoteCluster
-from tierkv.remote.directory import Directory
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -28,15 +34,18 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     RemoteTimeoutError,
 )
-from tierkv.remote.hosting import share_host_arena
 from tierkv.remote.link import RemoteCounters, StoreRemote
-from tierkv.remote.server import PageServer
-from tierkv.remote.source import PageSource
+from tierkv.remote.server.directory import Directory
+from tierkv.remote.server.hosting import share_host_arena
+from tierkv.remote.server.page_server import PageServer
+from tierkv.remote.sources.client import ReadLease, RemoteTier
+from tierkv.remote.sources.cluster import RemoteCluster
+from tierkv.remote.sources.source import PageSource
+from tierkv.remote.sources.watch import Watch
 from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
-from tierkv.remote.watch import Watch
 
 if TYPE_CHECKING:
-    from tierkv.remote.redis_tier import RedisTier
+    from tierkv.remote.sources.redis_tier import RedisTier
 
 __all__ = [
     "Directory",
@@ -66,7 +75,7 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """`RedisTier` is imported on first use: it needs the ``redis`` extra (redis, xxhash)."""
     if name == "RedisTier":
-        from tierkv.remote.redis_tier import RedisTier
+        from tierkv.remote.sources.redis_tier import RedisTier
 
         return RedisTier
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

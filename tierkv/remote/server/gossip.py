@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from ssl import SSLContext
 from typing import Any
 
-from tierkv.remote.control import Control
 from tierkv.remote.errors import RemoteError, RemoteProtocolError
-from tierkv.remote.wire import MAX_KEYS, PAGE_SERVER
+from tierkv.remote.protocol.control import Control
+from tierkv.remote.protocol.wire import MAX_KEYS, PAGE_SERVER
 
 __all__ = ["PeerIndex", "PeerLink", "keys_field"]
 

@@ -7,7 +7,7 @@
         got = await rt.load(page_keys[:n], arena.array, slots)  # verified pages -> local slots
         stored = await rt.publish(keys, arena.array, slots)     # SET NX (PX ttl)
 
-One page is one value (layout: `tierkv.remote.redis_value`), under a key that names the
+One page is one value (layout: `tierkv.remote.sources.redis_value`), under a key that names the
 namespace, the page layout and the page.
 
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
@@ -40,8 +40,8 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
-from tierkv.remote.redis_ask import AskFollower, follow_failed
-from tierkv.remote.redis_value import (
+from tierkv.remote.sources.redis_ask import AskFollower, follow_failed
+from tierkv.remote.sources.redis_value import (
     FORMAT,
     HEADER_BYTES,
     check_value,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.remote.source import PageSource
+from tierkv.remote.sources.source import PageSource
 
 __all__ = ["PushCounters", "Pusher"]
 

@@ -35,7 +35,6 @@ import numpy.typing as npt
 
 import tierkv.transports as transports
 from tierkv.errors import SpecError
-from tierkv.remote.control import Control, split_address
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -43,9 +42,10 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     map_transport_error,
 )
-from tierkv.remote.exposure import resolve_secret
-from tierkv.remote.server import spec_fields
-from tierkv.remote.watch import Watch
+from tierkv.remote.protocol.control import Control, split_address
+from tierkv.remote.protocol.exposure import resolve_secret
+from tierkv.remote.protocol.wire import spec_fields
+from tierkv.remote.sources.watch import Watch
 from tierkv.spec import KVSpec
 
 __all__ = ["ReadLease", "RemoteTier"]

@@ -31,7 +31,7 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     RemoteTimeoutError,
 )
-from tierkv.remote.wire import CLIENT, PAGE_SERVER, REPLY_LIMITS, error_for
+from tierkv.remote.protocol.wire import CLIENT, PAGE_SERVER, REPLY_LIMITS, error_for
 from tierkv.transports import AuthError, ProtocolError, TransferTimeoutError, TransportError
 from tierkv.transports.session import StreamSession
 

@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import SpecError
-from tierkv.remote.client import RemoteTier
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
 
 __all__ = ["RemoteCluster"]

@@ -23,7 +23,7 @@ from tierkv.page_table import PageState
 from tierkv.remote.errors import RemoteFullError, RemoteProtocolError
 from tierkv.tiers import HOST, TierSet
 
-__all__ = ["Directory"]
+__all__ = ["Directory", "is_content"]
 
 
 @dataclass(slots=True)
@@ -36,7 +36,8 @@ class _Lease:
     timer: asyncio.TimerHandle | None = field(default=None)
 
 
-def _is_content(key: bytes) -> bool:
+def is_content(key: bytes) -> bool:
+    """True for a content page's key (shareable, immutable): the only pages served."""
     return len(key) >= KEY_BYTES and key_kind(key[:KEY_BYTES]) is KeyKind.CONTENT
 
 
@@ -63,7 +64,7 @@ class Directory:
         table = self.tiers.table
         n = 0
         for k in keys:
-            if not _is_content(k) or not table.lookup([k], HOST):
+            if not is_content(k) or not table.lookup([k], HOST):
                 break
             n += 1
         return n
@@ -77,7 +78,7 @@ class Directory:
         """Pin the readable prefix of ``keys`` for a reader; returns (lease, slots, gens)."""
         n = self._readable(keys)
         pinned = keys[:n]
-        slots = self.tiers.table.prepare_load(pinned, HOST) if pinned else []
+        slots = self.tiers.pin_host(pinned)
         gens = [self._observe(s, k) for s, k in zip(slots, pinned)]
         return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens
 
@@ -100,20 +101,18 @@ class Directory:
             if not ok:
                 break
             valid += 1
-        if lease.keys:
-            table.complete_load(lease.keys, HOST)
+        self.tiers.unpin_host(lease.keys)
         return valid
 
     # -- writes --------------------------------------------------------------------------
     def reserve(self, keys: list[bytes], owner: object) -> tuple[int, list[int]]:
         """Reserve host slots for pages a peer will write; returns (lease, slot per key, -1
         where the page is already held or was not admitted). Raises RemoteFullError."""
-        if not all(_is_content(k) for k in keys):
+        if not all(is_content(k) for k in keys):
             raise RemoteProtocolError("only content pages can be published")
-        alloc = self.tiers.table.prepare_store(keys, HOST)
+        alloc = self.tiers.reserve_host(keys)  # pages evicted for room are announced
         if alloc is None:
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
-        self.tiers.host_left(alloc.evicted)
         new = cast(list[bytes], alloc.keys)
         slot_of = dict(zip(new, alloc.slots))
         for k, s in slot_of.items():
@@ -134,7 +133,7 @@ class Directory:
 
     def _end_write(self, lease: _Lease, ok: bool) -> None:
         if lease.keys:
-            self.tiers.table.complete_store(lease.keys, HOST, ok=ok)
+            self.tiers.commit_host(lease.keys, ok=ok)
         if not ok:
             for s in lease.slots:
                 self._observe(s, None)
@@ -161,8 +160,7 @@ class Directory:
         if lease.kind == "write":
             self._end_write(lease, ok=False)
             return
-        if lease.keys:
-            self.tiers.table.complete_load(lease.keys, HOST)
+        self.tiers.unpin_host(lease.keys)
         for s in lease.slots:
             self.gen[s] += 1  # unpinned: whoever still reads it may see the slot reused
 
@@ -181,15 +179,15 @@ class Directory:
     def held(self) -> set[bytes]:
         """Every readable content page of the host tier (what the peers are told)."""
         table = self.tiers.table
-        keys = cast(list[bytes], table.keys(HOST))
-        return {k for k in keys if _is_content(k) and table.state(k, HOST) == PageState.READABLE}
+        keys = table.keys(HOST)
+        return {k for k in keys if is_content(k) and table.state(k, HOST) == PageState.READABLE}
 
     def entries(self) -> dict[bytes, tuple[int, int]]:
         """Every readable content page of the host tier -> (slot, generation)."""
         table = self.tiers.table
         out: dict[bytes, tuple[int, int]] = {}
-        for k in cast(list[bytes], table.keys(HOST)):
-            if _is_content(k) and table.state(k, HOST) == PageState.READABLE:
+        for k in table.keys(HOST):
+            if is_content(k) and table.state(k, HOST) == PageState.READABLE:
                 s = table.slot(k, HOST)
                 out[k] = (s, self._observe(s, k))
         return out

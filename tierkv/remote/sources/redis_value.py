@@ -30,7 +30,7 @@ from typing import Any
 
 import xxhash
 
-from tierkv.remote.server import spec_fields
+from tierkv.remote.protocol.wire import spec_fields
 from tierkv.spec import KVSpec
 
 __all__ = [

@@ -30,7 +30,7 @@ Error codes: ``auth``, ``spec``, ``full``, ``bad`` (malformed request), ``op`` (
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.remote.errors import (
     RemoteError,
@@ -39,6 +39,9 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
 )
 from tierkv.transports.session import Limits
+
+if TYPE_CHECKING:
+    from tierkv.spec import KVSpec
 
 __all__ = [
     "CLIENT",
@@ -49,6 +52,7 @@ __all__ = [
     "REQUEST_LIMITS",
     "error_for",
     "keys_of",
+    "spec_fields",
 ]
 
 MAX_FRAME = 8 << 20
@@ -58,6 +62,19 @@ PAGE_SERVER, CLIENT = "page-server", "client"
 REQUEST_LIMITS = Limits(frame=MAX_FRAME, array=MAX_KEYS, map=16, str=1024, bin=64)
 #: what a client decodes from a server (the hello carries transport metadata)
 REPLY_LIMITS = Limits(frame=MAX_FRAME, array=MAX_KEYS, map=64, str=1 << 16, bin=1 << 20)
+
+
+def spec_fields(spec: KVSpec) -> dict[str, Any]:
+    """The page layout a peer must share to use our pages (the hello's ``spec``; RedisTier
+    hashes it into every value's header)."""
+    return {
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "dtype": str(spec.dtype),
+        "page_tokens": spec.page_tokens,
+        "page_bytes": spec.page_bytes,
+    }
 
 
 def keys_of(msg: dict[str, Any]) -> list[bytes]:

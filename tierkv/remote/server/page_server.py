@@ -1,0 +1,349 @@
+"""The page server: a store's host tier, served to peers through one or more transports.
+
+::
+
+    peer (RemoteTier)                         this process
+      control: lookup / acquire / release  -> PageServer -> Directory (slots, generations,
+               reserve / commit               (asyncio      leases) over store.tiers.table
+                                               stream)
+      data:    one-sided read / write      -> the host arena, registered with each transport
+               (shm: memcpy from the mapped segment; tcp: a batch request to its server)
+
+Only content pages (shareable, immutable) that are readable in the host tier are served. A
+connection that closes drops its leases (pins released, generations bumped) and its watches.
+
+With ``peers``, servers keep a directory of which node holds which page among themselves
+(mesh.py, gossip.py: `locate` answers for every node), and a client may `watch` pages to hear
+when they leave this host tier (watches.py).
+
+Hostile peers (docs/security.md): the accept loop (tierkv.transports.acceptor) judges each new
+connection by its address before anything is read or allocated for it (connections and
+unauthenticated ones per address, unauthenticated ones in total, a penalty for an address
+whose handshakes keep failing); refused ones are held unread, then reset. An admitted
+connection runs the mutual handshake of `transports.session` (a hello of at most 4 KiB within
+a deadline), then every frame is tagged and decoded within `REQUEST_LIMITS`. Refused
+authentication, protocol errors and budget hits are counted (``stats()``: ``*_total``) and
+logged (``tierkv.security``, rate limited).
+"""
+
+from __future__ import annotations
+
+from ssl import SSLContext
+from typing import Any
+
+from tierkv.errors import TierKVError
+from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
+from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
+from tierkv.remote.protocol.wire import keys_of, spec_fields
+from tierkv.remote.server.control_socket import ControlSocket
+from tierkv.remote.server.directory import Directory, is_content
+from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
+from tierkv.remote.server.mesh import Mesh
+from tierkv.remote.server.watches import WatchHub
+from tierkv.store import KVStore
+from tierkv.tiers import HOST
+from tierkv.transports import Transport, TransportError, create
+from tierkv.transports.guard import Audit, Gate
+from tierkv.transports.session import HELLO_DEADLINE, StreamSession
+
+__all__ = ["PageServer"]
+
+
+class PageServer:
+    """Serve ``store``'s host tier: a control socket on ``host:port`` and data transports.
+
+    Args:
+        store: an opened store whose host tier holds no page yet (its arena is rebound onto
+            shareable memory).
+        transports: transport names; shm (if named) goes first, as it needs the arena in a
+            segment of its own.
+        secret: shared secret of the control socket and of the transports (tcp, shm); default
+            ``$TIERKV_TRANSPORT_SECRET``. Empty: ValueError.
+        insecure: serve without a secret (anyone who can connect may use the server); only
+            on a loopback ``host`` (else ValueError).
+        lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes).
+        timeout: bound of the transports' transfers and of a client's hello.
+        transport_options: extra keyword arguments per transport name.
+        peers: other page servers (``host:port``) to share the directory with; one seed is
+            enough (the others are learned). None / empty: a single node.
+        advertise: our address as peers reach it (default: ``host:port`` once bound).
+        sync_interval: seconds between directory messages to a peer when nothing changes
+            (changes go out within ``sync_linger`` seconds).
+        max_peers: the most peer links this server keeps.
+        watch_pending: departed keys a watcher may have queued before it is dropped.
+        max_conns_per_peer / max_preauth_per_peer: open connections per peer address (all /
+            not yet authenticated); past them a connection is refused (a budget hit).
+        max_preauth: connections not yet authenticated, from all addresses together.
+        max_preauth_failures: failed handshakes (bad proof, malformed hello, deadline) an
+            address may have at once; past them its new connections are refused until they
+            are forgiven (one per second). None: no penalty.
+        refused_hold / max_refused_held: a refused connection is held unread this many
+            seconds (default: the hello deadline) before it is reset, at most this many at
+            once (past that, reset at once): a flooding client that waits for an answer
+            then reconnects that much slower.
+        peer_links_per_minute: new peer links this server may open (beyond the seeds).
+        ssl / peer_ssl: TLS contexts of the control socket (server side) and of our links to
+            peers (client side); docs/security.md.
+
+    Raises ValueError (no secret, empty secret, insecure off loopback); RemoteError (from
+    `start`) when the arena cannot be shared or a transport fails.
+    """
+
+    def __init__(
+        self,
+        store: KVStore,
+        *,
+        transports: tuple[str, ...] | list[str] = ("tcp",),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        secret: bytes | None = None,
+        insecure: bool = False,
+        lease_ttl: float = 10.0,
+        timeout: float = 10.0,
+        transport_options: dict[str, dict[str, Any]] | None = None,
+        peers: list[str] | tuple[str, ...] | None = None,
+        advertise: str | None = None,
+        sync_interval: float = 1.0,
+        sync_linger: float = 0.02,
+        max_peers: int = 64,
+        watch_pending: int = 1 << 16,
+        max_conns_per_peer: int = 256,
+        max_preauth_per_peer: int = 32,
+        max_preauth: int = 1024,
+        max_preauth_failures: int | None = 64,
+        refused_hold: float | None = None,
+        max_refused_held: int = 256,
+        peer_links_per_minute: float = 30.0,
+        ssl: SSLContext | None = None,
+        peer_ssl: SSLContext | None = None,
+    ) -> None:
+        self.ssl = ssl
+        self.store = store
+        self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")
+        self.host, self.port = host, port
+        self.secret = resolve_secret(secret, insecure=insecure)
+        if not self.secret and not is_loopback(host):
+            raise ValueError(f"without a secret the page server stays on loopback, not {host!r}")
+        self.lease_ttl, self.timeout = lease_ttl, timeout
+        self._options = transport_options or {}
+        self.transports: dict[str, Transport] = {}
+        self.shared: dict[str, SharedArena] = {}
+        self.directory: Directory | None = None
+        self.seeds = list(peers or [])
+        self._advertise = advertise
+        self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
+        self.mesh = Mesh(
+            lambda: self.address,
+            holds=self._holds,
+            held=self._held,
+            on_departed=self.watches.announce,
+            secret=self.secret,
+            timeout=timeout,
+            interval=sync_interval,
+            linger=sync_linger,
+            max_peers=max_peers,
+            links_per_minute=peer_links_per_minute,
+            ssl=peer_ssl,
+        )
+        self.audit = Audit("page-server")
+        self.gate = Gate(
+            per_peer=max_conns_per_peer,
+            preauth_per_peer=max_preauth_per_peer,
+            preauth_total=max_preauth,
+            failures=max_preauth_failures,
+        )
+        self.control = ControlSocket(
+            secret=self.secret,
+            ident=lambda: self.address,
+            answer=self._answer,
+            closed=self._closed,
+            gate=self.gate,
+            audit=self.audit,
+            timeout=timeout,
+            ssl=ssl,
+            hold_s=min(timeout, HELLO_DEADLINE) if refused_hold is None else refused_hold,
+            max_held=max_refused_held,
+        )
+
+    @property
+    def address(self) -> str:
+        """Our address as peers and clients reach it (``host:port`` of the control socket,
+        unless ``advertise`` says otherwise)."""
+        return self._advertise or f"{self.host}:{self.port}"
+
+    async def start(self) -> PageServer:
+        """Share the host arena, start the transports and the control socket. Raises
+        RemoteError (a transport failed, the arena cannot be shared, the port is taken)."""
+        try:
+            for i, kind in enumerate(self.kinds):
+                opts: dict[str, Any] = {"timeout": self.timeout, **self._options.get(kind, {})}
+                if kind in ("tcp", "shm"):
+                    opts.setdefault("secret", self.secret)
+                if kind == "tcp":
+                    opts.setdefault("host", self.host)
+                t = create(kind, **opts)
+                self.transports[kind] = t
+                await t.start()
+                share = share_host_arena if i == 0 else register_host_arena
+                self.shared[kind] = share(self.store, t)
+            self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
+            self.port = self.control.start(self.host, self.port)
+        except (TransportError, ValueError, OSError) as exc:
+            await self.aclose()
+            raise RemoteError(f"cannot start the page server: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        self.store.tiers.add_host_listener(self._on_left)
+        self.mesh.start(self.seeds)
+        return self
+
+    async def aclose(self) -> None:
+        """Stop serving: close connections (their leases end), then the transports."""
+        self.control.stop_accepting()
+        self.store.tiers.remove_host_listener(self._on_left)
+        await self.mesh.aclose()
+        self.watches.close_all()
+        await self.control.aclose()  # handlers end, their leases with them
+        if self.directory is not None:
+            self.directory.expire_all()
+        for t in self.transports.values():
+            await t.aclose()
+        self.transports.clear()
+        for shared in self.shared.values():
+            shared.close()
+
+    async def __aenter__(self) -> PageServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "name": next(iter(self.transports.values())).name,
+            "spec": spec_fields(self.store.spec),
+            "lease_ttl": self.lease_ttl,
+            "transports": {
+                kind: {"metadata": t.metadata(), "region": _packed(self.shared[kind])}
+                for kind, t in self.transports.items()
+            },
+        }
+
+    def _answer(
+        self, msg: dict[str, Any], owner: object, session: StreamSession, addr: str
+    ) -> dict[str, Any]:
+        d = self.directory
+        assert d is not None
+        op = msg.get("op")
+        try:
+            if op == "lookup":
+                return {"n": d.lookup(keys_of(msg))}
+            if op == "acquire":
+                lease, slots, gens = d.acquire(keys_of(msg), owner)
+                return {"lease": lease, "slots": slots, "gens": gens}
+            if op == "release":
+                return {"valid": d.release(_int(msg, "lease"))}
+            if op == "reserve":
+                lease, slots = d.reserve(keys_of(msg), owner)
+                return {"lease": lease, "slots": slots}
+            if op == "commit":
+                stored = d.commit(_int(msg, "lease"), bool(msg.get("ok")))
+                if stored:
+                    self.mesh.changed()  # peers hear of published pages at once
+                return {"stored": stored}
+            if op == "locate":
+                return {"nodes": self.locate(keys_of(msg))}
+            if op == "watch":
+                return {"held": self.watches.watch(owner, session, keys_of(msg), self._holds)}
+            if op == "unwatch":
+                self.watches.unwatch(owner, keys_of(msg))
+                return {}
+            if op == "hold":
+                return self.mesh.hold(msg, owner, session, addr)
+            if op == "hello":
+                return self._hello()
+            if op == "stats":
+                return self.stats()
+        except RemoteFullError as exc:
+            return {"err": "full", "msg": str(exc)}
+        except TierKVError as exc:  # a malformed request, or one the page table refused
+            return {"err": "bad", "msg": f"{type(exc).__name__}: {exc}"}
+        return {"err": "op", "msg": f"unknown op {op!r}"}
+
+    def stats(self) -> dict[str, Any]:
+        """Pages served (readable content pages in the host tier), leases, expiries, peers,
+        watchers, and the security counters (``*_total``, ours and each transport's)."""
+        d = self.directory
+        assert d is not None
+        table = self.store.tiers.table
+        return {
+            "pages": len(d.entries()),
+            "host_used": table.used("host"),
+            "host_capacity": table.capacity("host"),
+            "leases": d.leases,
+            "expired": d.expired,
+            "peers": sorted(self.mesh.links),
+            "peers_connected": self.mesh.connected,
+            "peer_pages": self.mesh.index.pages(),
+            "watchers": self.watches.watchers,
+            "announced": self.watches.announced,
+            "watchers_dropped": self.watches.dropped,
+            "peer_links_refused_total": self.mesh.links_refused,
+            "sessions": self.control.sessions,
+            "refused_held": self.control.held,
+            **self.audit.stats(),
+            **self._transport_security(),
+        }
+
+    def _transport_security(self) -> dict[str, int]:
+        """The data transports' security counters (``<kind>_<event>_total``)."""
+        out: dict[str, int] = {}
+        for kind, t in self.transports.items():
+            audit = getattr(t, "audit", None)
+            if isinstance(audit, Audit):
+                out.update({f"{kind}_{k}": v for k, v in audit.stats().items()})
+            out[f"{kind}_notifications_dropped_total"] = t.notifications_dropped
+        return out
+
+    # -- the directory shared with peers, and announcements --------------------------------
+    def _closed(self, owner: object) -> None:
+        """A control connection ended: its leases, watches and gossip go."""
+        if self.directory is not None:
+            self.directory.expire_all(owner)
+        self.watches.close(owner)
+        self.mesh.index.forget_owner(owner)
+
+    def _holds(self, key: bytes) -> bool:
+        return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))
+
+    def _held(self) -> set[bytes]:
+        assert self.directory is not None
+        return self.directory.held()
+
+    def locate(self, keys: list[bytes]) -> list[str]:
+        """For the leading pages of ``keys`` that some node holds, the address of one
+        (ours first); stops at the first page no known node holds."""
+        return self.mesh.locate(keys)
+
+    def add_peer(self, address: str, *, configured: bool = True) -> bool:
+        """Link to another page server (idempotent); False when it is us, over ``max_peers``,
+        or (not ``configured``) over the link rate. Raises ValueError for an address that is
+        not ``host:port``."""
+        return self.mesh.add_peer(address, configured=configured)
+
+    def _on_left(self, keys: list[bytes]) -> None:
+        """Pages left our host tier: announce them now; peers hear of it at the next sync."""
+        self.watches.announce(keys)
+        self.mesh.changed()
+
+
+def _int(msg: dict[str, Any], name: str) -> int:
+    value = msg.get(name)
+    if type(value) is not int:
+        raise RemoteProtocolError(f"{name} must be an integer")
+    return value
+
+
+def _packed(shared: SharedArena) -> bytes:
+    return shared.region.descriptor.pack()
