@@ -230,7 +230,7 @@ class TransferEngine:
         self._staging_made = 0
         self._streams: dict[tuple[int, int], Stream] = {}
         self._stats = EngineStats()
-        self._tasks: set[asyncio.Future[None]] = set()  # async jobs running on the loop
+        self._tasks: set[asyncio.Future[Any]] = set()  # async jobs running on the loop
         self._closed = False
 
     def __repr__(self) -> str:
@@ -508,24 +508,29 @@ class TransferEngine:
         """On the loop: run an async job to its end (a task of the engine, not the caller's)."""
         handle._stats.started_at = time.perf_counter()
 
-        async def run() -> None:
-            error: BaseException | None = None
-            try:
-                assert handle._fn is not None
-                handle._result = await handle._fn()
-            except asyncio.CancelledError as exc:
-                error = TransferCancelledError(f"{handle!r} cancelled while running")
-                error.__cause__ = exc
-            except Exception as exc:
-                error = TransferError(f"job {handle.src.name}->{handle.dst.name} failed: {exc!r}")
-                error.__cause__ = exc
-            handle._stats.finished_at = time.perf_counter()
-            self._finish(handle, error)
+        async def run() -> Any:
+            assert handle._fn is not None
+            return await handle._fn()
 
         task = asyncio.ensure_future(run())
         with self._lock:
             self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+        def done(t: asyncio.Future[Any]) -> None:  # also when cancelled before it started
+            with self._lock:
+                self._tasks.discard(t)
+            handle._stats.finished_at = time.perf_counter()
+            error: BaseException | None = None
+            if t.cancelled():
+                error = TransferCancelledError(f"{handle!r} cancelled while running")
+            elif (exc := t.exception()) is not None:
+                error = TransferError(f"job {handle.src.name}->{handle.dst.name} failed: {exc!r}")
+                error.__cause__ = exc
+            else:
+                handle._result = t.result()
+            self._finish(handle, error)
+
+        task.add_done_callback(done)
 
     def _finish(self, handle: TransferHandle, error: BaseException | None) -> None:
         """Release the slots, account, dispatch more, then wake waiters (once per batch)."""

@@ -33,7 +33,7 @@ from tierkv.errors import (
     SpecError,
     StoreClosedError,
 )
-from tierkv.keys import prefix_keys
+from tierkv.keys import block_key, prefix_keys, root_key
 from tierkv.lease import Lease
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
@@ -422,17 +422,39 @@ class KVStore(Prefetcher):
         self.publish(seq)
         del self._seqs[seq_id]
         pages = seq.all_pages()
-        self.tiers.disown(pages)
-        private = [
-            k
-            for b, shared in zip(seq.blocks, seq.shared)
-            if not shared
-            for k in (page_key(b, layer) for layer in range(seq.num_layers))
-        ]
-        self.tiers.forget(private)
+        tiers = self.tiers
+        tiers.disown(pages)
+        layers = range(seq.num_layers)
+        full = dict(self._content_keys(seq))  # full blocks busy now: renamed once idle
+        private: list[bytes] = []
+        for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
+            if shared:
+                continue
+            old = [page_key(b, layer) for layer in layers]
+            if i in full:
+                tiers.rename_when_idle(old, [page_key(full[i], layer) for layer in layers])
+            else:
+                private += old
+        tiers.forget(private)
         for k in private:
             self._last_use.pop(k, None)
         self._prefetched.difference_update(private)  # never to be used: no growth
+
+    @staticmethod
+    def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:
+        """(index, content key) of the full private blocks of ``seq``, each chained on the
+        content key of the block before it (published or not)."""
+        t, out = seq.page_tokens, []
+        parent = root_key(seq.namespace)
+        for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
+            if shared:
+                parent = b
+                continue
+            if seq.length < (i + 1) * t or len(seq.token_ids) < (i + 1) * t:
+                break
+            parent = block_key(parent, seq.token_ids[i * t : (i + 1) * t])
+            out.append((i, parent))
+        return out
 
     def publish(self, seq: SequenceState) -> None:
         """Give full private blocks their content keys, so other requests can reuse them."""

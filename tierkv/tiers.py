@@ -140,6 +140,9 @@ class TierSet:
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
         self._doomed: set[Key] = set()  # released private pages still busy: removed when idle
+        # released full blocks still busy (a write-behind copy reads them): renamed to their
+        # content keys once idle, so that they are cached, not freed
+        self._renames: list[tuple[list[Key], list[Key]]] = []
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -167,6 +170,11 @@ class TierSet:
     def doomed(self) -> AbstractSet[Key]:
         """Released private pages still busy, removed once idle (read-only)."""
         return self._doomed
+
+    @property
+    def renames_pending(self) -> int:
+        """Released blocks waiting to be idle to be renamed to their content keys."""
+        return len(self._renames)
 
     @property
     def dirty(self) -> Mapping[Key, int]:
@@ -283,8 +291,31 @@ class TierSet:
         self._doomed.update(k for k in keys if k not in self._owners)
         self.reap()
 
+    def rename_when_idle(self, old: Sequence[Key], new: Sequence[Key]) -> None:
+        """Rename released, unowned pages (a full block's private keys -> its content keys)
+        now, or as soon as they are idle (see :meth:`rekey`): a block busy at release is cached,
+        not freed. When ``new`` is held by then (another sequence published the same block),
+        the ``old`` pages go as released private pages do."""
+        if not self.rekey(old, new):
+            self._renames.append((list(old), list(new)))
+
+    def _retry_renames(self) -> None:
+        table, left = self._table, []
+        for old, new in self._renames:
+            if not any(table.tiers_of(k) for k in old):
+                continue  # evicted meanwhile: nothing to rename
+            if any(table.tiers_of(k) for k in new):
+                self._doomed.update(old)  # the block is cached under its content key already
+                continue
+            if not self.rekey(old, new):
+                left.append((old, new))
+        self._renames = left
+
     def reap(self) -> None:
-        """Remove the doomed pages that are idle now (readable, unpinned) from every tier."""
+        """Remove the doomed pages that are idle now (readable, unpinned) from every tier, and
+        give released busy blocks their content keys once they are idle."""
+        if self._renames:
+            self._retry_renames()
         if not self._doomed:
             return
         table = self._table
@@ -810,6 +841,9 @@ class TierSet:
         assert self._evict.write_behind_pinned >= 0, "write-behind pins went negative"
         for k in self._doomed:
             assert k not in self._owners, f"doomed page {k.hex()} is owned"
+        for old, _ in self._renames:
+            for k in old:
+                assert k not in self._owners, f"page {k.hex()} to be renamed is owned"
         for k in self._evict.dirty:
             assert table.present([k], DEVICE), f"dirty page {k.hex()} is not on the device"
 

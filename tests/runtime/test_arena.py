@@ -47,3 +47,21 @@ def test_allocate_free_errors_change_nothing(backend: CpuBackend) -> None:
     with pytest.raises(InvalidSlotError):
         a.slot_view(4)
     assert a.num_free == 2 and a.is_allocated(ids[1:]) and not a.is_allocated(ids[:1])
+
+
+def test_hand_over_gives_every_slot_to_the_owner() -> None:
+    from tierkv.runtime import ArenaError, get_backend
+
+    arena = get_backend("cpu").create_arena("t", slot_bytes=64, num_slots=4)
+    arena.hand_over()
+    arena.hand_over()  # idempotent
+    assert arena.handed_over and arena.is_allocated([0, 1, 2, 3])
+    with pytest.raises(ArenaError, match="handed over"):
+        arena.allocate(1)
+    with pytest.raises(ArenaError, match="handed over"):
+        arena.free([0])
+    used = get_backend("cpu").create_arena("u", slot_bytes=64, num_slots=4)
+    used.allocate(1)
+    with pytest.raises(ArenaError, match="already in use"):
+        used.hand_over()  # a slot someone holds cannot change hands
+    assert not used.handed_over and used.num_free == 3

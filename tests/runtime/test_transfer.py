@@ -220,3 +220,126 @@ def test_sync_callers(backend: CpuBackend) -> None:
     with TransferEngine(backend) as engine:
         stats = engine.submit(a, ia, b, ib).synchronize(timeout=10)
     assert stats.bytes == 512 and np.array_equal(b.array[ib], data)
+
+
+# -- job kinds: host functions (codecs) and async jobs (remote peers) ---------------------------
+async def test_call_jobs_share_priorities_bounds_and_stats(backend: CpuBackend) -> None:
+    host = backend.create_arena("host", slot_bytes=256, num_slots=8)
+    cold = backend.create_arena("cold", slot_bytes=64, num_slots=8)  # another slot size
+    ih, ic = host.allocate(8), cold.allocate(8)
+    fill_random(host, ih, seed=3)
+    ran: list[int] = []
+
+    def encode(i: int) -> int:
+        cold.array[ic[i]] = host.array[ih[i]][:64]  # a "codec": the first quarter
+        ran.append(i)
+        return i * 10
+
+    async with TransferEngine(backend, max_inflight=1) as engine:
+        gate = threading.Event()
+        engine.stream(host, cold).enqueue(lambda: gate.wait(10))
+        first = engine.submit_call(host, ih[:1], cold, ic[:1], lambda: encode(0))
+        late = engine.submit_call(
+            host, ih[1:2], cold, ic[1:2], lambda: encode(1), priority=Priority.WRITEBACK
+        )
+        soon = engine.submit_call(
+            host, ih[2:3], cold, ic[2:3], lambda: encode(2), priority=Priority.DEMAND
+        )
+        assert engine.inflight == 1 and engine.pending == 2  # bounded like copies
+        assert host.is_busy(ih[1:2]) and cold.is_busy(ic[2:3])  # its slots are busy
+        gate.set()
+        for h in (first, late, soon):
+            await h.wait(timeout=10)
+        assert ran == [0, 2, 1]  # by priority
+        assert soon.result() == 20 and soon.stats.kind == "call" and soon.stats.pages == 1
+        assert np.array_equal(cold.array[ic[2]], host.array[ih[2]][:64])
+        assert not host.is_busy(ih) and not cold.is_busy(ic)
+        assert engine.stats.by_kind == {"call": 3}
+
+
+async def test_a_failing_call_job_fails_its_handle_and_a_pending_one_can_be_dropped(
+    backend: CpuBackend,
+) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=32, num_slots=4)
+    ia, ib = a.allocate(4), b.allocate(4)
+
+    def boom() -> None:
+        raise ValueError("codec fault")
+
+    async with TransferEngine(backend, max_inflight=1) as engine:
+        gate = threading.Event()
+        engine.stream(a, b).enqueue(lambda: gate.wait(10))
+        bad = engine.submit_call(a, ia[:1], b, ib[:1], boom)
+        dropped = engine.submit_call(a, ia[1:2], b, ib[1:2], lambda: None)
+        assert dropped.cancel()
+        gate.set()
+        with pytest.raises(TransferError, match="codec fault") as info:
+            await bad
+        assert isinstance(info.value.__cause__, ValueError)
+        with pytest.raises(TransferCancelledError):
+            await dropped
+    assert engine.stats.failed == 1 and engine.stats.cancelled == 1
+
+
+async def test_async_jobs_run_on_the_loop_in_their_own_lane(backend: CpuBackend) -> None:
+    import asyncio
+
+    host = backend.create_arena("host", slot_bytes=64, num_slots=8)
+    ih = host.allocate(8)
+    release = asyncio.Event()
+    started: list[int] = []
+
+    async def peer_read(i: int) -> int:  # a remote peer writing host slot i
+        started.append(i)
+        await release.wait()
+        host.array[ih[i]] = i
+        return 1
+
+    async with TransferEngine(backend, max_inflight=1, max_external=1) as engine:
+        jobs = [
+            engine.submit_async(host, [], host, ih[i : i + 1], lambda i=i: peer_read(i))
+            for i in range(2)
+        ]
+        urgent = engine.submit_async(
+            host, [], host, ih[2:3], lambda: peer_read(2), priority=Priority.DEMAND
+        )
+        # the copy lane is not held by the async one: a copy runs while the peers wait
+        copy = engine.submit(host, ih[5:6], host, ih[6:7])
+        await copy.wait(timeout=10)
+        await asyncio.sleep(0)
+        assert started == [0] and engine.pending == 2  # bounded by max_external
+        release.set()
+        for h in [*jobs, urgent]:
+            assert await h.wait(timeout=10) and h.result() == 1
+        assert started == [0, 2, 1]  # by priority
+        assert all(h.stats.kind == "async" for h in jobs)
+        assert (host.array[ih[:3]] == np.arange(3)[:, None]).all()
+        assert engine.stats.by_kind == {"async": 3, "copy": 1}
+
+
+async def test_aclose_cancelling_stops_a_running_async_job(backend: CpuBackend) -> None:
+    import asyncio
+
+    host = backend.create_arena("host", slot_bytes=64, num_slots=2)
+    ih = host.allocate(2)
+    engine = TransferEngine(backend)
+    never = engine.submit_async(host, [], host, ih[:1], lambda: asyncio.sleep(3600))
+    await asyncio.sleep(0)
+    assert never.state == "running"
+    await engine.aclose(timeout=10, cancel_pending=True)
+    with pytest.raises(TransferCancelledError):
+        await never
+    assert engine.stats.cancelled == 1
+
+
+async def test_handed_over_slots_are_the_owners(backend: CpuBackend) -> None:
+    a = backend.create_arena("a", slot_bytes=64, num_slots=4)
+    b = backend.create_arena("b", slot_bytes=64, num_slots=4)
+    a.hand_over()
+    b.hand_over()
+    assert a.handed_over and a.num_free == 0 and a.num_used == 4
+    async with TransferEngine(backend) as engine:  # no allocate: every slot is the owner's
+        data = fill_random(a, np.arange(4), seed=5)
+        await engine.submit(a, [0, 1, 2, 3], b, [3, 2, 1, 0])
+        assert np.array_equal(b.array[::-1], data)
