@@ -43,7 +43,7 @@ from operator import itemgetter
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, make_policy
-from tierkv.policies.base import CanEvictSlot, ChainHint, Hints, page_hints
+from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
 
 
 class PageState(IntEnum):
@@ -360,10 +360,10 @@ class PageTable:
                 kept = t.policy.admit_many(new, new_hints)
                 if kept is not None:
                     rejected = [k for k, ok in zip(new, kept) if not ok]
-                    if isinstance(new_hints, ChainHint):  # the rest is no chain: per page
-                        new_hints = new_hints.hints(new, kept)
+                    if isinstance(new_hints, ChainHint):  # the rest is no chain: a part
+                        new_hints = ChainPart(new_hints, new, kept)
                     elif new_hints is not None:
-                        new_hints = [h for h, ok in zip(new_hints, kept) if ok]
+                        new_hints = [h for h, ok in zip(page_hints(new, new_hints), kept) if ok]
                     new = [k for k, ok in zip(new, kept) if ok]
                     need = len(new) - len(free)
             protected = 0

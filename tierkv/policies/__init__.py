@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from tierkv.errors import UnknownPolicyError
 from tierkv.policies.arc import ARCPolicy
-from tierkv.policies.base import NO_HINT, CanEvictSlot, ChainHint, EvictionPolicy, Key, PageHint
+from tierkv.policies.base import (
+    NO_HINT,
+    CanEvictSlot,
+    ChainHint,
+    ChainPart,
+    EvictionPolicy,
+    Key,
+    PageHint,
+)
 from tierkv.policies.kvaware import KVAwarePolicy
 from tierkv.policies.lfu import LFUPolicy
 from tierkv.policies.lru import LRUPolicy
@@ -46,6 +54,7 @@ __all__ = [
     "ARCPolicy",
     "CanEvictSlot",
     "ChainHint",
+    "ChainPart",
     "EvictionPolicy",
     "KVAwarePolicy",
     "Key",

@@ -103,31 +103,40 @@ class ARCPolicy(EvictionPolicy):
 
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
         links, key_of, b1, b2, fed = self._links, self._key, self._b1, self._b2, self._fed
-        size = links.size
+        t1, t2 = links.size[_T1], links.size[_T2]
+        n1, n2 = len(b1), len(b2)  # ghosts, kept in step with the dicts
+        c, fixed = self._c, self._fixed
+        run: list[int] = []  # new T1 pages, appended in one call
         for s, k in zip(slots, keys):
             key_of[s] = k
-            if (b1 or b2) and (k in b1 or k in b2):
+            if (n1 and k in b1) or (n2 and k in b2):  # remembered: straight to T2
                 if k not in fed:
                     self._adapt(k)
                 fed.discard(k)
                 if k in b1:
                     del b1[k]
+                    n1 -= 1
                 else:
                     del b2[k]
+                    n2 -= 1
                 links.append(_T2, s)
+                t2 += 1
             else:
                 if fed:
                     fed.discard(k)
-                links.append(_T1, s)
-            t1 = size[_T1]
-            resident = t1 + size[_T2]
-            if not self._fixed and resident > self._c:
-                self._c = resident
-            c = self._c
-            while b1 and t1 + len(b1) > c:
+                run.append(s)
+                t1 += 1
+            resident = t1 + t2
+            if not fixed and resident > c:
+                c = self._c = resident
+            while n1 and t1 + n1 > c:
                 b1.popitem(last=False)
-            while b2 and resident + len(b1) + len(b2) > 2 * c:
+                n1 -= 1
+            while n2 and resident + n1 + n2 > 2 * c:
                 b2.popitem(last=False)
+                n2 -= 1
+        if run:
+            links.extend(_T1, run)
         self._adapted = None
 
     def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:

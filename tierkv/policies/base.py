@@ -100,8 +100,25 @@ class ChainHint:
         ]
 
 
-Hints = Sequence[PageHint] | ChainHint | None
-"""Hints for a batch of new pages: one per page, one for the run, or none."""
+@dataclass(frozen=True, slots=True)
+class ChainPart:
+    """The pages of a :class:`ChainHint`'s run that admission kept: ``keys[i]`` for each
+    ``kept[i]``, each with the hint the whole run gives it (the page table passes this to
+    ``insert_slots`` when a policy declined some pages of a chain; no hint object per page).
+    """
+
+    chain: ChainHint
+    keys: Sequence[Key]
+    kept: Sequence[bool]
+
+    def hints(self) -> list[PageHint]:
+        """One :class:`PageHint` per kept page."""
+        return self.chain.hints(self.keys, self.kept)
+
+
+Hints = Sequence[PageHint] | ChainHint | ChainPart | None
+"""Hints for a batch of new pages: one per page, one for the run (or the kept part of a run),
+or none."""
 
 
 def page_hints(keys: Sequence[Key], hints: Hints) -> Sequence[PageHint]:
@@ -110,6 +127,8 @@ def page_hints(keys: Sequence[Key], hints: Hints) -> Sequence[PageHint]:
         return [NO_HINT] * len(keys)
     if isinstance(hints, ChainHint):
         return hints.hints(keys)
+    if isinstance(hints, ChainPart):
+        return hints.hints()
     return hints
 
 

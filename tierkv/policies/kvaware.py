@@ -11,9 +11,17 @@ import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
-from tierkv.policies.base import CanEvictSlot, ChainHint, EvictionPolicy, Hints, Key
+from tierkv.policies.base import (
+    CanEvictSlot,
+    ChainHint,
+    ChainPart,
+    EvictionPolicy,
+    Hints,
+    Key,
+)
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
+    SCAN_DECAY,
     SCAN_WARMUP,
     STEP_BLOCKS,
     STEP_PER_PAGES,
@@ -185,8 +193,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         """The use codes and priorities of this floor, by count: a touch or an insert then
         stores a shared int instead of making one (most are too large for CPython's cache)."""
         now = self._floor << 4
-        self._bump = [now + (c + 1 if c < MAX_COUNT else c) for c in range(16)]
-        self._start = [now + c for c in range(16)]
+        self._start = start = list(range(now, now + 16))
+        self._bump = start[1:] + start[MAX_COUNT:]
         self._start_prio = [self._floor + v for v in _VALUE]
         self._tables_floor = self._floor
 
@@ -230,6 +238,12 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             if n and hints.depth + n == hints.blocks:
                 lasts[-1] = True
             check = 1  # block i > 0 extends the block just queued: not an orphan
+        elif isinstance(hints, ChainPart):  # the pages admission kept of a chain's run
+            whole, kept = hints.keys, hints.kept
+            parents = [p for p, ok in zip([hints.chain.parent, *whole[:-1]], kept) if ok]
+            if n and kept[-1] and hints.chain.depth + len(whole) == hints.chain.blocks:
+                lasts[-1] = True
+            check = n
         else:
             parents = [h.parent for h in hints]
             lasts = [h.last for h in hints]
@@ -323,6 +337,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
         passed: list[int] = []
         before, i = len(out), 0
+        # the scan gate's measure (ConversationAdmission._left), in locals: most orphans count
+        left, used, seen = self._back_left, self._back_used, self._back_seen
         for s in fresh:  # grows as children are stranded
             if len(out) >= n:
                 break
@@ -333,7 +349,9 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             key = key_of[s]
             cd = code[s]
             if back[s] >= 0:
-                self._left(cd != back[s])
+                left = left * SCAN_DECAY + 1.0
+                used = used * SCAN_DECAY + (cd != back[s])
+                seen += 1
             parent = parent_of[s]  # kept: restore_slots reads it
             if parent is not None:
                 sibs = kids[parent]
@@ -354,6 +372,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             while len(gone) > limit:
                 gone.popitem(last=False)
             out.append(s)
+        self._back_left, self._back_used, self._back_seen = left, used, seen
         self._n -= len(out) - before
         if i < len(fresh):
             links.extend(_ORPHANS, fresh[i:])

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint
+from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint, page_hints
 
 HEAD_PER_PAGES = 750
 """Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
@@ -69,7 +69,16 @@ class ConversationAdmission:
         """Whether a full tier should store ``key`` (see ``KVAwarePolicy``)."""
         if hint is NO_HINT:  # the short way: no parent, not a last block
             return True
-        ok = self._judge(key, hint.depth, hint.last, hint.prefix_hits, hint.parent, hint.blocks)
+        ok = self._judge(
+            key,
+            hint.depth,
+            hint.last,
+            hint.prefix_hits,
+            hint.parent,
+            hint.blocks,
+            self._head_rule(),
+            self._step_rule(),
+        )
         if ok:  # a later page of the batch may extend it
             self._pending.setdefault(key, 0)
         return ok
@@ -85,8 +94,14 @@ class ConversationAdmission:
         if isinstance(hints, ChainHint):
             depth, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
             last = blocks - 1
+            head, step = self._head_rule(), self._step_rule()
+            gone, gate_open, readmitted = self._gone, not self._scan(), 0
             for k in keys:
-                ok = judge(k, depth, depth == last, hits, parent, blocks)
+                if gate_open and k in gone:  # readmitted, as _judge would (the gate is open)
+                    readmitted += 1
+                    ok = True
+                else:
+                    ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 if ok:
                     pending.setdefault(k, 0)
                 else:
@@ -94,9 +109,12 @@ class ConversationAdmission:
                 out.append(ok)
                 depth += 1
                 parent = k
+            if readmitted:
+                decisions = self._decisions
+                decisions["readmitted"] = decisions.get("readmitted", 0) + readmitted
         else:
             admit = self.admit
-            for k, h in zip(keys, hints):
+            for k, h in zip(keys, page_hints(keys, hints)):
                 ok = admit(k, h)
                 every = every and ok
                 out.append(ok)
@@ -119,9 +137,6 @@ class ConversationAdmission:
         out["head_blocks"] = self._head_rule()
         out["step_blocks"] = self._step_rule()
         return out
-
-    def _decided(self, what: str) -> None:
-        self._decisions[what] = self._decisions.get(what, 0) + 1
 
     def _remember(self, key: Key, count: int) -> None:
         gone = self._gone
@@ -161,42 +176,51 @@ class ConversationAdmission:
         return self._back_seen >= SCAN_WARMUP and self._back_used < SCAN_RATE * self._back_left
 
     def _judge(
-        self, key: Key, depth: int, last: bool, hits: int, parent: Key | None, blocks: int
+        self,
+        key: Key,
+        depth: int,
+        last: bool,
+        hits: int,
+        parent: Key | None,
+        blocks: int,
+        head: int,
+        step: int,
     ) -> bool:
-        """The admission rules for one page, its hint given field by field."""
-        if key in self._gone:
+        """The admission rules for one page, its hint given field by field (``head`` and
+        ``step``: :meth:`_head_rule` and :meth:`_step_rule`, read once per batch)."""
+        decisions = self._decisions
+        gone = self._gone
+        if key in gone:
             if self._scan():
                 self._probes += 1
                 if self._probes % SCAN_PROBE:
-                    self._gone.move_to_end(key)  # still remembered, as if declined now
-                    self._decided("declined_history_scan")
+                    gone.move_to_end(key)  # still remembered, as if declined now
+                    decisions["declined_history_scan"] = (
+                        decisions.get("declined_history_scan", 0) + 1
+                    )
                     return False
-            self._decided("readmitted")
+            decisions["readmitted"] = decisions.get("readmitted", 0) + 1
             return True
         later = hits > 1 and parent is not None and not last
-        if later:  # a later turn: how many never-seen blocks in a row does it bring?
-            step = self._step_rule()
-            if step:
-                start = self._run.get(parent, depth)
-                self._run[key] = start
-                if blocks - start >= step:
-                    self._remember(key, 1)
-                    self._decided("declined_step")
-                    return False
-        if hits <= 1 and not last:  # nothing hit past the shared root
-            head = self._head_rule()
-            if head:
-                if depth <= head:
-                    self._decided("admitted")
-                    return True
-                if not 0 < blocks <= self._short:
-                    self._remember(key, 1)
-                    self._decided("declined_head")
-                    return False
+        if later and step:  # a later turn: how many never-seen blocks in a row does it bring?
+            start = self._run.get(parent, depth)
+            self._run[key] = start
+            if blocks - start >= step:
+                self._remember(key, 1)
+                decisions["declined_step"] = decisions.get("declined_step", 0) + 1
+                return False
+        if head and hits <= 1 and not last:  # nothing hit past the shared root
+            if depth <= head:
+                decisions["admitted"] = decisions.get("admitted", 0) + 1
+                return True
+            if not 0 < blocks <= self._short:
+                self._remember(key, 1)
+                decisions["declined_head"] = decisions.get("declined_head", 0) + 1
+                return False
         if last:
             ok = False
         elif parent is None:
-            self._decided("admitted")
+            decisions["admitted"] = decisions.get("admitted", 0) + 1
             return True
         else:
             fanout = self._fanout_of(parent)
@@ -212,9 +236,10 @@ class ConversationAdmission:
                     self._pending[parent] = fanout + 1
         if not ok:
             self._remember(key, 1)
-            self._decided("declined_last" if last else "declined_fanout")
+            what = "declined_last" if last else "declined_fanout"
+            decisions[what] = decisions.get(what, 0) + 1
         else:
-            self._decided("admitted")
-            if later and self._step_rule():
+            decisions["admitted"] = decisions.get("admitted", 0) + 1
+            if later and step:
                 self._small.add(key)
         return ok
