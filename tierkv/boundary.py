@@ -6,6 +6,10 @@ The public methods of :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Leas
 :func:`map_error` and raised ``from`` the original (the mapping is drawn in
 :mod:`tierkv.errors`). Errors the table does not name (a bug's AttributeError, say) pass as they
 are: mapping them would hide the bug. Cancellation is never touched.
+
+Transport errors (from a remote tier) are mapped by the mapper the remote package registers
+(:func:`register_transport_mapper`, called by :mod:`tierkv.remote.errors` when it is imported):
+this module never imports the remote package, which imports the store.
 """
 
 from __future__ import annotations
@@ -34,7 +38,16 @@ from tierkv.runtime import (
 P = ParamSpec("P")
 R = TypeVar("R")
 
-__all__ = ["async_boundary", "boundary", "map_error"]
+__all__ = ["async_boundary", "boundary", "map_error", "register_transport_mapper"]
+
+TransportMapper = Callable[[transports.TransportError], TierKVError]
+_transport_mapper: list[TransportMapper] = []
+
+
+def register_transport_mapper(mapper: TransportMapper) -> None:
+    """Map transport errors at the boundary with ``mapper`` (the remote package's
+    ``map_transport_error``; the last one registered wins)."""
+    _transport_mapper[:] = [mapper]
 
 
 def map_error(exc: BaseException) -> TierKVError | None:
@@ -54,9 +67,9 @@ def map_error(exc: BaseException) -> TierKVError | None:
             return AllocationError(msg)
         return EngineError(msg)
     if isinstance(exc, transports.TransportError):
-        from tierkv.remote.errors import map_transport_error  # tierkv.remote imports the store
-
-        return map_transport_error(exc, "the remote tier")
+        if _transport_mapper:
+            return _transport_mapper[0](exc)
+        return TransferFailedError(f"the remote tier: {type(exc).__name__}: {msg}")
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(msg)
     return None

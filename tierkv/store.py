@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tierkv import validate
 from tierkv.admission import Admission
@@ -35,20 +35,17 @@ from tierkv.errors import (
 )
 from tierkv.keys import block_key, prefix_keys, root_key
 from tierkv.lease import Lease
+from tierkv.page_source import PageSource
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
+from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import EngineStats, TransferEngine, get_backend
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
-
-if TYPE_CHECKING:  # tierkv.remote imports this module: the store imports it when needed
-    from tierkv.remote.link import StoreRemote
-    from tierkv.remote.sources.source import PageSource
-
 
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
@@ -74,7 +71,7 @@ class KVStore(Prefetcher):
             prefixes) are compressed.
         write_behind: copy pages a lease wrote down to the host in the background when the
             lease ends, so that evicting them later costs no wait.
-        remote: a remote tier (any :class:`~tierkv.remote.PageSource`: a peer's page server,
+        remote: a remote tier (any :class:`~tierkv.page_source.PageSource`: a peer's page server,
             a cluster of them, Redis), or several consulted in order. Blocks missing locally
             are imported from it by :meth:`add_sequence` / :meth:`fetch_prefix`; content pages
             leaving the host tier are pushed to the first one (``remote_write``). Failures are
@@ -172,8 +169,6 @@ class KVStore(Prefetcher):
         self._closed = False
         self.remote: StoreRemote | None = None
         if remote is not None:
-            from tierkv.remote.link import StoreRemote
-
             sources = list(remote) if isinstance(remote, Sequence) else [remote]
             self.remote = StoreRemote(
                 sources,

@@ -17,6 +17,7 @@ RemoteTimeoutError, anything else -> RemoteError.
 from __future__ import annotations
 
 import tierkv.transports as transports
+from tierkv.boundary import register_transport_mapper
 from tierkv.errors import TierKVError
 
 __all__ = [
@@ -61,3 +62,7 @@ def map_transport_error(exc: transports.TransportError, what: str) -> RemoteErro
     if isinstance(exc, transports.TransferTimeoutError):
         return RemoteTimeoutError(f"{what}: {exc}")
     return RemoteError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+# the store's error boundary maps transport errors with this (it never imports this package)
+register_transport_mapper(lambda exc: map_transport_error(exc, "the remote tier"))

@@ -17,8 +17,8 @@ import numpy.typing as npt
 
 from tierkv import validate
 from tierkv.keys import prefix_keys
+from tierkv.page_source import PageSource
 from tierkv.prompt import prompt_keys
-from tierkv.remote.sources.source import PageSource
 from tierkv.runtime import TransferError
 from tierkv.sequence import page_key
 from tierkv.store import KVStore

@@ -1,0 +1,186 @@
+"""Pushing pages that leave the host tier to a remote tier: staged, batched, best-effort.
+
+The eviction that lets a page go must not wait on the network, and the page's slot is reused as
+soon as it returns. So an offered page is copied (one gather per offer) into a staging buffer of
+our own, and a background task publishes staged pages in batches::
+
+    eviction: offer(victims) --copy--> staging [ p0 | p1 | ... | p(cap-1) ] --publish--> remote
+              (waits at most `wait`    pending: (key, staging slot) ...      one call per batch,
+               for room, else drops)                                         bounded by timeout
+
+After a wait ran out, offers stop waiting (they stage what fits and drop the rest) until half
+the buffer is free again: a remote slower than the evictions costs them one wait, not one each.
+
+Failures (remote down, full, slow) are counted, never raised into the eviction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from tierkv.page_source import PageSource
+
+__all__ = ["PushCounters", "Pusher"]
+
+
+@dataclass(slots=True)
+class PushCounters:
+    """Monotonic counters of a :class:`Pusher`."""
+
+    offered: int = 0  # content pages offered by evictions
+    staged: int = 0  # copied into the staging buffer
+    dropped: int = 0  # offered but not staged (no room within the wait)
+    pushed: int = 0  # newly stored by the remote
+    batches: int = 0  # publish calls
+    errors: int = 0  # publish calls that failed (their pages are lost to the remote)
+    last_error: str = ""
+
+
+class Pusher:
+    """Publishes offered pages to ``source`` in the background.
+
+    Args:
+        source: where pages go.
+        page_bytes: bytes per page.
+        capacity: staging buffer size, in pages.
+        batch: the most pages of one publish call.
+        wait: the longest an offer waits for staging room, in seconds.
+        timeout: the bound of one publish call, in seconds.
+    """
+
+    def __init__(
+        self,
+        source: PageSource,
+        page_bytes: int,
+        *,
+        capacity: int = 256,
+        batch: int = 64,
+        wait: float = 0.05,
+        timeout: float = 5.0,
+    ) -> None:
+        if capacity < 1 or batch < 1:
+            raise ValueError("capacity and batch must be at least 1")
+        self.source = source
+        self.staging: npt.NDArray[np.uint8] = np.zeros((capacity, page_bytes), np.uint8)
+        self.batch, self.wait, self.timeout = batch, wait, timeout
+        self.counters = PushCounters()
+        self._free = list(range(capacity))
+        self._pending: list[tuple[bytes, int]] = []
+        self._staged: set[bytes] = set()
+        self._work = asyncio.Event()
+        self._room = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._busy = 0  # pages in the publish call now
+        self._shedding = False  # offers do not wait for room (see offer)
+        self._capacity = capacity
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the background publisher (on the running loop)."""
+        if self._task is None and not self._closed:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def aclose(self, flush: float = 0.0) -> None:
+        """Stop; staged pages are published first for at most ``flush`` seconds."""
+        if self._closed:
+            return
+        self._closed = True
+        task, self._task = self._task, None
+        if task is None:
+            return
+        if flush > 0 and self.pending:
+            self._task = task  # flush() waits only while the publisher runs
+            await self.flush(flush)
+            self._task = None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    @property
+    def pending(self) -> int:
+        """Pages staged and not yet published (or being published)."""
+        return len(self._pending) + self._busy
+
+    async def flush(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) until every staged page went out or failed;
+        True when none is left."""
+        deadline = time.monotonic() + timeout
+        while self.pending and self._task is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._room.wait(), left)
+        return not self.pending
+
+    async def offer(
+        self, keys: Sequence[bytes], array: npt.NDArray[np.uint8], slots: Sequence[int]
+    ) -> int:
+        """Stage ``array[slots[i]]`` as page ``keys[i]`` (pages already staged are skipped);
+        returns the pages staged. Waits at most ``wait`` seconds for room; the rest is dropped.
+        The caller keeps the source slots unchanged until this returns."""
+        if self._closed or self._task is None:
+            return 0
+        todo = [(k, s) for k, s in zip(keys, slots) if k not in self._staged]
+        self.counters.offered += len(todo)
+        if len(self._free) < len(todo) and self.wait > 0 and not self._shedding:
+            deadline = time.monotonic() + self.wait
+            while len(self._free) < len(todo) and (left := deadline - time.monotonic()) > 0:
+                self._room.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._room.wait(), left)
+            # the remote is slower than the evictions: stop waiting until half the buffer is
+            # free again (one wait per backlog, not one per eviction)
+            self._shedding = len(self._free) < len(todo)
+            todo = [(k, s) for k, s in todo if k not in self._staged]  # staged meanwhile
+        fit = todo[: len(self._free)]
+        self.counters.dropped += len(todo) - len(fit)
+        if not fit:
+            return 0
+        dst = self._free[len(self._free) - len(fit) :]
+        del self._free[len(self._free) - len(fit) :]
+        self.staging[dst] = array[[s for _, s in fit]]  # one gather, before the slots go
+        for (k, _), d in zip(fit, dst):
+            self._pending.append((k, d))
+            self._staged.add(k)
+        self.counters.staged += len(fit)
+        self._work.set()
+        return len(fit)
+
+    async def _run(self) -> None:
+        while True:
+            await self._work.wait()
+            self._work.clear()
+            while self._pending:
+                take, self._pending = self._pending[: self.batch], self._pending[self.batch :]
+                await self._publish(take)
+
+    async def _publish(self, take: list[tuple[bytes, int]]) -> None:
+        keys, slots = [k for k, _ in take], [s for _, s in take]
+        self.counters.batches += 1
+        self._busy = len(take)
+        try:
+            stored = await asyncio.wait_for(
+                self.source.publish(keys, self.staging, slots), self.timeout
+            )
+            if type(stored) is not int:
+                raise TypeError(f"publish answered {type(stored).__name__}, not an int")
+            self.counters.pushed += max(0, min(stored, len(keys)))
+        except Exception as exc:  # a failing source (hostile answers too) is counted, not raised
+            self.counters.errors += 1
+            self.counters.last_error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._busy = 0
+            self._staged.difference_update(keys)
+            self._free.extend(slots)
+            if self._shedding and len(self._free) * 2 >= self._capacity:
+                self._shedding = False
+            self._room.set()
