@@ -23,6 +23,10 @@ was dropped before it started). A busy slot cannot be freed (SlotBusyError). Can
 awaits a handle never stops a copy that has started; `handle.cancel()` drops a batch only while it
 is still pending. (An arena whose slots were handed over to their owner, `Arena.hand_over`, keeps
 no busy counts: the owner's own state says what is in flight.)
+
+This file stays whole (over 400 lines): the handle and the engine share one lock and one
+state machine (pending -> running -> done / failed / cancelled) across the three job kinds,
+and splitting them would spread that machine over modules.
 """
 
 from __future__ import annotations

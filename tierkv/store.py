@@ -15,6 +15,10 @@
 Pages of a sequence live on the device while leased and move down (host, then compressed cold)
 when the device needs room; they come back on the next lease or, better, on a prefetch announced
 with :meth:`KVStore.schedule` or :meth:`KVStore.prefetch`.
+
+This file stays whole (over 400 lines): it is the public API of the store, one method per verb
+a server calls, each a thin checked entry over the tier core (:mod:`tierkv.tiers`), and most of
+its length is their documentation.
 """
 
 from __future__ import annotations
