@@ -336,11 +336,11 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         if size[_ORPHANS]:  # the queue first, then the fresh ones
             fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
         passed: list[int] = []
-        before, i = len(out), 0
+        before, i, need = len(out), 0, n - len(out)
         # the scan gate's measure (ConversationAdmission._left), in locals: most orphans count
         left, used, seen = self._back_left, self._back_used, self._back_seen
         for s in fresh:  # grows as children are stranded
-            if len(out) >= n:
+            if not need:
                 break
             i += 1
             if can_evict is not None and not can_evict(s):
@@ -367,11 +367,12 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                         qcode[c] = code[c]
                         where[c] = _ORPHAN
                         fresh.append(c)
-            gone[key] = cd & 15  # remembered (as _remember)
+            gone[key] = cd & 15  # remembered (as _remember; one more key: one out at most)
             gone.move_to_end(key)
-            while len(gone) > limit:
+            if len(gone) > limit:
                 gone.popitem(last=False)
             out.append(s)
+            need -= 1
         self._back_left, self._back_used, self._back_seen = left, used, seen
         self._n -= len(out) - before
         if i < len(fresh):

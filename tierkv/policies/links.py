@@ -148,8 +148,20 @@ class Links:
 
     def move(self, q: int, s: int) -> None:
         """Move linked slot ``s`` to the tail of queue ``q`` (from any queue)."""
-        self.unlink(s)
-        self.append(q, s)
+        prv, nxt, queue, size = self.prev, self.next, self.queue, self.size
+        p = prv[s]
+        n = nxt[s]
+        nxt[p] = n
+        prv[n] = p
+        h = self.base + q
+        t = prv[h]
+        nxt[t] = s
+        prv[s] = t
+        nxt[s] = h
+        prv[h] = s
+        size[queue[s]] -= 1
+        size[q] += 1
+        queue[s] = q
 
     def move_to_back(self, q: int, slots: Iterable[int]) -> None:
         """Move linked ``slots``, in order, to the tail of queue ``q`` (from any queue; a slot
