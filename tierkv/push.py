@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +27,14 @@ import numpy.typing as npt
 
 from tierkv.page_source import PageSource
 
-__all__ = ["PushCounters", "Pusher"]
+__all__ = ["PushCounters", "Pusher", "Runner"]
+
+# runs one remote call to its end (a job of the store's transfer engine, see StoreRemote.attach)
+Runner = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
+
+
+async def _direct(call: Callable[[], Awaitable[int]]) -> int:
+    return await call()
 
 
 @dataclass(slots=True)
@@ -81,6 +88,7 @@ class Pusher:
         self._shedding = False  # offers do not wait for room (see offer)
         self._capacity = capacity
         self._closed = False
+        self.runner: Runner = _direct  # the store sets its engine's (async jobs)
 
     def start(self) -> None:
         """Start the background publisher (on the running loop)."""
@@ -168,8 +176,11 @@ class Pusher:
         self.counters.batches += 1
         self._busy = len(take)
         try:
-            stored = await asyncio.wait_for(
-                self.source.publish(keys, self.staging, slots), self.timeout
+            # the bound is inside the call: when it returns, nothing reads the rows any more
+            stored = await self.runner(
+                lambda: asyncio.wait_for(
+                    self.source.publish(keys, self.staging, slots), self.timeout
+                )
             )
             if type(stored) is not int:
                 raise TypeError(f"publish answered {type(stored).__name__}, not an int")

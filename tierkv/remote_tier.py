@@ -100,6 +100,7 @@ class StoreRemote:
         """Hook into an opened store's tiers (evictions offer their pages)."""
         self._tiers = tiers
         if self.pusher is not None:
+            self.pusher.runner = tiers.run_remote  # each publish: a job of the transfer engine
             self.pusher.start()
             tiers.set_remote_offer(self._offer)
 

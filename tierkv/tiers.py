@@ -55,7 +55,14 @@ from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, when_done, within
 from tierkv.owners import Owners
 from tierkv.page_table import PageState, PageTable, StoreAllocation
-from tierkv.runtime import Arena, Backend, Priority, TransferEngine, TransferHandle
+from tierkv.runtime import (
+    Arena,
+    Backend,
+    Priority,
+    TransferEngine,
+    TransferError,
+    TransferHandle,
+)
 from tierkv.spec import KVSpec
 from tierkv.table_view import TableView
 from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
@@ -548,6 +555,18 @@ class TierSet:
         settle()
         got = handle.result()
         return max(0, min(got, len(new))) if type(got) is int else 0
+
+    async def run_remote(self, call: Callable[[], Awaitable[int]]) -> int:
+        """Run a remote call that touches no host slot (it reads a buffer of the caller's: the
+        push staging) as an async job of the transfer engine, to its end (``call`` bounds
+        itself). Returns what it returned; raises what it raised (unwrapped)."""
+        host = self._arenas[HOST]
+        handle = self.engine.submit_async(host, [], host, [], call, priority=Priority.WRITEBACK)
+        try:
+            await job_done(handle)
+        except TransferError as exc:
+            raise (exc.__cause__ or exc) from None
+        return cast(int, handle.result())
 
     async def export_host(
         self,

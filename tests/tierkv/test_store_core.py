@@ -282,3 +282,32 @@ def test_no_import_cycle_runs_through_the_store_core() -> None:
 
     cycles = [m for m in sorted(CORE) if m in graph and reaches(m, m)]
     assert cycles == [], f"import cycles through {cycles}"
+
+
+async def test_remote_pushes_and_imports_are_engine_jobs() -> None:
+    from .test_store_stateful import DictSource
+
+    src = DictSource()
+    async with KVStore(
+        SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None, remote=src
+    ) as store:
+        ref = await fill(store, "a", 1, n=9)  # 2 full blocks: content pages once released
+        await store.release("a")
+        for i in range(5):  # the host fills: a's cached pages leave it, pushed to the remote
+            await fill(store, f"b{i}", 2 + i, n=8)
+            await store.release(f"b{i}")
+        await store.drain()
+        pushed = store.stats()["remote"]["pushes"]
+        assert pushed >= 1 and len(src.pages) >= pushed
+        kinds = store.engine_stats().by_kind
+        assert kinds.get("async", 0) >= 1, kinds  # each publish ran as an engine job
+    async with KVStore(
+        SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None, remote=src
+    ) as fresh:  # a's prefix comes back from the remote, bit-exact, through the engine
+        got = await fresh.add_sequence("a", tokens(1, 9))
+        assert got == 8, got
+        assert fresh.stats()["remote"]["hits"] >= 1
+        assert fresh.engine_stats().by_kind.get("async", 0) >= 1
+        part = {layer: (k[:, :got], v[:, :got]) for layer, (k, v) in ref.items()}
+        await check(fresh, "a", part)
+        await fresh.release("a")
