@@ -24,6 +24,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
@@ -264,7 +265,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__copy(void) {
 #ifdef TIERKV_X86
     __builtin_cpu_init();
-    have_avx2 = __builtin_cpu_supports("avx2");
+    const char *avx2 = getenv("TIERKV_COPY_AVX2"); /* "0": the SSE2 path (tests use it) */
+    have_avx2 = __builtin_cpu_supports("avx2") && !(avx2 && avx2[0] == '0');
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;

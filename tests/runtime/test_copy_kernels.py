@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -208,3 +210,37 @@ def test_the_native_kernel_rejects_malformed_arguments() -> None:
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         copy_rows(dst, ids, ro, ids, np.zeros(64, np.uint8), kernel="native")
+
+
+_SSE2_CHECK = """
+import numpy as np
+from tierkv.runtime.copy_kernels import copy_rows, native_streaming
+assert native_streaming() == "sse2", native_streaming()
+rng = np.random.default_rng(1)
+for row in (1000, 1024, 4097, 16384):
+    for stream_min in (0, 1 << 62):
+        src = rng.integers(0, 256, (64, row), np.uint8)
+        buf = rng.integers(0, 256, 64 * row + 70, np.uint8)
+        dst = buf[3 : 3 + 64 * row].reshape(64, row)
+        s = rng.permutation(64)[:40]
+        d = np.concatenate([np.arange(5, 25), rng.permutation(np.arange(30, 64))[:20]])
+        want = buf.copy()
+        want[3 : 3 + 64 * row].reshape(64, row)[d] = src[s]
+        copy_rows(src, s, dst, d, np.zeros(0, np.uint8), stream_min_bytes=stream_min)
+        assert np.array_equal(buf, want), (row, stream_min)
+print("ok")
+"""
+
+
+@needs_native
+@pytest.mark.skipif(native_streaming() != "avx2", reason="the AVX2 path is not in use here")
+def test_the_sse2_path_gives_the_same_bytes() -> None:
+    """Where the CPU has AVX2 the SSE2 path is otherwise never run: force it in a child."""
+    out = subprocess.run(
+        [sys.executable, "-c", _SSE2_CHECK],
+        env={**os.environ, "TIERKV_COPY_AVX2": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
