@@ -5,51 +5,73 @@ run first; their device-resident pages are marked as about to be used (the first
 most recent), then their absent pages are loaded in that order as far as the device holds them
 without evicting an announced page. :meth:`~tierkv.store.KVStore.prefetch` loads given
 sequences (or layers) now: best effort, wait, or wait with a timeout. Accuracy is counted when a
-lease uses a prefetched page. Part of :class:`~tierkv.store.KVStore`.
+lease uses a prefetched page. A collaborator of :class:`~tierkv.store.KVStore`, built by it
+with what it needs (no mixin): the live sequences, the tier core and the admission (both read
+when used: they exist while the store is open), the counters and a task spawner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from typing import Any
 
+from tierkv.admission import Admission
 from tierkv.errors import TierFullError, UnknownPageError
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tier_stats import DEVICE
+from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
 
-if TYPE_CHECKING:
-    from tierkv.admission import Admission
-    from tierkv.tiers import TierSet
+__all__ = ["Prefetcher"]
 
 
 class Prefetcher:
-    """Mixin of :class:`~tierkv.store.KVStore`: prefetch and schedule."""
+    """Prefetch and schedule for one store."""
 
-    spec: KVSpec
-    timeout: float
-    prefetch_window: int
-    counters: StoreCounters
-    timeline: Timeline
-    _seqs: dict[str, SequenceState]
-    _prefetched: set[bytes]
+    def __init__(
+        self,
+        spec: KVSpec,
+        seqs: Mapping[str, SequenceState],
+        tiers: Callable[[], TierSet],
+        admission: Callable[[], Admission],
+        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        counters: StoreCounters,
+        timeline: Timeline,
+        *,
+        window: int,
+        timeout: float,
+    ) -> None:
+        self.spec = spec
+        self._seqs = seqs
+        self._tiers = tiers
+        self._admission = admission
+        self._spawn = spawn
+        self.counters = counters
+        self.timeline = timeline
+        self.prefetch_window = window
+        self.timeout = timeout
+        self._prefetched: set[bytes] = set()
 
-    if TYPE_CHECKING:  # provided by KVStore
+    @property
+    def tiers(self) -> TierSet:
+        """The store's tier core (raises StoreClosedError when closed)."""
+        return self._tiers()
 
-        @property
-        def tiers(self) -> TierSet: ...
+    @property
+    def admission(self) -> Admission:
+        """The store's admission of leases."""
+        return self._admission()
 
-        @property
-        def admission(self) -> Admission: ...
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Pages that will never be used (released): no longer counted as prefetched."""
+        self._prefetched.difference_update(keys)
 
-        def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
-
-    def lease_began(self, keys: Sequence[bytes]) -> None:
+    def used(self, keys: Sequence[bytes]) -> None:
         """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
         pf = self._prefetched
         if pf:

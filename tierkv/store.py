@@ -54,7 +54,7 @@ from tierkv.timeline import Timeline
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
 
-class KVStore(Prefetcher):
+class KVStore:
     """A tiered, paged KV store for one model layout.
 
     Args:
@@ -140,7 +140,6 @@ class KVStore(Prefetcher):
         self.namespace = namespace
         self.timeout = timeout
         self.compress_after = compress_after
-        self.prefetch_window = prefetch_window
         self.write_behind = write_behind
         self.compress_live = compress_live
         self._codec = get_codec(codec) if codec else None
@@ -165,11 +164,21 @@ class KVStore(Prefetcher):
         self._incarnations = 0
         self._engine: TransferEngine | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._prefetched: set[bytes] = set()
         self._last_use: dict[bytes, int] = {}
         self._clock = 0
         self.counters = StoreCounters()
         self.timeline = Timeline()
+        self._prefetcher = Prefetcher(
+            spec,
+            self._seqs,
+            lambda: self.tiers,
+            lambda: self.admission,
+            self._spawn,
+            self.counters,
+            self.timeline,
+            window=prefetch_window,
+            timeout=timeout,
+        )
         self._closed = False
         self.remote: StoreRemote | None = None
         if remote is not None:
@@ -238,6 +247,11 @@ class KVStore(Prefetcher):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+    @property
+    def prefetch_window(self) -> int:
+        """How many announced steps :meth:`schedule` prefetches ahead."""
+        return self._prefetcher.prefetch_window
 
     @property
     def closed(self) -> bool:
@@ -437,7 +451,7 @@ class KVStore(Prefetcher):
         tiers.forget(private)
         for k in private:
             self._last_use.pop(k, None)
-        self._prefetched.difference_update(private)  # never to be used: no growth
+        self._prefetcher.forget(private)  # never to be used: no growth
 
     @staticmethod
     def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:
@@ -505,7 +519,8 @@ class KVStore(Prefetcher):
         ids = validate.seq_ids(seq_ids)
         ls = None if layers is None else validate.layers(layers, self.spec.num_layers)
         limit = None if timeout is None else validate.seconds("timeout", timeout)
-        return await super().prefetch(ids, ls, wait=validate.flag("wait", wait), timeout=limit)
+        flag = validate.flag("wait", wait)
+        return await self._prefetcher.prefetch(ids, ls, wait=flag, timeout=limit)
 
     @boundary
     def schedule(self, steps: Sequence[Sequence[str]]) -> None:
@@ -514,9 +529,13 @@ class KVStore(Prefetcher):
         that is not a list of ids."""
         if isinstance(steps, str | bytes) or not isinstance(steps, Sequence):
             raise InvalidTypeError(f"steps: expected a list of lists of ids, got {steps!r}")
-        super().schedule([validate.seq_ids(step, "a step") for step in steps])
+        self._prefetcher.schedule([validate.seq_ids(step, "a step") for step in steps])
 
     # -- the lease's hooks (tierkv.lease.LeaseHost) -------------------------------------------
+    def lease_began(self, keys: Sequence[bytes]) -> None:
+        """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
+        self._prefetcher.used(keys)
+
     def is_live(self, seq: SequenceState) -> bool:
         """True while ``seq`` is a live sequence of this store (not released, id not reused)."""
         return self._seqs.get(seq.seq_id) is seq
