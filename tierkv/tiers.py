@@ -312,7 +312,9 @@ class TierSet:
             if not any(table.tiers_of(k) for k in old):
                 continue  # evicted meanwhile: nothing to rename
             if any(table.tiers_of(k) for k in new):
-                self._doomed.update(old)  # the block is cached under its content key already
+                for k in old:  # the block is cached under its content key already: old goes
+                    self._evict.dirty.pop(k, None)
+                self._doomed.update(old)
                 continue
             if not self.rekey(old, new):
                 left.append((old, new))
@@ -328,6 +330,9 @@ class TierSet:
         table = self._table
         for t in table.tier_names:
             self._cold.forget_in(t, cast(list[Key], table.present(self._doomed, t)))
+        dirty = self._evict.dirty
+        for k in self._doomed:  # a doomed page's device copy is never written back
+            dirty.pop(k, None)
         self._doomed = {k for k in self._doomed if table.tiers_of(k)}
 
     def idle(self, key: Key) -> bool:
