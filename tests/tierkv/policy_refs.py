@@ -85,8 +85,7 @@ class KeyPolicy(EvictionPolicy):
         self.ref.restore(keys, states)
 
     def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
-        if hints is None:
-            return None
+        # every key, hinted or not (ARC adapts on a ghost either way)
         kept = [self.ref.admit(k, h) for k, h in zip(keys, page_hints(keys, hints))]
         return None if all(kept) else kept
 

@@ -320,11 +320,6 @@ def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int
 # -- kvaware: the slot implementation decides exactly as the key-based reference ----------------
 
 
-def _keyed_kvaware() -> EvictionPolicy:
-    """kvaware as it ran on keys (``kvaware_ref.py``), bound through ``KeyPolicy``."""
-    return KeyPolicy(RefKVAware())
-
-
 def _request(chain: int, n: int, blocks: int, hits: int = 0) -> tuple[list[int], list[PageHint]]:
     """The first ``n`` blocks of conversation ``chain`` (ids 6c..6c+5, each extending the one
     before), hinted as the replay hints them (``hits``: the request's resident prefix)."""
@@ -363,16 +358,57 @@ PT_OPS = st.lists(
 )
 
 
+CONFIGS = [{}, {"step_blocks": 2, "head_blocks": 1}]  # defaults; small steps and heads (taken)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "small-steps"])
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(2, 8), ops=PT_OPS)
-@mock.patch("tierkv.policies.kvaware_admission.SCAN_WARMUP", 3)  # the gate opens and closes
 def test_kvaware_matches_its_key_reference(
-    capacity: int, ops: list[tuple[str, int, int, int, bool]]
+    config: dict[str, int], capacity: int, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:
     """Every call, victim and residency of kvaware equals the key-based reference's; stores
-    hinted per page and by one ChainHint (the table derives the page hints) alike."""
-    with mock.patch.dict(POLICIES, {"kvaware-keys": _keyed_kvaware}):
-        tables = [PageTable({"t": capacity}, name) for name in ("kvaware", "kvaware-keys")]
+    hinted per page and by one ChainHint (the table derives the page hints) alike. With small
+    ``step_blocks`` the step rule declines (it never does at the defaults on these tiers)."""
+    policies = {
+        "kvaware-slots": lambda: KVAwarePolicy(**config),
+        "kvaware-keys": lambda: KeyPolicy(RefKVAware(**config)),
+    }
+    with (
+        mock.patch.dict(POLICIES, policies),
+        mock.patch("tierkv.policies.kvaware_admission.SCAN_WARMUP", 3),  # opens and closes
+    ):
+        _match_the_reference(capacity, ops, policies)
+
+
+def test_kvaware_declines_a_large_step_under_a_chain_hint_as_the_reference() -> None:
+    """The batch admission of a ChainHint (readmissions and step declines judged in the loop)
+    against the reference, on a run the step rule declines."""
+    config = CONFIGS[1]
+    policies = {
+        "kvaware-slots": lambda: KVAwarePolicy(**config),
+        "kvaware-keys": lambda: KeyPolicy(RefKVAware(**config)),
+    }
+    ops = [  # fill a 4-page tier with two chains, then a later turn adds 3 blocks to chain 0
+        ("store", 0, 2, 2, False),
+        ("done", 1, 0, 0, True),
+        ("store", 1, 2, 2, False),
+        ("done", 1, 0, 0, True),
+        ("chain", 0, 5, 5, False),
+        ("chain", 0, 5, 5, False),  # the declined blocks come back: readmitted
+    ]
+    with mock.patch.dict(POLICIES, policies):
+        tables = _match_the_reference(4, ops, policies)
+    stats = tables[0].policy("t").stats()
+    assert stats["declined_step"] == 2 and stats["declined_last"] >= 1
+    assert stats["readmitted"] >= 2
+    assert stats == tables[1].policy("t").stats()
+
+
+def _match_the_reference(
+    capacity: int, ops: list[tuple[str, int, int, int, bool]], policies: dict[str, Any]
+) -> list[PageTable]:
+    tables = [PageTable({"t": capacity}, name) for name in policies]
     assert isinstance(tables[0].policy("t"), KVAwarePolicy)
     assert isinstance(tables[1].policy("t"), KeyPolicy)
     writing: list[list[int]] = []  # outstanding prepare_store / prepare_load / prepare_evict
@@ -437,6 +473,7 @@ def test_kvaware_matches_its_key_reference(
             run("rekey", old, [next(fresh) for _ in old], "t")
         assert tables[0].take_events() == tables[1].take_events()
         assert sorted(tables[0].keys("t")) == sorted(tables[1].keys("t"))
+    return tables
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

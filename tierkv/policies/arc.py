@@ -156,12 +156,12 @@ class ARCPolicy(EvictionPolicy):
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         links = self._links
         k1 = self._from_t1(n)
-        first = links.take(_T1, k1, can_evict) if k1 else []
-        second = links.take(_T2, n - len(first), can_evict) if len(first) < n else []
+        first = links.take(_T1, k1, can_evict, True) if k1 else []
+        second = links.take(_T2, n - len(first), can_evict, True) if len(first) < n else []
         third: list[int] = []
         got = len(first) + len(second)
         if got < n and len(first) == k1:  # T2 ran dry: T1 again (unless it ran dry first)
-            third = links.take(_T1, n - got, can_evict)
+            third = links.take(_T1, n - got, can_evict, True)
         key_of = self._key
         b1, b2 = self._b1, self._b2
         for s in first:

@@ -95,11 +95,26 @@ class ConversationAdmission:
             depth, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
             last = blocks - 1
             head, step = self._head_rule(), self._step_rule()
-            gone, gate_open, readmitted = self._gone, not self._scan(), 0
+            gone, gate_open, readmitted, stepped = self._gone, not self._scan(), 0, 0
+            run, remember = self._run, self._remember
             for k in keys:
-                if gate_open and k in gone:  # readmitted, as _judge would (the gate is open)
-                    readmitted += 1
-                    ok = True
+                if k in gone:
+                    if gate_open:  # readmitted, as _judge would (the gate is open)
+                        readmitted += 1
+                        ok = True
+                    else:
+                        ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
+                elif (
+                    step
+                    and hits > 1
+                    and parent is not None
+                    and depth != last
+                    and blocks - run.get(parent, depth) >= step
+                ):  # the run is a large step: declined, as _judge would
+                    run[k] = run.get(parent, depth)
+                    remember(k, 1)
+                    stepped += 1
+                    ok = False
                 else:
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 if ok:
@@ -109,9 +124,11 @@ class ConversationAdmission:
                 out.append(ok)
                 depth += 1
                 parent = k
+            decisions = self._decisions
             if readmitted:
-                decisions = self._decisions
                 decisions["readmitted"] = decisions.get("readmitted", 0) + readmitted
+            if stepped:
+                decisions["declined_step"] = decisions.get("declined_step", 0) + stepped
         else:
             admit = self.admit
             for k, h in zip(keys, page_hints(keys, hints)):

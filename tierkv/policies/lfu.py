@@ -122,7 +122,7 @@ class LFUPolicy(EvictionPolicy):
         while mask and len(out) < n:
             low = mask & -mask
             count = low.bit_length() - 1
-            got = self._links.take(count, n - len(out), can_evict)
+            got = self._links.take(count, n - len(out), can_evict, True)
             for s in got:
                 self._forget(s, count)
             out += got

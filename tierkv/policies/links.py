@@ -187,10 +187,21 @@ class Links:
         nxt[t] = h
         prv[h] = t
 
-    def take(self, q: int, n: int, can_go: Callable[[int], bool] | None) -> list[int]:
+    def take(
+        self,
+        q: int,
+        n: int,
+        can_go: Callable[[int], bool] | None,
+        one_by_one: bool = False,
+    ) -> list[int]:
         """Unlink and return up to ``n`` slots from the head of queue ``q`` for which
         ``can_go`` is true (every slot when None); the slots passed over on the way go to the
-        tail, in order. Looks at each slot once at most."""
+        tail, in order. Looks at each slot once at most.
+
+        ``one_by_one``: leave the queue as ``n`` scans for one slot each would (each moving
+        the slots it passes over to the tail at once): when the queue runs out, the slots
+        passed after the last one taken end up ahead of those passed before it (the scans
+        after the last one taken went round the whole queue)."""
         prv, nxt, size = self.prev, self.next, self.size
         h = self.base + q
         out: list[int] = []
@@ -205,6 +216,7 @@ class Links:
             size[q] -= len(out)
             return out
         passed: list[int] = []
+        cut = 0  # slots passed before the last one taken
         for _ in range(size[q]):
             if len(out) >= n:
                 break
@@ -212,6 +224,7 @@ class Links:
             if can_go(s):
                 out.append(s)
                 prv[s] = UNLINKED
+                cut = len(passed)
             else:
                 passed.append(s)
             s = after
@@ -219,6 +232,8 @@ class Links:
         prv[s] = h
         size[q] -= len(out) + len(passed)
         if passed:
+            if one_by_one and len(out) < n and cut:
+                passed = passed[cut:] + passed[:cut]
             self.extend(q, passed)
         return out
 
