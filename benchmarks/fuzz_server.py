@@ -1,4 +1,5 @@
-"""Hostile load against a page server (issue 14), measured in one run.
+"""Hostile load against a page server (issue 14), measured in one run. One file (~590 lines):
+the child server, the flood process and the fuzzer are this script re-run in other modes.
 
     python benchmarks/fuzz_server.py [--quick] [--frames N] [--repeat R] [--json FILE]
                                      [--plot FILE.png]
@@ -20,6 +21,8 @@ RSS, peak RSS (VmHWM) and traced Python memory on request, so the client's memor
                    the repetitions' ratios (flood median / quiet median). Target: <= 2x. Also
                    timed: a fresh connection (handshake and one lookup). The machine's load
                    average is reported before and after (the ratio follows it on a shared box).
+                   Then the same with an impatient flood: each connection closes right after
+                   its garbage and reconnects at once (from 127.0.0.<30+r>).
   fuzz             N frames (default 10^5; --frames 1000000 for the issue's figure): 1% to
                    unauthenticated connections, one each (random bytes; truncated, oversized,
                    deeply nested frames; hellos with bad proofs), the rest tagged on
@@ -65,6 +68,7 @@ from tierkv.transports.session import HELLO_MAX, PREFIX
 SECRET = b"fuzz-bench"
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
 KB = 1 << 10
+WINDOW_S = 8.0  # each timed phase of the flood: longer than the server's 5 s hold of refusals
 OPS = ["hello", "lookup", "acquire", "release", "reserve", "commit", "stats", "locate"]
 OPS += ["watch", "unwatch", "hold", "zz", ""]
 
@@ -182,8 +186,10 @@ def preauth_memory(conns: int) -> dict[str, Any]:
     return out
 
 
-async def flood_main(host: str, port: int, conns: int, source: str) -> None:
-    """Flood mode: ``conns`` connections sending maximum-size garbage, until killed."""
+async def flood_main(host: str, port: int, conns: int, source: str, patient: bool) -> None:
+    """Flood mode: ``conns`` connections sending maximum-size garbage, until killed; each
+    waits (up to 5 s) for the server to end it when ``patient``, else closes and reconnects
+    at once."""
     junk = PREFIX.pack(8 << 20) + os.urandom(64 * KB)
     sent = 0
 
@@ -197,7 +203,8 @@ async def flood_main(host: str, port: int, conns: int, source: str) -> None:
                 w.write(junk)
                 await w.drain()
                 sent += 1
-                await asyncio.wait_for(r.read(), 5)
+                if patient:
+                    await asyncio.wait_for(r.read(), 5)
                 w.close()
             except (OSError, TimeoutError):
                 await asyncio.sleep(0.001)
@@ -209,8 +216,10 @@ async def flood_main(host: str, port: int, conns: int, source: str) -> None:
     await asyncio.gather(report(), *(one() for _ in range(conns)))
 
 
-async def _lookups(address: str, n: int) -> tuple[list[float], list[float]]:
-    """Lookups on one session, and fresh connections (handshake + one lookup)."""
+async def _lookups(address: str, n: int, seconds: float) -> tuple[list[float], list[float]]:
+    """Lookups on one session (at least ``n``, and for at least ``seconds``: a flood's window
+    must span the server's hold of refused connections, so reconnects fall in it), and fresh
+    connections (handshake + one lookup)."""
     keys = [bytes([i % 256]) * 32 for i in range(64)]
     fresh = []
     for _ in range(max(1, n // 10)):
@@ -222,9 +231,10 @@ async def _lookups(address: str, n: int) -> tuple[list[float], list[float]]:
         await ctl.aclose()
     ctl = Control(address, secret=SECRET, timeout=30)
     await ctl.open()
-    out = []
+    out: list[float] = []
+    end = time.perf_counter() + seconds
     try:
-        for _ in range(n):
+        while len(out) < n or time.perf_counter() < end:
             t0 = time.perf_counter()
             await ctl.call("lookup", keys=keys)
             out.append(time.perf_counter() - t0)
@@ -234,10 +244,14 @@ async def _lookups(address: str, n: int) -> tuple[list[float], list[float]]:
     return out, fresh
 
 
-def _flood_once(child: Child, conns: int, calls: int, source: str) -> dict[str, Any]:
+def _flood_once(child: Child, conns: int, calls: int, source: str, patient: bool) -> dict[str, Any]:
     """One repetition: quiet lookups, then lookups while a flood process runs from ``source``."""
-    quiet, quiet_fresh = asyncio.run(_lookups(child.address, calls))
+    base = child.stats()
+    t0 = time.perf_counter()
+    quiet, quiet_fresh = asyncio.run(_lookups(child.address, calls, WINDOW_S))
+    quiet_cpu = (child.stats()["cpu_us"] - base["cpu_us"]) / 1e6 / (time.perf_counter() - t0)
     args = [sys.executable, __file__, "--flood", child.host, str(child.port), str(conns), source]
+    args.append(str(int(patient)))
     flooder = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
         assert flooder.stdout is not None
@@ -245,7 +259,7 @@ def _flood_once(child: Child, conns: int, calls: int, source: str) -> dict[str, 
         time.sleep(0.5)
         base = child.stats()
         t0 = time.perf_counter()
-        loud, loud_fresh = asyncio.run(_lookups(child.address, calls))
+        loud, loud_fresh = asyncio.run(_lookups(child.address, calls, WINDOW_S))
         dt = time.perf_counter() - t0
         after = child.stats()
     finally:
@@ -265,14 +279,18 @@ def _flood_once(child: Child, conns: int, calls: int, source: str) -> dict[str, 
         "quiet_connect_median_ms": statistics.median(quiet_fresh) * 1e3,
         "flood_connect_median_ms": statistics.median(loud_fresh) * 1e3,
         "flood_connections_refused_per_s": refused / dt,
-        "server_cpu_us_per_flood_connection": cpu / max(1, refused) * 1e6,
+        # the server's CPU beyond the quiet phase's share, per connection it refused
+        "server_cpu_us_per_flood_connection": max(0.0, cpu - quiet_cpu * dt)
+        / max(1, refused)
+        * 1e6,
         "server_cpu_share_during_flood": cpu / dt,
+        "server_cpu_share_quiet": quiet_cpu,
         "refused_held": after["refused_held"],
         "server_rss_after_MB": after["rss"] / 2**20,
     }
 
 
-def flood(conns: int, calls: int, repeat: int) -> dict[str, Any]:
+def flood(conns: int, calls: int, repeat: int, patient: bool = True) -> dict[str, Any]:
     """``repeat`` repetitions on one server, each flooding from a new address; the figures
     are the medians over the repetitions (each repetition's own in ``runs``)."""
     child = Child()
@@ -280,7 +298,8 @@ def flood(conns: int, calls: int, repeat: int) -> dict[str, Any]:
     runs = []
     try:
         for r in range(repeat):
-            run = _flood_once(child, conns, calls, f"127.0.0.{3 + r}")
+            source = f"127.0.0.{(3 if patient else 30) + r}"
+            run = _flood_once(child, conns, calls, source, patient)
             runs.append(run)
             print(
                 f"  flood {r + 1}/{repeat}: {run['quiet_median_ms']:.2f} -> "
@@ -453,6 +472,48 @@ def plot(fl: dict[str, Any], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _flood_rows(label: str, fl: dict[str, Any]) -> list[list[str]]:
+    """The table rows of one flood mode."""
+    q, f = fl["quiet_connect_median_ms"], fl["flood_connect_median_ms"]
+    return [
+        [
+            f"{label}: lookup median ms, quiet -> flood (median of {len(fl['ratios'])} runs)",
+            f"{fl['quiet_median_ms']:.2f} -> {fl['flood_median_ms']:.2f}",
+            "<= 2x",
+            f"{fl['ratio']:.2f}x",
+        ],
+        [f"{label}: flood / quiet per run", " ".join(f"{r:.2f}" for r in fl["ratios"]), "", ""],
+        [
+            f"{label}: lookup p99 ms, quiet -> flood",
+            f"{fl['quiet_p99_ms']:.2f} -> {fl['flood_p99_ms']:.2f}",
+            "",
+            f"{fl['flood_p99_ms'] / fl['quiet_p99_ms']:.2f}x",
+        ],
+        [f"{label}: connect + handshake + lookup median ms", f"{q:.2f} -> {f:.2f}", "", ""],
+        [
+            f"{label}: server CPU share of a core, quiet -> flood (us per refusal)",
+            f"{fl['server_cpu_share_quiet']:.2f} -> {fl['server_cpu_share_during_flood']:.2f} "
+            f"({fl['server_cpu_us_per_flood_connection']:.0f})",
+            "",
+            "",
+        ],
+        [
+            f"{label}: connections refused per s",
+            f"{fl['flood_connections_refused_per_s']:.0f}",
+            "",
+            "",
+        ],
+        [
+            f"{label}: load average (1, 5, 15 min) before -> after",
+            " ".join(f"{x:.2f}" for x in fl["load_average_before"])
+            + " -> "
+            + " ".join(f"{x:.2f}" for x in fl["load_average_after"]),
+            "",
+            "",
+        ],
+    ]
+
+
 def main() -> int:
     import argparse
 
@@ -468,7 +529,10 @@ def main() -> int:
     print("measuring pre-auth memory ...", file=sys.stderr, flush=True)
     mem = preauth_memory(conns)
     print("measuring a legitimate request under a flood ...", file=sys.stderr, flush=True)
-    fl = flood(100, calls, args.repeat or (3 if args.quick else 5))
+    repeat = args.repeat or (3 if args.quick else 5)
+    fl = flood(100, calls, repeat)
+    print("... and under a flood that reconnects at once ...", file=sys.stderr, flush=True)
+    fi = flood(100, calls, repeat, patient=False)
     print(f"fuzzing {frames:,} frames ...", file=sys.stderr, flush=True)
     fz = fuzz(frames)
     worst = max(max(v["traced_per_conn"], v["rss_per_conn"]) for v in mem.values())
@@ -482,56 +546,7 @@ def main() -> int:
         ]
         for k, v in mem.items()
     ]
-    ratio = fl["ratio"]
-    rows.append(
-        [
-            f"lookup median ms, quiet -> flood (median of {len(fl['ratios'])} repetitions)",
-            f"{fl['quiet_median_ms']:.2f} -> {fl['flood_median_ms']:.2f}",
-            "<= 2x",
-            f"{ratio:.2f}x",
-        ]
-    )
-    rows.append(
-        ["flood / quiet per repetition", " ".join(f"{r:.2f}" for r in fl["ratios"]), "", ""]
-    )
-    rows.append(
-        [
-            "lookup p99 ms, quiet -> flood",
-            f"{fl['quiet_p99_ms']:.2f} -> {fl['flood_p99_ms']:.2f}",
-            "",
-            f"{fl['flood_p99_ms'] / fl['quiet_p99_ms']:.2f}x",
-        ]
-    )
-    rows.append(
-        [
-            "connect + handshake + lookup median ms, quiet -> flood",
-            f"{fl['quiet_connect_median_ms']:.2f} -> {fl['flood_connect_median_ms']:.2f}",
-            "",
-            f"{fl['flood_connect_median_ms'] / fl['quiet_connect_median_ms']:.2f}x",
-        ]
-    )
-    rows.append(
-        [
-            "server CPU per flood connection, us (CPU share during the flood)",
-            f"{fl['server_cpu_us_per_flood_connection']:.0f} "
-            f"({fl['server_cpu_share_during_flood']:.2f})",
-            "",
-            "",
-        ]
-    )
-    rows.append(
-        ["flood connections refused per s", f"{fl['flood_connections_refused_per_s']:.0f}", "", ""]
-    )
-    rows.append(
-        [
-            "load average (1, 5, 15 min) before -> after",
-            " ".join(f"{x:.2f}" for x in fl["load_average_before"])
-            + " -> "
-            + " ".join(f"{x:.2f}" for x in fl["load_average_after"]),
-            "",
-            "",
-        ]
-    )
+    rows += _flood_rows("flood", fl) + _flood_rows("impatient flood", fi)
     rows.append(
         [
             f"fuzzed frames ({fz['frames']:,}, {fz['frames_per_s']:.0f}/s): crashes",
@@ -545,11 +560,13 @@ def main() -> int:
     figures = {
         "preauth": mem,
         "flood": {k: v for k, v in fl.items() if k not in ("quiet_ms", "flood_ms")},
+        "impatient_flood": {k: v for k, v in fi.items() if k not in ("quiet_ms", "flood_ms")},
         "fuzz": fz,
     }
     ratios = {
         "pre-auth KiB per connection / 64": worst / (64 * KB),
-        "flood median / quiet median": ratio,
+        "flood median / quiet median": fl["ratio"],
+        "impatient flood median / quiet median": fi["ratio"],
     }
     write_json(args.json, figures, ratios)
     if args.plot:
@@ -565,6 +582,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         asyncio.run(serve(int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4] == "1"))
     elif len(sys.argv) > 1 and sys.argv[1] == "--flood":
-        asyncio.run(flood_main(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))
+        argv = sys.argv
+        asyncio.run(flood_main(argv[2], int(argv[3]), int(argv[4]), argv[5], argv[6] == "1"))
     else:
         sys.exit(main())

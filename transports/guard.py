@@ -85,7 +85,9 @@ class Audit:
         key = f"{event}:{reason}"
         if key in self.by_reason or len(self.by_reason) < 64:
             self.by_reason[key] += 1
-        limit = self._limits.setdefault(event, RateLimit(self._rate, self._burst))
+        limit = self._limits.get(event)
+        if limit is None:
+            limit = self._limits[event] = RateLimit(self._rate, self._burst)
         if not limit.take():
             self._suppressed[event] += 1
             return
@@ -169,10 +171,11 @@ class Gate:
         bucket = self._strikes.get(address)
         if bucket is None:
             return False
-        if bucket.available() >= bucket.burst:
+        tokens = bucket.available()
+        if tokens >= bucket.burst:
             del self._strikes[address]  # forgiven: forget it
             return False
-        return bucket.available() < 1.0
+        return tokens < 1.0
 
     def admit(self, address: str) -> str | None:
         """Count a new connection from ``address``, or return the budget that refuses it

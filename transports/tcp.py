@@ -1,5 +1,7 @@
 """TCP: peers across hosts. One-sided operations are emulated by a server on the target that
 serves reads and writes against its registered regions (see tcp_server.py, tcp_wire.py).
+This file stays whole (~410 lines): the client connection and the transport's chunking share
+the pending-request record and the checksum thread; the server side and the framing are apart.
 
 The initiator splits a batch into requests of at most `chunk_bytes`, pipelines them on one
 connection per peer, and receives read payloads straight into its local regions. Responses come

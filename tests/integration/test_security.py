@@ -223,6 +223,38 @@ async def test_pre_auth_flood_is_bounded_and_a_client_still_gets_through() -> No
         assert srv.control.sessions == 1  # only the client's
 
 
+async def test_an_address_whose_handshakes_keep_failing_is_refused_at_accept() -> None:
+    """Past ``max_preauth_failures`` failed handshakes, an address's new connections get no
+    challenge (nothing is read or sent), are held, then reset; other addresses and sessions
+    already authenticated are served as before."""
+    async with (
+        page_server(max_preauth_failures=3, refused_hold=0.2) as srv,
+        peer(srv.address) as client,  # from 127.0.0.1
+    ):
+        for _ in range(3):  # from 127.0.0.2: garbage hellos, each a failure
+            r, w = await asyncio.open_connection(srv.host, srv.port, local_addr=("127.0.0.2", 0))
+            w.write(PREFIX.pack(8 << 20) + bytes(64))
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(r.read(), TIMEOUT)
+            w.close()
+        for _ in range(100):
+            if srv.gate.penalized("127.0.0.2"):
+                break
+            await asyncio.sleep(0.02)
+        assert srv.gate.penalized("127.0.0.2") and not srv.gate.penalized("127.0.0.1")
+        sessions = srv.control.sessions
+        r, w = await asyncio.open_connection(srv.host, srv.port, local_addr=("127.0.0.2", 0))
+        with pytest.raises(ConnectionResetError):  # no challenge: held, then reset
+            got = await asyncio.wait_for(r.read(), TIMEOUT)
+            raise AssertionError(f"not reset: {got[:16]!r}")
+        w.close()
+        assert srv.control.sessions == sessions  # no session was made for it
+        assert srv.audit.by_reason["budget_hit:penalty"] == 1
+        assert await client.lookup(KEYS) == 0  # the other address is served
+        async with peer(srv.address) as other:  # and can still connect
+            assert await other.lookup(KEYS) == 0
+
+
 @pytest.mark.parametrize("caps", [{"max_preauth_per_peer": 4}, {"max_preauth": 4}])
 async def test_silent_connections_are_capped(caps: dict[str, int]) -> None:
     """Per peer address and in all: the 5th and 6th silent connections are closed at once."""

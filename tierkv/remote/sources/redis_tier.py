@@ -1,4 +1,7 @@
-"""`RedisTier`: a remote tier on Redis / Valkey (one server or a Redis Cluster).
+"""`RedisTier`: a remote tier on Redis / Valkey (one server or a Redis Cluster). This file
+stays whole (~500 lines): one class whose calls share the availability state, the backoff and
+the rate-limited log; the value layout (redis_value.py) and the ASK follower (redis_ask.py) are
+apart already.
 
 ::
 
