@@ -137,7 +137,8 @@ class ARCPolicy(EvictionPolicy):
                 n2 -= 1
         if run:
             links.extend(_T1, run)
-        self._adapted = None
+        if slots:  # an insert ends the adaptation its admission made (none: nothing ends)
+            self._adapted = None
 
     def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         self._links.move_to_back(_T2, slots)
