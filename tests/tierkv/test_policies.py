@@ -347,6 +347,7 @@ PT_OPS = st.lists(
                 "rekey",
                 "chain",
                 "chain",
+                "fork",
             ]
         ),
         st.integers(0, 4),  # a conversation (or, for touch, the number of uses)
@@ -405,6 +406,30 @@ def test_kvaware_declines_a_large_step_under_a_chain_hint_as_the_reference() -> 
     assert stats == tables[1].policy("t").stats()
 
 
+@pytest.mark.parametrize("touch", [0, 1, 2])
+def test_kvaware_strands_every_sibling_as_the_reference(touch: int) -> None:
+    """A page with two resident children (a fork off conversation 0's first block) is evicted:
+    both children are orphans, in the reference's order."""
+    policies = {
+        "kvaware-slots": KVAwarePolicy,
+        "kvaware-keys": lambda: KeyPolicy(RefKVAware()),
+    }
+    ops = [
+        ("store", 0, 3, 3, False),  # 0 -> 1 -> 2
+        ("done", 1, 0, 0, True),
+        ("fork", 0, 2, 0, True),  # 0 -> 1000 -> 1001
+        ("done", 1, 0, 0, True),
+        ("touch", touch, 0, 0, False),  # uses of the most recent pages: other rankings
+        ("evict", 0, 1, 0, False),
+        ("evict", 0, 1, 0, False),
+        ("evict", 0, 3, 0, False),
+        ("evict", 0, 3, 0, False),
+    ]
+    with mock.patch.dict(POLICIES, policies):
+        tables = _match_the_reference(5, ops, policies)
+    assert tables[0].used("t") <= 5
+
+
 def _match_the_reference(
     capacity: int, ops: list[tuple[str, int, int, int, bool]], policies: dict[str, Any]
 ) -> list[PageTable]:
@@ -446,6 +471,17 @@ def _match_the_reference(
             at = len(keys) - len(store)
             hint = ChainHint(at, keys[at - 1] if at else None, h, len(keys) if blocks else 0)
             alloc = run("prepare_store", store, "t", hint)[0]
+            if alloc is not None and alloc.keys:
+                writing.append(alloc.keys)
+        elif op == "fork":  # a branch off conversation 0's block ``blocks % 6``: siblings
+            at = blocks % 6 + 1
+            keys = [1000 + 10 * chain + i for i in range(max(num, 1))]
+            if flag:
+                hint: Any = ChainHint(at, at - 1, ref.lookup(list(range(at)), "t"), at + num)
+            else:
+                parents = [at - 1, *keys[:-1]]
+                hint = [PageHint(at + i, False, 2, parents[i], 40) for i in range(len(keys))]
+            alloc = run("prepare_store", keys, "t", hint)[0]
             if alloc is not None and alloc.keys:
                 writing.append(alloc.keys)
         elif op == "done" and writing:

@@ -55,6 +55,7 @@ _MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
 # round the whole ring of 64 buckets, lap after lap while a lap still evicts or moves a page, and
 # stops early only when it has its n victims.
 _ORPHANS = _MASK + 1  # the orphan queue's index after the buckets'
+_NONE = object()  # no entry in _kids
 
 
 class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
@@ -140,7 +141,9 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._back_left = self._back_used = 0.0
         self._back_seen = self._probes = 0
         self._decisions: dict[str, int] = {}
-        self._kids: dict[Key, set[Key]] = {}  # parent key -> resident children
+        # parent key -> its resident child, or a set of them (most pages have one child: no
+        # set to make and drop per page); a set stays a set until it is empty
+        self._kids: dict[Key, Key | set[Key]] = {}
         self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
@@ -275,11 +278,13 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 else:
                     where[s] = p = start_prio[c]
                     q = p & _MASK
-                sibs = kids.get(parent)
-                if sibs is None:
-                    kids[parent] = {k}
-                else:
+                sibs = kids.get(parent, _NONE)
+                if sibs is _NONE:
+                    kids[parent] = k
+                elif isinstance(sibs, set):
                     sibs.add(k)
+                else:
+                    kids[parent] = {sibs, k}
             if q == run_q:
                 run.append(s)
             else:
@@ -287,11 +292,11 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     extend(run_q, run)
                 run, run_q = [s], q
             if kids:
-                mine = kids.get(k)
-                if mine:  # its stranded children are orphans no more
+                mine = kids.get(k, _NONE)
+                if mine is not _NONE:  # its stranded children are orphans no more
                     extend(run_q, run)
                     run, run_q = [], -1
-                    for child in mine:
+                    for child in mine if isinstance(mine, set) else (mine,):
                         self._requeue(slot_of[child], False)
         if run:
             extend(run_q, run)
@@ -316,8 +321,11 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parent = self._parent[s]
             if parent is not None:
                 sibs = kids[parent]
-                sibs.discard(k)
-                if not sibs:
+                if isinstance(sibs, set):
+                    sibs.discard(k)
+                    if not sibs:
+                        del kids[parent]
+                elif sibs == k:
                     del kids[parent]
             self._remember(k, self._code[s] & 15)
 
@@ -356,12 +364,15 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parent = parent_of[s]  # kept: restore_slots reads it
             if parent is not None:
                 sibs = kids[parent]
-                sibs.discard(key)
-                if not sibs:
+                if isinstance(sibs, set):
+                    sibs.discard(key)
+                    if not sibs:
+                        del kids[parent]
+                elif sibs == key:
                     del kids[parent]
-            mine = kids.get(key)
-            if mine:  # stranded in turn
-                for child in mine:
+            mine = kids.get(key, _NONE)
+            if mine is not _NONE:  # stranded in turn
+                for child in mine if isinstance(mine, set) else (mine,):
                     c = slot_of[child]
                     if where[c] != _ORPHAN:
                         unlink(c)
@@ -428,14 +439,17 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 parent = parent_of[s]  # kept for restore_slots
                 if parent is not None:
                     sibs = kids[parent]
-                    sibs.discard(key)
-                    if not sibs:
+                    if isinstance(sibs, set):
+                        sibs.discard(key)
+                        if not sibs:
+                            del kids[parent]
+                    elif sibs == key:
                         del kids[parent]
                 fresh: list[int] = []
                 if kids:
-                    mine = kids.get(key)
-                    if mine:  # stranded: orphans now
-                        for child in mine:
+                    mine = kids.get(key, _NONE)
+                    if mine is not _NONE:  # stranded: orphans now
+                        for child in mine if isinstance(mine, set) else (mine,):
                             c = slot_of[child]
                             if where[c] != _ORPHAN:
                                 unlink(c)
@@ -481,9 +495,17 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             links.appendleft(q, s)
             self._n += 1
             if parent is not None:
-                kids.setdefault(parent, set()).add(k)
-            for child in kids.get(k, ()):
-                self._requeue(slot_of[child], False, reset=False)
+                sibs = kids.get(parent, _NONE)
+                if sibs is _NONE:
+                    kids[parent] = k
+                elif isinstance(sibs, set):
+                    sibs.add(k)
+                else:
+                    kids[parent] = {sibs, k}
+            mine = kids.get(k, _NONE)
+            if mine is not _NONE:
+                for child in mine if isinstance(mine, set) else (mine,):
+                    self._requeue(slot_of[child], False, reset=False)
 
     def _clone(self) -> KVAwarePolicy:
         """A copy that shares nothing mutable (``_slot_of``, read-only here, is shared)."""
@@ -492,7 +514,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             setattr(c, name, copy.copy(getattr(self, name)))
         # the history never steers a victim (only inserts read it): the copy starts without it
         c._gone = OrderedDict()
-        c._kids = {k: set(v) for k, v in self._kids.items()}
+        c._kids = {k: set(v) if isinstance(v, set) else v for k, v in self._kids.items()}
         c._links = self._links.copy()
         for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):
             setattr(c, name, list(getattr(self, name)))
