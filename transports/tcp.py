@@ -1,6 +1,6 @@
 """TCP: peers across hosts. One-sided operations are emulated by a server on the target that
 serves reads and writes against its registered regions (see tcp_server.py, tcp_wire.py).
-This file stays whole (~410 lines): the client connection and the transport's chunking share
+This file stays whole (~420 lines): the client connection and the transport's chunking share
 the pending-request record and the checksum thread; the server side and the framing are apart.
 
 The initiator splits a batch into requests of at most `chunk_bytes`, pipelines them on one
@@ -49,11 +49,11 @@ from .errors import (
     RemoteAccessError,
     TransportError,
 )
-from .guard import Audit, PeerCaps
+from .guard import Audit, Gate
 from .handle import TransferHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
-from .session import proof, seals, session_keys, transcript
-from .tcp_server import ServerConnection, ServerSide
+from .session import HELLO_DEADLINE, proof, seals, session_keys, transcript
+from .tcp_server import ServerSide, TcpServer
 from .tcp_wire import (
     CLIENT_ROLE,
     HEADER_LIMITS,
@@ -262,6 +262,11 @@ class TcpTransport(Transport):
     thread when `checksum_thread` (default: when this process may use 4 or more CPUs).
     `ssl_server` / `ssl_client`: TLS contexts for our server and our connections (encrypts
     headers and payloads; the shared-secret handshake still runs inside; docs/security.md).
+    `max_conns_per_peer` / `max_preauth_per_peer` / `max_preauth` / `max_preauth_failures`:
+    our server's admission by address, decided before anything is read (guard.Gate: open and
+    unauthenticated connections per address, unauthenticated ones in all, failed handshakes an
+    address may have at once, None: no penalty); refused connections are held unread for the
+    hello deadline, then reset.
     """
 
     kind = "tcp"
@@ -280,7 +285,10 @@ class TcpTransport(Transport):
         chunk_bytes: int = 4 << 20,
         checksum: bool = True,
         checksum_thread: bool | None = None,
+        max_conns_per_peer: int = 256,
         max_preauth_per_peer: int = 32,
+        max_preauth: int = 1024,
+        max_preauth_failures: int | None = 64,
         ssl_server: SSLContext | None = None,
         ssl_client: SSLContext | None = None,
     ) -> None:
@@ -294,7 +302,6 @@ class TcpTransport(Transport):
         self._secret = secret if secret is not None else (env or "").encode()
         self.host, self.port, self.advertise = host, port, advertise or host
         self.max_frame, self.chunk_bytes, self.checksum = max_frame, chunk_bytes, checksum
-        self._server: asyncio.AbstractServer | None = None
         self._conns: dict[str, ClientConnection] = {}
         self.audit = Audit("tcp")
         threaded = spare_cores() if checksum_thread is None else checksum_thread
@@ -305,18 +312,20 @@ class TcpTransport(Transport):
             timeout=timeout,
             max_frame=max_frame,
             audit=self.audit,
-            preauth=PeerCaps(max_preauth_per_peer),
+            gate=Gate(
+                per_peer=max_conns_per_peer,
+                preauth_per_peer=max_preauth_per_peer,
+                preauth_total=max_preauth,
+                failures=max_preauth_failures,
+            ),
             checksums=self._checksums,
             deliver=self._deliver,
             serve_view=self._serve_view,
         )
+        self._server = TcpServer(self._serving, ssl=ssl_server, hold_s=min(timeout, HELLO_DEADLINE))
 
     async def _start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: ServerConnection(self._serving), self.host, self.port, ssl=self.ssl_server
-        )
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = self._server.start(self.host, self.port)
 
     def _peer_fields(self) -> dict[str, Any]:
         return {"host": self.advertise, "port": self.port}
@@ -403,9 +412,8 @@ class TcpTransport(Transport):
         return conn.request(direction, segs, views, crc).future
 
     async def _close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for conn in [*self._conns.values(), *self._serving.conns]:
+        self._server.close()
+        for conn in self._conns.values():
             conn.abort()
         self._conns.clear()
         self._checksums.close()

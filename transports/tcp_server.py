@@ -1,8 +1,11 @@
-"""The tcp transport's server side: one `ServerConnection` per accepted peer.
+"""The tcp transport's server side: `TcpServer` accepts, one `ServerConnection` per admitted peer.
 
-It authenticates the peer (challenge -> auth -> welcome: the mutual handshake of session.py,
-which also settles the wire version and the checksum algorithm; at most `max_preauth_per_peer`
-connections per address may be at that stage, each for at most the timeout), then serves
+Admission is decided from the peer's address before anything is read (acceptor.py, guard.Gate:
+at most `max_preauth_per_peer` connections per address at the handshake, 1,024 in all, and a
+penalty for an address whose handshakes keep failing; refused connections are held unread,
+then reset). A connection authenticates the peer (challenge -> auth -> welcome: the mutual
+handshake of session.py, which also settles the wire version and the checksum algorithm,
+within the timeout), then serves
 requests in order (every header tagged under the session's keys):
 "read" (answered by "data" + payload, then a "crc" frame when asked for one), "write" (payload
 received straight into the region, answered by "ok"), "notify" (no answer). Every segment is
@@ -23,15 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hmac
 import secrets
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from ssl import SSLContext
 from typing import Any
 
+from .acceptor import Acceptor, listen
 from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
-from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
+from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, Gate
 from .session import NONCE_BYTES, proof, seals, session_keys, transcript
 from .tcp_wire import (
     CLIENT_ROLE,
@@ -44,23 +51,24 @@ from .tcp_wire import (
     parse_segs,
 )
 
-__all__ = ["ServerConnection", "ServerSide"]
+__all__ = ["ServerConnection", "ServerSide", "TcpServer"]
 
 
 @dataclass(slots=True)
 class ServerSide:
     """What the server connections of one transport share with it (the transport builds it;
     this module never imports the transport): its identity and secret, the bounds, the
-    security counters, the checksum thread, where notifications go (``deliver``: False when
-    over its budget) and how a request's segment resolves (``serve_view``: raises
-    RemoteAccessError), and the connections open now (closed with the transport)."""
+    security counters and the admission gate, the checksum thread, where notifications go
+    (``deliver``: False when over its budget) and how a request's segment resolves
+    (``serve_view``: raises RemoteAccessError), and the connections open now (closed with the
+    transport)."""
 
     name: str
     secret: bytes
     timeout: float
     max_frame: int
     audit: Audit
-    preauth: PeerCaps
+    gate: Gate
     checksums: ChecksumThread
     deliver: Callable[[str, bytes], bool]
     serve_view: Callable[[int, int, int], memoryview]
@@ -82,9 +90,10 @@ class _Reply:
 
 
 class ServerConnection(FrameProtocol):
-    """Serves one authenticated peer against the regions `owner` resolves."""
+    """Serves one authenticated peer against the regions `owner` resolves (``address``: the
+    peer's, as the gate admitted it; the gate hears of its handshake and its end)."""
 
-    def __init__(self, owner: ServerSide) -> None:
+    def __init__(self, owner: ServerSide, address: str) -> None:
         super().__init__()
         self.owner = owner
         self.peer: str | None = None
@@ -95,18 +104,12 @@ class ServerConnection(FrameProtocol):
         self.csum: Checksum = checksum_function("crc32")  # until the handshake agrees
         self._replies: collections.deque[_Reply] = collections.deque()
         self.version = WIRE_VERSION
-        self.address = ""
-        self._preauth = False
+        self.address = address
+        self._preauth = True  # admitted by the gate, not authenticated yet
         self._refused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        self.address = str(peer[0]) if isinstance(peer, tuple) else str(peer)
-        if not self.owner.preauth.admit(self.address):
-            self.owner.audit.note(BUDGET_HIT, self.address, "preauth_per_peer")
-            return self.abort()
-        self._preauth = True
         self.owner.conns.add(self)
         self._timer = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
         challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
@@ -120,11 +123,13 @@ class ServerConnection(FrameProtocol):
     def _authenticated(self) -> None:
         if self._preauth:
             self._preauth = False
-            self.owner.preauth.release(self.address)
+            self.owner.gate.authenticated(self.address)
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        self._authenticated()
+        if self._preauth:
+            self.owner.gate.failed(self.address)  # every unauthenticated end is a strike
+        self.owner.gate.closed(self.address, authenticated=not self._preauth)
         self.owner.conns.discard(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -278,6 +283,69 @@ class ServerConnection(FrameProtocol):
         )
         self.tx_seal, self.rx_seal = seals(session_keys(secret, t), server=True)
         self.limits = HEADER_LIMITS
+
+
+class TcpServer:
+    """The accepting end of one tcp transport: an `Acceptor` admitting by address through
+    ``side.gate``, then a `ServerConnection` per admitted peer (inside TLS with ``ssl``).
+    ``hold_s`` / ``max_held``: the tarpit of refused connections."""
+
+    def __init__(
+        self,
+        side: ServerSide,
+        *,
+        ssl: SSLContext | None = None,
+        hold_s: float = 5.0,
+        max_held: int = 256,
+    ) -> None:
+        self.side, self.ssl, self.hold_s, self.max_held = side, ssl, hold_s, max_held
+        self._acceptor: Acceptor | None = None
+        self._starting: set[asyncio.Task[Any]] = set()  # admitted, TLS handshake running
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: any) and accept; returns the port. Raises OSError."""
+        self._acceptor = Acceptor(
+            listen(host, port),
+            self.side.gate,
+            self._admitted,
+            self.side.audit,
+            hold_s=self.hold_s,
+            max_held=self.max_held,
+        )
+        self._acceptor.start()
+        return self._acceptor.port
+
+    def close(self) -> None:
+        """Stop accepting; drop held, starting and open connections."""
+        if self._acceptor is not None:
+            self._acceptor.close()
+        for task in list(self._starting):
+            task.cancel()
+        for conn in list(self.side.conns):
+            conn.abort()
+
+    def _admitted(self, sock: socket.socket, address: str) -> None:
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(
+            loop.connect_accepted_socket(
+                lambda: ServerConnection(self.side, address),
+                sock,
+                ssl=self.ssl,
+                ssl_handshake_timeout=self.side.timeout if self.ssl is not None else None,
+            )
+        )
+        self._starting.add(task)
+        task.add_done_callback(functools.partial(self._started, sock, address))
+
+    def _started(self, sock: socket.socket, address: str, task: asyncio.Task[Any]) -> None:
+        self._starting.discard(task)
+        if not task.cancelled() and task.exception() is None:
+            return  # the connection reports to the gate from now on
+        sock.close()  # the TLS handshake failed (or we are closing): it never started
+        self.side.gate.closed(address, authenticated=False)
+        self.side.gate.failed(address)
+        if not task.cancelled():
+            self.side.audit.note(PROTOCOL_ERROR, address, "tls", detail=task.exception())
 
 
 def _choose_checksum(auth: dict[str, Any]) -> str | None:

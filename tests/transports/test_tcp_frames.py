@@ -4,6 +4,7 @@ out-of-bounds requests are refused, and the server keeps serving a well-behaved 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -33,7 +34,10 @@ class Server:
         self.loop.set_exception_handler(lambda _, ctx: self.errors.append(ctx))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.t = self.call(TcpTransport("srv", secret=SECRET, max_frame=1 << 20).start())
+        # the penalty for failed handshakes is off: every hostile frame here comes from
+        # 127.0.0.1, and the server must keep parsing them (test_acceptor.py tests it)
+        t = TcpTransport("srv", secret=SECRET, max_frame=1 << 20, max_preauth_failures=None)
+        self.t = self.call(t.start())
         self.guarded = self.t.register_memory(bytearray(PATTERN))  # never a write target
         self.scratch = self.t.register_memory(bytearray(len(PATTERN)))
 
@@ -278,3 +282,29 @@ def test_bad_write_checksum_is_refused(server: Server, csum: str) -> None:
 
 def test_healthy_after_fuzzing(server: Server) -> None:
     assert server.healthy()
+
+
+async def test_an_address_whose_handshakes_keep_failing_is_refused_at_accept() -> None:
+    """Past ``max_preauth_failures``, a peer address gets no challenge (held, then reset);
+    another address is still served."""
+    async with TcpTransport("srv", secret=SECRET, max_preauth_failures=2, timeout=1.0) as t:
+        for _ in range(2):  # from 127.0.0.2: garbage instead of an auth frame
+            r, w = await asyncio.open_connection("127.0.0.1", t.port, local_addr=("127.0.0.2", 0))
+            w.write(PREFIX.pack(1 << 30))
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(r.read(), 5)
+            w.close()
+        for _ in range(250):
+            if t.audit.by_reason["protocol_error:malformed"] >= 2:
+                break
+            await asyncio.sleep(0.02)
+        r, w = await asyncio.open_connection("127.0.0.1", t.port, local_addr=("127.0.0.2", 0))
+        with pytest.raises(ConnectionResetError):  # no challenge: held, then reset
+            got = await asyncio.wait_for(r.read(), 5)
+            raise AssertionError(f"not reset: {got[:16]!r}")
+        w.close()
+        assert t.audit.by_reason["budget_hit:penalty"] == 1
+        p = Probe.connect("127.0.0.1", t.port)  # another address: challenged as ever
+        got = await asyncio.get_running_loop().run_in_executor(None, p.recv)
+        assert got is not None and got["op"] == "challenge"
+        p.close()
