@@ -1,11 +1,11 @@
 """Page sources: the `PageSource` protocol (three batch calls) and the clients that implement
 it. A store, `import_prefix` and `publish_prefix` need only this side::
 
-    source.py       PageSource: lookup / load / publish
+    source.py       PageSource: lookup / load / publish (defined in tierkv.page_source)
     client.py       RemoteTier: one page server (control connection + one-sided reads)
     cluster.py      RemoteCluster: several page servers as one source (locate, failover)
     watch.py        Watch: hear when watched pages leave a page server's host tier
-    push.py         Pusher: pages leaving a store's host tier, staged and published in batches
+    push.py         Pusher: pages leaving a store's host tier, published in batches (tierkv.push)
     redis_tier.py   RedisTier: pages in Redis / Valkey (redis_value.py: a value's layout;
                     redis_ask.py: reads that follow a slot migration)
 
