@@ -31,10 +31,16 @@ __all__ = ["PushCounters", "Pusher", "Runner"]
 
 # runs one remote call to its end (a job of the store's transfer engine, see StoreRemote.attach)
 Runner = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
+# runs a host-side copy out of the source slots: (slots, fn) -> a job of the transfer engine
+Copier = Callable[[Sequence[int], Callable[[], None]], Awaitable[None]]
 
 
 async def _direct(call: Callable[[], Awaitable[int]]) -> int:
     return await call()
+
+
+async def _copy_now(slots: Sequence[int], fn: Callable[[], None]) -> None:
+    fn()
 
 
 @dataclass(slots=True)
@@ -89,6 +95,7 @@ class Pusher:
         self._capacity = capacity
         self._closed = False
         self.runner: Runner = _direct  # the store sets its engine's (async jobs)
+        self.copier: Copier = _copy_now  # ... and its engine's host-function jobs
 
     def start(self) -> None:
         """Start the background publisher (on the running loop)."""
@@ -155,7 +162,17 @@ class Pusher:
             return 0
         dst = self._free[len(self._free) - len(fit) :]
         del self._free[len(self._free) - len(fit) :]
-        self.staging[dst] = array[[s for _, s in fit]]  # one gather, before the slots go
+        src = [s for _, s in fit]
+
+        def gather() -> None:  # one gather, before the source slots go
+            self.staging[dst] = array[src]
+
+        try:
+            await self.copier(src, gather)
+        except BaseException:
+            self._free.extend(dst)  # the copier returns only once nothing writes the rows
+            self._room.set()
+            raise
         for (k, _), d in zip(fit, dst):
             self._pending.append((k, d))
             self._staged.add(k)

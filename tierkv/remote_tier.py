@@ -101,6 +101,7 @@ class StoreRemote:
         self._tiers = tiers
         if self.pusher is not None:
             self.pusher.runner = tiers.run_remote  # each publish: a job of the transfer engine
+            self.pusher.copier = tiers.copy_host_out  # each staging gather: one too
             self.pusher.start()
             tiers.set_remote_offer(self._offer)
 

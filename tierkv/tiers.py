@@ -34,6 +34,7 @@ that one public surface, and every transition it makes is checked by :meth:`Tier
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any, cast
@@ -560,6 +561,24 @@ class TierSet:
         settle()
         got = handle.result()
         return max(0, min(got, len(new))) if type(got) is int else 0
+
+    async def copy_host_out(self, slots: Sequence[int], copy: Callable[[], None]) -> None:
+        """Run ``copy``, which reads host ``slots`` into a buffer of the caller's (the remote
+        push's staging), as a host-function job of the transfer engine, and wait until it has
+        run: also when the caller is cancelled, so that the caller's buffer rows and the host
+        slots are never reused while it reads or writes them. Raises what ``copy`` raised."""
+        host = self._arenas[HOST]
+        handle = self.engine.submit_call(host, slots, host, [], copy, priority=Priority.WRITEBACK)
+        waiter = asyncio.ensure_future(job_done(handle))
+        try:
+            await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            if not handle.cancel():  # running: a gather of a few pages, let it end first
+                with contextlib.suppress(BaseException):
+                    await waiter
+            raise
+        except TransferError as exc:
+            raise (exc.__cause__ or exc) from None
 
     async def run_remote(self, call: Callable[[], Awaitable[int]]) -> int:
         """Run a remote call that touches no host slot (it reads a buffer of the caller's: the

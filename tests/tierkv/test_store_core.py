@@ -301,6 +301,7 @@ async def test_remote_pushes_and_imports_are_engine_jobs() -> None:
         assert pushed >= 1 and len(src.pages) >= pushed
         kinds = store.engine_stats().by_kind
         assert kinds.get("async", 0) >= 1, kinds  # each publish ran as an engine job
+        assert kinds.get("call", 0) >= 1, kinds  # each staging gather too (no codec here)
     async with KVStore(
         SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None, remote=src
     ) as fresh:  # a's prefix comes back from the remote, bit-exact, through the engine
