@@ -157,7 +157,7 @@ class Soak:
         while not self.stop:
             tokens = rng.choice(PREFIXES) + [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
             added = await self.call(rng, store.add_sequence(sid, tokens))
-            if not added and sid not in store._seqs:
+            if not added and not store.has_sequence(sid):
                 continue
             await self.call(rng, self.lease_step(sid, tokens, read=rng.random() < 0.5))
             for _ in range(rng.randrange(1, 6)):
@@ -167,7 +167,7 @@ class Soak:
                 store.add_tokens(sid, tokens[-1:])
                 await self.call(rng, self.lease_step(sid, tokens, read=rng.random() < 0.25))
             await self.call(rng, self.lease_step(sid, tokens, read=True))
-            while sid in store._seqs:  # a cancelled release is retried
+            while store.has_sequence(sid):  # a cancelled release is retried
                 await self.call(rng, store.release(sid))
             self.f.cycles += 1
 
@@ -176,7 +176,7 @@ class Soak:
         rng = random.Random(-1)
         store = self.store
         while not self.stop:
-            live = list(store._seqs)
+            live = store.sequence_ids()
             if live:
                 store.schedule([[s] for s in rng.sample(live, min(4, len(live)))])
             store.step()
@@ -255,7 +255,7 @@ async def soak(args: Any) -> dict[str, Any]:
             w.cancel()
         driver.cancel()
         await asyncio.gather(*workers, driver, return_exceptions=True)
-        for sid in list(store._seqs):  # (a worker cancelled above may leave one)
+        for sid in store.sequence_ids():  # (a worker cancelled above may leave one)
             await store.release(sid)
         await asyncio.wait_for(store.drain(), store.timeout * 2)
         for _ in range(10):

@@ -413,6 +413,14 @@ class KVStore:
         seq = self.sequence(seq_id)
         seq.add_tokens(validate.token_ids(tokens))
 
+    def sequence_ids(self) -> list[str]:
+        """Ids of the live sequences (added, not yet released), oldest first."""
+        return list(self._seqs)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        """True while ``seq_id`` is a live sequence (False for an id of another type)."""
+        return seq_id in self._seqs
+
     @boundary
     def sequence(self, seq_id: str) -> SequenceState:
         """The state of a live sequence. Raises SequenceError, StoreClosedError,

@@ -340,3 +340,13 @@ async def test_a_busy_block_whose_content_is_cached_meanwhile_goes_cleanly() -> 
         assert store.lookup(tokens(1, 9)) == 8
         await no_pins_left(store)
         store.check()
+
+
+async def test_live_sequence_ids_are_public() -> None:
+    async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE) as store:
+        await store.add_sequence("x", tokens(1, 3))
+        await store.add_sequence("y", tokens(2, 3))
+        assert store.sequence_ids() == ["x", "y"]
+        assert store.has_sequence("x") and not store.has_sequence("z")
+        await store.release("x")
+        assert store.sequence_ids() == ["y"] and not store.has_sequence("x")
