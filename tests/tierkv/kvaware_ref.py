@@ -329,6 +329,9 @@ class RefKVAware(ConversationAdmission):
                 skips[prio] = skips.get(prio, len(q)) - 1
         return out
 
+    def miss(self, keys: Iterable[Key]) -> None:
+        return None  # kvaware takes no feedback from misses
+
     def __len__(self) -> int:
         return len(self._pages)
 

@@ -479,10 +479,18 @@ class RefS3FIFO(_Ref):
         return key in self.freq
 
 
+def _kvaware() -> EvictionPolicy:
+    from kvaware_ref import RefKVAware  # the policy as it ran on keys (not list-based)
+
+    return KeyPolicy(RefKVAware())
+
+
 REFERENCES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": lambda: KeyPolicy(RefLRU()),
     "lfu": lambda: KeyPolicy(RefLFU()),
     "arc": lambda: KeyPolicy(RefARC()),
     "s3fifo": lambda: KeyPolicy(RefS3FIFO()),
+    "kvaware": _kvaware,
 }
-"""Each built-in policy's reference, by the built-in's name, bound through :class:`KeyPolicy`."""
+"""Each built-in policy's reference, by the built-in's name, bound through :class:`KeyPolicy`
+(kvaware's is its former key-based implementation, ``kvaware_ref.py``)."""
