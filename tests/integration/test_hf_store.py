@@ -100,3 +100,36 @@ def test_closed_cache_raises_store_closed() -> None:
     cache.close()  # idempotent
     with pytest.raises(tierkv.StoreClosedError):
         cache.layers[0].update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 5])
+def test_prefetch_windows_return_the_same_kv_and_prefetch(window: int) -> None:
+    with TieredCache(
+        CFG,
+        dtype=torch.float32,
+        page_tokens=4,
+        device_bytes=8 * SPEC.page_bytes,
+        host_bytes=1 << 20,
+        prefetch=False,
+    ) as plain:
+        expect = _steps(plain)
+        assert plain.stats()["prefetched"] == 0
+    with TieredCache(
+        CFG,
+        dtype=torch.float32,
+        page_tokens=4,
+        device_bytes=8 * SPEC.page_bytes,
+        host_bytes=1 << 20,
+        prefetch_layers=window,
+    ) as ahead:
+        got = _steps(ahead)
+        assert ahead.stats()["prefetched"] > 0
+    assert all(torch.equal(x, y) for x, y in zip(expect, got, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(0, tierkv.InvalidInputError), ("2", tierkv.InvalidTypeError)]
+)
+def test_bad_prefetch_layers_raise_before_a_store_opens(value: object, error: type) -> None:
+    with pytest.raises(error, match="prefetch_layers"):
+        TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, prefetch_layers=value)  # type: ignore[arg-type]

@@ -27,14 +27,12 @@ device tier if they were evicted), appends the new tokens and returns the whole 
     key_states [B, H_kv, n, D]  --row b-->  lease.append(seq_b, layer, k[b] [H, n, D], ...)
     returned   [B, H_kv, S, D]  <--stack--  lease.kv(seq_b, layer) -> K [H, S, D], V [H, S, D]
 
-so the device tier only ever needs one layer's pages of the batch (plus a new page per row), and
-the other layers wait on the host tier. After layer ``L`` the loads of layer ``L + 1`` are
-submitted, and run while the model computes the rest of layer ``L``. A store the cache opens
-runs in the caller's thread; a shared one on its loop thread (:mod:`.hf_store`).
-
-The returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
-``DynamicCache`` (the store never compresses a live sequence's pages unless ``compress_live``).
-A row with padding (a zero in ``attention_mask``) shares nothing: its KV depends on the padding.
+so the device tier needs one layer's pages of the batch (plus a new page per row); the others
+wait on the host tier. After every second layer the next two layers' loads are submitted; they
+run while the model computes. A store the cache opens runs in the caller's thread, a shared
+one on its loop thread (:mod:`.hf_store`). The returned K/V are copies gathered from the pages,
+so greedy outputs are bit-identical to ``DynamicCache`` (live pages are never compressed
+unless ``compress_live``). A padded row (a zero in ``attention_mask``) shares nothing.
 
 Unsupported, and raised as :class:`UnsupportedCacheOperation` (a ``NotImplementedError``):
 cache edits that the store cannot express yet (``crop`` of a non-zero count, as assisted and
@@ -53,6 +51,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from tierkv import validate
 from tierkv.errors import SpecError, StoreClosedError, TierKVError
 from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
 from tierkv.integrations.hf_store import Driver, StoreOwner, ThreadStore, open_store
@@ -86,6 +85,14 @@ def kv_spec_for(
     if dtype is None:
         dtype = getattr(text, "dtype", None) or torch.float32
     return KVSpec(layers, kv_heads, head_dim, parse_dtype(dtype), page_tokens)
+
+
+def _ahead(layer: int, layers: int, window: int) -> list[int] | None:
+    """The layers to prefetch after ``layer``: the next ``window`` ones (wrapping to the next
+    step's first layers) after every ``window``-th layer and after the last; else None."""
+    if window < 1 or layers < 2 or ((layer + 1) % window and layer != layers - 1):
+        return None
+    return [(layer + 1 + i) % layers for i in range(min(window, layers - 1))]
 
 
 def _check_full_attention(config: Any) -> None:
@@ -169,7 +176,9 @@ class TieredCache(Cache):
             (see :class:`tierkv.KVStore`) and closes it on :meth:`close`.
         dtype: the KV dtype; must be the model's (default: the config's, else float32).
         page_tokens: tokens per page.
-        prefetch: load layer ``L + 1``'s pages in the background after layer ``L``.
+        prefetch: load the coming layers' pages in the background while the model computes.
+        prefetch_layers: after every ``prefetch_layers``-th layer, prefetch the next that many
+            (2: half the copy submissions of one at a time; best effort, within the room).
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
@@ -188,8 +197,10 @@ class TieredCache(Cache):
         dtype: torch.dtype | str | None = None,
         page_tokens: int = 16,
         prefetch: bool = True,
+        prefetch_layers: int = 2,
         **store_kwargs: Any,
     ) -> None:
+        prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
         driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
@@ -203,20 +214,19 @@ class TieredCache(Cache):
         else:
             driver = ThreadStore(store)
             owner = None
-        self._setup(driver, owner, prefetch)
+        self._setup(driver, owner, prefetch_layers if prefetch else 0)
 
-    def _setup(self, driver: Driver, owner: StoreOwner | None, prefetch: bool) -> None:
+    def _setup(self, driver: Driver, owner: StoreOwner | None, prefetch: int) -> None:
         self.spec = driver.store.spec
         self._driver = driver
         self._owner = owner  # the store this cache (and its copies) opened, else None
-        self.prefetch_next = prefetch
+        self.prefetch_layers = prefetch  # 0: no prefetch
         self._prefix = f"hf-{next(_cache_ids)}"
         self._seq_ids: list[str] = []
         self._closed = False
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         super().__init__(layers=list(self._layers))
 
-    # -- the Cache contract --------------------------------------------------------------
     def _update(
         self, layer: TieredLayer, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +240,7 @@ class TieredCache(Cache):
                 f"batch size changed from {len(self._seq_ids)} to {batch} on a TieredCache"
             )
         idx, last = layer.layer_idx, self.spec.num_layers - 1
-        ahead = (idx + 1 if idx < last else 0) if self.prefetch_next and last > 0 else None
+        ahead = _ahead(idx, self.spec.num_layers, self.prefetch_layers)
         kvs = self._driver.run(self._append_and_read(self._seq_ids, idx, k, v, ahead, idx == last))
         layer.length += n
         if batch == 1:
@@ -287,7 +297,7 @@ class TieredCache(Cache):
         layer: int,
         k: torch.Tensor,
         v: torch.Tensor,
-        ahead: int | None,
+        ahead: list[int] | None,
         last: bool,
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         # One run on the store's loop per update; then the next layer's loads are submitted.
@@ -297,7 +307,7 @@ class TieredCache(Cache):
                 await lease.append(sid, layer, k[b], v[b])
             kvs = [lease.kv(sid, layer) for sid in ids]
         if ahead is not None:
-            await store.prefetch(ids, [ahead], wait=False)
+            await store.prefetch(ids, ahead, wait=False)
         if last:
             store.step()
         return kvs
@@ -355,7 +365,7 @@ class TieredCache(Cache):
         new = TieredCache.__new__(TieredCache)
         if self._owner is not None:
             self._owner.refs += 1
-        new._setup(self._driver, self._owner, self.prefetch_next)
+        new._setup(self._driver, self._owner, self.prefetch_layers)
         try:
             if self._seq_ids:
                 ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]
