@@ -42,15 +42,15 @@ class QueueTransport(Transport):
     async def _serve(self) -> None:
         while True:
             direction, ops, notify, sender, done = await self._requests.get()
-            try:  # bounds-checked against our registered regions by _serve_view
+            try:  # bounds-checked against our registered regions by serve_view
                 for local, lo, remote, ro, n in ops:
-                    ours = self._serve_view(remote.region_id, ro, n)
+                    ours = self.serve_view(remote.region_id, ro, n)
                     if direction == "read":
                         local.view[lo : lo + n] = ours
                     else:
                         ours[:] = local.view[lo : lo + n]
                 if notify is not None:
-                    self._deliver(sender, notify)
+                    self.deliver_notification(sender, notify)
                 done.set_result(None)
             except Exception as exc:  # report to the initiator, keep serving
                 done.set_exception(exc)

@@ -145,8 +145,10 @@ class Transport(abc.ABC):
         with contextlib.suppress(BufferError):  # views the caller took from it stay valid
             region.view.release()
 
-    def _serve_view(self, region_id: int, offset: int, length: int) -> memoryview:
-        """The bytes a peer asked for in one of our regions. Raises RemoteAccessError."""
+    def serve_view(self, region_id: int, offset: int, length: int) -> memoryview:
+        """The bytes a peer asked for in one of our regions (bounds-checked). For transport
+        implementations: serve a peer's one-sided read or write from it. Raises
+        RemoteAccessError."""
         region = self._regions.get(region_id)
         if region is None:
             raise RemoteAccessError(f"agent {self.name!r} has no region {region_id}")
@@ -229,9 +231,10 @@ class Transport(abc.ABC):
         self._notification_bytes -= len(note.data)
         return note
 
-    def _deliver(self, peer: str, data: bytes) -> bool:
-        """Queue a notification; False (dropped, counted) when over the budget: the caller
-        then drops the sender's connection."""
+    def deliver_notification(self, peer: str, data: bytes) -> bool:
+        """Queue a notification from ``peer`` for :meth:`get_notification`. For transport
+        implementations: call it when a peer's message arrives. Returns False (dropped, counted)
+        when over the budget: the caller then drops the sender's connection."""
         if (
             self._notifications.qsize() >= self.max_notifications
             or self._notification_bytes + len(data) > self.max_notification_bytes

@@ -61,11 +61,11 @@ class LoopbackTransport(Transport):
         for local, lo, remote, ro, n in ops:
             peer = targets.get(remote.agent) or self._target(remote.agent)
             targets[remote.agent] = peer
-            theirs = peer._serve_view(remote.region_id, ro, n)
+            theirs = peer.serve_view(remote.region_id, ro, n)
             if direction == "read":
                 local.view[lo : lo + n] = theirs
             else:
                 theirs[:] = local.view[lo : lo + n]
         if notify is not None:
             for peer in targets.values():
-                peer._deliver(self.name, bytes(notify))
+                peer.deliver_notification(self.name, bytes(notify))

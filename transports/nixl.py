@@ -265,7 +265,7 @@ class NixlTransport(Transport):
 
     def _on_message(self, peer: str, message: bytes) -> None:
         if message[:1] == NOTE_TAG:
-            self._deliver(peer, message[1:])
+            self.deliver_notification(peer, message[1:])
         elif message[:1] == DEREG_TAG and len(message) == 9:
             self._gone.add((peer, int.from_bytes(message[1:], "big")))
 

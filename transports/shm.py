@@ -265,7 +265,7 @@ class ShmTransport(Transport):
                 data = msg.get("data")
                 if not isinstance(data, bytes) or msg.get("op") != "notify":
                     continue
-                if not self._deliver(session.peer_id, data):
+                if not self.deliver_notification(session.peer_id, data):
                     self.audit.note(BUDGET_HIT, who, "notifications", agent=session.peer_id)
                     return
         except AuthError as exc:

@@ -319,8 +319,8 @@ class TcpTransport(Transport):
                 failures=max_preauth_failures,
             ),
             checksums=self._checksums,
-            deliver=self._deliver,
-            serve_view=self._serve_view,
+            deliver=self.deliver_notification,
+            serve_view=self.serve_view,
         )
         self._server = TcpServer(self._serving, ssl=ssl_server, hold_s=min(timeout, HELLO_DEADLINE))
 
