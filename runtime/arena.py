@@ -237,7 +237,7 @@ class Arena:
 
     # Engine side: pin slots for the duration of a transfer.
 
-    def _acquire(self, ids: SlotIds, what: str) -> None:
+    def pin_for_transfer(self, ids: SlotIds, what: str) -> None:
         """Mark `ids` busy; they must be allocated. Raises InvalidSlotError otherwise.
         Nothing to do for handed-over slots: their owner tracks what is in flight."""
         if self._handed_over:
@@ -250,7 +250,7 @@ class Arena:
                 )
             self._busy[ids] += 1
 
-    def _release(self, ids: SlotIds) -> None:
+    def unpin_after_transfer(self, ids: SlotIds) -> None:
         if self._handed_over:
             return
         with self._lock:

@@ -3,7 +3,7 @@
 loop thread                         stream worker thread
 -----------                         --------------------
 stream.enqueue(copy) ---deque--->   copy()            (GIL released inside numpy/torch)
-await event  <--call_soon_threadsafe-- event._set()   (one wakeup per event, not per page)
+await event  <--call_soon_threadsafe-- event.complete()   (one wakeup per event, not per page)
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class CpuEvent(Event):
                     self._loop_futures[loop] = fut
             return fut
 
-    def _set(self, error: BaseException | None = None) -> None:
+    def complete(self, error: BaseException | None = None) -> None:
         """Complete the event (worker thread). Wakes each waiting loop exactly once."""
         with self._lock:
             self._error = error
@@ -180,7 +180,7 @@ class CpuStream(Stream):
             if item.fn is None:
                 if item.wait_on is not None:
                     self._do_wait(item.wait_on)
-                item.event._set(None)
+                item.event.complete(None)
                 continue
             error, self._pending_error = self._pending_error, None
             try:
@@ -191,7 +191,7 @@ class CpuStream(Stream):
                 err = TransferError(f"stream {self.name!r}: work failed: {exc!r}")
                 err.__cause__ = exc
                 error = err
-            item.event._set(error)
+            item.event.complete(error)
 
     def _do_wait(self, target: Event) -> None:
         try:

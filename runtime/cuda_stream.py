@@ -127,10 +127,10 @@ class CudaEvent(CpuEvent):
         try:
             finished = bool(self._cuda.done)
         except Exception as exc:  # a sticky CUDA error surfaces here
-            self._set(_transfer_error("CUDA event query failed", exc))
+            self.complete(_transfer_error("CUDA event query failed", exc))
             return True
         if finished:
-            self._set(self._error_after)
+            self.complete(self._error_after)
         return finished
 
     def synchronize(self, timeout: float | None = None) -> None:
@@ -202,9 +202,9 @@ class _Waiter:
                 try:
                     ev.cuda_event.synchronize()  # cudaEventSynchronize, GIL released
                 except Exception as exc:
-                    ev._set(_transfer_error("CUDA event synchronize failed", exc))
+                    ev.complete(_transfer_error("CUDA event synchronize failed", exc))
                     continue
-                ev._set(ev._error_after)
+                ev.complete(ev._error_after)
 
 
 @dataclass(slots=True)
@@ -355,7 +355,7 @@ class CudaStream(Stream):
             cuda_event = cupy.cuda.Event(block=self.blocking_sync, disable_timing=True)
             cuda_event.record(self.cuda)
         except Exception as exc:
-            ev._set(_transfer_error(f"stream {self.name!r}: event record failed", exc))
+            ev.complete(_transfer_error(f"stream {self.name!r}: event record failed", exc))
             return
         ev._mark_recorded(cuda_event, error)
         if self._waiter is not None:

@@ -380,16 +380,16 @@ class TransferEngine:
         if src is dst and np.intersect1d(s_ids, d_ids).size:
             raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
         deps = [d.event if isinstance(d, TransferHandle) else d for d in after]
-        src._acquire(s_ids, "source")
+        src.pin_for_transfer(s_ids, "source")
         try:
-            dst._acquire(d_ids, "destination")
+            dst.pin_for_transfer(d_ids, "destination")
         except BaseException:
-            src._release(s_ids)
+            src.unpin_after_transfer(s_ids)
             raise
         with self._lock:
             if self._closed:
-                src._release(s_ids)
-                dst._release(d_ids)
+                src.unpin_after_transfer(s_ids)
+                dst.unpin_after_transfer(d_ids)
                 raise EngineClosedError("transfer engine is closed")
             handle = TransferHandle(
                 self,
@@ -462,7 +462,7 @@ class TransferEngine:
                 self._stats.record(handle._stats, _FAILED)
                 self._outstanding.discard(handle)
                 handle._callbacks = []  # their loop is gone with it
-                handle._event._set(err)
+                handle._event.complete(err)
         while self._pending and self._inflight < self.max_inflight:
             handle = heapq.heappop(self._pending)
             if handle._state != _PENDING:
@@ -538,8 +538,8 @@ class TransferEngine:
 
     def _finish(self, handle: TransferHandle, error: BaseException | None) -> None:
         """Release the slots, account, dispatch more, then wake waiters (once per batch)."""
-        handle.src._release(handle.src_ids)
-        handle.dst._release(handle.dst_ids)
+        handle.src.unpin_after_transfer(handle.src_ids)
+        handle.dst.unpin_after_transfer(handle.dst_ids)
         with self._lock:
             if handle._state == _RUNNING and handle._stats.kind == "async":
                 self._inflight_ext -= 1
@@ -555,7 +555,7 @@ class TransferEngine:
             self._outstanding.discard(handle)
             callbacks, handle._callbacks = handle._callbacks, []
             self._dispatch_locked()
-            handle._event._set(error)
+            handle._event.complete(error)
         for fn in callbacks:
             fn(handle)
 
