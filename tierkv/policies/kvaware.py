@@ -330,75 +330,15 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._remember(k, self._code[s] & 15)
 
     # -- eviction ------------------------------------------------------------------------
-    def _evict_orphans(
-        self, n: int, can_evict: CanEvictSlot | None, out: list[int], fresh: list[int]
-    ) -> None:
-        """Stranded blocks first, oldest first: the orphan queue, then ``fresh`` (orphans just
-        stranded, not yet queued: the queue's tail); evicting one strands its children, which
-        join ``fresh`` and are seen in this call. Orphans passed over go to the back, after
-        the fresh ones left."""
-        links = self._links
-        size, unlink = links.size, links.unlink
-        key_of, code, qcode, where = self._key, self._code, self._qcode, self._where
-        back, parent_of, kids, gone = self._back, self._parent, self._kids, self._gone
-        slot_of, limit = self._slot_of, self._limit
-        if size[_ORPHANS]:  # the queue first, then the fresh ones
-            fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
-        passed: list[int] = []
-        before, i, need = len(out), 0, n - len(out)
-        # the scan gate's measure (ConversationAdmission._left), in locals: most orphans count
-        left, used, seen = self._back_left, self._back_used, self._back_seen
-        for s in fresh:  # grows as children are stranded
-            if not need:
-                break
-            i += 1
-            if can_evict is not None and not can_evict(s):
-                passed.append(s)
-                continue
-            key = key_of[s]
-            cd = code[s]
-            if back[s] >= 0:
-                left = left * SCAN_DECAY + 1.0
-                used = used * SCAN_DECAY + (cd != back[s])
-                seen += 1
-            parent = parent_of[s]  # kept: restore_slots reads it
-            if parent is not None:
-                sibs = kids[parent]
-                if isinstance(sibs, set):
-                    sibs.discard(key)
-                    if not sibs:
-                        del kids[parent]
-                elif sibs == key:
-                    del kids[parent]
-            mine = kids.get(key, _NONE)
-            if mine is not _NONE:  # stranded in turn
-                for child in mine if isinstance(mine, set) else (mine,):
-                    c = slot_of[child]
-                    if where[c] != _ORPHAN:
-                        unlink(c)
-                        qcode[c] = code[c]
-                        where[c] = _ORPHAN
-                        fresh.append(c)
-            gone[key] = cd & 15  # remembered (as _remember; one more key: one out at most)
-            gone.move_to_end(key)
-            if len(gone) > limit:
-                gone.popitem(last=False)
-            out.append(s)
-            need -= 1
-        self._back_left, self._back_used, self._back_seen = left, used, seen
-        self._n -= len(out) - before
-        if i < len(fresh):
-            links.extend(_ORPHANS, fresh[i:])
-        if passed:
-            links.extend(_ORPHANS, passed)
-
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        """Victims in order: stranded blocks (the orphan queue, oldest first, then the
+        children each eviction strands, which are seen in this call) before the lowest
+        bucket's head. Orphans passed over go to the back of the orphan queue, after the
+        stranded ones left. One loop with every queue splice written out: the orphan cascade
+        is most of the evictions on conversation traffic (a chain is trimmed from its tail)."""
         out: list[int] = []
         links = self._links
-        size, nxt, base = links.size, links.next, links.base
-        if size[_ORPHANS]:
-            self._evict_orphans(n, can_evict, out, [])
-        move, unlink = links.move, links.unlink
+        size, nxt, prv, queue, base = links.size, links.next, links.prev, links.queue, links.base
         where, code, qcode, key_of, parent_of = (
             self._where,
             self._code,
@@ -407,12 +347,69 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._parent,
         )
         kids, gone, limit, back, value = self._kids, self._gone, self._limit, self._back, _VALUE
-        slot_of = self._slot_of
-        prio = self._floor
+        slot_of, to_end, popitem = self._slot_of, gone.move_to_end, gone.popitem
+        # the scan gate's measure (ConversationAdmission._left), in locals
+        left, used, seen = self._back_left, self._back_used, self._back_seen
+        floor = prio = self._floor
         top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
+        fresh: list[int] = []  # stranded by the last victim, not yet queued
+        orphans = size[_ORPHANS] > 0  # orphans to look at before the next bucket victim
         while len(out) < n:
+            if orphans:  # the orphan queue, then the fresh ones; evicting one strands its kids
+                orphans = False
+                if size[_ORPHANS]:
+                    fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
+                passed: list[int] = []
+                i, need = 0, n - len(out)
+                for s in fresh:  # grows as children are stranded
+                    if not need:
+                        break
+                    i += 1
+                    if can_evict is not None and not can_evict(s):
+                        passed.append(s)
+                        continue
+                    key = key_of[s]
+                    cd = code[s]
+                    if back[s] >= 0:
+                        left = left * SCAN_DECAY + 1.0
+                        used = used * SCAN_DECAY + (cd != back[s])
+                        seen += 1
+                    parent = parent_of[s]  # kept: restore_slots reads it
+                    if parent is not None:
+                        sibs = kids[parent]
+                        if isinstance(sibs, set):
+                            sibs.discard(key)
+                            if not sibs:
+                                del kids[parent]
+                        elif sibs == key:
+                            del kids[parent]
+                    mine = kids.get(key, _NONE)
+                    if mine is not _NONE:  # stranded in turn
+                        for child in mine if isinstance(mine, set) else (mine,):
+                            c = slot_of[child]
+                            if where[c] != _ORPHAN:  # out of its bucket (Links.unlink)
+                                a, z = prv[c], nxt[c]
+                                nxt[a] = z
+                                prv[z] = a
+                                prv[c] = UNLINKED
+                                size[queue[c]] -= 1
+                                qcode[c] = code[c]
+                                where[c] = _ORPHAN
+                                fresh.append(c)
+                    gone[key] = cd & 15  # remembered (as _remember; one more key: one out at most)
+                    to_end(key)
+                    if len(gone) > limit:
+                        popitem(last=False)
+                    out.append(s)
+                    need -= 1
+                if i < len(fresh):
+                    links.extend(_ORPHANS, fresh[i:])
+                if passed:
+                    links.extend(_ORPHANS, passed)
+                fresh = []
+                continue
             b = prio & _MASK
             if not size[b] or (skips and skips.get(prio, 1) <= 0):
                 prio += 1
@@ -422,19 +419,37 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     lap = len(out) + moved
                     top = prio + _MASK + 1
                 continue
-            s = nxt[base + b]  # the head of the bucket
+            hb = base + b
+            s = nxt[hb]  # the head of the bucket
             cd = code[s]
-            if cd != qcode[s]:  # used since it was queued: to its bucket now
+            if cd != qcode[s]:  # used since it was queued: to its bucket now (Links.move)
                 qcode[s] = cd
                 where[s] = p = (cd >> 4) + value[cd & 15]
                 moved += 1
-                move(p & _MASK, s)
+                q = p & _MASK
+                z = nxt[s]
+                nxt[hb] = z
+                prv[z] = hb
+                h = base + q
+                a = prv[h]
+                nxt[a] = s
+                prv[s] = a
+                nxt[s] = h
+                prv[h] = s
+                size[b] -= 1
+                size[q] += 1
+                queue[s] = q
             elif can_evict is None or can_evict(s):
-                self._floor = prio
+                floor = prio
                 if back[s] >= 0:
-                    self._left(cd != back[s])
-                unlink(s)
-                self._n -= 1
+                    left = left * SCAN_DECAY + 1.0
+                    used = used * SCAN_DECAY + (cd != back[s])
+                    seen += 1
+                z = nxt[s]  # out of its bucket (Links.unlink)
+                nxt[hb] = z
+                prv[z] = hb
+                prv[s] = UNLINKED
+                size[b] -= 1
                 key = key_of[s]
                 parent = parent_of[s]  # kept for restore_slots
                 if parent is not None:
@@ -445,26 +460,33 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                             del kids[parent]
                     elif sibs == key:
                         del kids[parent]
-                fresh: list[int] = []
                 if kids:
                     mine = kids.get(key, _NONE)
                     if mine is not _NONE:  # stranded: orphans now
                         for child in mine if isinstance(mine, set) else (mine,):
                             c = slot_of[child]
                             if where[c] != _ORPHAN:
-                                unlink(c)
+                                a, z = prv[c], nxt[c]
+                                nxt[a] = z
+                                prv[z] = a
+                                prv[c] = UNLINKED
+                                size[queue[c]] -= 1
                                 qcode[c] = code[c]
                                 where[c] = _ORPHAN
                                 fresh.append(c)
                 gone[key] = cd & 15
                 if len(gone) > limit:
-                    gone.popitem(last=False)
+                    popitem(last=False)
                 out.append(s)
-                if fresh or size[_ORPHANS]:  # the victim's children, now stranded, go next
-                    self._evict_orphans(n, can_evict, out, fresh)
+                orphans = bool(fresh) or size[_ORPHANS] > 0  # the victim's stranded kids go next
             else:
-                move(b, s)  # to the back of its queue
+                links.move(b, s)  # to the back of its queue
                 skips[prio] = skips.get(prio, size[b]) - 1
+        if fresh:  # stranded by the last victim, with no room left to evict them: queued
+            links.extend(_ORPHANS, fresh)
+        self._back_left, self._back_used, self._back_seen = left, used, seen
+        self._floor = floor
+        self._n -= len(out)
         return out
 
     # -- undoing an eviction, and looking ahead -------------------------------------------
