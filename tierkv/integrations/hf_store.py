@@ -50,7 +50,8 @@ async def _bounded(coro: Coroutine[Any, Any, T], limit: float) -> T:
 class LocalStore:
     """A :class:`KVStore` on a private event loop that the calling thread drives.
 
-    Arguments as for KVStore. Raises what KVStore raises (tierkv errors only).
+    One thread at a time (as with any transformers cache). Arguments as for KVStore. Raises
+    what KVStore raises (tierkv errors only).
     """
 
     def __init__(self, spec: KVSpec, **kwargs: Any) -> None:
