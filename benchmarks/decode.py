@@ -11,6 +11,8 @@ Targets (issue 3): swap at the demo's defaults >= 0.9 of all-resident tokens/s, 
 >= 0.9, late fetches <= 1% of page loads, >= 30% of loads after the first step; stream: device
 peak <= 3 layers' pages, tokens identical; 1,000 sequences: no loop stall over 10 ms.
 On a machine without a GPU both tiers are host memory: the ratios measure runtime overhead.
+The swap figure is the median of 3 interleaved rounds (the order alternates), with tokens per
+CPU-second beside it: on a shared machine a single pair of runs swung 0.64-11.4.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -36,6 +39,8 @@ from tierkv.demo_cli import _lossy
 from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 
+ROUNDS = 3  # swap vs all-resident rounds (interleaved; the median ratio is the figure)
+
 
 async def decode_modes(
     quick: bool, traces: list[tuple[str, dict[str, Any]]] | None = None
@@ -48,10 +53,25 @@ async def decode_modes(
         cfg = replace(base, mode=mode)
         if mode == "stream":
             cfg = replace(cfg, prompt=512 if not quick else 256, generate=base.generate // 2)
-        with phase(f"{mode}: all-resident"):
-            ref = await run(all_resident(cfg), cfg.total_kv_bytes() + (1 << 20), trace=trace)
-        with phase(f"{mode}: tiered"):
-            tiered = await run(cfg, device_budget(cfg), trace=trace)
+        # swap: interleaved rounds, the order alternating, and the median of the rounds'
+        # ratios: a shared machine's load swings within a run (single runs gave 0.64 and 11.4)
+        rounds = ROUNDS if mode == "swap" else 1
+        ratios: list[float] = []
+        cpu_ratios: list[float] = []
+        for r in range(rounds):
+            order = ("ref", "tiered") if r % 2 == 0 else ("tiered", "ref")
+            got: dict[str, Any] = {}
+            for which in order:
+                with phase(f"{mode}: {'all-resident' if which == 'ref' else 'tiered'} {r + 1}"):
+                    if which == "ref":
+                        budget = cfg.total_kv_bytes() + (1 << 20)
+                        got[which] = await run(all_resident(cfg), budget, trace=trace)
+                    else:
+                        got[which] = await run(cfg, device_budget(cfg), trace=trace)
+            ref, tiered = got["ref"], got["tiered"]
+            ratios.append(tiered.tokens_per_s / ref.tokens_per_s)
+            if tiered.cpu_seconds and ref.cpu_seconds:  # tokens per CPU-second
+                cpu_ratios.append(ref.cpu_seconds / tiered.cpu_seconds)
         if traces is not None:
             for label, res in ((f"{mode} all-resident", ref), (f"{mode} tiered", tiered)):
                 if res.trace is not None:
@@ -62,7 +82,9 @@ async def decode_modes(
             "tokens_identical": ref.tokens == tiered.tokens,
             "tokens_per_s": tiered.tokens_per_s,
             "all_resident_tokens_per_s": ref.tokens_per_s,
-            "speed_ratio": tiered.tokens_per_s / ref.tokens_per_s,
+            "speed_ratio": statistics.median(ratios),
+            "speed_ratios": ratios,
+            "cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else 0.0,
             "device_tier_of_kv": device_budget(cfg) / cfg.total_kv_bytes(),
             "peak_device_pages": st["peak_device_pages"],
             "three_layers_pages": 3 * spec.blocks_for(cfg.prompt + cfg.generate),
@@ -248,7 +270,9 @@ def main() -> None:
     sw, stm, i8 = modes["swap"], modes["stream"], modes["int8_live"]
     stream_peak = stm["peak_device_pages"] / stm["three_layers_pages"]
     rows = [
-        ["swap tokens/s of all-resident", sw["speed_ratio"], ">= 0.9"],
+        ["swap tokens/s of all-resident (median)", sw["speed_ratio"], ">= 0.9"],
+        ["  rounds: " + ", ".join(f"{x:.3g}" for x in sw["speed_ratios"]), "", ""],
+        ["swap tokens per CPU-s of all-resident", sw["cpu_ratio"], "reported"],
         ["swap tokens identical", str(sw["tokens_identical"]), "yes"],
         ["swap prefetch accuracy", sw["prefetch_accuracy"], ">= 0.9"],
         ["swap late fetches / loads", sw["late_of_loads"], "<= 0.01"],
@@ -288,6 +312,7 @@ def main() -> None:
         {"swap": sw, "stream": stm, "int8_live": i8, "stall": stall},
         {
             "swap_speed_of_all_resident": sw["speed_ratio"],
+            "swap_tokens_per_cpu_s_of_all_resident": sw["cpu_ratio"],
             "swap_prefetch_accuracy": sw["prefetch_accuracy"],
             "swap_late_of_loads": sw["late_of_loads"],
             "stream_peak_of_three_layers": stream_peak,
