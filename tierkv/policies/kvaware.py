@@ -252,22 +252,32 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parents = [h.parent for h in hints]
             lasts = [h.last for h in hints]
             check = n
+        pop, settled = gone.pop, pending.pop
+        # ``prev``: the page inserted just before; ``free``: it has no child yet (no entry in
+        # _kids), so a page extending it is in no danger of being an orphan and is its only
+        # child: most pages of a chain's run (the parent just queued was popped from the
+        # history, so the orphan test below could only say no)
+        prev: object = _NONE
+        free = False
         for i, (s, k, parent, last) in enumerate(zip(slots, keys, parents, lasts)):
-            seen = gone.pop(k, 0) if gone else 0
+            seen = pop(k, 0)
             c = 0 if last and not seen else _AFTER[seen]
             if c == 1 and small and k in small:
                 c = 2
             code[s] = qcode[s] = st = start[c]
             back[s] = st if seen else -1
             key_of[s] = k
-            fanout[s] = pending.pop(k, 0) if pending else 0
+            fanout[s] = settled(k, 0)
+            parent_of[s] = parent
             if parent is None:
-                parent_of[s] = None
+                where[s] = p = start_prio[c]
+                q = p & _MASK
+            elif parent is prev and free:
+                kids[parent] = k
                 where[s] = p = start_prio[c]
                 q = p & _MASK
             else:
-                parent_of[s] = parent
-                if i < check and parent in gone:
+                if i < check and parent is not prev and parent in gone:
                     ps = slot_of.get(parent)
                     orphan = ps is None or prv[ps] == UNLINKED
                 else:
@@ -291,13 +301,14 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 if run:
                     extend(run_q, run)
                 run, run_q = [s], q
-            if kids:
-                mine = kids.get(k, _NONE)
-                if mine is not _NONE:  # its stranded children are orphans no more
-                    extend(run_q, run)
-                    run, run_q = [], -1
-                    for child in mine if isinstance(mine, set) else (mine,):
-                        self._requeue(slot_of[child], False)
+            mine = kids.get(k, _NONE)
+            free = mine is _NONE
+            if not free:  # its stranded children are orphans no more
+                extend(run_q, run)
+                run, run_q = [], -1
+                for child in mine if isinstance(mine, set) else (mine,):
+                    self._requeue(slot_of[child], False)
+            prev = k
         if run:
             extend(run_q, run)
         self._n += n
@@ -362,11 +373,11 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 if size[_ORPHANS]:
                     fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
                 passed: list[int] = []
-                i, need = 0, n - len(out)
+                before = len(out)
+                need = n - before
                 for s in fresh:  # grows as children are stranded
                     if not need:
                         break
-                    i += 1
                     if can_evict is not None and not can_evict(s):
                         passed.append(s)
                         continue
@@ -379,15 +390,19 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     parent = parent_of[s]  # kept: restore_slots reads it
                     if parent is not None:
                         sibs = kids[parent]
-                        if isinstance(sibs, set):
+                        if sibs is key:  # the common case: its parent's only child
+                            del kids[parent]
+                        elif isinstance(sibs, set):
                             sibs.discard(key)
                             if not sibs:
                                 del kids[parent]
                         elif sibs == key:
                             del kids[parent]
                     mine = kids.get(key, _NONE)
-                    if mine is not _NONE:  # stranded in turn
-                        for child in mine if isinstance(mine, set) else (mine,):
+                    if mine is _NONE:
+                        pass
+                    elif isinstance(mine, set):  # stranded in turn
+                        for child in mine:
                             c = slot_of[child]
                             if where[c] != _ORPHAN:  # out of its bucket (Links.unlink)
                                 a, z = prv[c], nxt[c]
@@ -395,15 +410,27 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                                 prv[z] = a
                                 prv[c] = UNLINKED
                                 size[queue[c]] -= 1
-                                qcode[c] = code[c]
-                                where[c] = _ORPHAN
+                                where[c] = _ORPHAN  # (an orphan's qcode is never read)
                                 fresh.append(c)
-                    gone[key] = cd & 15  # remembered (as _remember; one more key: one out at most)
+                    else:  # its one child, stranded in turn
+                        c = slot_of[mine]
+                        if where[c] != _ORPHAN:
+                            a, z = prv[c], nxt[c]
+                            nxt[a] = z
+                            prv[z] = a
+                            prv[c] = UNLINKED
+                            size[queue[c]] -= 1
+                            where[c] = _ORPHAN
+                            fresh.append(c)
+                    gone[key] = cd & 15  # remembered (as _remember), trimmed below
                     to_end(key)
-                    if len(gone) > limit:
-                        popitem(last=False)
                     out.append(s)
                     need -= 1
+                # the history trimmed once for the block: every key above went to its end, so
+                # the oldest keys leave, as trimming after each would have removed them
+                while len(gone) > limit:
+                    popitem(last=False)
+                i = len(out) - before + len(passed)  # the fresh ones looked at
                 if i < len(fresh):
                     links.extend(_ORPHANS, fresh[i:])
                 if passed:
@@ -471,7 +498,6 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                                 prv[z] = a
                                 prv[c] = UNLINKED
                                 size[queue[c]] -= 1
-                                qcode[c] = code[c]
                                 where[c] = _ORPHAN
                                 fresh.append(c)
                 gone[key] = cd & 15

@@ -96,32 +96,43 @@ class ConversationAdmission:
             last = blocks - 1
             head, step = self._head_rule(), self._step_rule()
             gone, gate_open, readmitted, stepped = self._gone, not self._scan(), 0, 0
-            run, remember = self._run, self._remember
+            run, limit, settle, append = self._run, self._limit, pending.setdefault, out.append
+            to_end, get = gone.move_to_end, run.get
+            big = step and hits > 1  # a later turn under the step rule
             for k in keys:
                 if k in gone:
                     if gate_open:  # readmitted, as _judge would (the gate is open)
                         readmitted += 1
-                        ok = True
-                    else:
-                        ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
+                        settle(k, 0)
+                        append(True)
+                        depth += 1
+                        parent = k
+                        continue
+                    ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 elif (
-                    step
-                    and hits > 1
+                    big
                     and parent is not None
                     and depth != last
-                    and blocks - run.get(parent, depth) >= step
-                ):  # the run is a large step: declined, as _judge would
-                    run[k] = run.get(parent, depth)
-                    remember(k, 1)
+                    and blocks - (start := get(parent, depth)) >= step
+                ):  # the run is a large step: declined and remembered, as _judge would
+                    run[k] = start
+                    gone[k] = 1
+                    to_end(k)
+                    while len(gone) > limit:
+                        gone.popitem(last=False)
                     stepped += 1
-                    ok = False
+                    every = False
+                    append(False)
+                    depth += 1
+                    parent = k
+                    continue
                 else:
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 if ok:
-                    pending.setdefault(k, 0)
+                    settle(k, 0)
                 else:
                     every = False
-                out.append(ok)
+                append(ok)
                 depth += 1
                 parent = k
             decisions = self._decisions
