@@ -39,7 +39,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from operator import itemgetter
+from itertools import compress
+from operator import itemgetter, not_
 
 from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, make_policy
@@ -359,12 +360,12 @@ class PageTable:
             if t.admits:
                 kept = t.policy.admit_many(new, new_hints)
                 if kept is not None:
-                    rejected = [k for k, ok in zip(new, kept) if not ok]
+                    rejected = list(compress(new, map(not_, kept)))
                     if isinstance(new_hints, ChainHint):  # the rest is no chain: a part
                         new_hints = ChainPart(new_hints, new, kept)
                     elif new_hints is not None:
                         new_hints = [h for h, ok in zip(page_hints(new, new_hints), kept) if ok]
-                    new = [k for k, ok in zip(new, kept) if ok]
+                    new = list(compress(new, kept))
                     need = len(new) - len(free)
             protected = 0
             for k in present:

@@ -6,6 +6,7 @@ own, as a page table's tier would give it)."""
 from __future__ import annotations
 
 import itertools
+import random
 import sys
 from pathlib import Path
 from typing import Any
@@ -428,6 +429,70 @@ def test_kvaware_strands_every_sibling_as_the_reference(touch: int) -> None:
     with mock.patch.dict(POLICIES, policies):
         tables = _match_the_reference(5, ops, policies)
     assert tables[0].used("t") <= 5
+
+
+def test_kvaware_matches_its_key_reference_on_an_op_stream() -> None:
+    """The op stream of ``benchmarks/op_stream.py`` on a 64-page tier (conversations that grow
+    turn by turn off a shared system prompt, one ChainHint per request, the hits pinned while
+    the misses are stored): long orphan cascades, cut short where the victims asked for run
+    out, the history trimmed as they run, runs kept in part. Every lookup, victim, refusal and
+    admission counter is the key-based reference's."""
+    policies = {
+        "kvaware-slots": KVAwarePolicy,
+        "kvaware-keys": lambda: KeyPolicy(RefKVAware()),
+    }
+    with mock.patch.dict(POLICIES, policies):
+        tables = [PageTable({"t": 64}, name) for name in policies]
+    rng = random.Random(7)
+    length, base, fresh = [0] * 24, [0] * 24, 1 << 20
+    cascades = 0  # victims evicted right after their parent (an orphan cascade)
+    for _ in range(1500):
+        c = min(int(rng.paretovariate(1.0)) - 1, 23)
+        grow = rng.randint(2, 12)
+        if not length[c] or length[c] + grow > 40:  # a new conversation in this place
+            base[c], fresh, length[c] = fresh, fresh + 40, 0
+        length[c] += grow
+        ids = list(range(4)) + [base[c] + j for j in range(length[c])]
+        seen = []
+        for t in tables:
+            h = t.lookup(ids, "t")
+            hit = ids[:h]
+            if h:
+                t.touch(hit, "t")
+                t.prepare_load(hit, "t")
+            hint = ChainHint(h, ids[h - 1] if h else None, h, len(ids))
+            alloc = t.prepare_store(ids[h:], "t", hint)
+            if alloc is not None:
+                t.complete_store(alloc.keys, "t")
+            if h:
+                t.complete_load(hit, "t")
+            seen.append((h, alloc))
+        assert seen[0] == seen[1]
+        alloc = seen[0][1]
+        if alloc is not None:
+            cascades += sum(b == a + 1 for a, b in itertools.pairwise(alloc.evicted))
+    assert sorted(tables[0].keys("t")) == sorted(tables[1].keys("t"))
+    stats = tables[0].policy("t").stats()
+    assert stats == tables[1].policy("t").stats()
+    assert cascades > 500 and stats["declined_step"] > 0 and stats["readmitted"] > 0
+
+
+def test_kvaware_a_returning_page_keeps_its_stranded_children_when_its_batch_extends_it() -> None:
+    """A page comes back in a run whose next block extends it while children its eviction
+    stranded are still resident: the new block joins them (evicting the page again strands all
+    three), as in the reference. The insert's fast path for a block extending the one just
+    queued must not take this case for a first child."""
+    outs = []
+    for policy in (KVAwarePolicy(), KeyPolicy(RefKVAware())):
+        p = Bound(policy, 8)
+        p.insert_many([0, 1, 2], ChainHint(0, None, 0, 0))  # 0 -> 1 -> 2
+        p.insert_many([10], [PageHint(2, False, 0, 1, 0)])  # 1 -> 10, a fork
+        assert p.evict_many(1, lambda k: k == 1) == [1]  # 2 and 10 are orphans now
+        p.insert_many([1, 3], ChainHint(1, 0, 0, 0))  # 1 is back, with a new child 3
+        p.touch_many([2, 3, 10])  # worth more than 0 and 1: only orphans go before them
+        outs.append(p.evict_many(4, lambda k: k != 0))
+    assert outs[0] == outs[1]
+    assert outs[0][0] == 1 and sorted(outs[0][1:]) == [2, 3, 10]
 
 
 def _match_the_reference(

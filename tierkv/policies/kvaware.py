@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from itertools import compress
 
 from tierkv.policies.base import (
     CanEvictSlot,
@@ -236,22 +237,22 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         lasts = [False] * n
         if hints is None:
             parents: Sequence[Key | None] = [None] * n
-            check = 0
+            check = False  # whether a page's parent may have left (an orphan on arrival)
         elif isinstance(hints, ChainHint):
             parents = [hints.parent, *keys[:-1]]
             if n and hints.depth + n == hints.blocks:
                 lasts[-1] = True
-            check = 1  # block i > 0 extends the block just queued: not an orphan
+            check = True  # (block i > 0 extends the block just queued: ``prev`` below)
         elif isinstance(hints, ChainPart):  # the pages admission kept of a chain's run
             whole, kept = hints.keys, hints.kept
-            parents = [p for p, ok in zip([hints.chain.parent, *whole[:-1]], kept) if ok]
+            parents = list(compress([hints.chain.parent, *whole[:-1]], kept))
             if n and kept[-1] and hints.chain.depth + len(whole) == hints.chain.blocks:
                 lasts[-1] = True
-            check = n
+            check = True
         else:
             parents = [h.parent for h in hints]
             lasts = [h.last for h in hints]
-            check = n
+            check = True
         pop, settled = gone.pop, pending.pop
         # ``prev``: the page inserted just before; ``free``: it has no child yet (no entry in
         # _kids), so a page extending it is in no danger of being an orphan and is its only
@@ -259,7 +260,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         # history, so the orphan test below could only say no)
         prev: object = _NONE
         free = False
-        for i, (s, k, parent, last) in enumerate(zip(slots, keys, parents, lasts)):
+        for s, k, parent, last in zip(slots, keys, parents, lasts):
             seen = pop(k, 0)
             c = 0 if last and not seen else _AFTER[seen]
             if c == 1 and small and k in small:
@@ -277,7 +278,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 where[s] = p = start_prio[c]
                 q = p & _MASK
             else:
-                if i < check and parent is not prev and parent in gone:
+                if check and parent is not prev and parent in gone:
                     ps = slot_of.get(parent)
                     orphan = ps is None or prv[ps] == UNLINKED
                 else:
@@ -366,6 +367,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
         moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
         fresh: list[int] = []  # stranded by the last victim, not yet queued
+        none, orphan, decay = _NONE, _ORPHAN, SCAN_DECAY
         orphans = size[_ORPHANS] > 0  # orphans to look at before the next bucket victim
         while len(out) < n:
             if orphans:  # the orphan queue, then the fresh ones; evicting one strands its kids
@@ -384,43 +386,43 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     key = key_of[s]
                     cd = code[s]
                     if back[s] >= 0:
-                        left = left * SCAN_DECAY + 1.0
-                        used = used * SCAN_DECAY + (cd != back[s])
+                        left = left * decay + 1.0
+                        used = used * decay + (cd != back[s])
                         seen += 1
                     parent = parent_of[s]  # kept: restore_slots reads it
                     if parent is not None:
-                        sibs = kids[parent]
+                        sibs = kids.pop(parent)
                         if sibs is key:  # the common case: its parent's only child
-                            del kids[parent]
+                            pass
                         elif isinstance(sibs, set):
                             sibs.discard(key)
-                            if not sibs:
-                                del kids[parent]
-                        elif sibs == key:
-                            del kids[parent]
-                    mine = kids.get(key, _NONE)
-                    if mine is _NONE:
+                            if sibs:
+                                kids[parent] = sibs
+                        elif sibs != key:
+                            kids[parent] = sibs
+                    mine = kids.get(key, none)
+                    if mine is none:
                         pass
                     elif isinstance(mine, set):  # stranded in turn
                         for child in mine:
                             c = slot_of[child]
-                            if where[c] != _ORPHAN:  # out of its bucket (Links.unlink)
+                            if where[c] != orphan:  # out of its bucket (Links.unlink)
                                 a, z = prv[c], nxt[c]
                                 nxt[a] = z
                                 prv[z] = a
                                 prv[c] = UNLINKED
                                 size[queue[c]] -= 1
-                                where[c] = _ORPHAN  # (an orphan's qcode is never read)
+                                where[c] = orphan  # (an orphan's qcode is never read)
                                 fresh.append(c)
                     else:  # its one child, stranded in turn
                         c = slot_of[mine]
-                        if where[c] != _ORPHAN:
+                        if where[c] != orphan:
                             a, z = prv[c], nxt[c]
                             nxt[a] = z
                             prv[z] = a
                             prv[c] = UNLINKED
                             size[queue[c]] -= 1
-                            where[c] = _ORPHAN
+                            where[c] = orphan
                             fresh.append(c)
                     gone[key] = cd & 15  # remembered (as _remember), trimmed below
                     to_end(key)

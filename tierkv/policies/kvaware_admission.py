@@ -92,20 +92,19 @@ class ConversationAdmission:
         out: list[bool] = []
         every = True
         if isinstance(hints, ChainHint):
-            depth, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
+            first, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
             last = blocks - 1
             head, step = self._head_rule(), self._step_rule()
-            gone, gate_open, readmitted, stepped = self._gone, not self._scan(), 0, 0
+            gone, gate_open, stepped = self._gone, not self._scan(), 0
             run, limit, settle, append = self._run, self._limit, pending.setdefault, out.append
             to_end, get = gone.move_to_end, run.get
             big = step and hits > 1  # a later turn under the step rule
-            for k in keys:
+            judged = 0  # pages admitted by _judge (the rest of the Trues are readmissions)
+            for depth, k in enumerate(keys, first):
                 if k in gone:
                     if gate_open:  # readmitted, as _judge would (the gate is open)
-                        readmitted += 1
                         settle(k, 0)
                         append(True)
-                        depth += 1
                         parent = k
                         continue
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
@@ -123,18 +122,18 @@ class ConversationAdmission:
                     stepped += 1
                     every = False
                     append(False)
-                    depth += 1
                     parent = k
                     continue
                 else:
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 if ok:
                     settle(k, 0)
+                    judged += 1
                 else:
                     every = False
                 append(ok)
-                depth += 1
                 parent = k
+            readmitted = len(out) - out.count(False) - judged
             decisions = self._decisions
             if readmitted:
                 decisions["readmitted"] = decisions.get("readmitted", 0) + readmitted
