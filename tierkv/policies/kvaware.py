@@ -200,7 +200,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         now = self._floor << 4
         self._start = start = list(range(now, now + 16))
         self._bump = start[1:] + start[MAX_COUNT:]
-        self._start_prio = [self._floor + v for v in _VALUE]
+        self._start_prio = list(map(self._floor.__add__, _VALUE))
         self._tables_floor = self._floor
 
     def _requeue(self, s: int, orphan: bool, reset: bool = True) -> None:
@@ -349,6 +349,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         stranded ones left. One loop with every queue splice written out: the orphan cascade
         is most of the evictions on conversation traffic (a chain is trimmed from its tail)."""
         out: list[int] = []
+        push = out.append
         links = self._links
         size, nxt, prv, queue, base = links.size, links.next, links.prev, links.queue, links.base
         where, code, qcode, key_of, parent_of = (
@@ -376,10 +377,9 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
                 passed: list[int] = []
                 before = len(out)
-                need = n - before
+                need = n - before  # >= 1 here
+                grow = fresh.append
                 for s in fresh:  # grows as children are stranded
-                    if not need:
-                        break
                     if can_evict is not None and not can_evict(s):
                         passed.append(s)
                         continue
@@ -413,7 +413,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                                 prv[c] = UNLINKED
                                 size[queue[c]] -= 1
                                 where[c] = orphan  # (an orphan's qcode is never read)
-                                fresh.append(c)
+                                grow(c)
                     else:  # its one child, stranded in turn
                         c = slot_of[mine]
                         if where[c] != orphan:
@@ -423,11 +423,13 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                             prv[c] = UNLINKED
                             size[queue[c]] -= 1
                             where[c] = orphan
-                            fresh.append(c)
+                            grow(c)
                     gone[key] = cd & 15  # remembered (as _remember), trimmed below
                     to_end(key)
-                    out.append(s)
+                    push(s)
                     need -= 1
+                    if not need:
+                        break
                 # the history trimmed once for the block: every key above went to its end, so
                 # the oldest keys leave, as trimming after each would have removed them
                 while len(gone) > limit:
@@ -505,7 +507,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 gone[key] = cd & 15
                 if len(gone) > limit:
                     popitem(last=False)
-                out.append(s)
+                push(s)
                 orphans = bool(fresh) or size[_ORPHANS] > 0  # the victim's stranded kids go next
             else:
                 links.move(b, s)  # to the back of its queue
