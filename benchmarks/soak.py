@@ -35,7 +35,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks._common import parser, table, write_json
-from tierkv import KeyKind, KVSpec, TierKVError, key_kind
+from tierkv import KVSpec, TierKVError
+from tierkv.keys import KeyKind, key_kind
 from tierkv.page_table import PageState
 from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import add_trace_flag, phase, start_trace, table, write_json, write_trace
 from tierkv.runtime import Arena, CpuBackend, Priority, TransferEngine, run
 from tierkv.runtime.arena import allocate_host_buffer
-from tierkv.runtime.copy_kernels import STREAM_MIN_BYTES, native_streaming
+from tierkv.runtime.cpu_copy import STREAM_MIN_BYTES, native_streaming
 from tierkv.timeline import Timeline
 
 MB = 1 << 20

@@ -14,7 +14,7 @@ from typing import Any
 import tierkv.transports as transports
 from tierkv.transports import Capabilities, PeerError, TransferOp, Transport, group_by_peer
 from tierkv.transports.base import Direction
-from tierkv.transports.handle import TransferHandle
+from tierkv.transports.handle import BatchHandle
 
 _SERVERS: dict[str, QueueTransport] = {}  # agent name -> transport (one process)
 
@@ -60,7 +60,7 @@ class QueueTransport(Transport):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         by_peer = group_by_peer(ops)
         waits = []

@@ -14,61 +14,43 @@ Mechanism only: it knows bytes, arenas and slots, never what a KV page means::
 from __future__ import annotations
 
 from .arena import Arena
-from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event, Stream
-from .copy_kernels import DEFAULT_STAGING_BYTES
+from .backend import DEFAULT_TIMEOUT_S, Backend, Event, Stream
 from .cpu_backend import CpuBackend
-from .cpu_stream import CpuEvent, CpuStream
 from .cuda_backend import CudaBackend, cuda_available
-from .cuda_stream import ComputeStream, CudaEvent, CudaStream
 from .errors import (
     ArenaError,
     ArenaFullError,
-    ArenaMismatchError,
     BackendUnavailableError,
-    DoubleFreeError,
     EngineClosedError,
-    InvalidSlotError,
     RuntimeEngineError,
-    SlotBusyError,
-    SlotError,
     TransferCancelledError,
     TransferError,
     WaitTimeoutError,
 )
-from .freelist import SlotFreeList, SlotIds
-from .loop import has_uvloop, new_event_loop, run
-from .registry import available_backends, get_backend, register_backend
-from .stats import EngineStats, Priority, TransferStats
+from .loop import new_event_loop, run
+from .priority import Priority
+from .registry import BACKENDS, available_backends, get_backend, register_backend
+from .stats import EngineStats, TransferStats
 from .transfer import TransferEngine, TransferHandle
 
+# What a user of the runtime needs (and what a new backend implements: Backend, Arena, Stream,
+# Event). Streams and events of each backend, slot lists and the slot errors stay importable from
+# their modules (cpu_stream, cuda_stream, freelist, errors).
 __all__ = [
-    "DEFAULT_STAGING_BYTES",
+    "BACKENDS",
     "DEFAULT_TIMEOUT_S",
     "Arena",
     "ArenaError",
     "ArenaFullError",
-    "ArenaMismatchError",
     "Backend",
     "BackendUnavailableError",
-    "ComputeStream",
-    "CopyInfo",
     "CpuBackend",
-    "CpuEvent",
-    "CpuStream",
     "CudaBackend",
-    "CudaEvent",
-    "CudaStream",
-    "DoubleFreeError",
     "EngineClosedError",
     "EngineStats",
     "Event",
-    "InvalidSlotError",
     "Priority",
     "RuntimeEngineError",
-    "SlotBusyError",
-    "SlotError",
-    "SlotFreeList",
-    "SlotIds",
     "Stream",
     "TransferCancelledError",
     "TransferEngine",
@@ -79,7 +61,6 @@ __all__ = [
     "available_backends",
     "cuda_available",
     "get_backend",
-    "has_uvloop",
     "new_event_loop",
     "register_backend",
     "run",

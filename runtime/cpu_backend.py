@@ -12,7 +12,7 @@ import numpy as np
 
 from .arena import Arena, allocate_host_buffer
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo
-from .copy_kernels import KERNELS, copy_rows, native_kernel
+from .cpu_copy import KERNELS, copy_rows, native_kernel
 from .cpu_stream import CpuStream
 from .errors import ArenaError, ArenaMismatchError, EngineClosedError
 from .freelist import SlotIds
@@ -21,7 +21,7 @@ __all__ = ["CpuBackend"]
 
 
 class CpuBackend(Backend):
-    """Host-memory backend. `kernel` picks the copy kernel (`copy_kernels.KERNELS`).
+    """Host-memory backend. `kernel` picks the copy kernel (`cpu_copy.KERNELS`).
 
     "auto" uses the native kernel (the extension built at install time) where it exists, numpy
     kernels otherwise; "native" raises ValueError here when it is not available.

@@ -22,7 +22,7 @@ import numpy as np
 
 from .arena import Arena
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event
-from .copy_kernels import coalesce_runs, copy_rows
+from .cpu_copy import coalesce_runs, copy_rows
 from .cuda_arena import DEFAULT_CHUNK_BYTES, DeviceArena, HostArena
 from .cuda_env import cuda_available, import_cupy
 from .cuda_kernels import KERNEL_SOURCE, choose_method, launch_plans, split_runs, vector_width

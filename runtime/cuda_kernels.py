@@ -3,7 +3,7 @@
 Pure arithmetic, no CuPy: everything here is tested without a GPU. A batch moves in one of two
 ways, never one cudaMemcpyAsync per small page:
 
-    memcpy   pairs coalesced into runs of adjacent slots (`copy_kernels.coalesce_runs`), cut at
+    memcpy   pairs coalesced into runs of adjacent slots (`cpu_copy.coalesce_runs`), cut at
              pinned-chunk boundaries; one cudaMemcpyAsync per run. For few, long runs: the copy
              engines do the work and no SM is used.
     kernel   one launch for the whole batch. Block b copies chunk c of page p:
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .copy_kernels import coalesce_runs
+from .cpu_copy import coalesce_runs
 from .freelist import SlotIds
 
 __all__ = [

@@ -1,19 +1,12 @@
-"""Priorities and statistics of the transfer engine."""
+"""Statistics of the transfer engine: per batch (TransferStats) and per engine (EngineStats)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field, replace
 
-__all__ = ["EngineStats", "Priority", "TransferStats"]
+from .priority import Priority
 
-
-class Priority(enum.IntEnum):
-    """Dispatch order of pending batches: lower value goes first."""
-
-    DEMAND = 0  # a load that compute is waiting for
-    PREFETCH = 1  # a load for a step announced ahead
-    WRITEBACK = 2  # an eviction to a lower tier
+__all__ = ["EngineStats", "TransferStats"]
 
 
 @dataclass(slots=True)

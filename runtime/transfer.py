@@ -43,7 +43,7 @@ import numpy as np
 
 from .arena import Arena
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event, Stream
-from .copy_kernels import DEFAULT_STAGING_BYTES
+from .cpu_copy import DEFAULT_STAGING_BYTES
 from .cpu_stream import CpuEvent
 from .errors import (
     ArenaMismatchError,
@@ -54,7 +54,8 @@ from .errors import (
     WaitTimeoutError,
 )
 from .freelist import SlotIds, as_slot_ids
-from .stats import EngineStats, Priority, TransferStats
+from .priority import Priority
+from .stats import EngineStats, TransferStats
 
 __all__ = ["TransferEngine", "TransferHandle"]
 

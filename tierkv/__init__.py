@@ -18,7 +18,6 @@ from tierkv.errors import (
     InvalidTypeError,
     PageStateError,
     PageTableError,
-    PinError,
     SequenceError,
     SpecError,
     StoreClosedError,
@@ -27,40 +26,47 @@ from tierkv.errors import (
     TierKVError,
     TransferFailedError,
     UnknownPageError,
+    UnknownPolicyError,
 )
-from tierkv.keys import KeyKind, PageKey, block_key, key_kind, prefix_keys, private_key, root_key
+from tierkv.keys import prefix_keys
 from tierkv.lease import Lease
-from tierkv.page_table import PageEvent, PageState, PageTable, StoreAllocation
-from tierkv.policies import DEFAULT_POLICY, POLICIES, EvictionPolicy, PageHint, make_policy
+from tierkv.page_table import PageState, PageTable
+from tierkv.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    ChainHint,
+    EvictionPolicy,
+    PageHint,
+    make_policy,
+)
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 
 __version__ = "0.1.0"
 
+# What a user of the store needs. The rest stays importable from its module: the key helpers
+# from tierkv.keys, the page table's events and allocations from tierkv.page_table, every error
+# from tierkv.errors.
 __all__ = [
     "DEFAULT_POLICY",
     "POLICIES",
     "AllocationError",
+    "ChainHint",
     "EngineError",
     "EvictionPolicy",
     "InvalidInputError",
     "InvalidTypeError",
     "KVSpec",
     "KVStore",
-    "KeyKind",
     "Lease",
-    "PageEvent",
     "PageHint",
-    "PageKey",
     "PageState",
     "PageStateError",
     "PageTable",
     "PageTableError",
-    "PinError",
     "SequenceError",
     "SpecError",
-    "StoreAllocation",
     "StoreClosedError",
     "StoreTimeoutError",
     "SyncKVStore",
@@ -68,13 +74,10 @@ __all__ = [
     "TierKVError",
     "TransferFailedError",
     "UnknownPageError",
+    "UnknownPolicyError",
     "__version__",
-    "block_key",
-    "key_kind",
     "make_policy",
     "prefix_keys",
-    "private_key",
     "restore_collector",
-    "root_key",
     "settle_collector",
 ]

@@ -28,7 +28,7 @@ from .errors import (
     TransferTimeoutError,
     TransportError,
 )
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .regions import (
     Capabilities,
     Notification,
@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ENTRY_POINT_GROUP",
     "AuthError",
+    "BatchHandle",
     "Capabilities",
     "ChecksumError",
     "ClosedError",
@@ -53,7 +54,6 @@ __all__ = [
     "RegionDescriptor",
     "RegionError",
     "RemoteAccessError",
-    "TransferHandle",
     "TransferOp",
     "TransferTimeoutError",
     "Transport",

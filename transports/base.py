@@ -33,7 +33,7 @@ from .errors import (
     RemoteAccessError,
     TransferTimeoutError,
 )
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MAX_NOTIFY_BYTES", "Direction", "Transport"]
@@ -72,7 +72,7 @@ class Transport(abc.ABC):
         self._notifications: asyncio.Queue[Notification] = asyncio.Queue()
         self._notification_bytes = 0
         self.notifications_dropped = 0
-        self._inflight: set[TransferHandle] = set()
+        self._inflight: set[BatchHandle] = set()
         self._started = False
         self._closed = False
 
@@ -202,11 +202,11 @@ class Transport(abc.ABC):
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def read(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> TransferHandle:
+    def read(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> BatchHandle:
         """Post a batch of one-sided reads (remote -> local). See `write`."""
         return self._post("read", ops, notify)
 
-    def write(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> TransferHandle:
+    def write(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> BatchHandle:
         """Post a batch of one-sided writes (local -> remote); returns an awaitable handle.
 
         `notify`, if given, reaches every target peer (`get_notification`) only after all of this
@@ -254,7 +254,7 @@ class Transport(abc.ABC):
         for op in batch:
             self._validate(op)
             nbytes += op.length
-        handle = TransferHandle(timeout=self.timeout, nbytes=nbytes, num_ops=len(batch))
+        handle = BatchHandle(timeout=self.timeout, nbytes=nbytes, num_ops=len(batch))
         task = asyncio.get_running_loop().create_task(
             self._guarded(direction, batch, notify, handle)
         )
@@ -279,7 +279,7 @@ class Transport(abc.ABC):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         try:
             await self._transfer(direction, ops, notify, handle)
@@ -302,7 +302,7 @@ class Transport(abc.ABC):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         """Move the bytes of a validated batch, then send `notify` to each target peer."""
 

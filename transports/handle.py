@@ -8,10 +8,10 @@ from typing import Any
 
 from .errors import TransferTimeoutError
 
-__all__ = ["TransferHandle"]
+__all__ = ["BatchHandle"]
 
 
-class TransferHandle:
+class BatchHandle:
     """Completion of one posted batch.
 
     ``await handle`` waits at most the transport's timeout; ``await handle.wait(t)`` at most `t`
@@ -90,4 +90,4 @@ class TransferHandle:
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
-        return f"<TransferHandle {self.num_ops} ops, {self.nbytes} bytes, {state}>"
+        return f"<BatchHandle {self.num_ops} ops, {self.nbytes} bytes, {state}>"

@@ -12,7 +12,7 @@ from typing import Any
 
 from .base import Direction, Transport
 from .errors import PeerError
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp
 
 __all__ = ["LoopbackTransport"]
@@ -55,7 +55,7 @@ class LoopbackTransport(Transport):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         targets: dict[str, LoopbackTransport] = {}
         for local, lo, remote, ro, n in ops:

@@ -51,7 +51,7 @@ from .errors import (
     TransferTimeoutError,
     TransportError,
 )
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .nixl_engine import (
     DEREG_TAG,
     HELLO_TAG,
@@ -287,7 +287,7 @@ class NixlTransport(Transport):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         engine = self._engine_or_raise()
         note = b"" if notify is None else NOTE_TAG + bytes(notify)

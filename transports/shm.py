@@ -36,7 +36,7 @@ from typing import Any
 from .base import Direction, Transport
 from .errors import AuthError, PeerError, ProtocolError, RemoteAccessError, TransportError
 from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
 from .segments import remove_stale_segments, segment_name
 from .session import Limits, StreamSession
@@ -309,7 +309,7 @@ class ShmTransport(Transport):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         links = {agent: self._check_alive(agent) for agent in {op.remote.agent for op in ops}}
         for local, lo, remote, ro, n in ops:

@@ -50,7 +50,7 @@ from .errors import (
     TransportError,
 )
 from .guard import Audit, Gate
-from .handle import TransferHandle
+from .handle import BatchHandle
 from .regions import MEMORY_KINDS, Capabilities, TransferOp, group_by_peer
 from .session import HELLO_DEADLINE, proof, seals, session_keys, transcript
 from .tcp_server import ServerSide, TcpServer
@@ -372,7 +372,7 @@ class TcpTransport(Transport):
         direction: Direction,
         ops: list[TransferOp],
         notify: bytes | None,
-        handle: TransferHandle,
+        handle: BatchHandle,
     ) -> None:
         by_peer = group_by_peer(ops)
         conns = await asyncio.gather(*(self._connect(a) for a in by_peer))

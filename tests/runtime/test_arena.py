@@ -4,13 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv.runtime import (
-    ArenaError,
-    ArenaFullError,
-    CpuBackend,
-    DoubleFreeError,
-    InvalidSlotError,
-)
+from tierkv.runtime import ArenaError, ArenaFullError, CpuBackend
+from tierkv.runtime.errors import DoubleFreeError, InvalidSlotError
 
 
 def test_arena_layout_and_zero_copy_views(backend: CpuBackend) -> None:

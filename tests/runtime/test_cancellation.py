@@ -13,16 +13,16 @@ from hypothesis import strategies as st
 
 from tierkv.runtime import (
     Arena,
-    CopyInfo,
     CpuBackend,
     Priority,
-    SlotBusyError,
     TransferCancelledError,
     TransferEngine,
     TransferError,
     TransferHandle,
     run,
 )
+from tierkv.runtime.backend import CopyInfo
+from tierkv.runtime.errors import SlotBusyError
 from tierkv.runtime.loop import has_uvloop
 
 SLOTS = 24

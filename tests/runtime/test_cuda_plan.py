@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 import tierkv.runtime as runtime
 from tierkv.runtime import BackendUnavailableError, get_backend
-from tierkv.runtime.copy_kernels import coalesce_runs
+from tierkv.runtime.cpu_copy import coalesce_runs
 from tierkv.runtime.cuda_backend import CUDA_BACKEND_READY, DEFAULT_WAIT_STRATEGY, CudaBackend
 from tierkv.runtime.cuda_env import cuda_available, unavailable_reason
 from tierkv.runtime.cuda_kernels import (

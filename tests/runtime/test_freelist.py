@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.runtime import ArenaFullError, DoubleFreeError, InvalidSlotError, SlotFreeList
-from tierkv.runtime.freelist import as_slot_ids
+from tierkv.runtime import ArenaFullError
+from tierkv.runtime.errors import DoubleFreeError, InvalidSlotError
+from tierkv.runtime.freelist import SlotFreeList, as_slot_ids
 
 
 def test_fresh_list_hands_out_ascending_runs() -> None:

@@ -5,7 +5,8 @@ import threading
 
 import pytest
 
-from tierkv.runtime import CpuBackend, CpuStream, EngineClosedError, TransferError, WaitTimeoutError
+from tierkv.runtime import CpuBackend, EngineClosedError, TransferError, WaitTimeoutError
+from tierkv.runtime.cpu_stream import CpuStream
 
 
 async def test_fifo_order_and_awaitable_events(backend: CpuBackend) -> None:

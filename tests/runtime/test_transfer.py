@@ -7,17 +7,15 @@ import pytest
 
 from tierkv.runtime import (
     Arena,
-    ArenaMismatchError,
     CpuBackend,
     EngineClosedError,
-    InvalidSlotError,
     Priority,
-    SlotBusyError,
     TransferCancelledError,
     TransferEngine,
     TransferError,
 )
-from tierkv.runtime.copy_kernels import native_kernel
+from tierkv.runtime.cpu_copy import native_kernel
+from tierkv.runtime.errors import ArenaMismatchError, InvalidSlotError, SlotBusyError
 
 
 def fill_random(arena: Arena, ids: np.ndarray, seed: int = 0) -> np.ndarray:

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from tierkv import KeyKind, SpecError, block_key, key_kind, prefix_keys, private_key, root_key
+from tierkv import SpecError, prefix_keys
+from tierkv.keys import KeyKind, block_key, key_kind, private_key, root_key
 
 TOKENS = list(range(1000, 1100))
 
 _SCRIPT = (
-    "from tierkv import prefix_keys, private_key;"
+    "from tierkv.keys import prefix_keys, private_key;"
     "print(','.join(k.hex() for k in prefix_keys(list(range(1000, 1100)), 16, 'm')),"
     " private_key('seq-1', 3).hex())"
 )

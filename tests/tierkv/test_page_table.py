@@ -8,14 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tierkv import (
-    PageState,
-    PageStateError,
-    PageTable,
-    PinError,
-    UnknownPageError,
-)
-from tierkv.errors import TierKVError
+from tierkv import PageState, PageStateError, PageTable, UnknownPageError
+from tierkv.errors import PinError, TierKVError
 from tierkv.policies import POLICIES, LRUPolicy
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from tierkv import KeyKind, SequenceError, SpecError, TierFullError, key_kind
+from tierkv import SequenceError, SpecError, TierFullError
 from tierkv.admission import Admission
 from tierkv.errors import StoreClosedError, StoreTimeoutError
+from tierkv.keys import KeyKind, key_kind
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore

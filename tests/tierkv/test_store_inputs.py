@@ -242,7 +242,7 @@ async def test_token_ids_minus_one_and_two_to_the_64_no_longer_share_a_key() -> 
         with pytest.raises(SpecError):
             tierkv.prefix_keys([-1] * 8, 4)
         with pytest.raises(SpecError):
-            tierkv.block_key(tierkv.root_key(), np.array([2**64 - 1], dtype=np.uint64))
+            tierkv.keys.block_key(tierkv.keys.root_key(), np.array([2**64 - 1], dtype=np.uint64))
 
 
 async def test_tokens_of_every_accepted_form_give_the_same_keys() -> None:

@@ -25,7 +25,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tierkv import KeyKind, KVSpec, SequenceError, TierFullError, key_kind
+from tierkv import KVSpec, SequenceError, TierFullError
+from tierkv.keys import KeyKind, key_kind
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE

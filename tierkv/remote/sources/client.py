@@ -374,7 +374,7 @@ class RemoteTier:
             region = t.register_memory(array)
         except transports.TransportError as exc:
             raise map_transport_error(exc, "registering the local pages") from exc
-        handle: transports.TransferHandle | None = None
+        handle: transports.BatchHandle | None = None
         try:
             ops = [
                 transports.TransferOp(region, lo * pb, desc, ro * pb, n * pb)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.runtime import CpuBackend
-from tierkv.runtime.copy_kernels import copy_rows, native_kernel, native_streaming
+from tierkv.runtime.cpu_copy import copy_rows, native_kernel, native_streaming
 
 HAVE_NATIVE = native_kernel() is not None
 needs_native = pytest.mark.skipif(not HAVE_NATIVE, reason="tierkv.runtime._copy not built here")
@@ -214,7 +214,7 @@ def test_the_native_kernel_rejects_malformed_arguments() -> None:
 
 _SSE2_CHECK = """
 import numpy as np
-from tierkv.runtime.copy_kernels import copy_rows, native_streaming
+from tierkv.runtime.cpu_copy import copy_rows, native_streaming
 assert native_streaming() == "sse2", native_streaming()
 rng = np.random.default_rng(1)
 for row in (1000, 1024, 4097, 16384):
