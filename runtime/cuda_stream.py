@@ -19,6 +19,10 @@ No host callback ever calls CUDA. Cross-stream waits between CUDA events are dev
 (cudaStreamWaitEvent): the host never blocks for them. An event is only waited on once it has
 been *recorded* (a wait on an unrecorded CUDA event is a silent no-op: the classic source of KV
 corruption), so a wait on a CudaEvent first waits, bounded, for its record.
+
+The file stays whole (over 400 lines): the event, the copy stream with its launcher and waiter
+threads, and the compute stream share one protocol for recording and waking, and splitting them
+would put the record/wait ordering rules in two places.
 """
 
 from __future__ import annotations

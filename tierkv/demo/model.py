@@ -86,11 +86,12 @@ class TinyLlama:
                 setattr(self, name, [t.to(self.device) for t in getattr(self, name)])
 
     @staticmethod
-    def _norm(x: torch.Tensor) -> torch.Tensor:
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        """RMS norm over the last dimension (no weight)."""
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # x: [heads, n, hd]
+    def rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Rotary position embedding of ``x`` ``[heads, n, hd]`` at positions ``pos`` ``[n]``."""
         ang = pos[:, None].float() * self._inv_freq[None, :]  # [n, hd/2]
         cos, sin = ang.cos(), ang.sin()
         x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -117,11 +118,11 @@ class TinyLlama:
             mask = keys[None, :] <= pos[:, None]  # [n, S]
         for layer in range(cfg.layers):
             kv = await gate(layer)
-            hn = self._norm(x)
+            hn = self.norm(x)
             q = (hn @ self.wq[layer]).view(n, h, hd).transpose(0, 1)
             k = (hn @ self.wk[layer]).view(n, kvh, hd).transpose(0, 1)
             v = (hn @ self.wv[layer]).view(n, kvh, hd).transpose(0, 1)
-            q, k = self._rope(q, pos), self._rope(k, pos)
+            q, k = self.rope(q, pos), self.rope(k, pos)
             await kv.append(seq_id, layer, k.to(self.kv_dtype), v.to(self.kv_dtype))
             k_all, v_all = kv.kv(seq_id, layer)
             rep = h // kvh
@@ -129,6 +130,6 @@ class TinyLlama:
             v_all = v_all.float().repeat_interleave(rep, 0)
             att = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
             x = x + att.transpose(0, 1).reshape(n, h * hd) @ self.wo[layer]
-            hn = self._norm(x)
+            hn = self.norm(x)
             x = x + (F.silu(hn @ self.w1[layer]) * (hn @ self.w3[layer])) @ self.w2[layer]
-        return self._norm(x[-1]) @ self.out
+        return self.norm(x[-1]) @ self.out

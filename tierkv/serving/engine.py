@@ -26,6 +26,9 @@ store's backpressure) and the step with it; nothing fails.
 Errors: :class:`RequestError` (a ``ValueError``) for a request that can never run (empty,
 longer than the context, larger than the device tier); the tierkv errors of a failed step are
 raised from :meth:`Engine.generate` of each request in that step.
+
+The file stays whole (over 400 lines): admission, the step loop and a request's ending (release,
+publish, cancellation) change one set of running requests, and each must see the others' rules.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tierkv.serving.model import causal_attention
-from tierkv.serving.tiny import _message
+from tierkv.serving.tiny import chat_message
 from tierkv.spec import KVSpec, parse_dtype
 
 
@@ -119,7 +119,7 @@ class HFTokenizer:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """The chat template with the generation prompt. Raises ValueError when malformed."""
-        msgs = [dict(zip(("role", "content"), _message(m))) for m in messages]
+        msgs = [dict(zip(("role", "content"), chat_message(m))) for m in messages]
         if not msgs:
             raise ValueError("messages must not be empty")
         out = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

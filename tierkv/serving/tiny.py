@@ -45,11 +45,11 @@ class TinyModel:
         """Queries ``[H, N, D]``, keys and values ``[Hkv, N, D]``."""
         net, c = self.net, self.cfg
         n, hd = x.shape[0], c.head_dim
-        hn = net._norm(x)
+        hn = net.norm(x)
         q = (hn @ net.wq[layer]).view(n, c.heads, hd).transpose(0, 1)
         k = (hn @ net.wk[layer]).view(n, c.kv_heads, hd).transpose(0, 1)
         v = (hn @ net.wv[layer]).view(n, c.kv_heads, hd).transpose(0, 1)
-        q, k = net._rope(q, positions), net._rope(k, positions)
+        q, k = net.rope(q, positions), net.rope(k, positions)
         return q, k.to(self.kv_dtype), v.to(self.kv_dtype)
 
     def attend(
@@ -62,12 +62,12 @@ class TinyModel:
         """Output projection, residual and the SwiGLU MLP."""
         net = self.net
         x = x + att @ net.wo[layer]
-        hn = net._norm(x)
+        hn = net.norm(x)
         return x + (F.silu(hn @ net.w1[layer]) * (hn @ net.w3[layer])) @ net.w2[layer]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``[M, vocab]``."""
-        return self.net._norm(x) @ self.net.out
+        return self.net.norm(x) @ self.net.out
 
 
 class CharTokenizer:
@@ -89,12 +89,13 @@ class CharTokenizer:
         """``role: content`` lines, then ``assistant:``. Raises ValueError when malformed."""
         text = ""
         for m in messages:
-            role, content = _message(m)
+            role, content = chat_message(m)
             text += f"{role}: {content}\n"
         return self.encode(text + "assistant:")
 
 
-def _message(m: object) -> tuple[str, str]:
+def chat_message(m: object) -> tuple[str, str]:
+    """One chat message as ``(role, content)``; raises ValueError for anything else."""
     if not isinstance(m, dict):
         raise ValueError("each message must be an object with role and content")
     role, content = m.get("role"), m.get("content")

@@ -1,0 +1,217 @@
+"""The house rules that hold for the source tree as a whole (docs/architecture.md):
+
+- one top-level import package: the repository's runtime/ and transports/ are tierkv.runtime and
+  tierkv.transports, and imports run one way: tierkv core -> tierkv.runtime -> tierkv.transports;
+- no import cycle between modules, counting imports inside functions and under TYPE_CHECKING
+  (a cycle that only the type checker sees still stands for two modules that know each other);
+- no module uses another module's underscore names: not by importing them, not by reaching an
+  attribute that its own module never defines;
+- a file over 400 lines says at its top why it stays whole.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {
+    "tierkv": ROOT / "tierkv",
+    "tierkv.runtime": ROOT / "runtime",
+    "tierkv.transports": ROOT / "transports",
+}
+LONG_FILE = 400
+
+
+def _modules() -> dict[str, Path]:
+    mods: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder)
+            if pkg == "tierkv" and rel.parts[0] in ("runtime", "transports"):
+                continue  # the symlinks to the top-level folders
+            parts = list(rel.with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join([pkg, *parts])] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _target(module: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    if MODULES[module].name != "__init__.py":
+        base = base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _imports(module: str) -> Iterator[tuple[str, str | None]]:
+    """(imported module, name imported from it or None) for every import in ``module``."""
+    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            target = _target(module, node)
+            for alias in node.names:
+                if f"{target}.{alias.name}" in MODULES:
+                    yield f"{target}.{alias.name}", None
+                else:
+                    yield target, alias.name
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        deps = {t for t, _ in _imports(module) if t in MODULES and t != module}
+        graph[module] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, children = work[-1]
+            for w in children:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        found.append(sorted(comp))
+    return found
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles() -> None:
+    assert _cycles(_graph()) == []
+
+
+@pytest.mark.parametrize(
+    ("layer", "may_import"),
+    [
+        ("tierkv.runtime", ("tierkv.runtime", "tierkv.transports")),
+        ("tierkv.transports", ("tierkv.transports",)),
+    ],
+)
+def test_imports_run_one_way(layer: str, may_import: tuple[str, ...]) -> None:
+    wrong = [
+        (m, t)
+        for m in MODULES
+        if m == layer or m.startswith(layer + ".")
+        for t, _ in _imports(m)
+        if (t == "tierkv" or t.startswith("tierkv.")) and not t.startswith(may_import)
+    ]
+    assert wrong == [], "\n".join(map(str, wrong))
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries, setattr/getattr names
+    return names
+
+
+def test_no_module_uses_another_modules_underscore_names() -> None:
+    wrong = []
+    for module, path in MODULES.items():
+        for target, name in _imports(module):
+            if name and name.startswith("_") and not name.startswith("__"):
+                wrong.append(f"{module}: from {target} import {name}")
+        tree = ast.parse(path.read_text())
+        own = _defined_names(tree)
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and node.attr not in own
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    assert wrong == [], "\n".join(map(str, wrong))
+
+
+def test_long_files_say_why_they_stay_whole() -> None:
+    why = re.compile(r"stays? whole|kept whole|one file|in one piece", re.IGNORECASE)
+    wrong = []
+    for path in sorted(set(MODULES.values())):
+        text = path.read_text()
+        if text.count("\n") > LONG_FILE:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if not why.search(doc):
+                wrong.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert wrong == [], "\n".join(map(str, wrong))
+
+
+def test_one_top_level_import_package(tmp_path: Path) -> None:
+    """Installed (editable here), the project adds `tierkv` and nothing else: `runtime` and
+    `transports` are only reachable as tierkv.runtime and tierkv.transports."""
+    import os
+    import subprocess
+    import sys
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert all(p == "tierkv" or p.startswith("tierkv.") for p in config["packages"])
+    assert set(config["package-dir"]) == {"tierkv", "tierkv.runtime", "tierkv.transports"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def works(code: str) -> bool:
+        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=False)
+        return run.returncode == 0
+
+    assert works("import tierkv.runtime, tierkv.transports, tierkv")
+    assert not works("import runtime")
+    assert not works("import transports")
