@@ -12,7 +12,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -198,11 +201,7 @@ def test_long_files_say_why_they_stay_whole() -> None:
 def test_one_top_level_import_package(tmp_path: Path) -> None:
     """Installed (editable here), the project adds `tierkv` and nothing else: `runtime` and
     `transports` are only reachable as tierkv.runtime and tierkv.transports."""
-    import os
-    import subprocess
-    import sys
-    import tomllib
-
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert all(p == "tierkv" or p.startswith("tierkv.") for p in config["packages"])
     assert set(config["package-dir"]) == {"tierkv", "tierkv.runtime", "tierkv.transports"}
