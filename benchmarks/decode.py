@@ -34,8 +34,7 @@ import torch
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv import KVSpec
 from tierkv.collector import restore_collector, settle_collector
-from tierkv.demo.runner import DemoConfig, all_resident, device_budget, run
-from tierkv.demo_cli import _lossy
+from tierkv.demo.runner import DemoConfig, all_resident, device_budget, lossy_agreement, run
 from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 
@@ -97,7 +96,7 @@ async def decode_modes(
         if mode == "swap":
             with phase("swap: int8 on live KV"):
                 lossy = await run(replace(cfg, compress_live=True), device_budget(cfg))
-            out["int8_live"] = _lossy(ref, lossy, cfg.codec or "int8")
+            out["int8_live"] = lossy_agreement(ref, lossy, cfg.codec or "int8")
     return out
 
 

@@ -1,5 +1,5 @@
 """The demos' closing tables: rows both ``tierkv demo`` models print (store figures, a lossy
-pass) and the aligned printer. Imported by :mod:`tierkv.demo_cli` and
+pass) and the aligned printer. Imported by :mod:`tierkv.cli.demo` and
 :mod:`tierkv.demo.hf_demo`; imports neither."""
 
 from __future__ import annotations

@@ -277,3 +277,29 @@ async def run(cfg: DemoConfig, device_bytes: int, **kw: Any) -> RunResult:
 def all_resident(cfg: DemoConfig) -> DemoConfig:
     """The same run with no cold compression (the device tier will hold everything)."""
     return replace(cfg, codec=None)
+
+
+def lossy_agreement(ref: RunResult, lossy: RunResult, codec: str) -> dict[str, Any]:
+    """How a lossy run (``codec`` on live KV) agrees with the lossless ``ref``: tokens agreeing,
+    the largest logit drift before the first divergence, the smallest top-2 margin."""
+    differ = 0
+    drift = 0.0
+    n = len(ref.logits)
+    for a, b in zip(ref.logits, lossy.logits):
+        if int(a.argmax()) != int(b.argmax()):
+            differ += 1
+            break
+        drift = max(drift, float((a - b).abs().max()))
+    margins = [float(torch.topk(lg, 2).values.diff().abs()) for lg in ref.logits]
+    same = sum(
+        x == y for s in ref.tokens for x, y in zip(ref.tokens[s], lossy.tokens[s], strict=False)
+    )
+    return {
+        "codec": codec,
+        "tokens_identical": ref.tokens == lossy.tokens,
+        "tokens_agreeing": same,
+        "tokens": n,
+        "max_logit_drift_before_divergence": drift,
+        "smallest_top2_margin": min(margins) if margins else 0.0,
+        "cold_loads": lossy.stats["hits"]["cold"],
+    }

@@ -8,7 +8,7 @@
       Directory: slot, gen  │ acquire, release ...    import_prefix(store, peer, prompt)
                             └ data: shm / tcp  <────  one-sided reads (writes: publish)
 
-`PageServer` exposes an opened store (`tierkv serve`, tierkv/serve_cli.py, runs one);
+`PageServer` exposes an opened store (`tierkv serve`, tierkv/cli/serve.py, runs one);
 `RemoteTier` is its client; `import_prefix` / `publish_prefix` move a prompt's cached blocks to
 and from any `PageSource`, `RedisTier` (Redis / Valkey, docs/redis.md) included. See
 docs/remote.md. The package is split by role, imports running one way (no side imports the

@@ -24,6 +24,7 @@ from tierkv.demo.runner import (
     all_resident,
     check_fits,
     device_budget,
+    lossy_agreement,
     run,
 )
 from tierkv.runtime import new_event_loop
@@ -197,7 +198,7 @@ async def demo(
     if trace and tiered[-1].trace is not None:
         report["trace"] = tiered[-1].trace
     if "int8" in passes:
-        report["lossy_check"] = _lossy(ref[0], passes["int8"][-1], cfg.codec or "")
+        report["lossy_check"] = lossy_agreement(ref[0], passes["int8"][-1], cfg.codec or "")
     return report
 
 
@@ -228,31 +229,6 @@ def _figures(cfg: DemoConfig, refs: list[RunResult], passes: list[RunResult]) ->
         ),
         "compressed_pages": st["compressed"],
         "background_errors": st["background_errors"],
-    }
-
-
-def _lossy(ref: RunResult, lossy: RunResult, codec: str) -> dict[str, Any]:
-    """Token agreement and the largest logit drift before the first divergence."""
-    differ = 0
-    drift = 0.0
-    n = len(ref.logits)
-    for a, b in zip(ref.logits, lossy.logits):
-        if int(a.argmax()) != int(b.argmax()):
-            differ += 1
-            break
-        drift = max(drift, float((a - b).abs().max()))
-    margins = [float(torch.topk(lg, 2).values.diff().abs()) for lg in ref.logits]
-    same = sum(
-        x == y for s in ref.tokens for x, y in zip(ref.tokens[s], lossy.tokens[s], strict=False)
-    )
-    return {
-        "codec": codec,
-        "tokens_identical": ref.tokens == lossy.tokens,
-        "tokens_agreeing": same,
-        "tokens": n,
-        "max_logit_drift_before_divergence": drift,
-        "smallest_top2_margin": min(margins) if margins else 0.0,
-        "cold_loads": lossy.stats["hits"]["cold"],
     }
 
 

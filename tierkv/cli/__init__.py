@@ -1,6 +1,8 @@
-"""The ``tierkv`` command line: ``tierkv replay``, ``tierkv demo``, ...
+"""The ``tierkv`` command line (the front ends): ``tierkv demo``, ``tierkv serve``,
+``tierkv replay``, ``tierkv plan``.
 
-Each subcommand lives in its own module and registers itself here.
+Each subcommand lives in its own module of this package (demo.py, serve.py, replay.py, plan.py)
+and registers itself here; they use the library, which never imports them.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from tierkv import demo_cli, plan_cli, replay_cli, serve_cli
+from tierkv.cli import demo, plan, replay, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,10 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tierkv", description="tierkv: a tiered paged KV cache for LLM inference servers"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo_cli.add_parser(sub)
-    plan_cli.add_parser(sub)
-    replay_cli.add_parser(sub)
-    serve_cli.add_parser(sub)
+    demo.add_parser(sub)
+    plan.add_parser(sub)
+    replay.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
@@ -34,7 +36,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
