@@ -23,15 +23,17 @@ import torch
 from tierkv.codecs import Codec
 from tierkv.errors import TierFullError
 from tierkv.jobs import job_done, when_done
+from tierkv.keys import PageKey
 from tierkv.owners import Owners
 from tierkv.page_table import PageState, PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
-from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
+from tierkv.stats import TierStats
+from tierkv.tier_names import COLD, DEVICE, HOST
 
 __all__ = ["ColdStorage", "Departures"]
 
-Offer = Callable[[list[tuple[Key, int]]], Awaitable[None]]
+Offer = Callable[[list[tuple[PageKey, int]]], Awaitable[None]]
 
 
 class Departures:
@@ -39,17 +41,17 @@ class Departures:
     the remote tier's offer (given the exact bytes before they are compressed or dropped)."""
 
     def __init__(self) -> None:
-        self.listeners: list[Callable[[list[Key]], None]] = []
+        self.listeners: list[Callable[[list[PageKey]], None]] = []
         self.offer: Offer | None = None
 
     def left(self, keys: Sequence[object]) -> None:
         """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners."""
         if keys and self.listeners:
-            gone = cast(list[Key], list(keys))
+            gone = cast(list[PageKey], list(keys))
             for listener in list(self.listeners):
                 listener(gone)
 
-    async def offer_remote(self, victims: list[tuple[Key, int]]) -> None:
+    async def offer_remote(self, victims: list[tuple[PageKey, int]]) -> None:
         """Offer host pages about to leave (pinned or MOVING, so their bytes hold) to the
         remote tier, if any; bounded and best-effort (the remote counts its failures)."""
         if self.offer is not None and victims:
@@ -81,7 +83,7 @@ class ColdStorage:
         self._stats = stats
         self._progress = progress
 
-    def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
+    def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove readable, unpinned pages from one tier."""
         table = self._table
         here = [
@@ -122,7 +124,7 @@ class ColdStorage:
         free = table.capacity(HOST) - table.used(HOST)
         if free >= n:
             return
-        victims = cast(list[tuple[Key, int]], table.prepare_evict(HOST, n - free))
+        victims = cast(list[tuple[PageKey, int]], table.prepare_evict(HOST, n - free))
         if not victims:
             return
         keys = [k for k, _ in victims]
@@ -144,7 +146,7 @@ class ColdStorage:
                 self._departures.left(keys)
             self._progress()  # a lower copy in flight landed (or left)
 
-    async def _compress(self, victims: list[tuple[Key, int]]) -> None:
+    async def _compress(self, victims: list[tuple[PageKey, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
         table = self._table
         codec, spec = self.codec, self._spec
@@ -181,10 +183,10 @@ class ColdStorage:
             raise
         self._stats.encode_s += cast(float, handle.result())
         table.complete_store(alloc.keys, COLD)
-        self._owners.pin_owned(cast(list[Key], alloc.keys), COLD)
+        self._owners.pin_owned(cast(list[PageKey], alloc.keys), COLD)
         self._stats.pages_compressed += len(alloc.keys)
 
-    async def compress_idle(self, keys: Sequence[Key]) -> int:
+    async def compress_idle(self, keys: Sequence[PageKey]) -> int:
         """Compress these host pages (idle ones, chosen by the caller) into cold; returns count.
 
         Pages on the device, in flight, or pinned by anything but their owner are skipped.
@@ -192,7 +194,7 @@ class ColdStorage:
         if self.codec is None:
             return 0
         table, owners = self._table, self._owners
-        pick: list[tuple[Key, int]] = []
+        pick: list[tuple[PageKey, int]] = []
         for k in keys:
             if table.present([k], DEVICE) or not table.lookup([k], HOST):
                 continue

@@ -17,11 +17,13 @@ from typing import cast
 from tierkv.cold import ColdStorage, Departures
 from tierkv.errors import StoreTimeoutError, TierFullError
 from tierkv.jobs import job_done, when_done, within
+from tierkv.keys import PageKey
 from tierkv.owners import Owners
 from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine
 from tierkv.spec import KVSpec
-from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
+from tierkv.stats import TierStats
+from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
 
 __all__ = ["DeviceEviction"]
@@ -55,13 +57,13 @@ class DeviceEviction:
         self._stats = stats
         self._timeline = timeline
         self._progress = progress
-        self.dirty: dict[Key, int] = {}  # device copy newer than the lower ones -> generation
+        self.dirty: dict[PageKey, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
-        self.soon: frozenset[Key] = frozenset()  # pages of announced steps
-        self.soon_order: tuple[Key, ...] = ()  # the same, soonest needed first
+        self.soon: frozenset[PageKey] = frozenset()  # pages of announced steps
+        self.soon_order: tuple[PageKey, ...] = ()  # the same, soonest needed first
 
-    def has_lower(self, key: Key) -> bool:
+    def has_lower(self, key: PageKey) -> bool:
         """Whether some lower tier holds ``key`` readable."""
         return any(self._table.lookup([key], t) for t in self._lower)
 
@@ -77,7 +79,7 @@ class DeviceEviction:
             return True
         # all or nothing: a partial pick put back would still churn the policy's queues
         victims = cast(
-            list[tuple[Key, int]],
+            list[tuple[PageKey, int]],
             table.prepare_evict(
                 DEVICE, n - free, exact=True, keep=self.soon, keep_order=self.soon_order
             ),
@@ -101,14 +103,14 @@ class DeviceEviction:
         self._end_evict(keys, task)
         return True
 
-    def _end_evict(self, keys: list[Key], task: asyncio.Task[None]) -> None:
+    def _end_evict(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
         ok = not task.cancelled() and task.exception() is None
         self._table.complete_evict(keys, DEVICE, ok=ok)
         if ok:
             self.clean(keys)
         self._progress()
 
-    async def _write_back(self, victims: list[tuple[Key, int]]) -> None:
+    async def _write_back(self, victims: list[tuple[PageKey, int]]) -> None:
         if not victims:
             return
         table = self._table
@@ -154,24 +156,24 @@ class DeviceEviction:
         )
         self._stats.bytes_d2h += len(keys) * self._spec.page_bytes
         self._stats.pages_written_back += len(keys)
-        self._owners.pin_owned(cast(list[Key], alloc.keys), HOST)
+        self._owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
         for k in stale_cold:  # the cold copy is older than the one just written
             self._owners.unpin(k, COLD)
             self._host.forget_in(COLD, [k])
 
-    def mark_dirty(self, keys: Sequence[Key]) -> None:
+    def mark_dirty(self, keys: Sequence[PageKey]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
         for k in keys:
             self._gen += 1
             self.dirty[k] = self._gen
 
-    def clean(self, keys: Sequence[Key], gens: dict[Key, int] | None = None) -> None:
+    def clean(self, keys: Sequence[PageKey], gens: dict[PageKey, int] | None = None) -> None:
         """The device copies of ``keys`` are safe below (those of generation ``gens`` only)."""
         for k in keys:
             if gens is None or self.dirty.get(k) == gens.get(k):
                 self.dirty.pop(k, None)
 
-    async def write_behind(self, keys: Sequence[Key]) -> int:
+    async def write_behind(self, keys: Sequence[PageKey]) -> int:
         """Copy dirty, unpinned device pages down now (write-behind), so that evicting them
         later costs no wait. Returns the pages written. The device pages stay pinned (never
         evicted, never renamed) until the copy has ended, even when the caller is cancelled."""
@@ -188,7 +190,7 @@ class DeviceEviction:
         return len(pick)
 
     def _end_write_behind(
-        self, keys: list[Key], gens: dict[Key, int], task: asyncio.Task[None]
+        self, keys: list[PageKey], gens: dict[PageKey, int], task: asyncio.Task[None]
     ) -> None:
         self._table.complete_load(keys, DEVICE)
         self.write_behind_pinned -= len(keys)

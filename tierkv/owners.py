@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from tierkv.keys import PageKey
 from tierkv.page_table import PageTable
-from tierkv.tier_stats import Key
 
 __all__ = ["Owners"]
 
@@ -23,32 +23,32 @@ class Owners:
     def __init__(self, table: PageTable, lower: Sequence[str]) -> None:
         self._table = table
         self.lower = list(lower)
-        self._count: dict[Key, int] = {}
+        self._count: dict[PageKey, int] = {}
         # a dict of ints is one the cyclic garbage collector never walks (a set per owned page
         # made its pauses long)
-        self._pins: dict[Key, int] = {}
+        self._pins: dict[PageKey, int] = {}
         self._bit = {t: 1 << i for i, t in enumerate(self.lower)}
 
     @property
-    def counts(self) -> Mapping[Key, int]:
+    def counts(self) -> Mapping[PageKey, int]:
         """Owners per owned page (read-only)."""
         return self._count
 
     @property
-    def pinned(self) -> Mapping[Key, int]:
+    def pinned(self) -> Mapping[PageKey, int]:
         """Owned pages with owners' pins -> the tiers as bits (read-only)."""
         return self._pins
 
     def __contains__(self, key: object) -> bool:
         return key in self._count
 
-    def add(self, key: Key) -> bool:
+    def add(self, key: PageKey) -> bool:
         """One more owner of ``key``; True when it is the first (pin its lower copies then)."""
         n = self._count.get(key, 0)
         self._count[key] = n + 1
         return n == 0
 
-    def drop(self, key: Key) -> None:
+    def drop(self, key: PageKey) -> None:
         """One owner less; the last one takes the owners' pins with it."""
         n = self._count.get(key, 0)
         if n > 1:
@@ -60,7 +60,7 @@ class Owners:
             if held & bit:
                 self.unpin(key, t)
 
-    def pin(self, keys: Sequence[Key], tiers: Sequence[str]) -> None:
+    def pin(self, keys: Sequence[PageKey], tiers: Sequence[str]) -> None:
         """Pin the copies of ``keys`` (owned pages) in ``tiers`` on behalf of their owners."""
         for t in tiers:
             if keys:
@@ -69,19 +69,19 @@ class Owners:
                 for k in keys:
                     pins[k] = pins.get(k, 0) | bit
 
-    def pin_lower(self, key: Key) -> None:
+    def pin_lower(self, key: PageKey) -> None:
         """Pin every readable lower copy of a newly owned page."""
         self.pin([key], [t for t in self.lower if self._table.lookup([key], t)])
 
-    def pin_owned(self, keys: Sequence[Key], tier: str) -> None:
+    def pin_owned(self, keys: Sequence[PageKey], tier: str) -> None:
         """Pin the new ``tier`` copies of those of ``keys`` that are owned."""
         self.pin([k for k in keys if k in self._count], [tier])
 
-    def holds_pin(self, key: Key, tier: str) -> bool:
+    def holds_pin(self, key: PageKey, tier: str) -> bool:
         """Whether the owners of ``key`` pin its copy in ``tier``."""
         return bool(self._pins.get(key, 0) & self._bit.get(tier, 0))
 
-    def unpin(self, key: Key, tier: str) -> None:
+    def unpin(self, key: PageKey, tier: str) -> None:
         """Drop the owners' pin on ``key``'s copy in ``tier`` (if they hold one)."""
         held, bit = self._pins.get(key, 0), self._bit.get(tier, 0)
         if not held & bit:
@@ -93,7 +93,7 @@ class Owners:
         if self._table.present([key], tier):
             self._table.complete_load([key], tier)
 
-    def rename(self, old: Key, new: Key) -> None:
+    def rename(self, old: PageKey, new: PageKey) -> None:
         """``old`` is now called ``new`` (its counts and pins follow)."""
         if old in self._count:
             self._count[new] = self._count.pop(old)

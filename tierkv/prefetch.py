@@ -23,7 +23,7 @@ from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
-from tierkv.tier_stats import DEVICE
+from tierkv.tier_names import DEVICE
 from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
 

@@ -1,8 +1,10 @@
-"""Counters of a store (the transfer figures live in :class:`tierkv.tiers.TierStats`)."""
+"""Counters: a store's (:class:`StoreCounters`) and its tiers' transfers (:class:`TierStats`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from tierkv.tier_names import COLD, HOST
 
 
 @dataclass(slots=True)
@@ -20,3 +22,19 @@ class StoreCounters:
     prompt_tokens: int = 0
     background_errors: int = 0
     last_error: str = ""
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of a :class:`~tierkv.tiers.TierSet` (monotonic but ``peak_device_pages``)."""
+
+    loads_from: dict[str, int] = field(default_factory=lambda: {HOST: 0, COLD: 0})
+    pages_written_back: int = 0
+    pages_compressed: int = 0
+    pages_dropped: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    copy_s: float = 0.0
+    decode_s: float = 0.0
+    encode_s: float = 0.0
+    peak_device_pages: int = 0

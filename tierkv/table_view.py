@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import cast
 
+from tierkv.keys import PageKey
 from tierkv.page_table import PageState, PageTable
-from tierkv.tier_stats import Key
 
 __all__ = ["TableView"]
 
@@ -41,35 +41,35 @@ class TableView:
         """Pages of ``tier`` that are readable and unpinned (could be evicted now)."""
         return self._table.evictable(tier)
 
-    def tiers_of(self, key: Key) -> list[str]:
+    def tiers_of(self, key: PageKey) -> list[str]:
         """Tiers holding ``key`` (in any state)."""
         return self._table.tiers_of(key)
 
-    def state(self, key: Key, tier: str) -> PageState:
+    def state(self, key: PageKey, tier: str) -> PageState:
         """State of ``key`` in ``tier``. Raises UnknownPageError."""
         return self._table.state(key, tier)
 
-    def pins(self, key: Key, tier: str) -> int:
+    def pins(self, key: PageKey, tier: str) -> int:
         """Pins on ``key`` in ``tier``. Raises UnknownPageError."""
         return self._table.pins(key, tier)
 
-    def slot(self, key: Key, tier: str) -> int:
+    def slot(self, key: PageKey, tier: str) -> int:
         """Slot of ``key`` in ``tier``. Raises UnknownPageError."""
         return self._table.slot(key, tier)
 
-    def keys(self, tier: str) -> list[Key]:
+    def keys(self, tier: str) -> list[PageKey]:
         """Every page of ``tier`` (any state)."""
-        return cast(list[Key], self._table.keys(tier))
+        return cast(list[PageKey], self._table.keys(tier))
 
-    def lookup(self, keys: Sequence[Key], tier: str | None = None) -> int:
+    def lookup(self, keys: Sequence[PageKey], tier: str | None = None) -> int:
         """Length of the prefix of ``keys`` readable in ``tier`` (in some tier if None)."""
         return self._table.lookup(keys, tier)
 
-    def present(self, keys: Iterable[Key], tier: str) -> list[Key]:
+    def present(self, keys: Iterable[PageKey], tier: str) -> list[PageKey]:
         """The keys of ``keys`` that ``tier`` holds (any state)."""
-        return cast(list[Key], self._table.present(keys, tier))
+        return cast(list[PageKey], self._table.present(keys, tier))
 
-    def readable(self, key: Key, tier: str) -> bool:
+    def readable(self, key: PageKey, tier: str) -> bool:
         """True when ``tier`` holds ``key`` readable (not in flight)."""
         return bool(self._table.lookup([key], tier))
 

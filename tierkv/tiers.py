@@ -54,6 +54,7 @@ from tierkv.errors import (
 )
 from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, when_done, within
+from tierkv.keys import PageKey
 from tierkv.owners import Owners
 from tierkv.page_table import PageState, PageTable, StoreAllocation
 from tierkv.runtime import (
@@ -65,15 +66,16 @@ from tierkv.runtime import (
     TransferHandle,
 )
 from tierkv.spec import KVSpec
+from tierkv.stats import TierStats
 from tierkv.table_view import TableView
-from tierkv.tier_stats import COLD, DEVICE, HOST, Key, TierStats
+from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
 from tierkv.waits import Changes
 
-__all__ = ["COLD", "DEVICE", "HOST", "HostLoad", "Key", "TierSet", "TierStats"]
+__all__ = ["COLD", "DEVICE", "HOST", "HostLoad", "TierSet", "TierStats"]
 
 # a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
-HostLoad = Callable[[list[Key], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
+HostLoad = Callable[[list[PageKey], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
 
 
 class TierSet:
@@ -147,10 +149,10 @@ class TierSet:
         # every change that may free device room or land a page in flight wakes the waiters:
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
-        self._doomed: set[Key] = set()  # released private pages still busy: removed when idle
+        self._doomed: set[PageKey] = set()  # released private pages still busy: removed when idle
         # released full blocks still busy (a write-behind copy reads them): renamed to their
         # content keys once idle, so that they are cached, not freed
-        self._renames: list[tuple[list[Key], list[Key]]] = []
+        self._renames: list[tuple[list[PageKey], list[PageKey]]] = []
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -165,17 +167,17 @@ class TierSet:
         return self._cold.codec
 
     @property
-    def owners(self) -> Mapping[Key, int]:
+    def owners(self) -> Mapping[PageKey, int]:
         """Live sequences holding each owned page (read-only)."""
         return self._owners.counts
 
     @property
-    def owner_pins(self) -> Mapping[Key, int]:
+    def owner_pins(self) -> Mapping[PageKey, int]:
         """Owned pages whose lower copies the owners pin (read-only)."""
         return self._owners.pinned
 
     @property
-    def doomed(self) -> AbstractSet[Key]:
+    def doomed(self) -> AbstractSet[PageKey]:
         """Released private pages still busy, removed once idle (read-only)."""
         return self._doomed
 
@@ -185,7 +187,7 @@ class TierSet:
         return len(self._renames)
 
     @property
-    def dirty(self) -> Mapping[Key, int]:
+    def dirty(self) -> Mapping[PageKey, int]:
         """Device pages newer than their lower copies (read-only)."""
         return self._evict.dirty
 
@@ -203,11 +205,11 @@ class TierSet:
         """Bytes of one slot of ``tier`` (a page, or an encoded page in cold)."""
         return self._arenas[tier].slot_bytes
 
-    def holds(self, key: Key) -> bool:
+    def holds(self, key: PageKey) -> bool:
         """True when some tier holds ``key`` (readable, or in flight to readable)."""
         return bool(self._table.tiers_of(key))
 
-    def device_slot(self, key: Key) -> int:
+    def device_slot(self, key: PageKey) -> int:
         """Device slot of a resident page. Raises UnknownPageError."""
         return self._table.slot(key, DEVICE)
 
@@ -220,12 +222,12 @@ class TierSet:
         idx = torch.tensor(slots, dtype=torch.long, device=self._pages.device)
         return self._pages.index_select(0, idx)
 
-    def pinned_on_device(self, keys: Iterable[Key]) -> bool:
+    def pinned_on_device(self, keys: Iterable[PageKey]) -> bool:
         """Whether some of ``keys`` is pinned on the device (by a lease or a copy)."""
         table = self._table
         return any(table.pins(k, DEVICE) for k in table.present(keys, DEVICE))
 
-    def device_room(self, keys: Sequence[Key], protect: AbstractSet[Key]) -> list[Key]:
+    def device_room(self, keys: Sequence[PageKey], protect: AbstractSet[PageKey]) -> list[PageKey]:
         """The pages of ``keys`` not readable on the device (in order) that fit there now
         without evicting a page of ``protect`` or a pinned or in-flight one."""
         table = self._table
@@ -243,7 +245,7 @@ class TierSet:
         return absent[: max(0, free + junk)]
 
     # -- announcements -----------------------------------------------------------------
-    def announce(self, keys: Iterable[Key]) -> None:
+    def announce(self, keys: Iterable[PageKey]) -> None:
         """Pages the coming steps read, soonest needed first (the server's schedule): device
         evictions take them only when no other page can go, the last needed first, whatever
         the policy ranks (the schedule outranks it)."""
@@ -251,14 +253,14 @@ class TierSet:
         self._evict.soon_order = order
         self._evict.soon = frozenset(order)
 
-    def touch_device(self, keys: Iterable[Key]) -> None:
+    def touch_device(self, keys: Iterable[PageKey]) -> None:
         """Mark readable device pages as just used (the policy's recency)."""
         here = [k for k in keys if self._table.lookup([k], DEVICE)]
         if here:
             self._table.touch(here, DEVICE)
 
     # -- ownership ---------------------------------------------------------------------
-    def own(self, keys: Sequence[Key]) -> None:
+    def own(self, keys: Sequence[PageKey]) -> None:
         """A live sequence holds ``keys``: pin their lower copies so none is dropped."""
         owners, doomed = self._owners, self._doomed
         for k in keys:
@@ -267,7 +269,7 @@ class TierSet:
             if doomed:
                 doomed.discard(k)
 
-    async def own_async(self, keys: Sequence[Key], batch: int = 4096) -> None:
+    async def own_async(self, keys: Sequence[PageKey], batch: int = 4096) -> None:
         """:meth:`own` in slices with a loop turn between them (a million-token prompt owns
         125,000 pages: one pass blocked the loop ~0.2 s). Cancelled midway, it undoes what it
         did (nothing stays owned)."""
@@ -283,13 +285,13 @@ class TierSet:
             self.disown(keys[:done])
             raise
 
-    def disown(self, keys: Sequence[Key]) -> None:
+    def disown(self, keys: Sequence[PageKey]) -> None:
         """Drop one owner of each key; unowned pages become evictable cache."""
         drop = self._owners.drop
         for k in keys:
             drop(k)
 
-    def forget(self, keys: Sequence[Key]) -> None:
+    def forget(self, keys: Sequence[PageKey]) -> None:
         """Remove released private pages from every tier. Copies busy now (pinned by a copy or a
         lease, or in flight) are *doomed*: removed as soon as they are idle (see :meth:`reap`),
         so a release during a write-behind copy or inside a lease leaks nothing."""
@@ -299,7 +301,7 @@ class TierSet:
         self._doomed.update(k for k in keys if k not in self._owners)
         self.reap()
 
-    def rename_when_idle(self, old: Sequence[Key], new: Sequence[Key]) -> None:
+    def rename_when_idle(self, old: Sequence[PageKey], new: Sequence[PageKey]) -> None:
         """Rename released, unowned pages (a full block's private keys -> its content keys)
         now, or as soon as they are idle (see :meth:`rekey`): a block busy at release is cached,
         not freed. When ``new`` is held by then (another sequence published the same block),
@@ -330,13 +332,13 @@ class TierSet:
             return
         table = self._table
         for t in table.tier_names:
-            self._cold.forget_in(t, cast(list[Key], table.present(self._doomed, t)))
+            self._cold.forget_in(t, cast(list[PageKey], table.present(self._doomed, t)))
         dirty = self._evict.dirty
         for k in self._doomed:  # a doomed page's device copy is never written back
             dirty.pop(k, None)
         self._doomed = {k for k in self._doomed if table.tiers_of(k)}
 
-    def idle(self, key: Key) -> bool:
+    def idle(self, key: PageKey) -> bool:
         """True when no copy of ``key`` is in flight or pinned by anything but its owners."""
         table = self._table
         for t in table.tiers_of(key):
@@ -346,7 +348,7 @@ class TierSet:
                 return False
         return True
 
-    def rekey(self, old: Sequence[Key], new: Sequence[Key]) -> bool:
+    def rekey(self, old: Sequence[PageKey], new: Sequence[PageKey]) -> bool:
         """Rename pages everywhere (private -> content). False (nothing changed) when a new key
         is in some tier (in any state) or an old page is busy: in flight (a load, a write-back,
         a compression) or pinned by a copy or a lease. So a rename never races an eviction:
@@ -419,21 +421,21 @@ class TierSet:
         for s in slots:  # a handful of pages: a memset each (index_fill_ scans the whole arena)
             arena.slot_view(s).zero_()
 
-    def mark_dirty(self, keys: Sequence[Key]) -> None:
+    def mark_dirty(self, keys: Sequence[PageKey]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
         self._evict.mark_dirty(keys)
 
-    async def write_behind(self, keys: Sequence[Key]) -> int:
+    async def write_behind(self, keys: Sequence[PageKey]) -> int:
         """Copy dirty device pages of ``keys`` down to the host now; returns pages written
         (see :meth:`tierkv.eviction.DeviceEviction.write_behind`)."""
         return await self._evict.write_behind(keys)
 
-    async def compress_idle(self, keys: Sequence[Key]) -> int:
+    async def compress_idle(self, keys: Sequence[PageKey]) -> int:
         """Compress idle host pages into cold; returns how many (see
         :meth:`tierkv.cold.ColdStorage.compress_idle`)."""
         return await self._cold.compress_idle(keys)
 
-    def forget_in(self, tier: str, keys: Sequence[Key]) -> None:
+    def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove the readable, unpinned pages of ``keys`` from one tier."""
         self._cold.forget_in(tier, keys)
 
@@ -462,11 +464,11 @@ class TierSet:
         arena.hand_over()
         self._arenas[HOST] = arena
 
-    def add_host_listener(self, listener: Callable[[list[Key]], None]) -> None:
+    def add_host_listener(self, listener: Callable[[list[PageKey]], None]) -> None:
         """Call ``listener(keys)`` whenever pages leave the host tier."""
         self._departures.listeners.append(listener)
 
-    def remove_host_listener(self, listener: Callable[[list[Key]], None]) -> None:
+    def remove_host_listener(self, listener: Callable[[list[PageKey]], None]) -> None:
         """Stop calling ``listener`` (no error when it is not registered)."""
         if listener in self._departures.listeners:
             self._departures.listeners.remove(listener)
@@ -485,7 +487,7 @@ class TierSet:
         dropped (never owned pages)."""
         await self._cold.make_room(n)
 
-    def reserve_host(self, keys: Sequence[Key]) -> StoreAllocation | None:
+    def reserve_host(self, keys: Sequence[PageKey]) -> StoreAllocation | None:
         """Reserve host slots for new pages (WRITING) that a peer or a test writes; returns
         the allocation (``keys`` reserved, ``slots``, ``present``: already held), or None when
         the host is full of pinned pages. Pages evicted for room are announced. Commit with
@@ -495,18 +497,18 @@ class TierSet:
             self._departures.left(alloc.evicted)
         return alloc
 
-    def commit_host(self, keys: Sequence[Key], ok: bool = True) -> None:
+    def commit_host(self, keys: Sequence[PageKey], ok: bool = True) -> None:
         """End a :meth:`reserve_host`: the pages are readable (``ok``) or rolled back."""
         if keys:
             self._table.complete_store(keys, HOST, ok=ok)
             self.signal_progress()
 
-    def pin_host(self, keys: Sequence[Key]) -> list[int]:
+    def pin_host(self, keys: Sequence[PageKey]) -> list[int]:
         """Pin readable host pages (none can be evicted) and return their slots. Raises
         PageStateError / UnknownPageError (nothing pinned) when one is not readable."""
         return self._table.prepare_load(keys, HOST) if keys else []
 
-    def unpin_host(self, keys: Sequence[Key]) -> None:
+    def unpin_host(self, keys: Sequence[PageKey]) -> None:
         """Drop pins taken by :meth:`pin_host`."""
         if keys:
             self._table.complete_load(keys, HOST)
@@ -514,7 +516,7 @@ class TierSet:
 
     async def import_host(
         self,
-        keys: Sequence[Key],
+        keys: Sequence[PageKey],
         load: HostLoad,
         *,
         timeout: float | None = None,
@@ -540,7 +542,7 @@ class TierSet:
             raise TierFullError(f"host tier: no room to import {len(want)} pages")
         if alloc is None or not alloc.keys:
             return 0
-        new, slots = cast(list[Key], list(alloc.keys)), list(alloc.slots)
+        new, slots = cast(list[PageKey], list(alloc.keys)), list(alloc.slots)
         host = self._arenas[HOST]
         handle = self.engine.submit_async(
             host, [], host, slots, lambda: load(new, host.array, slots), priority=Priority.PREFETCH
@@ -594,7 +596,7 @@ class TierSet:
 
     async def export_host(
         self,
-        keys: Sequence[Key],
+        keys: Sequence[PageKey],
         send: HostLoad,
         *,
         timeout: float | None = None,
@@ -627,7 +629,7 @@ class TierSet:
 
     # -- device allocation ---------------------------------------------------------------
     async def allocate_device(
-        self, keys: Sequence[Key], *, mine: int = 0, timeout: float | None = None
+        self, keys: Sequence[PageKey], *, mine: int = 0, timeout: float | None = None
     ) -> list[int]:
         """Reserve device slots for new pages (WRITING) and return them; the caller writes the
         bytes and calls :meth:`commit_device` (or :meth:`abort_device`). When other holders'
@@ -656,12 +658,12 @@ class TierSet:
             waited = self.engine.timeout if timeout is None else timeout
             await self.changes.wait(deadline, lambda: self.full_error(len(keys), waited))  # noqa: B023
 
-    def commit_device(self, keys: Sequence[Key]) -> None:
+    def commit_device(self, keys: Sequence[PageKey]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
         self._table.complete_store(keys, DEVICE)
         self.mark_dirty(keys)
 
-    def abort_device(self, keys: Sequence[Key], *, pinned: bool, owned: bool) -> None:
+    def abort_device(self, keys: Sequence[PageKey], *, pinned: bool, owned: bool) -> None:
         """Undo new pages reserved by :meth:`allocate_device` (WRITING), or committed and then
         ``pinned`` (:meth:`pin_device`) and ``owned`` (:meth:`own`): a failed append leaves no
         page, pin or owner behind."""
@@ -681,13 +683,13 @@ class TierSet:
             table.remove(rest, DEVICE)
         self.signal_progress()
 
-    def pin_device(self, keys: Sequence[Key]) -> None:
+    def pin_device(self, keys: Sequence[PageKey]) -> None:
         """Pin readable device pages (unpin with :meth:`release_device`)."""
         self._table.prepare_load(keys, DEVICE)
 
     async def acquire_device(
         self,
-        keys: Sequence[Key],
+        keys: Sequence[PageKey],
         priority: Priority,
         *,
         wait_room: bool = True,
@@ -713,7 +715,7 @@ class TierSet:
         self.ensure_fits(len(todo))
         deadline = self.deadline(timeout)
         table = self._table
-        pinned: list[Key] = []
+        pinned: list[PageKey] = []
         waited = -1
         try:
             while True:
@@ -751,7 +753,7 @@ class TierSet:
                 self.signal_progress()
             raise
 
-    def _stuck(self, todo: list[Key], timeout: float | None) -> TierKVError:
+    def _stuck(self, todo: list[PageKey], timeout: float | None) -> TierKVError:
         """The error of a deadline passed: pages still in flight (StoreTimeoutError), or no
         room for the missing ones (TierFullError)."""
         table = self._table
@@ -764,13 +766,15 @@ class TierSet:
             )
         return self.full_error(len(todo), waited)
 
-    def release_device(self, keys: Sequence[Key]) -> None:
+    def release_device(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their
         use) and wake whoever waits for room."""
         self._table.complete_load(list(dict.fromkeys(keys)), DEVICE)
         self.signal_progress()
 
-    async def _load(self, keys: list[Key], priority: Priority, deadline: float) -> list[Key] | None:
+    async def _load(
+        self, keys: list[PageKey], priority: Priority, deadline: float
+    ) -> list[PageKey] | None:
         """Load pages that have a readable lower copy into new device slots and pin them for
         the caller; returns the pages loaded (and pinned), or None when the device has no room
         now. The copies are owned by a task of this class: a cancelled caller never frees a slot
@@ -789,10 +793,10 @@ class TierSet:
                     table.complete_store(alloc.keys, DEVICE, ok=False)
                 return None
             self._note_peak()
-            new = cast(list[Key], alloc.keys)
+            new = cast(list[PageKey], alloc.keys)
             # sources are chosen and pinned now, with no await since the check above
-            src: dict[str, tuple[list[Key], list[int]]] = {}
-            taken: set[Key] = set()
+            src: dict[str, tuple[list[PageKey], list[int]]] = {}
+            taken: set[PageKey] = set()
             for tier in self.lower:
                 ks = [k for k in new if k not in taken and table.lookup([k], tier)]
                 if ks:
@@ -826,14 +830,14 @@ class TierSet:
             raise
         return new
 
-    def _orphan_load(self, keys: list[Key], task: asyncio.Task[None]) -> None:
+    def _orphan_load(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is None:
             self.release_device(keys)
 
     async def _finish_load(
         self,
-        keys: list[Key],
-        src: dict[str, tuple[list[Key], list[int]]],
+        keys: list[PageKey],
+        src: dict[str, tuple[list[PageKey], list[int]]],
         work: list[tuple[str, int, TransferHandle]],
         error: BaseException | None,
     ) -> None:
