@@ -31,6 +31,7 @@ from tierkv.policies import (
     S3FIFOPolicy,
     make_policy,
 )
+from tierkv.policies.base import ChainPart
 from tierkv.traces import KINDS, synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -493,6 +494,24 @@ def test_kvaware_a_returning_page_keeps_its_stranded_children_when_its_batch_ext
         outs.append(p.evict_many(4, lambda k: k != 0))
     assert outs[0] == outs[1]
     assert outs[0][0] == 1 and sorted(outs[0][1:]) == [2, 3, 10]
+
+
+def test_kvaware_a_small_step_counts_in_its_parents_fanout_as_the_reference() -> None:
+    """A later turn's small step of two blocks: the second extends the first, admitted in the
+    same batch, and counts as its child (its fan-out is 1 once inserted), so a never-seen block
+    forking off it later is declined, as in the reference (the short-request rule is off)."""
+    outs = []
+    for policy in (KVAwarePolicy(short_request=0), KeyPolicy(RefKVAware(short_request=0))):
+        p = Bound(policy, 16)
+        p.insert_many([0, 1, 2], ChainHint(0, None, 0, 0))  # 0 -> 1 -> 2
+        step = ChainHint(3, 2, 3, 6)  # blocks 3..5 of a 6-block request: 5 is its last
+        kept = policy.admit_many([100, 101, 102], step)
+        assert kept == [True, True, False]
+        p.insert_many([100, 101], ChainPart(step, [100, 101, 102], kept))
+        fork = policy.admit_many([200], ChainHint(5, 100, 5, 8))  # another child of 100
+        outs.append((kept, fork, policy.stats()))
+    assert outs[0] == outs[1]
+    assert outs[0][1] == [False] and outs[0][2]["declined_fanout"] == 1
 
 
 def _match_the_reference(

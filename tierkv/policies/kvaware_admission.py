@@ -99,33 +99,67 @@ class ConversationAdmission:
             run, limit, settle, append = self._run, self._limit, pending.setdefault, out.append
             to_end, get = gone.move_to_end, run.get
             big = step and hits > 1  # a later turn under the step rule
-            judged = 0  # pages admitted by _judge (the rest of the Trues are readmissions)
+            fanout_max, short, slot_of = self._max_fanout, self._short, self._slot_of
+            small = self._small.add
+            judged = admitted = lasts = fanned = 0  # pages decided here, as _judge would
+            fresh = False  # the page before was admitted here (pending, not yet resident)
             for depth, k in enumerate(keys, first):
                 if k in gone:
                     if gate_open:  # readmitted, as _judge would (the gate is open)
                         settle(k, 0)
                         append(True)
                         parent = k
+                        fresh = True
                         continue
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
-                elif (
-                    big
-                    and parent is not None
-                    and depth != last
-                    and blocks - (start := get(parent, depth)) >= step
-                ):  # the run is a large step: declined and remembered, as _judge would
-                    run[k] = start
+                elif depth == last:  # a never-seen last block: declined, as _judge would
                     gone[k] = 1
                     to_end(k)
                     while len(gone) > limit:
                         gone.popitem(last=False)
-                    stepped += 1
+                    lasts += 1
                     every = False
                     append(False)
                     parent = k
+                    fresh = False
                     continue
+                elif big and parent is not None:  # a later turn's never-seen block
+                    start = get(parent, depth)
+                    run[k] = start
+                    if blocks - start >= step:  # a large step: declined and remembered
+                        gone[k] = 1
+                        to_end(k)
+                        while len(gone) > limit:
+                            gone.popitem(last=False)
+                        stepped += 1
+                        every = False
+                        append(False)
+                        parent = k
+                        fresh = False
+                        continue
+                    if fresh and parent not in slot_of:  # a small step off the page before
+                        fan = pending[parent]
+                        pending[parent] = fan + 1
+                        if fan < fanout_max or 0 < blocks <= short:
+                            admitted += 1
+                            small(k)
+                            settle(k, 0)
+                            append(True)
+                            parent = k
+                            continue
+                        gone[k] = 1
+                        to_end(k)
+                        while len(gone) > limit:
+                            gone.popitem(last=False)
+                        fanned += 1
+                        every = False
+                        append(False)
+                        parent = k
+                        fresh = False
+                        continue
+                    ok = judge(k, depth, False, hits, parent, blocks, head, step)
                 else:
-                    ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
+                    ok = judge(k, depth, False, hits, parent, blocks, head, step)
                 if ok:
                     settle(k, 0)
                     judged += 1
@@ -133,12 +167,19 @@ class ConversationAdmission:
                     every = False
                 append(ok)
                 parent = k
-            readmitted = len(out) - out.count(False) - judged
+                fresh = ok
+            readmitted = len(out) - out.count(False) - judged - admitted
             decisions = self._decisions
             if readmitted:
                 decisions["readmitted"] = decisions.get("readmitted", 0) + readmitted
-            if stepped:
-                decisions["declined_step"] = decisions.get("declined_step", 0) + stepped
+            for what, count in (
+                ("declined_step", stepped),
+                ("declined_last", lasts),
+                ("admitted", admitted),
+                ("declined_fanout", fanned),
+            ):
+                if count:
+                    decisions[what] = decisions.get(what, 0) + count
         else:
             admit = self.admit
             for k, h in zip(keys, page_hints(keys, hints)):
