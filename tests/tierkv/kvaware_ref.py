@@ -66,6 +66,7 @@ class RefKVAware(ConversationAdmission):
         # resident page -> use code: (L at its last use) * 16 + uses (0: an unseen last block)
         self._count: dict[Key, int] = {}
         self._pages: dict[Key, _Page] = {}
+        self._slot_of = self._pages  # the resident keys (admit_many's batch loop reads them)
         # queued pages by priority, a ring: every queued priority lies in [L, L + 32] (half units)
         self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(_MASK + 1)]
         self._orphans: OrderedDict[Key, None] = OrderedDict()

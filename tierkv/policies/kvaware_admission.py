@@ -10,7 +10,7 @@ scan's. :class:`ConversationAdmission` is a mixin of
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint, page_hints
@@ -58,6 +58,7 @@ class ConversationAdmission:
     _back_seen: int
     _probes: int
     _decisions: dict[str, int]  # admission outcomes by rule (see stats)
+    _slot_of: Mapping[Key, int]  # the tier's key -> slot map (EvictionPolicy._bind)
 
     if TYPE_CHECKING:  # provided by KVAwarePolicy
 
