@@ -1,7 +1,9 @@
 """Eviction policies: scripted victims, pinned pages, properties, the registry.
 
 The scripted tests drive each policy by keys through ``slot_harness.Bound`` (a slot map of its
-own, as a page table's tier would give it)."""
+own, as a page table's tier would give it). The file stays whole (over 400 lines): the scripted,
+property and differential tests share its strategies, the request helpers and the reference
+runner, and kvaware's differential tests read best next to its scripted ones."""
 
 from __future__ import annotations
 
