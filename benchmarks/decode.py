@@ -127,6 +127,7 @@ class CallbackTimer:
         self.passes = [0, 0, 0]  # collector passes by generation
         self.worst_cpu = 0.0  # the longest callback in thread CPU time (no descheduling)
         self.worst_cpu_name = ""
+        self.callbacks = 0  # callbacks run (task wakeups, timers, the engine's completions)
         self._gc_total = 0.0
         self._gc_start = 0.0
         self._orig = asyncio.events.Handle._run
@@ -150,6 +151,7 @@ class CallbackTimer:
             c0 = time.thread_time()
             t0 = time.perf_counter()
             orig(handle)
+            timer.callbacks += 1
             dt = time.perf_counter() - t0
             cpu = time.thread_time() - c0
             if cpu > timer.worst_cpu:
@@ -219,6 +221,10 @@ async def stall_check(
             await store.release(sid)
 
         settled = settle_collector() if settle else None
+        # objects promoted into the oldest generation during the run (net of those freed
+        # there): what brings the next full pass closer (CPython 3.11 runs one when they pass
+        # 25% of the long-lived total)
+        old_before = len(gc.get_objects(2))
         tasks = [asyncio.ensure_future(sequence(i)) for i in range(n_seqs)]
         mon = asyncio.ensure_future(monitor())
         t0 = time.perf_counter()
@@ -229,6 +235,7 @@ async def stall_check(
             restore_collector(settled)
         done.set()
         await mon
+        old_growth = len(gc.get_objects(2)) - old_before
         st = store.stats()
     if traces is not None:
         traces.append((f"{n_seqs} sequences", store.timeline.to_chrome()))
@@ -247,6 +254,12 @@ async def stall_check(
         "max_gc_pause_ms": cbt.worst_gc * 1e3,
         "collector_passes_by_generation": cbt.passes,
         "max_gc_pause_generation": cbt.worst_gc_gen,
+        "lease_steps": n_seqs * (steps + 1),
+        "callbacks_per_lease_step": cbt.callbacks / (n_seqs * (steps + 1)),
+        "young_passes_per_1000_lease_steps": (cbt.passes[0] + cbt.passes[1])
+        * 1000
+        / (n_seqs * (steps + 1)),
+        "oldest_generation_growth_per_1000_lease_steps": old_growth * 1000 / (n_seqs * (steps + 1)),
         "max_timer_lateness_ms": worst * 1e3,
         "p99_timer_lateness_ms": lags[int(len(lags) * 0.99)] * 1e3 if lags else 0.0,
         "page_loads": st["page_loads"],

@@ -33,8 +33,17 @@ from tierkv.sequence import page_key
 from tierkv.store import KVStore
 
 # allocations made for pages rather than for a sequence (the page table, the policies, the
-# tiers' maps, the page keys): the bookkeeping figure is the rest
-_PAGE_FILES = ("page_table.py", "policies", "tiers.py", "eviction.py", "cold.py", "arena.py")
+# tiers' maps, the owners' per-page counts and pins, the page keys): the bookkeeping figure is
+# the rest
+_PAGE_FILES = (
+    "page_table.py",
+    "policies",
+    "tiers.py",
+    "owners.py",
+    "eviction.py",
+    "cold.py",
+    "arena.py",
+)
 
 
 def _full_pass_ms(reps: int = 3) -> float:
@@ -112,6 +121,10 @@ async def idle_sequences(n: int, traced: int = 1_000) -> dict[str, Any]:
     }
 
 
+def _gens(stall: dict[str, Any]) -> str:
+    return "/".join(str(n) for n in stall["collector_passes_by_generation"])
+
+
 def main() -> None:
     args = parser(__doc__ or "").parse_args()
     n = 2_000 if args.quick else 10_000
@@ -135,8 +148,21 @@ def main() -> None:
         ["1000 seqs: longest callback CPU ms", plain["max_callback_cpu_ms"], "reported"],
         ["1000 seqs: longest collector pass ms", plain["max_gc_pause_ms"], "reported"],
         ["1000 seqs: 1 ms timer p99 late ms", plain["p99_timer_lateness_ms"], "<= 5"],
+        ["1000 seqs: collector passes gen 0/1/2", _gens(plain), "gen 2: 0"],
+        ["1000 seqs: callbacks / lease-step", plain["callbacks_per_lease_step"], "reported"],
+        [
+            "1000 seqs: young passes / 1000 lease-steps",
+            plain["young_passes_per_1000_lease_steps"],
+            "reported",
+        ],
+        [
+            "1000 seqs: gen-2 growth / 1000 lease-steps",
+            plain["oldest_generation_growth_per_1000_lease_steps"],
+            "reported",
+        ],
         ["settled: longest callback ms", settled["max_callback_ms"], "reported"],
         ["settled: 1 ms timer p99 late ms", settled["p99_timer_lateness_ms"], "reported"],
+        ["settled: longest callback CPU ms", settled["max_callback_cpu_ms"], "reported"],
     ]
     print(table(["figure", "value", "target"], rows))
     print(

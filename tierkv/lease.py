@@ -78,12 +78,17 @@ class Lease:
     """
 
     def __init__(self, store: LeaseHost, seqs: list[SequenceState], layers: list[int]) -> None:
+        # Few tracked objects per lease, and none per page or per append: a lease outlives
+        # young collector passes while a thousand sequences take turns, and whatever it holds
+        # then is promoted towards the next full pass (see docs/store.md, the loop at scale).
         self._store = store
         self._seqs = {s.seq_id: s for s in seqs}
+        self._order = {s.seq_id: i for i, s in enumerate(seqs)}  # str -> int: untracked
         self.layers = layers
-        self._layer_set = set(layers)
-        self._pinned: list[bytes] = []
-        self._written: list[tuple[str, int, int]] = []  # (sequence, layer, block)
+        self._layer_bits = sum(1 << layer for layer in set(layers))
+        self._pinned: tuple[bytes, ...] = ()  # a tuple of bytes: untracked after a young pass
+        # written (sequence, layer, block) as one int each (see _written_key): untracked
+        self._written: dict[int, None] = {}
         self._active = False
         self._held: int | None = None  # device footprint admitted for this lease
         self.waited_pages = 0
@@ -121,7 +126,7 @@ class Lease:
             self._leave()
             raise
         t1 = time.perf_counter()
-        self._pinned = keys
+        self._pinned = tuple(keys)
         self._active = True
         self.waited_pages = waited
         c = store.counters
@@ -140,7 +145,7 @@ class Lease:
         for seq in self._seqs.values():
             t = seq.page_tokens
             for layer in self.layers:
-                have = seq.kv_len[layer]
+                have = seq.kv_len_of(layer)
                 n += max(0, -(-max(seq.num_tokens, have + 1) // t) - -(-have // t))
         return n
 
@@ -156,22 +161,33 @@ class Lease:
         store = self._store
         if store.closed:
             return  # close() already let go of every page
-        pinned: list[bytes] = []
+        pinned: tuple[bytes, ...] = ()
         try:
             if self._pinned:
-                pinned, self._pinned = self._pinned, []
+                pinned, self._pinned = self._pinned, ()
                 store.tiers.release_device(pinned)
         finally:
             self._leave()
         store.lease_ended(list(self._seqs.values()), pinned)
         # written pages by their current keys: lease_ended may have renamed full blocks
-        written = [
-            page_key(self._seqs[sid].blocks[b], layer)
-            for sid, layer, b in dict.fromkeys(self._written)
-            if store.is_live(self._seqs[sid])
-        ]
-        self._written = []
+        seqs = list(self._seqs.values())
+        live = [store.is_live(s) for s in seqs]
+        written = []
+        for key in self._written:
+            i, layer, b = self._unpack(key)
+            if live[i]:
+                written.append(page_key(seqs[i].block(b), layer))
+        self._written = {}
         store.lease_wrote(written)
+
+    def _written_key(self, seq_id: str, layer: int, block: int) -> int:
+        """(sequence, layer, block) as one int: ``(block * L + layer) * S + i``."""
+        return (block * self._store.spec.num_layers + layer) * len(self._seqs) + self._order[seq_id]
+
+    def _unpack(self, key: int) -> tuple[int, int, int]:
+        rest, i = divmod(key, len(self._seqs))
+        block, layer = divmod(rest, self._store.spec.num_layers)
+        return i, layer, block
 
     def _seq(self, seq_id: str, layer: int) -> SequenceState:
         if not self._active:
@@ -179,7 +195,7 @@ class Lease:
         seq = self._seqs.get(seq_id)
         if seq is None:
             raise SequenceError(f"sequence {seq_id!r} is not in this lease")
-        if layer not in self._layer_set:
+        if not self._layer_bits >> layer & 1:
             raise SpecError(f"layer {layer} is not in this lease (leased: {self.layers})")
         return seq
 
@@ -194,7 +210,7 @@ class Lease:
         seq = self._seq(seq_id, layer)
         spec = self._store.spec
         pages = seq.pages(layer)
-        n, s = len(pages), seq.kv_len[layer]
+        n, s = len(pages), seq.kv_len_of(layer)
         if not n:
             device = self._store.tiers.device
             empty = torch.empty(
@@ -234,16 +250,15 @@ class Lease:
         except (RuntimeError, NotImplementedError) as exc:
             raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
         t = spec.page_tokens
-        start = seq.kv_len[layer]
+        start = seq.kv_len_of(layer)
         end = start + n
         have = -(-start // t)  # pages this layer already has
         need = -(-end // t)
-        while len(seq.blocks) < need:  # (extra private blocks left by a failure are harmless)
-            seq.blocks.append(seq.private_block(len(seq.blocks)))
-            seq.shared.append(False)
-        new = [page_key(seq.blocks[b], layer) for b in range(have, need)]
+        while seq.num_blocks < need:  # (extra private blocks left by a failure are harmless)
+            seq.append_block(seq.private_block(seq.num_blocks), shared=False)
+        new = [page_key(seq.block(b), layer) for b in range(have, need)]
         if new:
-            mine = len(set(self._pinned))
+            mine = len(self._pinned)  # distinct: acquired once each, new pages are new
             slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
         pinned = owned = False
         try:
@@ -260,7 +275,7 @@ class Lease:
                 b = pos // t
                 off = pos - b * t
                 m = min(t - off, end - pos)
-                key = page_key(seq.blocks[b], layer)
+                key = page_key(seq.block(b), layer)
                 page = tiers.page(tiers.device_slot(key))
                 page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
                 page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
@@ -270,9 +285,10 @@ class Lease:
         except BaseException:  # undo every step: no page, pin or owner is left behind
             tiers.abort_device(new, pinned=pinned, owned=owned)
             raise
-        self._pinned += new
-        self._written += [(seq_id, layer, pos // t) for pos in range(start - start % t, end, t)]
-        seq.kv_len[layer] = end
+        self._pinned += tuple(new)
+        for pos in range(start - start % t, end, t):
+            self._written[self._written_key(seq_id, layer, pos // t)] = None
+        seq.set_kv_len(layer, end)
 
     def sequences(self) -> Sequence[str]:
         """Ids of the leased sequences."""

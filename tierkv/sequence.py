@@ -9,10 +9,13 @@ grows. The page of block ``b`` in layer ``l`` is ``block_key + l`` (two little-e
 
 from __future__ import annotations
 
+import struct
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from tierkv.keys import PageKey, block_key, private_key, root_key
+from tierkv.keys import KEY_BYTES, PageKey, block_key, private_key, root_key
+
+_LEN = struct.Struct("q")  # a layer's KV length in the flat buffer
 
 
 def page_key(block: PageKey, layer: int) -> bytes:
@@ -23,23 +26,31 @@ def page_key(block: PageKey, layer: int) -> bytes:
 class SequenceState:
     """Book-keeping of one live sequence inside a store.
 
-    The token ids are kept in a flat ``array('q')`` (8 bytes each, one object with one
-    reference) rather than a list of ints (40 bytes each, every one a reference a full collector
-    pass visits): 10,000 idle sequences of a 1,000-token prompt would otherwise add 10M
-    references to every full pass. :attr:`tokens` gives them as a list.
+    Everything a sequence holds is kept in flat byte buffers the cyclic garbage collector never
+    tracks: the token ids (8 bytes each, native int64), the blocks' 16-byte keys end to end, a
+    byte per block saying whether its key is a content key, and the KV length of each layer.
+    The state object itself is the one tracked object a sequence adds: 10,000 idle sequences
+    add 10,000 objects to a full collector pass, not 50,000 (lists and arrays are tracked), and
+    a 1,000-token prompt adds no reference per token.
+
+    Read through :attr:`tokens` / :attr:`token_ids`, :attr:`blocks`, :attr:`kv_len` (new
+    lists or arrays: changing them changes nothing) and :meth:`block`; change through
+    :meth:`add_tokens`, :meth:`append_block`, :meth:`set_block`, :meth:`set_blocks` and
+    :meth:`set_kv_len`. :attr:`shared` is the flag buffer itself (a ``bytearray``: ``all()``,
+    ``sum()`` and indexing work as on a list of bools).
     """
 
     __slots__ = (
-        "blocks",
+        "_keys",
+        "_kv",
+        "_tok",
         "cached_tokens",
         "incarnation",
-        "kv_len",
         "namespace",
         "num_layers",
         "page_tokens",
         "seq_id",
         "shared",
-        "token_ids",
     )
 
     def __init__(
@@ -56,33 +67,100 @@ class SequenceState:
         self.num_layers = num_layers
         self.page_tokens = page_tokens
         self.namespace = namespace
-        self.token_ids: array[int] = tokens if isinstance(tokens, array) else array("q", tokens)
-        self.blocks: list[PageKey] = []  # one key per block with KV
-        self.shared: list[bool] = []  # block key is a content key
-        self.kv_len: list[int] = [0] * num_layers  # tokens of KV held, per layer
+        ids = tokens if isinstance(tokens, array) and tokens.typecode == "q" else array("q", tokens)
+        self._tok = bytearray(ids.tobytes())  # native int64 token ids
+        self._keys = bytearray()  # one 16-byte key per block with KV, end to end
+        self.shared = bytearray()  # per block: 1 when its key is a content key
+        self._kv = bytearray(_LEN.size * num_layers)  # tokens of KV held, per layer
         self.cached_tokens = 0
         # a store-wide count: a reused id never meets its old private pages
         self.incarnation = incarnation
 
     def __repr__(self) -> str:
         return (
-            f"SequenceState({self.seq_id!r}, tokens={len(self.token_ids)}, "
-            f"blocks={len(self.blocks)}, kv_len={self.kv_len})"
+            f"SequenceState({self.seq_id!r}, tokens={self.num_tokens}, "
+            f"blocks={self.num_blocks}, kv_len={self.kv_len})"
         )
 
+    # -- tokens ----------------------------------------------------------------------------
     @property
     def tokens(self) -> list[int]:
         """The token ids so far, as a new list."""
         return self.token_ids.tolist()
 
     @property
+    def token_ids(self) -> array[int]:
+        """The token ids so far, as a new ``array('q')``."""
+        out: array[int] = array("q")
+        out.frombytes(self._tok)
+        return out
+
+    def token_slice(self, start: int, stop: int) -> array[int]:
+        """Token ids ``start:stop`` as a new ``array('q')`` (bounds as a slice's)."""
+        out: array[int] = array("q")
+        n = self.num_tokens
+        out.frombytes(self._tok[8 * min(start, n) : 8 * min(stop, n)])
+        return out
+
+    @property
     def num_tokens(self) -> int:
         """How many token ids the sequence has (its prompt and the tokens added since)."""
-        return len(self.token_ids)
+        return len(self._tok) >> 3
 
     def add_tokens(self, ids: Iterable[int]) -> None:
         """Append checked token ids (see :func:`tierkv.validate.token_ids`)."""
-        self.token_ids.extend(ids)
+        self._tok += array("q", ids).tobytes()
+
+    # -- blocks ----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """How many blocks have a key (blocks with KV)."""
+        return len(self.shared)
+
+    def block(self, index: int) -> PageKey:
+        """The key of block ``index``. Raises IndexError past the last block."""
+        if not 0 <= index < len(self.shared):
+            raise IndexError(f"block {index} of {len(self.shared)}")
+        return bytes(self._keys[KEY_BYTES * index : KEY_BYTES * (index + 1)])
+
+    @property
+    def blocks(self) -> list[PageKey]:
+        """The blocks' keys, as a new list."""
+        k = self._keys
+        return [bytes(k[i : i + KEY_BYTES]) for i in range(0, len(k), KEY_BYTES)]
+
+    def append_block(self, key: PageKey, shared: bool) -> None:
+        """Give the next block a key (a content key when ``shared``)."""
+        self._keys += key
+        self.shared.append(1 if shared else 0)
+
+    def set_block(self, index: int, key: PageKey, shared: bool = True) -> None:
+        """Rename block ``index`` (its private key -> its content key, when ``shared``)."""
+        self._keys[KEY_BYTES * index : KEY_BYTES * (index + 1)] = key
+        self.shared[index] = 1 if shared else 0
+
+    def set_blocks(self, keys: Sequence[PageKey], shared: bool) -> None:
+        """Replace every block key (all content keys when ``shared``)."""
+        self._keys = bytearray(b"".join(keys))
+        self.shared = bytearray([1 if shared else 0]) * len(keys)
+
+    # -- KV lengths ------------------------------------------------------------------------
+    @property
+    def kv_len(self) -> list[int]:
+        """Tokens of KV held, per layer (a new list)."""
+        return [v for (v,) in _LEN.iter_unpack(self._kv)]
+
+    def kv_len_of(self, layer: int) -> int:
+        """Tokens of KV ``layer`` holds."""
+        return int(_LEN.unpack_from(self._kv, _LEN.size * layer)[0])
+
+    def set_kv_len(self, layer: int, n: int) -> None:
+        """``layer`` now holds KV of ``n`` tokens."""
+        _LEN.pack_into(self._kv, _LEN.size * layer, n)
+
+    def set_all_kv_len(self, n: int) -> None:
+        """Every layer now holds KV of ``n`` tokens."""
+        self._kv = bytearray(_LEN.pack(n)) * self.num_layers
 
     @property
     def length(self) -> int:
@@ -91,8 +169,9 @@ class SequenceState:
 
     def pages(self, layer: int) -> list[bytes]:
         """Page keys of every block of ``layer`` that holds KV."""
-        n = -(-self.kv_len[layer] // self.page_tokens)
-        return [page_key(b, layer) for b in self.blocks[:n]]
+        n = -(-self.kv_len_of(layer) // self.page_tokens)
+        k, suffix = self._keys, layer.to_bytes(2, "little")
+        return [bytes(k[i : i + KEY_BYTES]) + suffix for i in range(0, n * KEY_BYTES, KEY_BYTES)]
 
     def all_pages(self, layers: range | list[int] | None = None) -> list[bytes]:
         """Page keys of the given layers (all by default)."""
@@ -106,9 +185,9 @@ class SequenceState:
     def content_key(self, index: int) -> PageKey | None:
         """The content key of block ``index`` once its tokens are known, else None."""
         t = self.page_tokens
-        if len(self.token_ids) < (index + 1) * t:
+        if self.num_tokens < (index + 1) * t:
             return None
-        parent = root_key(self.namespace) if index == 0 else self.blocks[index - 1]
+        parent = root_key(self.namespace) if index == 0 else self.block(index - 1)
         if index > 0 and not self.shared[index - 1]:
             return None  # a private parent: the chain is not shareable
-        return block_key(parent, self.token_ids[index * t : (index + 1) * t])
+        return block_key(parent, self.token_slice(index * t, (index + 1) * t))

@@ -164,6 +164,10 @@ class KVStore:
         self._incarnations = 0
         self._engine: TransferEngine | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        # pages leases wrote, waiting for the one write-behind task (a dict of bytes: the
+        # collector does not track it; one task per batch of leases, not two per lease)
+        self._behind: dict[bytes, None] = {}
+        self._behind_task: asyncio.Task[Any] | None = None
         self._last_use: dict[bytes, int] = {}
         self._clock = 0
         self.counters = StoreCounters()
@@ -230,6 +234,7 @@ class KVStore:
         if self._closed:
             return
         self._closed = True
+        self._behind.clear()
         if self._admission is not None:  # leases waiting for room fail now, not at their deadline
             self._admission.close(lambda: StoreClosedError("store closed while the lease waited"))
         if self.remote is not None:
@@ -348,9 +353,8 @@ class KVStore:
             tokens=toks,
             incarnation=self._incarnations,
         )
-        seq.blocks = keys[:n]
-        seq.shared = [True] * n
-        seq.kv_len = [n * t] * self.spec.num_layers
+        seq.set_blocks(keys[:n], shared=True)
+        seq.set_all_kv_len(n * t)
         seq.cached_tokens = n * t
         pages = seq.all_pages()
         if len(pages) <= _OWN_AT_ONCE:
@@ -377,8 +381,8 @@ class KVStore:
             if held < n:
                 tiers.disown(pages)
                 n = held
-                seq.blocks, seq.shared = keys[:n], [True] * n
-                seq.kv_len = [n * t] * self.spec.num_layers
+                seq.set_blocks(keys[:n], shared=True)
+                seq.set_all_kv_len(n * t)
                 seq.cached_tokens = n * t
                 tiers.own(seq.all_pages())
         self._seqs[seq_id] = seq
@@ -471,9 +475,9 @@ class KVStore:
             if shared:
                 parent = b
                 continue
-            if seq.length < (i + 1) * t or len(seq.token_ids) < (i + 1) * t:
+            if seq.length < (i + 1) * t or seq.num_tokens < (i + 1) * t:
                 break
-            parent = block_key(parent, seq.token_ids[i * t : (i + 1) * t])
+            parent = block_key(parent, seq.token_slice(i * t, (i + 1) * t))
             out.append((i, parent))
         return out
 
@@ -488,7 +492,7 @@ class KVStore:
             key = seq.content_key(i)
             if key is None:
                 break
-            old = [page_key(seq.blocks[i], layer) for layer in range(seq.num_layers)]
+            old = [page_key(seq.block(i), layer) for layer in range(seq.num_layers)]
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
             if tiers.pinned_on_device(old):
                 break  # leased right now: publish at the end of the lease
@@ -497,8 +501,7 @@ class KVStore:
             for o, n in zip(old, new):
                 if o in self._last_use:
                     self._last_use[n] = self._last_use.pop(o)
-            seq.blocks[i] = key
-            seq.shared[i] = True
+            seq.set_block(i, key, shared=True)
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary
@@ -559,9 +562,21 @@ class KVStore:
                 self.publish(seq)
 
     def lease_wrote(self, keys: list[bytes]) -> None:
-        """Pages a lease wrote: with ``write_behind``, copied down in the background."""
-        if keys and self.write_behind:
-            self._spawn(self.tiers.write_behind(keys))
+        """Pages a lease wrote: with ``write_behind``, copied down in the background. The
+        leases that end before the copy task first runs (in the same loop round, as a thousand
+        sequences' leases do) share one task and one copy, instead of two tasks each."""
+        if not keys or not self.write_behind:
+            return
+        self._behind.update(dict.fromkeys(keys))
+        if self._behind_task is None:
+            self._behind_task = self._spawn(self._write_behind())
+
+    async def _write_behind(self) -> None:
+        keys = list(self._behind)  # every page written since this task was spawned
+        self._behind.clear()
+        self._behind_task = None  # the next lease to end starts the next copy
+        if keys:
+            await self.tiers.write_behind(keys)
 
     @boundary
     def step(self) -> None:

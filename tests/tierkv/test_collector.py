@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 
 import tierkv
 from tierkv import KVSpec
@@ -57,3 +58,22 @@ async def test_a_sequence_adds_the_same_few_references_whatever_its_length() -> 
             refs.append(sum(len(gc.get_referents(c)) for c in containers if gc.is_tracked(c)))
             assert seq.tokens == list(range(n)) and seq.num_tokens == n
         assert refs[1] == refs[0] < 40
+
+
+async def test_a_sequence_with_kv_is_one_tracked_object() -> None:
+    """Tokens, block keys, the shared flags and the KV lengths live in flat byte buffers the
+    collector does not track: a live sequence adds its state object alone to a full pass."""
+    spec = KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="fp16", page_tokens=16)
+    async with KVStore(spec, device_bytes=1 << 20, host_bytes=1 << 22) as store:
+        await store.add_sequence("s", list(range(40)))
+        k = torch.zeros(1, 40, 8, dtype=torch.float16)
+        async with store.lease(["s"]) as lease:
+            for layer in range(2):
+                await lease.append("s", layer, k, k)
+        seq = store.sequence("s")
+        assert seq.num_blocks == 3 and seq.kv_len == [40, 40] and seq.tokens == list(range(40))
+        assert gc.is_tracked(seq)
+        inner = [o for o in gc.get_referents(seq) if gc.is_tracked(o) and o is not type(seq)]
+        assert inner == [], inner
+        assert all(seq.shared[:2]) and not seq.shared[2]  # two full blocks got content keys
+        assert seq.blocks[0] == seq.block(0) and len(seq.all_pages()) == 6
