@@ -168,7 +168,12 @@ class KVStore:
         # collector does not track it; one task per batch of leases, not two per lease)
         self._behind: dict[bytes, None] = {}
         self._behind_task: asyncio.Task[Any] | None = None
+        # the idle clock: page -> the step it was last leased at, oldest first (re-inserted at
+        # each use), so that step() reads only the pages that just went idle; idle pages still
+        # owned (not compressible unless compress_live) are parked until their release
         self._last_use: dict[bytes, int] = {}
+        self._parked: dict[bytes, int] = {}
+        self._due: dict[bytes, int] = {}  # parked pages released: compressible at the next step
         self._clock = 0
         self.counters = StoreCounters()
         self.timeline = Timeline()
@@ -463,6 +468,13 @@ class KVStore:
         tiers.forget(private)
         for k in private:
             self._last_use.pop(k, None)
+            self._parked.pop(k, None)
+        parked, owners = self._parked, tiers.owners
+        for k in pages:
+            t = parked.get(k)
+            if t is not None and k not in owners:
+                del parked[k]
+                self._due[k] = t
         self._prefetcher.forget(private)  # never to be used: no growth
 
     @staticmethod
@@ -499,8 +511,9 @@ class KVStore:
             if not tiers.rekey(old, new):
                 break
             for o, n in zip(old, new):
-                if o in self._last_use:
-                    self._last_use[n] = self._last_use.pop(o)
+                for use in (self._last_use, self._parked):
+                    if o in use:
+                        use[n] = use.pop(o)
             seq.set_block(i, key, shared=True)
 
     # -- leases and prefetch -------------------------------------------------------------
@@ -554,9 +567,14 @@ class KVStore:
     def lease_ended(self, seqs: Sequence[SequenceState], pinned: Sequence[bytes]) -> None:
         """A lease let go of ``pinned``: they were used now (the idle clock), and the full
         blocks of its live sequences get their content keys (:meth:`publish`)."""
-        clock, last = self._clock, self._last_use
+        clock, last, parked, due = self._clock, self._last_use, self._parked, self._due
         for k in pinned:
+            last.pop(k, None)  # to the end: the dict stays oldest first
             last[k] = clock
+            if parked:
+                parked.pop(k, None)
+            if due:
+                due.pop(k, None)
         for seq in seqs:
             if self.is_live(seq):
                 self.publish(seq)
@@ -586,14 +604,23 @@ class KVStore:
             return
         limit = self._clock - self.compress_after
         owners = self.tiers.owners
-        idle = [
-            k
-            for k, t in self._last_use.items()
-            if t <= limit and (self.compress_live or k not in owners)
-        ]
+        last, parked = self._last_use, self._parked
+        stale: list[tuple[bytes, int]] = []
+        for k, t in last.items():  # oldest first: only the pages that went idle are read
+            if t > limit:
+                break  # (a page renamed by publish may sit later: it waits a few steps more)
+            stale.append((k, t))
+        for k, _ in stale:
+            del last[k]
+        stale += self._due.items()
+        self._due = {}
+        idle: list[bytes] = []
+        for k, t in stale:
+            if self.compress_live or k not in owners:
+                idle.append(k)
+            else:
+                parked[k] = t  # compressible once released (see release)
         if idle:
-            for k in idle:
-                del self._last_use[k]
             self._spawn(self._compress(idle))
 
     async def _compress(self, keys: list[bytes]) -> None:

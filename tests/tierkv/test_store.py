@@ -258,3 +258,30 @@ def test_cancellation_property(cancel_after: int, order: list[str], prefetch: bo
             await no_pins_left(store)
 
     asyncio.run(scenario())
+
+
+async def test_idle_pages_of_a_live_sequence_wait_for_its_release_then_compress() -> None:
+    """step() reads only the pages that went idle since the last step (oldest first); a live
+    sequence's idle pages are set aside, not re-read each step, and compressed at the first
+    step after its release."""
+    async with KVStore(
+        SPEC, device_bytes=6 * PAGE, host_bytes=40 * PAGE, codec="none", compress_after=1
+    ) as store:
+        refs = {s: await fill(store, s, i, n=8) for i, s in enumerate(["a", "b"])}
+        await store.drain()
+        for _ in range(3):
+            store.step()
+            await store.drain()
+        assert store.counters.idle_compressed == 0  # owned: never compressed while live
+        await check(store, "b", refs["b"])  # b used again: its clock starts over
+        await store.release("a")
+        store.step()
+        await store.drain()
+        a_compressed = store.counters.idle_compressed
+        assert a_compressed > 0  # a's released pages went at the first step
+        for _ in range(2):  # b, live, stays as it is
+            store.step()
+            await store.drain()
+        assert store.counters.idle_compressed == a_compressed
+        await check(store, "b", refs["b"])
+        await no_pins_left(store)
