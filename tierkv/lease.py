@@ -82,9 +82,9 @@ class Lease:
         # young collector passes while a thousand sequences take turns, and whatever it holds
         # then is promoted towards the next full pass (see docs/store.md, the loop at scale).
         self._store = store
-        self._seqs = {s.seq_id: s for s in seqs}
+        self._seqs = tuple(seqs)  # let go at exit: a finished lease a caller keeps holds none
         self._order = {s.seq_id: i for i, s in enumerate(seqs)}  # str -> int: untracked
-        self.layers = layers
+        self.layers: Sequence[int] = tuple(layers)  # of ints: untracked after a young pass
         self._layer_bits = sum(1 << layer for layer in set(layers))
         self._pinned: tuple[bytes, ...] = ()  # a tuple of bytes: untracked after a young pass
         # written (sequence, layer, block) as one int each (see _written_key): untracked
@@ -108,7 +108,7 @@ class Lease:
         """
         store = self._store
         tiers = store.tiers
-        keys = list(dict.fromkeys(k for s in self._seqs.values() for k in s.all_pages(self.layers)))
+        keys = list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
         tiers.ensure_fits(len(keys))
         # Yield once: compute between leases rarely suspends, and background prefetches and
         # write-backs only advance when the loop runs.
@@ -142,7 +142,7 @@ class Lease:
         """Pages this lease's appends may open: enough for every declared token's KV (at least
         one more token) of each sequence in each leased layer."""
         n = 0
-        for seq in self._seqs.values():
+        for seq in self._seqs:
             t = seq.page_tokens
             for layer in self.layers:
                 have = seq.kv_len_of(layer)
@@ -160,6 +160,7 @@ class Lease:
         self._active = False
         store = self._store
         if store.closed:
+            self._seqs = ()
             return  # close() already let go of every page
         pinned: tuple[bytes, ...] = ()
         try:
@@ -168,9 +169,9 @@ class Lease:
                 store.tiers.release_device(pinned)
         finally:
             self._leave()
-        store.lease_ended(list(self._seqs.values()), pinned)
+        store.lease_ended(self._seqs, pinned)
         # written pages by their current keys: lease_ended may have renamed full blocks
-        seqs = list(self._seqs.values())
+        seqs, self._seqs = self._seqs, ()
         live = [store.is_live(s) for s in seqs]
         written = []
         for key in self._written:
@@ -182,19 +183,22 @@ class Lease:
 
     def _written_key(self, seq_id: str, layer: int, block: int) -> int:
         """(sequence, layer, block) as one int: ``(block * L + layer) * S + i``."""
-        return (block * self._store.spec.num_layers + layer) * len(self._seqs) + self._order[seq_id]
+        return (block * self._store.spec.num_layers + layer) * len(self._order) + self._order[
+            seq_id
+        ]
 
     def _unpack(self, key: int) -> tuple[int, int, int]:
-        rest, i = divmod(key, len(self._seqs))
+        rest, i = divmod(key, len(self._order))
         block, layer = divmod(rest, self._store.spec.num_layers)
         return i, layer, block
 
     def _seq(self, seq_id: str, layer: int) -> SequenceState:
         if not self._active:
             raise SequenceError("the lease is not active (use it inside `async with`)")
-        seq = self._seqs.get(seq_id)
-        if seq is None:
+        i = self._order.get(seq_id)
+        if i is None:
             raise SequenceError(f"sequence {seq_id!r} is not in this lease")
+        seq = self._seqs[i]
         if not self._layer_bits >> layer & 1:
             raise SpecError(f"layer {layer} is not in this lease (leased: {self.layers})")
         return seq
@@ -292,4 +296,4 @@ class Lease:
 
     def sequences(self) -> Sequence[str]:
         """Ids of the leased sequences."""
-        return list(self._seqs)
+        return list(self._order)

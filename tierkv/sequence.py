@@ -173,7 +173,7 @@ class SequenceState:
         k, suffix = self._keys, layer.to_bytes(2, "little")
         return [bytes(k[i : i + KEY_BYTES]) + suffix for i in range(0, n * KEY_BYTES, KEY_BYTES)]
 
-    def all_pages(self, layers: range | list[int] | None = None) -> list[bytes]:
+    def all_pages(self, layers: Sequence[int] | None = None) -> list[bytes]:
         """Page keys of the given layers (all by default)."""
         ls = range(self.num_layers) if layers is None else layers
         return [k for layer in ls for k in self.pages(layer)]
