@@ -128,17 +128,22 @@ class CallbackTimer:
         self.worst_cpu = 0.0  # the longest callback in thread CPU time (no descheduling)
         self.worst_cpu_name = ""
         self.callbacks = 0  # callbacks run (task wakeups, timers, the engine's completions)
+        self.worst_cpu_own = 0.0  # the longest callback in CPU time, less the collector's
+        self.worst_cpu_own_name = ""
         self._gc_total = 0.0
         self._gc_start = 0.0
+        self._gc_cpu_total = 0.0
+        self._gc_cpu_start = 0.0
         self._orig = asyncio.events.Handle._run
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.thread_time()
         if phase == "start":
-            self._gc_start = now
+            self._gc_start, self._gc_cpu_start = now, cpu
             return
         dt = now - self._gc_start
         self._gc_total += dt
+        self._gc_cpu_total += cpu - self._gc_cpu_start
         self.passes[info["generation"]] += 1
         if dt > self.worst_gc:
             self.worst_gc, self.worst_gc_gen = dt, info["generation"]
@@ -147,7 +152,7 @@ class CallbackTimer:
         timer, orig = self, self._orig
 
         def timed(handle: asyncio.events.Handle) -> None:
-            gc0 = timer._gc_total
+            gc0, gc_cpu0 = timer._gc_total, timer._gc_cpu_total
             c0 = time.thread_time()
             t0 = time.perf_counter()
             orig(handle)
@@ -161,6 +166,9 @@ class CallbackTimer:
             own = dt - (timer._gc_total - gc0)
             if own > timer.worst_own:
                 timer.worst_own, timer.worst_own_name = own, _describe(handle)
+            cpu_own = cpu - (timer._gc_cpu_total - gc_cpu0)
+            if cpu_own > timer.worst_cpu_own:
+                timer.worst_cpu_own, timer.worst_cpu_own_name = cpu_own, _describe(handle)
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
         gc.callbacks.append(self._on_gc)
@@ -251,6 +259,8 @@ async def stall_check(
         "max_callback_outside_gc": cbt.worst_own_name,
         "max_callback_cpu_ms": cbt.worst_cpu * 1e3,
         "max_callback_cpu": cbt.worst_cpu_name,
+        "max_callback_cpu_outside_gc_ms": cbt.worst_cpu_own * 1e3,
+        "max_callback_cpu_outside_gc": cbt.worst_cpu_own_name,
         "max_gc_pause_ms": cbt.worst_gc * 1e3,
         "collector_passes_by_generation": cbt.passes,
         "max_gc_pause_generation": cbt.worst_gc_gen,
