@@ -126,8 +126,8 @@ class SequenceState:
     @property
     def blocks(self) -> list[PageKey]:
         """The blocks' keys, as a new list."""
-        k = self._keys
-        return [bytes(k[i : i + KEY_BYTES]) for i in range(0, len(k), KEY_BYTES)]
+        k = bytes(self._keys)  # one copy; its slices are the keys
+        return [k[i : i + KEY_BYTES] for i in range(0, len(k), KEY_BYTES)]
 
     def append_block(self, key: PageKey, shared: bool) -> None:
         """Give the next block a key (a content key when ``shared``)."""
@@ -170,8 +170,8 @@ class SequenceState:
     def pages(self, layer: int) -> list[bytes]:
         """Page keys of every block of ``layer`` that holds KV."""
         n = -(-self.kv_len_of(layer) // self.page_tokens)
-        k, suffix = self._keys, layer.to_bytes(2, "little")
-        return [bytes(k[i : i + KEY_BYTES]) + suffix for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+        k, suffix = bytes(self._keys[: n * KEY_BYTES]), layer.to_bytes(2, "little")
+        return [k[i : i + KEY_BYTES] + suffix for i in range(0, n * KEY_BYTES, KEY_BYTES)]
 
     def all_pages(self, layers: Sequence[int] | None = None) -> list[bytes]:
         """Page keys of the given layers (all by default)."""
