@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -116,8 +117,10 @@ class Lease:
         t0 = time.perf_counter()
         deadline = tiers.deadline(store.timeout)
         footprint = len(keys) + self._reserve()
+        # a partial, not a lambda: a closure would make its variables cells (tracked objects)
+        # for the whole of this coroutine, which may wait across young collector passes
         self._held = await store.admission.enter(
-            footprint, deadline, lambda: tiers.full_error(footprint, store.timeout)
+            footprint, deadline, partial(tiers.full_error, footprint, store.timeout)
         )
         try:
             left = max(0.0, deadline - asyncio.get_running_loop().time())

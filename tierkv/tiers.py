@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -656,7 +657,7 @@ class TierSet:
             if not self._could_free(mine):
                 raise self.full_error(len(keys))
             waited = self.engine.timeout if timeout is None else timeout
-            await self.changes.wait(deadline, lambda: self.full_error(len(keys), waited))  # noqa: B023
+            await self.changes.wait(deadline, partial(self.full_error, len(keys), waited))
 
     def commit_device(self, keys: Sequence[PageKey]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
@@ -745,8 +746,8 @@ class TierSet:
                         raise self.full_error(len(loadable))
                     if not wait_room and not self._copies_in_flight():
                         raise self.full_error(len(loadable))  # only leases' pins: never wait
-                left = list(todo)
-                await self.changes.wait(deadline, lambda: self._stuck(left, timeout))  # noqa: B023
+                # (partials, not closures: cells would be tracked objects for the whole wait)
+                await self.changes.wait(deadline, partial(self._stuck, list(todo), timeout))
         except BaseException:
             if pinned:
                 table.complete_load(pinned, DEVICE)
@@ -820,13 +821,13 @@ class TierSet:
         else:
             task = asyncio.ensure_future(self._finish_load(new, src, work, None))
         try:
-            await within(deadline, asyncio.shield(task), lambda: _in_flight(len(new)))
+            await within(deadline, asyncio.shield(task), partial(_in_flight, len(new)))
         except BaseException:
             if task.done():
                 if not task.cancelled() and task.exception() is None:
                     self.release_device(new)  # loaded for a caller who is gone
             else:
-                task.add_done_callback(lambda t: self._orphan_load(new, t))
+                task.add_done_callback(partial(self._orphan_load, new))
             raise
         return new
 
