@@ -9,6 +9,7 @@ grows. The page of block ``b`` in layer ``l`` is ``block_key + l`` (two little-e
 
 from __future__ import annotations
 
+import functools
 import struct
 from array import array
 from collections.abc import Iterable, Sequence
@@ -16,6 +17,13 @@ from collections.abc import Iterable, Sequence
 from tierkv.keys import KEY_BYTES, PageKey, block_key, private_key, root_key
 
 _LEN = struct.Struct("q")  # a layer's KV length in the flat buffer
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(num_layers: int) -> struct.Struct:
+    """The struct of every layer's KV length (one per layer count, shared: a struct is a
+    tracked object, so no sequence holds one)."""
+    return struct.Struct(f"{num_layers}q")
 
 
 def page_key(block: PageKey, layer: int) -> bytes:
@@ -148,7 +156,7 @@ class SequenceState:
     @property
     def kv_len(self) -> list[int]:
         """Tokens of KV held, per layer (a new list)."""
-        return [v for (v,) in _LEN.iter_unpack(self._kv)]
+        return list(_lengths(self.num_layers).unpack(self._kv))
 
     def kv_len_of(self, layer: int) -> int:
         """Tokens of KV ``layer`` holds."""
@@ -165,7 +173,7 @@ class SequenceState:
     @property
     def length(self) -> int:
         """Tokens with KV in every layer."""
-        return min(self.kv_len)
+        return min(_lengths(self.num_layers).unpack(self._kv))
 
     def pages(self, layer: int) -> list[bytes]:
         """Page keys of every block of ``layer`` that holds KV."""
