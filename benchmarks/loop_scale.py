@@ -41,7 +41,7 @@ _PAGE_FILES = (
     "tiers.py",
     "owners.py",
     "eviction.py",
-    "cold.py",
+    "lower_tiers.py",
     "arena.py",
 )
 

@@ -14,10 +14,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from tierkv.cold import ColdStorage, Departures
 from tierkv.errors import StoreTimeoutError, TierFullError
 from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
+from tierkv.lower_tiers import ColdStorage, Departures
 from tierkv.owners import Owners
 from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine

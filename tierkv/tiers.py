@@ -24,7 +24,7 @@ arenas hand their slots over to it, ``Arena.hand_over``: the page table's free l
 record of slots, its page states the one record of what is in flight, its pins the one record of
 pins) and it alone changes page state, with two collaborators it builds and hands exactly what
 they need: :class:`~tierkv.eviction.DeviceEviction` (room on the device, write-back,
-write-behind) and :class:`~tierkv.cold.ColdStorage` (host room, compression, decoding);
+write-behind) and :class:`~tierkv.lower_tiers.ColdStorage` (host room, compression, decoding);
 :class:`~tierkv.owners.Owners` keeps the sequences' hold on pages. Everything else (leases,
 prefetch, the remote glue, the page server, metrics) uses the public methods below and reads
 through :attr:`TierSet.table`, a read-only view. This file stays whole (over 400 lines): it is
@@ -45,7 +45,6 @@ import numpy.typing as npt
 import torch
 
 from tierkv.codecs import Codec
-from tierkv.cold import ColdStorage, Departures, Offer
 from tierkv.errors import (
     PageStateError,
     StoreTimeoutError,
@@ -56,6 +55,7 @@ from tierkv.errors import (
 from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
+from tierkv.lower_tiers import ColdStorage, Departures, Offer
 from tierkv.owners import Owners
 from tierkv.page_table import PageState, PageTable, StoreAllocation
 from tierkv.runtime import (
@@ -433,7 +433,7 @@ class TierSet:
 
     async def compress_idle(self, keys: Sequence[PageKey]) -> int:
         """Compress idle host pages into cold; returns how many (see
-        :meth:`tierkv.cold.ColdStorage.compress_idle`)."""
+        :meth:`tierkv.lower_tiers.ColdStorage.compress_idle`)."""
         return await self._cold.compress_idle(keys)
 
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:

@@ -219,7 +219,7 @@ CORE = {
     "tierkv.lease",
     "tierkv.tiers",
     "tierkv.eviction",
-    "tierkv.cold",
+    "tierkv.lower_tiers",
     "tierkv.prefetch",
     "tierkv.boundary",
     "tierkv.remote_tier",
