@@ -21,6 +21,7 @@ It lives in the lowest layer (transports) so that all three layers can use it.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
@@ -99,9 +100,21 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         """A new ``T`` from the factory named ``name``, called with ``kwargs``.
 
         Raises:
-            the kind's error: an unknown name, or a factory that returned something else.
+            the kind's error: an unknown name, options the factory does not take (checked
+                against its signature before it is called), or a factory that returned
+                something else.
         """
-        made = self.factory(name)(**kwargs)
+        factory = self.factory(name)
+        try:
+            signature = inspect.signature(factory)
+        except (TypeError, ValueError):  # no signature to check (some builtins)
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(**kwargs)
+            except TypeError as exc:
+                raise self._error(f"{self.kind} {name!r}: {exc}") from exc
+        made = factory(**kwargs)
         if self._result is not None and not isinstance(made, self._result):
             raise self._error(
                 f"{self.kind} factory for {name!r} returned {type(made).__name__}, "

@@ -93,3 +93,11 @@ def test_domain_helpers_keep_their_typed_errors() -> None:
         transports.create("carrier-pigeon")
     with pytest.raises(TransportError):
         transports.TRANSPORTS.create(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("reg", "builtin", "factory", "error"), KINDS, ids=IDS)
+def test_options_a_factory_does_not_take_are_the_kinds_error(
+    reg: Registry[Any], builtin: str, factory: Callable[..., Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="unexpected keyword"):
+        reg.create(builtin, no_such_option=1)
