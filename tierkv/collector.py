@@ -32,6 +32,8 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
+from tierkv.errors import InvalidInputError
+
 __all__ = ["CollectorSettings", "restore_collector", "settle_collector"]
 
 SERVER_THRESHOLDS = (10_000, 20, 20)
@@ -58,12 +60,14 @@ def settle_collector(
     :func:`restore_collector`.
 
     Raises:
-        ValueError: a threshold is not a positive int.
+        InvalidInputError: not three positive ints (a ValueError); nothing is changed then.
     """
-    if len(thresholds) != 3 or any(
-        not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in thresholds
+    if (
+        not isinstance(thresholds, tuple | list)
+        or len(thresholds) != 3
+        or any(not isinstance(t, int) or isinstance(t, bool) or t <= 0 for t in thresholds)
     ):
-        raise ValueError(f"thresholds must be three positive ints, got {thresholds!r}")
+        raise InvalidInputError(f"thresholds must be three positive ints, got {thresholds!r}")
     t0, t1, t2 = gc.get_threshold()
     before = gc.get_freeze_count()
     enabled = gc.isenabled()

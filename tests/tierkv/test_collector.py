@@ -10,6 +10,7 @@ import torch
 import tierkv
 from tierkv import KVSpec
 from tierkv.collector import SERVER_THRESHOLDS, restore_collector, settle_collector
+from tierkv.errors import InvalidInputError
 from tierkv.store import KVStore
 
 
@@ -37,10 +38,12 @@ def test_settle_restores_a_disabled_collector() -> None:
         gc.enable()
 
 
-@pytest.mark.parametrize("bad", [(0, 10, 10), (700, 10), (700.0, 10, 10), (True, 1, 1), "700"])
+@pytest.mark.parametrize(
+    "bad", [(0, 10, 10), (700, 10), (700.0, 10, 10), (True, 1, 1), "700", None, 700]
+)
 def test_bad_thresholds_are_refused_before_anything_changes(bad: object) -> None:
     before = gc.get_threshold()
-    with pytest.raises(ValueError, match="thresholds"):
+    with pytest.raises(InvalidInputError, match="thresholds"):
         settle_collector(bad)  # type: ignore[arg-type]
     assert gc.get_threshold() == before
 
