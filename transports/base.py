@@ -35,6 +35,10 @@ from .errors import (
 )
 from .handle import BatchHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
+from .session import Limits, decode
+
+METADATA_LIMITS = Limits(frame=1 << 20, array=256, map=64, str=1 << 16, bin=1 << 20)
+"""Bounds of a peer's metadata (`add_peer`): bytes a peer controls."""
 
 __all__ = ["DEFAULT_TIMEOUT_S", "MAX_NOTIFY_BYTES", "Direction", "Transport"]
 
@@ -175,17 +179,8 @@ class Transport(abc.ABC):
         """
         self._check_open()
         try:
-            if len(metadata) > 1 << 20:
-                raise ValueError(f"{len(metadata)} bytes")
-            info = msgpack.unpackb(
-                metadata,
-                max_array_len=256,
-                max_map_len=64,
-                max_str_len=1 << 16,
-                max_bin_len=1 << 20,
-                max_ext_len=0,
-            )
-        except Exception as exc:  # malformed, or over the limits (a hostile peer's bytes)
+            info = decode(metadata, METADATA_LIMITS)
+        except ProtocolError as exc:  # malformed, or over the limits (a hostile peer's bytes)
             raise PeerError("malformed peer metadata") from exc
         if not isinstance(info, dict) or not isinstance(info.get("agent"), str):
             raise PeerError("malformed peer metadata")

@@ -21,7 +21,11 @@ from typing import Any, Literal, NamedTuple
 
 import msgpack
 
-from .errors import RegionError
+from .errors import ProtocolError, RegionError
+from .session import Limits, decode
+
+DESCRIPTOR_LIMITS = Limits(frame=1 << 16, array=16, map=16, str=4096, bin=4096)
+"""Bounds of a packed region descriptor (`RegionDescriptor.unpack`): bytes a peer controls."""
 
 __all__ = [
     "MEMORY_KINDS",
@@ -72,17 +76,8 @@ class RegionDescriptor:
     def unpack(cls, data: bytes) -> RegionDescriptor:
         """Inverse of `pack`. Raises RegionError on malformed bytes."""
         try:
-            if len(data) > 1 << 16:
-                raise ValueError(f"{len(data)} bytes")
-            obj = msgpack.unpackb(
-                data,
-                max_array_len=16,
-                max_map_len=16,
-                max_str_len=4096,
-                max_bin_len=4096,
-                max_ext_len=0,
-            )
-        except Exception as exc:  # malformed, or over the limits (a hostile peer's bytes)
+            obj = decode(data, DESCRIPTOR_LIMITS)
+        except ProtocolError as exc:  # malformed, or over the limits (a hostile peer's bytes)
             raise RegionError("malformed region descriptor bytes") from exc
         return cls.from_wire(obj)
 

@@ -52,6 +52,7 @@ __all__ = [
     "Seal",
     "SessionKeys",
     "StreamSession",
+    "decode",
     "proof",
     "session_keys",
     "transcript",
@@ -83,13 +84,14 @@ class Limits:
 HELLO_LIMITS = Limits(frame=HELLO_MAX, array=16, map=16, str=256, bin=64)
 
 
-def unpack(body: bytes | memoryview, limits: Limits) -> dict[str, Any]:
-    """Decode one frame body as a msgpack map within ``limits``. Raises ProtocolError."""
-    if len(body) > limits.frame:
-        raise ProtocolError(f"frame of {len(body)} bytes (limit {limits.frame})")
+def decode(data: bytes | memoryview, limits: Limits) -> Any:
+    """Decode msgpack ``data`` within ``limits`` (its size first, then every array, map, str and
+    bin length; no ext types). Raises ProtocolError."""
+    if len(data) > limits.frame:
+        raise ProtocolError(f"frame of {len(data)} bytes (limit {limits.frame})")
     try:
-        obj = msgpack.unpackb(
-            body,
+        return msgpack.unpackb(
+            data,
             raw=False,
             max_array_len=limits.array,
             max_map_len=limits.map,
@@ -99,6 +101,11 @@ def unpack(body: bytes | memoryview, limits: Limits) -> dict[str, Any]:
         )
     except Exception as exc:  # every decoder failure (format, limits, nesting, utf-8, keys)
         raise ProtocolError(f"malformed frame: {type(exc).__name__}") from exc
+
+
+def unpack(body: bytes | memoryview, limits: Limits) -> dict[str, Any]:
+    """Decode one frame body as a msgpack map within ``limits``. Raises ProtocolError."""
+    obj = decode(body, limits)
     if not isinstance(obj, dict):
         raise ProtocolError(f"frame is a {type(obj).__name__}, not a map")
     return obj

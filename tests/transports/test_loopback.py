@@ -133,3 +133,20 @@ async def test_registry_builtin() -> None:
     assert t.capabilities.one_sided == "native"
     async with t:
         assert t.metadata()
+
+
+async def test_peer_bytes_over_the_decode_limits_are_typed_errors() -> None:
+    """Metadata and descriptors are a peer's bytes: decoded within explicit limits."""
+    async with LoopbackTransport("lim") as a:
+        huge_array = b"\xdd" + (1 << 24).to_bytes(4, "big")  # array32 claiming 16M items
+        for data in (
+            huge_array,
+            msgpack.packb({"agent": "x", "pad": [0] * 300}),  # an array over 256
+            msgpack.packb({"agent": "x", "pad": b"\0" * (1 << 20)}),  # over 1 MiB in all
+            msgpack.packb(msgpack.ExtType(1, b"x")),  # no ext types
+        ):
+            with pytest.raises(PeerError, match="malformed peer metadata"):
+                await a.add_peer(data)
+        for data in (huge_array, msgpack.packb(["a" * 5000, 1, 2, "host", ""]), b"\0" * 70_000):
+            with pytest.raises(RegionError, match="malformed region descriptor"):
+                RegionDescriptor.unpack(data)
