@@ -17,7 +17,7 @@ import torch
 
 from tierkv.demo import timing
 from tierkv.demo.model import ModelConfig
-from tierkv.demo.report import lossy_row, print_rows, store_rows
+from tierkv.demo.report import lossy_row, print_rows, store_figures, store_rows
 from tierkv.demo.runner import (
     DemoConfig,
     RunResult,
@@ -205,7 +205,6 @@ async def demo(
 def _figures(cfg: DemoConfig, refs: list[RunResult], passes: list[RunResult]) -> dict[str, Any]:
     tiered = passes[-1]
     st = tiered.stats
-    loads = st["page_loads"]
     n = sum(len(t) for t in tiered.tokens.values())
     return {
         "mode": cfg.mode,
@@ -213,15 +212,7 @@ def _figures(cfg: DemoConfig, refs: list[RunResult], passes: list[RunResult]) ->
         "tokens": n,
         "full_kv_bytes": cfg.total_kv_bytes(),
         "device_tier_bytes": tiered.device_bytes,
-        "peak_device_bytes": st["peak_device_bytes"],
-        "peak_of_full_kv": st["peak_device_bytes"] / cfg.total_kv_bytes(),
-        "hits": st["hits"],
-        "page_loads": loads,
-        "prefetch_accuracy": st["prefetch_accuracy"],
-        "late_fetches": st["late_fetches"],
-        "late_of_loads": st["late_fetches"] / loads if loads else 0.0,
-        "bytes_h2d": st["bytes_h2d"],
-        "bytes_d2h": st["bytes_d2h"],
+        **store_figures(st, cfg.total_kv_bytes()),
         **timing.speed_figures(
             n,
             [(p.seconds, p.cpu_seconds) for p in refs],

