@@ -24,8 +24,10 @@ counts the frames of each direction), so a replayed, dropped or reordered frame 
 Payloads of data frames (tcp) are not tagged: they keep their CRC32C, which the tagged header
 carries. Nothing is encrypted (see docs/security.md; use TLS on untrusted networks).
 
-Every msgpack decode goes through `unpack` with explicit `Limits`; before authentication only
-`HELLO_LIMITS` apply (a frame of at most HELLO_MAX bytes, read within a deadline).
+Every msgpack decode of a peer's bytes goes through `decode` (or `unpack`, a map) with explicit
+`Limits`: frames here, peer metadata (`base.METADATA_LIMITS`) and region descriptors
+(`regions.DESCRIPTOR_LIMITS`) alike; before authentication only `HELLO_LIMITS` apply (a frame
+of at most HELLO_MAX bytes, read within a deadline).
 """
 
 from __future__ import annotations
