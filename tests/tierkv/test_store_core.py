@@ -223,7 +223,6 @@ CORE = {
     "tierkv.prefetch",
     "tierkv.boundary",
     "tierkv.remote_tier",
-    "tierkv.remote.link",
     "tierkv.remote.store_io",
 }
 

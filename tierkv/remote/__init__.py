@@ -14,10 +14,13 @@ and from any `PageSource`, `RedisTier` (Redis / Valkey, docs/redis.md) included.
 docs/remote.md. The package is split by role, imports running one way (no side imports the
 other's modules)::
 
-    sources/    PageSource and its clients (RemoteTier, RemoteCluster, Watch, RedisTier, Pusher)
+    sources/    the clients of a PageSource (RemoteTier, RemoteCluster, Watch, RedisTier)
     server/     PageServer, its admission, directory, mesh (gossip), watches, hosting
     protocol/   what both sides speak: messages and limits, the Control connection, secrets
-    errors.py   the RemoteError tree;  link.py, store_io.py: the store's glue to a PageSource
+    errors.py   the RemoteError tree;  store_io.py: prefix helpers over any PageSource
+
+The store's own glue (the `PageSource` protocol, `StoreRemote`, `Pusher`) lives in the core
+(tierkv/page_source.py, remote_tier.py, push.py): the store never imports this package.
 
     sources ──> protocol <── server        (both ──> errors, tierkv.transports)
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tierkv.page_source import PageSource
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -34,15 +38,14 @@ from tierkv.remote.errors import (
     RemoteRefusedError,
     RemoteTimeoutError,
 )
-from tierkv.remote.link import RemoteCounters, StoreRemote
 from tierkv.remote.server.directory import Directory
 from tierkv.remote.server.hosting import share_host_arena
 from tierkv.remote.server.page_server import PageServer
 from tierkv.remote.sources.client import ReadLease, RemoteTier
 from tierkv.remote.sources.cluster import RemoteCluster
-from tierkv.remote.sources.source import PageSource
 from tierkv.remote.sources.watch import Watch
 from tierkv.remote.store_io import import_prefix, prefix_pages, publish_prefix, stage_prefix
+from tierkv.remote_tier import RemoteCounters, StoreRemote
 
 if TYPE_CHECKING:
     from tierkv.remote.sources.redis_tier import RedisTier
