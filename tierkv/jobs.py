@@ -11,6 +11,7 @@ caller that gives up leaves the job to the core's task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -41,25 +42,18 @@ async def job_done(handle: TransferHandle) -> TransferStats:
 
 def when_done(handle: TransferHandle, fn: Callable[[], None]) -> None:
     """Run ``fn`` on the loop once ``handle`` no longer touches its slots (now if it is done):
-    the rollback of a job whose caller is gone belongs to a task of the tier core."""
+    the rollback of a job whose caller is gone belongs to the tier core, not to that caller.
+    One completion callback, no task: nothing is kept alive while the job runs but it."""
     if handle.done():
         fn()
         return
+    loop = asyncio.get_running_loop()
 
-    async def later() -> None:
-        try:
-            await job_done(handle)
-        except Exception:
-            pass
-        finally:
-            fn()
+    def wake(_: TransferHandle) -> None:  # on the thread that completed the job
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to roll back
+            loop.call_soon_threadsafe(fn)
 
-    task = asyncio.ensure_future(later())
-    _background.add(task)
-    task.add_done_callback(_background.discard)
-
-
-_background: set[asyncio.Future[None]] = set()  # rollbacks in flight (kept from the GC)
+    handle.add_done_callback(wake)
 
 
 async def within(deadline: float, aw: Awaitable[T], error: Callable[[], BaseException]) -> T:
