@@ -73,9 +73,17 @@ def _imports(module: str) -> Iterator[tuple[str, str | None]]:
 
 
 def _graph() -> dict[str, set[str]]:
+    """Module -> the modules importing it runs: the imported module and the ``__init__`` of
+    each package above it (but the importer's own packages, already running)."""
     graph: dict[str, set[str]] = {}
     for module in MODULES:
-        deps = {t for t, _ in _imports(module) if t in MODULES and t != module}
+        deps: set[str] = set()
+        for target, _ in _imports(module):
+            parts = target.split(".")
+            for i in range(2, len(parts) + 1):
+                t = ".".join(parts[:i])
+                if t in MODULES and t != module and not module.startswith(t + "."):
+                    deps.add(t)
         graph[module] = deps
     return graph
 

@@ -214,73 +214,8 @@ def test_the_store_imports_no_remote_module() -> None:
     assert out.stdout.strip() == "[]"
 
 
-CORE = {
-    "tierkv.store",
-    "tierkv.lease",
-    "tierkv.tiers",
-    "tierkv.eviction",
-    "tierkv.lower_tiers",
-    "tierkv.prefetch",
-    "tierkv.boundary",
-    "tierkv.remote_tier",
-    "tierkv.remote.store_io",
-}
-
-
-def _import_graph() -> dict[str, set[str]]:
-    """Every import of tierkv's modules, TYPE_CHECKING and function-level ones included; an
-    import of ``a.b.c`` also runs the ``__init__`` of ``a.b`` (unless it is the importer's
-    own package or the root)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2] / "tierkv"
-    mods: dict[str, Path] = {}
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root).with_suffix("")
-        if rel.parts[0] in ("runtime", "transports"):
-            continue
-        parts = [p for p in rel.parts if p != "__init__"]
-        mods[".".join(["tierkv", *parts])] = path
-    graph: dict[str, set[str]] = {m: set() for m in mods}
-    for m, path in mods.items():
-        pkg = m if path.name == "__init__.py" else m.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text())):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    base = ".".join([*up, *([node.module] if node.module else [])])
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            for name in names:
-                parts = name.split(".")
-                for i in range(2, len(parts) + 1):
-                    t = ".".join(parts[:i])
-                    if t in mods and t != m and not m.startswith(t + "."):
-                        graph[m].add(t)
-    return graph
-
-
-def test_no_import_cycle_runs_through_the_store_core() -> None:
-    graph = _import_graph()
-
-    def reaches(start: str, goal: str) -> bool:
-        seen, todo = set(), [start]
-        while todo:
-            m = todo.pop()
-            for n in graph.get(m, ()):
-                if n == goal:
-                    return True
-                if n not in seen:
-                    seen.add(n)
-                    todo.append(n)
-        return False
-
-    cycles = [m for m in sorted(CORE) if m in graph and reaches(m, m)]
-    assert cycles == [], f"import cycles through {cycles}"
+# No import cycle through the store core (TYPE_CHECKING, function-level and package
+# __init__ imports included): tests/test_architecture.py::test_no_import_cycles, over every module.
 
 
 async def test_remote_pushes_and_imports_are_engine_jobs() -> None:
