@@ -39,11 +39,11 @@ class SyncLease:
 
     def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """See :meth:`tierkv.lease.Lease.append`."""
-        self._owner._run(self._lease.append(seq_id, layer, k, v))
+        self._owner.run(self._lease.append(seq_id, layer, k, v))
 
     def kv(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """See :meth:`tierkv.lease.Lease.kv`."""
-        return self._owner._call(lambda: self._lease.kv(seq_id, layer))
+        return self._owner.call(lambda: self._lease.kv(seq_id, layer))
 
 
 class SyncKVStore:
@@ -68,12 +68,15 @@ class SyncKVStore:
         self.store = store
         self._closed = False
         try:
-            self._run(self.store.open())
+            self.run(self.store.open())
         except BaseException:
             self._stop()
             raise
 
-    def _run(self, coro: Awaitable[T]) -> T:
+    def run(self, coro: Awaitable[T]) -> T:
+        """Run ``coro`` on the store's loop thread and wait for it (at most twice the store's
+        timeout). Raises StoreClosedError after close, StoreTimeoutError when the loop does not
+        answer, and the store's errors mapped to the tierkv tree."""
         if self._closed:
             if asyncio.iscoroutine(coro):
                 coro.close()
@@ -98,65 +101,67 @@ class SyncKVStore:
                 raise
             raise mapped from exc
 
-    def _call(self, fn: Callable[[], T]) -> T:
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the store's loop thread (for the store's synchronous methods), as
+        :meth:`run`."""
         if self._closed:
             raise StoreClosedError("store is closed")
 
         async def wrap() -> T:
             return fn()
 
-        return self._run(wrap())
+        return self.run(wrap())
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """See :meth:`KVStore.lookup`."""
-        return self._call(lambda: self.store.lookup(tokens))
+        return self.call(lambda: self.store.lookup(tokens))
 
     def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
         """See :meth:`KVStore.add_sequence`."""
-        return self._run(self.store.add_sequence(seq_id, tokens))
+        return self.run(self.store.add_sequence(seq_id, tokens))
 
     def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
         """See :meth:`KVStore.add_tokens`."""
-        self._call(lambda: self.store.add_tokens(seq_id, tokens))
+        self.call(lambda: self.store.add_tokens(seq_id, tokens))
 
     def release(self, seq_id: str) -> None:
         """See :meth:`KVStore.release`."""
-        self._run(self.store.release(seq_id))
+        self.run(self.store.release(seq_id))
 
     def prefetch(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> int:
         """Prefetch and wait (see :meth:`KVStore.prefetch`)."""
-        return self._run(self.store.prefetch(seq_ids, layers, wait=True))
+        return self.run(self.store.prefetch(seq_ids, layers, wait=True))
 
     def schedule(self, steps: Sequence[Sequence[str]]) -> None:
         """See :meth:`KVStore.schedule`."""
-        self._call(lambda: self.store.schedule(steps))
+        self.call(lambda: self.store.schedule(steps))
 
     def step(self) -> None:
         """See :meth:`KVStore.step`."""
-        self._call(self.store.step)
+        self.call(self.store.step)
 
     def stats(self) -> dict[str, Any]:
         """See :meth:`KVStore.stats`."""
-        return self._call(self.store.stats)
+        return self.call(self.store.stats)
 
     @contextmanager
     def lease(
         self, seq_ids: Sequence[str], layers: Sequence[int] | None = None
     ) -> Iterator[SyncLease]:
         """Pin pages on the device for the ``with`` block (see :meth:`KVStore.lease`)."""
-        lease = self._call(lambda: self.store.lease(seq_ids, layers))
-        self._run(lease.__aenter__())
+        lease = self.call(lambda: self.store.lease(seq_ids, layers))
+        self.run(lease.__aenter__())
         try:
             yield SyncLease(self, lease)
         finally:
-            self._run(lease.__aexit__(None, None, None))
+            self.run(lease.__aexit__(None, None, None))
 
     def close(self) -> None:
         """Close the store and stop its thread. Idempotent."""
         if self._closed:
             return
         try:
-            self._run(self.store.close())
+            self.run(self.store.close())
         finally:
             self._closed = True
             self._stop()

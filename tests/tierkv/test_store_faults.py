@@ -367,10 +367,10 @@ def test_sync_store_from_eight_threads_never_fails() -> None:
         assert errors == []
         assert len(refs) == 8
         inner = store.store
-        store._call(inner.check)
+        store.call(inner.check)
         table = inner.tiers.table
-        assert store._call(lambda: table.used(DEVICE) - table.evictable(DEVICE)) == 0
-        assert store._call(lambda: len(table.keys(HOST))) >= 0
+        assert store.call(lambda: table.used(DEVICE) - table.evictable(DEVICE)) == 0
+        assert store.call(lambda: len(table.keys(HOST))) >= 0
 
 
 async def test_admission_drops_a_cancelled_head_and_loses_no_wakeup() -> None:

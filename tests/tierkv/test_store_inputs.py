@@ -226,7 +226,7 @@ def test_bad_sync_input_is_typed(case: str) -> None:
             k, v = kv(5)
             lease.append("a", 0, k, v)
             assert torch.equal(lease.kv("a", 0)[0], k)
-        store._call(store.store.check)
+        store.call(store.store.check)
 
 
 def test_the_bad_inputs_number_at_least_25() -> None:
@@ -357,7 +357,7 @@ def test_a_sync_call_past_its_bound_is_a_store_timeout_error() -> None:
             await asyncio.sleep(1.0)
 
         with pytest.raises(StoreTimeoutError, match="no answer"):
-            store._run(slow())
+            store.run(slow())
         store.add_sequence("a", [1, 2])  # the loop is still serving
 
 

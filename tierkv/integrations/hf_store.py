@@ -118,18 +118,12 @@ class ThreadStore:
         self.store = sync.store
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the store's loop thread and wait (at most twice its timeout)."""
-        # SyncKVStore has no public hook to run a coroutine on its loop (docs/transformers.md).
-        fut = asyncio.run_coroutine_threadsafe(coro, self.sync._loop)
-        return fut.result(self.store.timeout * 2)
+        """Run ``coro`` on the store's loop thread and wait (:meth:`SyncKVStore.run`)."""
+        return self.sync.run(coro)
 
     def call(self, fn: Callable[[], T]) -> T:
-        """``fn()`` on the store's loop thread."""
-
-        async def wrap() -> T:
-            return fn()
-
-        return self.run(wrap())
+        """``fn()`` on the store's loop thread (:meth:`SyncKVStore.call`)."""
+        return self.sync.call(fn)
 
     def close(self) -> None:
         """Close the shared store (only its opener does)."""
