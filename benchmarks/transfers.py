@@ -11,6 +11,9 @@ The limits the engine chases (the ratios that count):
   gather      torch.index_select of the very pages the engine round moves (its source ids) into
               a contiguous stretch of the destination arena: the gather limit of this machine.
               Measured at one thread and at torch's default thread count; the limit is the faster.
+              After a multi-thread gather the run pauses (untimed) until torch's OpenMP workers
+              stop spinning: they spin ~10 ms after a parallel region, and on a 2-core machine
+              that took a core from the engine round measured next (rounds bimodal, 7 vs 12 GB/s).
 Engine: random, non-adjacent slot ids on both sides, batches of --batch-256kb / --batch-16kb pages,
 `max_inflight` batches in flight, each awaited through asyncio (uvloop when installed).
 Rounds alternate copy, gather and engine so that load from other processes hits all alike; the
@@ -47,6 +50,8 @@ KB = 1 << 10
 # (vs a same-size copy, vs the gather limit); None: no target (printed for information)
 TARGETS: dict[int, tuple[float, float | None]] = {256 * KB: (0.9, None), 16 * KB: (0.7, 0.9)}
 Plan = list[tuple[np.ndarray, np.ndarray]]
+# Pause after a multi-thread gather (outside any timing) until torch's OpenMP workers stop spinning.
+OMP_SETTLE_S = 0.05
 
 
 def copy_256mb(reps: int) -> float:
@@ -93,6 +98,10 @@ def gather_round(src: Arena, dst: Arena, plan: Plan, threads: int, seed: int) ->
         elapsed = time.perf_counter() - t
     finally:
         torch.set_num_threads(before)
+    if threads > 1:
+        # torch's OpenMP workers spin after a parallel region (libgomp: up to ~10 ms here); on
+        # two cores that spinning would take a core from whatever is measured next.
+        time.sleep(OMP_SETTLE_S)
     return batch * len(plan) * page / elapsed
 
 
