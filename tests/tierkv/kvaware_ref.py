@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from tierkv.policies.base import NO_HINT, Key, PageHint
+from tierkv.policies.history import History
 from tierkv.policies.kvaware import MAX_COUNT
 from tierkv.policies.kvaware_admission import ConversationAdmission
 
@@ -71,7 +72,7 @@ class RefKVAware(ConversationAdmission):
         self._buckets: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(_MASK + 1)]
         self._orphans: OrderedDict[Key, None] = OrderedDict()
         self._kids: dict[Key, set[Key]] = {}  # parent key -> resident children
-        self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
+        self._gone = History()  # departed/declined key -> count (the policy's own history)
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._recent: dict[Key, tuple[_Page, int]] = {}  # key mode: last call's victims
@@ -214,7 +215,7 @@ class RefKVAware(ConversationAdmission):
             assert isinstance(state, tuple)
             page: _Page = state[0]
             code: int = state[1]
-            gone.pop(k, None)
+            gone.pop(k)
             pages[k] = page
             count[k] = code
             parent = page.parent
@@ -238,7 +239,7 @@ class RefKVAware(ConversationAdmission):
         c = copy.copy(self)
         for name in ("_run", "_small", "_decisions", "_count", "_pending", "_recent"):
             setattr(c, name, copy.copy(getattr(self, name)))
-        c._gone = OrderedDict()
+        c._gone = History()
         c._orphans = self._orphans.copy()
         c._pages = {k: replace(p) for k, p in self._pages.items()}
         c._buckets = [b.copy() for b in self._buckets]
@@ -319,9 +320,8 @@ class RefKVAware(ConversationAdmission):
                     if mine:
                         for child in mine:
                             self._set_orphan(child, True)
-                gone[key] = code & 15
-                if len(gone) > limit:
-                    gone.popitem(last=False)
+                gone.put(key, code & 15)
+                gone.trim(limit)
                 out.append(key)
                 if orphans:  # the victim's children, now stranded, go next
                     self._evict_orphans(n, can_evict, out)

@@ -7,9 +7,11 @@ runner, and kvaware's differential tests read best next to its scripted ones."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -34,6 +36,7 @@ from tierkv.policies import (
     make_policy,
 )
 from tierkv.policies.base import ChainPart
+from tierkv.policies.history import History
 from tierkv.traces import KINDS, synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -617,6 +620,63 @@ def test_chain_hint_derives_the_page_hints() -> None:
         PageHint(4, True, 2, "d", 5),
     ]
     assert ChainHint().hints(["x"]) == [PageHint()]  # blocks unknown: no last block
+
+
+# -- the ghost history ------------------------------------------------------------------------
+
+HISTORY_OPS = st.lists(
+    st.tuples(st.sampled_from(["put", "pop", "touch", "oldest", "trim"]), KEYS, st.integers(0, 15)),
+    max_size=120,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=HISTORY_OPS)
+def test_history_keeps_an_ordered_dicts_order(ops: list[tuple[str, int, int]]) -> None:
+    """History is the OrderedDict it replaced: put (to the newest end), pop, move_to_end,
+    popitem(last=False), trimming; same keys, counts and order after every step."""
+    h, model = History(), OrderedDict[int, int]()
+    for op, k, c in ops:
+        if op == "put":
+            h.put(k, c)
+            model[k] = c
+            model.move_to_end(k)
+        elif op == "pop":
+            assert h.pop(k, -1) == model.pop(k, -1)
+        elif op == "touch" and k in model:
+            h.touch(k)
+            model.move_to_end(k)
+        elif op == "oldest" and model:
+            assert h.pop_oldest() == model.popitem(last=False)[0]
+        elif op == "trim":
+            h.trim(c / 2)
+            while len(model) > c / 2:
+                model.popitem(last=False)
+        assert list(h) == list(model)
+        assert [h.get(key) for key in h] == list(model.values())
+        assert len(h) == len(model) and (k in h) == (k in model)
+    h.clear()
+    assert not h and h.get(0, 7) == 7
+    with pytest.raises(KeyError, match="empty"):
+        h.pop_oldest()
+
+
+@pytest.mark.parametrize("name", ["kvaware", "lfu", "arc", "s3fifo"])
+def test_ghost_histories_are_not_tracked_by_the_collector(name: str) -> None:
+    """Issue 17: a policy's ghosts (120,000 keys with 10,000 idle sequences) are dicts of
+    bytes and ints the collector does not track, so a full pass does not walk them."""
+    table = PageTable({"t": 32}, name)
+    for turn in range(40):  # conversations that come back: ghosts made and hit
+        keys = [b"sys"] + [b"c%d-%d" % (turn % 7, j) for j in range(turn % 9 + 2)]
+        h = table.lookup(keys, "t")
+        table.touch(keys[:h], "t")
+        alloc = table.prepare_store(keys[h:], "t", ChainHint(h, keys[h - 1] if h else None, h))
+        if alloc is not None:
+            table.complete_store(alloc.keys, "t")
+    histories = [v for v in vars(table.policy("t")).values() if isinstance(v, History)]
+    assert histories and sum(map(len, histories)) > 0
+    for hist in histories:
+        assert not gc.is_tracked(hist.value) and not gc.is_tracked(hist.order)
 
 
 # -- registry ----------------------------------------------------------------------------------

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 
 from tierkv.policies.base import NO_HINT, CanEvictSlot, EvictionPolicy, Hints, Key, PageHint
+from tierkv.policies.history import History
 from tierkv.policies.links import Links
 
 _T1, _T2 = 0, 1  # the resident lists: queues of Links
@@ -48,8 +48,8 @@ class ARCPolicy(EvictionPolicy):
         self._p = 0.0
         self._links = Links(0, 2)
         self._key: list[Key] = []
-        self._b1: OrderedDict[Key, None] = OrderedDict()
-        self._b2: OrderedDict[Key, None] = OrderedDict()
+        self._b1 = History()  # ghost keys, oldest first (their counts unused)
+        self._b2 = History()
         self._adapted: Key | None = None  # the ghost key whose hit adapted p last
         self._fed: set[Key] = set()  # ghost keys whose hit already adapted p (not yet inserted)
 
@@ -114,10 +114,10 @@ class ARCPolicy(EvictionPolicy):
                     self._adapt(k)
                 fed.discard(k)
                 if k in b1:
-                    del b1[k]
+                    b1.pop(k)
                     n1 -= 1
                 else:
-                    del b2[k]
+                    b2.pop(k)
                     n2 -= 1
                 links.append(_T2, s)
                 t2 += 1
@@ -130,10 +130,10 @@ class ARCPolicy(EvictionPolicy):
             if not fixed and resident > c:
                 c = self._c = resident
             while n1 and t1 + n1 > c:
-                b1.popitem(last=False)
+                b1.pop_oldest()
                 n1 -= 1
             while n2 and resident + n1 + n2 > 2 * c:
-                b2.popitem(last=False)
+                b2.pop_oldest()
                 n2 -= 1
         if run:
             links.extend(_T1, run)
@@ -166,11 +166,11 @@ class ARCPolicy(EvictionPolicy):
         key_of = self._key
         b1, b2 = self._b1, self._b2
         for s in first:
-            b1[key_of[s]] = None
+            b1.put(key_of[s], 0)
         for s in second:
-            b2[key_of[s]] = None
+            b2.put(key_of[s], 0)
         for s in third:
-            b1[key_of[s]] = None
+            b1.put(key_of[s], 0)
         return first + second + third if second or third else first
 
     def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
@@ -192,6 +192,6 @@ class ARCPolicy(EvictionPolicy):
     ) -> None:
         links, key_of = self._links, self._key
         for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
-            (self._b1 if which == _T1 else self._b2).pop(k, None)
+            (self._b1 if which == _T1 else self._b2).pop(k)
             key_of[s] = k  # a MOVING page may have been renamed
             links.appendleft(_T1 if which == _T1 else _T2, s)

@@ -8,7 +8,6 @@ checked together (its admission rules live in ``kvaware_admission.py``).
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from itertools import compress
 
@@ -20,6 +19,7 @@ from tierkv.policies.base import (
     Hints,
     Key,
 )
+from tierkv.policies.history import History
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
     SCAN_DECAY,
@@ -145,7 +145,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         # parent key -> its resident child, or a set of them (most pages have one child: no
         # set to make and drop per page); a set stays a set until it is empty
         self._kids: dict[Key, Key | set[Key]] = {}
-        self._gone: OrderedDict[Key, int] = OrderedDict()  # departed/declined key -> count
+        self._gone = History()  # departed/declined key -> count, oldest first
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._n = 0
@@ -253,7 +253,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parents = [h.parent for h in hints]
             lasts = [h.last for h in hints]
             check = True
-        pop, settled = gone.pop, pending.pop
+        pop, settled, remembered = gone.pop, pending.pop, gone.value
         # ``prev``: the page inserted just before; ``free``: it has no child yet (no entry in
         # _kids), so a page extending it is in no danger of being an orphan and is its only
         # child: most pages of a chain's run (the parent just queued was popped from the
@@ -278,7 +278,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 where[s] = p = start_prio[c]
                 q = p & _MASK
             else:
-                if check and parent is not prev and parent in gone:
+                if check and parent is not prev and parent in remembered:
                     ps = slot_of.get(parent)
                     orphan = ps is None or prv[ps] == UNLINKED
                 else:
@@ -360,7 +360,9 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._parent,
         )
         kids, gone, limit, back, value = self._kids, self._gone, self._limit, self._back, _VALUE
-        slot_of, to_end, popitem = self._slot_of, gone.move_to_end, gone.popitem
+        slot_of = self._slot_of
+        # the history's dicts, written in line (History.put): one stamp per victim
+        hist, stamps, hget, stamp = gone.value, gone.order, gone.value.get, gone.stamp
         # the scan gate's measure (ConversationAdmission._left), in locals
         left, used, seen = self._back_left, self._back_used, self._back_seen
         floor = prio = self._floor
@@ -424,16 +426,20 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                             size[queue[c]] -= 1
                             where[c] = orphan
                             grow(c)
-                    gone[key] = cd & 15  # remembered (as _remember), trimmed below
-                    to_end(key)
+                    old = hget(key)  # remembered (as _remember), trimmed below
+                    if old is not None:
+                        del stamps[old >> 4]
+                    hist[key] = (stamp << 4) | (cd & 15)
+                    stamps[stamp] = key
+                    stamp += 1
                     push(s)
                     need -= 1
                     if not need:
                         break
                 # the history trimmed once for the block: every key above went to its end, so
                 # the oldest keys leave, as trimming after each would have removed them
-                while len(gone) > limit:
-                    popitem(last=False)
+                if len(hist) > limit:
+                    gone.trim(limit)
                 i = len(out) - before + len(passed)  # the fresh ones looked at
                 if i < len(fresh):
                     links.extend(_ORPHANS, fresh[i:])
@@ -504,9 +510,14 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                                 size[queue[c]] -= 1
                                 where[c] = _ORPHAN
                                 fresh.append(c)
-                gone[key] = cd & 15
-                if len(gone) > limit:
-                    popitem(last=False)
+                old = hget(key)
+                if old is not None:
+                    del stamps[old >> 4]
+                hist[key] = (stamp << 4) | (cd & 15)
+                stamps[stamp] = key
+                stamp += 1
+                if len(hist) > limit:
+                    gone.trim(limit)
                 push(s)
                 orphans = bool(fresh) or size[_ORPHANS] > 0  # the victim's stranded kids go next
             else:
@@ -514,6 +525,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 skips[prio] = skips.get(prio, size[b]) - 1
         if fresh:  # stranded by the last victim, with no room left to evict them: queued
             links.extend(_ORPHANS, fresh)
+        gone.stamp = stamp
         self._back_left, self._back_used, self._back_seen = left, used, seen
         self._floor = floor
         self._n -= len(out)
@@ -529,7 +541,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         gone, kids, slot_of, links = self._gone, self._kids, self._slot_of, self._links
         where, code, qcode = self._where, self._code, self._qcode
         for s, k in zip(reversed(slots), reversed(keys)):
-            gone.pop(k, None)
+            gone.pop(k)
             self._key[s] = k  # a MOVING page may have been renamed (rekey)
             parent = self._parent[s]
             orphan = False
@@ -565,7 +577,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         for name in ("_run", "_small", "_decisions", "_pending"):
             setattr(c, name, copy.copy(getattr(self, name)))
         # the history never steers a victim (only inserts read it): the copy starts without it
-        c._gone = OrderedDict()
+        c._gone = History()
         c._kids = {k: set(v) if isinstance(v, set) else v for k, v in self._kids.items()}
         c._links = self._links.copy()
         for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):

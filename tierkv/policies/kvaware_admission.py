@@ -9,11 +9,11 @@ scan's. :class:`ConversationAdmission` is a mixin of
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint, page_hints
+from tierkv.policies.history import History
 
 HEAD_PER_PAGES = 750
 """Automatic ``head_blocks``: one head block per this many pages of capacity (8 at 6,000)."""
@@ -49,7 +49,7 @@ class ConversationAdmission:
     _short: int
     _head_blocks: int | None
     _step_blocks: int | None
-    _gone: OrderedDict[Key, int]  # departed/declined key -> use count
+    _gone: History  # departed/declined key -> use count, oldest first
     _pending: dict[Key, int]  # admitted, not yet inserted -> fanout so far
     _run: dict[Key, int]  # this batch's never-seen pages -> depth their run began
     _small: set[Key]  # this batch's admitted small-step pages: they start at 2 uses
@@ -98,14 +98,14 @@ class ConversationAdmission:
             head, step = self._head_rule(), self._step_rule()
             gone, gate_open, stepped = self._gone, not self._scan(), 0
             run, limit, settle, append = self._run, self._limit, pending.setdefault, out.append
-            to_end, get = gone.move_to_end, run.get
+            remember, trim, get, remembered = gone.put, gone.trim, run.get, gone.value
             big = step and hits > 1  # a later turn under the step rule
             fanout_max, short, slot_of = self._max_fanout, self._short, self._slot_of
             small = self._small.add
             judged = admitted = lasts = fanned = 0  # pages decided here, as _judge would
             fresh = False  # the page before was admitted here (pending, not yet resident)
             for depth, k in enumerate(keys, first):
-                if k in gone:
+                if k in remembered:
                     if gate_open:  # readmitted, as _judge would (the gate is open)
                         settle(k, 0)
                         append(True)
@@ -114,10 +114,8 @@ class ConversationAdmission:
                         continue
                     ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
                 elif depth == last:  # a never-seen last block: declined, as _judge would
-                    gone[k] = 1
-                    to_end(k)
-                    while len(gone) > limit:
-                        gone.popitem(last=False)
+                    remember(k, 1)
+                    trim(limit)
                     lasts += 1
                     every = False
                     append(False)
@@ -128,10 +126,8 @@ class ConversationAdmission:
                     start = get(parent, depth)
                     run[k] = start
                     if blocks - start >= step:  # a large step: declined and remembered
-                        gone[k] = 1
-                        to_end(k)
-                        while len(gone) > limit:
-                            gone.popitem(last=False)
+                        remember(k, 1)
+                        trim(limit)
                         stepped += 1
                         every = False
                         append(False)
@@ -148,10 +144,8 @@ class ConversationAdmission:
                             append(True)
                             parent = k
                             continue
-                        gone[k] = 1
-                        to_end(k)
-                        while len(gone) > limit:
-                            gone.popitem(last=False)
+                        remember(k, 1)
+                        trim(limit)
                         fanned += 1
                         every = False
                         append(False)
@@ -209,12 +203,8 @@ class ConversationAdmission:
 
     def _remember(self, key: Key, count: int) -> None:
         gone = self._gone
-        gone[key] = count
-        gone.move_to_end(key)
-        if len(gone) > self._limit:
-            pop = gone.popitem
-            while len(gone) > self._limit:
-                pop(last=False)
+        gone.put(key, count)
+        gone.trim(self._limit)
 
     def end_batch(self) -> None:
         """Forget the batch being admitted (a refused store): its pages were never inserted."""
@@ -263,7 +253,7 @@ class ConversationAdmission:
             if self._scan():
                 self._probes += 1
                 if self._probes % SCAN_PROBE:
-                    gone.move_to_end(key)  # still remembered, as if declined now
+                    gone.touch(key)  # still remembered, as if declined now
                     decisions["declined_history_scan"] = (
                         decisions.get("declined_history_scan", 0) + 1
                     )

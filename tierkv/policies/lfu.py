@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tierkv.policies.base import CanEvictSlot, EvictionPolicy, Hints, Key
+from tierkv.policies.history import History
 from tierkv.policies.links import Links
 
 MAX_COUNT = 15
@@ -41,7 +41,7 @@ class LFUPolicy(EvictionPolicy):
         self._count: list[int] = []
         self._key: list[Key] = []
         self._mask = 0  # bit f set <=> queue f non-empty
-        self._gone: OrderedDict[Key, int] = OrderedDict()
+        self._gone = History()  # departed key -> use count, oldest first
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
@@ -72,10 +72,8 @@ class LFUPolicy(EvictionPolicy):
     def _forget(self, s: int, count: int) -> None:
         if self._history > 0:
             gone = self._gone
-            gone[self._key[s]] = count
-            limit = self._history * self._capacity
-            while len(gone) > limit:
-                gone.popitem(last=False)
+            gone.put(self._key[s], count)
+            gone.trim(self._history * self._capacity)
 
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
         gone, key_of = self._gone, self._key
@@ -103,7 +101,7 @@ class LFUPolicy(EvictionPolicy):
     ) -> None:
         for s, k, count in zip(reversed(slots), reversed(keys), reversed(states)):
             assert isinstance(count, int)
-            self._gone.pop(k, None)  # the history entry its eviction made
+            self._gone.pop(k)  # the history entry its eviction made
             self._key[s] = k
             self._place(s, count, head=True)
 

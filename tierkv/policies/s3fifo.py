@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from tierkv.policies.base import CanEvictSlot, EvictionPolicy, Hints, Key
+from tierkv.policies.history import History
 from tierkv.policies.links import Links
 
 MAX_FREQ = 3
@@ -44,7 +44,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._links = Links(0, 2)
         self._freq: list[int] = []
         self._key: list[Key] = []
-        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._ghost = History()
         self._promoted = False  # S moved a used page to M during this eviction
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
@@ -66,7 +66,7 @@ class S3FIFOPolicy(EvictionPolicy):
             key_of[s] = k
             freq[s] = 0
             if ghost and k in ghost:
-                del ghost[k]
+                ghost.pop(k)
                 links.append(_M, s)
             else:
                 links.append(_S, s)
@@ -85,10 +85,8 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def _remember(self, key: Key) -> None:
         ghost = self._ghost
-        ghost[key] = None
-        limit = max(1, self._c - int(self._c * self._ratio))
-        while len(ghost) > limit:
-            ghost.popitem(last=False)
+        ghost.put(key, 0)
+        ghost.trim(max(1, self._c - int(self._c * self._ratio)))
 
     def _evict_small(self, can_evict: CanEvictSlot | None) -> int:
         links, freq = self._links, self._freq
@@ -151,7 +149,7 @@ class S3FIFOPolicy(EvictionPolicy):
         clone.__dict__.update(self.__dict__)
         clone._links = self._links.copy()
         clone._freq = list(self._freq)
-        clone._ghost = OrderedDict()  # the ghost list never steers a victim
+        clone._ghost = History()  # the ghost list never steers a victim
         return clone.evict_slots(n, can_evict)
 
     def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
@@ -163,7 +161,7 @@ class S3FIFOPolicy(EvictionPolicy):
     ) -> None:
         for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
             if which == _S:
-                self._ghost.pop(k, None)  # the ghost entry its eviction made
+                self._ghost.pop(k)  # the ghost entry its eviction made
             self._key[s] = k
             self._links.appendleft(_S if which == _S else _M, s)
             self._freq[s] = 0  # a victim's counter was 0
