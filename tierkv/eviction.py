@@ -65,7 +65,11 @@ class DeviceEviction:
 
     def has_lower(self, key: PageKey) -> bool:
         """Whether some lower tier holds ``key`` readable."""
-        return any(self._table.lookup([key], t) for t in self._lower)
+        return bool(self._table.readable((key,), self._lower))
+
+    def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
+        """The keys (in order) that some lower tier holds readable."""
+        return cast(list[PageKey], self._table.readable(keys, self._lower)) if keys else []
 
     async def make_room(self, n: int, deadline: float) -> bool:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped.
@@ -87,7 +91,8 @@ class DeviceEviction:
         if not victims:
             return False
         keys = [k for k, _ in victims]
-        wb = [(k, s) for k, s in victims if k in self.dirty or not self.has_lower(k)]
+        safe = set(self.with_lower(keys))
+        wb = [(k, s) for k, s in victims if k in self.dirty or k not in safe]
         if not wb:  # clean pages with a lower copy: drop them, no wait
             table.complete_evict(keys, DEVICE, ok=True)
             return True
@@ -115,7 +120,7 @@ class DeviceEviction:
             return
         table = self._table
         keys = [k for k, _ in victims]
-        stale_cold = [k for k in keys if COLD in self._lower and table.present([k], COLD)]
+        stale_cold = cast(list[PageKey], table.present(keys, COLD)) if COLD in self._lower else []
         await self._host.make_room(len(keys))
         alloc = table.prepare_store(keys, HOST)
         if alloc is None:
@@ -178,7 +183,10 @@ class DeviceEviction:
         later costs no wait. Returns the pages written. The device pages stay pinned (never
         evicted, never renamed) until the copy has ended, even when the caller is cancelled."""
         table = self._table
-        pick = [k for k in dict.fromkeys(keys) if k in self.dirty and table.lookup([k], DEVICE)]
+        dirty = self.dirty
+        pick = cast(
+            list[PageKey], table.readable([k for k in dict.fromkeys(keys) if k in dirty], DEVICE)
+        )
         if not pick:
             return 0
         slots = table.prepare_load(pick, DEVICE)  # no eviction while the copy reads them

@@ -27,6 +27,7 @@ from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
+from tierkv.turns import TurnBudget
 
 __all__ = ["Lease", "LeaseHost"]
 
@@ -38,6 +39,7 @@ class LeaseHost(Protocol):
     timeout: float
     counters: StoreCounters
     timeline: Timeline
+    turns: TurnBudget
 
     @property
     def closed(self) -> bool:
@@ -248,6 +250,8 @@ class Lease:
         n = k.shape[1]
         if n == 0:
             return
+        await store.turns.pause()
+        seq = self._seq(seq_id, layer)  # (the lease may have ended meanwhile)
         if not store.is_live(seq):  # released (or its id reused) inside the lease
             raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
         tiers = store.tiers

@@ -25,7 +25,7 @@ from tierkv.errors import TierFullError
 from tierkv.jobs import job_done, when_done
 from tierkv.keys import PageKey
 from tierkv.owners import Owners
-from tierkv.page_table import PageState, PageTable
+from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
@@ -86,11 +86,7 @@ class ColdStorage:
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove readable, unpinned pages from one tier."""
         table = self._table
-        here = [
-            k
-            for k in table.present(keys, tier)
-            if table.state(k, tier) == PageState.READABLE and not table.pins(k, tier)
-        ]
+        here = cast(list[PageKey], table.idle(keys, tier))
         if here:
             table.remove(here, tier)
             if tier == HOST:

@@ -238,6 +238,38 @@ class PageTable:
         slot_of = self._tier(tier).slot_of
         return [k for k in keys if k in slot_of]
 
+    def absent(self, keys: Iterable[Key], tier: str) -> list[Key]:
+        """The keys (in order) that ``tier`` does not hold in any state."""
+        slot_of = self._tier(tier).slot_of
+        return [k for k in keys if k not in slot_of]
+
+    def readable(self, keys: Iterable[Key], tiers: str | Sequence[str]) -> list[Key]:
+        """The keys (in order) readable in ``tiers`` (one tier, or in at least one of several):
+        the batch form of :meth:`lookup` on one key."""
+        if isinstance(tiers, str):
+            t = self._tier(tiers)
+            get, state = t.slot_of.get, t.state
+            return [k for k in keys if (s := get(k)) is not None and state[s] == _READABLE]
+        parts = [(t.slot_of.get, t.state) for t in map(self._tier, tiers)]
+        return [
+            k
+            for k in keys
+            if any((s := get(k)) is not None and state[s] == _READABLE for get, state in parts)
+        ]
+
+    def idle(self, keys: Iterable[Key], tier: str) -> list[Key]:
+        """The keys (in order) that ``tier`` holds readable and unpinned."""
+        t = self._tier(tier)
+        get, state, pins = t.slot_of.get, t.state, t.pins
+        return [
+            k for k in keys if (s := get(k)) is not None and state[s] == _READABLE and not pins[s]
+        ]
+
+    def held(self, keys: Iterable[Key]) -> list[Key]:
+        """The keys (in order) that some tier holds in any state."""
+        maps = [t.slot_of for t in self._tiers.values()]
+        return [k for k in keys if any(k in m for m in maps)]
+
     def lookup_tiers(self, keys: Sequence[Key]) -> dict[str, int]:
         """:meth:`lookup` for every tier."""
         return {name: self.lookup(keys, name) for name in self._tiers}

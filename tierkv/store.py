@@ -50,6 +50,7 @@ from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
+from tierkv.turns import TurnBudget
 
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
@@ -86,6 +87,10 @@ class KVStore:
         remote_push_pages: staging buffer of those pushes, in pages.
         remote_push_wait: the longest an eviction waits for room in that buffer (else the
             pages are not pushed, counted as ``push_dropped``).
+        turn_budget: seconds of store work in one loop turn after which the store's async
+            calls (adding and releasing sequences, entering a lease, appending) yield to the
+            loop before going on, so that a thousand tasks stepping at once never hold the
+            loop for long (:mod:`tierkv.turns`); ``None`` never yields.
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
@@ -118,6 +123,7 @@ class KVStore:
         remote_write: bool = True,
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
+        turn_budget: float | None = 0.002,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
@@ -136,11 +142,14 @@ class KVStore:
         remote_write = validate.flag("remote_write", remote_write)
         remote_push_pages = validate.count("remote_push_pages", remote_push_pages, 1)
         remote_push_wait = validate.seconds("remote_push_wait", remote_push_wait, allow_zero=True)
+        if turn_budget is not None:
+            turn_budget = validate.seconds("turn_budget", turn_budget)
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
         self.compress_after = compress_after
         self.write_behind = write_behind
+        self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
         self._codec = get_codec(codec) if codec else None
         cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
@@ -336,6 +345,10 @@ class KVStore:
         tiers = self.tiers
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
+        await self.turns.pause()
+        tiers = self.tiers  # (the store may have closed meanwhile)
+        if seq_id in self._seqs:
+            raise SequenceError(f"sequence {seq_id!r} already exists")
         t = self.spec.page_tokens
         toks, keys = await prompt_keys(tokens, t, self.namespace)
         keys = keys[: max(0, len(toks) - 1) // t]
@@ -448,6 +461,8 @@ class KVStore:
         Raises SequenceError for an unknown (or already released) id.
         """
         seq_id = validate.seq_id(seq_id)
+        self.sequence(seq_id)  # an unknown id fails before the pause
+        await self.turns.pause()
         seq = self.sequence(seq_id)
         self.publish(seq)
         del self._seqs[seq_id]
@@ -643,9 +658,12 @@ class KVStore:
     @async_boundary
     async def drain(self) -> None:
         """Wait for background prefetches and compressions to finish, then (bounded by the
-        timeout) for the pages staged for the remote tier to go out."""
+        timeout) for the pages staged for the remote tier to go out. Released pages that are
+        idle by then are gone when it returns (reaped now, not at the next loop turn)."""
         while self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
+        if not self._closed and self._tiers is not None:
+            self._tiers.reap()
         if self.remote is not None:
             await self.remote.flush(self.timeout)
 

@@ -154,6 +154,7 @@ class TierSet:
         # released full blocks still busy (a write-behind copy reads them): renamed to their
         # content keys once idle, so that they are cached, not freed
         self._renames: list[tuple[list[PageKey], list[PageKey]]] = []
+        self._reap_due = False  # a reap is scheduled for the next loop turn
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -232,7 +233,8 @@ class TierSet:
         """The pages of ``keys`` not readable on the device (in order) that fit there now
         without evicting a page of ``protect`` or a pinned or in-flight one."""
         table = self._table
-        absent = [k for k in keys if not table.lookup([k], DEVICE)]
+        ready = set(table.readable(keys, DEVICE))
+        absent = [k for k in keys if k not in ready]
         if not absent:
             return []
         free = table.capacity(DEVICE) - table.used(DEVICE)
@@ -256,7 +258,7 @@ class TierSet:
 
     def touch_device(self, keys: Iterable[PageKey]) -> None:
         """Mark readable device pages as just used (the policy's recency)."""
-        here = [k for k in keys if self._table.lookup([k], DEVICE)]
+        here = self._table.readable(keys, DEVICE)
         if here:
             self._table.touch(here, DEVICE)
 
@@ -331,13 +333,13 @@ class TierSet:
             self._retry_renames()
         if not self._doomed:
             return
-        table = self._table
+        table, doomed = self._table, list(self._doomed)
         for t in table.tier_names:
-            self._cold.forget_in(t, cast(list[PageKey], table.present(self._doomed, t)))
+            self._cold.forget_in(t, doomed)  # (only the idle ones go)
         dirty = self._evict.dirty
-        for k in self._doomed:  # a doomed page's device copy is never written back
+        for k in doomed:  # a doomed page's device copy is never written back
             dirty.pop(k, None)
-        self._doomed = {k for k in self._doomed if table.tiers_of(k)}
+        self._doomed = set(cast(list[PageKey], table.held(doomed)))
 
     def idle(self, key: PageKey) -> bool:
         """True when no copy of ``key`` is in flight or pinned by anything but its owners."""
@@ -372,10 +374,29 @@ class TierSet:
 
     # -- waiting ---------------------------------------------------------------------------
     def signal_progress(self) -> None:
-        """Device state changed (a copy ended, a pin went, a page left): reap the doomed pages
-        that became idle and wake whoever waits for room or for a page in flight."""
-        self.reap()
+        """Device state changed (a copy ended, a pin went, a page left): wake whoever waits for
+        room or for a page in flight, and reap the doomed pages that became idle.
+
+        Reaping walks every doomed page, and a busy loop signals progress thousands of times a
+        second while a hundred pages stay doomed (pinned by write-behind copies): so the reap
+        runs once per loop turn, from a callback of its own, and wakes the waiters again if it
+        freed something."""
+        if (self._doomed or self._renames) and not self._reap_due:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller): reap now
+                self.reap()
+            else:
+                self._reap_due = True
+                loop.call_soon(self._reap_turn)
         self.changes.notify()
+
+    def _reap_turn(self) -> None:
+        self._reap_due = False
+        before = len(self._doomed) + len(self._renames)
+        self.reap()
+        if len(self._doomed) + len(self._renames) < before:
+            self.changes.notify()
 
     def deadline(self, timeout: float | None = None) -> float:
         """Loop time ``timeout`` seconds from now (default: the engine's timeout)."""
@@ -720,7 +741,7 @@ class TierSet:
         waited = -1
         try:
             while True:
-                ready = [k for k in todo if table.lookup([k], DEVICE)]
+                ready = cast(list[PageKey], table.readable(todo, DEVICE))
                 if ready:
                     table.prepare_load(ready, DEVICE)
                     pinned += ready
@@ -730,11 +751,13 @@ class TierSet:
                     waited = len(todo)
                 if not todo:
                     return waited
-                missing = [k for k in todo if not table.present([k], DEVICE)]
-                loadable = [k for k in missing if self._evict.has_lower(k)]
-                for k in missing:
-                    if k not in loadable and not table.tiers_of(k):
-                        raise UnknownPageError(f"page {k.hex()} is in no tier")
+                missing = cast(list[PageKey], table.absent(todo, DEVICE))
+                loadable = self._evict.with_lower(missing)
+                if len(loadable) < len(missing):
+                    held = set(table.held(missing))
+                    for k in missing:
+                        if k not in held:
+                            raise UnknownPageError(f"page {k.hex()} is in no tier")
                 if loadable:
                     got = await self._load(loadable, priority, deadline)
                     if got is not None:
@@ -758,8 +781,9 @@ class TierSet:
         """The error of a deadline passed: pages still in flight (StoreTimeoutError), or no
         room for the missing ones (TierFullError)."""
         table = self._table
-        busy = [k for k in todo if table.tiers_of(k) and not self._evict.has_lower(k)]
-        busy += [k for k in todo if table.present([k], DEVICE)]
+        safe = set(self._evict.with_lower(todo))
+        busy = [k for k in table.held(todo) if k not in safe]
+        busy += table.present(todo, DEVICE)
         waited = self.engine.timeout if timeout is None else timeout
         if busy:
             return StoreTimeoutError(
@@ -782,12 +806,12 @@ class TierSet:
         a copy still writes, and pins that the load took for it are given back."""
         table = self._table
         async with self._device_lock:
-            keys = [k for k in keys if not table.present([k], DEVICE) and self._evict.has_lower(k)]
+            keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
             if not keys:
                 return []
             if not await self._evict.make_room(len(keys), deadline):
                 return None
-            keys = [k for k in keys if not table.present([k], DEVICE) and self._evict.has_lower(k)]
+            keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
             alloc = table.prepare_store(keys, DEVICE)
             if alloc is None or alloc.evicted:  # room was made under the lock
                 if alloc is not None:
@@ -799,7 +823,7 @@ class TierSet:
             src: dict[str, tuple[list[PageKey], list[int]]] = {}
             taken: set[PageKey] = set()
             for tier in self.lower:
-                ks = [k for k in new if k not in taken and table.lookup([k], tier)]
+                ks = cast(list[PageKey], table.readable([k for k in new if k not in taken], tier))
                 if ks:
                     src[tier] = (ks, table.prepare_load(ks, tier))
                     taken.update(ks)
