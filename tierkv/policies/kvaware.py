@@ -1,8 +1,7 @@
 """KV-aware eviction: chain-aware GreedyDual on use counts, with conversation-shaped admission.
 
-The file stays whole (over 400 lines): insertion, the eviction scan with its orphan cascade and
-the rollback read and write the same per-slot state and queues, and their invariants are
-checked together (its admission rules live in ``kvaware_admission.py``).
+Its admission rules live in ``kvaware_admission.py``; its two inner loops (insertion, and the
+eviction scan with its orphan cascade) in ``kvaware_loops.py``, in Python and in C.
 """
 
 from __future__ import annotations
@@ -22,13 +21,22 @@ from tierkv.policies.base import (
 from tierkv.policies.history import History
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
-    SCAN_DECAY,
     SCAN_WARMUP,
     STEP_BLOCKS,
     STEP_PER_PAGES,
     ConversationAdmission,
 )
-from tierkv.policies.links import UNLINKED, Links
+from tierkv.policies.kvaware_loops import (
+    LOOPS,
+    MASK,
+    MAX_COUNT,
+    ORPHAN,
+    ORPHANS,
+    VALUE,
+    Loops,
+    State,
+)
+from tierkv.policies.links import Links
 
 __all__ = [
     "HEAD_PER_PAGES",
@@ -39,23 +47,16 @@ __all__ = [
     "KVAwarePolicy",
 ]
 
-MAX_COUNT = 15
-"""Use counts saturate here; the count is also the page's value class."""
-
-_VALUE = (0, 2, 5, *(2 * (c + 1) for c in range(3, MAX_COUNT + 1)))
-"""GreedyDual value by use count, in half units: 0 for a never-seen last block, then 1, 2.5,
-4, 5, ... (``count + 1`` from three uses on). Pages used once or twice are worth less than
-``count + 1``: measured on the conversation trace, a once-used page reuses within 1,000
-requests about as often as a twice-used one with one unit less to live (0.18 vs 0.20)."""
-
-_AFTER = tuple(min(c + 1, MAX_COUNT) for c in range(MAX_COUNT + 1))  # the count after a use
-_ORPHAN = -1  # ``_where[s]`` of a page in the orphan queue
-_MASK = 63  # priority buckets: a power of two above max(_VALUE) + 1
+# The constants live with the loops (kvaware_loops.py): MAX_COUNT, VALUE (GreedyDual value by
+# use count, in half units: 0 for a never-seen last block, then 1, 2.5, 4, 5, ... (``count + 1``
+# from three uses on). Pages used once or twice are worth less than ``count + 1``: measured on
+# the conversation trace, a once-used page reuses within 1,000 requests about as often as a
+# twice-used one with one unit less to live (0.18 vs 0.20)), the 64 buckets (MASK) and the
+# orphan queue (ORPHANS).
 # Laps: a page passed over while unevictable ends up below the floor once a page above it is
 # evicted (so does a victim put back by restore), in any bucket of the ring. A scan therefore goes
 # round the whole ring of 64 buckets, lap after lap while a lap still evicts or moves a page, and
 # stops early only when it has its n victims.
-_ORPHANS = _MASK + 1  # the orphan queue's index after the buckets'
 _NONE = object()  # no entry in _kids
 
 
@@ -150,8 +151,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._n = 0
         # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans)
-        self._links = Links(0, _ORPHANS + 1)
-        self._where: list[int] = []  # its priority (its bucket is prio & _MASK), or _ORPHAN
+        self._links = Links(0, ORPHANS + 1)
+        self._where: list[int] = []  # its priority (its bucket is prio & MASK), or ORPHAN
         self._code: list[int] = []  # its use code: (L at its last use) * 16 + uses
         self._qcode: list[int] = []  # its use code when queued
         self._key: list[Key] = []
@@ -162,10 +163,30 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._start: list[int] = []
         self._start_prio: list[int] = []
         self._tables_floor = -1
+        self._loops: Loops = LOOPS  # the C loops where built (kvaware_loops.py)
+        self._state: State = self._state_tuple()
+
+    def _state_tuple(self) -> State:
+        """What the loops read and write, in one tuple (see kvaware_loops.State)."""
+        return (
+            self._links,
+            self._gone,
+            self._kids,
+            self._slot_of,
+            self._where,
+            self._code,
+            self._qcode,
+            self._key,
+            self._parent,
+            self._back,
+            self._fanout,
+            self._pending,
+            self._small,
+        )
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
-        self._links = Links(capacity, _ORPHANS + 1)
+        self._links = Links(capacity, ORPHANS + 1)
         self._where = [0] * capacity
         self._code = [0] * capacity
         self._qcode = [0] * capacity
@@ -173,6 +194,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._parent = [None] * capacity
         self._fanout = [0] * capacity
         self._back = [-1] * capacity
+        self._state = self._state_tuple()
 
     def __len__(self) -> int:
         return self._n
@@ -182,7 +204,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
 
     @staticmethod
     def _value(count: int) -> float:
-        return _VALUE[count] / 2
+        return VALUE[count] / 2
 
     # -- what admission reads (kvaware_admission.py) --------------------------------------
     def _fanout_of(self, key: Key) -> int | None:
@@ -200,39 +222,31 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         now = self._floor << 4
         self._start = start = list(range(now, now + 16))
         self._bump = start[1:] + start[MAX_COUNT:]
-        self._start_prio = list(map(self._floor.__add__, _VALUE))
+        self._start_prio = list(map(self._floor.__add__, VALUE))
         self._tables_floor = self._floor
 
     def _requeue(self, s: int, orphan: bool, reset: bool = True) -> None:
         """Move linked slot ``s`` into the orphan queue, or out of it to its bucket (its
         priority counting from now unless not ``reset``)."""
-        if (self._where[s] == _ORPHAN) == orphan:
+        if (self._where[s] == ORPHAN) == orphan:
             return
         links = self._links
         links.unlink(s)
         if orphan:
             self._qcode[s] = self._code[s]
-            self._where[s] = _ORPHAN
-            links.append(_ORPHANS, s)
+            self._where[s] = ORPHAN
+            links.append(ORPHANS, s)
             return
         if reset:
             self._code[s] = (self._floor << 4) + (self._code[s] & 15)
         code = self._qcode[s] = self._code[s]
-        self._where[s] = prio = (code >> 4) + _VALUE[code & 15]
-        links.append(prio & _MASK, s)
+        self._where[s] = prio = (code >> 4) + VALUE[code & 15]
+        links.append(prio & MASK, s)
 
     # -- the interface -------------------------------------------------------------------
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
-        gone, pending, kids, slot_of = self._gone, self._pending, self._kids, self._slot_of
-        small, back, links, prv = self._small, self._back, self._links, self._links.prev
-        where, code, qcode, key_of = self._where, self._code, self._qcode, self._key
-        parent_of, fanout = self._parent, self._fanout
-        extend = links.extend
-        run: list[int] = []  # slots for queue run_q, appended in one call
-        run_q = -1
         if self._tables_floor != self._floor:  # constant below: only evictions move it
             self._tables()
-        start, start_prio = self._start, self._start_prio
         n = len(keys)
         lasts = [False] * n
         if hints is None:
@@ -242,7 +256,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parents = [hints.parent, *keys[:-1]]
             if n and hints.depth + n == hints.blocks:
                 lasts[-1] = True
-            check = True  # (block i > 0 extends the block just queued: ``prev`` below)
+            check = True  # (block i > 0 extends the block just queued: see the loop)
         elif isinstance(hints, ChainPart):  # the pages admission kept of a chain's run
             whole, kept = hints.keys, hints.kept
             parents = list(compress([hints.chain.parent, *whole[:-1]], kept))
@@ -253,65 +267,17 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parents = [h.parent for h in hints]
             lasts = [h.last for h in hints]
             check = True
-        pop, settled, remembered = gone.pop, pending.pop, gone.value
-        # ``prev``: the page inserted just before; ``free``: it has no child yet (no entry in
-        # _kids), so a page extending it is in no danger of being an orphan and is its only
-        # child: most pages of a chain's run (the parent just queued was popped from the
-        # history, so the orphan test below could only say no)
-        prev: object = _NONE
-        free = False
-        for s, k, parent, last in zip(slots, keys, parents, lasts):
-            seen = pop(k, 0)
-            c = 0 if last and not seen else _AFTER[seen]
-            if c == 1 and small and k in small:
-                c = 2
-            code[s] = qcode[s] = st = start[c]
-            back[s] = st if seen else -1
-            key_of[s] = k
-            fanout[s] = settled(k, 0)
-            parent_of[s] = parent
-            if parent is None:
-                where[s] = p = start_prio[c]
-                q = p & _MASK
-            elif parent is prev and free:
-                kids[parent] = k
-                where[s] = p = start_prio[c]
-                q = p & _MASK
-            else:
-                if check and parent is not prev and parent in remembered:
-                    ps = slot_of.get(parent)
-                    orphan = ps is None or prv[ps] == UNLINKED
-                else:
-                    orphan = False
-                if orphan:
-                    where[s] = _ORPHAN
-                    q = _ORPHANS
-                else:
-                    where[s] = p = start_prio[c]
-                    q = p & _MASK
-                sibs = kids.get(parent, _NONE)
-                if sibs is _NONE:
-                    kids[parent] = k
-                elif isinstance(sibs, set):
-                    sibs.add(k)
-                else:
-                    kids[parent] = {sibs, k}
-            if q == run_q:
-                run.append(s)
-            else:
-                if run:
-                    extend(run_q, run)
-                run, run_q = [s], q
-            mine = kids.get(k, _NONE)
-            free = mine is _NONE
-            if not free:  # its stranded children are orphans no more
-                extend(run_q, run)
-                run, run_q = [], -1
-                for child in mine if isinstance(mine, set) else (mine,):
-                    self._requeue(slot_of[child], False)
-            prev = k
-        if run:
-            extend(run_q, run)
+        self._loops.insert(
+            self._state,
+            slots,
+            keys,
+            parents,
+            lasts,
+            check,
+            self._start,
+            self._start_prio,
+            self._floor,
+        )
         self._n += n
         self._end_batch()
         if not self._fixed and self._n > self._capacity:
@@ -345,189 +311,17 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         """Victims in order: stranded blocks (the orphan queue, oldest first, then the
         children each eviction strands, which are seen in this call) before the lowest
-        bucket's head. Orphans passed over go to the back of the orphan queue, after the
-        stranded ones left. One loop with every queue splice written out: the orphan cascade
-        is most of the evictions on conversation traffic (a chain is trimmed from its tail)."""
-        out: list[int] = []
-        push = out.append
-        links = self._links
-        size, nxt, prv, queue, base = links.size, links.next, links.prev, links.queue, links.base
-        where, code, qcode, key_of, parent_of = (
-            self._where,
-            self._code,
-            self._qcode,
-            self._key,
-            self._parent,
+        bucket's head (the loop: ``kvaware_loops.evict``)."""
+        out, self._floor, self._back_left, self._back_used, self._back_seen = self._loops.evict(
+            self._state,
+            n,
+            can_evict,
+            self._limit,
+            self._floor,
+            self._back_left,
+            self._back_used,
+            self._back_seen,
         )
-        kids, gone, limit, back, value = self._kids, self._gone, self._limit, self._back, _VALUE
-        slot_of = self._slot_of
-        # the history's dicts, written in line (History.put): one stamp per victim
-        hist, stamps, hget, stamp = gone.value, gone.order, gone.value.get, gone.stamp
-        # the scan gate's measure (ConversationAdmission._left), in locals
-        left, used, seen = self._back_left, self._back_used, self._back_seen
-        floor = prio = self._floor
-        top = prio + _MASK + 1  # one lap of the ring (see Laps, top of the module)
-        skips: dict[int, int] = {}  # bucket -> unevictable pages still to pass over this call
-        moved, lap = 0, -1  # pages moved to their new bucket; len(out) + moved at the last lap
-        fresh: list[int] = []  # stranded by the last victim, not yet queued
-        none, orphan, decay = _NONE, _ORPHAN, SCAN_DECAY
-        orphans = size[_ORPHANS] > 0  # orphans to look at before the next bucket victim
-        while len(out) < n:
-            if orphans:  # the orphan queue, then the fresh ones; evicting one strands its kids
-                orphans = False
-                if size[_ORPHANS]:
-                    fresh[:0] = links.take(_ORPHANS, size[_ORPHANS], None)
-                passed: list[int] = []
-                before = len(out)
-                need = n - before  # >= 1 here
-                grow = fresh.append
-                for s in fresh:  # grows as children are stranded
-                    if can_evict is not None and not can_evict(s):
-                        passed.append(s)
-                        continue
-                    key = key_of[s]
-                    cd = code[s]
-                    if back[s] >= 0:
-                        left = left * decay + 1.0
-                        used = used * decay + (cd != back[s])
-                        seen += 1
-                    parent = parent_of[s]  # kept: restore_slots reads it
-                    if parent is not None:
-                        sibs = kids.pop(parent)
-                        if sibs is key:  # the common case: its parent's only child
-                            pass
-                        elif isinstance(sibs, set):
-                            sibs.discard(key)
-                            if sibs:
-                                kids[parent] = sibs
-                        elif sibs != key:
-                            kids[parent] = sibs
-                    mine = kids.get(key, none)
-                    if mine is none:
-                        pass
-                    elif isinstance(mine, set):  # stranded in turn
-                        for child in mine:
-                            c = slot_of[child]
-                            if where[c] != orphan:  # out of its bucket (Links.unlink)
-                                a, z = prv[c], nxt[c]
-                                nxt[a] = z
-                                prv[z] = a
-                                prv[c] = UNLINKED
-                                size[queue[c]] -= 1
-                                where[c] = orphan  # (an orphan's qcode is never read)
-                                grow(c)
-                    else:  # its one child, stranded in turn
-                        c = slot_of[mine]
-                        if where[c] != orphan:
-                            a, z = prv[c], nxt[c]
-                            nxt[a] = z
-                            prv[z] = a
-                            prv[c] = UNLINKED
-                            size[queue[c]] -= 1
-                            where[c] = orphan
-                            grow(c)
-                    old = hget(key)  # remembered (as _remember), trimmed below
-                    if old is not None:
-                        del stamps[old >> 4]
-                    hist[key] = (stamp << 4) | (cd & 15)
-                    stamps[stamp] = key
-                    stamp += 1
-                    push(s)
-                    need -= 1
-                    if not need:
-                        break
-                # the history trimmed once for the block: every key above went to its end, so
-                # the oldest keys leave, as trimming after each would have removed them
-                if len(hist) > limit:
-                    gone.trim(limit)
-                i = len(out) - before + len(passed)  # the fresh ones looked at
-                if i < len(fresh):
-                    links.extend(_ORPHANS, fresh[i:])
-                if passed:
-                    links.extend(_ORPHANS, passed)
-                fresh = []
-                continue
-            b = prio & _MASK
-            if not size[b] or (skips and skips.get(prio, 1) <= 0):
-                prio += 1
-                if prio >= top:  # see Laps (top of the module)
-                    if len(out) + moved == lap:
-                        break
-                    lap = len(out) + moved
-                    top = prio + _MASK + 1
-                continue
-            hb = base + b
-            s = nxt[hb]  # the head of the bucket
-            cd = code[s]
-            if cd != qcode[s]:  # used since it was queued: to its bucket now (Links.move)
-                qcode[s] = cd
-                where[s] = p = (cd >> 4) + value[cd & 15]
-                moved += 1
-                q = p & _MASK
-                z = nxt[s]
-                nxt[hb] = z
-                prv[z] = hb
-                h = base + q
-                a = prv[h]
-                nxt[a] = s
-                prv[s] = a
-                nxt[s] = h
-                prv[h] = s
-                size[b] -= 1
-                size[q] += 1
-                queue[s] = q
-            elif can_evict is None or can_evict(s):
-                floor = prio
-                if back[s] >= 0:
-                    left = left * SCAN_DECAY + 1.0
-                    used = used * SCAN_DECAY + (cd != back[s])
-                    seen += 1
-                z = nxt[s]  # out of its bucket (Links.unlink)
-                nxt[hb] = z
-                prv[z] = hb
-                prv[s] = UNLINKED
-                size[b] -= 1
-                key = key_of[s]
-                parent = parent_of[s]  # kept for restore_slots
-                if parent is not None:
-                    sibs = kids[parent]
-                    if isinstance(sibs, set):
-                        sibs.discard(key)
-                        if not sibs:
-                            del kids[parent]
-                    elif sibs == key:
-                        del kids[parent]
-                if kids:
-                    mine = kids.get(key, _NONE)
-                    if mine is not _NONE:  # stranded: orphans now
-                        for child in mine if isinstance(mine, set) else (mine,):
-                            c = slot_of[child]
-                            if where[c] != _ORPHAN:
-                                a, z = prv[c], nxt[c]
-                                nxt[a] = z
-                                prv[z] = a
-                                prv[c] = UNLINKED
-                                size[queue[c]] -= 1
-                                where[c] = _ORPHAN
-                                fresh.append(c)
-                old = hget(key)
-                if old is not None:
-                    del stamps[old >> 4]
-                hist[key] = (stamp << 4) | (cd & 15)
-                stamps[stamp] = key
-                stamp += 1
-                if len(hist) > limit:
-                    gone.trim(limit)
-                push(s)
-                orphans = bool(fresh) or size[_ORPHANS] > 0  # the victim's stranded kids go next
-            else:
-                links.move(b, s)  # to the back of its queue
-                skips[prio] = skips.get(prio, size[b]) - 1
-        if fresh:  # stranded by the last victim, with no room left to evict them: queued
-            links.extend(_ORPHANS, fresh)
-        gone.stamp = stamp
-        self._back_left, self._back_used, self._back_seen = left, used, seen
-        self._floor = floor
         self._n -= len(out)
         return out
 
@@ -549,13 +343,13 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                 ps = slot_of.get(parent)
                 orphan = (ps is None or not links.linked(ps)) and parent in gone
             if orphan:
-                where[s] = _ORPHAN
-                q = _ORPHANS
+                where[s] = ORPHAN
+                q = ORPHANS
             else:
-                if where[s] == _ORPHAN:  # it was stranded, and is no more
+                if where[s] == ORPHAN:  # it was stranded, and is no more
                     cd = qcode[s] = code[s]
-                    where[s] = (cd >> 4) + _VALUE[cd & 15]
-                q = where[s] & _MASK
+                    where[s] = (cd >> 4) + VALUE[cd & 15]
+                q = where[s] & MASK
             links.appendleft(q, s)
             self._n += 1
             if parent is not None:
@@ -582,6 +376,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         c._links = self._links.copy()
         for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):
             setattr(c, name, list(getattr(self, name)))
+        c._state = c._state_tuple()
         return c
 
     def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
