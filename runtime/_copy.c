@@ -1,6 +1,7 @@
 /* tierkv.runtime._copy: the cpu backend's batch copy, one call per batch (built by setup.py).
 
    copy_rows(dst, src, dst_ids, src_ids, row, stream_min) -> number of runs
+   check_ids(ids, limit) -> 0 (in range, distinct), 1 (out of range), 2 (a duplicate)
 
    Copies row src_ids[i] of `src` to row dst_ids[i] of `dst` (buffers of whole rows of `row`
    bytes; ids int64). Pairs adjacent on both sides are merged into one run:
@@ -190,7 +191,7 @@ static int64_t copy_rows_impl(char *dst, const char *src, const int64_t *d, cons
     return b.runs;
 }
 
-static int check_ids(Py_buffer *b, const char *what) {
+static int check_id_buffer(Py_buffer *b, const char *what) {
     if (b->len % 8 != 0 || ((uintptr_t)b->buf & 7) != 0) {
         PyErr_Format(PyExc_ValueError, "%s must be an aligned buffer of int64", what);
         return -1;
@@ -226,7 +227,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *const *args, Py_ssize_t nar
     PyObject *result = NULL;
     for (; got < 4; got++)
         if (PyObject_GetBuffer(args[got], &bufs[got], flags[got]) < 0) goto done;
-    if (check_ids(&bufs[2], "dst_ids") < 0 || check_ids(&bufs[3], "src_ids") < 0) goto done;
+    if (check_id_buffer(&bufs[2], "dst_ids") < 0 || check_id_buffer(&bufs[3], "src_ids") < 0) goto done;
     if (bufs[2].len != bufs[3].len) {
         PyErr_SetString(PyExc_ValueError, "dst_ids and src_ids differ in length");
         goto done;
@@ -252,8 +253,61 @@ done:
     return result;
 }
 
+/* 0: every id in [0, limit) and distinct; 1: an id out of range; 2: a duplicate. Duplicates are
+   found with an open-addressing hash set of at least 2n entries (O(n); sorting measured ~7x slower
+   at 2048 ids, and numpy's sort releases the GIL, handing it to a stream worker mid-submit). */
+#define CHECK_STACK_ENTRIES 1024
+static int check_ids_impl(const int64_t *ids, int64_t n, int64_t limit) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= limit) return 1;
+    if (n < 2) return 0;
+    int bits = 6;
+    while (((int64_t)1 << bits) < 2 * n) bits++;
+    size_t size = (size_t)1 << bits, mask = size - 1;
+    uint64_t stack[CHECK_STACK_ENTRIES];
+    uint64_t *table = size <= CHECK_STACK_ENTRIES ? stack : malloc(size * sizeof(uint64_t));
+    if (table == NULL) return -1;
+    memset(table, 0, size * sizeof(uint64_t));
+    int status = 0;
+    for (int64_t i = 0; i < n && !status; i++) {
+        uint64_t key = (uint64_t)ids[i] + 1; /* 0 marks an empty entry */
+        size_t h = (size_t)((key * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+        while (table[h] && table[h] != key) h = (h + 1) & mask;
+        if (table[h]) status = 2;
+        table[h] = key;
+    }
+    if (table != stack) free(table);
+    return status;
+}
+
+PyDoc_STRVAR(check_ids_doc,
+             "check_ids(ids, limit) -> status\n\n"
+             "0 when every id of `ids` (a contiguous int64 buffer) is in [0, limit) and no id\n"
+             "repeats, 1 when an id is out of range, 2 when one repeats. Raises ValueError for a\n"
+             "malformed buffer and MemoryError.");
+
+static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "check_ids takes 2 arguments");
+        return NULL;
+    }
+    long long limit = PyLong_AsLongLong(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(args[0], &buf, PyBUF_SIMPLE) < 0) return NULL;
+    PyObject *result = NULL;
+    if (check_id_buffer(&buf, "ids") == 0) {
+        int status = check_ids_impl(buf.buf, (int64_t)(buf.len / 8), (int64_t)limit);
+        result = status < 0 ? PyErr_NoMemory() : PyLong_FromLong(status);
+    }
+    PyBuffer_Release(&buf);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL, copy_rows_doc},
+    {"check_ids", (PyCFunction)(void (*)(void))check_ids, METH_FASTCALL, check_ids_doc},
     {NULL, NULL, 0, NULL},
 };
 

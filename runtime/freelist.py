@@ -9,12 +9,17 @@ tells free from allocated, so a double free or a bad id is caught before anythin
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+from collections.abc import Callable
+
 import numpy as np
 import numpy.typing as npt
 
 from .errors import ArenaFullError, DoubleFreeError, InvalidSlotError
 
-__all__ = ["SlotFreeList", "SlotIds", "as_slot_ids"]
+__all__ = ["SlotFreeList", "SlotIds", "as_slot_ids", "native_id_check"]
 
 SlotIds = npt.NDArray[np.int64]
 
@@ -41,15 +46,38 @@ def as_slot_ids(ids: object, num_slots: int, *, what: str = "slot ids") -> SlotI
     if arr.dtype.kind not in "iu":
         raise InvalidSlotError(f"{what}: expected integers, got dtype {arr.dtype}")
     out = arr.astype(np.int64, copy=True)
-    if out.size:
-        lo, hi = int(out.min()), int(out.max())
-        if lo < 0 or hi >= num_slots:
-            raise InvalidSlotError(f"{what}: ids must be in [0, {num_slots}), got [{lo}, {hi}]")
-        if out.size > 1:
-            srt = np.sort(out)  # np.unique costs ~5x more for the same answer
-            if not np.all(srt[1:] != srt[:-1]):
-                raise InvalidSlotError(f"{what}: duplicated ids")
+    if out.size == 0:
+        return out
+    check = native_id_check()
+    if check is not None:
+        status = check(out, num_slots)  # one C pass, GIL held: ~20x faster at 2048 ids
+        if status == 0:
+            return out
+        if status == 2:
+            raise InvalidSlotError(f"{what}: duplicated ids")
+    lo, hi = int(out.min()), int(out.max())
+    if lo < 0 or hi >= num_slots:
+        raise InvalidSlotError(f"{what}: ids must be in [0, {num_slots}), got [{lo}, {hi}]")
+    if out.size > 1:
+        srt = np.sort(out)  # np.unique costs ~5x more for the same answer
+        if not np.all(srt[1:] != srt[:-1]):
+            raise InvalidSlotError(f"{what}: duplicated ids")
     return out
+
+
+@functools.cache
+def native_id_check() -> Callable[[SlotIds, int], int] | None:
+    """`tierkv.runtime._copy.check_ids` (range and duplicate check of int64 ids in one C pass),
+    or None where the extension was not built at install time or ``TIERKV_NATIVE_KERNEL=0``
+    disables the native code; `as_slot_ids` then checks with numpy. Never raises."""
+    if os.environ.get("TIERKV_NATIVE_KERNEL", "1") == "0":
+        return None
+    try:  # through sys.modules, so that a test can hide the module
+        module = importlib.import_module(f"{__package__}._copy")
+    except ImportError:  # not built: no compiler at install time, or TIERKV_NO_EXTENSIONS=1
+        return None
+    check: Callable[[SlotIds, int], int] | None = getattr(module, "check_ids", None)
+    return check  # None: an extension built before check_ids existed
 
 
 class SlotFreeList:
