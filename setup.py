@@ -1,13 +1,15 @@
 """Optional native extensions, built at install time (`pip install .` and `pip install -e .`).
 
-Everything else about the distribution is in pyproject.toml. Two small C modules:
+Everything else about the distribution is in pyproject.toml. Three small C modules:
 
 - ``tierkv.runtime._copy`` (runtime/_copy.c): the cpu backend's batch copy;
-- ``tierkv.transports._crc32c`` (transports/_crc32c.c): CRC-32C for the tcp transport.
+- ``tierkv.transports._crc32c`` (transports/_crc32c.c): CRC-32C for the tcp transport;
+- ``tierkv.policies._kvaware`` (tierkv/policies/_kvaware.c): the default policy's inner loops.
 
-Both are optional: where no C compiler (or no Python headers) is found, the install still
+All are optional: where no C compiler (or no Python headers) is found, the install still
 succeeds with a warning and the library uses its fallbacks (numpy copy kernels; the ``crc32c``
-package, else zlib's CRC-32). ``TIERKV_NO_EXTENSIONS=1`` skips the build on purpose.
+package, else zlib's CRC-32; kvaware's loops in Python, tierkv/policies/kvaware_loops.py).
+``TIERKV_NO_EXTENSIONS=1`` skips the build on purpose.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def extensions() -> list[Extension]:
     return [
         Extension("tierkv.runtime._copy", ["runtime/_copy.c"]),
         Extension("tierkv.transports._crc32c", ["transports/_crc32c.c"]),
+        Extension("tierkv.policies._kvaware", ["tierkv/policies/_kvaware.c"]),
     ]
 
 

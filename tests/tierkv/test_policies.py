@@ -37,6 +37,7 @@ from tierkv.policies import (
 )
 from tierkv.policies.base import ChainPart
 from tierkv.policies.history import History
+from tierkv.policies.kvaware_loops import NATIVE, PYTHON, Loops
 from tierkv.traces import KINDS, synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -367,19 +368,26 @@ PT_OPS = st.lists(
 
 
 CONFIGS = [{}, {"step_blocks": 2, "head_blocks": 1}]  # defaults; small steps and heads (taken)
+# kvaware's inner loops: the Python reference, and the C extension where it was built
+LOOPS = [
+    pytest.param(PYTHON, id="python"),
+    pytest.param(NATIVE, id="c", marks=pytest.mark.skipif(NATIVE is None, reason="not built")),
+]
 
 
+@pytest.mark.parametrize("loops", LOOPS)
 @pytest.mark.parametrize("config", CONFIGS, ids=["defaults", "small-steps"])
 @settings(max_examples=300, deadline=None)
 @given(capacity=st.integers(2, 8), ops=PT_OPS)
 def test_kvaware_matches_its_key_reference(
-    config: dict[str, int], capacity: int, ops: list[tuple[str, int, int, int, bool]]
+    loops: Loops, config: dict[str, int], capacity: int, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:
     """Every call, victim and residency of kvaware equals the key-based reference's; stores
     hinted per page and by one ChainHint (the table derives the page hints) alike. With small
-    ``step_blocks`` the step rule declines (it never does at the defaults on these tiers)."""
+    ``step_blocks`` the step rule declines (it never does at the defaults on these tiers).
+    Both inner loops (Python and C) are held to it."""
     policies = {
-        "kvaware-slots": lambda: KVAwarePolicy(**config),
+        "kvaware-slots": lambda: KVAwarePolicy(**config, loops=loops),
         "kvaware-keys": lambda: KeyPolicy(RefKVAware(**config)),
     }
     with (
@@ -437,14 +445,15 @@ def test_kvaware_strands_every_sibling_as_the_reference(touch: int) -> None:
     assert tables[0].used("t") <= 5
 
 
-def test_kvaware_matches_its_key_reference_on_an_op_stream() -> None:
+@pytest.mark.parametrize("loops", LOOPS)
+def test_kvaware_matches_its_key_reference_on_an_op_stream(loops: Loops) -> None:
     """The op stream of ``benchmarks/op_stream.py`` on a 64-page tier (conversations that grow
     turn by turn off a shared system prompt, one ChainHint per request, the hits pinned while
     the misses are stored): long orphan cascades, cut short where the victims asked for run
     out, the history trimmed as they run, runs kept in part. Every lookup, victim, refusal and
-    admission counter is the key-based reference's."""
+    admission counter is the key-based reference's (with the Python and the C loops)."""
     policies = {
-        "kvaware-slots": KVAwarePolicy,
+        "kvaware-slots": lambda: KVAwarePolicy(loops=loops),
         "kvaware-keys": lambda: KeyPolicy(RefKVAware()),
     }
     with mock.patch.dict(POLICIES, policies):
@@ -481,6 +490,90 @@ def test_kvaware_matches_its_key_reference_on_an_op_stream() -> None:
     stats = tables[0].policy("t").stats()
     assert stats == tables[1].policy("t").stats()
     assert cascades > 500 and stats["declined_step"] > 0 and stats["readmitted"] > 0
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), capacity=st.integers(8, 48))
+def test_kvaware_c_loops_equal_the_python_loops(seed: int, capacity: int) -> None:
+    """The C loops (policies/_kvaware.c) against their Python reference (kvaware_loops.py) on
+    a random op stream: conversations off a shared prompt, hits pinned while misses are
+    stored, evictions whose write-back fails (victims restored), rekeys and removes. After
+    every request both tables hold the same pages, rank every page the same as the next
+    victims and keep the same history and counters."""
+    policies = {
+        "kvaware-c": lambda: KVAwarePolicy(loops=NATIVE),
+        "kvaware-py": lambda: KVAwarePolicy(loops=PYTHON),
+    }
+    with mock.patch.dict(POLICIES, policies):
+        tables = [PageTable({"t": capacity}, name) for name in policies]
+    rng = random.Random(seed)
+    length, base, fresh = [0] * 12, [0] * 12, 1 << 20
+    for _ in range(150):
+        c = min(int(rng.paretovariate(1.0)) - 1, 11)
+        grow = rng.randint(1, 8)
+        if not length[c] or length[c] + grow > 30:
+            base[c], fresh, length[c] = fresh, fresh + 30, 0
+        length[c] += grow
+        ids = list(range(3)) + [base[c] + j for j in range(length[c])]
+        roll, evict, written = rng.random(), rng.randint(1, 4), rng.random() < 0.5
+        fresh += 2
+        out = []
+        for t in tables:
+            if roll < 0.1:  # an eviction whose write-back may fail (restored)
+                victims = t.prepare_evict("t", evict)
+                t.complete_evict([k for k, _ in victims], "t", written)
+            elif roll < 0.15:
+                old = t.present(ids, "t")[:2]
+                t.rekey(old, [fresh - 2 + i for i in range(len(old))], "t")
+            elif roll < 0.2:
+                t.remove(t.present(ids, "t")[-2:], "t")
+            h = t.lookup(ids, "t")
+            if h:
+                t.touch(ids[:h], "t")
+                t.prepare_load(ids[:h], "t")
+            hint = ChainHint(h, ids[h - 1] if h else None, h, len(ids) if roll < 0.9 else 0)
+            alloc = t.prepare_store(ids[h:], "t", hint)
+            if alloc is not None:
+                t.complete_store(alloc.keys, "t", roll > 0.03)
+            if h:
+                t.complete_load(ids[:h], "t")
+            t.check()
+            out.append((h, alloc, t.candidates("t", capacity), t.take_events()))
+        assert out[0] == out[1]
+        assert tables[0].policy("t").stats() == tables[1].policy("t").stats()
+    histories = [
+        [list(v) for v in vars(t.policy("t")).values() if isinstance(v, History)] for t in tables
+    ]
+    assert histories[0] == histories[1] and histories[0][0]
+
+
+@pytest.mark.parametrize("loops", LOOPS)
+def test_kvaware_history_stays_whole_when_can_evict_raises(loops: Loops) -> None:
+    """A predicate that raises mid-scan leaves the history's stamps in step with its keys (the
+    loop writes its stamp counter back on the way out): later victims are remembered, none
+    overwrites another's stamp."""
+    with mock.patch.dict(POLICIES, {"kv": lambda: KVAwarePolicy(loops=loops)}):
+        table = PageTable({"t": 8}, "kv")
+    for c in range(4):
+        keys = [100 * c + j for j in range(4)]
+        alloc = table.prepare_store(keys, "t", ChainHint(0, None, 0, 4))
+        assert alloc is not None
+        table.complete_store(alloc.keys, "t")
+    policy = table.policy("t")
+    calls = itertools.count()
+
+    def flaky(s: int) -> bool:
+        if next(calls) == 2:
+            raise RuntimeError("predicate failed")
+        return True
+
+    with pytest.raises(RuntimeError, match="predicate failed"):
+        policy.evict_slots(4, flaky)
+    (hist,) = [v for v in vars(policy).values() if isinstance(v, History)]
+    assert len(hist) >= 2 and max(hist.order) < hist.stamp
+    policy.evict_slots(1, None)
+    assert len(hist.order) == len(hist.value)
 
 
 def test_kvaware_a_returning_page_keeps_its_stranded_children_when_its_batch_extends_it() -> None:

@@ -115,6 +115,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         step_blocks: never-seen blocks in a row from which a later turn is declined; ``None``
             scales it with the capacity (see :data:`STEP_PER_PAGES`; 0: no step rule, and
             small steps start at one use like any new page).
+        loops: the inner loops to run, ``kvaware_loops.NATIVE`` (C) or ``PYTHON`` (the same
+            decisions); ``None``: the C ones where the extension was built.
     """
 
     name = "kvaware"
@@ -128,6 +130,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         short_request: int = 12,
         head_blocks: int | None = None,
         step_blocks: int | None = None,
+        loops: Loops | None = None,
     ) -> None:
         self._capacity = capacity or 0
         self._fixed = capacity is not None
@@ -163,7 +166,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._start: list[int] = []
         self._start_prio: list[int] = []
         self._tables_floor = -1
-        self._loops: Loops = LOOPS  # the C loops where built (kvaware_loops.py)
+        self._loops = loops or LOOPS
         self._state: State = self._state_tuple()
 
     def _state_tuple(self) -> State:

@@ -359,6 +359,8 @@ def _native() -> Loops | None:
         module: ModuleType = importlib.import_module(f"{__package__}._kvaware")
     except ImportError:  # not built: no compiler at install time, or TIERKV_NO_EXTENSIONS=1
         return None
+    if getattr(module, "DECAY", None) != SCAN_DECAY:  # built from an older source: stale
+        return None
     return Loops(cast(Evict, module.evict), cast(Insert, module.insert), True)
 
 
