@@ -29,25 +29,31 @@ __all__ = ["CpuEvent", "CpuStream"]
 WorkFn = Callable[[BaseException | None], None]
 
 
-def _resolve(fut: asyncio.Future[None], error: BaseException | None) -> None:
-    if fut.done():
-        return
-    if error is None:
-        fut.set_result(None)
-    else:
-        fut.set_exception(error)
+def _resolve_all(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
+    for fut in futures:
+        if fut.done():  # its waiter was cancelled or timed out
+            continue
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
 
 
 class CpuEvent(Event):
-    """An event completed by a stream worker thread; awaitable from any number of loops."""
+    """An event completed by a stream worker thread; awaitable from any number of loops.
 
-    __slots__ = ("_done", "_error", "_lock", "_loop_futures")
+    Each waiting task awaits a future of its own (cancelling it touches nobody else's), under
+    `asyncio.timeout` (a timer, no extra task or shield hops); `complete` resolves all of one
+    loop's futures in one `call_soon_threadsafe`.
+    """
+
+    __slots__ = ("_done", "_error", "_lock", "_waiters")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
-        self._loop_futures: dict[asyncio.AbstractEventLoop, asyncio.Future[None]] = {}
+        self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
 
     def __repr__(self) -> str:
         state = "pending" if not self.query() else ("failed" if self._error else "done")
@@ -69,36 +75,41 @@ class CpuEvent(Event):
     async def wait(self, timeout: float | None = None) -> None:
         limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
         if not self._done.is_set():
-            fut = self._future()
-            try:
-                # shield: a cancelled or timed-out waiter must not cancel the shared future.
-                await asyncio.wait_for(asyncio.shield(fut), limit)
-            except asyncio.TimeoutError:
-                raise WaitTimeoutError(f"event not done after {limit} s") from None
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future[None] = loop.create_future()
+            with self._lock:
+                pending = not self._done.is_set()
+                if pending:
+                    self._waiters.setdefault(loop, []).append(fut)
+            if pending:
+                try:
+                    async with asyncio.timeout(limit):
+                        await fut
+                except TimeoutError:
+                    raise WaitTimeoutError(f"event not done after {limit} s") from None
+                finally:
+                    if not fut.done() or fut.cancelled():  # cancelled or timed out: unregister
+                        self._forget(loop, fut)
         if self._error is not None:
             raise self._error
 
-    def _future(self) -> asyncio.Future[None]:
-        loop = asyncio.get_running_loop()
+    def _forget(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         with self._lock:
-            fut = self._loop_futures.get(loop)
-            if fut is None:
-                fut = loop.create_future()
-                if self._done.is_set():
-                    _resolve(fut, self._error)
-                else:
-                    self._loop_futures[loop] = fut
-            return fut
+            futures = self._waiters.get(loop)
+            if futures is not None and fut in futures:
+                futures.remove(fut)
+                if not futures:
+                    del self._waiters[loop]
 
     def complete(self, error: BaseException | None = None) -> None:
         """Complete the event (worker thread). Wakes each waiting loop exactly once."""
         with self._lock:
             self._error = error
             self._done.set()
-            waiters, self._loop_futures = self._loop_futures, {}
-        for loop, fut in waiters.items():
+            waiters, self._waiters = self._waiters, {}
+        for loop, futures in waiters.items():
             with contextlib.suppress(RuntimeError):  # that loop is closed: nobody to wake
-                loop.call_soon_threadsafe(_resolve, fut, error)
+                loop.call_soon_threadsafe(_resolve_all, futures, error)
 
 
 @dataclass(slots=True)

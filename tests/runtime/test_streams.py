@@ -111,3 +111,49 @@ def test_use_after_close(backend: CpuBackend) -> None:
     backend.close()
     with pytest.raises(EngineClosedError):
         backend.create_stream("t")
+
+
+async def test_each_waiter_cancels_and_times_out_alone(backend: CpuBackend) -> None:
+    s = backend.create_stream("s")
+    gate = threading.Event()
+    ev = s.enqueue(lambda: gate.wait(10))
+    waiters = [asyncio.ensure_future(ev.wait(timeout=10)) for _ in range(3)]
+    await asyncio.sleep(0)
+    waiters[0].cancel()
+    for timeout in (0.0, 0.01) * 20:  # timed-out waits leave the other waiters be
+        with pytest.raises(WaitTimeoutError):
+            await ev.wait(timeout=timeout)
+    assert not any(w.done() for w in waiters[1:])
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(*waiters[1:]), 10)
+    assert waiters[0].cancelled() and ev.query()
+    await ev.wait(timeout=0)  # done: returns at once, even with no time left
+
+
+async def test_a_failure_reaches_every_waiter_on_every_loop(backend: CpuBackend) -> None:
+    s = backend.create_stream("s")
+    gate = threading.Event()
+
+    def boom() -> None:
+        gate.wait(10)
+        raise ValueError("boom")
+
+    ev = s.enqueue(boom)
+    from_thread: list[BaseException] = []
+
+    async def wait_elsewhere() -> None:
+        try:
+            await ev.wait(timeout=10)
+        except TransferError as exc:
+            from_thread.append(exc)
+
+    other = threading.Thread(target=asyncio.run, args=(wait_elsewhere(),))
+    other.start()
+    here = [asyncio.ensure_future(ev.wait(timeout=10)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    for w in here:
+        with pytest.raises(TransferError, match="boom"):
+            await w
+    other.join(10)
+    assert len(from_thread) == 1 and from_thread[0] is ev.exception()
