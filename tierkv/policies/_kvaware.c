@@ -276,6 +276,8 @@ static int hist_trim(State *st, double limit) {
     if ((double)PyDict_GET_SIZE(st->value) <= limit)
         return 0;
     long long t = st->oldest;
+    if (limit < 0)
+        limit = 0;
     while ((double)PyDict_GET_SIZE(st->value) > limit) {
         for (;;) {
             PyObject *kt = PyLong_FromLongLong(t);

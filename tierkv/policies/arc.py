@@ -73,10 +73,11 @@ class ARCPolicy(EvictionPolicy):
     def _adapt(self, key: Key) -> None:
         if key in self._fed:
             return
-        b1, b2 = len(self._b1), len(self._b2)
-        if key in self._b1:
+        g1, g2 = self._b1.value, self._b2.value  # (the dicts: no method call per test)
+        b1, b2 = len(g1), len(g2)
+        if key in g1:
             self._p = min(float(self._c), self._p + max(1.0, b2 / b1))
-        elif key in self._b2:
+        elif key in g2:
             self._p = max(0.0, self._p - max(1.0, b1 / b2))
         else:
             return
@@ -94,26 +95,27 @@ class ARCPolicy(EvictionPolicy):
         return True
 
     def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
-        b1, b2 = self._b1, self._b2
-        if b1 or b2:
+        g1, g2 = self._b1.value, self._b2.value
+        if g1 or g2:
             for k in keys:
-                if k in b1 or k in b2:
+                if k in g1 or k in g2:
                     self._adapt(k)
         return None
 
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
         links, key_of, b1, b2, fed = self._links, self._key, self._b1, self._b2, self._fed
+        g1, g2 = b1.value, b2.value  # membership read from the dicts (no method call)
         t1, t2 = links.size[_T1], links.size[_T2]
-        n1, n2 = len(b1), len(b2)  # ghosts, kept in step with the dicts
+        n1, n2 = len(g1), len(g2)  # ghosts, kept in step with the dicts
         c, fixed = self._c, self._fixed
         run: list[int] = []  # new T1 pages, appended in one call
         for s, k in zip(slots, keys):
             key_of[s] = k
-            if (n1 and k in b1) or (n2 and k in b2):  # remembered: straight to T2
+            if (n1 and k in g1) or (n2 and k in g2):  # remembered: straight to T2
                 if k not in fed:
                     self._adapt(k)
                 fed.discard(k)
-                if k in b1:
+                if k in g1:
                     b1.pop(k)
                     n1 -= 1
                 else:
@@ -129,12 +131,12 @@ class ARCPolicy(EvictionPolicy):
             resident = t1 + t2
             if not fixed and resident > c:
                 c = self._c = resident
-            while n1 and t1 + n1 > c:
-                b1.pop_oldest()
-                n1 -= 1
-            while n2 and resident + n1 + n2 > 2 * c:
-                b2.pop_oldest()
-                n2 -= 1
+            if n1 and t1 + n1 > c:  # the oldest ghosts leave while |T1| + |B1| > c
+                b1.trim(c - t1)
+                n1 = len(g1)
+            if n2 and resident + n1 + n2 > 2 * c:  # ... and while all four hold over 2c
+                b2.trim(2 * c - resident - n1)
+                n2 = len(g2)
         if run:
             links.extend(_T1, run)
         if slots:  # an insert ends the adaptation its admission made (none: nothing ends)
@@ -149,7 +151,7 @@ class ARCPolicy(EvictionPolicy):
     def _from_t1(self, n: int) -> int:
         """How many of ``n`` victims T1 gives first: while ``|T1| > p`` (or, after a hit in
         B2, ``|T1| == int(p)``), the paper's REPLACE; ``p`` does not move while evicting."""
-        in_b2 = self._adapted is not None and self._adapted in self._b2
+        in_b2 = self._adapted is not None and self._adapted in self._b2.value
         floor = int(self._p)
         lowest = max(floor, 1) if in_b2 else floor + 1  # T1 gives while |T1| >= lowest
         return max(0, min(n, self._links.size[_T1] - lowest + 1))
@@ -165,12 +167,12 @@ class ARCPolicy(EvictionPolicy):
             third = links.take(_T1, n - got, can_evict, True)
         key_of = self._key
         b1, b2 = self._b1, self._b2
-        for s in first:
-            b1.put(key_of[s], 0)
-        for s in second:
-            b2.put(key_of[s], 0)
-        for s in third:
-            b1.put(key_of[s], 0)
+        if first:
+            b1.put_many([key_of[s] for s in first], 0)
+        if second:
+            b2.put_many([key_of[s] for s in second], 0)
+        if third:
+            b1.put_many([key_of[s] for s in third], 0)
         return first + second + third if second or third else first
 
     def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:

@@ -16,7 +16,7 @@ whose key has moved on or left (each stamp is stepped over once: O(1) amortized)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from tierkv.policies.base import Key
 
@@ -72,6 +72,20 @@ class History:
         value[key] = (t << COUNT_BITS) | count
         order[t] = key
 
+    def put_many(self, keys: Iterable[Key], count: int) -> None:
+        """:meth:`put` each of ``keys``, in order, with the same ``count``."""
+        value, order = self.value, self.order
+        get = value.get
+        t = self.stamp
+        for key in keys:
+            old = get(key)
+            if old is not None:
+                del order[old >> COUNT_BITS]
+            value[key] = (t << COUNT_BITS) | count
+            order[t] = key
+            t += 1
+        self.stamp = t
+
     def touch(self, key: Key) -> None:
         """Make a held ``key`` the newest, its count unchanged (``move_to_end``)."""
         self.put(key, self.value[key] & _COUNT)
@@ -98,10 +112,11 @@ class History:
         return key
 
     def trim(self, limit: float) -> None:
-        """Forget the oldest keys until at most ``limit`` are left."""
+        """Forget the oldest keys until at most ``limit`` are left (none for a negative one)."""
         value, order = self.value, self.order
         if len(value) <= limit:
             return
+        limit = max(limit, 0)
         t = self.oldest
         while len(value) > limit:
             while t not in order:

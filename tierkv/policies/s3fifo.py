@@ -62,10 +62,11 @@ class S3FIFOPolicy(EvictionPolicy):
 
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
         ghost, links, freq, key_of = self._ghost, self._links, self._freq, self._key
+        ghosts = ghost.value  # membership read from the dict (no method call)
         for s, k in zip(slots, keys):
             key_of[s] = k
             freq[s] = 0
-            if ghost and k in ghost:
+            if ghosts and k in ghosts:
                 ghost.pop(k)
                 links.append(_M, s)
             else:
