@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -185,10 +186,21 @@ async def stall_check(
     batch: int = 32,
     traces: list[tuple[str, dict[str, Any]]] | None = None,
     settle: bool = False,
+    scheduler: str = "workers",
+    turn_budget: float | None = 0.002,
 ) -> dict[str, Any]:
-    """``n_seqs`` tasks decode concurrently through one store (``batch`` leases at a time, as a
-    scheduler would admit them); measures the longest single callback on the loop and how late
-    a 1 ms timer fires. The store's timeline goes to ``traces`` if given."""
+    """``n_seqs`` sequences decode concurrently through one store, ``batch`` leases at a time (as
+    a scheduler admits them); measures the longest single callback on the loop and how late a
+    1 ms timer fires. The store's timeline goes to ``traces`` if given.
+
+    ``scheduler``: ``"workers"`` (a server's continuous batching: ``batch`` worker tasks take
+    the live sequences in turn, first come first served, one lease step each; every sequence is
+    added on its first turn, so all of them are live after the first round) or ``"tasks"`` (a
+    task per sequence behind a semaphore of ``batch``: the same work, but a thousand tasks and
+    their semaphore waits are the caller's own objects, kept alive across many young collector
+    passes)."""
+    if scheduler not in ("workers", "tasks"):
+        raise ValueError(f"scheduler: 'workers' or 'tasks', not {scheduler!r}")
     spec = KVSpec(num_layers=4, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)
     tokens_each = 64 + steps
     total = n_seqs * spec.bytes_for(tokens_each)
@@ -205,35 +217,74 @@ async def stall_check(
             lags.append(lag)
             worst = max(worst, lag)
 
-    async with KVStore(spec, device_bytes=total // 3, host_bytes=total * 2, codec=None) as store:
+    async with KVStore(
+        spec, device_bytes=total // 3, host_bytes=total * 2, codec=None, turn_budget=turn_budget
+    ) as store:
         store.timeline.enabled = traces is not None
         k = torch.zeros(spec.num_kv_heads, 64, spec.head_dim, dtype=spec.dtype)
         k1 = k[:, :1].clone()
+
+        async def add(i: int) -> None:
+            await store.add_sequence(f"s{i}", [i * 7919 + t for t in range(64)])
+
+        async def prompt(i: int) -> None:
+            sid = f"s{i}"
+            async with store.lease([sid]) as lease:
+                for layer in range(spec.num_layers):
+                    await lease.append(sid, layer, k, k)
+
+        async def step(i: int) -> None:
+            sid = f"s{i}"
+            async with store.lease([sid]) as lease:
+                for layer in range(spec.num_layers):
+                    await lease.append(sid, layer, k1, k1)
+                    lease.kv(sid, layer)
+            store.add_tokens(sid, [1])
 
         # a scheduler admits as many leases at once as the device holds (a batch)
         gate = asyncio.Semaphore(batch)
 
         async def sequence(i: int) -> None:
-            sid = f"s{i}"
-            await store.add_sequence(sid, [i * 7919 + t for t in range(64)])
-            async with gate, store.lease([sid]) as lease:
-                for layer in range(spec.num_layers):
-                    await lease.append(sid, layer, k, k)
+            await add(i)
+            async with gate:
+                await prompt(i)
             for _ in range(steps):
-                async with gate, store.lease([sid]) as lease:
-                    for layer in range(spec.num_layers):
-                        await lease.append(sid, layer, k1, k1)
-                        lease.kv(sid, layer)
-                store.add_tokens(sid, [1])
+                async with gate:
+                    await step(i)
                 await asyncio.sleep(0)
-            await store.release(sid)
+            await store.release(f"s{i}")
 
+        turns: deque[int] = deque(range(n_seqs))  # sequence ids in turn order
+        left = [-1] * n_seqs  # steps left per sequence (-1: not added yet)
+
+        async def worker() -> None:
+            while turns:
+                i = turns.popleft()
+                if left[i] < 0:
+                    await add(i)
+                    await prompt(i)
+                    left[i] = steps
+                else:
+                    await step(i)
+                    left[i] -= 1
+                if left[i]:
+                    turns.append(i)
+                else:
+                    await store.release(f"s{i}")
+
+        # a fresh process carries the promotions of its imports (torch's ~169k objects): its
+        # first full collector pass would fall in whatever runs first; start from a collected
+        # heap, as a server past its warm-up is (the collector's settings stay the defaults)
+        gc.collect()
         settled = settle_collector() if settle else None
         # objects promoted into the oldest generation during the run (net of those freed
         # there): what brings the next full pass closer (CPython 3.11 runs one when they pass
         # 25% of the long-lived total)
         old_before = len(gc.get_objects(2))
-        tasks = [asyncio.ensure_future(sequence(i)) for i in range(n_seqs)]
+        if scheduler == "tasks":
+            tasks = [asyncio.ensure_future(sequence(i)) for i in range(n_seqs)]
+        else:
+            tasks = [asyncio.ensure_future(worker()) for _ in range(batch)]
         mon = asyncio.ensure_future(monitor())
         t0 = time.perf_counter()
         with CallbackTimer() as cbt:
@@ -250,6 +301,7 @@ async def stall_check(
     lags.sort()
     return {
         "sequences": n_seqs,
+        "scheduler": scheduler,
         "batch": batch,
         "steps": steps,
         "seconds": seconds,

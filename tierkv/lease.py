@@ -114,8 +114,9 @@ class Lease:
         keys = list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
         tiers.ensure_fits(len(keys))
         # Yield once: compute between leases rarely suspends, and background prefetches and
-        # write-backs only advance when the loop runs.
-        await asyncio.sleep(0)
+        # write-backs only advance when the loop runs. (When this loop turn's store work is
+        # spent, wait for a later turn in the store's queue: see tierkv.turns.)
+        await store.turns.pause(always=True)
         t0 = time.perf_counter()
         deadline = tiers.deadline(store.timeout)
         footprint = len(keys) + self._reserve()

@@ -5,37 +5,63 @@ timers and sockets again. A thousand sequences whose tasks each run a whole leas
 append every layer, read, release) in one callback make a turn as long as all of those steps
 together: a timer, a request handler or a heartbeat on the same loop waits that long (tens of
 milliseconds at 32 concurrent leases). Like Tokio's cooperative budget, the store's async calls
-*pause*: once the store work done in the current turn passes a budget, the calling task yields
-to the loop and resumes in the next turn. The work is the same, spread over more, shorter turns;
-a loop with little to do never pauses (the budget is per turn, not per call).
+*pause* once the store work done in the current turn passes a budget: the caller waits in a
+first-come, first-served queue, and each later turn lets as many waiters go on as fit the
+budget at what the waiters let go before cost (a moving average). The work is the same,
+spread over more, shorter turns; a loop with little to do never pauses (the budget is per
+turn, not per call).
 
-The turn boundary is seen from a callback the budget schedules when it starts counting: it runs
-at the start of the next turn (before the tasks that paused in this one), and the next call
-starts a new count.
+Tasks let go in the same turn do not re-check the budget when they resume (they were admitted
+to this turn), so the queue, not a re-check, bounds a turn: a thousand tasks that paused
+together do not all run in the next one. The turn boundary is seen from a callback the budget
+schedules when it starts counting: it runs at the start of the next turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 __all__ = ["TurnBudget"]
 
+_MAX_GRANT = 4096
+
 
 class TurnBudget:
-    """Store work allowed in one loop turn before a call pauses (yields once to the loop).
+    """Store work allowed in one loop turn before a call pauses (waits its turn in a queue).
 
     Args:
         budget: seconds of work per turn; ``None`` never pauses.
     """
 
-    __slots__ = ("_armed", "_start", "budget", "pauses")
+    __slots__ = (
+        "_armed",
+        "_cost",
+        "_granted",
+        "_start",
+        "_ticking",
+        "_waiting",
+        "budget",
+        "pauses",
+    )
 
     def __init__(self, budget: float | None = 0.002) -> None:
         self.budget = budget
         self._armed = False  # counting the current turn
         self._start = 0.0
-        self.pauses = 0  # calls that yielded (a figure for stats)
+        self._waiting: deque[asyncio.Future[None]] = deque()  # paused callers, first come first
+        self._ticking = False  # a tick is scheduled for the next turn
+        self._granted = 0  # waiters let go by the last tick
+        # seconds of work one waiter let go costs (a moving average): the grant per turn is
+        # the budget over it
+        self._cost = (budget or 0.002) / 4
+        self.pauses = 0  # calls that waited (a figure for stats)
+
+    @property
+    def waiting(self) -> int:
+        """Callers paused now."""
+        return len(self._waiting)
 
     def spent(self) -> bool:
         """True when the work of this loop turn has passed the budget (the first call of a turn
@@ -53,8 +79,46 @@ class TurnBudget:
     def _next_turn(self) -> None:
         self._armed = False
 
-    async def pause(self) -> None:
-        """Yield to the loop once when this turn's budget is spent; return at once otherwise."""
-        if self.spent():
-            self.pauses += 1
+    async def pause(self, always: bool = False) -> None:
+        """Wait for a later turn when this turn's budget is spent or others wait already (first
+        come, first served); return at once otherwise, or, with ``always``, after one plain
+        yield to the loop. Cancelled while waiting, the caller leaves the queue."""
+        if self.budget is None:
+            if always:
+                await asyncio.sleep(0)
+            return
+        if always and not self._waiting and not self.spent():
             await asyncio.sleep(0)
+        if not self._waiting and not self.spent():
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._waiting.append(fut)
+        self.pauses += 1
+        if not self._ticking:
+            self._ticking = True
+            loop.call_soon(self._tick)
+        await fut  # (cancelled: the future is cancelled too, and the tick passes over it)
+        self.spent()  # let go in this turn: start its count if nobody has
+
+    def _tick(self) -> None:
+        """Once per turn while callers wait: estimate what one waiter let go costs (from the
+        work of this turn so far, which the waiters let go last time began), and let as many
+        go on as fit the budget (they run in the next turn)."""
+        self._ticking = False
+        budget = self.budget
+        assert budget is not None  # (only pauses under a budget schedule ticks)
+        if self._armed and self._granted:
+            each = (time.perf_counter() - self._start) / self._granted
+            self._cost = 0.5 * self._cost + 0.5 * each
+        n = max(1, min(_MAX_GRANT, int(budget / max(self._cost, 1e-7))))
+        waiting, granted = self._waiting, 0
+        while granted < n and waiting:
+            fut = waiting.popleft()
+            if not fut.done():  # a cancelled waiter is passed over
+                fut.set_result(None)
+                granted += 1
+        self._granted = granted
+        if waiting or granted:  # (after a grant: the next tick measures what it cost)
+            self._ticking = True
+            asyncio.get_running_loop().call_soon(self._tick)
