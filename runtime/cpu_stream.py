@@ -2,8 +2,11 @@
 
 loop thread                         stream worker thread
 -----------                         --------------------
-stream.enqueue(copy) ---deque--->   copy()            (GIL released inside numpy/torch)
-await event  <--call_soon_threadsafe-- event.complete()   (one wakeup per event, not per page)
+stream.enqueue(copy) ---deque--->   copy()            (GIL released inside the kernel)
+                                      take_following() (the running work may take the work
+                                                        queued right behind it along)
+await event  <--call_soon_threadsafe-- complete_events()  (one wakeup per loop for all the
+                                                          events completed together)
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from .backend import DEFAULT_TIMEOUT_S, Event, Stream
@@ -23,20 +26,38 @@ from .errors import (
     WaitTimeoutError,
 )
 
-__all__ = ["CpuEvent", "CpuStream"]
+__all__ = ["CpuEvent", "CpuStream", "complete_events"]
 
 # Work items receive the error of a failed wait before them (or None) and decide what to skip.
 WorkFn = Callable[[BaseException | None], None]
 
 
-def _resolve_all(futures: list[asyncio.Future[None]], error: BaseException | None) -> None:
-    for fut in futures:
+def _resolve_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
+    for fut, error in settled:
         if fut.done():  # its waiter was cancelled or timed out
             continue
         if error is None:
             fut.set_result(None)
         else:
             fut.set_exception(error)
+
+
+def complete_events(done: Iterable[tuple[CpuEvent, BaseException | None]]) -> None:
+    """Complete each event with its error (None: success), waking each loop that waits on any
+    of them once for all of them (one `call_soon_threadsafe`). Producer side: a stream worker,
+    or the engine finishing a group of batches."""
+    wake: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[None], BaseException | None]]]
+    wake = {}
+    for event, error in done:
+        with event._lock:
+            event._error = error
+            event._done.set()
+            waiters, event._waiters = event._waiters, {}
+        for loop, futures in waiters.items():
+            wake.setdefault(loop, []).extend((fut, error) for fut in futures)
+    for loop, settled in wake.items():
+        with contextlib.suppress(RuntimeError):  # that loop is closed: nobody to wake
+            loop.call_soon_threadsafe(_resolve_all, settled)
 
 
 class CpuEvent(Event):
@@ -103,13 +124,7 @@ class CpuEvent(Event):
 
     def complete(self, error: BaseException | None = None) -> None:
         """Complete the event (worker thread). Wakes each waiting loop exactly once."""
-        with self._lock:
-            self._error = error
-            self._done.set()
-            waiters, self._waiters = self._waiters, {}
-        for loop, futures in waiters.items():
-            with contextlib.suppress(RuntimeError):  # that loop is closed: nobody to wake
-                loop.call_soon_threadsafe(_resolve_all, futures, error)
+        complete_events(((self, error),))
 
 
 @dataclass(slots=True)
@@ -129,6 +144,7 @@ class CpuStream(Stream):
         self._cond = threading.Condition()
         self._closed = False
         self._pending_error: BaseException | None = None
+        self._taken: list[CpuEvent] = []  # events of the items the running work took along
         self._thread = threading.Thread(target=self._run, name=f"tierkv-stream-{name}", daemon=True)
         self._thread.start()
 
@@ -158,6 +174,25 @@ class CpuStream(Stream):
 
     def synchronize(self, timeout: float | None = None) -> None:
         self._push(None).synchronize(timeout)
+
+    def take_following(self, accept: Callable[[WorkFn], bool]) -> list[WorkFn]:
+        """For the work item now running (call it from that work, on the worker thread): take
+        the work queued right behind it, in order, while `accept(fn)` holds; a marker, a
+        `wait_event` or the first refused item ends the run. The caller runs what it took; their
+        events complete with the running item's. `accept` runs under the stream's lock: keep it
+        a plain check. Raises RuntimeEngineError from any other thread."""
+        if threading.current_thread() is not self._thread:
+            raise RuntimeEngineError(f"stream {self.name!r}: take_following off its worker")
+        taken: list[WorkFn] = []
+        with self._cond:
+            while self._queue:
+                item = self._queue[0]
+                if item.fn is None or not accept(item.fn):
+                    break
+                self._queue.popleft()
+                taken.append(item.fn)
+                self._taken.append(item.event)
+        return taken
 
     def close(self, timeout: float | None = None) -> None:
         with self._cond:
@@ -202,7 +237,8 @@ class CpuStream(Stream):
                 err = TransferError(f"stream {self.name!r}: work failed: {exc!r}")
                 err.__cause__ = exc
                 error = err
-            item.event.complete(error)
+            taken, self._taken = self._taken, []
+            complete_events([(item.event, error)] + [(ev, error) for ev in taken])
 
     def _do_wait(self, target: Event) -> None:
         try:

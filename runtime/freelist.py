@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from .errors import ArenaFullError, DoubleFreeError, InvalidSlotError
 
-__all__ = ["SlotFreeList", "SlotIds", "as_slot_ids", "native_id_check"]
+__all__ = ["SlotFreeList", "SlotIds", "as_slot_ids", "distinct_ids", "native_id_check"]
 
 SlotIds = npt.NDArray[np.int64]
 
@@ -63,6 +63,14 @@ def as_slot_ids(ids: object, num_slots: int, *, what: str = "slot ids") -> SlotI
         if not np.all(srt[1:] != srt[:-1]):
             raise InvalidSlotError(f"{what}: duplicated ids")
     return out
+
+
+def distinct_ids(ids: SlotIds, num_slots: int) -> bool:
+    """True when no id of `ids` (int64 ids already checked to be in [0, num_slots)) repeats."""
+    check = native_id_check()
+    if check is not None:
+        return check(np.ascontiguousarray(ids), num_slots) == 0
+    return ids.size < 2 or bool(np.all(np.diff(np.sort(ids)) != 0))
 
 
 @functools.cache

@@ -5,6 +5,8 @@
                                                                                | copy_slots(batch)
                                                                                | or the job's fn
     handle  <------------ one completion (call_soon_threadsafe) per batch -----+
+                          (per group: small copies queued back to back on a cpu stream
+                           run as one kernel call, MERGE_MAX_BYTES at most)
 
     submit_async() --> [pending heap] --dispatch (<= max_external)--> a task on the loop
 
@@ -42,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from .arena import Arena
-from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event, Stream
+from .backend import DEFAULT_TIMEOUT_S, Backend, Event, Stream
 from .cpu_copy import DEFAULT_STAGING_BYTES
-from .cpu_stream import CpuEvent
+from .cpu_stream import CpuEvent, CpuStream, complete_events
 from .errors import (
     ArenaMismatchError,
     EngineClosedError,
@@ -53,13 +55,19 @@ from .errors import (
     TransferError,
     WaitTimeoutError,
 )
-from .freelist import SlotIds, as_slot_ids
+from .freelist import SlotIds, as_slot_ids, distinct_ids
 from .priority import Priority
 from .stats import EngineStats, TransferStats
 
 __all__ = ["TransferEngine", "TransferHandle"]
 
 _PENDING, _RUNNING, _DONE, _FAILED, _CANCELLED = "pending", "running", "done", "failed", "cancelled"
+
+#: Copies queued back to back on one cpu stream are merged into one kernel call while the group
+#: stays within this many bytes: one call, one completion pass and one wakeup per group instead
+#: of per batch (the first batch of a group completes with the last: at most ~0.4 ms later at
+#: 10 GB/s). Larger batches gain nothing from it and run alone.
+MERGE_MAX_BYTES = 4 << 20
 
 
 class TransferHandle:
@@ -196,6 +204,19 @@ class TransferHandle:
 
     def __await__(self) -> Generator[Any, None, TransferStats]:
         return self.wait().__await__()
+
+
+class _Job:
+    """A batch's work on its stream: a class, not a closure, so that the engine recognises its
+    own copies queued on a stream (`TransferEngine._take_mergeable`)."""
+
+    __slots__ = ("engine", "handle", "stream")
+
+    def __init__(self, engine: TransferEngine, handle: TransferHandle, stream: Stream) -> None:
+        self.engine, self.handle, self.stream = engine, handle, stream
+
+    def __call__(self, dep_error: BaseException | None) -> None:
+        self.engine._run_job(self.handle, self.stream, dep_error)
 
 
 class TransferEngine:
@@ -480,34 +501,90 @@ class TransferEngine:
             stream = self._stream_locked(handle.src, handle.dst)
             for dep in handle._deps:
                 stream.wait_event(dep)
-            stream.enqueue_work(self._work_fn(handle))
+            stream.enqueue_work(_Job(self, handle, stream))
 
-    def _work_fn(self, handle: TransferHandle) -> Callable[[BaseException | None], None]:
-        def work(dep_error: BaseException | None) -> None:
-            stats = handle._stats
-            stats.started_at = time.perf_counter()
-            error: BaseException | None = dep_error
-            info: CopyInfo | None = None
-            if error is None:
+    def _run_job(
+        self, handle: TransferHandle, stream: Stream, dep_error: BaseException | None
+    ) -> None:
+        """On the stream's worker: run the batch (and, for a small copy, the copies queued right
+        behind it, merged into one kernel call), then finish them all with one wakeup."""
+        started = time.perf_counter()
+        group = [handle]
+        errors: list[BaseException | None] = [dep_error]
+        if dep_error is None and handle._fn is not None:
+            try:
+                handle._result = handle._fn()
+            except Exception as exc:
+                errors = [self._job_error("job", handle, exc)]
+        elif dep_error is None:
+            if isinstance(stream, CpuStream) and handle.src is not handle.dst:
+                group += self._take_mergeable(handle, stream)
+            errors = self._copy_group(group)
+        finished = time.perf_counter()
+        for h in group:
+            h._stats.started_at, h._stats.finished_at = started, finished
+        self._finish_group(group, errors)
+
+    def _take_mergeable(self, handle: TransferHandle, stream: CpuStream) -> list[TransferHandle]:
+        """The copies of the same priority queued right behind `handle` on its stream, while
+        the group stays within MERGE_MAX_BYTES (a copy with `after` events has a wait before it,
+        which ends the run). Same priority only: a batch never completes later because less
+        urgent ones were merged behind it."""
+        budget = MERGE_MAX_BYTES - handle._stats.bytes
+        if budget <= 0:
+            return []
+        priority = handle._priority
+
+        def accept(fn: Callable[[BaseException | None], None]) -> bool:
+            nonlocal budget
+            if not (
+                isinstance(fn, _Job)
+                and fn.engine is self
+                and fn.handle._fn is None
+                and fn.handle._priority == priority
+            ):
+                return False
+            budget -= fn.handle._stats.bytes
+            return budget >= 0
+
+        taken = stream.take_following(accept)
+        return [fn.handle for fn in taken if isinstance(fn, _Job)]
+
+    def _copy_group(self, group: list[TransferHandle]) -> list[BaseException | None]:
+        """Copy the batches of `group` (one stream: same two arenas), in one kernel call when
+        there are several and no destination slot repeats; one by one otherwise, or when the
+        merged call fails (so that each batch gets its own error). Returns each batch's error."""
+        first = group[0]
+        if len(group) > 1:
+            dst_ids = np.concatenate([h.dst_ids for h in group])
+            if distinct_ids(dst_ids, first.dst.num_slots):
+                src_ids = np.concatenate([h.src_ids for h in group])
                 try:
-                    if handle._fn is not None:
-                        handle._result = handle._fn()
-                    else:
-                        info = self.backend.copy_slots(
-                            handle.src, handle.src_ids, handle.dst, handle.dst_ids, handle._staging
-                        )
-                except Exception as exc:
-                    what = "job" if handle._fn is not None else "copy"
-                    error = TransferError(
-                        f"{what} {handle.src.name}->{handle.dst.name} failed: {exc!r}"
+                    info = self.backend.copy_slots(
+                        first.src, src_ids, first.dst, dst_ids, first._staging
                     )
-                    error.__cause__ = exc
-            stats.finished_at = time.perf_counter()
-            if info is not None:
-                stats.runs, stats.kernel = info.runs, info.kernel
-            self._finish(handle, error)
+                except Exception:
+                    pass  # copied again one by one below, so that each batch gets its own error
+                else:
+                    for h in group:  # a merged batch reports its group's runs
+                        h._stats.runs, h._stats.kernel = info.runs, info.kernel
+                    return [None] * len(group)
+        errors: list[BaseException | None] = []
+        for h in group:
+            try:
+                info = self.backend.copy_slots(h.src, h.src_ids, h.dst, h.dst_ids, h._staging)
+            except Exception as exc:
+                errors.append(self._job_error("copy", h, exc))
+            else:
+                h._stats.runs, h._stats.kernel = info.runs, info.kernel
+                errors.append(None)
+        return errors
 
-        return work
+    @staticmethod
+    def _job_error(what: str, handle: TransferHandle, exc: Exception) -> TransferError:
+        error = TransferError(f"{what} {handle.src.name}->{handle.dst.name} failed: {exc!r}")
+        error.__cause__ = exc
+        return error
 
     def _start_async(self, handle: TransferHandle) -> None:
         """On the loop: run an async job to its end (a task of the engine, not the caller's)."""
@@ -538,26 +615,36 @@ class TransferEngine:
         task.add_done_callback(done)
 
     def _finish(self, handle: TransferHandle, error: BaseException | None) -> None:
-        """Release the slots, account, dispatch more, then wake waiters (once per batch)."""
-        handle.src.unpin_after_transfer(handle.src_ids)
-        handle.dst.unpin_after_transfer(handle.dst_ids)
+        self._finish_group([handle], [error])
+
+    def _finish_group(
+        self, group: list[TransferHandle], errors: list[BaseException | None]
+    ) -> None:
+        """Release the slots, account, dispatch more, then wake waiters (each loop once for the
+        whole group) and run the done callbacks."""
+        for handle in group:
+            handle.src.unpin_after_transfer(handle.src_ids)
+            handle.dst.unpin_after_transfer(handle.dst_ids)
+        callbacks: list[tuple[Callable[[TransferHandle], None], TransferHandle]] = []
         with self._lock:
-            if handle._state == _RUNNING and handle._stats.kind == "async":
-                self._inflight_ext -= 1
-            elif handle._state == _RUNNING:
-                self._inflight -= 1
-                self._staging_pool.append(handle._staging)
-                handle._staging = None
-            if isinstance(error, TransferCancelledError):
-                handle._state = _CANCELLED
-            else:
-                handle._state = _FAILED if error is not None else _DONE
-            self._stats.record(handle._stats, handle._state)
-            self._outstanding.discard(handle)
-            callbacks, handle._callbacks = handle._callbacks, []
+            for handle, error in zip(group, errors):
+                if handle._state == _RUNNING and handle._stats.kind == "async":
+                    self._inflight_ext -= 1
+                elif handle._state == _RUNNING:
+                    self._inflight -= 1
+                    self._staging_pool.append(handle._staging)
+                    handle._staging = None
+                if isinstance(error, TransferCancelledError):
+                    handle._state = _CANCELLED
+                else:
+                    handle._state = _FAILED if error is not None else _DONE
+                self._stats.record(handle._stats, handle._state)
+                self._outstanding.discard(handle)
+                callbacks += [(fn, handle) for fn in handle._callbacks]
+                handle._callbacks = []
             self._dispatch_locked()
-            handle._event.complete(error)
-        for fn in callbacks:
+            complete_events([(h._event, e) for h, e in zip(group, errors)])
+        for fn, handle in callbacks:
             fn(handle)
 
     def _cancel(self, handle: TransferHandle) -> bool:
