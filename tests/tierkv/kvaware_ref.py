@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from tierkv.policies.base import NO_HINT, Key, PageHint
 from tierkv.policies.history import History
 from tierkv.policies.kvaware import MAX_COUNT
-from tierkv.policies.kvaware_admission import ConversationAdmission
+from tierkv.policies.kvaware_admission import ConversationAdmission, admit_chain
 
 CanEvict = Callable[[Key], bool]
 _VALUE = (0, 2, 5, *(2 * (c + 1) for c in range(3, MAX_COUNT + 1)))  # half units, by use count
@@ -76,6 +76,7 @@ class RefKVAware(ConversationAdmission):
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._recent: dict[Key, tuple[_Page, int]] = {}  # key mode: last call's victims
+        self._chain_loop = admit_chain  # (the Python one: the policy's may be C)
 
     def _enqueue(self, key: Key, page: _Page, orphan: bool = False) -> None:
         code = page.code = self._count[key]

@@ -11,6 +11,7 @@ import gc
 import itertools
 import random
 import sys
+from array import array
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from tierkv.policies import (
 from tierkv.policies.base import ChainPart
 from tierkv.policies.history import History
 from tierkv.policies.kvaware_loops import NATIVE, PYTHON, Loops
+from tierkv.policies.links import Links
 from tierkv.traces import KINDS, synthetic_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -759,6 +761,19 @@ def test_history_keeps_an_ordered_dicts_order(ops: list[tuple[str, int, int]]) -
     assert not h and h.get(0, 7) == 7
     with pytest.raises(KeyError, match="empty"):
         h.pop_oldest()
+
+
+def test_kvaware_per_slot_int_tables_are_not_walked_by_the_collector() -> None:
+    """kvaware's per-slot ints (priorities, use codes, fan-outs, links: nine per page) live in
+    array('q')s: a collector pass visits each as one object (its type), not entry by entry as
+    it walks a list."""
+    table = PageTable({"t": 16}, "kvaware")
+    policy = table.policy("t")
+    tables = [v for v in vars(policy).values() if isinstance(v, array)]
+    (links,) = [v for v in vars(policy).values() if isinstance(v, Links)]
+    tables += [links.prev, links.next, links.size, links.queue]
+    assert len(tables) == 9
+    assert all(isinstance(t, array) and gc.get_referents(t) == [array] for t in tables)
 
 
 @pytest.mark.parametrize("name", ["kvaware", "lfu", "arc", "s3fifo"])

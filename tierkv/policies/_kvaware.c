@@ -1,20 +1,24 @@
-/* kvaware's two inner loops in C: insert and evict, step for step as kvaware_loops.py.
+/* kvaware's inner loops in C: insert, evict and the admission of a chain's run, step for step as
+ * kvaware_loops.py and kvaware_admission.admit_chain.
  *
- * The Python functions in tierkv/policies/kvaware_loops.py are the reference; these run the
- * same steps over the same Python lists and dicts (the policy's state tuple), so a policy can
- * switch between them at any call and test_policies.py requires both to leave the same state.
- * Built by setup.py where a compiler is (optional; TIERKV_NO_EXTENSIONS=1 skips it).
+ * The Python functions are the reference; these run the same steps over the same state (the
+ * policy's state tuple: int tables in array('q')s, read here as memory, and the dicts and sets
+ * of keys), so a policy can switch between them at any call and test_policies.py requires both
+ * to leave the same state. Built by setup.py where a compiler is (optional;
+ * TIERKV_NO_EXTENSIONS=1 skips it).
  *
- * The file stays whole (over 400 lines): both loops splice the same queues and write the same
- * history through the helpers above them, and it is read side by side with kvaware_loops.py.
+ * The file stays whole (over 400 lines): the three loops splice the same queues and write the
+ * same history through the helpers above them, and it is read side by side with the Python.
  *
  * State tuple: (links, history, kids, slot_of, where, code, qcode, key_of, parent_of, back,
- *               fanout, pending, small); links: Links (prev, next, size, queue: lists of int;
- *               base: int); history: History (value: key -> stamp << 4 | count, order:
- *               stamp -> key, stamp, oldest: int).
+ *               fanout, pending, small); links: Links(flat=True) (prev, next, size, queue:
+ *               array('q'); base: int); history: History (value: key -> stamp << 4 | count,
+ *               order: stamp -> key, stamp, oldest: int); where, code, qcode, back, fanout:
+ *               array('q') per slot; key_of, parent_of: lists per slot.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 #define MAX_COUNT 15
 #define MASK 63
@@ -23,51 +27,23 @@
 #define UNLINKED (-1)
 #define DECAY 0.999 /* kvaware_admission.SCAN_DECAY (checked at import by kvaware_loops) */
 
-static const Py_ssize_t VALUE[16] = {0, 2, 5, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32};
+static const int64_t VALUE[16] = {0, 2, 5, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32};
 
-/* -- list helpers: the lists hold ints; a read that fails (not an int) is an error ---------- */
-
-#define GET(list, i, out)                                               \
-    do {                                                                \
-        (out) = PyLong_AsSsize_t(PyList_GET_ITEM((list), (i)));         \
-        if ((out) == -1 && PyErr_Occurred())                            \
-            goto error;                                                 \
-    } while (0)
-
-#define SET(list, i, v)                                                 \
-    do {                                                                \
-        if (set_int((list), (i), (v)) < 0)                              \
-            goto error;                                                 \
-    } while (0)
-
-static int set_int(PyObject *list, Py_ssize_t i, Py_ssize_t v) {
-    PyObject *o = PyLong_FromSsize_t(v);
-    if (o == NULL)
-        return -1;
-    PyObject *old = PyList_GET_ITEM(list, i);
-    PyList_SET_ITEM(list, i, o);
-    Py_DECREF(old);
-    return 0;
-}
-
-static void set_obj(PyObject *list, Py_ssize_t i, PyObject *o) {
-    Py_INCREF(o);
-    PyObject *old = PyList_GET_ITEM(list, i);
-    PyList_SET_ITEM(list, i, o);
-    Py_DECREF(old);
-}
+/* attribute names, interned once */
+static PyObject *S_prev, *S_next, *S_size, *S_queue, *S_base, *S_value, *S_order, *S_stamp,
+    *S_oldest;
 
 /* -- a growable array of slots ---------------------------------------------------------- */
 
 typedef struct {
-    Py_ssize_t *v;
+    int64_t *v;
     Py_ssize_t n, cap;
 } Vec;
 
-static int vec_push(Vec *a, Py_ssize_t x) {
+static int vec_push(Vec *a, int64_t x) {
     if (a->n == a->cap) {
         Py_ssize_t cap = a->cap ? 2 * a->cap : 64;
-        Py_ssize_t *v = PyMem_Realloc(a->v, (size_t)cap * sizeof(Py_ssize_t));
+        int64_t *v = PyMem_Realloc(a->v, (size_t)cap * sizeof(int64_t));
         if (v == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -81,45 +57,78 @@ static int vec_push(Vec *a, Py_ssize_t x) {
 
 /* -- the state ---------------------------------------------------------------------------- */
 
+enum { B_PRV, B_NXT, B_SIZE, B_QUEUE, B_WHERE, B_CODE, B_QCODE, B_BACK, B_FANOUT, N_BUF };
+
 typedef struct {
-    PyObject *links, *hist, *kids, *slot_of, *where, *code, *qcode, *key_of, *parent_of, *back;
-    PyObject *fanout, *pending, *small;
-    PyObject *prv, *nxt, *size, *queue; /* new references (from links) */
-    PyObject *value, *order;            /* new references (from hist) */
+    PyObject *hist, *kids, *slot_of, *key_of, *parent_of, *pending, *small; /* borrowed */
+    PyObject *value, *order;                                               /* new references */
+    Py_buffer buf[N_BUF];
+    int held[N_BUF];
+    int64_t *prv, *nxt, *size, *queue, *where, *code, *qcode, *back, *fanout;
     Py_ssize_t base, capacity;
     long long stamp, oldest;
 } State;
 
 static void state_release(State *st) {
-    Py_CLEAR(st->prv);
-    Py_CLEAR(st->nxt);
-    Py_CLEAR(st->size);
-    Py_CLEAR(st->queue);
+    for (int i = 0; i < N_BUF; i++) {
+        if (st->held[i]) {
+            PyBuffer_Release(&st->buf[i]);
+            st->held[i] = 0;
+        }
+    }
     Py_CLEAR(st->value);
     Py_CLEAR(st->order);
 }
 
-static int get_list(PyObject *obj, const char *name, PyObject **out, Py_ssize_t min_len) {
-    PyObject *o = PyObject_GetAttrString(obj, name);
-    if (o == NULL)
-        return -1;
-    if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) < min_len) {
-        PyErr_Format(PyExc_TypeError, "kvaware state: %s is not a list of %zd ints", name,
-                     min_len);
-        Py_DECREF(o);
-        return -1;
+/* A writable array('q') of exactly len items (len < 0: any), as memory. */
+static int64_t *table(State *st, int which, PyObject *obj, Py_ssize_t len, const char *what) {
+    Py_buffer *b = &st->buf[which];
+    if (PyObject_GetBuffer(obj, b, PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "kvaware state: %s is not a writable array('q')", what);
+        return NULL;
     }
-    *out = o;
-    return 0;
+    st->held[which] = 1;
+    if (b->itemsize != 8 || b->format == NULL || strcmp(b->format, "q") != 0 ||
+        (len >= 0 && b->len != len * 8)) {
+        PyErr_Format(PyExc_TypeError, "kvaware state: %s is not an array('q') of %zd", what, len);
+        return NULL;
+    }
+    return (int64_t *)b->buf;
 }
 
-static int get_ll(PyObject *obj, const char *name, long long *out) {
-    PyObject *o = PyObject_GetAttrString(obj, name);
+static int64_t *attr_table(State *st, int which, PyObject *obj, PyObject *name, Py_ssize_t len) {
+    PyObject *o = PyObject_GetAttr(obj, name);
+    if (o == NULL)
+        return NULL;
+    int64_t *t = table(st, which, o, len, PyUnicode_AsUTF8(name));
+    Py_DECREF(o);
+    return t;
+}
+
+static int get_ll(PyObject *obj, PyObject *name, long long *out) {
+    PyObject *o = PyObject_GetAttr(obj, name);
     if (o == NULL)
         return -1;
     *out = PyLong_AsLongLong(o);
     Py_DECREF(o);
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The history's dicts and counters. */
+static int hist_load(State *st, PyObject *hist) {
+    st->hist = hist;
+    st->value = PyObject_GetAttr(hist, S_value);
+    st->order = PyObject_GetAttr(hist, S_order);
+    if (st->value == NULL || st->order == NULL)
+        return -1;
+    if (!PyDict_CheckExact(st->value) || !PyDict_CheckExact(st->order)) {
+        PyErr_SetString(PyExc_TypeError, "kvaware state: the history is not two dicts");
+        return -1;
+    }
+    if (get_ll(hist, S_stamp, &st->stamp) < 0 || get_ll(hist, S_oldest, &st->oldest) < 0)
+        return -1;
+    return 0;
 }
 
 static int state_load(State *st, PyObject *tuple) {
@@ -129,58 +138,43 @@ static int state_load(State *st, PyObject *tuple) {
         return -1;
     }
     PyObject **it = &PyTuple_GET_ITEM(tuple, 0);
-    st->links = it[0];
-    st->hist = it[1];
+    PyObject *links = it[0];
     st->kids = it[2];
     st->slot_of = it[3];
-    st->where = it[4];
-    st->code = it[5];
-    st->qcode = it[6];
     st->key_of = it[7];
     st->parent_of = it[8];
-    st->back = it[9];
-    st->fanout = it[10];
     st->pending = it[11];
     st->small = it[12];
-    if (!PyList_CheckExact(st->where) || !PyDict_CheckExact(st->kids) ||
-        !PyDict_CheckExact(st->pending) || !PyAnySet_Check(st->small)) {
+    if (!PyDict_CheckExact(st->kids) || !PyDict_CheckExact(st->pending) ||
+        !PyAnySet_Check(st->small) || !PyList_CheckExact(st->key_of) ||
+        !PyList_CheckExact(st->parent_of)) {
         PyErr_SetString(PyExc_TypeError, "kvaware state: unexpected container types");
-        return -1;
+        goto fail;
     }
-    Py_ssize_t cap = st->capacity = PyList_GET_SIZE(st->where);
-    PyObject *lists[5] = {st->code, st->qcode, st->key_of, st->parent_of, st->back};
-    for (int i = 0; i < 5; i++) {
-        if (!PyList_CheckExact(lists[i]) || PyList_GET_SIZE(lists[i]) != cap) {
-            PyErr_SetString(PyExc_TypeError, "kvaware state: per-slot lists differ in length");
-            return -1;
-        }
-    }
-    if (!PyList_CheckExact(st->fanout) || PyList_GET_SIZE(st->fanout) != cap) {
-        PyErr_SetString(PyExc_TypeError, "kvaware state: per-slot lists differ in length");
-        return -1;
+    Py_ssize_t cap = st->capacity = PyList_GET_SIZE(st->key_of);
+    if (PyList_GET_SIZE(st->parent_of) != cap) {
+        PyErr_SetString(PyExc_TypeError, "kvaware state: per-slot tables differ in length");
+        goto fail;
     }
     long long base;
-    if (get_ll(st->links, "base", &base) < 0)
+    if (get_ll(links, S_base, &base) < 0)
         goto fail;
     if (base != cap) {
         PyErr_SetString(PyExc_TypeError, "kvaware state: links and slots differ in capacity");
         goto fail;
     }
     st->base = (Py_ssize_t)base;
-    if (get_list(st->links, "prev", &st->prv, cap + ORPHANS + 1) < 0 ||
-        get_list(st->links, "next", &st->nxt, cap + ORPHANS + 1) < 0 ||
-        get_list(st->links, "size", &st->size, ORPHANS + 1) < 0 ||
-        get_list(st->links, "queue", &st->queue, cap) < 0)
+    if ((st->prv = attr_table(st, B_PRV, links, S_prev, cap + ORPHANS + 1)) == NULL ||
+        (st->nxt = attr_table(st, B_NXT, links, S_next, cap + ORPHANS + 1)) == NULL ||
+        (st->size = attr_table(st, B_SIZE, links, S_size, ORPHANS + 1)) == NULL ||
+        (st->queue = attr_table(st, B_QUEUE, links, S_queue, cap)) == NULL ||
+        (st->where = table(st, B_WHERE, it[4], cap, "where")) == NULL ||
+        (st->code = table(st, B_CODE, it[5], cap, "code")) == NULL ||
+        (st->qcode = table(st, B_QCODE, it[6], cap, "qcode")) == NULL ||
+        (st->back = table(st, B_BACK, it[9], cap, "back")) == NULL ||
+        (st->fanout = table(st, B_FANOUT, it[10], cap, "fanout")) == NULL)
         goto fail;
-    st->value = PyObject_GetAttrString(st->hist, "value");
-    st->order = PyObject_GetAttrString(st->hist, "order");
-    if (st->value == NULL || st->order == NULL)
-        goto fail;
-    if (!PyDict_CheckExact(st->value) || !PyDict_CheckExact(st->order)) {
-        PyErr_SetString(PyExc_TypeError, "kvaware state: the history is not two dicts");
-        goto fail;
-    }
-    if (get_ll(st->hist, "stamp", &st->stamp) < 0 || get_ll(st->hist, "oldest", &st->oldest) < 0)
+    if (hist_load(st, it[1]) < 0)
         goto fail;
     return 0;
 fail:
@@ -193,12 +187,22 @@ static int state_store(State *st) {
     PyObject *t = PyLong_FromLongLong(st->stamp);
     PyObject *o = PyLong_FromLongLong(st->oldest);
     int rc = -1;
-    if (t != NULL && o != NULL && PyObject_SetAttrString(st->hist, "stamp", t) == 0 &&
-        PyObject_SetAttrString(st->hist, "oldest", o) == 0)
+    if (t != NULL && o != NULL && PyObject_SetAttr(st->hist, S_stamp, t) == 0 &&
+        PyObject_SetAttr(st->hist, S_oldest, o) == 0)
         rc = 0;
     Py_XDECREF(t);
     Py_XDECREF(o);
     return rc;
+}
+
+/* Keeps the current exception while the counters are written back. */
+static void state_store_on_error(State *st) {
+    if (st->hist == NULL || st->value == NULL)
+        return;
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb);
+    state_store(st);
+    PyErr_Restore(et, ev, tb);
 }
 
 static int check_slot(State *st, Py_ssize_t s) {
@@ -211,9 +215,18 @@ static int check_slot(State *st, Py_ssize_t s) {
 
 /* slot_of[key] (a KeyError when missing), checked to be a slot. */
 static Py_ssize_t slot_of(State *st, PyObject *key) {
-    PyObject *o = PyObject_GetItem(st->slot_of, key);
-    if (o == NULL)
+    PyObject *o;
+    if (PyDict_CheckExact(st->slot_of)) {
+        o = PyDict_GetItemWithError(st->slot_of, key);
+        if (o == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        Py_INCREF(o);
+    } else if ((o = PyObject_GetItem(st->slot_of, key)) == NULL) {
         return -1;
+    }
     Py_ssize_t s = PyLong_AsSsize_t(o);
     Py_DECREF(o);
     if (s == -1 && PyErr_Occurred())
@@ -279,29 +292,26 @@ static int hist_trim(State *st, double limit) {
     if (limit < 0)
         limit = 0;
     while ((double)PyDict_GET_SIZE(st->value) > limit) {
-        for (;;) {
-            PyObject *kt = PyLong_FromLongLong(t);
-            if (kt == NULL)
-                return -1;
-            PyObject *key = PyDict_GetItemWithError(st->order, kt);
-            if (key == NULL) {
-                Py_DECREF(kt);
-                if (PyErr_Occurred())
-                    return -1;
-                t++;
-                continue;
-            }
-            Py_INCREF(key);
-            int rc = PyDict_DelItem(st->order, kt);
+        PyObject *kt = PyLong_FromLongLong(t);
+        if (kt == NULL)
+            return -1;
+        PyObject *key = PyDict_GetItemWithError(st->order, kt);
+        if (key == NULL) {
             Py_DECREF(kt);
-            if (rc == 0)
-                rc = PyDict_DelItem(st->value, key);
-            Py_DECREF(key);
-            if (rc < 0)
+            if (PyErr_Occurred())
                 return -1;
             t++;
-            break;
+            continue;
         }
+        Py_INCREF(key);
+        int rc = PyDict_DelItem(st->order, kt);
+        Py_DECREF(kt);
+        if (rc == 0)
+            rc = PyDict_DelItem(st->value, key);
+        Py_DECREF(key);
+        if (rc < 0)
+            return -1;
+        t++;
     }
     st->oldest = t;
     return 0;
@@ -309,61 +319,42 @@ static int hist_trim(State *st, double limit) {
 
 /* -- queue splices (Links) ------------------------------------------------------------------ */
 
-static int unlink_slot(State *st, Py_ssize_t c) {
-    Py_ssize_t a, z, q, n;
-    GET(st->prv, c, a);
-    GET(st->nxt, c, z);
-    SET(st->nxt, a, z);
-    SET(st->prv, z, a);
-    SET(st->prv, c, UNLINKED);
-    GET(st->queue, c, q);
-    GET(st->size, q, n);
-    SET(st->size, q, n - 1);
-    return 0;
-error:
-    return -1;
+static void unlink_slot(State *st, int64_t c) {
+    int64_t a = st->prv[c], z = st->nxt[c];
+    st->nxt[a] = z;
+    st->prv[z] = a;
+    st->prv[c] = UNLINKED;
+    st->size[st->queue[c]]--;
 }
 
-static int append_slot(State *st, Py_ssize_t q, Py_ssize_t s) {
-    Py_ssize_t h = st->base + q, t, n;
-    GET(st->prv, h, t);
-    SET(st->nxt, t, s);
-    SET(st->prv, s, t);
-    SET(st->nxt, s, h);
-    SET(st->prv, h, s);
-    SET(st->queue, s, q);
-    GET(st->size, q, n);
-    SET(st->size, q, n + 1);
-    return 0;
-error:
-    return -1;
+static void append_slot(State *st, int64_t q, int64_t s) {
+    int64_t h = st->base + q, t = st->prv[h];
+    st->nxt[t] = s;
+    st->prv[s] = t;
+    st->nxt[s] = h;
+    st->prv[h] = s;
+    st->queue[s] = q;
+    st->size[q]++;
 }
 
-static int extend_slots(State *st, Py_ssize_t q, const Py_ssize_t *slots, Py_ssize_t k) {
-    Py_ssize_t h = st->base + q, t, n;
-    GET(st->prv, h, t);
+static void extend_slots(State *st, int64_t q, const int64_t *slots, Py_ssize_t k) {
+    int64_t h = st->base + q, t = st->prv[h];
     for (Py_ssize_t i = 0; i < k; i++) {
-        SET(st->nxt, t, slots[i]);
-        SET(st->prv, slots[i], t);
-        SET(st->queue, slots[i], q);
+        st->nxt[t] = slots[i];
+        st->prv[slots[i]] = t;
+        st->queue[slots[i]] = q;
         t = slots[i];
     }
-    SET(st->nxt, t, h);
-    SET(st->prv, h, t);
-    GET(st->size, q, n);
-    SET(st->size, q, n + k);
-    return 0;
-error:
-    return -1;
+    st->nxt[t] = h;
+    st->prv[h] = t;
+    st->size[q] += k;
 }
 
-/* Strand the children of key (kids.get(key)): each one still in a bucket leaves it, becomes
- * an orphan and is pushed on fresh. */
+/* Strand the children of a victim (mine: kids.get(key), a key or a set of keys): each one
+ * still in a bucket leaves it, becomes an orphan and is pushed on fresh. */
 static int strand(State *st, PyObject *mine, Vec *fresh) {
     PyObject *it = NULL, *child = NULL;
-    PyObject *single[1] = {mine};
-    Py_ssize_t i = 0, w;
-    int is_set = PySet_Check(mine);
+    int is_set = PySet_Check(mine), one = 0;
     if (is_set && (it = PyObject_GetIter(mine)) == NULL)
         return -1;
     for (;;) {
@@ -375,20 +366,18 @@ static int strand(State *st, PyObject *mine, Vec *fresh) {
                 break;
             }
         } else {
-            if (i++)
+            if (one++)
                 break;
-            child = single[0];
+            child = mine;
             Py_INCREF(child);
         }
         Py_ssize_t c = slot_of(st, child);
         Py_CLEAR(child);
         if (c < 0)
             goto error;
-        GET(st->where, c, w);
-        if (w != ORPHAN) {
-            if (unlink_slot(st, c) < 0)
-                goto error;
-            SET(st->where, c, ORPHAN); /* (an orphan's qcode is never read) */
+        if (st->where[c] != ORPHAN) { /* out of its bucket (Links.unlink) */
+            unlink_slot(st, c);
+            st->where[c] = ORPHAN; /* (an orphan's qcode is never read) */
             if (vec_push(fresh, c) < 0)
                 goto error;
         }
@@ -401,7 +390,7 @@ error:
     return -1;
 }
 
-/* The victim key leaves its parent's children (orphan path: kids.pop then put back). */
+/* The victim key leaves its parent's children (orphan path: kids.pop, put back if others). */
 static int leave_parent_popping(State *st, PyObject *parent, PyObject *key) {
     PyObject *sibs = PyDict_GetItemWithError(st->kids, parent);
     if (sibs == NULL) {
@@ -451,10 +440,36 @@ static int leave_parent(State *st, PyObject *parent, PyObject *key) {
     return eq ? PyDict_DelItem(st->kids, parent) : 0;
 }
 
-static int can_go(PyObject *can_evict, Py_ssize_t s) {
+/* A victim leaves: its parent's children, its own stranded (pushed on fresh), remembered. */
+static int leave(State *st, int64_t s, int popping, int look, Vec *fresh) {
+    PyObject *key = PyList_GET_ITEM(st->key_of, s);
+    PyObject *parent = PyList_GET_ITEM(st->parent_of, s); /* kept: restore_slots reads it */
+    int rc = 0;
+    Py_INCREF(key);
+    Py_INCREF(parent);
+    if (parent != Py_None)
+        rc = popping ? leave_parent_popping(st, parent, key) : leave_parent(st, parent, key);
+    if (rc == 0 && look) {
+        PyObject *mine = PyDict_GetItemWithError(st->kids, key);
+        if (mine != NULL) {
+            Py_INCREF(mine);
+            rc = strand(st, mine, fresh);
+            Py_DECREF(mine);
+        } else if (PyErr_Occurred()) {
+            rc = -1;
+        }
+    }
+    if (rc == 0)
+        rc = hist_put(st, key, st->code[s] & 15);
+    Py_DECREF(parent);
+    Py_DECREF(key);
+    return rc;
+}
+
+static int can_go(PyObject *can_evict, int64_t s) {
     if (can_evict == Py_None)
         return 1;
-    PyObject *arg = PyLong_FromSsize_t(s);
+    PyObject *arg = PyLong_FromLongLong(s);
     if (arg == NULL)
         return -1;
     PyObject *r = PyObject_CallOneArg(can_evict, arg);
@@ -468,32 +483,32 @@ static int can_go(PyObject *can_evict, Py_ssize_t s) {
 
 /* skips: bucket priority -> unevictable pages still to pass over (a short list of pairs) */
 typedef struct {
-    Py_ssize_t *prio, *left;
+    int64_t *prio, *left;
     Py_ssize_t n, cap;
 } Skips;
 
-static Py_ssize_t *skips_find(Skips *k, Py_ssize_t prio) {
+static int64_t *skips_find(Skips *k, int64_t prio) {
     for (Py_ssize_t i = 0; i < k->n; i++)
         if (k->prio[i] == prio)
             return &k->left[i];
     return NULL;
 }
 
-static int skips_set(Skips *k, Py_ssize_t prio, Py_ssize_t left) {
-    Py_ssize_t *at = skips_find(k, prio);
+static int skips_set(Skips *k, int64_t prio, int64_t left) {
+    int64_t *at = skips_find(k, prio);
     if (at != NULL) {
         *at = left;
         return 0;
     }
     if (k->n == k->cap) {
         Py_ssize_t cap = k->cap ? 2 * k->cap : 16;
-        Py_ssize_t *p = PyMem_Realloc(k->prio, (size_t)cap * sizeof(Py_ssize_t));
+        int64_t *p = PyMem_Realloc(k->prio, (size_t)cap * sizeof(int64_t));
         if (p == NULL) {
             PyErr_NoMemory();
             return -1;
         }
         k->prio = p;
-        Py_ssize_t *l = PyMem_Realloc(k->left, (size_t)cap * sizeof(Py_ssize_t));
+        int64_t *l = PyMem_Realloc(k->left, (size_t)cap * sizeof(int64_t));
         if (l == NULL) {
             PyErr_NoMemory();
             return -1;
@@ -506,12 +521,7 @@ static int skips_set(Skips *k, Py_ssize_t prio, Py_ssize_t left) {
     return 0;
 }
 
-/* Remember the victim key with count cd & 15 (History.put). */
-#define REMEMBER(key, cd)                                               \
-    do {                                                                \
-        if (hist_put(&st, (key), (cd) & 15) < 0)                        \
-            goto error;                                                 \
-    } while (0)
+/* -- evict ------------------------------------------------------------------------------------ */
 
 /* evict(st, n, can_evict, limit, floor, left, used, seen)
  *   -> (victims, floor, left, used, seen); see kvaware_loops.evict. */
@@ -524,7 +534,7 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     Py_ssize_t n = PyLong_AsSsize_t(args[1]);
     PyObject *can_evict = args[2];
     double limit = PyFloat_AsDouble(args[3]);
-    Py_ssize_t floor = PyLong_AsSsize_t(args[4]);
+    long long floor = PyLong_AsLongLong(args[4]);
     double left = PyFloat_AsDouble(args[5]);
     double used = PyFloat_AsDouble(args[6]);
     Py_ssize_t seen = PyLong_AsSsize_t(args[7]);
@@ -533,32 +543,28 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     State st;
     if (state_load(&st, args[0]) < 0)
         return NULL;
-    PyObject *out = PyList_New(0), *result = NULL;
-    Vec fresh = {0}, passed = {0}, merged = {0};
+    PyObject *result = NULL;
+    Vec out = {0}, fresh = {0}, passed = {0}, merged = {0};
     Skips skips = {0};
-    Py_ssize_t prio = floor, top = floor + MASK + 1, moved = 0, lap = -1, sz;
-    int orphans, ok;
-    if (out == NULL)
-        goto error;
-    GET(st.size, ORPHANS, sz);
-    orphans = sz > 0;
-    while (PyList_GET_SIZE(out) < n) {
-        if (orphans) { /* the orphan queue, then the fresh ones */
+    int64_t prio = floor, top = floor + MASK + 1, moved = 0, lap = -1;
+    int64_t *size = st.size, *nxt = st.nxt, *prv = st.prv, *code = st.code, *back = st.back;
+    int orphans = size[ORPHANS] > 0, ok;
+    while (out.n < n) {
+        if (orphans) { /* the orphan queue, then the fresh ones; evicting one strands its kids */
             orphans = 0;
-            GET(st.size, ORPHANS, sz);
+            int64_t sz = size[ORPHANS];
             if (sz) { /* fresh[:0] = links.take(ORPHANS, sz, None) */
-                Py_ssize_t h = st.base + ORPHANS, s;
+                int64_t h = st.base + ORPHANS, s = nxt[h];
                 merged.n = 0;
-                GET(st.nxt, h, s);
-                for (Py_ssize_t i = 0; i < sz; i++) {
+                for (int64_t i = 0; i < sz; i++) {
                     if (vec_push(&merged, s) < 0)
                         goto error;
-                    SET(st.prv, s, UNLINKED);
-                    GET(st.nxt, s, s);
+                    prv[s] = UNLINKED;
+                    s = nxt[s];
                 }
-                SET(st.nxt, h, s);
-                SET(st.prv, s, h);
-                SET(st.size, ORPHANS, 0);
+                nxt[h] = s;
+                prv[s] = h;
+                size[ORPHANS] = 0;
                 for (Py_ssize_t i = 0; i < fresh.n; i++)
                     if (vec_push(&merged, fresh.v[i]) < 0)
                         goto error;
@@ -567,10 +573,10 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                 merged = tmp;
             }
             passed.n = 0;
-            Py_ssize_t need = n - PyList_GET_SIZE(out); /* >= 1 here */
+            Py_ssize_t need = n - out.n; /* >= 1 here */
             Py_ssize_t i = 0;
             while (i < fresh.n) { /* grows as children are stranded */
-                Py_ssize_t s = fresh.v[i++], cd, bk;
+                int64_t s = fresh.v[i++];
                 ok = can_go(can_evict, s);
                 if (ok < 0)
                     goto error;
@@ -579,177 +585,112 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                         goto error;
                     continue;
                 }
-                PyObject *key = PyList_GET_ITEM(st.key_of, s);
-                GET(st.code, s, cd);
-                GET(st.back, s, bk);
-                if (bk >= 0) {
+                if (back[s] >= 0) {
                     left = left * DECAY + 1.0;
-                    used = used * DECAY + (cd != bk);
+                    used = used * DECAY + (code[s] != back[s]);
                     seen++;
                 }
-                Py_INCREF(key);
-                PyObject *parent = PyList_GET_ITEM(st.parent_of, s); /* kept: restore reads it */
-                if (parent != Py_None && leave_parent_popping(&st, parent, key) < 0) {
-                    Py_DECREF(key);
+                if (leave(&st, s, 1, 1, &fresh) < 0 || vec_push(&out, s) < 0)
                     goto error;
-                }
-                PyObject *mine = PyDict_GetItemWithError(st.kids, key);
-                if (mine == NULL && PyErr_Occurred()) {
-                    Py_DECREF(key);
-                    goto error;
-                }
-                if (mine != NULL) { /* its children, stranded in turn */
-                    Py_INCREF(mine);
-                    int rc = strand(&st, mine, &fresh);
-                    Py_DECREF(mine);
-                    if (rc < 0) {
-                        Py_DECREF(key);
-                        goto error;
-                    }
-                }
-                int rc = hist_put(&st, key, cd & 15);
-                Py_DECREF(key);
-                if (rc < 0)
-                    goto error;
-                PyObject *so = PyLong_FromSsize_t(s);
-                if (so == NULL || PyList_Append(out, so) < 0) {
-                    Py_XDECREF(so);
-                    goto error;
-                }
-                Py_DECREF(so);
                 if (!--need)
                     break;
             }
+            /* the history trimmed once for the block: every key above went to its end, so the
+             * oldest keys leave, as trimming after each would have removed them */
             if (hist_trim(&st, limit) < 0)
                 goto error;
-            if (i < fresh.n && extend_slots(&st, ORPHANS, fresh.v + i, fresh.n - i) < 0)
-                goto error;
-            if (passed.n && extend_slots(&st, ORPHANS, passed.v, passed.n) < 0)
-                goto error;
+            if (i < fresh.n)
+                extend_slots(&st, ORPHANS, fresh.v + i, fresh.n - i);
+            if (passed.n)
+                extend_slots(&st, ORPHANS, passed.v, passed.n);
             fresh.n = 0;
             continue;
         }
-        Py_ssize_t b = prio & MASK, bsize;
-        GET(st.size, b, bsize);
-        Py_ssize_t *skip = skips.n ? skips_find(&skips, prio) : NULL;
-        if (!bsize || (skip != NULL && *skip <= 0)) {
+        int64_t b = prio & MASK;
+        int64_t *skip = skips.n ? skips_find(&skips, prio) : NULL;
+        if (!size[b] || (skip != NULL && *skip <= 0)) {
             prio++;
             if (prio >= top) { /* see Laps (kvaware.py) */
-                if (PyList_GET_SIZE(out) + moved == lap)
+                if (out.n + moved == lap)
                     break;
-                lap = PyList_GET_SIZE(out) + moved;
+                lap = out.n + moved;
                 top = prio + MASK + 1;
             }
             continue;
         }
-        Py_ssize_t hb = st.base + b, s, cd, qcd, z;
-        GET(st.nxt, hb, s); /* the head of the bucket */
-        GET(st.code, s, cd);
-        GET(st.qcode, s, qcd);
-        if (cd != qcd) { /* used since it was queued: to its bucket now (Links.move) */
-            Py_ssize_t p = (cd >> 4) + VALUE[cd & 15], q = p & MASK, h = st.base + q, a, sq;
-            set_obj(st.qcode, s, PyList_GET_ITEM(st.code, s));
-            SET(st.where, s, p);
+        int64_t hb = st.base + b, s = nxt[hb], cd = code[s];
+        if (cd != st.qcode[s]) { /* used since it was queued: to its bucket now (Links.move) */
+            int64_t p = (cd >> 4) + VALUE[cd & 15], q = p & MASK, h = st.base + q, z, a;
+            st.qcode[s] = cd;
+            st.where[s] = p;
             moved++;
-            GET(st.nxt, s, z);
-            SET(st.nxt, hb, z);
-            SET(st.prv, z, hb);
-            GET(st.prv, h, a);
-            SET(st.nxt, a, s);
-            SET(st.prv, s, a);
-            SET(st.nxt, s, h);
-            SET(st.prv, h, s);
-            SET(st.size, b, bsize - 1);
-            GET(st.size, q, sq);
-            SET(st.size, q, sq + 1);
-            SET(st.queue, s, q);
+            z = nxt[s];
+            nxt[hb] = z;
+            prv[z] = hb;
+            a = prv[h];
+            nxt[a] = s;
+            prv[s] = a;
+            nxt[s] = h;
+            prv[h] = s;
+            size[b]--;
+            size[q]++;
+            st.queue[s] = q;
             continue;
         }
         ok = can_go(can_evict, s);
         if (ok < 0)
             goto error;
         if (ok) {
-            Py_ssize_t bk;
             floor = prio;
-            GET(st.back, s, bk);
-            if (bk >= 0) {
+            if (back[s] >= 0) {
                 left = left * DECAY + 1.0;
-                used = used * DECAY + (cd != bk);
+                used = used * DECAY + (cd != back[s]);
                 seen++;
             }
-            GET(st.nxt, s, z); /* out of its bucket (Links.unlink) */
-            SET(st.nxt, hb, z);
-            SET(st.prv, z, hb);
-            SET(st.prv, s, UNLINKED);
-            SET(st.size, b, bsize - 1);
-            PyObject *key = PyList_GET_ITEM(st.key_of, s);
-            Py_INCREF(key);
-            PyObject *parent = PyList_GET_ITEM(st.parent_of, s); /* kept for restore */
-            if (parent != Py_None && leave_parent(&st, parent, key) < 0) {
-                Py_DECREF(key);
+            int64_t z = nxt[s]; /* out of its bucket (Links.unlink) */
+            nxt[hb] = z;
+            prv[z] = hb;
+            prv[s] = UNLINKED;
+            size[b]--;
+            if (leave(&st, s, 0, PyDict_GET_SIZE(st.kids) > 0, &fresh) < 0 ||
+                hist_trim(&st, limit) < 0 || vec_push(&out, s) < 0)
                 goto error;
-            }
-            if (PyDict_GET_SIZE(st.kids)) {
-                PyObject *mine = PyDict_GetItemWithError(st.kids, key);
-                if (mine == NULL && PyErr_Occurred()) {
-                    Py_DECREF(key);
-                    goto error;
-                }
-                if (mine != NULL) { /* stranded: orphans now */
-                    Py_INCREF(mine);
-                    int rc = strand(&st, mine, &fresh);
-                    Py_DECREF(mine);
-                    if (rc < 0) {
-                        Py_DECREF(key);
-                        goto error;
-                    }
-                }
-            }
-            int rc = hist_put(&st, key, cd & 15);
-            Py_DECREF(key);
-            if (rc < 0 || hist_trim(&st, limit) < 0)
-                goto error;
-            PyObject *so = PyLong_FromSsize_t(s);
-            if (so == NULL || PyList_Append(out, so) < 0) {
-                Py_XDECREF(so);
-                goto error;
-            }
-            Py_DECREF(so);
-            GET(st.size, ORPHANS, sz);
-            orphans = fresh.n > 0 || sz > 0; /* the victim's kids go next */
-        } else { /* to the back of its queue (Links.move), passed over this call */
-            Py_ssize_t h = hb, t, p;
-            GET(st.prv, s, p);
-            GET(st.nxt, s, z);
-            SET(st.nxt, p, z);
-            SET(st.prv, z, p);
-            GET(st.prv, h, t);
-            SET(st.nxt, t, s);
-            SET(st.prv, s, t);
-            SET(st.nxt, s, h);
-            SET(st.prv, h, s);
-            /* the same queue: its size is unchanged */
-            Py_ssize_t left_here = skip != NULL ? *skip : bsize;
-            if (skips_set(&skips, prio, left_here - 1) < 0)
+            orphans = fresh.n > 0 || size[ORPHANS] > 0; /* the victim's kids go next */
+        } else { /* to the back of its queue (Links.move): passed over this call */
+            int64_t p = prv[s], z = nxt[s], t;
+            nxt[p] = z;
+            prv[z] = p;
+            t = prv[hb];
+            nxt[t] = s;
+            prv[s] = t;
+            nxt[s] = hb;
+            prv[hb] = s;
+            if (skips_set(&skips, prio, (skip != NULL ? *skip : size[b]) - 1) < 0)
                 goto error;
         }
     }
-    if (fresh.n && extend_slots(&st, ORPHANS, fresh.v, fresh.n) < 0)
-        goto error;
+    if (fresh.n) /* stranded by the last victim, with no room left to evict them: queued */
+        extend_slots(&st, ORPHANS, fresh.v, fresh.n);
     if (state_store(&st) < 0)
         goto error;
-    result = Py_BuildValue("(Onddn)", out, floor, left, used, seen);
+    PyObject *victims = PyList_New(out.n);
+    if (victims == NULL)
+        goto error;
+    for (Py_ssize_t i = 0; i < out.n; i++) {
+        PyObject *o = PyLong_FromLongLong(out.v[i]);
+        if (o == NULL) {
+            Py_DECREF(victims);
+            goto error;
+        }
+        PyList_SET_ITEM(victims, i, o);
+    }
+    result = Py_BuildValue("(NLddn)", victims, floor, left, used, seen);
     goto done;
 error:
-    if (PyErr_Occurred()) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        state_store(&st);
-        PyErr_Restore(et, ev, tb);
-    }
+    state_store_on_error(&st);
     result = NULL;
 done:
-    Py_XDECREF(out);
+    PyMem_Free(out.v);
     PyMem_Free(fresh.v);
     PyMem_Free(passed.v);
     PyMem_Free(merged.v);
@@ -759,24 +700,67 @@ done:
     return result;
 }
 
-/* insert(st, slots, keys, parents, lasts, check, start, start_prio, floor) -> None;
- * see kvaware_loops.insert. */
+/* -- insert ----------------------------------------------------------------------------------- */
+
+/* Requeue the stranded children of a page that came back (orphans no more): to their buckets
+ * with their priority counting from floor. */
+static int unstrand(State *st, PyObject *mine, long long floor) {
+    PyObject *it = NULL, *child = NULL;
+    int is_set = PySet_Check(mine), one = 0;
+    if (is_set && (it = PyObject_GetIter(mine)) == NULL)
+        return -1;
+    for (;;) {
+        if (is_set) {
+            child = PyIter_Next(it);
+            if (child == NULL) {
+                if (PyErr_Occurred())
+                    goto error;
+                break;
+            }
+        } else {
+            if (one++)
+                break;
+            child = mine;
+            Py_INCREF(child);
+        }
+        Py_ssize_t c = slot_of(st, child);
+        Py_CLEAR(child);
+        if (c < 0)
+            goto error;
+        if (st->where[c] != ORPHAN)
+            continue;
+        unlink_slot(st, c);
+        int64_t cd = (floor << 4) + (st->code[c] & 15), p = (cd >> 4) + VALUE[cd & 15];
+        st->code[c] = st->qcode[c] = cd;
+        st->where[c] = p;
+        append_slot(st, p & MASK, c);
+    }
+    Py_XDECREF(it);
+    return 0;
+error:
+    Py_XDECREF(child);
+    Py_XDECREF(it);
+    return -1;
+}
+
+static void set_obj(PyObject *list, Py_ssize_t i, PyObject *o) {
+    Py_INCREF(o);
+    PyObject *old = PyList_GET_ITEM(list, i);
+    PyList_SET_ITEM(list, i, o);
+    Py_DECREF(old);
+}
+
+/* insert(st, slots, keys, parents, lasts, check, floor) -> None; see kvaware_loops.insert. */
 static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "insert() takes 9 arguments");
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "insert() takes 7 arguments");
         return NULL;
     }
     int check = PyObject_IsTrue(args[5]);
-    PyObject *start = args[6], *start_prio = args[7];
-    Py_ssize_t floor = PyLong_AsSsize_t(args[8]);
+    long long floor = PyLong_AsLongLong(args[6]);
     if (check < 0 || PyErr_Occurred())
         return NULL;
-    if (!PyList_CheckExact(start) || PyList_GET_SIZE(start) != 16 ||
-        !PyList_CheckExact(start_prio) || PyList_GET_SIZE(start_prio) != 16) {
-        PyErr_SetString(PyExc_TypeError, "insert(): start tables of 16 expected");
-        return NULL;
-    }
     State st;
     if (state_load(&st, args[0]) < 0)
         return NULL;
@@ -788,11 +772,10 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     lasts = PySequence_Fast(args[4], "insert(): lasts must be a sequence");
     if (!slots || !keys || !parents || !lasts)
         goto error;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
-    if (PySequence_Fast_GET_SIZE(keys) < n || PySequence_Fast_GET_SIZE(parents) < n ||
-        PySequence_Fast_GET_SIZE(lasts) < n)
-        n = Py_MIN(Py_MIN(PySequence_Fast_GET_SIZE(keys), PySequence_Fast_GET_SIZE(parents)),
-                   Py_MIN(PySequence_Fast_GET_SIZE(lasts), n)); /* zip: the shortest */
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots); /* zip: the shortest */
+    n = Py_MIN(n, PySequence_Fast_GET_SIZE(keys));
+    n = Py_MIN(n, PySequence_Fast_GET_SIZE(parents));
+    n = Py_MIN(n, PySequence_Fast_GET_SIZE(lasts));
     PyObject *prev = NULL; /* the page inserted just before (see kvaware_loops.insert) */
     int free_ = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -805,7 +788,7 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         long long seen;
         if (last < 0 || hist_pop(&st, k, &seen) < 0)
             goto error;
-        Py_ssize_t c = last && !seen ? 0 : Py_MIN(seen + 1, MAX_COUNT);
+        int64_t c = last && !seen ? 0 : Py_MIN(seen + 1, MAX_COUNT);
         if (c == 1 && PySet_GET_SIZE(st.small)) {
             int in = PySet_Contains(st.small, k);
             if (in < 0)
@@ -813,71 +796,60 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             if (in)
                 c = 2;
         }
-        PyObject *cd = PyList_GET_ITEM(start, c);
-        set_obj(st.code, s, cd);
-        set_obj(st.qcode, s, cd);
-        if (seen)
-            set_obj(st.back, s, cd);
-        else
-            SET(st.back, s, -1);
+        int64_t cd = (floor << 4) + c;
+        st.code[s] = st.qcode[s] = cd;
+        st.back[s] = seen ? cd : -1;
         set_obj(st.key_of, s, k);
         PyObject *fan = PyDict_GetItemWithError(st.pending, k);
         if (fan != NULL) {
-            Py_INCREF(fan);
-            if (PyDict_DelItem(st.pending, k) < 0) {
-                Py_DECREF(fan);
+            Py_ssize_t f = PyLong_AsSsize_t(fan);
+            if ((f == -1 && PyErr_Occurred()) || PyDict_DelItem(st.pending, k) < 0)
                 goto error;
-            }
-            set_obj(st.fanout, s, fan);
-            Py_DECREF(fan);
+            st.fanout[s] = f;
         } else if (PyErr_Occurred()) {
             goto error;
         } else {
-            SET(st.fanout, s, 0);
+            st.fanout[s] = 0;
         }
         set_obj(st.parent_of, s, parent);
-        Py_ssize_t q;
+        int64_t q, p = floor + VALUE[c];
         if (parent == Py_None) {
-            set_obj(st.where, s, PyList_GET_ITEM(start_prio, c));
-            GET(st.where, s, q);
-            q &= MASK;
+            st.where[s] = p;
+            q = p & MASK;
         } else if (parent == prev && free_) {
             if (PyDict_SetItem(st.kids, parent, k) < 0)
                 goto error;
-            set_obj(st.where, s, PyList_GET_ITEM(start_prio, c));
-            GET(st.where, s, q);
-            q &= MASK;
+            st.where[s] = p;
+            q = p & MASK;
         } else {
             int orphan = 0;
             if (check && parent != prev) {
                 int in = PyDict_Contains(st.value, parent);
                 if (in < 0)
                     goto error;
-                if (in) {
+                if (in) { /* slot_of.get(parent): gone, or in no queue */
                     PyObject *pso = PyObject_CallMethod(st.slot_of, "get", "O", parent);
                     if (pso == NULL)
                         goto error;
                     if (pso == Py_None) {
                         orphan = 1;
                     } else {
-                        Py_ssize_t ps = PyLong_AsSsize_t(pso), pp;
+                        Py_ssize_t ps = PyLong_AsSsize_t(pso);
                         if ((ps == -1 && PyErr_Occurred()) || check_slot(&st, ps) < 0) {
                             Py_DECREF(pso);
                             goto error;
                         }
-                        GET(st.prv, ps, pp);
-                        orphan = pp == UNLINKED;
+                        orphan = st.prv[ps] == UNLINKED;
                     }
                     Py_DECREF(pso);
                 }
             }
             if (orphan) {
-                SET(st.where, s, ORPHAN);
+                st.where[s] = ORPHAN;
                 q = ORPHANS;
             } else {
-                set_obj(st.where, s, PyList_GET_ITEM(start_prio, c));
-                GET(st.where, s, q);
-                q &= MASK;
+                st.where[s] = p;
+                q = p & MASK;
             }
             PyObject *sibs = PyDict_GetItemWithError(st.kids, parent);
             if (sibs == NULL) {
@@ -895,56 +867,16 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
             }
         }
         /* (the Python loop batches runs of one queue; appending each at once is the same) */
-        if (append_slot(&st, q, s) < 0)
-            goto error;
+        append_slot(&st, q, s);
         PyObject *mine = PyDict_GetItemWithError(st.kids, k);
         if (mine == NULL && PyErr_Occurred())
             goto error;
         free_ = mine == NULL;
         if (!free_) { /* its stranded children are orphans no more: to their buckets */
             Py_INCREF(mine);
-            PyObject *it = NULL, *child = NULL;
-            int is_set = PySet_Check(mine), done = 0, failed = 0;
-            if (is_set && (it = PyObject_GetIter(mine)) == NULL)
-                failed = 1;
-            while (!failed && !done) {
-                if (is_set) {
-                    child = PyIter_Next(it);
-                    if (child == NULL) {
-                        failed = PyErr_Occurred() != NULL;
-                        break;
-                    }
-                } else {
-                    child = mine;
-                    Py_INCREF(child);
-                    done = 1;
-                }
-                Py_ssize_t cs = slot_of(&st, child), w, ccd, p;
-                Py_CLEAR(child);
-                if (cs < 0) {
-                    failed = 1;
-                    break;
-                }
-                w = PyLong_AsSsize_t(PyList_GET_ITEM(st.where, cs));
-                ccd = PyLong_AsSsize_t(PyList_GET_ITEM(st.code, cs));
-                if (PyErr_Occurred()) {
-                    failed = 1;
-                    break;
-                }
-                if (w != ORPHAN)
-                    continue;
-                ccd = (floor << 4) + (ccd & 15);
-                p = (ccd >> 4) + VALUE[ccd & 15];
-                if (unlink_slot(&st, cs) < 0 || set_int(st.code, cs, ccd) < 0 ||
-                    set_int(st.qcode, cs, ccd) < 0 || set_int(st.where, cs, p) < 0 ||
-                    append_slot(&st, p & MASK, cs) < 0) {
-                    failed = 1;
-                    break;
-                }
-            }
-            Py_XDECREF(it);
+            int rc = unstrand(&st, mine, floor);
             Py_DECREF(mine);
-            if (failed)
+            if (rc < 0)
                 goto error;
         }
         prev = k;
@@ -955,12 +887,7 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
     Py_INCREF(result);
     goto done;
 error:
-    if (PyErr_Occurred()) {
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        state_store(&st);
-        PyErr_Restore(et, ev, tb);
-    }
+    state_store_on_error(&st);
     result = NULL;
 done:
     Py_XDECREF(newset);
@@ -972,13 +899,261 @@ done:
     return result;
 }
 
+/* -- admission of a ChainHint's run ---------------------------------------------------------- */
+
+/* Call judge(k, depth, last, hits, parent, blocks, head, step) with the history's counters
+ * written back first and read again after (judge puts and trims through History). */
+static int call_judge(State *hs, PyObject *judge, PyObject *k, Py_ssize_t depth, int last,
+                      Py_ssize_t hits, PyObject *parent, Py_ssize_t blocks, Py_ssize_t head,
+                      Py_ssize_t step) {
+    if (state_store(hs) < 0)
+        return -1;
+    PyObject *d = PyLong_FromSsize_t(depth), *h = PyLong_FromSsize_t(hits);
+    PyObject *b = PyLong_FromSsize_t(blocks), *hd = PyLong_FromSsize_t(head);
+    PyObject *sp = PyLong_FromSsize_t(step);
+    int ok = -1;
+    if (d != NULL && h != NULL && b != NULL && hd != NULL && sp != NULL) {
+        PyObject *argv[8] = {k, d, last ? Py_True : Py_False, h, parent, b, hd, sp};
+        PyObject *r = PyObject_Vectorcall(judge, argv, 8, NULL);
+        if (r != NULL) {
+            ok = PyObject_IsTrue(r);
+            Py_DECREF(r);
+        }
+    }
+    Py_XDECREF(d);
+    Py_XDECREF(h);
+    Py_XDECREF(b);
+    Py_XDECREF(hd);
+    Py_XDECREF(sp);
+    if (ok >= 0 &&
+        (get_ll(hs->hist, S_stamp, &hs->stamp) < 0 || get_ll(hs->hist, S_oldest, &hs->oldest) < 0))
+        return -1;
+    return ok;
+}
+
+/* Decline k: remembered with one use, the history trimmed, a False verdict. */
+static int decline(State *hs, PyObject *k, double limit, PyObject *out) {
+    if (hist_put(hs, k, 1) < 0 || hist_trim(hs, limit) < 0)
+        return -1;
+    return PyList_Append(out, Py_False);
+}
+
+/* admit_chain(keys, first, parent, hits, blocks, head, step, gate_open, gone, run, pending,
+ *             small, slot_of, limit, fanout_max, short, judge)
+ *   -> (verdicts, every, judged, admitted, lasts, fanned, stepped);
+ * see kvaware_admission.admit_chain. */
+static PyObject *admit_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "admit_chain() takes 17 arguments");
+        return NULL;
+    }
+    Py_ssize_t first = PyLong_AsSsize_t(args[1]);
+    PyObject *parent = args[2];
+    Py_ssize_t hits = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t blocks = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t head = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t step = PyLong_AsSsize_t(args[6]);
+    int gate_open = PyObject_IsTrue(args[7]);
+    PyObject *run = args[9], *pending = args[10], *small = args[11], *slot_of_ = args[12];
+    double limit = PyFloat_AsDouble(args[13]);
+    Py_ssize_t fanout_max = PyLong_AsSsize_t(args[14]);
+    Py_ssize_t short_ = PyLong_AsSsize_t(args[15]);
+    PyObject *judge = args[16];
+    if (gate_open < 0 || PyErr_Occurred())
+        return NULL;
+    if (!PyDict_CheckExact(run) || !PyDict_CheckExact(pending) || !PyAnySet_Check(small)) {
+        PyErr_SetString(PyExc_TypeError, "admit_chain(): unexpected container types");
+        return NULL;
+    }
+    State hs;
+    memset(&hs, 0, sizeof(hs));
+    PyObject *keys = NULL, *out = NULL, *zero = NULL, *result = NULL;
+    if (hist_load(&hs, args[8]) < 0) {
+        state_release(&hs);
+        return NULL;
+    }
+    keys = PySequence_Fast(args[0], "admit_chain(): keys must be a sequence");
+    out = PyList_New(0);
+    zero = PyLong_FromLong(0);
+    if (keys == NULL || out == NULL || zero == NULL)
+        goto error;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), last = blocks - 1;
+    Py_ssize_t judged = 0, admitted = 0, lasts = 0, fanned = 0, stepped = 0;
+    int every = 1, fresh = 0, big = step && hits > 1, ok, in;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        Py_ssize_t depth = first + i;
+        in = PyDict_Contains(hs.value, k);
+        if (in < 0)
+            goto error;
+        if (in) {
+            if (gate_open) { /* readmitted, as _judge would (the gate is open) */
+                if (PyDict_SetDefault(pending, k, zero) == NULL || PyList_Append(out, Py_True) < 0)
+                    goto error;
+                parent = k;
+                fresh = 1;
+                continue;
+            }
+            ok = call_judge(&hs, judge, k, depth, depth == last, hits, parent, blocks, head, step);
+        } else if (depth == last) { /* a never-seen last block: declined */
+            if (decline(&hs, k, limit, out) < 0)
+                goto error;
+            lasts++;
+            every = 0;
+            parent = k;
+            fresh = 0;
+            continue;
+        } else if (big && parent != Py_None) { /* a later turn's never-seen block */
+            Py_ssize_t start = depth;
+            PyObject *so = PyDict_GetItemWithError(run, parent);
+            if (so != NULL) {
+                start = PyLong_AsSsize_t(so);
+                if (start == -1 && PyErr_Occurred())
+                    goto error;
+            } else if (PyErr_Occurred()) {
+                goto error;
+            }
+            PyObject *sv = PyLong_FromSsize_t(start);
+            if (sv == NULL)
+                goto error;
+            int rc = PyDict_SetItem(run, k, sv);
+            Py_DECREF(sv);
+            if (rc < 0)
+                goto error;
+            if (blocks - start >= step) { /* a large step: declined and remembered */
+                if (decline(&hs, k, limit, out) < 0)
+                    goto error;
+                stepped++;
+                every = 0;
+                parent = k;
+                fresh = 0;
+                continue;
+            }
+            in = 1;
+            if (fresh && (in = PySequence_Contains(slot_of_, parent)) < 0)
+                goto error;
+            if (!in) { /* a small step off the page before (admitted here) */
+                PyObject *fo = PyDict_GetItemWithError(pending, parent);
+                if (fo == NULL) {
+                    if (!PyErr_Occurred())
+                        PyErr_SetObject(PyExc_KeyError, parent);
+                    goto error;
+                }
+                Py_ssize_t fan = PyLong_AsSsize_t(fo);
+                if (fan == -1 && PyErr_Occurred())
+                    goto error;
+                PyObject *fv = PyLong_FromSsize_t(fan + 1);
+                if (fv == NULL)
+                    goto error;
+                rc = PyDict_SetItem(pending, parent, fv);
+                Py_DECREF(fv);
+                if (rc < 0)
+                    goto error;
+                if (fan < fanout_max || (0 < blocks && blocks <= short_)) {
+                    admitted++;
+                    if (PySet_Add(small, k) < 0 || PyDict_SetDefault(pending, k, zero) == NULL ||
+                        PyList_Append(out, Py_True) < 0)
+                        goto error;
+                    parent = k;
+                    continue;
+                }
+                if (decline(&hs, k, limit, out) < 0)
+                    goto error;
+                fanned++;
+                every = 0;
+                parent = k;
+                fresh = 0;
+                continue;
+            }
+            ok = call_judge(&hs, judge, k, depth, 0, hits, parent, blocks, head, step);
+        } else {
+            ok = call_judge(&hs, judge, k, depth, 0, hits, parent, blocks, head, step);
+        }
+        if (ok < 0)
+            goto error;
+        if (ok) {
+            if (PyDict_SetDefault(pending, k, zero) == NULL)
+                goto error;
+            judged++;
+        } else {
+            every = 0;
+        }
+        if (PyList_Append(out, ok ? Py_True : Py_False) < 0)
+            goto error;
+        parent = k;
+        fresh = ok;
+    }
+    if (state_store(&hs) < 0)
+        goto error;
+    result = Py_BuildValue("(OOnnnnn)", out, every ? Py_True : Py_False, judged, admitted, lasts,
+                           fanned, stepped);
+    goto done;
+error:
+    state_store_on_error(&hs);
+    result = NULL;
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(out);
+    Py_XDECREF(zero);
+    state_release(&hs);
+    return result;
+}
+
+/* -- touch ------------------------------------------------------------------------------------ */
+
+/* touch(code, slots, floor): each slot's use code becomes floor's, its count one up (to 15);
+ * see KVAwarePolicy.touch_slots. */
+static PyObject *touch(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "touch() takes 3 arguments");
+        return NULL;
+    }
+    long long floor = PyLong_AsLongLong(args[2]);
+    if (floor == -1 && PyErr_Occurred())
+        return NULL;
+    State st;
+    memset(&st, 0, sizeof(st));
+    int64_t *code = table(&st, B_CODE, args[0], -1, "code");
+    PyObject *slots = code ? PySequence_Fast(args[1], "touch(): slots must be a sequence") : NULL;
+    PyObject *result = NULL;
+    if (slots != NULL) {
+        Py_ssize_t cap = st.buf[B_CODE].len / 8, n = PySequence_Fast_GET_SIZE(slots);
+        int64_t now = floor << 4;
+        result = Py_None;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t s = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(slots, i));
+            if ((s == -1 && PyErr_Occurred()) || s < 0 || s >= cap) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_IndexError, "kvaware: slot %zd outside the table", s);
+                result = NULL;
+                break;
+            }
+            int64_t c = code[s] & 15;
+            code[s] = now + (c < MAX_COUNT ? c + 1 : c);
+        }
+        Py_XINCREF(result);
+        Py_DECREF(slots);
+    }
+    state_release(&st);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(state, n, can_evict, limit, floor, left, used, seen) -> (victims, floor, left, "
      "used, seen): kvaware's eviction loop (kvaware_loops.evict)."},
+    {"admit_chain", (PyCFunction)(void (*)(void))admit_chain, METH_FASTCALL,
+     "admit_chain(keys, first, parent, hits, blocks, head, step, gate_open, gone, run, pending, "
+     "small, slot_of, limit, fanout_max, short, judge) -> (verdicts, every, judged, admitted, "
+     "lasts, fanned, stepped): the admission of a ChainHint's run "
+     "(kvaware_admission.admit_chain)."},
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL,
-     "insert(state, slots, keys, parents, lasts, check, start, start_prio, floor) -> None: "
+     "insert(state, slots, keys, parents, lasts, check, floor) -> None: "
      "kvaware's insertion loop (kvaware_loops.insert)."},
+    {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL,
+     "touch(code, slots, floor) -> None: kvaware's uses (kvaware_loops.touch)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -989,6 +1164,16 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__kvaware(void) {
+    struct {
+        PyObject **at;
+        const char *name;
+    } names[] = {{&S_prev, "prev"},   {&S_next, "next"},   {&S_size, "size"},
+                 {&S_queue, "queue"}, {&S_base, "base"},   {&S_value, "value"},
+                 {&S_order, "order"}, {&S_stamp, "stamp"}, {&S_oldest, "oldest"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if (*names[i].at == NULL && (*names[i].at = PyUnicode_InternFromString(names[i].name)) == NULL)
+            return NULL;
+    }
     PyObject *m = PyModule_Create(&module_def);
     if (m != NULL && PyModule_AddObject(m, "DECAY", PyFloat_FromDouble(DECAY)) < 0) {
         Py_DECREF(m);

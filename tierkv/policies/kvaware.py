@@ -7,6 +7,7 @@ eviction scan with its orphan cascade) in ``kvaware_loops.py``, in Python and in
 from __future__ import annotations
 
 import copy
+from array import array
 from collections.abc import Mapping, Sequence
 from itertools import compress
 
@@ -58,6 +59,11 @@ __all__ = [
 # round the whole ring of 64 buckets, lap after lap while a lap still evicts or moves a page, and
 # stops early only when it has its n victims.
 _NONE = object()  # no entry in _kids
+
+
+def _ints(fill: int, n: int) -> array[int]:
+    """A per-slot int table: ``n`` copies of ``fill`` in an ``array('q')``."""
+    return array("q", (fill,)) * n
 
 
 class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
@@ -154,19 +160,18 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._n = 0
         # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans)
-        self._links = Links(0, ORPHANS + 1)
-        self._where: list[int] = []  # its priority (its bucket is prio & MASK), or ORPHAN
-        self._code: list[int] = []  # its use code: (L at its last use) * 16 + uses
-        self._qcode: list[int] = []  # its use code when queued
+        # (ints in array('q')s, as the links: the collector does not walk them entry by entry,
+        # and the C loops read them as memory)
+        self._links = Links(0, ORPHANS + 1, flat=True)
+        self._where = _ints(0, 0)  # its priority (its bucket is prio & MASK), or ORPHAN
+        self._code = _ints(0, 0)  # its use code: (L at its last use) * 16 + uses
+        self._qcode = _ints(0, 0)  # its use code when queued
         self._key: list[Key] = []
         self._parent: list[Key | None] = []
-        self._fanout: list[int] = []  # never-seen children that tried to extend it
-        self._back: list[int] = []  # its use code when it came back from the history; -1: not
-        self._bump: list[int] = []  # see _tables
-        self._start: list[int] = []
-        self._start_prio: list[int] = []
-        self._tables_floor = -1
+        self._fanout = _ints(0, 0)  # never-seen children that tried to extend it
+        self._back = _ints(0, 0)  # its use code when it came back from the history; -1: not
         self._loops = loops or LOOPS
+        self._chain_loop = self._loops.admit
         self._state: State = self._state_tuple()
 
     def _state_tuple(self) -> State:
@@ -189,14 +194,14 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
-        self._links = Links(capacity, ORPHANS + 1)
-        self._where = [0] * capacity
-        self._code = [0] * capacity
-        self._qcode = [0] * capacity
+        self._links = Links(capacity, ORPHANS + 1, flat=True)
+        self._where = _ints(0, capacity)
+        self._code = _ints(0, capacity)
+        self._qcode = _ints(0, capacity)
         self._key = [None] * capacity
         self._parent = [None] * capacity
-        self._fanout = [0] * capacity
-        self._back = [-1] * capacity
+        self._fanout = _ints(0, capacity)
+        self._back = _ints(-1, capacity)
         self._state = self._state_tuple()
 
     def __len__(self) -> int:
@@ -219,15 +224,6 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._fanout[self._slot_of[key]] += 1
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _tables(self) -> None:
-        """The use codes and priorities of this floor, by count: a touch or an insert then
-        stores a shared int instead of making one (most are too large for CPython's cache)."""
-        now = self._floor << 4
-        self._start = start = list(range(now, now + 16))
-        self._bump = start[1:] + start[MAX_COUNT:]
-        self._start_prio = list(map(self._floor.__add__, VALUE))
-        self._tables_floor = self._floor
-
     def _requeue(self, s: int, orphan: bool, reset: bool = True) -> None:
         """Move linked slot ``s`` into the orphan queue, or out of it to its bucket (its
         priority counting from now unless not ``reset``)."""
@@ -248,8 +244,6 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
 
     # -- the interface -------------------------------------------------------------------
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
-        if self._tables_floor != self._floor:  # constant below: only evictions move it
-            self._tables()
         n = len(keys)
         lasts = [False] * n
         if hints is None:
@@ -277,8 +271,6 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             parents,
             lasts,
             check,
-            self._start,
-            self._start_prio,
             self._floor,
         )
         self._n += n
@@ -288,11 +280,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._limit = self._history * self._capacity
 
     def touch_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
-        if self._tables_floor != self._floor:
-            self._tables()
-        code, bump = self._code, self._bump
-        for s in slots:
-            code[s] = bump[code[s] & 15]
+        self._loops.touch(self._code, slots, self._floor)
 
     def remove_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> None:
         links, kids = self._links, self._kids
@@ -378,7 +366,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         c._kids = {k: set(v) if isinstance(v, set) else v for k, v in self._kids.items()}
         c._links = self._links.copy()
         for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):
-            setattr(c, name, list(getattr(self, name)))
+            setattr(c, name, getattr(self, name)[:])
         c._state = c._state_tuple()
         return c
 

@@ -9,7 +9,7 @@ scan's. :class:`ConversationAdmission` is a mixin of
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tierkv.policies.base import NO_HINT, ChainHint, Hints, Key, PageHint, page_hints
@@ -59,6 +59,7 @@ class ConversationAdmission:
     _probes: int
     _decisions: dict[str, int]  # admission outcomes by rule (see stats)
     _slot_of: Mapping[Key, int]  # the tier's key -> slot map (EvictionPolicy._bind)
+    _chain_loop: ChainLoop  # admit_chain, or its C twin (set by the policy)
 
     if TYPE_CHECKING:  # provided by KVAwarePolicy
 
@@ -86,83 +87,30 @@ class ConversationAdmission:
 
     def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
         """:meth:`admit` for a batch, in order; None when every page is admitted. A
-        :class:`~tierkv.policies.base.ChainHint` is read block by block, no hint built."""
+        :class:`~tierkv.policies.base.ChainHint` is read block by block, no hint built
+        (:func:`admit_chain`, or its C twin)."""
         if hints is None:
             return None
-        judge, pending = self._judge, self._pending
-        out: list[bool] = []
-        every = True
         if isinstance(hints, ChainHint):
-            first, parent, hits, blocks = hints.depth, hints.parent, hints.prefix_hits, hints.blocks
-            last = blocks - 1
-            head, step = self._head_rule(), self._step_rule()
-            gone, gate_open, stepped = self._gone, not self._scan(), 0
-            run, limit, settle, append = self._run, self._limit, pending.setdefault, out.append
-            remember, trim, get, remembered = gone.put, gone.trim, run.get, gone.value
-            big = step and hits > 1  # a later turn under the step rule
-            fanout_max, short, slot_of = self._max_fanout, self._short, self._slot_of
-            small = self._small.add
-            judged = admitted = lasts = fanned = 0  # pages decided here, as _judge would
-            fresh = False  # the page before was admitted here (pending, not yet resident)
-            for depth, k in enumerate(keys, first):
-                if k in remembered:
-                    if gate_open:  # readmitted, as _judge would (the gate is open)
-                        settle(k, 0)
-                        append(True)
-                        parent = k
-                        fresh = True
-                        continue
-                    ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
-                elif depth == last:  # a never-seen last block: declined, as _judge would
-                    remember(k, 1)
-                    trim(limit)
-                    lasts += 1
-                    every = False
-                    append(False)
-                    parent = k
-                    fresh = False
-                    continue
-                elif big and parent is not None:  # a later turn's never-seen block
-                    start = get(parent, depth)
-                    run[k] = start
-                    if blocks - start >= step:  # a large step: declined and remembered
-                        remember(k, 1)
-                        trim(limit)
-                        stepped += 1
-                        every = False
-                        append(False)
-                        parent = k
-                        fresh = False
-                        continue
-                    if fresh and parent not in slot_of:  # a small step off the page before
-                        fan = pending[parent]
-                        pending[parent] = fan + 1
-                        if fan < fanout_max or 0 < blocks <= short:
-                            admitted += 1
-                            small(k)
-                            settle(k, 0)
-                            append(True)
-                            parent = k
-                            continue
-                        remember(k, 1)
-                        trim(limit)
-                        fanned += 1
-                        every = False
-                        append(False)
-                        parent = k
-                        fresh = False
-                        continue
-                    ok = judge(k, depth, False, hits, parent, blocks, head, step)
-                else:
-                    ok = judge(k, depth, False, hits, parent, blocks, head, step)
-                if ok:
-                    settle(k, 0)
-                    judged += 1
-                else:
-                    every = False
-                append(ok)
-                parent = k
-                fresh = ok
+            out, every, judged, admitted, lasts, fanned, stepped = self._chain_loop(
+                keys,
+                hints.depth,
+                hints.parent,
+                hints.prefix_hits,
+                hints.blocks,
+                self._head_rule(),
+                self._step_rule(),
+                not self._scan(),
+                self._gone,
+                self._run,
+                self._pending,
+                self._small,
+                self._slot_of,
+                self._limit,
+                self._max_fanout,
+                self._short,
+                self._judge,
+            )
             readmitted = len(out) - out.count(False) - judged - admitted
             decisions = self._decisions
             if readmitted:
@@ -175,12 +123,14 @@ class ConversationAdmission:
             ):
                 if count:
                     decisions[what] = decisions.get(what, 0) + count
-        else:
-            admit = self.admit
-            for k, h in zip(keys, page_hints(keys, hints)):
-                ok = admit(k, h)
-                every = every and ok
-                out.append(ok)
+            return None if every else out
+        admit = self.admit
+        out = []
+        every = True
+        for k, h in zip(keys, page_hints(keys, hints)):
+            ok = admit(k, h)
+            every = every and ok
+            out.append(ok)
         return None if every else out
 
     def stats(self) -> dict[str, float]:
@@ -302,3 +252,126 @@ class ConversationAdmission:
             if later and step:
                 self._small.add(key)
         return ok
+
+
+Judge = Callable[[Key, int, bool, int, Key | None, int, int, int], bool]
+ChainLoop = Callable[
+    [
+        Sequence[Key],
+        int,
+        Key | None,
+        int,
+        int,
+        int,
+        int,
+        bool,
+        History,
+        dict[Key, int],
+        dict[Key, int],
+        set[Key],
+        Mapping[Key, int],
+        float,
+        int,
+        int,
+        Judge,
+    ],
+    tuple[list[bool], bool, int, int, int, int, int],
+]
+
+
+def admit_chain(
+    keys: Sequence[Key],
+    first: int,
+    parent: Key | None,
+    hits: int,
+    blocks: int,
+    head: int,
+    step: int,
+    gate_open: bool,
+    gone: History,
+    run: dict[Key, int],
+    pending: dict[Key, int],
+    small_set: set[Key],
+    slot_of: Mapping[Key, int],
+    limit: float,
+    fanout_max: int,
+    short: int,
+    judge: Judge,
+) -> tuple[list[bool], bool, int, int, int, int, int]:
+    """The admission of a :class:`~tierkv.policies.base.ChainHint`'s run (``keys`` from
+    depth ``first``), block by block as :meth:`ConversationAdmission._judge` would judge each,
+    with the common cases written out and the rest passed to ``judge``. Returns the verdicts,
+    whether all are yes, and the counts of pages judged by ``judge`` and admitted, declined as
+    last blocks, for their fan-out and as a large step here (the caller books them).
+
+    The reference of the C twin (``policies/_kvaware.c``, ``admit_chain``)."""
+    out: list[bool] = []
+    every = True
+    last = blocks - 1
+    stepped = 0
+    settle, append = pending.setdefault, out.append
+    remember, trim, get, remembered = gone.put, gone.trim, run.get, gone.value
+    big = step and hits > 1  # a later turn under the step rule
+    small = small_set.add
+    judged = admitted = lasts = fanned = 0  # pages decided here, as _judge would
+    fresh = False  # the page before was admitted here (pending, not yet resident)
+    for depth, k in enumerate(keys, first):
+        if k in remembered:
+            if gate_open:  # readmitted, as _judge would (the gate is open)
+                settle(k, 0)
+                append(True)
+                parent = k
+                fresh = True
+                continue
+            ok = judge(k, depth, depth == last, hits, parent, blocks, head, step)
+        elif depth == last:  # a never-seen last block: declined, as _judge would
+            remember(k, 1)
+            trim(limit)
+            lasts += 1
+            every = False
+            append(False)
+            parent = k
+            fresh = False
+            continue
+        elif big and parent is not None:  # a later turn's never-seen block
+            start = get(parent, depth)
+            run[k] = start
+            if blocks - start >= step:  # a large step: declined and remembered
+                remember(k, 1)
+                trim(limit)
+                stepped += 1
+                every = False
+                append(False)
+                parent = k
+                fresh = False
+                continue
+            if fresh and parent not in slot_of:  # a small step off the page before
+                fan = pending[parent]
+                pending[parent] = fan + 1
+                if fan < fanout_max or 0 < blocks <= short:
+                    admitted += 1
+                    small(k)
+                    settle(k, 0)
+                    append(True)
+                    parent = k
+                    continue
+                remember(k, 1)
+                trim(limit)
+                fanned += 1
+                every = False
+                append(False)
+                parent = k
+                fresh = False
+                continue
+            ok = judge(k, depth, False, hits, parent, blocks, head, step)
+        else:
+            ok = judge(k, depth, False, hits, parent, blocks, head, step)
+        if ok:
+            settle(k, 0)
+            judged += 1
+        else:
+            every = False
+        append(ok)
+        parent = k
+        fresh = ok
+    return out, every, judged, admitted, lasts, fanned, stepped

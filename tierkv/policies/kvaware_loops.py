@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableSequence, Sequence
 from types import ModuleType
 from typing import Any, cast
 
 from tierkv.policies.base import CanEvictSlot, Key
 from tierkv.policies.history import History
-from tierkv.policies.kvaware_admission import SCAN_DECAY
+from tierkv.policies.kvaware_admission import SCAN_DECAY, ChainLoop, admit_chain
 from tierkv.policies.links import UNLINKED, Links
 
 MAX_COUNT = 15
@@ -37,17 +37,17 @@ ORPHAN = -1  # ``where[s]`` of a page in the orphan queue
 _NONE = object()  # no entry in kids
 
 State = tuple[
-    Links,
+    Links,  # flat: array('q')s
     History,
     dict[Key, Any],  # kids: parent -> its resident child, or a set of them
     Mapping[Key, int],  # slot_of
-    list[int],  # where
-    list[int],  # code
-    list[int],  # qcode
+    MutableSequence[int],  # where (array('q'), as code, qcode, back and fanout)
+    MutableSequence[int],  # code
+    MutableSequence[int],  # qcode
     list[Key],  # key_of
     list[Key | None],  # parent_of
-    list[int],  # back
-    list[int],  # fanout
+    MutableSequence[int],  # back
+    MutableSequence[int],  # fanout
     dict[Key, int],  # pending
     set[Key],  # small
 ]
@@ -56,19 +56,18 @@ Evict = Callable[
     tuple[list[int], int, float, float, int],
 ]
 Insert = Callable[
-    [
-        State,
-        Sequence[int],
-        Sequence[Key],
-        Sequence[Key | None],
-        Sequence[bool],
-        bool,
-        list[int],
-        list[int],
-        int,
-    ],
-    None,
+    [State, Sequence[int], Sequence[Key], Sequence[Key | None], Sequence[bool], bool, int], None
 ]
+Touch = Callable[[MutableSequence[int], Sequence[int], int], None]
+
+
+def touch(code: MutableSequence[int], slots: Sequence[int], floor: int) -> None:
+    """Uses of resident pages (``KVAwarePolicy.touch_slots``): each one's use code becomes
+    ``floor``'s, its count one up (saturating at :data:`MAX_COUNT`)."""
+    now = floor << 4
+    for s in slots:
+        c = code[s] & 15
+        code[s] = now + (c + 1 if c < MAX_COUNT else c)
 
 
 def insert(
@@ -78,18 +77,17 @@ def insert(
     parents: Sequence[Key | None],
     lasts: Sequence[bool],
     check: bool,
-    start: list[int],
-    start_prio: list[int],
     floor: int,
 ) -> None:
     """Queue new pages (``KVAwarePolicy.insert_slots`` after it has read the hints).
 
-    ``check``: whether a page's parent may have left (an orphan on arrival); ``start`` and
-    ``start_prio``: the use code and priority of a new page by count at ``floor``."""
+    ``check``: whether a page's parent may have left (an orphan on arrival); a new page's
+    use code and priority count from ``floor``."""
     links, gone, kids, slot_of, where, code, qcode, key_of, parent_of, back, fanout = st[:11]
     pending, small = st[11], st[12]
     prv = links.prev
     extend = links.extend
+    now = floor << 4
     run: list[int] = []  # slots for queue run_q, appended in one call
     run_q = -1
     pop, settled, remembered = gone.pop, pending.pop, gone.value
@@ -104,17 +102,17 @@ def insert(
         c = 0 if last and not seen else min(seen + 1, MAX_COUNT)
         if c == 1 and small and k in small:
             c = 2
-        code[s] = qcode[s] = cd = start[c]
+        code[s] = qcode[s] = cd = now + c
         back[s] = cd if seen else -1
         key_of[s] = k
         fanout[s] = settled(k, 0)
         parent_of[s] = parent
         if parent is None:
-            where[s] = p = start_prio[c]
+            where[s] = p = floor + VALUE[c]
             q = p & MASK
         elif parent is prev and free:
             kids[parent] = k
-            where[s] = p = start_prio[c]
+            where[s] = p = floor + VALUE[c]
             q = p & MASK
         else:
             if check and parent is not prev and parent in remembered:
@@ -126,7 +124,7 @@ def insert(
                 where[s] = ORPHAN
                 q = ORPHANS
             else:
-                where[s] = p = start_prio[c]
+                where[s] = p = floor + VALUE[c]
                 q = p & MASK
             sibs = kids.get(parent, _NONE)
             if sibs is _NONE:
@@ -340,15 +338,19 @@ def evict(
 
 
 class Loops:
-    """The loops kvaware runs: the C twins where the extension was built, else these."""
+    """The loops kvaware runs: the C twins where the extension was built, else these (and
+    ``kvaware_admission.admit_chain``, the admission of a ChainHint's run)."""
 
-    __slots__ = ("evict", "insert", "native")
+    __slots__ = ("admit", "evict", "insert", "native", "touch")
 
-    def __init__(self, evict: Evict, insert: Insert, native: bool) -> None:
-        self.evict, self.insert, self.native = evict, insert, native
+    def __init__(
+        self, evict: Evict, insert: Insert, admit: ChainLoop, touch: Touch, native: bool
+    ) -> None:
+        self.evict, self.insert, self.admit, self.touch = evict, insert, admit, touch
+        self.native = native
 
 
-PYTHON = Loops(evict, insert, False)
+PYTHON = Loops(evict, insert, admit_chain, touch, False)
 """The pure-Python loops (the reference)."""
 
 
@@ -361,7 +363,13 @@ def _native() -> Loops | None:
         return None
     if getattr(module, "DECAY", None) != SCAN_DECAY:  # built from an older source: stale
         return None
-    return Loops(cast(Evict, module.evict), cast(Insert, module.insert), True)
+    return Loops(
+        cast(Evict, module.evict),
+        cast(Insert, module.insert),
+        cast(ChainLoop, module.admit_chain),
+        cast(Touch, module.touch),
+        True,
+    )
 
 
 NATIVE = _native()

@@ -16,7 +16,8 @@ LRU at list speed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, MutableSequence, Sequence
 
 UNLINKED = -1
 """``prev[s]`` of a slot that is in no queue."""
@@ -24,6 +25,12 @@ UNLINKED = -1
 
 class Links:
     """``queues`` FIFO queues over slots ``0 .. capacity - 1`` (a slot is in one queue at most).
+
+    Args:
+        flat: keep the links in ``array('q')``s instead of lists: a collector pass visits each
+            as one object instead of walking its entries, and C code reads them as memory
+            (kvaware's loops, ``_kvaware.c``); Python indexing is a little slower (an int is
+            made per read).
 
     Attributes:
         prev, next: the links; ``next[capacity + q]`` is queue ``q``'s head, ``prev[...]`` its
@@ -34,22 +41,22 @@ class Links:
 
     __slots__ = ("base", "next", "prev", "queue", "size")
 
-    def __init__(self, capacity: int, queues: int = 1) -> None:
+    def __init__(self, capacity: int, queues: int = 1, flat: bool = False) -> None:
         self.base = capacity
         n = capacity + queues
-        self.prev = [UNLINKED] * n
-        self.next = [UNLINKED] * n
+        self.prev: MutableSequence[int] = _ints([UNLINKED], n, flat)
+        self.next: MutableSequence[int] = _ints([UNLINKED], n, flat)
         for h in range(capacity, n):
             self.prev[h] = self.next[h] = h
-        self.size = [0] * queues
-        self.queue = [0] * capacity
+        self.size: MutableSequence[int] = _ints([0], queues, flat)
+        self.queue: MutableSequence[int] = _ints([0], capacity, flat)
 
     def copy(self) -> Links:
-        """An independent copy."""
+        """An independent copy (flat if this one is)."""
         c = Links.__new__(Links)
         c.base = self.base
-        c.prev, c.next = list(self.prev), list(self.next)
-        c.size, c.queue = list(self.size), list(self.queue)
+        c.prev, c.next = self.prev[:], self.next[:]
+        c.size, c.queue = self.size[:], self.queue[:]
         return c
 
     def linked(self, s: int) -> bool:
@@ -247,3 +254,8 @@ class Links:
                 out.append(s)
             s = nxt[s]
         return out
+
+
+def _ints(fill: list[int], n: int, flat: bool) -> MutableSequence[int]:
+    """``n`` copies of ``fill[0]``: a list, or an ``array('q')`` when ``flat``."""
+    return array("q", fill) * n if flat else fill * n
