@@ -130,7 +130,7 @@ class CpuEvent(Event):
 @dataclass(slots=True)
 class _Item:
     fn: WorkFn | None  # None: a marker (record_event) or, with wait_on, a cross-stream wait
-    event: CpuEvent
+    event: CpuEvent | None  # None: work that signals its own completion (enqueue_job)
     wait_on: Event | None = None
 
 
@@ -144,7 +144,7 @@ class CpuStream(Stream):
         self._cond = threading.Condition()
         self._closed = False
         self._pending_error: BaseException | None = None
-        self._taken: list[CpuEvent] = []  # events of the items the running work took along
+        self._taken: list[CpuEvent | None] = []  # events of the items the running work took
         self._thread = threading.Thread(target=self._run, name=f"tierkv-stream-{name}", daemon=True)
         self._thread.start()
 
@@ -161,19 +161,29 @@ class CpuStream(Stream):
             if dep_error is None:
                 fn()
 
-        return self._push(run)
+        return self.enqueue_work(run)
 
     def enqueue_work(self, fn: WorkFn) -> Event:
-        return self._push(fn)
+        event = CpuEvent()
+        self._push(fn, event)
+        return event
+
+    def enqueue_job(self, fn: WorkFn) -> None:
+        """`enqueue_work` without a completion event, for work that signals its own (the
+        transfer engine's batches complete their handles): one event fewer per batch.
+        Raises EngineClosedError after close()."""
+        self._push(fn, None)
 
     def record_event(self) -> Event:
-        return self._push(None)
+        event = CpuEvent()
+        self._push(None, event)
+        return event
 
     def wait_event(self, event: Event) -> None:
-        self._push(None, wait_on=event)
+        self._push(None, None, wait_on=event)
 
     def synchronize(self, timeout: float | None = None) -> None:
-        self._push(None).synchronize(timeout)
+        self.record_event().synchronize(timeout)
 
     def take_following(self, accept: Callable[[WorkFn], bool]) -> list[WorkFn]:
         """For the work item now running (call it from that work, on the worker thread): take
@@ -206,14 +216,14 @@ class CpuStream(Stream):
         if self._thread.is_alive():
             raise WaitTimeoutError(f"stream {self.name!r}: queued work not done after {limit} s")
 
-    def _push(self, fn: WorkFn | None, *, wait_on: Event | None = None) -> CpuEvent:
-        ev = CpuEvent()
+    def _push(
+        self, fn: WorkFn | None, event: CpuEvent | None, *, wait_on: Event | None = None
+    ) -> None:
         with self._cond:
             if self._closed:
                 raise EngineClosedError(f"stream {self.name!r} is closed")
-            self._queue.append(_Item(fn, ev, wait_on))
+            self._queue.append(_Item(fn, event, wait_on))
             self._cond.notify()
-        return ev
 
     def _run(self) -> None:
         while True:
@@ -226,7 +236,8 @@ class CpuStream(Stream):
             if item.fn is None:
                 if item.wait_on is not None:
                     self._do_wait(item.wait_on)
-                item.event.complete(None)
+                if item.event is not None:
+                    item.event.complete(None)
                 continue
             error, self._pending_error = self._pending_error, None
             try:
@@ -238,7 +249,9 @@ class CpuStream(Stream):
                 err.__cause__ = exc
                 error = err
             taken, self._taken = self._taken, []
-            complete_events([(item.event, error)] + [(ev, error) for ev in taken])
+            events = [ev for ev in (item.event, *taken) if ev is not None]
+            if events:
+                complete_events([(ev, error) for ev in events])
 
     def _do_wait(self, target: Event) -> None:
         try:

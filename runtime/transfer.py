@@ -501,7 +501,11 @@ class TransferEngine:
             stream = self._stream_locked(handle.src, handle.dst)
             for dep in handle._deps:
                 stream.wait_event(dep)
-            stream.enqueue_work(_Job(self, handle, stream))
+            job = _Job(self, handle, stream)
+            if isinstance(stream, CpuStream):
+                stream.enqueue_job(job)  # the job completes its handle: no event of its own
+            else:
+                stream.enqueue_work(job)
 
     def _run_job(
         self, handle: TransferHandle, stream: Stream, dep_error: BaseException | None

@@ -157,3 +157,21 @@ async def test_a_failure_reaches_every_waiter_on_every_loop(backend: CpuBackend)
             await w
     other.join(10)
     assert len(from_thread) == 1 and from_thread[0] is ev.exception()
+
+
+def test_jobs_without_events_keep_their_place_in_the_fifo(backend: CpuBackend) -> None:
+    s = backend.create_stream("s")
+    assert isinstance(s, CpuStream)
+    gate = threading.Event()
+    seen: list[object] = []
+    s.enqueue(lambda: gate.wait(10))
+    s.enqueue_job(lambda err: seen.append("job"))
+    s.wait_event(s.enqueue(lambda: seen.append("work")))
+    s.enqueue_job(lambda err: seen.append(err))
+    last = s.record_event()
+    gate.set()
+    last.synchronize(timeout=10)
+    assert seen == ["job", "work", None]
+    s.close()
+    with pytest.raises(EngineClosedError):
+        s.enqueue_job(lambda err: None)
