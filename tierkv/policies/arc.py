@@ -86,20 +86,38 @@ class ARCPolicy(EvictionPolicy):
             self._fed.clear()
         self._fed.add(key)
 
+    def _adapt_many(self, keys: Iterable[Key]) -> None:
+        """:meth:`_adapt` for each of ``keys`` in turn (the ghost lists do not change
+        meanwhile), with its state in locals."""
+        g1, g2, fed = self._b1.value, self._b2.value, self._fed
+        if not (g1 or g2):
+            return
+        n1, n2 = len(g1), len(g2)
+        p, c, adapted, most = self._p, float(self._c), self._adapted, 2 * self._c + 64
+        for key in keys:
+            if key in fed:
+                continue
+            if key in g1:
+                p = min(c, p + max(1.0, n2 / n1))
+            elif key in g2:
+                p = max(0.0, p - max(1.0, n1 / n2))
+            else:
+                continue
+            adapted = key
+            if len(fed) > most:  # missed ghosts that never came: forget them
+                fed.clear()
+            fed.add(key)
+        self._p, self._adapted = p, adapted
+
     def miss(self, keys: Iterable[Key]) -> None:
-        for k in keys:
-            self._adapt(k)
+        self._adapt_many(keys)
 
     def admit(self, key: Key, hint: PageHint = NO_HINT) -> bool:
         self._adapt(key)
         return True
 
     def admit_many(self, keys: Sequence[Key], hints: Hints) -> list[bool] | None:
-        g1, g2 = self._b1.value, self._b2.value
-        if g1 or g2:
-            for k in keys:
-                if k in g1 or k in g2:
-                    self._adapt(k)
+        self._adapt_many(keys)
         return None
 
     def insert_slots(self, slots: Sequence[int], keys: Sequence[Key], hints: Hints) -> None:
@@ -108,10 +126,25 @@ class ARCPolicy(EvictionPolicy):
         t1, t2 = links.size[_T1], links.size[_T2]
         n1, n2 = len(g1), len(g2)  # ghosts, kept in step with the dicts
         c, fixed = self._c, self._fixed
+        # Ghosts leave oldest first, one at a time as each page arrives; the pops are owed
+        # (owe1, owe2) and paid by one trim before anything reads the ghosts again (a page
+        # that is a ghost now, or the end): no pop in between can remove another key, so the
+        # same keys leave. n1 and n2 count the ghosts as if each pop were paid at once.
+        owe1 = owe2 = 0
         run: list[int] = []  # new T1 pages, appended in one call
         for s, k in zip(slots, keys):
             key_of[s] = k
-            if (n1 and k in g1) or (n2 and k in g2):  # remembered: straight to T2
+            if k in g1 or k in g2:  # a ghost unless an owed pop took it: pay, and look again
+                if owe1:
+                    b1.trim(n1)
+                    owe1 = 0
+                if owe2:
+                    b2.trim(n2)
+                    owe2 = 0
+                hit = k in g1 or k in g2
+            else:
+                hit = False
+            if hit:  # remembered: straight to T2
                 if k not in fed:
                     self._adapt(k)
                 fed.discard(k)
@@ -132,11 +165,17 @@ class ARCPolicy(EvictionPolicy):
             if not fixed and resident > c:
                 c = self._c = resident
             if n1 and t1 + n1 > c:  # the oldest ghosts leave while |T1| + |B1| > c
-                b1.trim(c - t1)
-                n1 = len(g1)
+                drop = min(n1, t1 + n1 - c)
+                owe1 += drop
+                n1 -= drop
             if n2 and resident + n1 + n2 > 2 * c:  # ... and while all four hold over 2c
-                b2.trim(2 * c - resident - n1)
-                n2 = len(g2)
+                drop = min(n2, resident + n1 + n2 - 2 * c)
+                owe2 += drop
+                n2 -= drop
+        if owe1:
+            b1.trim(n1)
+        if owe2:
+            b2.trim(n2)
         if run:
             links.extend(_T1, run)
         if slots:  # an insert ends the adaptation its admission made (none: nothing ends)
