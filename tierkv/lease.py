@@ -228,9 +228,7 @@ class Lease:
             )
             return empty, empty.clone()
         tiers = self._store.tiers
-        g = tiers.gather([tiers.device_slot(k) for k in pages])  # [n, 2, H, T, D]
-        h, t, d = spec.num_kv_heads, spec.page_tokens, spec.head_dim
-        kv = g.permute(1, 2, 0, 3, 4).reshape(2, h, n * t, d)[:, :, :s]
+        kv = tiers.gather_tokens(tiers.device_slots(pages))[:, :, :s]  # [2, H, S, D]
         return kv[0], kv[1]
 
     @async_boundary
@@ -257,10 +255,11 @@ class Lease:
             raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
         tiers = store.tiers
         device = tiers.device
-        try:  # on the device first: a tensor that cannot be copied fails before any allocation
-            k, v = k.to(device), v.to(device)
-        except (RuntimeError, NotImplementedError) as exc:
-            raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
+        if k.device != device or v.device != device:
+            try:  # on the device first: a tensor that cannot be copied fails before allocating
+                k, v = k.to(device), v.to(device)
+            except (RuntimeError, NotImplementedError) as exc:
+                raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
         t = spec.page_tokens
         start = seq.kv_len_of(layer)
         end = start + n
@@ -281,17 +280,19 @@ class Lease:
                 pinned = True
                 tiers.own(new)
                 owned = True
+            first = start // t
+            written = [page_key(seq.block(b), layer) for b in range(first, need)]
             pos = start
-            written: list[bytes] = []
-            while pos < end:
-                b = pos // t
+            for b, slot in enumerate(tiers.device_slots(written), first):
                 off = pos - b * t
                 m = min(t - off, end - pos)
-                key = page_key(seq.block(b), layer)
-                page = tiers.page(tiers.device_slot(key))
-                page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
-                page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
-                written.append(key)
+                page = tiers.page(slot)
+                if m == n:  # the whole append in one page (a decode step): no slicing
+                    page[0, :, off : off + m] = k
+                    page[1, :, off : off + m] = v
+                else:
+                    page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
+                    page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
                 pos += m
             tiers.mark_dirty(written)
         except BaseException:  # undo every step: no page, pin or owner is left behind

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from array import array
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from functools import partial
@@ -74,6 +75,8 @@ from tierkv.timeline import Timeline
 from tierkv.waits import Changes
 
 __all__ = ["COLD", "DEVICE", "HOST", "HostLoad", "TierSet", "TierStats"]
+
+_NO_INDEX = torch.empty(0, dtype=torch.int64)
 
 # a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
 HostLoad = Callable[[list[PageKey], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
@@ -116,6 +119,7 @@ class TierSet:
             arena.hand_over()
         self._arenas = arenas
         self._pages = self._page_views(arenas[DEVICE])
+        self._by_head = self._pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]: a view
         self._table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
         self.table = TableView(self._table)
         self.lower = [t for t in (HOST, COLD) if t in tiers]
@@ -221,8 +225,23 @@ class TierSet:
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """Device slots gathered into ``[n, 2, H, T, D]`` (one copy)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self._pages.device)
-        return self._pages.index_select(0, idx)
+        return self._pages.index_select(0, self._index(slots))
+
+    def gather_tokens(self, slots: Sequence[int]) -> torch.Tensor:
+        """Device slots gathered token-major: ``[2, H, n * T, D]`` (K then V; one copy, the
+        layout attention reads, with no second copy to reorder it)."""
+        n = len(slots)
+        _, h, t, d = self.spec.page_shape
+        return self._by_head.index_select(2, self._index(slots)).view(2, h, n * t, d)
+
+    def device_slots(self, keys: Sequence[PageKey]) -> list[int]:
+        """Device slots of resident pages, in order. Raises UnknownPageError."""
+        return self._table.slots(keys, DEVICE)
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        # from a buffer of int64: a third of torch.tensor(list)'s time
+        idx = torch.frombuffer(array("q", slots), dtype=torch.int64) if slots else _NO_INDEX
+        return idx if self._pages.device.type == "cpu" else idx.to(self._pages.device)
 
     def pinned_on_device(self, keys: Iterable[PageKey]) -> bool:
         """Whether some of ``keys`` is pinned on the device (by a lease or a copy)."""
