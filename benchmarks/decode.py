@@ -187,7 +187,7 @@ async def stall_check(
     traces: list[tuple[str, dict[str, Any]]] | None = None,
     settle: bool = False,
     scheduler: str = "workers",
-    turn_budget: float | None = 0.002,
+    turn_budget: float | str | None = "default",
 ) -> dict[str, Any]:
     """``n_seqs`` sequences decode concurrently through one store, ``batch`` leases at a time (as
     a scheduler admits them); measures the longest single callback on the loop and how late a
@@ -217,8 +217,10 @@ async def stall_check(
             lags.append(lag)
             worst = max(worst, lag)
 
+    # the store's own default budget unless one is given
+    budget: dict[str, Any] = {} if turn_budget == "default" else {"turn_budget": turn_budget}
     async with KVStore(
-        spec, device_bytes=total // 3, host_bytes=total * 2, codec=None, turn_budget=turn_budget
+        spec, device_bytes=total // 3, host_bytes=total * 2, codec=None, **budget
     ) as store:
         store.timeline.enabled = traces is not None
         k = torch.zeros(spec.num_kv_heads, 64, spec.head_dim, dtype=spec.dtype)

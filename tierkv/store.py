@@ -88,9 +88,10 @@ class KVStore:
         remote_push_wait: the longest an eviction waits for room in that buffer (else the
             pages are not pushed, counted as ``push_dropped``).
         turn_budget: seconds of store work in one loop turn after which the store's async
-            calls (adding and releasing sequences, entering a lease, appending) yield to the
-            loop before going on, so that a thousand tasks stepping at once never hold the
-            loop for long (:mod:`tierkv.turns`); ``None`` never yields.
+            calls (adding and releasing sequences, entering a lease, appending) wait for a
+            later turn (first come, first served) before going on, so that a thousand tasks
+            stepping at once never hold the loop for long (:mod:`tierkv.turns`); ``None``
+            never waits.
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
@@ -123,7 +124,7 @@ class KVStore:
         remote_write: bool = True,
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
-        turn_budget: float | None = 0.002,
+        turn_budget: float | None = 0.001,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
