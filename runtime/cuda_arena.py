@@ -138,6 +138,10 @@ class DeviceArena(Arena):
             self._torch_view = torch.from_dlpack(self._cupy_array)
         return self._torch_view
 
+    def prefault(self, first: int, n: int) -> bool:
+        """Device memory is committed (and zeroed) when the arena is made: nothing to do."""
+        return False
+
     def slot_view(self, i: int) -> torch.Tensor:
         """Slot `i` as a torch cuda tensor [slot_bytes] (zero-copy). Raises InvalidSlotError."""
         as_slot_ids([int(i)], self.num_slots, what=f"arena {self.name!r} slot")

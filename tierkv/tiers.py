@@ -77,6 +77,7 @@ from tierkv.waits import Changes
 __all__ = ["COLD", "DEVICE", "HOST", "HostLoad", "TierSet", "TierStats"]
 
 _NO_INDEX = torch.empty(0, dtype=torch.int64)
+_PREFAULT_BYTES = 8 << 20  # device memory committed ahead of use, per prefault
 
 # a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
 HostLoad = Callable[[list[PageKey], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
@@ -159,6 +160,10 @@ class TierSet:
         # content keys once idle, so that they are cached, not freed
         self._renames: list[tuple[list[PageKey], list[PageKey]]] = []
         self._reap_due = False  # a reap is scheduled for the next loop turn
+        # device slots below this are committed, or being so by a background prefault (the
+        # free list hands out the lowest slots first: the arena fills from slot 0 up)
+        self._warm = 0
+        self._warm_chunk = max(1, _PREFAULT_BYTES // arenas[DEVICE].slot_bytes)
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -691,6 +696,7 @@ class TierSet:
                     alloc = self._table.prepare_store(keys, DEVICE)
                     if alloc is not None and not alloc.evicted:
                         self._note_peak()
+                        self._warm_ahead(alloc.slots)
                         return alloc.slots
                     if alloc is not None:  # the policy made room by itself: undo, use ours
                         self._table.complete_store(alloc.keys, DEVICE, ok=False)
@@ -837,6 +843,7 @@ class TierSet:
                     table.complete_store(alloc.keys, DEVICE, ok=False)
                 return None
             self._note_peak()
+            self._warm_ahead(alloc.slots)
             new = cast(list[PageKey], alloc.keys)
             # sources are chosen and pinned now, with no await since the check above
             src: dict[str, tuple[list[PageKey], list[int]]] = {}
@@ -913,6 +920,18 @@ class TierSet:
         self.signal_progress()
         if error is not None:
             raise error
+
+    def _warm_ahead(self, slots: Sequence[int]) -> None:
+        """Keep the device arena's memory committed a chunk ahead of the highest slot in use,
+        from a thread: new pages are written on the loop's thread (appends), and a first write
+        to an uncommitted huge page stalls it ~1-5 ms (see :meth:`Arena.prefault`)."""
+        arena = self._arenas[DEVICE]
+        top = max(slots, default=-1) + 1
+        if top + self._warm_chunk <= self._warm or self._warm >= arena.num_slots:
+            return
+        first = self._warm
+        self._warm = min(arena.num_slots, max(first, top) + self._warm_chunk)
+        asyncio.get_running_loop().run_in_executor(None, arena.prefault, first, self._warm - first)
 
     def _note_peak(self) -> None:
         used = self._table.used(DEVICE)

@@ -39,6 +39,7 @@ class TurnBudget:
         "_armed",
         "_cost",
         "_granted",
+        "_out",
         "_start",
         "_ticking",
         "_waiting",
@@ -52,6 +53,7 @@ class TurnBudget:
         self._start = 0.0
         self._waiting: deque[asyncio.Future[None]] = deque()  # paused callers, first come first
         self._ticking = False  # a tick is scheduled for the next turn
+        self._out = False  # the first caller to pause in a turn is yielding for one turn
         self._granted = 0  # waiters let go by the last tick
         # seconds of work one waiter let go costs (a moving average): the grant per turn is
         # the budget over it
@@ -91,10 +93,21 @@ class TurnBudget:
             await asyncio.sleep(0)
         if not self._waiting and not self.spent():
             return
+        self.pauses += 1
+        if not self._waiting and not self._out:
+            # the first to pause in this turn yields for one turn only (a lone task, as a
+            # single sequence's decode, pays one loop turn per budget of work, not the
+            # queue's two); whoever pauses while it is out waits in the queue
+            self._out = True
+            try:
+                await asyncio.sleep(0)
+            finally:
+                self._out = False
+            self.spent()  # resumed in the next turn: start its count if nobody has
+            return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._waiting.append(fut)
-        self.pauses += 1
         if not self._ticking:
             self._ticking = True
             loop.call_soon(self._tick)

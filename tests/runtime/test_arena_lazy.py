@@ -87,3 +87,24 @@ def test_the_cuda_backends_host_arena_maps_lazily_too() -> None:
     assert rss_bytes() - before < 32 * MIB
     a.slot_view(5).fill_(3)
     assert int(a.array[5, 0]) == 3 and rss_bytes() - before < 48 * MIB
+
+
+@needs_lazy_commit
+def test_prefault_commits_slots_without_changing_a_byte(backend: CpuBackend) -> None:
+    """Issue 17: the store commits device memory ahead of use from a thread, so an append's
+    first write to a huge page does not stall the loop; committing must not touch contents."""
+    a = backend.create_arena("device", slot_bytes=64 * 1024, num_slots=1024)  # 64 MiB
+    a.slot_view(3).fill_(5)  # a slot in use keeps its bytes
+    before = rss_bytes()
+    if not a.prefault(0, 512):  # 32 MiB
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux >= 5.14)")
+    assert rss_bytes() - before >= 24 * MIB  # committed now
+    assert int(a.slot_view(3).sum()) == 5 * 64 * 1024 and int(a.array[4:512].sum()) == 0
+    assert rss_bytes() - before < 48 * MIB  # the slots asked for, not the arena
+
+
+def test_prefault_of_an_empty_or_out_of_range_span_does_nothing(backend: CpuBackend) -> None:
+    a = backend.create_arena("device", slot_bytes=4096, num_slots=16)
+    assert a.prefault(4, 0) is False
+    assert a.prefault(16, 8) is False  # past the end
+    assert a.prefault(-8, 4) is False  # before the start (clipped to nothing)

@@ -49,6 +49,21 @@ async def test_a_pause_yields_only_when_the_budget_is_spent() -> None:
     assert ran == ["other"] and tight.pauses == 1
 
 
+async def test_the_first_to_pause_yields_one_turn_and_the_rest_queue_behind_it() -> None:
+    budget, order = TurnBudget(1e-9), []
+
+    async def one(name: str) -> None:
+        await budget.pause()
+        order.append(name)
+
+    tasks = [asyncio.ensure_future(one(n)) for n in "abc"]
+    budget.spent()  # a count starts, reset only after the three tasks' first steps
+    await asyncio.sleep(0)  # all three pause in the same turn
+    assert budget.pauses == 3 and budget.waiting == 2  # a is out for one turn; b, c queue
+    await asyncio.gather(*tasks)
+    assert order == ["a", "b", "c"]  # first come, first served
+
+
 @pytest.mark.parametrize("budget", [None, 1e-9])
 async def test_appends_pause_between_layers_only_under_a_spent_budget(budget: float | None) -> None:
     async with KVStore(
@@ -98,10 +113,11 @@ async def test_a_task_cancelled_while_paused_in_append_leaves_nothing_behind() -
         lease = store.lease(["a"])
         await lease.__aenter__()
         await asyncio.sleep(0)  # a fresh turn: nothing counted in it yet
+        before = store.turns.pauses
         task = asyncio.ensure_future(lease.append("a", 0, *kv(8, 0)))
         store.turns.spent()  # a count starts, reset only after the task's first step
         await asyncio.sleep(0)  # the append runs up to its pause (the budget is spent)
-        assert not task.done() and store.turns.waiting == 1
+        assert not task.done() and store.turns.pauses == before + 1
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
