@@ -36,6 +36,7 @@ from tierkv.policies import (
     S3FIFOPolicy,
     make_policy,
 )
+from tierkv.policies import history as history_module
 from tierkv.policies.base import ChainPart
 from tierkv.policies.history import History
 from tierkv.policies.kvaware_loops import NATIVE, PYTHON, Loops
@@ -727,11 +728,27 @@ HISTORY_OPS = st.lists(
 )
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["python", "c"])
 @settings(max_examples=300, deadline=None)
 @given(ops=HISTORY_OPS)
-def test_history_keeps_an_ordered_dicts_order(ops: list[tuple[str, int, int]]) -> None:
+def test_history_keeps_an_ordered_dicts_order(
+    native: bool, ops: list[tuple[str, int, int]]
+) -> None:
     """History is the OrderedDict it replaced: put (to the newest end), pop, move_to_end,
-    popitem(last=False), trimming; same keys, counts and order after every step."""
+    popitem(last=False), trimming; same keys, counts and order after every step (its batch
+    operations in Python and, where built, in C)."""
+    if native and history_module._TRIM is None:
+        pytest.skip("the C extension was not built")
+    with (
+        mock.patch.object(history_module, "_TRIM", history_module._TRIM if native else None),
+        mock.patch.object(
+            history_module, "_PUT_MANY", history_module._PUT_MANY if native else None
+        ),
+    ):
+        _history_against_a_model(ops)
+
+
+def _history_against_a_model(ops: list[tuple[str, int, int]]) -> None:
     h, model = History(), OrderedDict[int, int]()
     for op, k, c in ops:
         if op == "put":

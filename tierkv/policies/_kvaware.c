@@ -1,5 +1,6 @@
 /* kvaware's inner loops in C: insert, evict and the admission of a chain's run, step for step as
- * kvaware_loops.py and kvaware_admission.admit_chain.
+ * kvaware_loops.py and kvaware_admission.admit_chain; and the batch operations of the ghost
+ * history every policy keeps (history.py: trim, put_many).
  *
  * The Python functions are the reference; these run the same steps over the same state (the
  * policy's state tuple: int tables in array('q')s, read here as memory, and the dicts and sets
@@ -1140,6 +1141,72 @@ static PyObject *touch(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     return result;
 }
 
+/* -- the history's batch operations (History.trim, History.put_many) ------------------------ */
+
+/* history_trim(history, limit) -> None: History.trim. */
+static PyObject *history_trim(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "history_trim() takes 2 arguments");
+        return NULL;
+    }
+    double limit = PyFloat_AsDouble(args[1]);
+    if (limit == -1.0 && PyErr_Occurred())
+        return NULL;
+    State hs;
+    memset(&hs, 0, sizeof(hs));
+    PyObject *result = NULL;
+    if (hist_load(&hs, args[0]) == 0) {
+        if (hist_trim(&hs, limit) == 0 && state_store(&hs) == 0) {
+            result = Py_None;
+            Py_INCREF(result);
+        } else {
+            state_store_on_error(&hs);
+        }
+    }
+    state_release(&hs);
+    return result;
+}
+
+/* history_put_many(history, keys, count) -> None: History.put_many. */
+static PyObject *history_put_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "history_put_many() takes 3 arguments");
+        return NULL;
+    }
+    long long count = PyLong_AsLongLong(args[2]);
+    if (count == -1 && PyErr_Occurred())
+        return NULL;
+    if (count < 0 || count > 15) {
+        PyErr_SetString(PyExc_ValueError, "history_put_many(): a count is 0..15");
+        return NULL;
+    }
+    State hs;
+    memset(&hs, 0, sizeof(hs));
+    PyObject *keys = NULL, *result = NULL;
+    if (hist_load(&hs, args[0]) < 0)
+        goto done;
+    keys = PySequence_Fast(args[1], "history_put_many(): keys must be a sequence");
+    if (keys == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hist_put(&hs, PySequence_Fast_GET_ITEM(keys, i), count) < 0) {
+            state_store_on_error(&hs);
+            goto done;
+        }
+    }
+    if (state_store(&hs) == 0) {
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    Py_XDECREF(keys);
+    state_release(&hs);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(state, n, can_evict, limit, floor, left, used, seen) -> (victims, floor, left, "
@@ -1152,6 +1219,10 @@ static PyMethodDef methods[] = {
     {"insert", (PyCFunction)(void (*)(void))insert, METH_FASTCALL,
      "insert(state, slots, keys, parents, lasts, check, floor) -> None: "
      "kvaware's insertion loop (kvaware_loops.insert)."},
+    {"history_trim", (PyCFunction)(void (*)(void))history_trim, METH_FASTCALL,
+     "history_trim(history, limit) -> None: History.trim."},
+    {"history_put_many", (PyCFunction)(void (*)(void))history_put_many, METH_FASTCALL,
+     "history_put_many(history, keys, count) -> None: History.put_many."},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL,
      "touch(code, slots, floor) -> None: kvaware's uses (kvaware_loops.touch)."},
     {NULL, NULL, 0, NULL},

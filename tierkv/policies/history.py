@@ -16,7 +16,10 @@ whose key has moved on or left (each stamp is stepped over once: O(1) amortized)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import importlib
+import os
+from collections.abc import Callable, Iterable, Iterator
+from types import ModuleType
 
 from tierkv.policies.base import Key
 
@@ -24,6 +27,24 @@ COUNT_BITS = 4
 """The low bits of a value that hold the key's count (counts are 0..15)."""
 
 _COUNT = (1 << COUNT_BITS) - 1
+
+
+def _native() -> ModuleType | None:
+    """The C twins of :meth:`History.trim` and :meth:`History.put_many` (``_kvaware.c``), or
+    None where the extension was not built or ``TIERKV_NATIVE_POLICY=0``."""
+    if os.environ.get("TIERKV_NATIVE_POLICY", "1") == "0":
+        return None
+    try:
+        return importlib.import_module(f"{__package__}._kvaware")
+    except ImportError:
+        return None
+
+
+_C = _native()
+_TRIM: Callable[[History, float], None] | None = getattr(_C, "history_trim", None)
+_PUT_MANY: Callable[[History, Iterable[Key], int], None] | None = getattr(
+    _C, "history_put_many", None
+)
 
 
 class History:
@@ -74,6 +95,9 @@ class History:
 
     def put_many(self, keys: Iterable[Key], count: int) -> None:
         """:meth:`put` each of ``keys``, in order, with the same ``count``."""
+        if _PUT_MANY is not None:  # the same steps in C
+            _PUT_MANY(self, keys, count)
+            return
         value, order = self.value, self.order
         get = value.get
         t = self.stamp
@@ -115,6 +139,9 @@ class History:
         """Forget the oldest keys until at most ``limit`` are left (none for a negative one)."""
         value, order = self.value, self.order
         if len(value) <= limit:
+            return
+        if _TRIM is not None:  # the same steps in C
+            _TRIM(self, limit)
             return
         limit = max(limit, 0)
         t = self.oldest
