@@ -12,7 +12,9 @@ per request, from which the table derives each block's hint (``--page-hints`` bu
 one call, as in ``benchmarks/page_table.py``. Every policy runs
 at 10^3 to 10^6 pages, interleaved, and its rate is printed beside LRU's from the same run (issue
 17: the default policy and ARC >= 0.5 of LRU's rate). Rates are per CPU second of this process
-(``time.process_time``), so a shared machine's other load is not counted.
+(``time.process_time``), so a shared machine's other load is not counted. kvaware runs its C
+loops where the extension was built (``TIERKV_NATIVE_POLICY=0``: the Python ones); the header
+says which.
 
     python benchmarks/op_stream.py [--quick] [--json FILE] [--policy NAME ...]
                                    [--no-hints | --page-hints] [--trace FILE.json]
@@ -31,6 +33,7 @@ import numpy as np
 from benchmarks._common import parser, phase, span, start_trace, table, write_json, write_trace
 from tierkv import DEFAULT_POLICY, PageHint, PageTable
 from tierkv.policies import ChainHint
+from tierkv.policies.kvaware_loops import LOOPS
 
 SYSTEM = 8  # shared system-prompt blocks every request starts with
 TURN = (2, 12)  # blocks a conversation adds per turn (uniform)
@@ -162,7 +165,8 @@ def main() -> None:
         "page": "a PageHint per block, built per request",
         "chain": "a ChainHint per request",
     }[form]
-    print(f"op stream ({hints}), block-ops per CPU second")
+    loops = "C (tierkv.policies._kvaware)" if LOOPS.native else "Python (extension not built)"
+    print(f"op stream ({hints}), block-ops per CPU second; kvaware's loops: {loops}")
     print(table(["pages", "policy", "block-ops/s", "of lru", "hit rate"], rows))
     worst = {
         pol: min(rate[pol, n] / rate["lru", n] for n in sizes) for pol in policies if pol != "lru"
@@ -176,6 +180,7 @@ def main() -> None:
         args.json,
         {
             "hints": form,
+            "kvaware_loops": "c" if LOOPS.native else "python",
             "rates": {f"{pol}@{n}": rate[pol, n] for pol, n in rate},
         },
         {f"{pol}_worst_of_lru": r for pol, r in worst.items()},
