@@ -780,10 +780,11 @@ def _history_against_a_model(ops: list[tuple[str, int, int]]) -> None:
         h.pop_oldest()
 
 
+@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
 def test_kvaware_per_slot_int_tables_are_not_walked_by_the_collector() -> None:
-    """kvaware's per-slot ints (priorities, use codes, fan-outs, links: nine per page) live in
-    array('q')s: a collector pass visits each as one object (its type), not entry by entry as
-    it walks a list."""
+    """With its C loops, kvaware's per-slot ints (priorities, use codes, fan-outs, links: nine
+    per page) live in array('q')s: a collector pass visits each as one object (its type), not
+    entry by entry as it walks a list."""
     table = PageTable({"t": 16}, "kvaware")
     policy = table.policy("t")
     tables = [v for v in vars(policy).values() if isinstance(v, array)]

@@ -596,10 +596,6 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
                 if (!--need)
                     break;
             }
-            /* the history trimmed once for the block: every key above went to its end, so the
-             * oldest keys leave, as trimming after each would have removed them */
-            if (hist_trim(&st, limit) < 0)
-                goto error;
             if (i < fresh.n)
                 extend_slots(&st, ORPHANS, fresh.v + i, fresh.n - i);
             if (passed.n)
@@ -654,7 +650,7 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
             prv[s] = UNLINKED;
             size[b]--;
             if (leave(&st, s, 0, PyDict_GET_SIZE(st.kids) > 0, &fresh) < 0 ||
-                hist_trim(&st, limit) < 0 || vec_push(&out, s) < 0)
+                vec_push(&out, s) < 0)
                 goto error;
             orphans = fresh.n > 0 || size[ORPHANS] > 0; /* the victim's kids go next */
         } else { /* to the back of its queue (Links.move): passed over this call */
@@ -672,7 +668,8 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     }
     if (fresh.n) /* stranded by the last victim, with no room left to evict them: queued */
         extend_slots(&st, ORPHANS, fresh.v, fresh.n);
-    if (state_store(&st) < 0)
+    /* the history trimmed once for the call, as kvaware_loops.evict does */
+    if (hist_trim(&st, limit) < 0 || state_store(&st) < 0)
         goto error;
     PyObject *victims = PyList_New(out.n);
     if (victims == NULL)
@@ -688,6 +685,13 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     result = Py_BuildValue("(NLddn)", victims, floor, left, used, seen);
     goto done;
 error:
+    if (PyErr_Occurred()) { /* trimmed and written back on the way out, as the Python does */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (hist_trim(&st, limit) < 0)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
     state_store_on_error(&st);
     result = NULL;
 done:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
 from itertools import compress
 
 from tierkv.policies.base import (
@@ -61,9 +61,10 @@ __all__ = [
 _NONE = object()  # no entry in _kids
 
 
-def _ints(fill: int, n: int) -> array[int]:
-    """A per-slot int table: ``n`` copies of ``fill`` in an ``array('q')``."""
-    return array("q", (fill,)) * n
+def _ints(fill: int, n: int, flat: bool) -> MutableSequence[int]:
+    """A per-slot int table: ``n`` copies of ``fill``, in an ``array('q')`` when ``flat`` (for
+    the C loops; the Python ones run faster on a list)."""
+    return array("q", (fill,)) * n if flat else [fill] * n
 
 
 class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
@@ -159,19 +160,20 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._n = 0
-        # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans)
-        # (ints in array('q')s, as the links: the collector does not walk them entry by entry,
-        # and the C loops read them as memory)
-        self._links = Links(0, ORPHANS + 1, flat=True)
-        self._where = _ints(0, 0)  # its priority (its bucket is prio & MASK), or ORPHAN
-        self._code = _ints(0, 0)  # its use code: (L at its last use) * 16 + uses
-        self._qcode = _ints(0, 0)  # its use code when queued
-        self._key: list[Key] = []
-        self._parent: list[Key | None] = []
-        self._fanout = _ints(0, 0)  # never-seen children that tried to extend it
-        self._back = _ints(0, 0)  # its use code when it came back from the history; -1: not
         self._loops = loops or LOOPS
         self._chain_loop = self._loops.admit
+        # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans);
+        # with the C loops their ints are in array('q')s, as the links (the collector does not
+        # walk them entry by entry, and the C reads them as memory), else in lists
+        flat = self._flat = self._loops.native
+        self._links = Links(0, ORPHANS + 1, flat)
+        self._where = _ints(0, 0, flat)  # its priority (its bucket is prio & MASK), or ORPHAN
+        self._code = _ints(0, 0, flat)  # its use code: (L at its last use) * 16 + uses
+        self._qcode = _ints(0, 0, flat)  # its use code when queued
+        self._key: list[Key] = []
+        self._parent: list[Key | None] = []
+        self._fanout = _ints(0, 0, flat)  # never-seen children that tried to extend it
+        self._back = _ints(0, 0, flat)  # its use code when it came back from the history; -1: not
         self._state: State = self._state_tuple()
 
     def _state_tuple(self) -> State:
@@ -194,14 +196,15 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
-        self._links = Links(capacity, ORPHANS + 1, flat=True)
-        self._where = _ints(0, capacity)
-        self._code = _ints(0, capacity)
-        self._qcode = _ints(0, capacity)
+        flat = self._flat
+        self._links = Links(capacity, ORPHANS + 1, flat)
+        self._where = _ints(0, capacity, flat)
+        self._code = _ints(0, capacity, flat)
+        self._qcode = _ints(0, capacity, flat)
         self._key = [None] * capacity
         self._parent = [None] * capacity
-        self._fanout = _ints(0, capacity)
-        self._back = _ints(-1, capacity)
+        self._fanout = _ints(0, capacity, flat)
+        self._back = _ints(-1, capacity, flat)
         self._state = self._state_tuple()
 
     def __len__(self) -> int:

@@ -90,7 +90,8 @@ def insert(
     now = floor << 4
     run: list[int] = []  # slots for queue run_q, appended in one call
     run_q = -1
-    pop, settled, remembered = gone.pop, pending.pop, gone.value
+    # the history's pop (History.pop) written in line: one per page
+    settled, remembered, forget, stamps = pending.pop, gone.value, gone.value.pop, gone.order
     # ``prev``: the page inserted just before; ``free``: it has no child yet (no entry in
     # kids), so a page extending it is in no danger of being an orphan and is its only
     # child: most pages of a chain's run (the parent just queued was popped from the
@@ -98,7 +99,12 @@ def insert(
     prev: object = _NONE
     free = False
     for s, k, parent, last in zip(slots, keys, parents, lasts):
-        seen = pop(k, 0)
+        v = forget(k, None)
+        if v is None:
+            seen = 0
+        else:
+            del stamps[v >> 4]
+            seen = v & 15
         c = 0 if last and not seen else min(seen + 1, MAX_COUNT)
         if c == 1 and small and k in small:
             c = 2
@@ -233,7 +239,7 @@ def evict(
                                 size[queue[c]] -= 1
                                 where[c] = orphan  # (an orphan's qcode is never read)
                                 grow(c)
-                    old = hget(key)  # remembered (as History.put), trimmed below
+                    old = hget(key)  # remembered (as History.put), trimmed at the end
                     if old is not None:
                         del stamps[old >> 4]
                     hist[key] = (stamp << 4) | (cd & 15)
@@ -243,10 +249,6 @@ def evict(
                     need -= 1
                     if not need:
                         break
-                # the history trimmed once for the block: every key above went to its end, so
-                # the oldest keys leave, as trimming after each would have removed them
-                if len(hist) > limit:
-                    gone.trim(limit)
                 i = len(out) - before + len(passed)  # the fresh ones looked at
                 if i < len(fresh):
                     links.extend(ORPHANS, fresh[i:])
@@ -323,8 +325,6 @@ def evict(
                 hist[key] = (stamp << 4) | (cd & 15)
                 stamps[stamp] = key
                 stamp += 1
-                if len(hist) > limit:
-                    gone.trim(limit)
                 push(s)
                 orphans = bool(fresh) or size[ORPHANS] > 0  # the victim's kids go next
             else:
@@ -334,6 +334,11 @@ def evict(
             links.extend(ORPHANS, fresh)
     finally:
         gone.stamp = stamp
+        # The history trimmed once for the call: every victim went to its newest end (none
+        # was in it: a resident page is not), and nothing here reads it, so the same oldest
+        # keys leave as trimming after each victim would have removed.
+        if len(hist) > limit:
+            gone.trim(limit)
     return out, floor, left, used, seen
 
 
