@@ -11,6 +11,7 @@ import gc
 import itertools
 import random
 import sys
+import types
 from array import array
 from collections import OrderedDict
 from pathlib import Path
@@ -778,6 +779,23 @@ def _history_against_a_model(ops: list[tuple[str, int, int]]) -> None:
     assert not h and h.get(0, 7) == 7
     with pytest.raises(KeyError, match="empty"):
         h.pop_oldest()
+
+
+def test_a_stale_or_disabled_extension_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built from another source (no ABI, or another one) or turned off with
+    TIERKV_NATIVE_POLICY=0 leaves kvaware on its Python loops and the history on its Python
+    trim, instead of calling C functions with the wrong arguments."""
+    from tierkv.policies import kvaware_loops
+
+    stale = types.ModuleType("tierkv.policies._kvaware")
+    stale.DECAY = 0.999  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tierkv.policies._kvaware", stale)
+    assert kvaware_loops._native() is None and history_module._native() is None
+    stale.ABI = kvaware_loops.ABI + 1  # type: ignore[attr-defined]
+    assert kvaware_loops._native() is None and history_module._native() is None
+    monkeypatch.delitem(sys.modules, "tierkv.policies._kvaware")
+    monkeypatch.setenv("TIERKV_NATIVE_POLICY", "0")
+    assert kvaware_loops._native() is None and history_module._native() is None
 
 
 @pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")

@@ -27,6 +27,7 @@
 #define ORPHAN (-1)
 #define UNLINKED (-1)
 #define DECAY 0.999 /* kvaware_admission.SCAN_DECAY (checked at import by kvaware_loops) */
+#define ABI 1       /* kvaware_loops.ABI: raise both when a function's arguments change */
 
 static const int64_t VALUE[16] = {0, 2, 5, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32};
 
@@ -1250,7 +1251,8 @@ PyMODINIT_FUNC PyInit__kvaware(void) {
             return NULL;
     }
     PyObject *m = PyModule_Create(&module_def);
-    if (m != NULL && PyModule_AddObject(m, "DECAY", PyFloat_FromDouble(DECAY)) < 0) {
+    if (m != NULL && (PyModule_AddObject(m, "DECAY", PyFloat_FromDouble(DECAY)) < 0 ||
+                      PyModule_AddIntConstant(m, "ABI", ABI) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

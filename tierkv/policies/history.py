@@ -35,9 +35,10 @@ def _native() -> ModuleType | None:
     if os.environ.get("TIERKV_NATIVE_POLICY", "1") == "0":
         return None
     try:
-        return importlib.import_module(f"{__package__}._kvaware")
+        module = importlib.import_module(f"{__package__}._kvaware")
     except ImportError:
         return None
+    return module if getattr(module, "ABI", None) == 1 else None  # (kvaware_loops.ABI)
 
 
 _C = _native()

@@ -359,6 +359,11 @@ PYTHON = Loops(evict, insert, admit_chain, touch, False)
 """The pure-Python loops (the reference)."""
 
 
+ABI = 1
+"""The interface of the C loops this module calls (``_kvaware.c``'s ``ABI``): an extension
+built from another source is not used."""
+
+
 def _native() -> Loops | None:
     if os.environ.get("TIERKV_NATIVE_POLICY", "1") == "0":
         return None
@@ -366,8 +371,8 @@ def _native() -> Loops | None:
         module: ModuleType = importlib.import_module(f"{__package__}._kvaware")
     except ImportError:  # not built: no compiler at install time, or TIERKV_NO_EXTENSIONS=1
         return None
-    if getattr(module, "DECAY", None) != SCAN_DECAY:  # built from an older source: stale
-        return None
+    if getattr(module, "DECAY", None) != SCAN_DECAY or getattr(module, "ABI", None) != ABI:
+        return None  # built from an older source: stale (rebuild: pip install -e .)
     return Loops(
         cast(Evict, module.evict),
         cast(Insert, module.insert),
