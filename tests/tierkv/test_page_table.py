@@ -418,13 +418,15 @@ def test_bound_lru_refuses_a_second_binding_and_touch_slots_handles_repeats() ->
     assert len(p) == 1 and p.evict_slots(1, None) == [1] and len(p) == 0
 
 
-def test_the_table_holds_its_pages_in_containers_the_collector_does_not_walk() -> None:
+@pytest.mark.parametrize("policy", ["lru", "kvaware"])
+def test_the_table_holds_its_pages_in_containers_the_collector_does_not_walk(policy: str) -> None:
     """Issue 17: a full collector pass walked every per-slot list item of every tier (~10 ms
-    for 10,000 idle sequences once the items were distinct keys); the table now keeps them in
-    arrays and a dict of atomic keys, which the collector neither tracks nor walks."""
+    for 10,000 idle sequences once the items were distinct keys); the table (and kvaware's
+    slot -> key tables) now keep them in arrays and dicts of atomic keys, which the collector
+    neither tracks nor walks."""
     import gc
 
-    t = PageTable({"device": 64, "host": 256}, policy="lru")
+    t = PageTable({"device": 64, "host": 256}, policy=policy)
     keys = [bytes([i]) * 18 for i in range(200)]
     assert t.prepare_store(keys, "host") is not None  # (the allocation is let go)
     t.complete_store(keys, "host")

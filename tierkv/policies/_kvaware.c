@@ -15,7 +15,8 @@
  *               fanout, pending, small); links: Links(flat=True) (prev, next, size, queue:
  *               array('q'); base: int); history: History (value: key -> stamp << 4 | count,
  *               order: stamp -> key, stamp, oldest: int); where, code, qcode, back, fanout:
- *               array('q') per slot; key_of, parent_of: lists per slot.
+ *               array('q') per slot; key_of, parent_of: dicts slot -> key (untracked by
+ *               the collector while their keys are atomic; a missing parent is None).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -27,7 +28,7 @@
 #define ORPHAN (-1)
 #define UNLINKED (-1)
 #define DECAY 0.999 /* kvaware_admission.SCAN_DECAY (checked at import by kvaware_loops) */
-#define ABI 1       /* kvaware_loops.ABI: raise both when a function's arguments change */
+#define ABI 2       /* kvaware_loops.ABI: raise both when a function's arguments change */
 
 static const int64_t VALUE[16] = {0, 2, 5, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32};
 
@@ -148,23 +149,19 @@ static int state_load(State *st, PyObject *tuple) {
     st->pending = it[11];
     st->small = it[12];
     if (!PyDict_CheckExact(st->kids) || !PyDict_CheckExact(st->pending) ||
-        !PyAnySet_Check(st->small) || !PyList_CheckExact(st->key_of) ||
-        !PyList_CheckExact(st->parent_of)) {
+        !PyAnySet_Check(st->small) || !PyDict_CheckExact(st->key_of) ||
+        !PyDict_CheckExact(st->parent_of)) {
         PyErr_SetString(PyExc_TypeError, "kvaware state: unexpected container types");
-        goto fail;
-    }
-    Py_ssize_t cap = st->capacity = PyList_GET_SIZE(st->key_of);
-    if (PyList_GET_SIZE(st->parent_of) != cap) {
-        PyErr_SetString(PyExc_TypeError, "kvaware state: per-slot tables differ in length");
         goto fail;
     }
     long long base;
     if (get_ll(links, S_base, &base) < 0)
         goto fail;
-    if (base != cap) {
-        PyErr_SetString(PyExc_TypeError, "kvaware state: links and slots differ in capacity");
+    if (base < 0) {
+        PyErr_SetString(PyExc_TypeError, "kvaware state: links of a negative capacity");
         goto fail;
     }
+    Py_ssize_t cap = st->capacity = (Py_ssize_t)base;
     st->base = (Py_ssize_t)base;
     if ((st->prv = attr_table(st, B_PRV, links, S_prev, cap + ORPHANS + 1)) == NULL ||
         (st->nxt = attr_table(st, B_NXT, links, S_next, cap + ORPHANS + 1)) == NULL ||
@@ -444,8 +441,22 @@ static int leave_parent(State *st, PyObject *parent, PyObject *key) {
 
 /* A victim leaves: its parent's children, its own stranded (pushed on fresh), remembered. */
 static int leave(State *st, int64_t s, int popping, int look, Vec *fresh) {
-    PyObject *key = PyList_GET_ITEM(st->key_of, s);
-    PyObject *parent = PyList_GET_ITEM(st->parent_of, s); /* kept: restore_slots reads it */
+    PyObject *i = PyLong_FromLongLong(s);
+    if (i == NULL)
+        return -1;
+    PyObject *key = PyDict_GetItemWithError(st->key_of, i);
+    PyObject *parent = key != NULL ? PyDict_GetItemWithError(st->parent_of, i) : NULL;
+    Py_DECREF(i);
+    if (key == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_RuntimeError, "kvaware: slot %lld has no key", (long long)s);
+        return -1;
+    }
+    if (parent == NULL) {
+        if (PyErr_Occurred())
+            return -1;
+        parent = Py_None; /* kept: restore_slots reads it */
+    }
     int rc = 0;
     Py_INCREF(key);
     Py_INCREF(parent);
@@ -749,11 +760,13 @@ error:
     return -1;
 }
 
-static void set_obj(PyObject *list, Py_ssize_t i, PyObject *o) {
-    Py_INCREF(o);
-    PyObject *old = PyList_GET_ITEM(list, i);
-    PyList_SET_ITEM(list, i, o);
-    Py_DECREF(old);
+static int set_obj(PyObject *dict, Py_ssize_t i, PyObject *o) {
+    PyObject *k = PyLong_FromSsize_t(i);
+    if (k == NULL)
+        return -1;
+    int rc = PyDict_SetItem(dict, k, o);
+    Py_DECREF(k);
+    return rc;
 }
 
 /* insert(st, slots, keys, parents, lasts, check, floor) -> None; see kvaware_loops.insert. */
@@ -805,7 +818,8 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         int64_t cd = (floor << 4) + c;
         st.code[s] = st.qcode[s] = cd;
         st.back[s] = seen ? cd : -1;
-        set_obj(st.key_of, s, k);
+        if (set_obj(st.key_of, s, k) < 0)
+            goto error;
         PyObject *fan = PyDict_GetItemWithError(st.pending, k);
         if (fan != NULL) {
             Py_ssize_t f = PyLong_AsSsize_t(fan);
@@ -817,7 +831,8 @@ static PyObject *insert(PyObject *module, PyObject *const *args, Py_ssize_t narg
         } else {
             st.fanout[s] = 0;
         }
-        set_obj(st.parent_of, s, parent);
+        if (set_obj(st.parent_of, s, parent) < 0)
+            goto error;
         int64_t q, p = floor + VALUE[c];
         if (parent == Py_None) {
             st.where[s] = p;

@@ -170,8 +170,11 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._where = _ints(0, 0, flat)  # its priority (its bucket is prio & MASK), or ORPHAN
         self._code = _ints(0, 0, flat)  # its use code: (L at its last use) * 16 + uses
         self._qcode = _ints(0, 0, flat)  # its use code when queued
-        self._key: list[Key] = []
-        self._parent: list[Key | None] = []
+        # slot -> key and slot -> parent key: dicts of atomic objects, which the collector
+        # neither tracks nor walks (lists of a page key per slot cost a full pass ~8 ms at
+        # 10,000 idle sequences)
+        self._key: dict[int, Key] = {}
+        self._parent: dict[int, Key | None] = {}
         self._fanout = _ints(0, 0, flat)  # never-seen children that tried to extend it
         self._back = _ints(0, 0, flat)  # its use code when it came back from the history; -1: not
         self._state: State = self._state_tuple()
@@ -201,8 +204,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._where = _ints(0, capacity, flat)
         self._code = _ints(0, capacity, flat)
         self._qcode = _ints(0, capacity, flat)
-        self._key = [None] * capacity
-        self._parent = [None] * capacity
+        self._key = {}
+        self._parent = {}
         self._fanout = _ints(0, capacity, flat)
         self._back = _ints(-1, capacity, flat)
         self._state = self._state_tuple()
@@ -290,7 +293,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         for s, k in zip(slots, keys):
             links.unlink(s)
             self._n -= 1
-            parent = self._parent[s]
+            parent = self._parent.get(s)
             if parent is not None:
                 sibs = kids[parent]
                 if isinstance(sibs, set):
@@ -331,7 +334,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         for s, k in zip(reversed(slots), reversed(keys)):
             gone.pop(k)
             self._key[s] = k  # a MOVING page may have been renamed (rekey)
-            parent = self._parent[s]
+            parent = self._parent.get(s)
             orphan = False
             if parent is not None:
                 ps = slot_of.get(parent)
@@ -369,7 +372,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         c._kids = {k: set(v) if isinstance(v, set) else v for k, v in self._kids.items()}
         c._links = self._links.copy()
         for name in ("_where", "_code", "_qcode", "_key", "_parent", "_fanout", "_back"):
-            setattr(c, name, getattr(self, name)[:])
+            setattr(c, name, copy.copy(getattr(self, name)))
         c._state = c._state_tuple()
         return c
 

@@ -44,8 +44,8 @@ State = tuple[
     MutableSequence[int],  # where (array('q'), as code, qcode, back and fanout)
     MutableSequence[int],  # code
     MutableSequence[int],  # qcode
-    list[Key],  # key_of
-    list[Key | None],  # parent_of
+    dict[int, Key],  # key_of: slot -> key
+    dict[int, Key | None],  # parent_of: slot -> parent (missing: None)
     MutableSequence[int],  # back
     MutableSequence[int],  # fanout
     dict[Key, int],  # pending
@@ -214,7 +214,7 @@ def evict(
                         left = left * decay + 1.0
                         used = used * decay + (cd != back[s])
                         seen += 1
-                    parent = parent_of[s]  # kept: restore_slots reads it
+                    parent = parent_of.get(s)  # kept: restore_slots reads it
                     if parent is not None:
                         sibs = kids.pop(parent)
                         if sibs is key:  # the common case: its parent's only child
@@ -297,7 +297,7 @@ def evict(
                 prv[s] = UNLINKED
                 size[b] -= 1
                 key = key_of[s]
-                parent = parent_of[s]  # kept for restore_slots
+                parent = parent_of.get(s)  # kept for restore_slots
                 if parent is not None:
                     sibs = kids[parent]
                     if isinstance(sibs, set):
@@ -359,7 +359,7 @@ PYTHON = Loops(evict, insert, admit_chain, touch, False)
 """The pure-Python loops (the reference)."""
 
 
-ABI = 1
+ABI = 2
 """The interface of the C loops this module calls (``_kvaware.c``'s ``ABI``): an extension
 built from another source is not used."""
 
