@@ -124,7 +124,7 @@ class KVStore:
         remote_write: bool = True,
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
-        turn_budget: float | None = 0.001,
+        turn_budget: float | None = 0.0005,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)

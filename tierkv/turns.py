@@ -47,7 +47,7 @@ class TurnBudget:
         "pauses",
     )
 
-    def __init__(self, budget: float | None = 0.001) -> None:
+    def __init__(self, budget: float | None = 0.0005) -> None:
         self.budget = budget
         self._armed = False  # counting the current turn
         self._start = 0.0
@@ -57,7 +57,7 @@ class TurnBudget:
         self._granted = 0  # waiters let go by the last tick
         # seconds of work one waiter let go costs (a moving average): the grant per turn is
         # the budget over it
-        self._cost = (budget or 0.001) / 4
+        self._cost = (budget or 0.0005) / 4
         self.pauses = 0  # calls that waited (a figure for stats)
 
     @property

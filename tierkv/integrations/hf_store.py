@@ -50,11 +50,15 @@ async def _bounded(coro: Coroutine[Any, Any, T], limit: float) -> T:
 class LocalStore:
     """A :class:`KVStore` on a private event loop that the calling thread drives.
 
-    One thread at a time (as with any transformers cache). Arguments as for KVStore. Raises
-    what KVStore raises (tierkv errors only).
+    One thread at a time (as with any transformers cache). Arguments as for KVStore, except
+    that ``turn_budget`` defaults to None (nothing else runs on the loop). Raises what KVStore
+    raises (tierkv errors only).
     """
 
     def __init__(self, spec: KVSpec, **kwargs: Any) -> None:
+        # the loop is this store's alone: no other task to yield to, so no turn budget (each
+        # pause would cost the model's thread a loop turn) unless the caller asks for one
+        kwargs.setdefault("turn_budget", None)
         self.store = KVStore(spec, **kwargs)  # checks every argument first
         # asyncio's loop: uvloop's run_until_complete opens and closes a signal socketpair on
         # every call in the main thread (0.1-0.5 ms, once per layer and token here)
