@@ -164,6 +164,7 @@ class TierSet:
         # free list hands out the lowest slots first: the arena fills from slot 0 up)
         self._warm = 0
         self._warm_chunk = max(1, _PREFAULT_BYTES // arenas[DEVICE].slot_bytes)
+        self._warm_ahead(())  # the first chunks now, before the first append needs them
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -929,9 +930,14 @@ class TierSet:
         top = max(slots, default=-1) + 1
         if top + self._warm_chunk <= self._warm or self._warm >= arena.num_slots:
             return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # (made outside a loop: the first allocation starts it)
+            return
         first = self._warm
-        self._warm = min(arena.num_slots, max(first, top) + self._warm_chunk)
-        asyncio.get_running_loop().run_in_executor(None, arena.prefault, first, self._warm - first)
+        # two chunks ahead: the thread has a chunk's worth of appends to commit the next one
+        self._warm = min(arena.num_slots, max(first, top) + 2 * self._warm_chunk)
+        loop.run_in_executor(None, arena.prefault, first, self._warm - first)
 
     def _note_peak(self) -> None:
         used = self._table.used(DEVICE)
