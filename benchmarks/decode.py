@@ -108,6 +108,22 @@ def _describe(handle: asyncio.events.Handle) -> str:
     return str(name) if name else repr(handle)[:120]
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor took from this VM's CPUs since boot (``/proc/stat``'s steal,
+    all CPUs; 0 where unknown). Time stolen while a thread ran counts as that thread's CPU
+    time inside the guest: a callback's CPU time is the code's own only when no steal fell
+    in it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 class CallbackTimer:
     """Times every callback the (pure-Python) asyncio loop runs: the longest one is the worst
     stall a single piece of code caused. (A timer's lateness, also reported, adds up every task
@@ -136,6 +152,13 @@ class CallbackTimer:
         self._gc_cpu_total = 0.0
         self._gc_cpu_start = 0.0
         self._orig = asyncio.events.Handle._run
+        # steal read at most every 10 ms, and at the end of each new worst callback: the steal
+        # since the last reading bounds what fell in that callback (10 ms granularity)
+        self._steal_at = 0.0
+        self._steal_val = 0.0
+        self.worst_steal = 0.0  # steal during the longest callback (an upper bound)
+        self.worst_cpu_own_steal = 0.0  # steal during the longest in CPU outside the collector
+        self.steal = 0.0  # steal during the whole run
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         now, cpu = time.perf_counter(), time.thread_time()
@@ -156,6 +179,8 @@ class CallbackTimer:
             gc0, gc_cpu0 = timer._gc_total, timer._gc_cpu_total
             c0 = time.thread_time()
             t0 = time.perf_counter()
+            if t0 - timer._steal_at > 0.01:
+                timer._steal_at, timer._steal_val = t0, steal_seconds()
             orig(handle)
             timer.callbacks += 1
             dt = time.perf_counter() - t0
@@ -164,18 +189,22 @@ class CallbackTimer:
                 timer.worst_cpu, timer.worst_cpu_name = cpu, _describe(handle)
             if dt > timer.worst:
                 timer.worst, timer.worst_name = dt, _describe(handle)
+                timer.worst_steal = steal_seconds() - timer._steal_val
             own = dt - (timer._gc_total - gc0)
             if own > timer.worst_own:
                 timer.worst_own, timer.worst_own_name = own, _describe(handle)
             cpu_own = cpu - (timer._gc_cpu_total - gc_cpu0)
             if cpu_own > timer.worst_cpu_own:
                 timer.worst_cpu_own, timer.worst_cpu_own_name = cpu_own, _describe(handle)
+                timer.worst_cpu_own_steal = steal_seconds() - timer._steal_val
 
         asyncio.events.Handle._run = timed  # type: ignore[method-assign]
         gc.callbacks.append(self._on_gc)
+        self.steal = -steal_seconds()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.steal += steal_seconds()
         asyncio.events.Handle._run = self._orig  # type: ignore[method-assign]
         gc.callbacks.remove(self._on_gc)
 
@@ -314,6 +343,9 @@ async def stall_check(
         "max_callback_cpu_ms": cbt.worst_cpu * 1e3,
         "max_callback_cpu": cbt.worst_cpu_name,
         "max_callback_cpu_outside_gc_ms": cbt.worst_cpu_own * 1e3,
+        "max_callback_steal_ms": cbt.worst_steal * 1e3,
+        "max_callback_cpu_outside_gc_steal_ms": cbt.worst_cpu_own_steal * 1e3,
+        "run_steal_ms": cbt.steal * 1e3,
         "max_callback_cpu_outside_gc": cbt.worst_cpu_own_name,
         "max_gc_pause_ms": cbt.worst_gc * 1e3,
         "collector_passes_by_generation": cbt.passes,
