@@ -120,11 +120,13 @@ class TurnBudget:
         go on as fit the budget (they run in the next turn)."""
         self._ticking = False
         budget = self.budget
-        assert budget is not None  # (only pauses under a budget schedule ticks)
         if self._armed and self._granted:
             each = (time.perf_counter() - self._start) / self._granted
             self._cost = 0.5 * self._cost + 0.5 * each
-        n = max(1, min(_MAX_GRANT, int(budget / max(self._cost, 1e-7))))
+        if budget is None:  # turned off while callers waited: they all go on
+            n = len(self._waiting)
+        else:
+            n = max(1, min(_MAX_GRANT, int(budget / max(self._cost, 1e-7))))
         waiting, granted = self._waiting, 0
         while granted < n and waiting:
             fut = waiting.popleft()

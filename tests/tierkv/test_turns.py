@@ -64,6 +64,38 @@ async def test_the_first_to_pause_yields_one_turn_and_the_rest_queue_behind_it()
     assert order == ["a", "b", "c"]  # first come, first served
 
 
+async def test_callers_waiting_when_the_budget_is_turned_off_all_go_on() -> None:
+    budget, done = TurnBudget(1e-9), []
+
+    async def one(i: int) -> None:
+        await budget.pause()
+        done.append(i)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(50)]
+    budget.spent()
+    await asyncio.sleep(0)  # all pause: one is out for a turn, 49 queue
+    assert budget.waiting == 49
+    budget.budget = None
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)  # none is left waiting forever
+    assert sorted(done) == list(range(50)) and budget.waiting == 0
+
+
+async def test_a_cancelled_waiter_is_passed_over_and_the_rest_keep_their_order() -> None:
+    budget, done = TurnBudget(1e-9), []
+
+    async def one(i: int) -> None:
+        await budget.pause()
+        done.append(i)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(6)]
+    budget.spent()
+    await asyncio.sleep(0)
+    tasks[2].cancel()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
+    assert isinstance(results[2], asyncio.CancelledError)
+    assert done == [0, 1, 3, 4, 5]
+
+
 @pytest.mark.parametrize("budget", [None, 1e-9])
 async def test_appends_pause_between_layers_only_under_a_spent_budget(budget: float | None) -> None:
     async with KVStore(
