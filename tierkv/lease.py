@@ -117,7 +117,7 @@ class Lease:
         # write-backs only advance when the loop runs. (When this loop turn's store work is
         # spent, wait for a later turn in the store's queue: see tierkv.turns.)
         await store.turns.pause(always=True)
-        t0 = time.perf_counter()
+        t0 = time.perf_counter()  # (charged to the turn budget at the end: see below)
         deadline = tiers.deadline(store.timeout)
         footprint = len(keys) + self._reserve()
         # a partial, not a lambda: a closure would make its variables cells (tracked objects)
@@ -132,6 +132,9 @@ class Lease:
             self._leave()
             raise
         t1 = time.perf_counter()
+        # the store work of this entry: all of it when nothing was loaded (no suspension);
+        # when pages were loaded the task slept meanwhile, and only what follows is counted
+        store.turns.charge((t1 - t0) if not waited else 0.0)
         self._pinned = tuple(keys)
         self._active = True
         self.waited_pages = waited
@@ -163,29 +166,33 @@ class Lease:
 
     @async_boundary
     async def __aexit__(self, *exc: object) -> None:
-        self._active = False
-        store = self._store
-        if store.closed:
-            self._seqs = ()
-            return  # close() already let go of every page
-        pinned: tuple[bytes, ...] = ()
+        t0 = time.perf_counter()
         try:
-            if self._pinned:
-                pinned, self._pinned = self._pinned, ()
-                store.tiers.release_device(pinned)
+            self._active = False
+            store = self._store
+            if store.closed:
+                self._seqs = ()
+                return  # close() already let go of every page
+            pinned: tuple[bytes, ...] = ()
+            try:
+                if self._pinned:
+                    pinned, self._pinned = self._pinned, ()
+                    store.tiers.release_device(pinned)
+            finally:
+                self._leave()
+            store.lease_ended(self._seqs, pinned)
+            # written pages by their current keys: lease_ended may have renamed full blocks
+            seqs, self._seqs = self._seqs, ()
+            live = [store.is_live(s) for s in seqs]
+            written = []
+            for key in self._written:
+                i, layer, b = self._unpack(key)
+                if live[i]:
+                    written.append(page_key(seqs[i].block(b), layer))
+            self._written = {}
+            store.lease_wrote(written)
         finally:
-            self._leave()
-        store.lease_ended(self._seqs, pinned)
-        # written pages by their current keys: lease_ended may have renamed full blocks
-        seqs, self._seqs = self._seqs, ()
-        live = [store.is_live(s) for s in seqs]
-        written = []
-        for key in self._written:
-            i, layer, b = self._unpack(key)
-            if live[i]:
-                written.append(page_key(seqs[i].block(b), layer))
-        self._written = {}
-        store.lease_wrote(written)
+            self._store.turns.charge(time.perf_counter() - t0)
 
     def _written_key(self, seq_id: str, layer: int, block: int) -> int:
         """(sequence, layer, block) as one int: ``(block * L + layer) * S + i``."""
@@ -216,20 +223,27 @@ class Lease:
         Raises SequenceError (a sequence not in this lease, or the lease is not active),
         SpecError (a layer not in it), InvalidTypeError (an id or layer of the wrong type).
         """
-        seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
-        seq = self._seq(seq_id, layer)
-        spec = self._store.spec
-        pages = seq.pages(layer)
-        n, s = len(pages), seq.kv_len_of(layer)
-        if not n:
-            device = self._store.tiers.device
-            empty = torch.empty(
-                (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
+        t0 = time.perf_counter()
+        try:
+            seq_id, layer = (
+                validate.seq_id(seq_id),
+                validate.layer(layer, self._store.spec.num_layers),
             )
-            return empty, empty.clone()
-        tiers = self._store.tiers
-        kv = tiers.gather_tokens(tiers.device_slots(pages))[:, :, :s]  # [2, H, S, D]
-        return kv[0], kv[1]
+            seq = self._seq(seq_id, layer)
+            spec = self._store.spec
+            pages = seq.pages(layer)
+            n, s = len(pages), seq.kv_len_of(layer)
+            if not n:
+                device = self._store.tiers.device
+                empty = torch.empty(
+                    (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
+                )
+                return empty, empty.clone()
+            tiers = self._store.tiers
+            kv = tiers.gather_tokens(tiers.device_slots(pages))[:, :, :s]  # [2, H, S, D]
+            return kv[0], kv[1]
+        finally:
+            self._store.turns.charge(time.perf_counter() - t0)
 
     @async_boundary
     async def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -250,58 +264,62 @@ class Lease:
         if n == 0:
             return
         await store.turns.pause()
-        seq = self._seq(seq_id, layer)  # (the lease may have ended meanwhile)
-        if not store.is_live(seq):  # released (or its id reused) inside the lease
-            raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
-        tiers = store.tiers
-        device = tiers.device
-        if k.device != device or v.device != device:
-            try:  # on the device first: a tensor that cannot be copied fails before allocating
-                k, v = k.to(device), v.to(device)
-            except (RuntimeError, NotImplementedError) as exc:
-                raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
-        t = spec.page_tokens
-        start = seq.kv_len_of(layer)
-        end = start + n
-        have = -(-start // t)  # pages this layer already has
-        need = -(-end // t)
-        while seq.num_blocks < need:  # (extra private blocks left by a failure are harmless)
-            seq.append_block(seq.private_block(seq.num_blocks), shared=False)
-        new = [page_key(seq.block(b), layer) for b in range(have, need)]
-        if new:
-            mine = len(self._pinned)  # distinct: acquired once each, new pages are new
-            slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
-        pinned = owned = False
+        t0 = time.perf_counter()
         try:
+            seq = self._seq(seq_id, layer)  # (the lease may have ended meanwhile)
+            if not store.is_live(seq):  # released (or its id reused) inside the lease
+                raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
+            tiers = store.tiers
+            device = tiers.device
+            if k.device != device or v.device != device:
+                try:  # on the device first: a tensor that cannot be copied fails before allocating
+                    k, v = k.to(device), v.to(device)
+                except (RuntimeError, NotImplementedError) as exc:
+                    raise SpecError(f"k, v: cannot be copied to {device}: {exc}") from exc
+            t = spec.page_tokens
+            start = seq.kv_len_of(layer)
+            end = start + n
+            have = -(-start // t)  # pages this layer already has
+            need = -(-end // t)
+            while seq.num_blocks < need:  # (extra private blocks left by a failure are harmless)
+                seq.append_block(seq.private_block(seq.num_blocks), shared=False)
+            new = [page_key(seq.block(b), layer) for b in range(have, need)]
             if new:
-                tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak
-                tiers.commit_device(new)
-                tiers.pin_device(new)  # pinned for the rest of the lease
-                pinned = True
-                tiers.own(new)
-                owned = True
-            first = start // t
-            written = [page_key(seq.block(b), layer) for b in range(first, need)]
-            pos = start
-            for b, slot in enumerate(tiers.device_slots(written), first):
-                off = pos - b * t
-                m = min(t - off, end - pos)
-                page = tiers.page(slot)
-                if m == n:  # the whole append in one page (a decode step): no slicing
-                    page[0, :, off : off + m] = k
-                    page[1, :, off : off + m] = v
-                else:
-                    page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
-                    page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
-                pos += m
-            tiers.mark_dirty(written)
-        except BaseException:  # undo every step: no page, pin or owner is left behind
-            tiers.abort_device(new, pinned=pinned, owned=owned)
-            raise
-        self._pinned += tuple(new)
-        for pos in range(start - start % t, end, t):
-            self._written[self._written_key(seq_id, layer, pos // t)] = None
-        seq.set_kv_len(layer, end)
+                mine = len(self._pinned)  # distinct: acquired once each, new pages are new
+                slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
+            pinned = owned = False
+            try:
+                if new:
+                    tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak
+                    tiers.commit_device(new)
+                    tiers.pin_device(new)  # pinned for the rest of the lease
+                    pinned = True
+                    tiers.own(new)
+                    owned = True
+                first = start // t
+                written = [page_key(seq.block(b), layer) for b in range(first, need)]
+                pos = start
+                for b, slot in enumerate(tiers.device_slots(written), first):
+                    off = pos - b * t
+                    m = min(t - off, end - pos)
+                    page = tiers.page(slot)
+                    if m == n:  # the whole append in one page (a decode step): no slicing
+                        page[0, :, off : off + m] = k
+                        page[1, :, off : off + m] = v
+                    else:
+                        page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
+                        page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
+                    pos += m
+                tiers.mark_dirty(written)
+            except BaseException:  # undo every step: no page, pin or owner is left behind
+                tiers.abort_device(new, pinned=pinned, owned=owned)
+                raise
+            self._pinned += tuple(new)
+            for pos in range(start - start % t, end, t):
+                self._written[self._written_key(seq_id, layer, pos // t)] = None
+            seq.set_kv_len(layer, end)
+        finally:
+            store.turns.charge(time.perf_counter() - t0)
 
     def sequences(self) -> Sequence[str]:
         """Ids of the leased sequences."""

@@ -24,6 +24,7 @@ its length is their documentation.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -124,7 +125,7 @@ class KVStore:
         remote_write: bool = True,
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
-        turn_budget: float | None = 0.0005,
+        turn_budget: float | None = 0.0003,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
@@ -348,66 +349,70 @@ class KVStore:
             raise SequenceError(f"sequence {seq_id!r} already exists")
         await self.turns.pause()
         tiers = self.tiers  # (the store may have closed meanwhile)
-        if seq_id in self._seqs:
-            raise SequenceError(f"sequence {seq_id!r} already exists")
-        t = self.spec.page_tokens
-        toks, keys = await prompt_keys(tokens, t, self.namespace)
-        keys = keys[: max(0, len(toks) - 1) // t]
-        tiers = self.tiers  # a long prompt yielded: the store may have closed meanwhile
-        if seq_id in self._seqs:
-            raise SequenceError(f"sequence {seq_id!r} already exists")
-        n = self._cached_blocks(keys)
-        if self.remote is not None and n < len(keys):
-            await self._fetch(keys[n:])
-            tiers = self.tiers  # raises if the store closed meanwhile
+        t0 = time.perf_counter()  # the store work, charged to the turn budget
+        try:
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
-            n = self._cached_blocks(keys)  # no await from here on: nothing can evict them
-        self._incarnations += 1
-        seq = SequenceState(
-            seq_id,
-            self.spec.num_layers,
-            t,
-            self.namespace,
-            tokens=toks,
-            incarnation=self._incarnations,
-        )
-        seq.set_blocks(keys[:n], shared=True)
-        seq.set_all_kv_len(n * t)
-        seq.cached_tokens = n * t
-        pages = seq.all_pages()
-        if len(pages) <= _OWN_AT_ONCE:
-            tiers.own(pages)
-        else:  # a million-token prompt: owned in slices, a loop turn between them
-            await tiers.own_async(pages, _OWN_AT_ONCE)
-            try:
-                tiers = self.tiers
+            t = self.spec.page_tokens
+            toks, keys = await prompt_keys(tokens, t, self.namespace)
+            keys = keys[: max(0, len(toks) - 1) // t]
+            tiers = self.tiers  # a long prompt yielded: the store may have closed meanwhile
+            if seq_id in self._seqs:
+                raise SequenceError(f"sequence {seq_id!r} already exists")
+            n = self._cached_blocks(keys)
+            if self.remote is not None and n < len(keys):
+                await self._fetch(keys[n:])
+                tiers = self.tiers  # raises if the store closed meanwhile
                 if seq_id in self._seqs:
                     raise SequenceError(f"sequence {seq_id!r} already exists")
-            except BaseException:
-                tiers.disown(pages)
-                raise
-            held = next(
-                (
-                    i
-                    for i, b in enumerate(keys[:n])
-                    if not all(
-                        tiers.holds(page_key(b, layer)) for layer in range(self.spec.num_layers)
-                    )
-                ),
-                n,
-            )  # pages owned late may have left meanwhile: keep the prefix still held
-            if held < n:
-                tiers.disown(pages)
-                n = held
-                seq.set_blocks(keys[:n], shared=True)
-                seq.set_all_kv_len(n * t)
-                seq.cached_tokens = n * t
-                tiers.own(seq.all_pages())
-        self._seqs[seq_id] = seq
-        self.counters.prefix_tokens_reused += n * t
-        self.counters.prompt_tokens += len(toks)
-        return n * t
+                n = self._cached_blocks(keys)  # no await from here on: nothing can evict them
+            self._incarnations += 1
+            seq = SequenceState(
+                seq_id,
+                self.spec.num_layers,
+                t,
+                self.namespace,
+                tokens=toks,
+                incarnation=self._incarnations,
+            )
+            seq.set_blocks(keys[:n], shared=True)
+            seq.set_all_kv_len(n * t)
+            seq.cached_tokens = n * t
+            pages = seq.all_pages()
+            if len(pages) <= _OWN_AT_ONCE:
+                tiers.own(pages)
+            else:  # a million-token prompt: owned in slices, a loop turn between them
+                await tiers.own_async(pages, _OWN_AT_ONCE)
+                try:
+                    tiers = self.tiers
+                    if seq_id in self._seqs:
+                        raise SequenceError(f"sequence {seq_id!r} already exists")
+                except BaseException:
+                    tiers.disown(pages)
+                    raise
+                held = next(
+                    (
+                        i
+                        for i, b in enumerate(keys[:n])
+                        if not all(
+                            tiers.holds(page_key(b, layer)) for layer in range(self.spec.num_layers)
+                        )
+                    ),
+                    n,
+                )  # pages owned late may have left meanwhile: keep the prefix still held
+                if held < n:
+                    tiers.disown(pages)
+                    n = held
+                    seq.set_blocks(keys[:n], shared=True)
+                    seq.set_all_kv_len(n * t)
+                    seq.cached_tokens = n * t
+                    tiers.own(seq.all_pages())
+            self._seqs[seq_id] = seq
+            self.counters.prefix_tokens_reused += n * t
+            self.counters.prompt_tokens += len(toks)
+            return n * t
+        finally:
+            self.turns.charge(time.perf_counter() - t0)
 
     @async_boundary
     async def fetch_prefix(self, tokens: Sequence[int]) -> int:
@@ -464,34 +469,38 @@ class KVStore:
         seq_id = validate.seq_id(seq_id)
         self.sequence(seq_id)  # an unknown id fails before the pause
         await self.turns.pause()
-        seq = self.sequence(seq_id)
-        self.publish(seq)
-        del self._seqs[seq_id]
-        pages = seq.all_pages()
-        tiers = self.tiers
-        tiers.disown(pages)
-        layers = range(seq.num_layers)
-        full = dict(self._content_keys(seq))  # full blocks busy now: renamed once idle
-        private: list[bytes] = []
-        for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
-            if shared:
-                continue
-            old = [page_key(b, layer) for layer in layers]
-            if i in full:
-                tiers.rename_when_idle(old, [page_key(full[i], layer) for layer in layers])
-            else:
-                private += old
-        tiers.forget(private)
-        for k in private:
-            self._last_use.pop(k, None)
-            self._parked.pop(k, None)
-        parked, owners = self._parked, tiers.owners
-        for k in pages:
-            t = parked.get(k)
-            if t is not None and k not in owners:
-                del parked[k]
-                self._due[k] = t
-        self._prefetcher.forget(private)  # never to be used: no growth
+        t0 = time.perf_counter()  # the store work, charged to the turn budget
+        try:
+            seq = self.sequence(seq_id)
+            self.publish(seq)
+            del self._seqs[seq_id]
+            pages = seq.all_pages()
+            tiers = self.tiers
+            tiers.disown(pages)
+            layers = range(seq.num_layers)
+            full = dict(self._content_keys(seq))  # full blocks busy now: renamed once idle
+            private: list[bytes] = []
+            for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
+                if shared:
+                    continue
+                old = [page_key(b, layer) for layer in layers]
+                if i in full:
+                    tiers.rename_when_idle(old, [page_key(full[i], layer) for layer in layers])
+                else:
+                    private += old
+            tiers.forget(private)
+            for k in private:
+                self._last_use.pop(k, None)
+                self._parked.pop(k, None)
+            parked, owners = self._parked, tiers.owners
+            for k in pages:
+                t = parked.get(k)
+                if t is not None and k not in owners:
+                    del parked[k]
+                    self._due[k] = t
+            self._prefetcher.forget(private)  # never to be used: no growth
+        finally:
+            self.turns.charge(time.perf_counter() - t0)
 
     @staticmethod
     def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:

@@ -5,11 +5,14 @@ timers and sockets again. A thousand sequences whose tasks each run a whole leas
 append every layer, read, release) in one callback make a turn as long as all of those steps
 together: a timer, a request handler or a heartbeat on the same loop waits that long (tens of
 milliseconds at 32 concurrent leases). Like Tokio's cooperative budget, the store's async calls
-*pause* once the store work done in the current turn passes a budget: the caller waits in a
+*pause* once the store work charged in the current turn passes a budget: the caller waits in a
 first-come, first-served queue, and each later turn lets as many waiters go on as fit the
 budget at what the waiters let go before cost (a moving average). The work is the same,
 spread over more, shorter turns; a loop with little to do never pauses (the budget is per
 turn, not per call).
+
+Only the store's own work is charged (each call charges the time it ran): a model's layers
+computed between store calls on the same loop do not make the store pause.
 
 Tasks let go in the same turn do not re-check the budget when they resume (they were admitted
 to this turn), so the queue, not a re-check, bounds a turn: a thousand tasks that paused
@@ -20,7 +23,6 @@ schedules when it starts counting: it runs at the start of the next turn.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 
 __all__ = ["TurnBudget"]
@@ -40,24 +42,24 @@ class TurnBudget:
         "_cost",
         "_granted",
         "_out",
-        "_start",
         "_ticking",
+        "_used",
         "_waiting",
         "budget",
         "pauses",
     )
 
-    def __init__(self, budget: float | None = 0.0005) -> None:
+    def __init__(self, budget: float | None = 0.0003) -> None:
         self.budget = budget
         self._armed = False  # counting the current turn
-        self._start = 0.0
+        self._used = 0.0  # store work charged in the current turn
         self._waiting: deque[asyncio.Future[None]] = deque()  # paused callers, first come first
         self._ticking = False  # a tick is scheduled for the next turn
         self._out = False  # the first caller to pause in a turn is yielding for one turn
         self._granted = 0  # waiters let go by the last tick
         # seconds of work one waiter let go costs (a moving average): the grant per turn is
         # the budget over it
-        self._cost = (budget or 0.0005) / 4
+        self._cost = (budget or 0.0003) / 4
         self.pauses = 0  # calls that waited (a figure for stats)
 
     @property
@@ -65,18 +67,31 @@ class TurnBudget:
         """Callers paused now."""
         return len(self._waiting)
 
+    def charge(self, seconds: float) -> None:
+        """Count ``seconds`` of store work in this loop turn (the store's calls charge the time
+        they ran; the caller's own work between them, a model's layers, is not counted).
+        Outside a running loop (a synchronous caller) nothing is counted."""
+        if not self._armed:
+            try:
+                self._arm()
+            except RuntimeError:  # no running loop: no turn to count in
+                return
+        self._used += seconds
+
     def spent(self) -> bool:
-        """True when the work of this loop turn has passed the budget (the first call of a turn
-        starts the count and is never spent). Must run on the loop."""
+        """True when the store work charged in this loop turn has passed the budget. Must run
+        on the loop."""
         if self.budget is None:
             return False
-        now = time.perf_counter()
         if not self._armed:
-            self._armed = True
-            self._start = now
-            asyncio.get_running_loop().call_soon(self._next_turn)
+            self._arm()
             return False
-        return now - self._start > self.budget
+        return self._used > self.budget
+
+    def _arm(self) -> None:
+        self._armed = True
+        self._used = 0.0
+        asyncio.get_running_loop().call_soon(self._next_turn)
 
     def _next_turn(self) -> None:
         self._armed = False
@@ -103,7 +118,6 @@ class TurnBudget:
                 await asyncio.sleep(0)
             finally:
                 self._out = False
-            self.spent()  # resumed in the next turn: start its count if nobody has
             return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
@@ -112,7 +126,6 @@ class TurnBudget:
             self._ticking = True
             loop.call_soon(self._tick)
         await fut  # (cancelled: the future is cancelled too, and the tick passes over it)
-        self.spent()  # let go in this turn: start its count if nobody has
 
     def _tick(self) -> None:
         """Once per turn while callers wait: estimate what one waiter let go costs (from the
@@ -120,8 +133,8 @@ class TurnBudget:
         go on as fit the budget (they run in the next turn)."""
         self._ticking = False
         budget = self.budget
-        if self._armed and self._granted:
-            each = (time.perf_counter() - self._start) / self._granted
+        if self._armed and self._granted:  # what the waiters let go last time charged
+            each = self._used / self._granted
             self._cost = 0.5 * self._cost + 0.5 * each
         if budget is None:  # turned off while callers waited: they all go on
             n = len(self._waiting)

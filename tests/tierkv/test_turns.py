@@ -4,6 +4,7 @@ loop turn's work passes the budget, and a pause changes nothing but the order of
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ def kv(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 async def test_the_first_call_of_a_turn_starts_the_count_and_the_next_turn_resets_it() -> None:
     budget = TurnBudget(1e-9)
-    assert not budget.spent()  # starts this turn's count
-    assert budget.spent()  # any work at all passes a 1 ns budget
+    assert not budget.spent()  # starts this turn's count: nothing charged yet
+    budget.charge(1e-6)  # a store call's work
+    assert budget.spent()
     await asyncio.sleep(0)  # the next turn
     assert not budget.spent()
     never = TurnBudget(None)
@@ -45,6 +47,7 @@ async def test_a_pause_yields_only_when_the_budget_is_spent() -> None:
     asyncio.get_running_loop().call_soon(ran.append, "other")
     await tight.pause()  # starts the count
     assert ran == []
+    tight.charge(1e-6)
     await tight.pause()  # spent: yields, the other callback runs
     assert ran == ["other"] and tight.pauses == 1
 
@@ -57,7 +60,7 @@ async def test_the_first_to_pause_yields_one_turn_and_the_rest_queue_behind_it()
         order.append(name)
 
     tasks = [asyncio.ensure_future(one(n)) for n in "abc"]
-    budget.spent()  # a count starts, reset only after the three tasks' first steps
+    budget.charge(1e-6)  # a count starts (reset only after the tasks' first steps), spent
     await asyncio.sleep(0)  # all three pause in the same turn
     assert budget.pauses == 3 and budget.waiting == 2  # a is out for one turn; b, c queue
     await asyncio.gather(*tasks)
@@ -72,7 +75,7 @@ async def test_callers_waiting_when_the_budget_is_turned_off_all_go_on() -> None
         done.append(i)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(50)]
-    budget.spent()
+    budget.charge(1e-6)
     await asyncio.sleep(0)  # all pause: one is out for a turn, 49 queue
     assert budget.waiting == 49
     budget.budget = None
@@ -88,7 +91,7 @@ async def test_a_cancelled_waiter_is_passed_over_and_the_rest_keep_their_order()
         done.append(i)
 
     tasks = [asyncio.ensure_future(one(i)) for i in range(6)]
-    budget.spent()
+    budget.charge(1e-6)
     await asyncio.sleep(0)
     tasks[2].cancel()
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 5)
@@ -109,6 +112,24 @@ async def test_appends_pause_between_layers_only_under_a_spent_budget(budget: fl
                 await lease.append("a", layer, *kv(8, layer))
             assert ran == ([] if budget is None else ["other"])
         assert (store.turns.pauses == 0) == (budget is None)
+
+
+async def test_the_callers_own_work_between_store_calls_is_not_charged() -> None:
+    """A model's layers computed between a lease's appends (here: 20 ms of busy work per layer
+    against a 10 ms budget) do not make the store pause; only the store's own work counts."""
+    async with KVStore(
+        SPEC, device_bytes=64 * PAGE, host_bytes=64 * PAGE, codec=None, turn_budget=0.01
+    ) as store:
+        await store.add_sequence("a", list(range(8)))
+        async with store.lease(["a"]) as lease:
+            before = store.turns.pauses
+            for layer in range(SPEC.num_layers):
+                end = time.perf_counter() + 0.02
+                while time.perf_counter() < end:  # the caller's compute, on the loop's thread
+                    pass
+                await lease.append("a", layer, *kv(8, layer))
+                lease.kv("a", layer)
+            assert store.turns.pauses == before
 
 
 async def test_many_tasks_under_a_spent_budget_keep_their_kv_bit_exact() -> None:
@@ -147,7 +168,7 @@ async def test_a_task_cancelled_while_paused_in_append_leaves_nothing_behind() -
         await asyncio.sleep(0)  # a fresh turn: nothing counted in it yet
         before = store.turns.pauses
         task = asyncio.ensure_future(lease.append("a", 0, *kv(8, 0)))
-        store.turns.spent()  # a count starts, reset only after the task's first step
+        store.turns.charge(1e-3)  # spent, and reset only after the task's first step
         await asyncio.sleep(0)  # the append runs up to its pause (the budget is spent)
         assert not task.done() and store.turns.pauses == before + 1
         task.cancel()
