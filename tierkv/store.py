@@ -261,6 +261,8 @@ class KVStore:
             await asyncio.wait(self._tasks, timeout=self.timeout)
         if self._engine is not None:
             await self._engine.aclose(self.timeout, cancel_pending=True)
+        if self._tiers is not None:
+            self._tiers.close()
         self._seqs.clear()
 
     async def __aenter__(self) -> KVStore:

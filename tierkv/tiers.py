@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
+import threading
 from array import array
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -81,6 +83,33 @@ _PREFAULT_BYTES = 8 << 20  # device memory committed ahead of use, per prefault
 
 # a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
 HostLoad = Callable[[list[PageKey], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
+
+
+class Prefaulter:
+    """One daemon thread that commits an arena's memory ahead of use (:meth:`Arena.prefault`,
+    which releases the GIL), fed by a queue: asking costs the loop a queue put."""
+
+    def __init__(self, arena: Arena) -> None:
+        self._arena = arena
+        self._queue: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tierkv-prefault", daemon=True)
+        self._thread.start()
+
+    def submit(self, first: int, n: int) -> None:
+        """Commit slots ``[first, first + n)`` in the background (nothing after close)."""
+        if not self._closed:
+            self._queue.put((first, n))
+
+    def close(self) -> None:
+        """Let the thread end once what was asked is done. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            self._arena.prefault(*job)
 
 
 class TierSet:
@@ -164,6 +193,7 @@ class TierSet:
         # free list hands out the lowest slots first: the arena fills from slot 0 up)
         self._warm = 0
         self._warm_chunk = max(1, _PREFAULT_BYTES // arenas[DEVICE].slot_bytes)
+        self._prefaulter = Prefaulter(arenas[DEVICE])
         self._warm_ahead(())  # the first chunks now, before the first append needs them
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
@@ -924,20 +954,22 @@ class TierSet:
 
     def _warm_ahead(self, slots: Sequence[int]) -> None:
         """Keep the device arena's memory committed a chunk ahead of the highest slot in use,
-        from a thread: new pages are written on the loop's thread (appends), and a first write
-        to an uncommitted huge page stalls it ~1-5 ms (see :meth:`Arena.prefault`)."""
+        from a thread of its own (started with the tier core: starting one on the loop's thread
+        while it runs cost tens of ms): new pages are written on the loop's thread (appends),
+        and a first write to an uncommitted huge page stalls it ~1-5 ms (see
+        :meth:`Arena.prefault`)."""
         arena = self._arenas[DEVICE]
         top = max(slots, default=-1) + 1
         if top + self._warm_chunk <= self._warm or self._warm >= arena.num_slots:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # (made outside a loop: the first allocation starts it)
-            return
         first = self._warm
         # two chunks ahead: the thread has a chunk's worth of appends to commit the next one
         self._warm = min(arena.num_slots, max(first, top) + 2 * self._warm_chunk)
-        loop.run_in_executor(None, arena.prefault, first, self._warm - first)
+        self._prefaulter.submit(first, self._warm - first)
+
+    def close(self) -> None:
+        """Stop the background thread (the prefault of the device arena). Idempotent."""
+        self._prefaulter.close()
 
     def _note_peak(self) -> None:
         used = self._table.used(DEVICE)
