@@ -469,8 +469,8 @@ class KVStore:
         Raises SequenceError for an unknown (or already released) id.
         """
         seq_id = validate.seq_id(seq_id)
-        self.sequence(seq_id)  # an unknown id fails before the pause
-        await self.turns.pause()
+        # no pause before the release: a write-behind task let run then would copy down the
+        # very pages being freed (the pause comes after, when the work is done)
         t0 = time.perf_counter()  # the store work, charged to the turn budget
         try:
             seq = self.sequence(seq_id)
@@ -503,6 +503,7 @@ class KVStore:
             self._prefetcher.forget(private)  # never to be used: no growth
         finally:
             self.turns.charge(time.perf_counter() - t0)
+        await self.turns.pause()
 
     @staticmethod
     def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:

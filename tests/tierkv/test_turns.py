@@ -132,6 +132,23 @@ async def test_the_callers_own_work_between_store_calls_is_not_charged() -> None
             assert store.turns.pauses == before
 
 
+async def test_a_release_frees_its_private_pages_before_it_pauses() -> None:
+    """Regression: release paused first, and the write-behind task the lease's exit had
+    started ran in the pause: it pinned (and copied down) the very pages being freed, which
+    were then doomed instead of freed, their host copies leaving and coming back."""
+    async with KVStore(
+        SPEC, device_bytes=64 * PAGE, host_bytes=64 * PAGE, codec=None, turn_budget=1e-9
+    ) as store:
+        await store.add_sequence("a", list(range(6)))  # a full block and a private one
+        async with store.lease(["a"]) as lease:
+            for layer in range(SPEC.num_layers):
+                await lease.append("a", layer, *kv(6, layer))
+        await store.release("a")  # the lease's write-behind is due; the budget is spent
+        assert not store.tiers.doomed  # freed at once, not left to a copy in flight
+        await store.drain()
+        store.check()
+
+
 async def test_many_tasks_under_a_spent_budget_keep_their_kv_bit_exact() -> None:
     async with KVStore(
         SPEC, device_bytes=24 * PAGE, host_bytes=400 * PAGE, codec=None, turn_budget=1e-9
