@@ -5,8 +5,8 @@
                                                                                | copy_slots(batch)
                                                                                | or the job's fn
     handle  <------------ one completion (call_soon_threadsafe) per batch -----+
-                          (per group: small copies queued back to back on a cpu stream
-                           run as one kernel call, MERGE_MAX_BYTES at most)
+                          (per group: small write-backs queued back to back on a cpu
+                           stream run as one kernel call, MERGE_MAX_BYTES at most)
 
     submit_async() --> [pending heap] --dispatch (<= max_external)--> a task on the loop
 
@@ -533,9 +533,11 @@ class TransferEngine:
         """The copies of the same priority queued right behind `handle` on its stream, while
         the group stays within MERGE_MAX_BYTES (a copy with `after` events has a wait before it,
         which ends the run). Same priority only: a batch never completes later because less
-        urgent ones were merged behind it."""
+        urgent ones were merged behind it. Write-backs only: a merged group completes at once,
+        so a load merged with the ones behind it lands when the last of them does, later than
+        alone (merged prefetches made 5.5% of the demo's loads late instead of 1.2%)."""
         budget = MERGE_MAX_BYTES - handle._stats.bytes
-        if budget <= 0:
+        if budget <= 0 or handle._priority != Priority.WRITEBACK:
             return []
         priority = handle._priority
 

@@ -1,4 +1,6 @@
-"""Copies queued back to back on a cpu stream run as one kernel call (TransferEngine merging)."""
+"""Write-backs queued back to back on a cpu stream run as one kernel call (TransferEngine
+merging); loads are never merged (a merged group completes at once: the first load would land
+when the last does)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from tierkv.runtime.cpu_stream import CpuStream
 from tierkv.runtime.errors import RuntimeEngineError
 from tierkv.runtime.freelist import SlotIds
 from tierkv.runtime.transfer import MERGE_MAX_BYTES
+
+WB = Priority.WRITEBACK  # the only priority whose copies merge
 
 
 class CountingBackend(CpuBackend):
@@ -50,7 +54,8 @@ async def test_queued_copies_merge_into_one_call_bit_exact() -> None:
     async with TransferEngine(backend, max_inflight=8) as engine:
         gate = threading.Event()
         engine.stream(a, b).enqueue(lambda: gate.wait(10))
-        handles = [engine.submit(a, src[i : i + 8], b, dst[i : i + 8]) for i in range(0, 40, 8)]
+        batches = [(src[i : i + 8], dst[i : i + 8]) for i in range(0, 40, 8)]
+        handles = [engine.submit(a, s_, b, d_, priority=WB) for s_, d_ in batches]
         gate.set()
         for h in handles:
             await h.wait(timeout=10)
@@ -58,6 +63,22 @@ async def test_queued_copies_merge_into_one_call_bit_exact() -> None:
     assert np.array_equal(b.array[dst], a.array[src])
     assert len({(h.stats.kernel, h.stats.started_at) for h in handles}) == 1
     assert engine.stats.completed == 5 and engine.stats.pages == 40
+    backend.close()
+
+
+@pytest.mark.parametrize("priority", [Priority.DEMAND, Priority.PREFETCH])
+async def test_loads_are_never_merged(priority: Priority) -> None:
+    backend = CountingBackend()
+    a, b = arenas(backend)
+    async with TransferEngine(backend, max_inflight=8) as engine:
+        gate = threading.Event()
+        engine.stream(a, b).enqueue(lambda: gate.wait(10))
+        handles = [engine.submit(a, [i], b, [i], priority=priority) for i in range(5)]
+        gate.set()
+        for h in handles:
+            await h.wait(timeout=10)
+    assert backend.calls == [1, 1, 1, 1, 1]  # each load lands on its own
+    assert np.array_equal(b.array[:5], a.array[:5])
     backend.close()
 
 
@@ -69,18 +90,18 @@ async def test_merging_stops_at_a_priority_change_a_wait_and_the_byte_cap() -> N
         gate = threading.Event()
         engine.stream(a, b).enqueue(lambda: gate.wait(10))
         h = [
-            engine.submit(a, [0], b, [0], priority=Priority.DEMAND),
-            engine.submit(a, [1], b, [1], priority=Priority.PREFETCH),  # not with the demand
-            engine.submit(a, [2, 3], b, [2, 3], priority=Priority.PREFETCH),
-            engine.submit(a, [4], b, [4], priority=Priority.PREFETCH),  # the cap: 4 slots
-            engine.submit(a, [5], b, [5], priority=Priority.PREFETCH),
+            engine.submit(a, [0], b, [0], priority=Priority.PREFETCH),
+            engine.submit(a, [1], b, [1], priority=WB),  # not with the prefetch
+            engine.submit(a, [2, 3], b, [2, 3], priority=WB),
+            engine.submit(a, [4], b, [4], priority=WB),  # the cap: 4 slots
+            engine.submit(a, [5], b, [5], priority=WB),
         ]
-        other = engine.submit(b, [9], a, [9])  # another stream
-        h.append(engine.submit(a, [6], b, [6], after=[other]))  # a wait ends the run
+        other = engine.submit(b, [9], a, [9], priority=WB)  # another stream
+        h.append(engine.submit(a, [6], b, [6], after=[other], priority=WB))  # a wait ends it
         gate.set()
         for x in h:
             await x.wait(timeout=10)
-    assert backend.calls[0] == 1  # the demand batch alone
+    assert backend.calls[0] == 1  # the prefetch alone
     # [1..4] merged (4 slots: the cap); [5], the other stream's [9] and [6] alone
     assert sorted(backend.calls[1:]) == [1, 1, 1, 4]
     assert np.array_equal(b.array[:7], a.array[:7])
@@ -93,8 +114,8 @@ async def test_a_repeated_destination_is_copied_one_batch_at_a_time_in_order() -
     async with TransferEngine(backend, max_inflight=4) as engine:
         gate = threading.Event()
         engine.stream(a, b).enqueue(lambda: gate.wait(10))
-        first = engine.submit(a, [1, 2], b, [5, 6])
-        second = engine.submit(a, [3, 4], b, [6, 7])  # slot 6 written twice
+        first = engine.submit(a, [1, 2], b, [5, 6], priority=WB)
+        second = engine.submit(a, [3, 4], b, [6, 7], priority=WB)  # slot 6 written twice
         gate.set()
         await first.wait(timeout=10)
         await second.wait(timeout=10)
@@ -109,9 +130,9 @@ async def test_a_failed_merged_call_fails_only_the_batch_at_fault() -> None:
     async with TransferEngine(backend, max_inflight=4) as engine:
         gate = threading.Event()
         engine.stream(a, b).enqueue(lambda: gate.wait(10))
-        good = engine.submit(a, [1, 2], b, [1, 2])
-        bad = engine.submit(a, [9], b, [9])
-        after = engine.submit(a, [3], b, [3])
+        good = engine.submit(a, [1, 2], b, [1, 2], priority=WB)
+        bad = engine.submit(a, [9], b, [9], priority=WB)
+        after = engine.submit(a, [3], b, [3], priority=WB)
         gate.set()
         await good.wait(timeout=10)
         with pytest.raises(TransferError, match="cannot read slot 9"):
