@@ -194,7 +194,10 @@ class TierSet:
         self._warm = 0
         self._warm_chunk = max(1, _PREFAULT_BYTES // arenas[DEVICE].slot_bytes)
         self._prefaulter = Prefaulter(arenas[DEVICE])
-        self._warm_ahead(())  # the first chunks now, before the first append needs them
+        # the first two chunks now, on this thread, before the first append needs them (a
+        # background prefault racing the first appends left them faulting on the loop)
+        self._warm = min(arenas[DEVICE].num_slots, 2 * self._warm_chunk)
+        arenas[DEVICE].prefault(0, self._warm)
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
