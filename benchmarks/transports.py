@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import tierkv.transports as transports
 from benchmarks._common import parser, phase, start_trace, table, write_json, write_trace
 from tierkv.transports import TransferOp
+from tierkv.transports.base import METADATA_LIMITS
 from tierkv.transports.nixl_engine import new_agent
+from tierkv.transports.session import decode
 
 KB, MB = 1 << 10, 1 << 20
 PAGE = 256 * KB
@@ -170,7 +171,8 @@ class RawNixl:
         config = api.nixl_agent_config(enable_prog_thread=thread, backends=["UCX"])
         name = f"raw{'-pthr' if thread else ''}-{os.getpid()}"
         self.agent = new_agent(api, name, config, 1000) if thread else api.nixl_agent(name, config)
-        self.peer = self.agent.add_remote_agent(msgpack.unpackb(peer_meta)["nixl"]).decode()
+        meta = decode(peer_meta, METADATA_LIMITS)  # a peer's bytes: bounded, as Transport does
+        self.peer = self.agent.add_remote_agent(meta["nixl"]).decode()
         self.agent.make_connection(self.peer)
         self.local = local
         self.reg = self.agent.register_memory([(local.ctypes.data, local.nbytes, 0, "")], "DRAM")
