@@ -63,10 +63,6 @@ class DeviceEviction:
         self.soon: frozenset[PageKey] = frozenset()  # pages of announced steps
         self.soon_order: tuple[PageKey, ...] = ()  # the same, soonest needed first
 
-    def has_lower(self, key: PageKey) -> bool:
-        """Whether some lower tier holds ``key`` readable."""
-        return bool(self._table.readable((key,), self._lower))
-
     def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
         """The keys (in order) that some lower tier holds readable."""
         return cast(list[PageKey], self._table.readable(keys, self._lower)) if keys else []

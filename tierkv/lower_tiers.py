@@ -213,7 +213,7 @@ class ColdStorage:
         finally:
             table.complete_load(pk, HOST)
             self._progress()
-        moved = [k for k in pk if table.present([k], COLD)]
+        moved = cast(list[PageKey], table.present(pk, COLD))
         for k in moved:
             owners.unpin(k, HOST)  # the owner's pin moved to the cold copy
         self.forget_in(HOST, moved)

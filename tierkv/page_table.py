@@ -274,8 +274,12 @@ class PageTable:
 
     def held(self, keys: Iterable[Key]) -> list[Key]:
         """The keys (in order) that some tier holds in any state."""
-        maps = [t.slot_of for t in self._tiers.values()]
-        return [k for k in keys if any(k in m for m in maps)]
+        keys = keys if isinstance(keys, (list, tuple)) else list(keys)
+        found: set[Key] = set()
+        for t in self._tiers.values():  # one pass per tier, no generator per key
+            slot_of = t.slot_of
+            found.update([k for k in keys if k in slot_of])
+        return [k for k in keys if k in found]
 
     def lookup_tiers(self, keys: Sequence[Key]) -> dict[str, int]:
         """:meth:`lookup` for every tier."""

@@ -155,6 +155,7 @@ class Prefetcher:
             if len(pages) > budget:
                 break
             budget -= len(pages)
-            room += [k for k in pages if not table.lookup([k], DEVICE)]
+            ready = set(table.readable(pages, DEVICE))
+            room += [k for k in pages if k not in ready]
         if room:
             self._spawn(self._load_ahead(room))

@@ -69,9 +69,14 @@ class TableView:
         """The keys of ``keys`` that ``tier`` holds (any state)."""
         return cast(list[PageKey], self._table.present(keys, tier))
 
-    def readable(self, key: PageKey, tier: str) -> bool:
-        """True when ``tier`` holds ``key`` readable (not in flight)."""
-        return bool(self._table.lookup([key], tier))
+    def readable(self, keys: Iterable[PageKey], tiers: str | Sequence[str]) -> list[PageKey]:
+        """The keys of ``keys`` readable (not in flight) in ``tiers``: one tier, or at least one
+        of several; in order."""
+        return cast(list[PageKey], self._table.readable(keys, tiers))
+
+    def held(self, keys: Iterable[PageKey]) -> list[PageKey]:
+        """The keys of ``keys`` that some tier holds (any state), in order."""
+        return cast(list[PageKey], self._table.held(keys))
 
     def check(self) -> None:
         """The page table's invariants. Raises AssertionError."""

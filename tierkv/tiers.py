@@ -610,13 +610,12 @@ class TierSet:
         is no room and ``make_room``). Raises TierFullError (``make_room=False`` and the host
         is full of pinned pages), what ``load`` raised (TransferError wraps it) or
         WaitTimeoutError after ``timeout`` (the engine's by default)."""
-        table = self._table
-        want = [k for k in dict.fromkeys(keys) if not table.tiers_of(k)]
+        want = self._nowhere(list(dict.fromkeys(keys)))
         if not want:
             return 0
         if make_room:
             await self._cold.make_room(len(want))
-            want = [k for k in want if not table.tiers_of(k)]
+            want = self._nowhere(want)
         alloc = self.reserve_host(want) if want else None
         if alloc is None and not make_room:
             raise TierFullError(f"host tier: no room to import {len(want)} pages")
@@ -973,6 +972,11 @@ class TierSet:
     def close(self) -> None:
         """Stop the background thread (the prefault of the device arena). Idempotent."""
         self._prefaulter.close()
+
+    def _nowhere(self, keys: list[PageKey]) -> list[PageKey]:
+        """The keys no tier holds, in order."""
+        held = set(self._table.held(keys))
+        return [k for k in keys if k not in held]
 
     def _note_peak(self) -> None:
         used = self._table.used(DEVICE)

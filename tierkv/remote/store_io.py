@@ -78,7 +78,8 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
     layers = store.spec.num_layers
     have = table.lookup(pages) // layers * layers  # any tier
     held = have + (await peer.lookup(pages[have:])) // layers * layers
-    want = [k for k in pages[have:held] if not table.tiers_of(k)]
+    somewhere = set(table.held(pages[have:held]))
+    want = [k for k in pages[have:held] if k not in somewhere]
     if want:
         try:
             await tiers.import_host(want, peer.load, timeout=store.timeout, make_room=False)
