@@ -51,6 +51,7 @@ from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
+from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
 from tierkv.turns import TurnBudget
 
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
@@ -125,7 +126,7 @@ class KVStore:
         remote_write: bool = True,
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
-        turn_budget: float | None = 0.0003,
+        turn_budget: float | None = DEFAULT_TURN_BUDGET,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)

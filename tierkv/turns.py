@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["TurnBudget"]
+__all__ = ["DEFAULT_BUDGET", "TurnBudget"]
 
 _MAX_GRANT = 4096
+DEFAULT_BUDGET = 0.0003  # seconds of store work per loop turn (KVStore's default)
 
 
 class TurnBudget:
@@ -49,7 +50,7 @@ class TurnBudget:
         "pauses",
     )
 
-    def __init__(self, budget: float | None = 0.0003) -> None:
+    def __init__(self, budget: float | None = DEFAULT_BUDGET) -> None:
         self.budget = budget
         self._armed = False  # counting the current turn
         self._used = 0.0  # store work charged in the current turn
@@ -59,7 +60,7 @@ class TurnBudget:
         self._granted = 0  # waiters let go by the last tick
         # seconds of work one waiter let go costs (a moving average): the grant per turn is
         # the budget over it
-        self._cost = (budget or 0.0003) / 4
+        self._cost = (budget or DEFAULT_BUDGET) / 4
         self.pauses = 0  # calls that waited (a figure for stats)
 
     @property
@@ -70,7 +71,10 @@ class TurnBudget:
     def charge(self, seconds: float) -> None:
         """Count ``seconds`` of store work in this loop turn (the store's calls charge the time
         they ran; the caller's own work between them, a model's layers, is not counted).
-        Outside a running loop (a synchronous caller) nothing is counted."""
+        Outside a running loop (a synchronous caller), or without a budget, nothing is
+        counted."""
+        if self.budget is None:
+            return
         if not self._armed:
             try:
                 self._arm()
