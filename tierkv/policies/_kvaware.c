@@ -349,44 +349,45 @@ static void extend_slots(State *st, int64_t q, const int64_t *slots, Py_ssize_t 
     st->size[q] += k;
 }
 
+/* The slot of the next child of mine (kids.get(key): a key or a set of keys); *it and *done
+ * track the walk (start them at NULL and 0; the caller releases *it). Returns the slot, -1 at
+ * the end, -2 on error (an exception is set). */
+static Py_ssize_t next_child_slot(State *st, PyObject *mine, PyObject **it, int *done) {
+    PyObject *child;
+    if (PySet_Check(mine)) {
+        if (*it == NULL && (*it = PyObject_GetIter(mine)) == NULL)
+            return -2;
+        if ((child = PyIter_Next(*it)) == NULL)
+            return PyErr_Occurred() ? -2 : -1;
+    } else {
+        if ((*done)++)
+            return -1;
+        child = mine;
+        Py_INCREF(child);
+    }
+    Py_ssize_t c = slot_of(st, child);
+    Py_DECREF(child);
+    return c < 0 ? -2 : c;
+}
+
 /* Strand the children of a victim (mine: kids.get(key), a key or a set of keys): each one
  * still in a bucket leaves it, becomes an orphan and is pushed on fresh. */
 static int strand(State *st, PyObject *mine, Vec *fresh) {
-    PyObject *it = NULL, *child = NULL;
-    int is_set = PySet_Check(mine), one = 0;
-    if (is_set && (it = PyObject_GetIter(mine)) == NULL)
-        return -1;
-    for (;;) {
-        if (is_set) {
-            child = PyIter_Next(it);
-            if (child == NULL) {
-                if (PyErr_Occurred())
-                    goto error;
-                break;
-            }
-        } else {
-            if (one++)
-                break;
-            child = mine;
-            Py_INCREF(child);
-        }
-        Py_ssize_t c = slot_of(st, child);
-        Py_CLEAR(child);
-        if (c < 0)
-            goto error;
+    PyObject *it = NULL;
+    int done = 0, rc = 0;
+    Py_ssize_t c;
+    while ((c = next_child_slot(st, mine, &it, &done)) >= 0) {
         if (st->where[c] != ORPHAN) { /* out of its bucket (Links.unlink) */
             unlink_slot(st, c);
             st->where[c] = ORPHAN; /* (an orphan's qcode is never read) */
-            if (vec_push(fresh, c) < 0)
-                goto error;
+            if (vec_push(fresh, c) < 0) {
+                rc = -1;
+                break;
+            }
         }
     }
     Py_XDECREF(it);
-    return 0;
-error:
-    Py_XDECREF(child);
-    Py_XDECREF(it);
-    return -1;
+    return c == -2 ? -1 : rc;
 }
 
 /* The victim key leaves its parent's children (orphan path: kids.pop, put back if others). */
@@ -722,28 +723,10 @@ done:
 /* Requeue the stranded children of a page that came back (orphans no more): to their buckets
  * with their priority counting from floor. */
 static int unstrand(State *st, PyObject *mine, long long floor) {
-    PyObject *it = NULL, *child = NULL;
-    int is_set = PySet_Check(mine), one = 0;
-    if (is_set && (it = PyObject_GetIter(mine)) == NULL)
-        return -1;
-    for (;;) {
-        if (is_set) {
-            child = PyIter_Next(it);
-            if (child == NULL) {
-                if (PyErr_Occurred())
-                    goto error;
-                break;
-            }
-        } else {
-            if (one++)
-                break;
-            child = mine;
-            Py_INCREF(child);
-        }
-        Py_ssize_t c = slot_of(st, child);
-        Py_CLEAR(child);
-        if (c < 0)
-            goto error;
+    PyObject *it = NULL;
+    int done = 0;
+    Py_ssize_t c;
+    while ((c = next_child_slot(st, mine, &it, &done)) >= 0) {
         if (st->where[c] != ORPHAN)
             continue;
         unlink_slot(st, c);
@@ -753,11 +736,7 @@ static int unstrand(State *st, PyObject *mine, long long floor) {
         append_slot(st, p & MASK, c);
     }
     Py_XDECREF(it);
-    return 0;
-error:
-    Py_XDECREF(child);
-    Py_XDECREF(it);
-    return -1;
+    return c == -2 ? -1 : 0;
 }
 
 static int set_obj(PyObject *dict, Py_ssize_t i, PyObject *o) {
