@@ -2,7 +2,9 @@
 
 ::
 
-    TierKVError
+    TierKVError                                (defined in the lowest layer, transports.errors)
+     ├── UnknownNameError (also LookupError)   a registry has no factory of that name: each
+     │                                         registry's own error below is one too
      ├── InvalidInputError (also ValueError)   a bad argument, rejected at entry: nothing changed
      │    ├── InvalidTypeError (also TypeError) an argument of the wrong type: a float, str or
      │    │                                     None token, a list or numpy array as ``k``,
@@ -10,7 +12,8 @@
      │    └── SpecError                         an invalid KVSpec, or a tensor whose shape,
      │         │                                dtype or device does not match it; a layer or
      │         │                                token id out of range
-     │         └── UnknownPolicyError           no eviction policy of that name
+     │         └── UnknownPolicyError           no eviction policy of that name (also an
+     │                                          UnknownNameError)
      ├── PageTableError                        misuse of the page table; nothing was changed
      │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
@@ -23,9 +26,19 @@
      │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
      └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
 
-Errors raised by the runtime (``tierkv.runtime.errors``) and the transports
-(``tierkv.transports.errors``)
-keep their own roots. Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
+The runtime's tree (``tierkv.runtime.errors``, rooted at ``RuntimeEngineError``) and the
+transports' (``tierkv.transports.errors``, ``TransportError``) hang under ``TierKVError`` too, and
+so do the codecs' (``tierkv.codecs.CodecError``), the remote tier's
+(``tierkv.remote.RemoteError``) and the serving engine's (``tierkv.serving.RequestError``). The
+unknown-name errors of the four registries are one kind, :class:`UnknownNameError`::
+
+    UnknownNameError
+     ├── runtime.UnknownBackendError      (also BackendUnavailableError)
+     ├── transports.UnknownTransportError (also TransportError)
+     ├── UnknownPolicyError               (also SpecError, a ValueError)
+     └── codecs.UnknownCodecError         (also CodecError and KeyError)
+
+Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
 :class:`~tierkv.sync.SyncKVStore` raise is a ``TierKVError``: their public methods map lower
 errors at the boundary (:mod:`tierkv.boundary`) with ``raise ... from exc``, so ``__cause__``
 keeps the original::
@@ -45,9 +58,27 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 
 from __future__ import annotations
 
+from tierkv.transports.errors import TierKVError, UnknownNameError
 
-class TierKVError(Exception):
-    """Root of every error raised by the ``tierkv`` package."""
+__all__ = [
+    "AllocationError",
+    "EngineError",
+    "InvalidInputError",
+    "InvalidTypeError",
+    "PageStateError",
+    "PageTableError",
+    "PinError",
+    "SequenceError",
+    "SpecError",
+    "StoreClosedError",
+    "StoreTimeoutError",
+    "TierFullError",
+    "TierKVError",
+    "TransferFailedError",
+    "UnknownNameError",
+    "UnknownPageError",
+    "UnknownPolicyError",
+]
 
 
 class InvalidInputError(TierKVError, ValueError):
@@ -62,7 +93,7 @@ class SpecError(InvalidInputError):
     """An invalid :class:`~tierkv.spec.KVSpec`, or a tensor that does not match it."""
 
 
-class UnknownPolicyError(SpecError):
+class UnknownPolicyError(SpecError, UnknownNameError):
     """No eviction policy is registered under that name."""
 
 

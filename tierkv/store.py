@@ -31,7 +31,7 @@ from typing import Any
 from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
-from tierkv.codecs import get_codec
+from tierkv.codecs import CODECS, create_codec
 from tierkv.errors import (
     InvalidTypeError,
     SequenceError,
@@ -45,7 +45,7 @@ from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
-from tierkv.runtime import EngineStats, TransferEngine, get_backend
+from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -97,9 +97,13 @@ class KVStore:
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
-        InvalidInputError: an argument out of range (``timeout <= 0``, an unknown policy).
+        InvalidInputError: an argument out of range (``timeout <= 0``).
         SpecError: a budget too small for one page per tier.
-        UnknownCodecError: no codec of that name.
+        UnknownNameError: a policy, codec or backend name its registry does not know
+            (:class:`~tierkv.errors.UnknownPolicyError`, also an InvalidInputError;
+            :class:`~tierkv.codecs.UnknownCodecError`;
+            :class:`~tierkv.runtime.errors.UnknownBackendError`), raised before anything is
+            allocated.
 
     Every public method raises tierkv errors only (see :mod:`tierkv.errors`): arguments are
     checked at entry (:mod:`tierkv.validate`), runtime failures mapped at the boundary.
@@ -131,9 +135,9 @@ class KVStore:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
         host_bytes = validate.byte_size("host_bytes", host_bytes)
-        backend = validate.name("backend", backend)
-        policy = validate.name("policy", policy, POLICIES)
-        codec = None if codec is None else validate.name("codec", codec)
+        backend = validate.registered("backend", backend, BACKENDS, "auto")
+        policy = validate.registered("policy", policy, POLICIES)
+        codec = None if codec is None else validate.registered("codec", codec, CODECS)
         cold_fraction = validate.fraction("cold_fraction", cold_fraction)
         compress_after = validate.count("compress_after", compress_after, 0)
         prefetch_window = validate.count("prefetch_window", prefetch_window, 0)
@@ -154,7 +158,7 @@ class KVStore:
         self.write_behind = write_behind
         self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
-        self._codec = get_codec(codec) if codec else None
+        self._codec = create_codec(codec) if codec else None
         cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
         self._pages = {
             DEVICE: device_bytes // spec.page_bytes,
@@ -225,7 +229,7 @@ class KVStore:
             return self
         if self._closed:
             raise StoreClosedError("store was closed")
-        backend = get_backend(self._backend_name)
+        backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
             backend, max_inflight=self._max_inflight, timeout=self.timeout
         )

@@ -1,0 +1,151 @@
+"""One error tree: every error the library defines is a TierKVError, each name defined once, and
+the exported pieces (page table, serving engine) raise typed errors."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import warnings
+
+import pytest
+
+import tierkv
+from tierkv import runtime, transports
+from tierkv.errors import (
+    InvalidInputError,
+    PageTableError,
+    PinError,
+    SpecError,
+    StoreClosedError,
+    StoreTimeoutError,
+    TierFullError,
+    TierKVError,
+    TransferFailedError,
+    UnknownNameError,
+    UnknownPolicyError,
+)
+from tierkv.page_table import PageTable
+from tierkv.runtime.errors import PageLockError, RuntimeEngineError
+from tierkv.serving import (
+    Engine,
+    EngineConfig,
+    EngineNotOpenError,
+    RequestError,
+    SamplingParams,
+    ServingError,
+    TinyModel,
+    http_status,
+)
+
+
+def _library_errors() -> dict[str, list[type[BaseException]]]:
+    """Exception classes by name, over every module of the three packages that imports here."""
+    found: dict[str, list[type[BaseException]]] = {}
+    for pkg in (tierkv, runtime, transports):
+        for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+            if info.name.endswith("__main__"):
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    mod = importlib.import_module(info.name)
+            except ImportError:  # an optional dependency (cupy, nixl, transformers) missing
+                continue
+            for obj in vars(mod).values():
+                if (
+                    isinstance(obj, type)
+                    and issubclass(obj, BaseException)
+                    and obj.__module__ == mod.__name__
+                ):
+                    found.setdefault(obj.__name__, [])
+                    if obj not in found[obj.__name__]:
+                        found[obj.__name__].append(obj)
+    return found
+
+
+ERRORS = _library_errors()
+
+
+def test_every_error_of_the_library_is_a_tierkv_error() -> None:
+    assert len(ERRORS) > 40  # the walk found the trees (tierkv, runtime, transports, remote)
+    kinds = [k for ks in ERRORS.values() for k in ks]
+    assert sorted(k.__qualname__ for k in kinds if not issubclass(k, TierKVError)) == []
+
+
+def test_each_error_is_defined_once() -> None:
+    twice = {n: [k.__module__ for k in kinds] for n, kinds in ERRORS.items() if len(kinds) > 1}
+    assert twice == {}
+    assert ERRORS["PinError"] == [PinError]
+
+
+def test_the_root_lives_in_the_lowest_layer_and_is_re_exported() -> None:
+    assert TierKVError.__module__ == "tierkv.transports.errors"
+    assert tierkv.TierKVError is runtime.errors.TierKVError is TierKVError
+    assert issubclass(transports.TransportError, TierKVError)
+    assert issubclass(RuntimeEngineError, TierKVError)
+
+
+def test_the_old_runtime_pin_error_is_a_deprecated_alias() -> None:
+    from tierkv.runtime import cuda_arena
+
+    with pytest.warns(DeprecationWarning, match="PageLockError"):
+        assert cuda_arena.PinError is PageLockError  # type: ignore[attr-defined]
+    assert not issubclass(PageLockError, PageTableError)  # not the page table's PinError
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda: PageTable({}), InvalidInputError),
+        (lambda: PageTable({"device": -1}), InvalidInputError),
+        (lambda: PageTable({"device": 1.5}), InvalidInputError),  # type: ignore[dict-item]
+        (lambda: PageTable({"device": 4}, "belady"), UnknownPolicyError),
+        (lambda: PageTable({"device": 4}, {"device": "belady"}), UnknownPolicyError),
+        (
+            lambda: PageTable({"device": 4}).prepare_store([b"a"], "device", [None, None]),
+            InvalidInputError,
+        ),  # type: ignore[list-item]
+        (lambda: PageTable({"device": 4}).prepare_evict("device", -1), InvalidInputError),
+        (lambda: PageTable({"device": 4}).candidates("device", -1), InvalidInputError),
+    ],
+)
+def test_the_page_table_raises_typed_errors(call: object, error: type[TierKVError]) -> None:
+    with pytest.raises(error) as info:
+        call()  # type: ignore[operator]
+    assert isinstance(info.value, TierKVError) and isinstance(info.value, ValueError)
+
+
+def test_a_request_error_is_a_tierkv_error_and_still_a_value_error() -> None:
+    assert issubclass(RequestError, ServingError) and issubclass(RequestError, InvalidInputError)
+    assert issubclass(RequestError, ValueError)
+    with pytest.raises(InvalidInputError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(InvalidInputError):
+        EngineConfig(max_running=0)
+
+
+async def test_a_request_to_an_engine_not_open_is_typed() -> None:
+    engine = Engine(TinyModel(), EngineConfig(max_running=1, max_context=64))
+    with pytest.raises(EngineNotOpenError):
+        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=2)):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (RequestError("too long"), 400),
+        (InvalidInputError("bad"), 400),
+        (SpecError("bad"), 400),
+        (UnknownPolicyError("nope"), 400),
+        (UnknownNameError("nope"), 400),
+        (EngineNotOpenError("closed"), 503),
+        (StoreClosedError("closed"), 503),
+        (TierFullError("full"), 503),
+        (StoreTimeoutError("slow"), 504),
+        (TransferFailedError("copy"), 500),
+        (TierKVError("other"), 500),
+    ],
+)
+def test_http_status_of_each_kind(exc: TierKVError, status: int) -> None:
+    assert http_status(exc) == status
