@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.failures import FailureLog
 from tierkv.keys import KEY_BYTES, KeyKind, key_kind
 from tierkv.page_source import PageSource
 from tierkv.push import Pusher
@@ -95,6 +96,7 @@ class StoreRemote:
                 timeout=timeout,
             )
         self._tiers: TierSet | None = None
+        self._failures = FailureLog("tierkv.remote")
 
     def attach(self, tiers: TierSet) -> None:
         """Hook into an opened store's tiers (evictions offer their pages)."""
@@ -124,9 +126,9 @@ class StoreRemote:
                 [k for k, _ in content], self._tiers.host_array, [s for _, s in content]
             )
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, kind: str, exc: BaseException, keys: Sequence[bytes]) -> None:
         self.counters.errors += 1
-        self.counters.last_error = f"{type(exc).__name__}: {exc}"
+        self.counters.last_error = self._failures.report(kind, exc, tier="remote", keys=keys)
 
     # -- reads ---------------------------------------------------------------------------
     async def fetch(self, pages: list[bytes], layers: int) -> int:
@@ -147,7 +149,7 @@ class StoreRemote:
                 if type(n) is not int:
                     raise InvalidInputError(f"lookup answered {type(n).__name__}, not an int")
             except Exception as exc:  # a source's failure is a miss, whatever its type
-                self._fail(exc)
+                self._fail("remote lookup", exc, pages[have:])
                 continue
             n = min(n, len(pages) - have) // layers * layers
             if n <= 0:
@@ -164,7 +166,7 @@ class StoreRemote:
                 if type(ok) is not int:
                     raise InvalidInputError(f"load answered {type(ok).__name__}, not an int")
             except Exception as exc:  # a source's failure is a miss, whatever its type
-                self._fail(exc)
+                self._fail("remote load", exc, new)
                 ok = 0
             got = max(0, min(ok, len(new)))
             self.counters.misses += len(new) - got

@@ -38,6 +38,7 @@ from tierkv.errors import (
     SpecError,
     StoreClosedError,
 )
+from tierkv.failures import Background, FailureLog
 from tierkv.keys import block_key, prefix_keys, root_key
 from tierkv.lease import Lease
 from tierkv.page_source import PageSource
@@ -179,7 +180,8 @@ class KVStore:
         self._admission: Admission | None = None
         self._incarnations = 0
         self._engine: TransferEngine | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: dict[asyncio.Task[Any], Background] = {}  # each with what it works on
+        self._failures = FailureLog("tierkv.store")
         # pages leases wrote, waiting for the one write-behind task (a dict of bytes: the
         # collector does not track it; one task per batch of leases, not two per lease)
         self._behind: dict[bytes, None] = {}
@@ -263,7 +265,7 @@ class KVStore:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=self.timeout)
+            await asyncio.wait(list(self._tasks), timeout=self.timeout)
         if self._engine is not None:
             await self._engine.aclose(self.timeout, cancel_pending=True)
         if self._tiers is not None:
@@ -620,10 +622,11 @@ class KVStore:
             return
         self._behind.update(dict.fromkeys(keys))
         if self._behind_task is None:
-            self._behind_task = self._spawn(self._write_behind())
+            what = Background("write-behind", HOST)
+            self._behind_task = self._spawn(self._write_behind(what), what)
 
-    async def _write_behind(self) -> None:
-        keys = list(self._behind)  # every page written since this task was spawned
+    async def _write_behind(self, what: Background) -> None:
+        keys = what.keys = list(self._behind)  # every page written since this task was spawned
         self._behind.clear()
         self._behind_task = None  # the next lease to end starts the next copy
         if keys:
@@ -654,24 +657,29 @@ class KVStore:
             else:
                 parked[k] = t  # compressible once released (see release)
         if idle:
-            self._spawn(self._compress(idle))
+            self._spawn(self._compress(idle), Background("compression", COLD, idle))
 
     async def _compress(self, keys: list[bytes]) -> None:
         n = await self.tiers.compress_idle(keys)
         self.counters.idle_compressed += n
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
         self.tiers  # noqa: B018 - raises when closed
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
+        self._tasks[task] = what
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.counters.background_errors += 1
-            self.counters.last_error = repr(task.exception())
+        what = self._tasks.pop(task, None)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.counters.background_errors += 1
+        if what is None:  # not spawned by _spawn
+            what = Background("task")
+        self.counters.last_error = self._failures.report(
+            what.kind, exc, tier=what.tier, keys=what.keys
+        )
 
     @async_boundary
     async def drain(self) -> None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from tierkv.errors import InvalidInputError
+from tierkv.failures import FailureLog
 from tierkv.serving.errors import EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
 from tierkv.serving.request import Request, TokenEvent
@@ -168,6 +169,7 @@ class Engine:
         )
         self._announced: list[str] = []
         self.counters = EngineCounters()
+        self._failures = FailureLog("tierkv.serving")
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -374,9 +376,9 @@ class Engine:
             sched.remove(req)
             try:
                 await self._release(req)
-            except Exception as exc:  # counted; the loop goes on
+            except Exception as exc:  # counted and logged; the loop goes on
                 self.counters.failed += 1
-                self.counters.last_error = repr(exc)
+                self.counters.last_error = self._failures.report("request release", exc)
 
     async def _release(self, req: Request) -> None:
         if not req.in_store:
