@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
-from tierkv.keys import KEY_BYTES, KeyKind, key_kind
+from tierkv.keys import is_content
 from tierkv.page_source import PageSource
 from tierkv.push import Pusher
 from tierkv.tiers import TierSet
@@ -46,10 +46,6 @@ class RemoteCounters:
     bytes_in: int = 0
     errors: int = 0  # failed lookups / loads
     last_error: str = ""
-
-
-def _content(key: bytes) -> bool:
-    return len(key) >= KEY_BYTES and key_kind(key[:KEY_BYTES]) is KeyKind.CONTENT
 
 
 class StoreRemote:
@@ -120,7 +116,7 @@ class StoreRemote:
 
     async def _offer(self, victims: list[tuple[bytes, int]]) -> None:
         assert self._tiers is not None and self.pusher is not None
-        content = [(k, s) for k, s in victims if _content(k)]
+        content = [(k, s) for k, s in victims if is_content(k)]
         if content:
             await self.pusher.offer(
                 [k for k, _ in content], self._tiers.host_array, [s for _, s in content]

@@ -39,7 +39,7 @@ from tierkv.errors import (
     StoreClosedError,
 )
 from tierkv.failures import Background, FailureLog
-from tierkv.keys import block_key, prefix_keys, root_key
+from tierkv.keys import page_key, prefix_keys
 from tierkv.lease import Lease
 from tierkv.page_source import PageSource
 from tierkv.policies import DEFAULT_POLICY, POLICIES
@@ -47,7 +47,7 @@ from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
-from tierkv.sequence import SequenceState, page_key
+from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
@@ -487,7 +487,7 @@ class KVStore:
             tiers = self.tiers
             tiers.disown(pages)
             layers = range(seq.num_layers)
-            full = dict(self._content_keys(seq))  # full blocks busy now: renamed once idle
+            full = dict(seq.unpublished())  # full blocks busy now: renamed once idle
             private: list[bytes] = []
             for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
                 if shared:
@@ -512,33 +512,10 @@ class KVStore:
             self.turns.charge(time.perf_counter() - t0)
         await self.turns.pause()
 
-    @staticmethod
-    def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:
-        """(index, content key) of the full private blocks of ``seq``, each chained on the
-        content key of the block before it (published or not)."""
-        t, out = seq.page_tokens, []
-        parent = root_key(seq.namespace)
-        for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
-            if shared:
-                parent = b
-                continue
-            if seq.length < (i + 1) * t or seq.num_tokens < (i + 1) * t:
-                break
-            parent = block_key(parent, seq.token_slice(i * t, (i + 1) * t))
-            out.append((i, parent))
-        return out
-
     def publish(self, seq: SequenceState) -> None:
         """Give full private blocks their content keys, so other requests can reuse them."""
         tiers = self.tiers
-        for i, shared in enumerate(seq.shared):
-            if shared:
-                continue
-            if seq.length < (i + 1) * seq.page_tokens:
-                break
-            key = seq.content_key(i)
-            if key is None:
-                break
+        for i, key in seq.unpublished():  # lazy: stopping early hashes no further block
             old = [page_key(seq.block(i), layer) for layer in range(seq.num_layers)]
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
             if tiers.pinned_on_device(old):
