@@ -58,27 +58,9 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 
 from __future__ import annotations
 
-from tierkv.transports.errors import TierKVError, UnknownNameError
-
-__all__ = [
-    "AllocationError",
-    "EngineError",
-    "InvalidInputError",
-    "InvalidTypeError",
-    "PageStateError",
-    "PageTableError",
-    "PinError",
-    "SequenceError",
-    "SpecError",
-    "StoreClosedError",
-    "StoreTimeoutError",
-    "TierFullError",
-    "TierKVError",
-    "TransferFailedError",
-    "UnknownNameError",
-    "UnknownPageError",
-    "UnknownPolicyError",
-]
+# the root and the registries' error live in the lowest layer; re-exported here
+from tierkv.transports.errors import TierKVError as TierKVError
+from tierkv.transports.errors import UnknownNameError as UnknownNameError
 
 
 class InvalidInputError(TierKVError, ValueError):

@@ -10,20 +10,8 @@ import warnings
 import pytest
 
 import tierkv
+from tierkv import errors as e
 from tierkv import runtime, transports
-from tierkv.errors import (
-    InvalidInputError,
-    PageTableError,
-    PinError,
-    SpecError,
-    StoreClosedError,
-    StoreTimeoutError,
-    TierFullError,
-    TierKVError,
-    TransferFailedError,
-    UnknownNameError,
-    UnknownPolicyError,
-)
 from tierkv.page_table import PageTable
 from tierkv.runtime.errors import PageLockError, RuntimeEngineError
 from tierkv.serving import (
@@ -69,20 +57,20 @@ ERRORS = _library_errors()
 def test_every_error_of_the_library_is_a_tierkv_error() -> None:
     assert len(ERRORS) > 40  # the walk found the trees (tierkv, runtime, transports, remote)
     kinds = [k for ks in ERRORS.values() for k in ks]
-    assert sorted(k.__qualname__ for k in kinds if not issubclass(k, TierKVError)) == []
+    assert sorted(k.__qualname__ for k in kinds if not issubclass(k, e.TierKVError)) == []
 
 
 def test_each_error_is_defined_once() -> None:
     twice = {n: [k.__module__ for k in kinds] for n, kinds in ERRORS.items() if len(kinds) > 1}
     assert twice == {}
-    assert ERRORS["PinError"] == [PinError]
+    assert ERRORS["PinError"] == [e.PinError]
 
 
 def test_the_root_lives_in_the_lowest_layer_and_is_re_exported() -> None:
-    assert TierKVError.__module__ == "tierkv.transports.errors"
-    assert tierkv.TierKVError is runtime.errors.TierKVError is TierKVError
-    assert issubclass(transports.TransportError, TierKVError)
-    assert issubclass(RuntimeEngineError, TierKVError)
+    assert e.TierKVError.__module__ == "tierkv.transports.errors"
+    assert tierkv.TierKVError is runtime.errors.TierKVError is e.TierKVError
+    assert issubclass(transports.TransportError, e.TierKVError)
+    assert issubclass(RuntimeEngineError, e.TierKVError)
 
 
 def test_the_old_runtime_pin_error_is_a_deprecated_alias() -> None:
@@ -90,37 +78,37 @@ def test_the_old_runtime_pin_error_is_a_deprecated_alias() -> None:
 
     with pytest.warns(DeprecationWarning, match="PageLockError"):
         assert cuda_arena.PinError is PageLockError  # type: ignore[attr-defined]
-    assert not issubclass(PageLockError, PageTableError)  # not the page table's PinError
+    assert not issubclass(PageLockError, e.PageTableError)  # not the page table's e.PinError
 
 
 @pytest.mark.parametrize(
     ("call", "error"),
     [
-        (lambda: PageTable({}), InvalidInputError),
-        (lambda: PageTable({"device": -1}), InvalidInputError),
-        (lambda: PageTable({"device": 1.5}), InvalidInputError),  # type: ignore[dict-item]
-        (lambda: PageTable({"device": 4}, "belady"), UnknownPolicyError),
-        (lambda: PageTable({"device": 4}, {"device": "belady"}), UnknownPolicyError),
+        (lambda: PageTable({}), e.InvalidInputError),
+        (lambda: PageTable({"device": -1}), e.InvalidInputError),
+        (lambda: PageTable({"device": 1.5}), e.InvalidInputError),  # type: ignore[dict-item]
+        (lambda: PageTable({"device": 4}, "belady"), e.UnknownPolicyError),
+        (lambda: PageTable({"device": 4}, {"device": "belady"}), e.UnknownPolicyError),
         (
             lambda: PageTable({"device": 4}).prepare_store([b"a"], "device", [None, None]),
-            InvalidInputError,
+            e.InvalidInputError,
         ),  # type: ignore[list-item]
-        (lambda: PageTable({"device": 4}).prepare_evict("device", -1), InvalidInputError),
-        (lambda: PageTable({"device": 4}).candidates("device", -1), InvalidInputError),
+        (lambda: PageTable({"device": 4}).prepare_evict("device", -1), e.InvalidInputError),
+        (lambda: PageTable({"device": 4}).candidates("device", -1), e.InvalidInputError),
     ],
 )
-def test_the_page_table_raises_typed_errors(call: object, error: type[TierKVError]) -> None:
+def test_the_page_table_raises_typed_errors(call: object, error: type[e.TierKVError]) -> None:
     with pytest.raises(error) as info:
         call()  # type: ignore[operator]
-    assert isinstance(info.value, TierKVError) and isinstance(info.value, ValueError)
+    assert isinstance(info.value, e.TierKVError) and isinstance(info.value, ValueError)
 
 
 def test_a_request_error_is_a_tierkv_error_and_still_a_value_error() -> None:
-    assert issubclass(RequestError, ServingError) and issubclass(RequestError, InvalidInputError)
+    assert issubclass(RequestError, ServingError) and issubclass(RequestError, e.InvalidInputError)
     assert issubclass(RequestError, ValueError)
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(e.InvalidInputError):
         SamplingParams(max_tokens=0)
-    with pytest.raises(InvalidInputError):
+    with pytest.raises(e.InvalidInputError):
         EngineConfig(max_running=0)
 
 
@@ -135,17 +123,17 @@ async def test_a_request_to_an_engine_not_open_is_typed() -> None:
     ("exc", "status"),
     [
         (RequestError("too long"), 400),
-        (InvalidInputError("bad"), 400),
-        (SpecError("bad"), 400),
-        (UnknownPolicyError("nope"), 400),
-        (UnknownNameError("nope"), 400),
+        (e.InvalidInputError("bad"), 400),
+        (e.SpecError("bad"), 400),
+        (e.UnknownPolicyError("nope"), 400),
+        (e.UnknownNameError("nope"), 400),
         (EngineNotOpenError("closed"), 503),
-        (StoreClosedError("closed"), 503),
-        (TierFullError("full"), 503),
-        (StoreTimeoutError("slow"), 504),
-        (TransferFailedError("copy"), 500),
-        (TierKVError("other"), 500),
+        (e.StoreClosedError("closed"), 503),
+        (e.TierFullError("full"), 503),
+        (e.StoreTimeoutError("slow"), 504),
+        (e.TransferFailedError("copy"), 500),
+        (e.TierKVError("other"), 500),
     ],
 )
-def test_http_status_of_each_kind(exc: TierKVError, status: int) -> None:
+def test_http_status_of_each_kind(exc: e.TierKVError, status: int) -> None:
     assert http_status(exc) == status
