@@ -128,7 +128,7 @@ class Prefetcher:
         except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
             self.counters.prefetch_skipped += len(absent)
             return 0
-        tiers.release_device(absent)
+        tiers.unpin_device(absent)
         self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
         self._prefetched.update(absent)
         self.counters.prefetched += len(absent)
