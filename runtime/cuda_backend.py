@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.transports.errors import InvalidInputError
+
 from .arena import Arena
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event
 from .cpu_copy import coalesce_runs, copy_rows
@@ -84,11 +86,11 @@ class CudaBackend(Backend):
     ) -> None:
         check_strategy(wait_strategy)
         if copy_method not in ("auto", "kernel", "memcpy"):
-            raise ValueError(f"unknown copy method {copy_method!r}")
+            raise InvalidInputError(f"unknown copy method {copy_method!r}")
         cupy = import_cupy()
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device < count:
-            raise ValueError(f"device {device} not in [0, {count})")
+            raise InvalidInputError(f"device {device} not in [0, {count})")
         self.device = device
         self.wait_strategy = wait_strategy
         self.copy_method = copy_method

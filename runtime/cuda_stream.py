@@ -34,6 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv.transports.errors import InvalidInputError, InvalidTypeError
+
 from .backend import DEFAULT_TIMEOUT_S, Event
 from .cpu_stream import CpuEvent
 from .errors import EngineClosedError, WaitTimeoutError
@@ -60,7 +62,7 @@ POLL_MAX_S = 500e-6
 def check_strategy(strategy: str) -> str:
     """`strategy` if it names a waiting strategy. Raises ValueError otherwise."""
     if strategy not in WAIT_STRATEGIES:
-        raise ValueError(f"unknown wait strategy {strategy!r}; use one of {WAIT_STRATEGIES}")
+        raise InvalidInputError(f"unknown wait strategy {strategy!r}; use one of {WAIT_STRATEGIES}")
     return strategy
 
 
@@ -71,7 +73,7 @@ def pick_wait_strategy(figures: dict[str, dict[str, float]], *, stall_limit_s: f
     wake-up latency wins (ties: "thread"). Raises ValueError when nothing was measured.
     """
     if not figures:
-        raise ValueError("no measurements")
+        raise InvalidInputError("no measurements")
     ok = {k: v for k, v in figures.items() if v["stall_s"] <= stall_limit_s} or figures
     return min(sorted(ok), key=lambda k: (ok[k]["latency_s"], k != "thread"))
 
@@ -225,7 +227,7 @@ def _as_cupy_stream(stream: Any, device: int) -> Any:
         return cupy.cuda.ExternalStream(int(stream.cuda_stream), device)
     if hasattr(stream, "__cuda_stream__"):
         return cupy.cuda.Stream.from_external(stream)
-    raise TypeError(f"not a CUDA stream: {stream!r}")
+    raise InvalidTypeError(f"not a CUDA stream: {stream!r}")
 
 
 class CudaStream(WorkerStream):

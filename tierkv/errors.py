@@ -59,16 +59,10 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 from __future__ import annotations
 
 # the root and the registries' error live in the lowest layer; re-exported here
+from tierkv.transports.errors import InvalidInputError as InvalidInputError
+from tierkv.transports.errors import InvalidTypeError as InvalidTypeError
 from tierkv.transports.errors import TierKVError as TierKVError
 from tierkv.transports.errors import UnknownNameError as UnknownNameError
-
-
-class InvalidInputError(TierKVError, ValueError):
-    """A bad argument to a public call, rejected at entry before anything changed."""
-
-
-class InvalidTypeError(InvalidInputError, TypeError):
-    """An argument of the wrong type (also a ``TypeError``)."""
 
 
 class SpecError(InvalidInputError):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
 from tierkv.page_source import PageSource
 
@@ -203,7 +203,7 @@ class Pusher:
                 )
             )
             if type(stored) is not int:
-                raise TypeError(f"publish answered {type(stored).__name__}, not an int")
+                raise InvalidTypeError(f"publish answered {type(stored).__name__}, not an int")
             self.counters.pushed += max(0, min(stored, len(keys)))
         except Exception as exc:  # a failing source (hostile answers too) is counted, not raised
             self.counters.errors += 1

@@ -6,13 +6,15 @@ Every error a transport raises on purpose derives from `TransportError`; lower-l
 
 The root of every error the whole library raises, `TierKVError`, is defined here, in the lowest
 layer, so that the runtime's and the transports' trees hang under it too (imports run
-tierkv -> runtime -> transports); ``tierkv.errors`` re-exports it. So is `UnknownNameError`, what
+tierkv -> runtime -> transports); ``tierkv.errors`` re-exports it. So are `UnknownNameError`, what
 every registry (transports, backends, eviction policies, codecs) raises for a name it does not
-know::
+know, and `InvalidInputError` / `InvalidTypeError`, what every layer raises for a bad argument::
 
     TierKVError
     ├── UnknownNameError (also LookupError)   no factory of that name in a registry
     │   └── UnknownTransportError (also a TransportError)
+    ├── InvalidInputError (also ValueError)  a bad argument, rejected at entry: nothing changed
+    │   └── InvalidTypeError (also TypeError) an argument of the wrong type
     └── TransportError
         ├── RegionError           register/deregister misuse, a bad local region or local range
         ├── PeerError             unknown peer, bad metadata, peer unreachable or gone mid-transfer
@@ -31,6 +33,8 @@ __all__ = [
     "AuthError",
     "ChecksumError",
     "ClosedError",
+    "InvalidInputError",
+    "InvalidTypeError",
     "PeerError",
     "ProtocolError",
     "RegionError",
@@ -55,6 +59,14 @@ class UnknownNameError(TierKVError, LookupError):
 
     def __str__(self) -> str:  # a KeyError subclass would quote its argument
         return str(self.args[0]) if self.args else "unknown name"
+
+
+class InvalidInputError(TierKVError, ValueError):
+    """A bad argument to a public call, rejected at entry before anything changed."""
+
+
+class InvalidTypeError(InvalidInputError, TypeError):
+    """An argument of the wrong type (also a ``TypeError``)."""
 
 
 class TransportError(TierKVError):

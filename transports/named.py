@@ -3,8 +3,9 @@
 Transports, backends, eviction policies and codecs are each chosen by name. Each kind keeps one
 `Registry`, and every registry behaves the same way:
 
-- ``register(name, factory, replace=False)`` adds a factory; a taken name raises ValueError unless
-  ``replace`` is true (built-ins included, so a typo never silently shadows one);
+- ``register(name, factory, replace=False)`` adds a factory; a taken name raises
+  InvalidInputError (a ValueError) unless ``replace`` is true (built-ins included, so a typo
+  never silently shadows one);
 - ``unregister(name)`` forgets a registered factory (a built-in it replaced comes back);
 - ``available()`` lists the names ``create`` accepts;
 - ``create(name, **kwargs)`` calls the factory; an unknown name raises the kind's typed error (an
@@ -26,6 +27,8 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
+
+from .errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["Registry"]
 
@@ -76,15 +79,17 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         """Make ``create(name, **kw)`` call ``factory(**kw)``.
 
         Raises:
-            ValueError: ``name`` is taken (a built-in, registered or entry-point name) and
+            InvalidInputError: ``name`` is taken (a built-in, registered or entry-point name) and
                 ``replace`` is false.
-            TypeError: ``factory`` is not callable.
+            InvalidTypeError: ``factory`` is not callable.
         """
         key = self._key(name)
         if not callable(factory):
-            raise TypeError(f"{self.kind} factory for {name!r} is not callable")
+            raise InvalidTypeError(f"{self.kind} factory for {name!r} is not callable")
         if not replace and key in self:
-            raise ValueError(f"{self.kind} {name!r} is already registered; pass replace=True")
+            raise InvalidInputError(
+                f"{self.kind} {name!r} is already registered; pass replace=True"
+            )
         self._entries[key] = factory
 
     def unregister(self, name: str) -> None:

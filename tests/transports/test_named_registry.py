@@ -8,16 +8,15 @@ from unittest import mock
 
 import pytest
 
-from tierkv import codecs, policies
 import tierkv
-from tierkv import runtime
+from tierkv import codecs, policies, runtime
 from tierkv.errors import SpecError, TierKVError, UnknownNameError, UnknownPolicyError
 from tierkv.runtime import BackendUnavailableError, CpuBackend
 from tierkv.runtime import registry as backends
 from tierkv.runtime.errors import UnknownBackendError
 from tierkv.transports import TransportError
-from tierkv.transports.errors import UnknownTransportError
 from tierkv.transports import registry as transports
+from tierkv.transports.errors import UnknownTransportError
 from tierkv.transports.loopback import LoopbackTransport
 from tierkv.transports.named import Registry
 
