@@ -2,7 +2,9 @@
 
 ::
 
-    TierKVError                                (defined in the lowest layer, transports.errors)
+    TierKVError                                (this, UnknownNameError, InvalidInputError and
+                                                InvalidTypeError are defined in the lowest
+                                                layer, transports.errors, and re-exported here)
      ├── UnknownNameError (also LookupError)   a registry has no factory of that name: each
      │                                         registry's own error below is one too
      ├── InvalidInputError (also ValueError)   a bad argument, rejected at entry: nothing changed
