@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import add_trace_flag, phase, span, start_trace, write_trace
-from tierkv.codecs import Codec, get_codec
+from tierkv.codecs import Codec, create_codec
 from tierkv.codecs.header import HEADER_BYTES
 from tierkv.spec import KVSpec
 
@@ -87,7 +87,7 @@ def int8_half_scale(codec: Codec, data: torch.Tensor, x: torch.Tensor, spec: KVS
 def run_case(name: str, dt: str, pages: int, repeat: int, copy: float) -> dict[str, float]:
     """Time and measure one (codec, page dtype) pair."""
     spec = KVSpec(num_layers=1, num_kv_heads=8, head_dim=128, dtype=DTYPES[dt], page_tokens=16)
-    codec = get_codec(name)
+    codec = create_codec(name)
     gen = torch.Generator().manual_seed(0)
     chan = torch.logspace(-1, 1, spec.head_dim)
     x = (torch.randn(pages, *spec.page_shape, generator=gen) * chan).to(spec.dtype)

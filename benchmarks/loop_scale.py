@@ -35,7 +35,7 @@ import torch
 from benchmarks._common import parser, phase, table, write_json
 from benchmarks.decode import stall_check
 from tierkv import KVSpec
-from tierkv.sequence import page_key
+from tierkv.keys import page_key
 from tierkv.store import KVStore
 
 # allocations made for pages rather than for a sequence (the page table, the policies, the
@@ -67,7 +67,7 @@ def _split(diff: list[tracemalloc.StatisticDiff]) -> tuple[int, int]:
     for d in diff:
         frame = d.traceback[0]
         name = frame.filename
-        in_page_key = name.endswith("sequence.py") and first <= frame.lineno <= first + 3
+        in_page_key = name.endswith("keys.py") and first <= frame.lineno <= first + 3
         if in_page_key or any(p in name for p in _PAGE_FILES):
             pages += d.size_diff
         else:

@@ -49,6 +49,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from tierkv import metrics
 from tierkv.demo.model import ModelConfig
+from tierkv.errors import TierKVError
 from tierkv.serving import (
     Engine,
     EngineConfig,
@@ -57,6 +58,7 @@ from tierkv.serving import (
     ServingModel,
     StopText,
     Tokenizer,
+    http_status,
     load_model,
 )
 
@@ -112,6 +114,14 @@ class ApiError(Exception):
     def response(self) -> web.Response:
         """The HTTP response."""
         return web.json_response(self.body(), status=self.status)
+
+    @classmethod
+    def of(cls, exc: TierKVError, prefix: str = "") -> ApiError:
+        """The answer to a tierkv error: its status from :func:`tierkv.serving.http_status`
+        (400 the caller's mistake, 503 not now, 504 a wait ran out, 500 a failure)."""
+        status = http_status(exc)
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        return cls(status, f"{prefix}{exc}", kind)
 
 
 @dataclass
@@ -224,8 +234,8 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
         served.engine.check(prompt, params)
     except RequestError as exc:
         raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from None
+    except TierKVError as exc:  # a bad sampling parameter (InvalidInputError: 400)
+        raise ApiError.of(exc) from None
     return Job(prompt, params, stream, chat)
 
 
@@ -318,7 +328,9 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
                 pass
         except ApiError:
             raise
-        except Exception as exc:  # a step failed in the store
+        except TierKVError as exc:  # a step failed in the store: its status says how
+            raise ApiError.of(exc, "generation failed: ") from exc
+        except Exception as exc:  # not a library error: still the server's failure
             raise ApiError(503, f"generation failed: {exc}", "server_error") from exc
         return web.json_response(
             {
@@ -347,7 +359,9 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
         await send({**head, "object": chunk, "choices": [last], "usage": _usage(job, res)})
     except ApiError as exc:
         await send(exc.body())
-    except Exception as exc:  # a step failed: tell the client in the stream
+    except TierKVError as exc:  # a step failed: tell the client in the stream
+        await send(ApiError.of(exc, "generation failed: ").body())
+    except Exception as exc:
         await send(ApiError(503, f"generation failed: {exc}", "server_error").body())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -458,6 +472,8 @@ async def errors(
         resp = await handler(request)
     except ApiError as exc:
         resp = exc.response()
+    except TierKVError as exc:  # any library error a handler let through: mapped by its kind
+        resp = ApiError.of(exc).response()
     except web.HTTPException as exc:  # 404, 405, 413 from aiohttp itself
         if exc.status < 400:
             raise

@@ -2,9 +2,9 @@
 
 Mechanism only: it knows bytes, arenas and slots, never what a KV page means::
 
-    from tierkv.runtime import get_backend, TransferEngine, Priority
+    from tierkv.runtime import create_backend, TransferEngine, Priority
 
-    backend = get_backend("auto")
+    backend = create_backend("auto")
     host = backend.create_arena("host", slot_bytes=page_bytes, num_slots=n)
     async with TransferEngine(backend, max_inflight=4) as engine:
         handle = engine.submit(host, src_ids, device, dst_ids, priority=Priority.DEMAND)
@@ -29,7 +29,13 @@ from .errors import (
 )
 from .loop import new_event_loop, run
 from .priority import Priority
-from .registry import BACKENDS, available_backends, get_backend, register_backend
+from .registry import (
+    BACKENDS,
+    available_backends,
+    create_backend,
+    get_backend,
+    register_backend,
+)
 from .stats import EngineStats, TransferStats
 from .transfer import TransferEngine, TransferHandle
 
@@ -59,6 +65,7 @@ __all__ = [
     "TransferStats",
     "WaitTimeoutError",
     "available_backends",
+    "create_backend",
     "cuda_available",
     "get_backend",
     "new_event_loop",

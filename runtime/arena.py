@@ -34,7 +34,7 @@ import torch
 from .errors import ArenaError, InvalidSlotError, SlotBusyError
 from .freelist import SlotFreeList, SlotIds, as_slot_ids
 
-__all__ = ["MAP_NORESERVE", "Arena", "allocate_host_buffer"]
+__all__ = ["MAP_NORESERVE", "Arena", "allocate_host_buffer", "check_slots"]
 
 
 def _map_noreserve() -> int:
@@ -118,6 +118,15 @@ class _Populate:
 _POPULATE = _Populate()
 
 
+def check_slots(name: str, slot_bytes: int, num_slots: int) -> None:
+    """Raise ArenaError unless an arena of ``num_slots`` slots of ``slot_bytes`` can exist."""
+    if slot_bytes <= 0 or num_slots <= 0:
+        raise ArenaError(
+            f"arena {name!r}: slot_bytes and num_slots must be > 0, "
+            f"got {slot_bytes} and {num_slots}"
+        )
+
+
 class Arena:
     """A buffer of `num_slots` slots of `slot_bytes` bytes each, with an O(1) slot free list.
 
@@ -140,22 +149,25 @@ class Arena:
         backend: str,
         buffer: npt.NDArray[np.uint8],
     ) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ArenaError(
-                f"arena {name!r}: slot_bytes and num_slots must be > 0, "
-                f"got {slot_bytes} and {num_slots}"
-            )
+        check_slots(name, slot_bytes, num_slots)
         if buffer.dtype != np.uint8 or buffer.size != slot_bytes * num_slots:
             raise ArenaError(
                 f"arena {name!r}: buffer must be uint8 of {slot_bytes * num_slots} bytes, "
                 f"got {buffer.dtype} of {buffer.size}"
             )
+        self._init_slots(name, slot_bytes, num_slots, backend)
+        self._array: npt.NDArray[np.uint8] = buffer.reshape(num_slots, slot_bytes)
+        self._tensor = torch.from_numpy(self._array)
+
+    def _init_slots(self, name: str, slot_bytes: int, num_slots: int, backend: str) -> None:
+        """The bookkeeping half of the constructor: names, sizes, the free list, the busy
+        counts and their lock. Subclasses whose buffer is not a host array (device memory)
+        call it instead of ``__init__``. Raises ArenaError for sizes that are not > 0."""
+        check_slots(name, slot_bytes, num_slots)
         self.name = name
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.backend = backend
-        self._array: npt.NDArray[np.uint8] = buffer.reshape(num_slots, slot_bytes)
-        self._tensor = torch.from_numpy(self._array)
         self._free = SlotFreeList(num_slots, name)
         self._busy = np.zeros(num_slots, dtype=np.int32)
         self._lock = threading.Lock()

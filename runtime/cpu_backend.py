@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.transports.errors import InvalidInputError
+
 from .arena import Arena, allocate_host_buffer
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo
 from .cpu_copy import KERNELS, copy_rows, native_kernel
@@ -37,9 +39,9 @@ class CpuBackend(Backend):
         wait_timeout: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if kernel not in KERNELS:
-            raise ValueError(f"unknown copy kernel {kernel!r}")
+            raise InvalidInputError(f"unknown copy kernel {kernel!r}")
         if kernel == "native" and native_kernel() is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "the native copy kernel is not available (tierkv.runtime._copy was not built "
                 "at install time, or TIERKV_NATIVE_KERNEL=0)"
             )

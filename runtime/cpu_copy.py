@@ -32,6 +32,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.transports.errors import InvalidInputError
+
 from .freelist import SlotIds
 
 __all__ = [
@@ -138,10 +140,10 @@ def copy_rows(
     unknown or unavailable kernel. Returns (number of runs, kernel used).
     """
     if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}")
+        raise InvalidInputError(f"unknown kernel {kernel!r}")
     row = src.shape[1]
     if dst.shape[1] != row or src_ids.size != dst_ids.size:
-        raise ValueError(f"rows of {row} B and {dst.shape[1]} B, or id counts differ")
+        raise InvalidInputError(f"rows of {row} B and {dst.shape[1]} B, or id counts differ")
     src_ids = np.ascontiguousarray(src_ids, dtype=np.int64)
     dst_ids = np.ascontiguousarray(dst_ids, dtype=np.int64)
     if kernel == "auto":
@@ -151,14 +153,14 @@ def copy_rows(
         # work runs with caches just flushed by the previous copy, so keep it minimal).
         fn = native_kernel()
         if fn is None:
-            raise ValueError(
+            raise InvalidInputError(
                 "the native copy kernel is not available (tierkv.runtime._copy was not built "
                 "at install time, or TIERKV_NATIVE_KERNEL=0)"
             )
         if not (src.flags.c_contiguous and dst.flags.c_contiguous):
-            raise ValueError("the native copy kernel needs C-contiguous arrays")
+            raise InvalidInputError("the native copy kernel needs C-contiguous arrays")
         if not dst.flags.writeable:
-            raise ValueError("the destination array is read-only")
+            raise InvalidInputError("the destination array is read-only")
         # raises IndexError (nothing copied) for an id out of range
         nruns = fn(dst, src, dst_ids, src_ids, row, stream_min_bytes)
         return nruns, "native" if nruns else "none"
@@ -181,7 +183,9 @@ def copy_rows(
             np.copyto(dst[d : d + n], src[s : s + n])
         return nruns, "runs"
     if chunk == 0:
-        raise ValueError(f"staging buffer ({staging.size} B) is smaller than one row ({row} B)")
+        raise InvalidInputError(
+            f"staging buffer ({staging.size} B) is smaller than one row ({row} B)"
+        )
     # One void item per row: take and fancy assignment then move whole rows per index.
     rows = np.dtype((np.void, row))
     src_v, dst_v = src.view(rows)[:, 0], dst.view(rows)[:, 0]  # views, even when row-strided

@@ -14,22 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .backend import DEFAULT_TIMEOUT_S, Event, Stream
-from .errors import (
-    EngineClosedError,
-    RuntimeEngineError,
-    TransferError,
-    WaitTimeoutError,
-)
+from .backend import DEFAULT_TIMEOUT_S, Event
+from .errors import EngineClosedError, RuntimeEngineError, WaitTimeoutError
+from .worker_stream import WorkerStream, WorkFn
 
-__all__ = ["CpuEvent", "CpuStream", "complete_events"]
-
-# Work items receive the error of a failed wait before them (or None) and decide what to skip.
-WorkFn = Callable[[BaseException | None], None]
+__all__ = ["CpuEvent", "CpuStream", "WorkFn", "complete_events"]
 
 
 def _resolve_all(settled: list[tuple[asyncio.Future[None], BaseException | None]]) -> None:
@@ -134,34 +126,17 @@ class _Item:
     wait_on: Event | None = None
 
 
-class CpuStream(Stream):
+class CpuStream(WorkerStream):
     """A FIFO of work run by one daemon worker thread."""
 
     def __init__(self, name: str, *, wait_timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.name = name
         self.wait_timeout = wait_timeout
-        self._queue: deque[_Item] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._pending_error: BaseException | None = None
         self._taken: list[CpuEvent | None] = []  # events of the items the running work took
-        self._thread = threading.Thread(target=self._run, name=f"tierkv-stream-{name}", daemon=True)
-        self._thread.start()
+        self._start_worker(f"tierkv-stream-{name}")
 
     def __repr__(self) -> str:
         return f"<CpuStream {self.name!r} queued={len(self._queue)} closed={self._closed}>"
-
-    @property
-    def closed(self) -> bool:
-        """True after close()."""
-        return self._closed
-
-    def enqueue(self, fn: Callable[[], None]) -> Event:
-        def run(dep_error: BaseException | None) -> None:
-            if dep_error is None:
-                fn()
-
-        return self.enqueue_work(run)
 
     def enqueue_work(self, fn: WorkFn) -> Event:
         event = CpuEvent()
@@ -181,9 +156,6 @@ class CpuStream(Stream):
 
     def wait_event(self, event: Event) -> None:
         self._push(None, None, wait_on=event)
-
-    def synchronize(self, timeout: float | None = None) -> None:
-        self.record_event().synchronize(timeout)
 
     def take_following(self, accept: Callable[[WorkFn], bool]) -> list[WorkFn]:
         """For the work item now running (call it from that work, on the worker thread): take
@@ -205,16 +177,7 @@ class CpuStream(Stream):
         return taken
 
     def close(self, timeout: float | None = None) -> None:
-        with self._cond:
-            if not self._closed:
-                self._closed = True
-                self._cond.notify_all()
-        if threading.current_thread() is self._thread:
-            return
-        limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
-        self._thread.join(limit)
-        if self._thread.is_alive():
-            raise WaitTimeoutError(f"stream {self.name!r}: queued work not done after {limit} s")
+        self._stop_worker(timeout)
 
     def _push(
         self, fn: WorkFn | None, event: CpuEvent | None, *, wait_on: Event | None = None
@@ -226,28 +189,14 @@ class CpuStream(Stream):
             self._cond.notify()
 
     def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return  # closed and drained
-                item = self._queue.popleft()
+        while (item := self._next_item()) is not None:  # None: closed and drained
             if item.fn is None:
                 if item.wait_on is not None:
                     self._do_wait(item.wait_on)
                 if item.event is not None:
                     item.event.complete(None)
                 continue
-            error, self._pending_error = self._pending_error, None
-            try:
-                item.fn(error)
-            except RuntimeEngineError as exc:
-                error = exc
-            except Exception as exc:
-                err = TransferError(f"stream {self.name!r}: work failed: {exc!r}")
-                err.__cause__ = exc
-                error = err
+            error = self._call(item.fn)
             taken, self._taken = self._taken, []
             events = [ev for ev in (item.event, *taken) if ev is not None]
             if events:
@@ -257,6 +206,4 @@ class CpuStream(Stream):
         try:
             target.synchronize(self.wait_timeout)
         except RuntimeEngineError as exc:
-            err = TransferError(f"stream {self.name!r}: an event waited on failed: {exc}")
-            err.__cause__ = exc
-            self._pending_error = err
+            self._wait_failed(exc)

@@ -26,11 +26,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from .arena import MAP_NORESERVE, Arena
-from .errors import ArenaError
-from .freelist import SlotFreeList, as_slot_ids
+from tierkv.transports.deprecation import warn_renamed
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DeviceArena", "HostArena", "PinError", "pinned_bytes"]
+from .arena import MAP_NORESERVE, Arena, check_slots
+from .errors import ArenaError, PageLockError
+from .freelist import as_slot_ids
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "DeviceArena", "HostArena", "PageLockError", "pinned_bytes"]
 
 #: Default size of one lazily pinned host chunk.
 DEFAULT_CHUNK_BYTES = 1 << 30
@@ -47,27 +49,12 @@ def pinned_bytes() -> int:
     return _pinned_total
 
 
-class PinError(ArenaError):
-    """Host memory could not be page-locked (cudaHostRegister failed)."""
-
-
 def _memlock_limit() -> str:
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     except (OSError, ValueError):
         return "unknown"
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} B"
-
-
-def _init_slots(arena: Arena, name: str, slot_bytes: int, num_slots: int, backend: str) -> None:
-    # The bookkeeping half of Arena.__init__, for arenas whose buffer is not host memory.
-    arena.name = name
-    arena.slot_bytes = slot_bytes
-    arena.num_slots = num_slots
-    arena.backend = backend
-    arena._free = SlotFreeList(num_slots, name)
-    arena._busy = np.zeros(num_slots, dtype=np.int32)
-    arena._lock = threading.Lock()
 
 
 class DeviceArena(Arena):
@@ -81,11 +68,7 @@ class DeviceArena(Arena):
     def __init__(
         self, name: str, slot_bytes: int, num_slots: int, *, device: int, backend: str = "cuda"
     ) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ArenaError(
-                f"arena {name!r}: slot_bytes and num_slots must be > 0, "
-                f"got {slot_bytes} and {num_slots}"
-            )
+        self._init_slots(name, slot_bytes, num_slots, backend)  # checks the sizes first
         import cupy
 
         nbytes = slot_bytes * num_slots
@@ -102,7 +85,6 @@ class DeviceArena(Arena):
                     f"arena {name!r}: cudaMalloc of {nbytes} B failed ({exc}); {have}"
                 ) from exc
             cupy.cuda.runtime.memset(mem.ptr, 0, nbytes)  # touch it now, not on first use
-        _init_slots(self, name, slot_bytes, num_slots, backend)
         self.device = device
         self._mem = mem
         self._cupy_array = cupy.ndarray(
@@ -185,11 +167,7 @@ class HostArena(Arena):
         buffer: npt.NDArray[np.uint8] | None = None,
         backend: str = "cuda",
     ) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ArenaError(
-                f"arena {name!r}: slot_bytes and num_slots must be > 0, "
-                f"got {slot_bytes} and {num_slots}"
-            )
+        check_slots(name, slot_bytes, num_slots)
         if buffer is None:
             buffer = _host_mapping(slot_bytes * num_slots, name)
         super().__init__(name, slot_bytes, num_slots, backend=backend, buffer=buffer)
@@ -259,7 +237,7 @@ class HostArena(Arena):
         return first * self.slot_bytes, count * self.slot_bytes
 
     def ensure_pinned(self, ids: npt.NDArray[np.int64]) -> None:
-        """Register the chunks holding `ids` that are not registered yet. Raises PinError."""
+        """Register the chunks holding `ids` that are not registered yet. Raises PageLockError."""
         if self.kind != "pinned" or ids.size == 0:
             return
         chunks = np.unique(ids // self.chunk_slots)
@@ -268,7 +246,7 @@ class HostArena(Arena):
         self._pin(chunks[~self._registered[chunks]])
 
     def pin_all(self) -> None:
-        """Register every chunk now (instead of on first use). Raises PinError."""
+        """Register every chunk now (instead of on first use). Raises PageLockError."""
         if self.kind == "pinned":
             self._pin(np.flatnonzero(~self._registered))
 
@@ -286,7 +264,7 @@ class HostArena(Arena):
                 try:
                     runtime.hostRegister(self.ptr + offset, nbytes, _REGISTER_FLAGS)
                 except Exception as exc:
-                    raise PinError(
+                    raise PageLockError(
                         f"arena {self.name!r}: cannot pin {nbytes} B (chunk {c} of "
                         f"{self._registered.size}): {exc}; pinned now: {self.pinned_nbytes} of "
                         f"{self.nbytes} B in this arena, {_pinned_total} B in this process; "
@@ -313,3 +291,12 @@ class HostArena(Arena):
                 self._registered[c] = False
                 with _pinned_lock:
                     _pinned_total -= nbytes
+
+
+def __getattr__(name: str) -> Any:
+    # PinError was this module's name of PageLockError (the page table's PinError is another
+    # error): kept as a deprecated alias
+    if name == "PinError":
+        warn_renamed("tierkv.runtime.cuda_arena.PinError", "PageLockError")
+        return PageLockError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

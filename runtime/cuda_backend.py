@@ -1,6 +1,6 @@
 """The cuda backend: CuPy streams and events, device and pinned host arenas, batched copies.
 
-    backend = CudaBackend(device=0)                       # or get_backend("cuda")
+    backend = CudaBackend(device=0)                       # or create_backend("cuda")
     dev  = backend.create_arena("dev", slot, n)           # one cudaMalloc; .tensor via DLPack
     host = backend.create_arena("host", slot, m, kind="pinned")   # pinned lazily, 1 GiB chunks
     compute = backend.compute_stream(torch.cuda.current_stream())
@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.transports.errors import InvalidInputError
+
 from .arena import Arena
 from .backend import DEFAULT_TIMEOUT_S, Backend, CopyInfo, Event
 from .cpu_copy import coalesce_runs, copy_rows
@@ -32,7 +34,7 @@ from .freelist import SlotIds
 
 __all__ = ["CUDA_BACKEND_READY", "DEFAULT_WAIT_STRATEGY", "CudaBackend", "cuda_available"]
 
-#: The cuda backend is implemented: `get_backend("auto")` picks it when a device is usable.
+#: The cuda backend is implemented: `create_backend("auto")` picks it when a device is usable.
 CUDA_BACKEND_READY = True
 
 #: Default event-waiting strategy. Provisional: `benchmarks/gpu_check.py` measures both and
@@ -84,11 +86,11 @@ class CudaBackend(Backend):
     ) -> None:
         check_strategy(wait_strategy)
         if copy_method not in ("auto", "kernel", "memcpy"):
-            raise ValueError(f"unknown copy method {copy_method!r}")
+            raise InvalidInputError(f"unknown copy method {copy_method!r}")
         cupy = import_cupy()
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= device < count:
-            raise ValueError(f"device {device} not in [0, {count})")
+            raise InvalidInputError(f"device {device} not in [0, {count})")
         self.device = device
         self.wait_strategy = wait_strategy
         self.copy_method = copy_method
@@ -221,7 +223,7 @@ class CudaBackend(Backend):
         """Copy one batch and return once it has finished on the device.
 
         Runs on the calling thread (a stream's launcher: its CUDA stream is current). Raises
-        ArenaMismatchError, PinError, or CuPy's error for a failed launch.
+        ArenaMismatchError, PageLockError, or CuPy's error for a failed launch.
         """
         if src.slot_bytes != dst.slot_bytes:
             raise ArenaMismatchError(

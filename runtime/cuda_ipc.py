@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from tierkv.transports.errors import InvalidInputError
+
 from .cuda_arena import DeviceArena
 from .cuda_env import import_cupy
 from .errors import ArenaError, InvalidSlotError
@@ -56,7 +58,7 @@ class ArenaExport:
 
     def __init__(self, arena: DeviceArena, num_events: int = 8) -> None:
         if num_events < 1:
-            raise ValueError(f"num_events must be >= 1, got {num_events}")
+            raise InvalidInputError(f"num_events must be >= 1, got {num_events}")
         cupy = import_cupy()
         rt = cupy.cuda.runtime
         self.arena = arena

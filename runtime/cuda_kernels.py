@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tierkv.transports.errors import InvalidInputError
+
 from .cpu_copy import coalesce_runs
 from .freelist import SlotIds
 
@@ -125,11 +127,11 @@ def launch_plans(
     One launch unless the grid would exceed `max_grid_x`. Raises ValueError for bad sizes.
     """
     if vec not in KERNEL_NAMES:
-        raise ValueError(f"vector width must be one of {sorted(KERNEL_NAMES)}, got {vec}")
+        raise InvalidInputError(f"vector width must be one of {sorted(KERNEL_NAMES)}, got {vec}")
     if slot_bytes <= 0 or slot_bytes % vec:
-        raise ValueError(f"slot_bytes {slot_bytes} is not a positive multiple of {vec}")
+        raise InvalidInputError(f"slot_bytes {slot_bytes} is not a positive multiple of {vec}")
     if num_pages < 0 or threads <= 0 or unroll <= 0:
-        raise ValueError("num_pages must be >= 0, threads and unroll > 0")
+        raise InvalidInputError("num_pages must be >= 0, threads and unroll > 0")
     units_per_slot = slot_bytes // vec
     units_per_chunk = threads * unroll
     chunks = -(-units_per_slot // units_per_chunk)
@@ -208,9 +210,9 @@ def choose_method(
     """
     for kind in (src_kind, dst_kind):
         if kind not in ("device", "pinned", "pageable"):
-            raise ValueError(f"unknown arena kind {kind!r}")
+            raise InvalidInputError(f"unknown arena kind {kind!r}")
     if method not in ("auto", "kernel", "memcpy"):
-        raise ValueError(f"unknown copy method {method!r}")
+        raise InvalidInputError(f"unknown copy method {method!r}")
     if src_kind != "device" and dst_kind != "device":
         return "host"
     touches_host = "pinned" in (src_kind, dst_kind)

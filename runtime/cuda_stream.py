@@ -31,13 +31,15 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .backend import DEFAULT_TIMEOUT_S, Event, Stream
+from tierkv.transports.errors import InvalidInputError, InvalidTypeError
+
+from .backend import DEFAULT_TIMEOUT_S, Event
 from .cpu_stream import CpuEvent
-from .errors import EngineClosedError, RuntimeEngineError, TransferError, WaitTimeoutError
+from .errors import EngineClosedError, WaitTimeoutError
+from .worker_stream import WorkerStream, WorkFn, transfer_error
 
 __all__ = [
     "POLL_FIRST_S",
@@ -50,8 +52,6 @@ __all__ = [
     "pick_wait_strategy",
 ]
 
-WorkFn = Callable[[BaseException | None], None]
-
 #: The event-waiting strategies.
 WAIT_STRATEGIES = ("thread", "poll")
 #: Poll backoff: first delay after the first miss, and the cap.
@@ -62,7 +62,7 @@ POLL_MAX_S = 500e-6
 def check_strategy(strategy: str) -> str:
     """`strategy` if it names a waiting strategy. Raises ValueError otherwise."""
     if strategy not in WAIT_STRATEGIES:
-        raise ValueError(f"unknown wait strategy {strategy!r}; use one of {WAIT_STRATEGIES}")
+        raise InvalidInputError(f"unknown wait strategy {strategy!r}; use one of {WAIT_STRATEGIES}")
     return strategy
 
 
@@ -73,15 +73,9 @@ def pick_wait_strategy(figures: dict[str, dict[str, float]], *, stall_limit_s: f
     wake-up latency wins (ties: "thread"). Raises ValueError when nothing was measured.
     """
     if not figures:
-        raise ValueError("no measurements")
+        raise InvalidInputError("no measurements")
     ok = {k: v for k, v in figures.items() if v["stall_s"] <= stall_limit_s} or figures
     return min(sorted(ok), key=lambda k: (ok[k]["latency_s"], k != "thread"))
-
-
-def _transfer_error(what: str, exc: BaseException) -> TransferError:
-    err = TransferError(f"{what}: {exc!r}")
-    err.__cause__ = exc
-    return err
 
 
 class CudaEvent(CpuEvent):
@@ -131,7 +125,7 @@ class CudaEvent(CpuEvent):
         try:
             finished = bool(self._cuda.done)
         except Exception as exc:  # a sticky CUDA error surfaces here
-            self.complete(_transfer_error("CUDA event query failed", exc))
+            self.complete(transfer_error("CUDA event query failed", exc))
             return True
         if finished:
             self.complete(self._error_after)
@@ -206,7 +200,7 @@ class _Waiter:
                 try:
                     ev.cuda_event.synchronize()  # cudaEventSynchronize, GIL released
                 except Exception as exc:
-                    ev.complete(_transfer_error("CUDA event synchronize failed", exc))
+                    ev.complete(transfer_error("CUDA event synchronize failed", exc))
                     continue
                 ev.complete(ev._error_after)
 
@@ -233,10 +227,10 @@ def _as_cupy_stream(stream: Any, device: int) -> Any:
         return cupy.cuda.ExternalStream(int(stream.cuda_stream), device)
     if hasattr(stream, "__cuda_stream__"):
         return cupy.cuda.Stream.from_external(stream)
-    raise TypeError(f"not a CUDA stream: {stream!r}")
+    raise InvalidTypeError(f"not a CUDA stream: {stream!r}")
 
 
-class CudaStream(Stream):
+class CudaStream(WorkerStream):
     """A non-blocking CUDA stream fed in FIFO order by one launcher thread.
 
     `enqueue(fn)` runs `fn` on the launcher with this stream current (CuPy launches and copies
@@ -262,30 +256,13 @@ class CudaStream(Stream):
         with cupy.cuda.Device(device):
             self.cuda = cupy.cuda.Stream(non_blocking=True)
         self._waiter = _Waiter(name, device) if strategy == "thread" else None
-        self._queue: deque[_Item] = deque()
-        self._cond = threading.Condition()
-        self._closed = False
-        self._pending_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"tierkv-cuda-{name}", daemon=True)
-        self._thread.start()
+        self._start_worker(f"tierkv-cuda-{name}")
 
     def __repr__(self) -> str:
         return (
             f"<CudaStream {self.name!r} device={self.device} {self.strategy} "
             f"queued={len(self._queue)} closed={self._closed}>"
         )
-
-    @property
-    def closed(self) -> bool:
-        """True after close()."""
-        return self._closed
-
-    def enqueue(self, fn: Callable[[], None]) -> Event:
-        def run(dep_error: BaseException | None) -> None:
-            if dep_error is None:
-                fn()
-
-        return self._push("work", run)
 
     def enqueue_work(self, fn: WorkFn) -> Event:
         return self._push("work", fn)
@@ -299,21 +276,9 @@ class CudaStream(Stream):
         """
         self._push("wait", None, wait_on=event)
 
-    def synchronize(self, timeout: float | None = None) -> None:
-        self.record_event().synchronize(timeout)
-
     def close(self, timeout: float | None = None) -> None:
         limit = DEFAULT_TIMEOUT_S if timeout is None else timeout
-        with self._cond:
-            if not self._closed:
-                self._closed = True
-                self._cond.notify_all()
-        if threading.current_thread() is self._thread:
-            return
-        self._thread.join(limit)
-        if self._thread.is_alive():
-            raise WaitTimeoutError(f"stream {self.name!r}: queued work not done after {limit} s")
-        if self._waiter is not None:
+        if self._stop_worker(limit) and self._waiter is not None:
             self._waiter.close(limit)
 
     def _push(self, kind: str, fn: WorkFn | None, *, wait_on: Any = None) -> CudaEvent:
@@ -329,13 +294,7 @@ class CudaStream(Stream):
         import cupy
 
         with cupy.cuda.Device(self.device), self.cuda:
-            while True:
-                with self._cond:
-                    while not self._queue and not self._closed:
-                        self._cond.wait()
-                    if not self._queue:
-                        return
-                    item = self._queue.popleft()
+            while (item := self._next_item()) is not None:  # None: closed and drained
                 if item.kind == "wait":
                     self._do_wait(item.wait_on)
                     continue
@@ -343,13 +302,7 @@ class CudaStream(Stream):
                 error: BaseException | None = None
                 if item.kind == "work":
                     assert item.fn is not None
-                    error, self._pending_error = self._pending_error, None
-                    try:
-                        item.fn(error)
-                    except RuntimeEngineError as exc:
-                        error = exc
-                    except Exception as exc:
-                        error = _transfer_error(f"stream {self.name!r}: work failed", exc)
+                    error = self._call(item.fn)
                 self._record(item.event, error)
 
     def _record(self, ev: CudaEvent, error: BaseException | None) -> None:
@@ -359,7 +312,7 @@ class CudaStream(Stream):
             cuda_event = cupy.cuda.Event(block=self.blocking_sync, disable_timing=True)
             cuda_event.record(self.cuda)
         except Exception as exc:
-            ev.complete(_transfer_error(f"stream {self.name!r}: event record failed", exc))
+            ev.complete(transfer_error(f"stream {self.name!r}: event record failed", exc))
             return
         ev._mark_recorded(cuda_event, error)
         if self._waiter is not None:
@@ -380,12 +333,8 @@ class CudaStream(Stream):
                 self.cuda.wait_event(target)
             else:
                 target.synchronize(self.wait_timeout)
-        except RuntimeEngineError as exc:
-            err = TransferError(f"stream {self.name!r}: an event waited on failed: {exc}")
-            err.__cause__ = exc
-            self._pending_error = err
-        except Exception as exc:
-            self._pending_error = _transfer_error(f"stream {self.name!r}: wait failed", exc)
+        except Exception as exc:  # a runtime error, or CuPy's
+            self._wait_failed(exc)
 
 
 class ComputeStream:

@@ -2,24 +2,30 @@
 
 Every error the runtime raises on purpose derives from `RuntimeEngineError`; lower-level failures
 (a torch or numpy error inside a copy, a missing CUDA driver) are mapped at the boundary with
-``raise ... from exc``::
+``raise ... from exc``. The tree hangs under the library's root, `TierKVError` (defined in the
+lowest layer, ``tierkv.transports.errors``, and re-exported here and by ``tierkv.errors``)::
 
-    RuntimeEngineError
-    ├── BackendUnavailableError      a backend (e.g. "cuda") cannot run on this machine
-    ├── ArenaError                   arena misuse; nothing is changed when raised
-    │   ├── ArenaFullError           not enough free slots for allocate(n)
-    │   ├── ArenaMismatchError       slot sizes / backends of two arenas do not match
-    │   └── SlotError                a bad batch of slot ids
-    │       ├── InvalidSlotError     out of range, duplicated, wrong dtype/shape, not allocated
-    │       ├── DoubleFreeError      free() of a slot that is already free
-    │       └── SlotBusyError        free() of a slot a stream is still reading or writing
-    ├── TransferError                a copy failed (or a dependency of it failed)
-    │   └── TransferCancelledError   dropped before it started (cancel() or close())
-    ├── EngineClosedError            use of an engine or stream after close
-    └── WaitTimeoutError             a bounded wait ran out (also a `TimeoutError`)
+    TierKVError
+    └── RuntimeEngineError
+        ├── BackendUnavailableError      a backend (e.g. "cuda") cannot run on this machine
+        │   └── UnknownBackendError      no backend of that name (also an `UnknownNameError`)
+        ├── ArenaError                   arena misuse; nothing is changed when raised
+        │   ├── PageLockError            host memory could not be page-locked (cudaHostRegister)
+        │   ├── ArenaFullError           not enough free slots for allocate(n)
+        │   ├── ArenaMismatchError       slot sizes / backends of two arenas do not match
+        │   └── SlotError                a bad batch of slot ids
+        │       ├── InvalidSlotError     out of range, duplicated, wrong dtype/shape, not allocated
+        │       ├── DoubleFreeError      free() of a slot that is already free
+        │       └── SlotBusyError        free() of a slot a stream is still reading or writing
+        ├── TransferError                a copy failed (or a dependency of it failed)
+        │   └── TransferCancelledError   dropped before it started (cancel() or close())
+        ├── EngineClosedError            use of an engine or stream after close
+        └── WaitTimeoutError             a bounded wait ran out (also a `TimeoutError`)
 """
 
 from __future__ import annotations
+
+from tierkv.transports.errors import TierKVError, UnknownNameError
 
 __all__ = [
     "ArenaError",
@@ -29,16 +35,19 @@ __all__ = [
     "DoubleFreeError",
     "EngineClosedError",
     "InvalidSlotError",
+    "PageLockError",
     "RuntimeEngineError",
     "SlotBusyError",
     "SlotError",
+    "TierKVError",
     "TransferCancelledError",
     "TransferError",
+    "UnknownBackendError",
     "WaitTimeoutError",
 ]
 
 
-class RuntimeEngineError(Exception):
+class RuntimeEngineError(TierKVError):
     """Root of every error raised by `runtime`."""
 
 
@@ -46,8 +55,18 @@ class BackendUnavailableError(RuntimeEngineError):
     """The requested device backend cannot run here (library or device missing)."""
 
 
+class UnknownBackendError(BackendUnavailableError, UnknownNameError):
+    """No backend is registered under that name."""
+
+
 class ArenaError(RuntimeEngineError):
     """Misuse of a memory arena. The arena is unchanged when this is raised."""
+
+
+class PageLockError(ArenaError):
+    """Host memory could not be page-locked (cudaHostRegister failed). Named ``PinError`` in
+    ``runtime.cuda_arena`` before; that name is a deprecated alias now (``tierkv.errors.PinError``
+    is the page table's, a different error)."""
 
 
 class ArenaFullError(ArenaError):

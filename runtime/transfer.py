@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.transports.errors import InvalidInputError
+
 from .arena import Arena
 from .backend import DEFAULT_TIMEOUT_S, Backend, Event, Stream
 from .cpu_copy import DEFAULT_STAGING_BYTES
@@ -237,9 +239,9 @@ class TransferEngine:
         max_external: int = 4,
     ) -> None:
         if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+            raise InvalidInputError(f"max_inflight must be >= 1, got {max_inflight}")
         if max_external < 1:
-            raise ValueError(f"max_external must be >= 1, got {max_external}")
+            raise InvalidInputError(f"max_external must be >= 1, got {max_external}")
         self.backend = backend
         self.max_inflight = max_inflight
         self.max_external = max_external

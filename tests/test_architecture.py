@@ -5,7 +5,8 @@
 - no import cycle between modules, counting imports inside functions and under TYPE_CHECKING
   (a cycle that only the type checker sees still stands for two modules that know each other);
 - no module uses another module's underscore names: not by importing them, not by reaching an
-  attribute that its own module never defines;
+  attribute that its own module never defines (assigning ``other._x`` does not count as
+  defining ``_x``: only ``self._x`` / ``cls._x`` do);
 - a file over 400 lines says at its top why it stays whole.
 """
 
@@ -165,13 +166,47 @@ def _defined_names(tree: ast.AST) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            names.add(node.attr)
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            names.add(node.attr)  # only its own objects' attributes: ``other._x = ...`` is not
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str):
             names.add(node.value)  # __slots__ entries, setattr/getattr names
     return names
+
+
+def _foreign_underscores(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, name) of each use, read or write, of an underscore attribute that the module
+    does not define itself, on anything but ``self`` / ``cls``."""
+    own = _defined_names(tree)
+    return [
+        (node.lineno, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and node.attr not in own
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+
+
+def test_the_underscore_check_catches_writes_into_another_object() -> None:
+    code = """
+class Mine:
+    def __init__(self):
+        self._mine = 1
+
+def setup(arena, other: Mine):
+    arena._free = []  # another class's private state: caught
+    other._mine = 2  # a name this module defines: allowed
+    return arena._busy  # caught
+"""
+    assert _foreign_underscores(ast.parse(code)) == [(7, "_free"), (9, "_busy")]
 
 
 def test_no_module_uses_another_modules_underscore_names() -> None:
@@ -180,17 +215,8 @@ def test_no_module_uses_another_modules_underscore_names() -> None:
         for target, name in _imports(module):
             if name and name.startswith("_") and not name.startswith("__"):
                 wrong.append(f"{module}: from {target} import {name}")
-        tree = ast.parse(path.read_text())
-        own = _defined_names(tree)
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, ast.Attribute)
-                and node.attr.startswith("_")
-                and not node.attr.startswith("__")
-                and node.attr not in own
-                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
-            ):
-                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+        for line, attr in _foreign_underscores(ast.parse(path.read_text())):
+            wrong.append(f"{path.relative_to(ROOT)}:{line}: .{attr}")
     assert wrong == [], "\n".join(map(str, wrong))
 
 

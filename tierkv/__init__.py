@@ -25,6 +25,7 @@ from tierkv.errors import (
     TierFullError,
     TierKVError,
     TransferFailedError,
+    UnknownNameError,
     UnknownPageError,
     UnknownPolicyError,
 )
@@ -37,6 +38,7 @@ from tierkv.policies import (
     ChainHint,
     EvictionPolicy,
     PageHint,
+    create_policy,
     make_policy,
 )
 from tierkv.spec import KVSpec
@@ -73,9 +75,11 @@ __all__ = [
     "TierFullError",
     "TierKVError",
     "TransferFailedError",
+    "UnknownNameError",
     "UnknownPageError",
     "UnknownPolicyError",
     "__version__",
+    "create_policy",
     "make_policy",
     "prefix_keys",
     "restore_collector",

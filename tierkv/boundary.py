@@ -52,8 +52,10 @@ def register_transport_mapper(mapper: TransportMapper) -> None:
 
 def map_error(exc: BaseException) -> TierKVError | None:
     """The tierkv error that stands for ``exc`` at the store's boundary, or None when ``exc``
-    is already a tierkv error or is not one the boundary maps."""
-    if isinstance(exc, TierKVError) or not isinstance(exc, Exception):
+    is already one of the semantic layer's errors or is not one the boundary maps. (The
+    runtime's and transports' trees hang under TierKVError too, but the store speaks in its
+    own terms: they are mapped all the same.)"""
+    if not isinstance(exc, Exception):
         return None
     msg = str(exc) or type(exc).__name__
     if isinstance(exc, RuntimeEngineError):
@@ -70,6 +72,8 @@ def map_error(exc: BaseException) -> TierKVError | None:
         if _transport_mapper:
             return _transport_mapper[0](exc)
         return TransferFailedError(f"the remote tier: {type(exc).__name__}: {msg}")
+    if isinstance(exc, TierKVError):
+        return None
     if isinstance(exc, TimeoutError):
         return StoreTimeoutError(msg)
     return None

@@ -2,7 +2,11 @@
 
 ::
 
-    TierKVError
+    TierKVError                                (this, UnknownNameError, InvalidInputError and
+                                                InvalidTypeError are defined in the lowest
+                                                layer, transports.errors, and re-exported here)
+     ├── UnknownNameError (also LookupError)   a registry has no factory of that name: each
+     │                                         registry's own error below is one too
      ├── InvalidInputError (also ValueError)   a bad argument, rejected at entry: nothing changed
      │    ├── InvalidTypeError (also TypeError) an argument of the wrong type: a float, str or
      │    │                                     None token, a list or numpy array as ``k``,
@@ -10,7 +14,8 @@
      │    └── SpecError                         an invalid KVSpec, or a tensor whose shape,
      │         │                                dtype or device does not match it; a layer or
      │         │                                token id out of range
-     │         └── UnknownPolicyError           no eviction policy of that name
+     │         └── UnknownPolicyError           no eviction policy of that name (also an
+     │                                          UnknownNameError)
      ├── PageTableError                        misuse of the page table; nothing was changed
      │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
@@ -23,9 +28,19 @@
      │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
      └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
 
-Errors raised by the runtime (``tierkv.runtime.errors``) and the transports
-(``tierkv.transports.errors``)
-keep their own roots. Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
+The runtime's tree (``tierkv.runtime.errors``, rooted at ``RuntimeEngineError``) and the
+transports' (``tierkv.transports.errors``, ``TransportError``) hang under ``TierKVError`` too, and
+so do the codecs' (``tierkv.codecs.CodecError``), the remote tier's
+(``tierkv.remote.RemoteError``) and the serving engine's (``tierkv.serving.RequestError``). The
+unknown-name errors of the four registries are one kind, :class:`UnknownNameError`::
+
+    UnknownNameError
+     ├── runtime.UnknownBackendError      (also BackendUnavailableError)
+     ├── transports.UnknownTransportError (also TransportError)
+     ├── UnknownPolicyError               (also SpecError, a ValueError)
+     └── codecs.UnknownCodecError         (also CodecError and KeyError)
+
+Whatever :class:`~tierkv.store.KVStore`, :class:`~tierkv.lease.Lease` and
 :class:`~tierkv.sync.SyncKVStore` raise is a ``TierKVError``: their public methods map lower
 errors at the boundary (:mod:`tierkv.boundary`) with ``raise ... from exc``, so ``__cause__``
 keeps the original::
@@ -45,24 +60,18 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 
 from __future__ import annotations
 
-
-class TierKVError(Exception):
-    """Root of every error raised by the ``tierkv`` package."""
-
-
-class InvalidInputError(TierKVError, ValueError):
-    """A bad argument to a public call, rejected at entry before anything changed."""
-
-
-class InvalidTypeError(InvalidInputError, TypeError):
-    """An argument of the wrong type (also a ``TypeError``)."""
+# the root and the registries' error live in the lowest layer; re-exported here
+from tierkv.transports.errors import InvalidInputError as InvalidInputError
+from tierkv.transports.errors import InvalidTypeError as InvalidTypeError
+from tierkv.transports.errors import TierKVError as TierKVError
+from tierkv.transports.errors import UnknownNameError as UnknownNameError
 
 
 class SpecError(InvalidInputError):
     """An invalid :class:`~tierkv.spec.KVSpec`, or a tensor that does not match it."""
 
 
-class UnknownPolicyError(SpecError):
+class UnknownPolicyError(SpecError, UnknownNameError):
     """No eviction policy is registered under that name."""
 
 

@@ -12,12 +12,21 @@ byte tells them apart:
 * **content keys** (top bit 0) name immutable, shareable full blocks;
 * **private keys** (top bit 1) name a live sequence's still-growing last block, which no other
   sequence may reuse; they derive from the sequence id and the block index.
+
+A block holds one page per layer; the page of block ``b`` in layer ``l`` is named by the
+block's key and the layer (:func:`page_key`)::
+
+    page key (18 bytes) = block key (16 bytes) | layer (2 bytes, little-endian)
+
+Everything that makes or reads keys lives here: the chain (:func:`block_key`, :func:`chain_keys`,
+:func:`prefix_keys`, and :func:`unpublished_keys` for a live sequence's blocks), private keys,
+page keys and :func:`is_content`.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import Enum
 from typing import Any
 
@@ -29,6 +38,7 @@ from tierkv.errors import SpecError
 from tierkv.validate import TOKEN_ID_LIMIT
 
 KEY_BYTES = 16
+PAGE_KEY_BYTES = KEY_BYTES + 2
 _PRIVATE_BIT = 0x80
 _DOMAIN = b"tierkv/page-key/v1"
 _PERSON = b"tierkv-key-v1"
@@ -151,6 +161,48 @@ def chain_keys(parent: PageKey, tokens: npt.NDArray[Any], page_tokens: int) -> l
         parent = bytes((d[0] & ~_PRIVATE_BIT & 0xFF,)) + d[1:]
         keys.append(parent)
     return keys
+
+
+def unpublished_keys(
+    namespace: Any,
+    blocks: Sequence[PageKey],
+    shared: Sequence[int],
+    block_tokens: Callable[[int], Any],
+    full_blocks: int,
+) -> Iterator[tuple[int, PageKey]]:
+    """``(index, content key)`` of each of a live sequence's first ``full_blocks`` blocks that
+    has no content key yet (``shared[index]`` false), in order, each chained on the content
+    key of the block before it: the one that block has (``blocks[i]`` when ``shared[i]``) or
+    the one computed here for it. The keys are :func:`block_key`'s, so the same as
+    :func:`prefix_keys` gives for the same tokens. Lazy: a caller that stops early hashes no
+    further block.
+
+    ``block_tokens(i)``: the token ids of block ``i`` (an ``array('q')``, a list or a 1-D
+    integer array).
+    """
+    parent = root_key(namespace)
+    for i in range(min(len(shared), full_blocks)):
+        if shared[i]:
+            parent = blocks[i]
+            continue
+        parent = block_key(parent, block_tokens(i))
+        yield i, parent
+
+
+def layer_suffix(layer: int) -> bytes:
+    """The two bytes a page key adds to its block's key for ``layer``."""
+    return layer.to_bytes(2, "little")
+
+
+def page_key(block: PageKey, layer: int) -> bytes:
+    """The key of one layer's page of a block."""
+    return block + layer.to_bytes(2, "little")
+
+
+def is_content(key: bytes) -> bool:
+    """True for a content block's key or a page key of one (shareable, immutable pages: the only
+    ones a remote tier stores or serves); False for a private one or a key too short."""
+    return len(key) >= KEY_BYTES and not key[0] & _PRIVATE_BIT
 
 
 def private_key(seq_id: str | bytes | int, block_index: int) -> PageKey:

@@ -4,7 +4,7 @@ A lease depends on its store only through :class:`LeaseHost`, the small public s
 store implements (this module never imports the store)::
 
     store.lease(ids) --> Lease(store) --enter--> admission, tiers.acquire_device, lease_began
-                                      --exit---> tiers.release_device, lease_ended, lease_wrote
+                                      --exit---> tiers.unpin_device, lease_ended, lease_wrote
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class Lease:
             try:
                 if self._pinned:
                     pinned, self._pinned = self._pinned, ()
-                    store.tiers.release_device(pinned)
+                    store.tiers.unpin_device(pinned)
             finally:
                 self._leave()
             store.lease_ended(self._seqs, pinned)

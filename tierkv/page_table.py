@@ -43,8 +43,14 @@ from enum import IntEnum
 from itertools import compress
 from operator import itemgetter, not_
 
-from tierkv.errors import PageStateError, PinError, TierKVError, UnknownPageError
-from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, make_policy
+from tierkv.errors import (
+    InvalidInputError,
+    PageStateError,
+    PinError,
+    TierKVError,
+    UnknownPageError,
+)
+from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
 
 
@@ -137,7 +143,8 @@ class PageTable:
         record_events: keep stored/evicted events for :meth:`take_events`.
 
     Raises:
-        ValueError: no tiers, or a capacity below 0, or an unknown policy.
+        InvalidInputError: no tiers, or a capacity below 0 (a ValueError).
+        UnknownPolicyError: an unknown policy name (an InvalidInputError too).
     """
 
     def __init__(
@@ -148,13 +155,13 @@ class PageTable:
         record_events: bool = True,
     ) -> None:
         if not tiers:
-            raise ValueError("a page table needs at least one tier")
+            raise InvalidInputError("a page table needs at least one tier")
         self._tiers: dict[str, _Tier] = {}
         for name, cap in tiers.items():
             if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-                raise ValueError(f"tier {name!r}: capacity must be an int >= 0, got {cap!r}")
+                raise InvalidInputError(f"tier {name!r}: capacity must be an int >= 0, got {cap!r}")
             pol = policy if isinstance(policy, str) else policy.get(name, DEFAULT_POLICY)
-            self._tiers[name] = _Tier(name, cap, make_policy(pol))
+            self._tiers[name] = _Tier(name, cap, create_policy(pol))
         self._record = record_events
         self._events: list[PageEvent] = []
 
@@ -372,12 +379,12 @@ class PageTable:
             are pinned, moving or being written (nothing changed then).
 
         Raises:
-            ValueError: ``hints`` and ``keys`` differ in length.
+            InvalidInputError: ``hints`` and ``keys`` differ in length (a ValueError).
         """
         t = self._tier(tier)
         chain = isinstance(hints, ChainHint)
         if hints is not None and not chain and len(hints) != len(keys):  # type: ignore[arg-type]
-            raise ValueError(f"{len(hints)} hints for {len(keys)} keys")  # type: ignore[arg-type]
+            raise InvalidInputError(f"{len(hints)} hints for {len(keys)} keys")  # type: ignore[arg-type]
         slot_of, state, pins = t.slot_of, t.state, t.pins
         present: list[Key] = []
         new: list[Key]
@@ -513,12 +520,12 @@ class PageTable:
         last of it goes first.
 
         Raises:
-            ValueError: ``n`` is negative.
+            InvalidInputError: ``n`` is negative (a ValueError).
             TierKVError: the policy broke its contract (nothing was changed).
         """
         t = self._tier(tier)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"prepare_evict needs a count >= 0, got {n!r}")
+            raise InvalidInputError(f"prepare_evict needs a count >= 0, got {n!r}")
         evictable = len(t.slot_of) - t.unevictable
         if exact and n > evictable:
             return []
@@ -668,7 +675,7 @@ class PageTable:
         S3-FIFO evict on a copy of their state (O(pages)): for operators, not every step."""
         t = self._tier(tier)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"candidates needs a count >= 0, got {n!r}")
+            raise InvalidInputError(f"candidates needs a count >= 0, got {n!r}")
         slot_of, state, pins = t.slot_of, t.state, t.pins
         n = min(n, len(slot_of) - t.unevictable)
         if n <= 0:

@@ -19,6 +19,7 @@ from typing import Any
 
 from tierkv.admission import Admission
 from tierkv.errors import TierFullError, UnknownPageError
+from tierkv.failures import Background
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
@@ -39,7 +40,7 @@ class Prefetcher:
         seqs: Mapping[str, SequenceState],
         tiers: Callable[[], TierSet],
         admission: Callable[[], Admission],
-        spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task[Any]],
+        spawn: Callable[[Coroutine[Any, Any, Any], Background], asyncio.Task[Any]],
         counters: StoreCounters,
         timeline: Timeline,
         *,
@@ -93,7 +94,8 @@ class Prefetcher:
         ``wait=True`` waits until they are loaded, at most ``timeout`` seconds (then the loads
         go on in the background and the call returns what had finished: possibly 0).
         """
-        task = self._spawn(self._prefetch(list(seq_ids), layers))
+        what = Background("prefetch", DEVICE)
+        task = self._spawn(self._prefetch(list(seq_ids), layers, what), what)
         if not wait:
             await asyncio.sleep(0)  # let the loads be submitted before the caller computes
             return 0
@@ -102,8 +104,10 @@ class Prefetcher:
         except TimeoutError:
             return 0
 
-    async def _prefetch(self, seq_ids: list[str], layers: Sequence[int] | None) -> int:
-        keys: list[bytes] = []
+    async def _prefetch(
+        self, seq_ids: list[str], layers: Sequence[int] | None, what: Background
+    ) -> int:
+        keys = what.keys  # named in the report if this task fails
         for s in seq_ids:
             seq = self._seqs.get(s)
             if seq is not None:
@@ -124,7 +128,7 @@ class Prefetcher:
         except (TierFullError, UnknownPageError):  # best effort: things changed meanwhile
             self.counters.prefetch_skipped += len(absent)
             return 0
-        tiers.release_device(absent)
+        tiers.unpin_device(absent)
         self.timeline.span("prefetch", "transfer", t0, time.perf_counter(), pages=len(absent))
         self._prefetched.update(absent)
         self.counters.prefetched += len(absent)
@@ -158,4 +162,4 @@ class Prefetcher:
             ready = set(table.readable(pages, DEVICE))
             room += [k for k in pages if k not in ready]
         if room:
-            self._spawn(self._load_ahead(room))
+            self._spawn(self._load_ahead(room), Background("prefetch", DEVICE, room))

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.failures import FailureLog
 from tierkv.page_source import PageSource
 
 __all__ = ["PushCounters", "Pusher", "Runner"]
@@ -79,11 +81,12 @@ class Pusher:
         timeout: float = 5.0,
     ) -> None:
         if capacity < 1 or batch < 1:
-            raise ValueError("capacity and batch must be at least 1")
+            raise InvalidInputError("capacity and batch must be at least 1")
         self.source = source
         self.staging: npt.NDArray[np.uint8] = np.zeros((capacity, page_bytes), np.uint8)
         self.batch, self.wait, self.timeout = batch, wait, timeout
         self.counters = PushCounters()
+        self._failures = FailureLog("tierkv.remote")
         self._free = list(range(capacity))
         self._pending: list[tuple[bytes, int]] = []
         self._staged: set[bytes] = set()
@@ -200,11 +203,13 @@ class Pusher:
                 )
             )
             if type(stored) is not int:
-                raise TypeError(f"publish answered {type(stored).__name__}, not an int")
+                raise InvalidTypeError(f"publish answered {type(stored).__name__}, not an int")
             self.counters.pushed += max(0, min(stored, len(keys)))
         except Exception as exc:  # a failing source (hostile answers too) is counted, not raised
             self.counters.errors += 1
-            self.counters.last_error = f"{type(exc).__name__}: {exc}"
+            self.counters.last_error = self._failures.report(
+                "remote push", exc, tier="remote", keys=keys
+            )
         finally:
             self._busy = 0
             self._staged.difference_update(keys)

@@ -27,7 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
-from tierkv.keys import KEY_BYTES, KeyKind, key_kind
+from tierkv.failures import FailureLog
+from tierkv.keys import is_content
 from tierkv.page_source import PageSource
 from tierkv.push import Pusher
 from tierkv.tiers import TierSet
@@ -45,10 +46,6 @@ class RemoteCounters:
     bytes_in: int = 0
     errors: int = 0  # failed lookups / loads
     last_error: str = ""
-
-
-def _content(key: bytes) -> bool:
-    return len(key) >= KEY_BYTES and key_kind(key[:KEY_BYTES]) is KeyKind.CONTENT
 
 
 class StoreRemote:
@@ -95,6 +92,7 @@ class StoreRemote:
                 timeout=timeout,
             )
         self._tiers: TierSet | None = None
+        self._failures = FailureLog("tierkv.remote")
 
     def attach(self, tiers: TierSet) -> None:
         """Hook into an opened store's tiers (evictions offer their pages)."""
@@ -118,15 +116,15 @@ class StoreRemote:
 
     async def _offer(self, victims: list[tuple[bytes, int]]) -> None:
         assert self._tiers is not None and self.pusher is not None
-        content = [(k, s) for k, s in victims if _content(k)]
+        content = [(k, s) for k, s in victims if is_content(k)]
         if content:
             await self.pusher.offer(
                 [k for k, _ in content], self._tiers.host_array, [s for _, s in content]
             )
 
-    def _fail(self, exc: BaseException) -> None:
+    def _fail(self, kind: str, exc: BaseException, keys: Sequence[bytes]) -> None:
         self.counters.errors += 1
-        self.counters.last_error = f"{type(exc).__name__}: {exc}"
+        self.counters.last_error = self._failures.report(kind, exc, tier="remote", keys=keys)
 
     # -- reads ---------------------------------------------------------------------------
     async def fetch(self, pages: list[bytes], layers: int) -> int:
@@ -147,7 +145,7 @@ class StoreRemote:
                 if type(n) is not int:
                     raise InvalidInputError(f"lookup answered {type(n).__name__}, not an int")
             except Exception as exc:  # a source's failure is a miss, whatever its type
-                self._fail(exc)
+                self._fail("remote lookup", exc, pages[have:])
                 continue
             n = min(n, len(pages) - have) // layers * layers
             if n <= 0:
@@ -164,7 +162,7 @@ class StoreRemote:
                 if type(ok) is not int:
                     raise InvalidInputError(f"load answered {type(ok).__name__}, not an int")
             except Exception as exc:  # a source's failure is a miss, whatever its type
-                self._fail(exc)
+                self._fail("remote load", exc, new)
                 ok = 0
             got = max(0, min(ok, len(new)))
             self.counters.misses += len(new) - got

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tierkv.errors import InvalidInputError
 from tierkv.page_table import PageTable
 from tierkv.policies import DEFAULT_POLICY, PageHint
 from tierkv.progress import Progress
@@ -64,9 +65,11 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
             try:
                 ids = json.loads(line)["hash_ids"]
             except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{n}: not a trace record with hash_ids ({exc})") from exc
+                raise InvalidInputError(
+                    f"{path}:{n}: not a trace record with hash_ids ({exc})"
+                ) from exc
             if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ValueError(f"{path}:{n}: hash_ids must be a list of integers")
+                raise InvalidInputError(f"{path}:{n}: hash_ids must be a list of integers")
             out.append(ids)
             if limit is not None and len(out) >= limit:
                 break

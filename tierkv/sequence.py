@@ -2,9 +2,8 @@
 
 A sequence's block ``b`` is named by a *content* key once it is full and its tokens are known
 (shareable with every request that has the same prefix), and by a *private* key while it still
-grows. The page of block ``b`` in layer ``l`` is ``block_key + l`` (two little-endian bytes)::
-
-    page key (18 bytes) = block key (16 bytes) | layer (2 bytes)
+grows; its page in layer ``l`` by :func:`tierkv.keys.page_key`. Keys are made in
+:mod:`tierkv.keys` only; a sequence keeps them.
 """
 
 from __future__ import annotations
@@ -12,9 +11,18 @@ from __future__ import annotations
 import functools
 import struct
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
-from tierkv.keys import KEY_BYTES, PageKey, block_key, private_key, root_key
+from tierkv.keys import (
+    KEY_BYTES,
+    PageKey,
+    layer_suffix,
+    page_key,
+    private_key,
+    unpublished_keys,
+)
+
+__all__ = ["SequenceState", "page_key"]  # page_key: kept importable from here
 
 _LEN = struct.Struct("q")  # a layer's KV length in the flat buffer
 
@@ -24,11 +32,6 @@ def _lengths(num_layers: int) -> struct.Struct:
     """The struct of every layer's KV length (one per layer count, shared: a struct is a
     tracked object, so no sequence holds one)."""
     return struct.Struct(f"{num_layers}q")
-
-
-def page_key(block: PageKey, layer: int) -> bytes:
-    """The key of one layer's page of a block."""
-    return block + layer.to_bytes(2, "little")
 
 
 class SequenceState:
@@ -178,7 +181,7 @@ class SequenceState:
     def pages(self, layer: int) -> list[bytes]:
         """Page keys of every block of ``layer`` that holds KV."""
         n = -(-self.kv_len_of(layer) // self.page_tokens)
-        k, suffix = bytes(self._keys[: n * KEY_BYTES]), layer.to_bytes(2, "little")
+        k, suffix = bytes(self._keys[: n * KEY_BYTES]), layer_suffix(layer)
         return [k[i : i + KEY_BYTES] + suffix for i in range(0, n * KEY_BYTES, KEY_BYTES)]
 
     def all_pages(self, layers: Sequence[int] | None = None) -> list[bytes]:
@@ -190,12 +193,15 @@ class SequenceState:
         """The private key of block ``index`` (of this incarnation of the id)."""
         return private_key(f"{self.seq_id}\x00{self.incarnation}", index)
 
-    def content_key(self, index: int) -> PageKey | None:
-        """The content key of block ``index`` once its tokens are known, else None."""
+    def unpublished(self) -> Iterator[tuple[int, PageKey]]:
+        """``(index, content key)`` of the full blocks (their tokens known, their KV in every
+        layer) still named by a private key, in order, each chained on the content key of the
+        block before it, published or not (:func:`tierkv.keys.unpublished_keys`; lazy)."""
         t = self.page_tokens
-        if self.num_tokens < (index + 1) * t:
-            return None
-        parent = root_key(self.namespace) if index == 0 else self.block(index - 1)
-        if index > 0 and not self.shared[index - 1]:
-            return None  # a private parent: the chain is not shareable
-        return block_key(parent, self.token_slice(index * t, (index + 1) * t))
+        return unpublished_keys(
+            self.namespace,
+            self.blocks,
+            self.shared,
+            lambda i: self.token_slice(i * t, (i + 1) * t),
+            min(self.length, self.num_tokens) // t,
+        )

@@ -31,22 +31,23 @@ from typing import Any
 from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
-from tierkv.codecs import get_codec
+from tierkv.codecs import CODECS, create_codec
 from tierkv.errors import (
     InvalidTypeError,
     SequenceError,
     SpecError,
     StoreClosedError,
 )
-from tierkv.keys import block_key, prefix_keys, root_key
+from tierkv.failures import Background, FailureLog
+from tierkv.keys import page_key, prefix_keys
 from tierkv.lease import Lease
 from tierkv.page_source import PageSource
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
-from tierkv.runtime import EngineStats, TransferEngine, get_backend
-from tierkv.sequence import SequenceState, page_key
+from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
+from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
@@ -97,9 +98,13 @@ class KVStore:
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
-        InvalidInputError: an argument out of range (``timeout <= 0``, an unknown policy).
+        InvalidInputError: an argument out of range (``timeout <= 0``).
         SpecError: a budget too small for one page per tier.
-        UnknownCodecError: no codec of that name.
+        UnknownNameError: a policy, codec or backend name its registry does not know
+            (:class:`~tierkv.errors.UnknownPolicyError`, also an InvalidInputError;
+            :class:`~tierkv.codecs.UnknownCodecError`;
+            :class:`~tierkv.runtime.errors.UnknownBackendError`), raised before anything is
+            allocated.
 
     Every public method raises tierkv errors only (see :mod:`tierkv.errors`): arguments are
     checked at entry (:mod:`tierkv.validate`), runtime failures mapped at the boundary.
@@ -131,9 +136,9 @@ class KVStore:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
         host_bytes = validate.byte_size("host_bytes", host_bytes)
-        backend = validate.name("backend", backend)
-        policy = validate.name("policy", policy, POLICIES)
-        codec = None if codec is None else validate.name("codec", codec)
+        backend = validate.registered("backend", backend, BACKENDS, "auto")
+        policy = validate.registered("policy", policy, POLICIES)
+        codec = None if codec is None else validate.registered("codec", codec, CODECS)
         cold_fraction = validate.fraction("cold_fraction", cold_fraction)
         compress_after = validate.count("compress_after", compress_after, 0)
         prefetch_window = validate.count("prefetch_window", prefetch_window, 0)
@@ -154,7 +159,7 @@ class KVStore:
         self.write_behind = write_behind
         self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
-        self._codec = get_codec(codec) if codec else None
+        self._codec = create_codec(codec) if codec else None
         cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
         self._pages = {
             DEVICE: device_bytes // spec.page_bytes,
@@ -175,7 +180,8 @@ class KVStore:
         self._admission: Admission | None = None
         self._incarnations = 0
         self._engine: TransferEngine | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: dict[asyncio.Task[Any], Background] = {}  # each with what it works on
+        self._failures = FailureLog("tierkv.store")
         # pages leases wrote, waiting for the one write-behind task (a dict of bytes: the
         # collector does not track it; one task per batch of leases, not two per lease)
         self._behind: dict[bytes, None] = {}
@@ -225,7 +231,7 @@ class KVStore:
             return self
         if self._closed:
             raise StoreClosedError("store was closed")
-        backend = get_backend(self._backend_name)
+        backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
             backend, max_inflight=self._max_inflight, timeout=self.timeout
         )
@@ -259,7 +265,7 @@ class KVStore:
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
-            await asyncio.wait(self._tasks, timeout=self.timeout)
+            await asyncio.wait(list(self._tasks), timeout=self.timeout)
         if self._engine is not None:
             await self._engine.aclose(self.timeout, cancel_pending=True)
         if self._tiers is not None:
@@ -481,7 +487,7 @@ class KVStore:
             tiers = self.tiers
             tiers.disown(pages)
             layers = range(seq.num_layers)
-            full = dict(self._content_keys(seq))  # full blocks busy now: renamed once idle
+            full = dict(seq.unpublished())  # full blocks busy now: renamed once idle
             private: list[bytes] = []
             for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
                 if shared:
@@ -506,33 +512,10 @@ class KVStore:
             self.turns.charge(time.perf_counter() - t0)
         await self.turns.pause()
 
-    @staticmethod
-    def _content_keys(seq: SequenceState) -> list[tuple[int, bytes]]:
-        """(index, content key) of the full private blocks of ``seq``, each chained on the
-        content key of the block before it (published or not)."""
-        t, out = seq.page_tokens, []
-        parent = root_key(seq.namespace)
-        for i, (b, shared) in enumerate(zip(seq.blocks, seq.shared)):
-            if shared:
-                parent = b
-                continue
-            if seq.length < (i + 1) * t or seq.num_tokens < (i + 1) * t:
-                break
-            parent = block_key(parent, seq.token_slice(i * t, (i + 1) * t))
-            out.append((i, parent))
-        return out
-
     def publish(self, seq: SequenceState) -> None:
         """Give full private blocks their content keys, so other requests can reuse them."""
         tiers = self.tiers
-        for i, shared in enumerate(seq.shared):
-            if shared:
-                continue
-            if seq.length < (i + 1) * seq.page_tokens:
-                break
-            key = seq.content_key(i)
-            if key is None:
-                break
+        for i, key in seq.unpublished():  # lazy: stopping early hashes no further block
             old = [page_key(seq.block(i), layer) for layer in range(seq.num_layers)]
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
             if tiers.pinned_on_device(old):
@@ -616,10 +599,11 @@ class KVStore:
             return
         self._behind.update(dict.fromkeys(keys))
         if self._behind_task is None:
-            self._behind_task = self._spawn(self._write_behind())
+            what = Background("write-behind", HOST)
+            self._behind_task = self._spawn(self._write_behind(what), what)
 
-    async def _write_behind(self) -> None:
-        keys = list(self._behind)  # every page written since this task was spawned
+    async def _write_behind(self, what: Background) -> None:
+        keys = what.keys = list(self._behind)  # every page written since this task was spawned
         self._behind.clear()
         self._behind_task = None  # the next lease to end starts the next copy
         if keys:
@@ -650,24 +634,29 @@ class KVStore:
             else:
                 parked[k] = t  # compressible once released (see release)
         if idle:
-            self._spawn(self._compress(idle))
+            self._spawn(self._compress(idle), Background("compression", COLD, idle))
 
     async def _compress(self, keys: list[bytes]) -> None:
         n = await self.tiers.compress_idle(keys)
         self.counters.idle_compressed += n
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
         self.tiers  # noqa: B018 - raises when closed
         task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
+        self._tasks[task] = what
         task.add_done_callback(self._task_done)
         return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self.counters.background_errors += 1
-            self.counters.last_error = repr(task.exception())
+        what = self._tasks.pop(task, None)
+        if task.cancelled() or (exc := task.exception()) is None:
+            return
+        self.counters.background_errors += 1
+        if what is None:  # not spawned by _spawn
+            what = Background("task")
+        self.counters.last_error = self._failures.report(
+            what.kind, exc, tier=what.tier, keys=what.keys
+        )
 
     @async_boundary
     async def drain(self) -> None:

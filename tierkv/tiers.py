@@ -764,7 +764,7 @@ class TierSet:
         self.signal_progress()
 
     def pin_device(self, keys: Sequence[PageKey]) -> None:
-        """Pin readable device pages (unpin with :meth:`release_device`)."""
+        """Pin readable device pages (unpin with :meth:`unpin_device`)."""
         self._table.prepare_load(keys, DEVICE)
 
     async def acquire_device(
@@ -776,7 +776,7 @@ class TierSet:
         timeout: float | None = None,
     ) -> int:
         """Make every page of ``keys`` readable on the device, loading what is not, and pin
-        them there (release with :meth:`release_device`). Returns how many pages this call had
+        them there (release with :meth:`unpin_device`). Returns how many pages this call had
         to load or wait for (0 when all were resident: no wait).
 
         Pages in flight (being loaded or written back) are waited for; when other holders'
@@ -849,7 +849,7 @@ class TierSet:
             )
         return self.full_error(len(todo), waited)
 
-    def release_device(self, keys: Sequence[PageKey]) -> None:
+    def unpin_device(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their
         use) and wake whoever waits for room."""
         self._table.complete_load(list(dict.fromkeys(keys)), DEVICE)
@@ -908,7 +908,7 @@ class TierSet:
         except BaseException:
             if task.done():
                 if not task.cancelled() and task.exception() is None:
-                    self.release_device(new)  # loaded for a caller who is gone
+                    self.unpin_device(new)  # loaded for a caller who is gone
             else:
                 task.add_done_callback(partial(self._orphan_load, new))
             raise
@@ -916,7 +916,7 @@ class TierSet:
 
     def _orphan_load(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is None:
-            self.release_device(keys)
+            self.unpin_device(keys)
 
     async def _finish_load(
         self,

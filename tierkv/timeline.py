@@ -35,6 +35,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from tierkv.errors import InvalidInputError
+
 __all__ = ["DEFAULT_MAX_EVENTS", "Timeline", "merge", "write_json"]
 
 DEFAULT_MAX_EVENTS = 200_000
@@ -57,7 +59,7 @@ class Timeline:
 
     def __init__(self, enabled: bool = False, max_events: int = DEFAULT_MAX_EVENTS) -> None:
         if max_events < 1:
-            raise ValueError(f"max_events must be >= 1, got {max_events}")
+            raise InvalidInputError(f"max_events must be >= 1, got {max_events}")
         self.enabled = enabled
         self.max_events = max_events
         self.dropped = 0

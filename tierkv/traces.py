@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tierkv.errors import InvalidInputError
+
 KINDS = ("loop", "zipf", "flood")
 
 
@@ -45,9 +47,9 @@ def synthetic_trace(kind: str, n_requests: int, seed: int = 0) -> list[list[int]
         ValueError: unknown kind or negative ``n_requests``.
     """
     if kind not in KINDS:
-        raise ValueError(f"unknown trace kind {kind!r}; choose from {list(KINDS)}")
+        raise InvalidInputError(f"unknown trace kind {kind!r}; choose from {list(KINDS)}")
     if n_requests < 0:
-        raise ValueError(f"n_requests must be >= 0, got {n_requests}")
+        raise InvalidInputError(f"n_requests must be >= 0, got {n_requests}")
     rng = np.random.default_rng(seed)
     ids = _Ids()
     out: list[list[int]] = []

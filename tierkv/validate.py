@@ -16,6 +16,9 @@ layers              ints in ``[0, num_layers)``.
 k, v                ``torch.Tensor`` ``[H, n, D]`` in the spec's dtype, on the device tier's
                     device or the cpu (copied over); never a meta tensor. Values are stored:
                     a tensor that requires grad is detached.
+names               a ``str`` that the kind's registry knows (policy, codec, backend; ``"auto"``
+                    for a backend): an unknown one raises that registry's
+                    :class:`~tierkv.errors.UnknownNameError` at entry.
 budgets (bytes)     ints >= 0 (``8 << 30``); strings such as ``"1G"`` are not parsed.
 timeouts (s)        finite numbers > 0.
 ==================  ===========================================================================
@@ -36,6 +39,7 @@ import torch
 
 from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
 from tierkv.spec import KVSpec
+from tierkv.transports.named import Registry
 
 TOKEN_ID_LIMIT = 1 << 32
 """Token ids are ints in ``[0, TOKEN_ID_LIMIT)``."""
@@ -247,6 +251,15 @@ def name(what: str, x: object, choices: Collection[str] | None = None) -> str:
         raise InvalidTypeError(f"{what}: expected a str, got {_type(x)} {x!r}")
     if choices is not None and x not in choices:
         raise InvalidInputError(f"{what}: unknown {x!r}; choose from {sorted(choices)}")
+    return x
+
+
+def registered(what: str, x: object, registry: Registry[Any], *extra: str) -> str:
+    """A name that ``registry`` knows, or one of ``extra``. Raises InvalidTypeError, or the
+    registry's own :class:`~tierkv.errors.UnknownNameError` (listing the names it knows)."""
+    x = name(what, x)
+    if x not in extra:
+        registry.factory(x)  # an unknown name raises the registry's typed error
     return x
 
 

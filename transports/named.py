@@ -3,11 +3,13 @@
 Transports, backends, eviction policies and codecs are each chosen by name. Each kind keeps one
 `Registry`, and every registry behaves the same way:
 
-- ``register(name, factory, replace=False)`` adds a factory; a taken name raises ValueError unless
-  ``replace`` is true (built-ins included, so a typo never silently shadows one);
+- ``register(name, factory, replace=False)`` adds a factory; a taken name raises
+  InvalidInputError (a ValueError) unless ``replace`` is true (built-ins included, so a typo
+  never silently shadows one);
 - ``unregister(name)`` forgets a registered factory (a built-in it replaced comes back);
 - ``available()`` lists the names ``create`` accepts;
-- ``create(name, **kwargs)`` calls the factory; an unknown name raises the kind's typed error;
+- ``create(name, **kwargs)`` calls the factory; an unknown name raises the kind's typed error (an
+  ``UnknownNameError``), options the factory does not take raise the kind's misuse error;
 - it is a mutable mapping of name -> factory, so ``name in registry``, ``sorted(registry)`` and
   ``unittest.mock.patch.dict(registry, ...)`` work.
 
@@ -26,6 +28,8 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from importlib.metadata import entry_points
 from typing import Any, Generic, TypeVar
 
+from .errors import InvalidInputError, InvalidTypeError
+
 __all__ = ["Registry"]
 
 T = TypeVar("T")
@@ -36,7 +40,9 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
 
     Args:
         kind: what the names stand for, used in messages ("transport", "backend", ...).
-        error: the exception type an unknown name raises (the kind's typed error).
+        error: the exception type an unknown name raises (the kind's ``UnknownNameError``).
+        misuse: what ``create`` raises for options the factory does not take or a factory
+            returning something else (default: ``error``).
         builtins: name -> factory or ``"module:attr"``.
         result: when given, ``create`` checks the factory returned an instance of it.
         group: an entry-point group to search after the registered names.
@@ -48,6 +54,7 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         kind: str,
         *,
         error: type[Exception],
+        misuse: type[Exception] | None = None,
         builtins: Mapping[str, Callable[..., T] | str] | None = None,
         result: type | None = None,
         group: str | None = None,
@@ -56,6 +63,7 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         self.kind = kind
         self.group = group
         self._error = error
+        self._misuse = misuse or error
         self._result = result
         self._fold = fold_case
         self._builtins = {self._key(n): f for n, f in (builtins or {}).items()}
@@ -71,15 +79,17 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         """Make ``create(name, **kw)`` call ``factory(**kw)``.
 
         Raises:
-            ValueError: ``name`` is taken (a built-in, registered or entry-point name) and
+            InvalidInputError: ``name`` is taken (a built-in, registered or entry-point name) and
                 ``replace`` is false.
-            TypeError: ``factory`` is not callable.
+            InvalidTypeError: ``factory`` is not callable.
         """
         key = self._key(name)
         if not callable(factory):
-            raise TypeError(f"{self.kind} factory for {name!r} is not callable")
+            raise InvalidTypeError(f"{self.kind} factory for {name!r} is not callable")
         if not replace and key in self:
-            raise ValueError(f"{self.kind} {name!r} is already registered; pass replace=True")
+            raise InvalidInputError(
+                f"{self.kind} {name!r} is already registered; pass replace=True"
+            )
         self._entries[key] = factory
 
     def unregister(self, name: str) -> None:
@@ -100,9 +110,9 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
         """A new ``T`` from the factory named ``name``, called with ``kwargs``.
 
         Raises:
-            the kind's error: an unknown name, options the factory does not take (checked
-                against its signature before it is called), or a factory that returned
-                something else.
+            the kind's error: an unknown name.
+            the kind's misuse error: options the factory does not take (checked against its
+                signature before it is called), or a factory that returned something else.
         """
         factory = self.factory(name)
         try:
@@ -113,10 +123,10 @@ class Registry(MutableMapping[str, Callable[..., T]], Generic[T]):
             try:
                 signature.bind(**kwargs)
             except TypeError as exc:
-                raise self._error(f"{self.kind} {name!r}: {exc}") from exc
+                raise self._misuse(f"{self.kind} {name!r}: {exc}") from exc
         made = factory(**kwargs)
         if self._result is not None and not isinstance(made, self._result):
-            raise self._error(
+            raise self._misuse(
                 f"{self.kind} factory for {name!r} returned {type(made).__name__}, "
                 f"not {self._result.__name__}"
             )

@@ -45,6 +45,7 @@ import numpy as np
 
 from .base import DEFAULT_TIMEOUT_S, Direction, Transport
 from .errors import (
+    InvalidInputError,
     PeerError,
     RegionError,
     RemoteAccessError,
@@ -101,7 +102,7 @@ class NixlTransport(Transport):
     ) -> None:
         super().__init__(name, timeout=timeout)
         if progress_delay_us < 0:
-            raise ValueError("progress_delay_us must be >= 0")
+            raise InvalidInputError("progress_delay_us must be >= 0")
         self._delay_us = progress_delay_us
         self._progress_thread = progress_thread
         self._api = load_nixl()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .base import Transport
-from .errors import TransportError
+from .errors import TransportError, UnknownTransportError
 from .named import Registry
 
 __all__ = ["ENTRY_POINT_GROUP", "TRANSPORTS", "available", "create", "register", "unregister"]
@@ -24,7 +24,8 @@ Factory = Callable[..., Transport]
 
 TRANSPORTS: Registry[Transport] = Registry(
     "transport",
-    error=TransportError,
+    error=UnknownTransportError,
+    misuse=TransportError,
     builtins={
         "loopback": "tierkv.transports.loopback:LoopbackTransport",
         "nixl": "tierkv.transports.nixl:NixlTransport",  # needs nixl-cu12; imported when created
@@ -58,6 +59,8 @@ def available() -> list[str]:
 def create(name: str, /, **kwargs: Any) -> Transport:
     """A new (unstarted) transport of kind `name`.
 
-    Raises TransportError for an unknown name or a factory that returns something else.
+    Raises UnknownTransportError (a TransportError and an UnknownNameError) for an unknown name;
+    TransportError for options the factory does not take or a factory that returns something
+    else.
     """
     return TRANSPORTS.create(name, **kwargs)

@@ -34,7 +34,14 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from .base import Direction, Transport
-from .errors import AuthError, PeerError, ProtocolError, RemoteAccessError, TransportError
+from .errors import (
+    AuthError,
+    InvalidInputError,
+    PeerError,
+    ProtocolError,
+    RemoteAccessError,
+    TransportError,
+)
 from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .handle import BatchHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
@@ -102,7 +109,7 @@ class ShmTransport(Transport):
         if secret is None:
             env = os.environ.get(SECRET_ENV)
             if env == "":
-                raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
+                raise InvalidInputError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
             secret = env.encode() if env else b""
         self._secret = secret
         self.allow_uids = {os.getuid(), *allow_uids}

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tierkv.runtime import CpuBackend, get_backend
+from tierkv.runtime import CpuBackend, create_backend
 from tierkv.runtime.cuda_backend import cuda_available
 
 
@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: Any, items: list[pytest.Item]) -> None
 
 @pytest.fixture
 def backend() -> Iterator[CpuBackend]:
-    b = get_backend("cpu")
+    b = create_backend("cpu")
     assert isinstance(b, CpuBackend)
     yield b
     b.close()

@@ -45,9 +45,9 @@ def test_allocate_free_errors_change_nothing(backend: CpuBackend) -> None:
 
 
 def test_hand_over_gives_every_slot_to_the_owner() -> None:
-    from tierkv.runtime import ArenaError, get_backend
+    from tierkv.runtime import ArenaError, create_backend
 
-    arena = get_backend("cpu").create_arena("t", slot_bytes=64, num_slots=4)
+    arena = create_backend("cpu").create_arena("t", slot_bytes=64, num_slots=4)
     arena.hand_over()
     arena.hand_over()  # idempotent
     assert arena.handed_over and arena.is_allocated([0, 1, 2, 3])
@@ -55,7 +55,7 @@ def test_hand_over_gives_every_slot_to_the_owner() -> None:
         arena.allocate(1)
     with pytest.raises(ArenaError, match="handed over"):
         arena.free([0])
-    used = get_backend("cpu").create_arena("u", slot_bytes=64, num_slots=4)
+    used = create_backend("cpu").create_arena("u", slot_bytes=64, num_slots=4)
     used.allocate(1)
     with pytest.raises(ArenaError, match="already in use"):
         used.hand_over()  # a slot someone holds cannot change hands

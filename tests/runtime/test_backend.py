@@ -5,23 +5,23 @@ import asyncio
 import pytest
 
 import tierkv.runtime as runtime
-from tierkv.runtime import BackendUnavailableError, CpuBackend, get_backend, new_event_loop, run
+from tierkv.runtime import BackendUnavailableError, CpuBackend, create_backend, new_event_loop, run
 from tierkv.runtime.cuda_backend import CudaBackend, cuda_available
 from tierkv.runtime.loop import has_uvloop
 
 
 def test_registry() -> None:
-    assert isinstance(get_backend("cpu"), CpuBackend)
-    assert get_backend("auto").name == ("cuda" if cuda_available() else "cpu")
+    assert isinstance(create_backend("cpu"), CpuBackend)
+    assert create_backend("auto").name == ("cuda" if cuda_available() else "cpu")
     assert "cpu" in runtime.available_backends()
     with pytest.raises(BackendUnavailableError):
-        get_backend("tpu")
+        create_backend("tpu")
 
 
 @pytest.mark.skipif(cuda_available(), reason="CUDA is present")
 def test_cuda_backend_explains_why_it_is_unavailable() -> None:
     with pytest.raises(BackendUnavailableError, match=r"CuPy|CUDA"):
-        get_backend("cuda")
+        create_backend("cuda")
     with pytest.raises(BackendUnavailableError):
         CudaBackend()
 

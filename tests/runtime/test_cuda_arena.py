@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierkv.runtime import ArenaError
-from tierkv.runtime.cuda_arena import HostArena, PinError, pinned_bytes
+from tierkv.runtime.cuda_arena import HostArena, PageLockError, pinned_bytes
 from tierkv.runtime.cuda_env import cuda_available
 
 
@@ -53,7 +53,7 @@ def test_pin_failure_says_what_was_asked_and_what_is_pinned() -> None:
     pytest.importorskip("cupy")
     a = HostArena("big", slot_bytes=1 << 12, num_slots=16, chunk_bytes=1 << 14)
     before = pinned_bytes()
-    with pytest.raises(PinError) as info:
+    with pytest.raises(PageLockError) as info:
         a.ensure_pinned(np.array([5]))
     msg = str(info.value)
     assert "cannot pin 16384 B" in msg and "chunk 1 of 4" in msg

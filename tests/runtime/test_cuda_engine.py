@@ -8,14 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tierkv.runtime import Arena, Backend, Priority, TransferEngine, get_backend
+from tierkv.runtime import Arena, Backend, Priority, TransferEngine, create_backend
 
 BACKENDS = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 @pytest.fixture(params=BACKENDS)
 def any_backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    b = get_backend(request.param)
+    b = create_backend(request.param)
     yield b
     b.close()
 

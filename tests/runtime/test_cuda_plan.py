@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import tierkv.runtime as runtime
-from tierkv.runtime import BackendUnavailableError, get_backend
+from tierkv.runtime import BackendUnavailableError, create_backend
 from tierkv.runtime.cpu_copy import coalesce_runs
 from tierkv.runtime.cuda_backend import CUDA_BACKEND_READY, DEFAULT_WAIT_STRATEGY, CudaBackend
 from tierkv.runtime.cuda_env import cuda_available, unavailable_reason
@@ -35,10 +35,10 @@ def test_without_cuda_the_backend_explains_and_auto_picks_cpu() -> None:
     reason = unavailable_reason()
     assert reason and ("CuPy" in reason or "CUDA" in reason)
     with pytest.raises(BackendUnavailableError, match=r"CuPy|CUDA"):
-        get_backend("cuda")
+        create_backend("cuda")
     with pytest.raises(BackendUnavailableError, match=r"CuPy|CUDA"):
         CudaBackend()
-    assert get_backend("auto").name == "cpu"
+    assert create_backend("auto").name == "cpu"
     assert "cuda" not in runtime.available_backends()
 
 

@@ -18,7 +18,7 @@ from tierkv.codecs import (
     NonFiniteError,
     UnknownCodecError,
     codec_for,
-    get_codec,
+    create_codec,
 )
 from tierkv.codecs.header import HEADER_BYTES
 from tierkv.errors import SpecError
@@ -31,7 +31,7 @@ PROPS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCh
 
 
 def make(name: str, group: int = 2):
-    return get_codec(name, group_size=group) if name == "int8-group" else get_codec(name)
+    return create_codec(name, group_size=group) if name == "int8-group" else create_codec(name)
 
 
 def to_dtype(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +93,7 @@ def test_lossless_paths_are_bit_exact(case, name, with_specials):
 def test_identity_carries_fp8():
     spec = KVSpec(1, 2, 8, torch.float8_e4m3fn, 4)
     x = torch.randn(3, *spec.page_shape).to(torch.float8_e4m3fn)
-    codec = get_codec("identity")
+    codec = create_codec("identity")
     assert same_bits(codec.decode(codec.encode(x, spec), spec), x)
 
 
@@ -144,7 +144,7 @@ def test_downcast_relative_error_in_normal_range(pair, values):
     src, name = pair
     spec = KVSpec(1, 1, len(values), src, 1)
     x = torch.tensor(values).to(src).view(1, 1, 1, 1, -1).repeat(1, 2, 1, 1, 1)
-    codec = get_codec(name)
+    codec = create_codec(name)
     y = codec.decode(codec.encode(x, spec), spec).double()
     u = 2.0**-11 if name == "fp16" else 2.0**-8
     assert bool(((y - x.double()).abs() <= u * x.double().abs()).all())
@@ -164,8 +164,8 @@ def test_sizes_and_compression_ratios():
     assert make("int8-group", 32).scale_bytes(spec16) == 4 * 2 * 8 * 16 * 4
     assert 1.5 < make("int8").compression_ratio(spec16) < 2.0
     assert 1.75 < make("int8-group", 32).compression_ratio(spec16) < 2.0
-    assert 1.9 < get_codec("fp16").compression_ratio(spec32) <= 2.0
-    assert get_codec("none").encoded_bytes(spec16) == spec16.page_bytes + 128
+    assert 1.9 < create_codec("fp16").compression_ratio(spec32) <= 2.0
+    assert create_codec("none").encoded_bytes(spec16) == spec16.page_bytes + 128
 
 
 @pytest.mark.parametrize("name", sorted(CODECS))
@@ -219,21 +219,21 @@ def test_downcast_overflow_raises_or_saturates():
     spec = KVSpec(1, 1, 4, torch.float32, 1)
     x = torch.tensor([70000.0, -1e30, 1.0, 65519.0]).view(1, 1, 1, 1, 4).repeat(1, 2, 1, 1, 1)
     with pytest.raises(CodecRangeError, match="saturate=True"):
-        get_codec("fp16").encode(x, spec)
-    sat = get_codec("fp16", saturate=True)
+        create_codec("fp16").encode(x, spec)
+    sat = create_codec("fp16", saturate=True)
     y = sat.decode(sat.encode(x, spec), spec)
     assert y[0, 0, 0, 0].tolist() == [65504.0, -65504.0, 1.0, 65504.0]
     assert bool(((y.double() - x.double()).abs() <= sat.error_bound(x, spec)).all())
     bf = KVSpec(1, 1, 4, torch.float16, 1)
     xh = torch.tensor([65504.0, -65504.0, 65300.0, 1.0], dtype=torch.float16).view(1, 1, 1, 1, 4)
     xh = xh.repeat(1, 2, 1, 1, 1)  # 65504 rounds to 65536 in bf16: decode must stay finite
-    yh = get_codec("bf16").decode(get_codec("bf16").encode(xh, bf), bf)
+    yh = create_codec("bf16").decode(create_codec("bf16").encode(xh, bf), bf)
     assert bool(torch.isfinite(yh).all())
 
 
 def test_wrong_shapes_dtypes_and_options_raise_spec_error():
     spec = KVSpec(1, 2, 8, torch.float16, 4)
-    codec = get_codec("int8")
+    codec = create_codec("int8")
     with pytest.raises(SpecError, match="expected"):
         codec.encode(torch.zeros(2, 2, 2, 4, 9, dtype=torch.float16), spec)
     with pytest.raises(SpecError, match="dtype"):
@@ -244,13 +244,13 @@ def test_wrong_shapes_dtypes_and_options_raise_spec_error():
         x8 = torch.zeros(1, 2, 2, 4, 8).to(torch.float8_e4m3fn)
         codec.encode(x8, KVSpec(1, 2, 8, "fp8", 4))
     with pytest.raises(SpecError, match="does not divide"):
-        get_codec("int8-group", group_size=3).encoded_bytes(spec)
+        create_codec("int8-group", group_size=3).encoded_bytes(spec)
     with pytest.raises(SpecError):
-        get_codec("int8-group", group_size=0)
+        create_codec("int8-group", group_size=0)
     with pytest.raises(SpecError):
-        get_codec("int8", group_size=4)
+        create_codec("int8", group_size=4)
     with pytest.raises(UnknownCodecError) as info:
-        get_codec("zstd")
+        create_codec("zstd")
     assert isinstance(info.value, KeyError) and isinstance(info.value, CodecError)
     data = codec.encode(torch.zeros(2, *spec.page_shape, dtype=torch.float16), spec)
     with pytest.raises(SpecError):
@@ -263,7 +263,7 @@ def test_wrong_shapes_dtypes_and_options_raise_spec_error():
 
 def test_corrupt_and_short_buffers_raise_corrupt_page_error():
     spec = KVSpec(1, 2, 8, torch.float16, 4)
-    codec = get_codec("int8")
+    codec = create_codec("int8")
     data = codec.encode(torch.randn(3, *spec.page_shape).half(), spec)
     with pytest.raises(CorruptPageError, match="need"):
         codec.decode(data[:, :100], spec)
@@ -272,7 +272,7 @@ def test_corrupt_and_short_buffers_raise_corrupt_page_error():
     with pytest.raises(CorruptPageError, match="pages 1: header mismatch: magic"):
         codec.decode(bad, spec)
     with pytest.raises(CorruptPageError, match="codec_id"):
-        get_codec("int8-group", group_size=4).decode(data, spec)
+        create_codec("int8-group", group_size=4).decode(data, spec)
     with pytest.raises(CorruptPageError, match="page_tokens=4 \\(expected 2\\)"):
         codec.decode(data, KVSpec(1, 2, 8, torch.float16, 2))  # fewer bytes: a spec mismatch
     bad = data.clone()
@@ -291,10 +291,10 @@ def test_registry_names_round_trip():
     spec = KVSpec(1, 1, 32, torch.float32, 2)
     x = torch.randn(2, *spec.page_shape)
     for name in CODECS:
-        codec = get_codec(name)
+        codec = create_codec(name)
         y = codec.decode(codec.encode(x, spec), spec)
         assert bool(((y.double() - x.double()).abs() <= codec.error_bound(x, spec)).all())
-    assert isinstance(get_codec("INT8-GROUP", group_size=8), Int8GroupCodec)
+    assert isinstance(create_codec("INT8-GROUP", group_size=8), Int8GroupCodec)
 
 
 @pytest.mark.parametrize("name", ["fp16", "int8", "int8-group"])
@@ -307,7 +307,9 @@ def test_chunked_batches_match_and_name_global_pages(name):
     assert torch.equal(codec.encode(x, spec), whole)
     assert same_bits(
         codec.decode(whole, spec),
-        get_codec(name, **({"group_size": 8} if name == "int8-group" else {})).decode(whole, spec),
+        create_codec(name, **({"group_size": 8} if name == "int8-group" else {})).decode(
+            whole, spec
+        ),
     )
     x[5, 0, 1, 2, 3] = float("nan")
     out = whole.clone()

@@ -35,7 +35,7 @@ from tierkv.policies import (
     LRUPolicy,
     PageHint,
     S3FIFOPolicy,
-    make_policy,
+    create_policy,
 )
 from tierkv.policies import history as history_module
 from tierkv.policies.base import ChainPart
@@ -304,7 +304,7 @@ OPS = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(ops=OPS)
 def test_policy_matches_a_set(name: str, ops: list[tuple[str, int, frozenset[int], bool]]) -> None:
-    p = Bound(make_policy(name), 16)
+    p = Bound(create_policy(name), 16)
     model: set[int] = set()
     for op, key, pinned, last in ops:
         hint = PageHint(depth=key % 4, last=last, parent=key - 1 if key % 4 else None)
@@ -837,10 +837,10 @@ def test_registry() -> None:
     assert {"lru", "lfu", "arc", "s3fifo", "kvaware"} <= set(POLICIES)
     assert DEFAULT_POLICY in POLICIES
     for name in POLICIES:
-        p = make_policy(name)
+        p = create_policy(name)
         assert isinstance(p, EvictionPolicy) and p.name == name and len(p) == 0
     with pytest.raises(ValueError, match="unknown eviction policy"):
-        make_policy("nope")
+        create_policy("nope")
 
 
 # -- synthetic traces --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 import tierkv
 from tierkv import prompt
+from tierkv.codecs import UnknownCodecError
 from tierkv.errors import (
     AllocationError,
     EngineError,
@@ -27,9 +28,11 @@ from tierkv.errors import (
     StoreTimeoutError,
     TierKVError,
     TransferFailedError,
+    UnknownPolicyError,
 )
 from tierkv.lease import Lease
 from tierkv.runtime import TransferError, WaitTimeoutError
+from tierkv.runtime.errors import UnknownBackendError
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 
@@ -175,8 +178,11 @@ CONSTRUCTION: dict[str, tuple[type[TierKVError], dict[str, Any]]] = {
     "timeout=-1": (InvalidInputError, {"timeout": -1.0}),
     "timeout=nan": (InvalidInputError, {"timeout": float("nan")}),
     'timeout="5"': (InvalidTypeError, {"timeout": "5"}),
-    "policy=nope": (InvalidInputError, {"policy": "nope"}),
+    "policy=nope": (UnknownPolicyError, {"policy": "nope"}),  # also an InvalidInputError
     "codec=5": (InvalidTypeError, {"codec": 5}),
+    "codec=zstd": (UnknownCodecError, {"codec": "zstd"}),  # at entry, not at open()
+    "backend=tpu": (UnknownBackendError, {"backend": "tpu"}),  # at entry, not at open()
+    "backend=7": (InvalidTypeError, {"backend": 7}),
     "cold_fraction=1.5": (InvalidInputError, {"cold_fraction": 1.5}),
     "max_inflight=0": (InvalidInputError, {"max_inflight": 0}),
     'write_behind="no"': (InvalidTypeError, {"write_behind": "no"}),

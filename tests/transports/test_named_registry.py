@@ -8,22 +8,32 @@ from unittest import mock
 
 import pytest
 
-from tierkv import codecs, policies
-from tierkv.errors import TierKVError, UnknownPolicyError
+import tierkv
+from tierkv import codecs, policies, runtime
+from tierkv.errors import SpecError, TierKVError, UnknownNameError, UnknownPolicyError
 from tierkv.runtime import BackendUnavailableError, CpuBackend
 from tierkv.runtime import registry as backends
+from tierkv.runtime.errors import UnknownBackendError
 from tierkv.transports import TransportError
 from tierkv.transports import registry as transports
+from tierkv.transports.errors import UnknownTransportError
 from tierkv.transports.loopback import LoopbackTransport
 from tierkv.transports.named import Registry
 
 # (registry, a built-in name, a factory of the right type, the kind's unknown-name error)
 KINDS: list[tuple[Registry[Any], str, Callable[..., Any], type[Exception]]] = [
-    (transports.TRANSPORTS, "loopback", LoopbackTransport, TransportError),
-    (backends.BACKENDS, "cpu", CpuBackend, BackendUnavailableError),
+    (transports.TRANSPORTS, "loopback", LoopbackTransport, UnknownTransportError),
+    (backends.BACKENDS, "cpu", CpuBackend, UnknownBackendError),
     (policies.POLICIES, "lru", policies.LRUPolicy, UnknownPolicyError),
     (codecs.CODECS, "fp16", codecs.Fp16Codec, codecs.UnknownCodecError),
 ]
+# the kind's misuse error (options a factory does not take, a factory of the wrong type)
+MISUSE = {
+    "transport": TransportError,
+    "backend": BackendUnavailableError,
+    "eviction policy": SpecError,
+    "codec": SpecError,
+}
 IDS = [r.kind for r, *_ in KINDS]
 
 
@@ -67,7 +77,7 @@ def test_a_factory_of_the_wrong_type_is_a_typed_error(
 ) -> None:
     reg.register("wrong-type", lambda **_: object())
     try:
-        with pytest.raises(error, match="returned object"):
+        with pytest.raises(MISUSE[reg.kind], match="returned object"):
             reg.create("wrong-type")
     finally:
         reg.unregister("wrong-type")
@@ -76,19 +86,19 @@ def test_a_factory_of_the_wrong_type_is_a_typed_error(
 def test_patch_dict_works_and_restores() -> None:
     before = policies.POLICIES.available()
     with mock.patch.dict(policies.POLICIES, {"mine": policies.LRUPolicy}):
-        assert isinstance(policies.make_policy("mine"), policies.LRUPolicy)
+        assert isinstance(policies.create_policy("mine"), policies.LRUPolicy)
     assert policies.POLICIES.available() == before
 
 
 def test_domain_helpers_keep_their_typed_errors() -> None:
     with pytest.raises(UnknownPolicyError) as info:
-        policies.make_policy("belady")
+        policies.create_policy("belady")
     assert isinstance(info.value, TierKVError) and isinstance(info.value, ValueError)
     with pytest.raises(codecs.UnknownCodecError):
-        codecs.get_codec("zstd")
-    assert isinstance(codecs.get_codec("FP16"), codecs.Fp16Codec)  # codec names fold case
+        codecs.create_codec("zstd")
+    assert isinstance(codecs.create_codec("FP16"), codecs.Fp16Codec)  # codec names fold case
     with pytest.raises(BackendUnavailableError):
-        backends.get_backend("tpu")
+        backends.create_backend("tpu")
     with pytest.raises(TransportError):
         transports.create("carrier-pigeon")
     with pytest.raises(TransportError):
@@ -99,5 +109,44 @@ def test_domain_helpers_keep_their_typed_errors() -> None:
 def test_options_a_factory_does_not_take_are_the_kinds_error(
     reg: Registry[Any], builtin: str, factory: Callable[..., Any], error: type[Exception]
 ) -> None:
-    with pytest.raises(error, match="unexpected keyword"):
+    with pytest.raises(MISUSE[reg.kind], match="unexpected keyword"):
         reg.create(builtin, no_such_option=1)
+
+
+# each unknown-name error keeps the base it had before it became an UnknownNameError
+OLD_BASES = {
+    "transport": TransportError,
+    "backend": BackendUnavailableError,
+    "eviction policy": ValueError,
+    "codec": KeyError,
+}
+
+
+@pytest.mark.parametrize(("reg", "builtin", "factory", "error"), KINDS, ids=IDS)
+def test_unknown_names_are_one_kind_of_error(
+    reg: Registry[Any], builtin: str, factory: Callable[..., Any], error: type[Exception]
+) -> None:
+    with pytest.raises(UnknownNameError) as info:
+        reg.create("no-such-thing")
+    assert isinstance(info.value, error) and isinstance(info.value, OLD_BASES[reg.kind])
+    assert isinstance(info.value, TierKVError) and isinstance(info.value, LookupError)
+    assert "no-such-thing" in str(info.value) and builtin in str(info.value)  # says the choices
+    assert not str(info.value).startswith("'")  # a KeyError's quotes do not leak into messages
+
+
+def test_every_registry_verb_is_create_the_old_ones_warn() -> None:
+    assert isinstance(runtime.create_backend("cpu"), CpuBackend)
+    assert isinstance(tierkv.create_policy("lru"), policies.LRUPolicy)
+    assert isinstance(codecs.create_codec("fp16"), codecs.Fp16Codec)
+    old = [
+        (runtime.get_backend, ("cpu",), CpuBackend),
+        (backends.get_backend, ("cpu",), CpuBackend),
+        (tierkv.make_policy, ("lru",), policies.LRUPolicy),
+        (policies.make_policy, ("lru",), policies.LRUPolicy),
+        (codecs.get_codec, ("fp16",), codecs.Fp16Codec),
+    ]
+    for alias, args, kind in old:
+        with pytest.warns(DeprecationWarning, match=f"{alias.__name__} is deprecated; use create"):
+            assert isinstance(alias(*args), kind)
+    with pytest.warns(DeprecationWarning), pytest.raises(UnknownPolicyError):
+        tierkv.make_policy("belady")  # the alias raises what the new name raises

@@ -27,6 +27,7 @@ from tierkv.demo.runner import (
     lossy_agreement,
     run,
 )
+from tierkv.errors import InvalidInputError
 from tierkv.runtime import new_event_loop
 
 TINY_GENERATE = 64  # DemoConfig's 256: 15 passes of 2,560 tokens, minutes on two shared cores
@@ -119,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         cfg = config_from(args)
         check_fits(cfg, device_budget(cfg))
         if args.repeat < 1:
-            raise ValueError("--repeat must be at least 1")
+            raise InvalidInputError("--repeat must be at least 1")
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +163,7 @@ async def demo(
     alternating (:mod:`tierkv.demo.timing`); returns the report (speeds are medians; the
     other figures are the last tiered pass's). Raises ValueError for ``repeat`` < 1."""
     if repeat < 1:
-        raise ValueError("repeat must be at least 1")
+        raise InvalidInputError("repeat must be at least 1")
     full_kv = cfg.total_kv_bytes()
     kinds = ["reference", "tiered"]
     if int8 and cfg.mode == "swap" and cfg.codec:

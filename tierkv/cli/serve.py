@@ -27,7 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tierkv.errors import TierKVError
+from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote import PageServer, RemoteError
 from tierkv.remote.protocol.exposure import SECRET_ENV, is_loopback
 from tierkv.runtime import new_event_loop
@@ -126,7 +126,7 @@ def parse_address(text: str, flag: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"{flag} must be HOST:PORT with a port in [0, 65535], got {text!r}")
+        raise InvalidInputError(f"{flag} must be HOST:PORT with a port in [0, 65535], got {text!r}")
     return host or "127.0.0.1", int(port)
 
 
@@ -135,18 +135,20 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     --insecure, not hex, or no secret on a non-loopback --listen."""
     if args.secret is not None:
         if not args.secret:
-            raise ValueError("--secret is empty: an empty secret is not a secret")
+            raise InvalidInputError("--secret is empty: an empty secret is not a secret")
         secret: bytes | None = bytes.fromhex(args.secret)  # ValueError names the bad character
     else:
         env = os.environ.get(SECRET_ENV)
         if env is not None and not env:
-            raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
+            raise InvalidInputError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
         secret = env.encode() if env else None
     host, _ = parse_address(args.listen, "--listen")
     if secret is None and not args.insecure:
-        raise ValueError(f"no secret: pass --secret or set ${SECRET_ENV} (or --insecure)")
+        raise InvalidInputError(f"no secret: pass --secret or set ${SECRET_ENV} (or --insecure)")
     if secret is None and not is_loopback(host):
-        raise ValueError(f"--listen {host} is not loopback: serving without a secret stays there")
+        raise InvalidInputError(
+            f"--listen {host} is not loopback: serving without a secret stays there"
+        )
     return secret
 
 
@@ -157,14 +159,14 @@ def _check(args: argparse.Namespace) -> None:
         parse_address(args.metrics, "--metrics")
     for name in ("host_mb", "lease_ttl", "every", "sample_every"):
         if not getattr(args, name) > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be > 0")
     for name in ("layers", "kv_heads", "head_dim", "page_tokens", "trace_events"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
     if args.trace:
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
-            raise ValueError(f"--trace: cannot write into {folder}")
+            raise InvalidInputError(f"--trace: cannot write into {folder}")
     _secret(args)
 
 

@@ -1,7 +1,7 @@
 """Cold-page codecs: one interface, five codecs, a registry.
 
->>> from tierkv.codecs import get_codec
->>> codec = get_codec("int8-group", group_size=32)
+>>> from tierkv.codecs import create_codec
+>>> codec = create_codec("int8-group", group_size=32)
 >>> blob = codec.encode(pages, spec)          # [N, codec.encoded_bytes(spec)] uint8
 >>> back = codec.decode(blob, spec)           # [N, 2, H, T, D] in spec.dtype
 
@@ -38,6 +38,7 @@ from tierkv.codecs.downcast import Bf16Codec, DowncastCodec, Fp16Codec, Identity
 from tierkv.codecs.header import HEADER_BYTES, MAGIC, VERSION, unpack_header
 from tierkv.codecs.int8 import Int8Codec, Int8GroupCodec
 from tierkv.errors import SpecError
+from tierkv.transports.deprecation import deprecated_alias
 from tierkv.transports.named import Registry
 
 __all__ = [
@@ -55,12 +56,14 @@ __all__ = [
     "NonFiniteError",
     "UnknownCodecError",
     "codec_for",
+    "create_codec",
     "get_codec",
 ]
 
 CODECS: Registry[Codec] = Registry(
     "codec",
     error=UnknownCodecError,
+    misuse=SpecError,
     builtins={
         "none": IdentityCodec,
         "identity": IdentityCodec,
@@ -72,7 +75,7 @@ CODECS: Registry[Codec] = Registry(
     result=Codec,
     fold_case=True,
 )
-"""Codec factories by name (case-insensitive); :func:`get_codec` passes options through,
+"""Codec factories by name (case-insensitive); :func:`create_codec` passes options through,
 ``CODECS.register(name, factory)`` adds one."""
 
 _BY_ID: dict[int, Callable[..., Codec]] = {
@@ -80,7 +83,7 @@ _BY_ID: dict[int, Callable[..., Codec]] = {
 }
 
 
-def get_codec(name: str, **options: Any) -> Codec:
+def create_codec(name: str, **options: Any) -> Codec:
     """Return a new codec named ``name`` (see :data:`CODECS`), built with ``options``.
 
     Raises:
@@ -95,6 +98,9 @@ def get_codec(name: str, **options: Any) -> Codec:
     if not isinstance(made, Codec):
         raise UnknownCodecError(f"codec factory for {name!r} returned {type(made).__name__}")
     return made
+
+
+get_codec = deprecated_alias(create_codec, "get_codec")
 
 
 def codec_for(data: torch.Tensor) -> Codec:

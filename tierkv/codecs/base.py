@@ -14,7 +14,8 @@ Errors (all under :class:`~tierkv.errors.TierKVError`)::
           ├── NonFiniteError (ValueError)  NaN or inf in a page given to a lossy codec
           ├── CodecRangeError (OverflowError)  a value the target dtype cannot hold
           ├── CorruptPageError (ValueError)    a short buffer or a bad header or bad scales
-          └── UnknownCodecError (KeyError)     no codec of that name or id
+          └── UnknownCodecError (KeyError)     no codec of that name or id (an
+                                               UnknownNameError like every registry's)
 
 Every check runs before anything is written: a call that raises leaves ``out`` untouched.
 """
@@ -27,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
-from tierkv.errors import SpecError, TierKVError
+from tierkv.errors import SpecError, TierKVError, UnknownNameError
 from tierkv.spec import ALIGN, KVSpec
 
 
@@ -47,11 +48,8 @@ class CorruptPageError(CodecError, ValueError):
     """An encoded buffer is too short, its header does not match, or its scales are bad."""
 
 
-class UnknownCodecError(CodecError, KeyError):
+class UnknownCodecError(CodecError, UnknownNameError, KeyError):
     """No codec is registered under that name (or header id)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "unknown codec"
 
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

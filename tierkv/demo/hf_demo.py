@@ -23,6 +23,7 @@ import torch
 
 from tierkv.demo import timing
 from tierkv.demo.report import lossy_row, print_rows, store_figures, store_rows
+from tierkv.errors import InvalidInputError
 from tierkv.progress import Progress
 
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -122,7 +123,7 @@ def run(
     from tierkv.integrations.hf import TieredCache, kv_spec_for
 
     if repeat < 1 or new_tokens < 1:
-        raise ValueError("repeat and new_tokens must be at least 1")
+        raise InvalidInputError("repeat and new_tokens must be at least 1")
     messages = [{"role": "user", "content": prompt}]
     inputs = tok.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

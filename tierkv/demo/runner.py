@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
+from tierkv.errors import InvalidInputError
 from tierkv.lease import Lease
 from tierkv.policies import DEFAULT_POLICY
 from tierkv.progress import Progress
@@ -261,7 +262,7 @@ def check_fits(cfg: DemoConfig, device_bytes: int) -> None:
     else:
         need, what = cfg.batch * per_seq, f"a batch of {cfg.batch} sequences"
     if need > device_bytes:
-        raise ValueError(
+        raise InvalidInputError(
             f"the device tier ({device_bytes / 2**20:.2f} MiB) cannot hold {what} "
             f"({need / 2**20:.2f} MiB): raise --device-fraction or lower --batch / --generate"
         )

@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from tierkv.errors import InvalidInputError
+
 
 def order(kinds: Sequence[str], round_index: int) -> list[str]:
     """The kinds of round ``round_index``, rotated so that each kind leads a round in turn."""
@@ -85,7 +87,7 @@ def speed_figures(
     (wall, cpu) seconds per round. Raises ValueError for no rounds or unequal counts.
     """
     if not reference or len(reference) != len(tiered):
-        raise ValueError("speed_figures: one reference and one tiered time per round")
+        raise InvalidInputError("speed_figures: one reference and one tiered time per round")
     wall = _ratios(tokens, [w for w, _ in reference], [w for w, _ in tiered])
     cpu = _ratios(tokens, [max(c, 1e-9) for _, c in reference], [max(c, 1e-9) for _, c in tiered])
     return {

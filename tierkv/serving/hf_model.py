@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tierkv.errors import InvalidInputError
 from tierkv.serving.model import causal_attention
 from tierkv.serving.tiny import chat_message
 from tierkv.spec import KVSpec, parse_dtype
@@ -22,7 +23,7 @@ class HFModel:
     """:class:`~tierkv.serving.model.ServingModel` of a loaded ``LlamaForCausalLM`` (or any
     model with the same module names: ``model.layers[i].self_attn.q_proj``...).
 
-    Raises ValueError for a model without those modules.
+    Raises InvalidInputError (a ValueError) for a model without those modules.
     """
 
     def __init__(self, model: Any, name: str) -> None:
@@ -32,7 +33,7 @@ class HFModel:
             attn = self._layers[0].self_attn
             _ = (inner.embed_tokens, inner.norm, inner.rotary_emb, model.lm_head, attn.o_proj)
         except AttributeError as exc:
-            raise ValueError(f"not a Llama-style decoder: {exc}") from exc
+            raise InvalidInputError(f"not a Llama-style decoder: {exc}") from exc
         cfg = model.config
         self.hf = model
         self.name = name
@@ -118,10 +119,11 @@ class HFTokenizer:
         return str(self.tok.decode(list(ids), skip_special_tokens=True))
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """The chat template with the generation prompt. Raises ValueError when malformed."""
+        """The chat template with the generation prompt. Raises InvalidInputError (a ValueError)
+        when malformed."""
         msgs = [dict(zip(("role", "content"), chat_message(m))) for m in messages]
         if not msgs:
-            raise ValueError("messages must not be empty")
+            raise InvalidInputError("messages must not be empty")
         out = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         return self.encode(str(out))
 

@@ -80,7 +80,7 @@ class Tokenizer(Protocol):
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Ids of a chat (``[{"role": ..., "content": ...}]``), ready for the assistant's turn.
 
-        Raises ValueError for a malformed message."""
+        Raises InvalidInputError (a ValueError) for a malformed message."""
         ...
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.errors import InvalidInputError
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,15 +33,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidInputError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidInputError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise InvalidInputError("stop strings must not be empty")
 
 
 class Sampler:

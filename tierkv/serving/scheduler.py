@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from tierkv.errors import InvalidInputError
 from tierkv.serving.request import Request
 
 
@@ -43,7 +44,7 @@ class Scheduler:
         share_prefill: bool = False,
     ) -> None:
         if max_running < 1 or max_batch_tokens < 1:
-            raise ValueError("max_running and max_batch_tokens must be >= 1")
+            raise InvalidInputError("max_running and max_batch_tokens must be >= 1")
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.layer_pages = layer_pages

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tierkv.demo.model import ModelConfig, TinyLlama
+from tierkv.errors import InvalidInputError
 from tierkv.serving.model import causal_attention
 from tierkv.spec import KVSpec, parse_dtype
 
@@ -86,7 +87,8 @@ class CharTokenizer:
         return "".join(chr(i) if i >= 32 else "?" for i in ids if i not in self.eos_ids)
 
     def chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """``role: content`` lines, then ``assistant:``. Raises ValueError when malformed."""
+        """``role: content`` lines, then ``assistant:``. Raises InvalidInputError (a ValueError)
+        when malformed."""
         text = ""
         for m in messages:
             role, content = chat_message(m)
@@ -95,10 +97,13 @@ class CharTokenizer:
 
 
 def chat_message(m: object) -> tuple[str, str]:
-    """One chat message as ``(role, content)``; raises ValueError for anything else."""
+    """One chat message as ``(role, content)``; raises InvalidInputError (a ValueError) for
+    anything else."""
     if not isinstance(m, dict):
-        raise ValueError("each message must be an object with role and content")
+        raise InvalidInputError("each message must be an object with role and content")
     role, content = m.get("role"), m.get("content")
     if role not in ("system", "user", "assistant") or not isinstance(content, str):
-        raise ValueError('a message needs role "system", "user" or "assistant" and string content')
+        raise InvalidInputError(
+            'a message needs role "system", "user" or "assistant" and string content'
+        )
     return role, content

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from ssl import SSLContext
 from typing import Any
 
+from tierkv.errors import InvalidInputError
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -44,7 +45,7 @@ def split_address(address: str) -> tuple[str, int]:
     """``host:port`` -> (host, port). Raises ValueError."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"address must be host:port, got {address!r}")
+        raise InvalidInputError(f"address must be host:port, got {address!r}")
     return host, int(port)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import ipaddress
 import os
 
+from tierkv.errors import InvalidInputError
+
 __all__ = ["SECRET_ENV", "is_loopback", "resolve_secret", "same_host"]
 
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
@@ -23,10 +25,10 @@ def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
         env = os.environ.get(SECRET_ENV)
         secret = env.encode() if env is not None else None
     if secret is not None and not secret:
-        raise ValueError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
+        raise InvalidInputError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
     if secret is None:
         if not insecure:
-            raise ValueError(
+            raise InvalidInputError(
                 f"no shared secret (secret= or ${SECRET_ENV}); insecure=True to serve without"
             )
         return b""

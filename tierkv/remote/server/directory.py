@@ -18,7 +18,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
-from tierkv.keys import KEY_BYTES, KeyKind, key_kind
+from tierkv.keys import is_content
 from tierkv.page_table import PageState
 from tierkv.remote.errors import RemoteFullError, RemoteProtocolError
 from tierkv.tiers import HOST, TierSet
@@ -34,11 +34,6 @@ class _Lease:
     slots: list[int]
     gens: list[int]
     timer: asyncio.TimerHandle | None = field(default=None)
-
-
-def is_content(key: bytes) -> bool:
-    """True for a content page's key (shareable, immutable): the only pages served."""
-    return len(key) >= KEY_BYTES and key_kind(key[:KEY_BYTES]) is KeyKind.CONTENT
 
 
 class Directory:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.errors import SpecError
+from tierkv.errors import InvalidInputError, SpecError
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteTimeoutError
 from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
@@ -55,7 +55,7 @@ class RemoteCluster:
     ) -> None:
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds)
         if not self.seeds:
-            raise ValueError("a cluster needs at least one seed address")
+            raise InvalidInputError("a cluster needs at least one seed address")
         self._kw: dict[str, Any] = {
             "transport": transport,
             "secret": secret,
