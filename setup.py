@@ -1,6 +1,14 @@
-"""Optional native extensions, built at install time (`pip install .` and `pip install -e .`).
+"""The package layout and the optional native extensions; everything else about the
+distribution (name, dependencies, scripts, tools) is in pyproject.toml.
 
-Everything else about the distribution is in pyproject.toml. Three small C modules:
+Layout: one import package, ``tierkv``, from three folders (``LAYOUT``): the repository keeps
+``runtime/`` and ``transports/`` at its top (the design's layout; docs/architecture.md) and they
+install as ``tierkv.runtime`` and ``tierkv.transports``. Every package under each folder is
+found by walking it (`packages()`), so no hand-kept list can miss one; tests/test_packaging.py
+builds the wheel and the sdist and checks they hold every module of the tree.
+
+Native extensions, built at install time (`pip install .` and `pip install -e .`). Three small
+C modules:
 
 - ``tierkv.runtime._copy`` (runtime/_copy.c): the cpu backend's batch copy;
 - ``tierkv.transports._crc32c`` (transports/_crc32c.c): CRC-32C for the tcp transport;
@@ -17,8 +25,21 @@ from __future__ import annotations
 import os
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+
+# import package -> the repository folder it is built from (setuptools ``package_dir``).
+LAYOUT = {"tierkv": "tierkv", "tierkv.runtime": "runtime", "tierkv.transports": "transports"}
+
+
+def packages() -> list[str]:
+    """Every package of ``LAYOUT``'s folders (each folder with an ``__init__.py``), named as it
+    installs: ``transports/`` -> ``tierkv.transports``, ``tierkv/remote/server`` ->
+    ``tierkv.remote.server``."""
+    found = set(LAYOUT)
+    for name, folder in LAYOUT.items():
+        found.update(f"{name}.{sub}" for sub in find_packages(folder))
+    return sorted(found)
 
 
 class OptionalBuildExt(build_ext):
@@ -68,4 +89,12 @@ def extensions() -> list[Extension]:
     ]
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
+setup(
+    package_dir=LAYOUT,
+    packages=packages(),
+    # the extensions' type stubs and the PEP 561 marker (tierkv is typed, subpackages included)
+    package_data={"tierkv": ["py.typed"], "": ["*.pyi"]},
+    exclude_package_data={"": ["*.c"]},  # the C sources go in the sdist, not the wheel
+    ext_modules=extensions(),
+    cmdclass={"build_ext": OptionalBuildExt},
+)
