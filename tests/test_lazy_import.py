@@ -72,7 +72,7 @@ def test_star_import_and_submodules_work_from_a_fresh_interpreter() -> None:
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
-    for name in ("no_such_name", "_private", "__wrapped__"):
+    for name in ("no_such_name", "_private", "__wrapped__", "no.such", "runtime.no_such"):
         assert not hasattr(tierkv, name)
 
 

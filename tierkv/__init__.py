@@ -135,7 +135,8 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(module), name)
         globals()[name] = value
         return value
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    public = name.isidentifier() and not name.startswith("_")
+    if public and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")  # the import binds the attribute
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
