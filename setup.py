@@ -40,7 +40,7 @@ def packages() -> list[str]:
     ``tierkv.remote.server``."""
     found = set(LAYOUT)
     for name, folder in LAYOUT.items():
-        found.update(f"{name}.{sub}" for sub in find_packages(folder))
+        found.update(f"{name}.{sub}" for sub in find_packages(ROOT / folder))
     return sorted(found)
 
 

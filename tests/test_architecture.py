@@ -14,14 +14,15 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
+import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -29,17 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 LONG_FILE = 400
 
 
-def _setup_py() -> ModuleType:
-    """The repository's setup.py as a module (its LAYOUT and module walk; nothing is built)."""
-    spec = importlib.util.spec_from_file_location("tierkv_setup", ROOT / "setup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-SETUP = _setup_py()
-MODULES: dict[str, Path] = SETUP.modules()
+# setup.py's LAYOUT (import package -> folder) and its walk of the tree; importing it builds nothing
+SETUP: dict[str, Any] = runpy.run_path(str(ROOT / "setup.py"), run_name="tierkv_setup")
+MODULES: dict[str, Path] = SETUP["modules"]()
 
 
 def _target(module: str, node: ast.ImportFrom) -> str:
@@ -204,12 +197,12 @@ def test_long_files_say_why_they_stay_whole() -> None:
 def test_one_top_level_import_package(tmp_path: Path) -> None:
     """Installed (editable here), the project adds `tierkv` and nothing else: `runtime` and
     `transports` are only reachable as tierkv.runtime and tierkv.transports."""
-    assert SETUP.LAYOUT == {
+    assert SETUP["LAYOUT"] == {
         "tierkv": "tierkv",
         "tierkv.runtime": "runtime",
         "tierkv.transports": "transports",
     }
-    assert all(p == "tierkv" or p.startswith("tierkv.") for p in SETUP.packages())
+    assert all(p == "tierkv" or p.startswith("tierkv.") for p in SETUP["packages"]())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def works(code: str) -> bool:
@@ -224,7 +217,7 @@ def test_one_top_level_import_package(tmp_path: Path) -> None:
 def test_the_tree_under_test_is_this_checkout() -> None:
     """tierkv, tierkv.runtime and tierkv.transports all come from this checkout's folders: an
     editable install of another checkout (or a PYTHONPATH beside it) would mix two trees."""
-    for name, folder in SETUP.LAYOUT.items():
+    for name, folder in SETUP["LAYOUT"].items():
         module = importlib.import_module(name)
         assert module.__file__ is not None
         assert Path(module.__file__).resolve() == ROOT / folder / "__init__.py", name

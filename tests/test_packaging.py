@@ -39,7 +39,18 @@ EXTENSIONS: list[str] = [ext.name for ext in SETUP["extensions"]()]
 HAS_COMPILER = shutil.which(os.environ.get("CC", "cc")) is not None
 # what a clean clone has not: build outputs, caches, in-place extensions
 NOT_SOURCE = shutil.ignore_patterns(
-    ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "*.pyd", ".*_cache", ".venv"
+    ".git",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    "*.so",
+    "*.pyd",
+    ".*_cache",
+    ".venv",
+    ".hypothesis",
+    "out",
+    "*.png",
 )
 TIMEOUT = 600
 
@@ -113,7 +124,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Built]:
     _run(source, sys.executable, "-c", backend, tmp / "sdist")
     (sdist,) = (tmp / "sdist").glob("tierkv_cache-*.tar.gz")
     with tarfile.open(sdist) as tar:
-        tar.extractall(tmp / "unpacked", filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # 3.10.12+, 3.11.4+
+        tar.extractall(tmp / "unpacked", **safe)
     (unpacked,) = (tmp / "unpacked").iterdir()
     sdist_wheel = _wheel(unpacked, tmp / "sdist-wheel")
 
