@@ -1,6 +1,14 @@
-"""Optional native extensions, built at install time (`pip install .` and `pip install -e .`).
+"""The package layout and the optional native extensions; everything else about the
+distribution (name, dependencies, scripts, tools) is in pyproject.toml.
 
-Everything else about the distribution is in pyproject.toml. Three small C modules:
+Layout: one import package, ``tierkv``, from three folders (``LAYOUT``): the repository keeps
+``runtime/`` and ``transports/`` at its top (the design's layout; docs/architecture.md) and they
+install as ``tierkv.runtime`` and ``tierkv.transports``. Every package under each folder is
+found by walking it (`packages()`), so no hand-kept list can miss one; tests/test_packaging.py
+builds the wheel and the sdist and checks they hold every module of the tree.
+
+Native extensions, built at install time (`pip install .` and `pip install -e .`). Three small
+C modules:
 
 - ``tierkv.runtime._copy`` (runtime/_copy.c): the cpu backend's batch copy;
 - ``tierkv.transports._crc32c`` (transports/_crc32c.c): CRC-32C for the tcp transport;
@@ -16,9 +24,40 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+
+# import package -> the repository folder it is built from (setuptools ``package_dir``).
+LAYOUT = {"tierkv": "tierkv", "tierkv.runtime": "runtime", "tierkv.transports": "transports"}
+ROOT = Path(__file__).resolve().parent
+
+
+def packages() -> list[str]:
+    """Every package of ``LAYOUT``'s folders (each folder with an ``__init__.py``), named as it
+    installs: ``transports/`` -> ``tierkv.transports``, ``tierkv/remote/server`` ->
+    ``tierkv.remote.server``."""
+    found = set(LAYOUT)
+    for name, folder in LAYOUT.items():
+        found.update(f"{name}.{sub}" for sub in find_packages(ROOT / folder))
+    return sorted(found)
+
+
+def modules(suffixes: tuple[str, ...] = (".py",)) -> dict[str, Path]:
+    """Every module file of ``LAYOUT``'s folders by the name it installs as (``runtime/arena.py``
+    -> ``tierkv.runtime.arena``; ``.pyi`` in ``suffixes`` adds the extensions' stubs). The tests
+    (import rules, the wheel's contents) and .ci/typecheck read the tree through this."""
+    found: dict[str, Path] = {}
+    for name, folder in LAYOUT.items():
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix not in suffixes or "__pycache__" in path.parts:
+                continue
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([name, *parts])] = path
+    return found
 
 
 class OptionalBuildExt(build_ext):
@@ -68,4 +107,14 @@ def extensions() -> list[Extension]:
     ]
 
 
-setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})
+# setuptools runs this file as __main__; importing it (the tests, .ci/typecheck) builds nothing.
+if __name__ == "__main__":
+    setup(
+        package_dir=LAYOUT,
+        packages=packages(),
+        # the extensions' type stubs and the PEP 561 marker (tierkv is typed, subpackages included)
+        package_data={"tierkv": ["py.typed"], "": ["*.pyi"]},
+        exclude_package_data={"": ["*.c"]},  # the C sources go in the sdist, not the wheel
+        ext_modules=extensions(),
+        cmdclass={"build_ext": OptionalBuildExt},
+    )

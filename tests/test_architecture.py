@@ -1,7 +1,9 @@
 """The house rules that hold for the source tree as a whole (docs/architecture.md):
 
 - one top-level import package: the repository's runtime/ and transports/ are tierkv.runtime and
-  tierkv.transports, and imports run one way: tierkv core -> tierkv.runtime -> tierkv.transports;
+  tierkv.transports (setup.py's LAYOUT, read here too), and imports run one way: tierkv core ->
+  tierkv.runtime -> tierkv.transports;
+- one path per file: no link doubles a file or a folder of the repository;
 - no import cycle between modules, counting imports inside functions and under TYPE_CHECKING
   (a cycle that only the type checker sees still stands for two modules that know each other);
 - no module uses another module's underscore names: not by importing them, not by reaching an
@@ -13,39 +15,25 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import re
+import runpy
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {
-    "tierkv": ROOT / "tierkv",
-    "tierkv.runtime": ROOT / "runtime",
-    "tierkv.transports": ROOT / "transports",
-}
 LONG_FILE = 400
 
 
-def _modules() -> dict[str, Path]:
-    mods: dict[str, Path] = {}
-    for pkg, folder in PACKAGES.items():
-        for path in folder.rglob("*.py"):
-            rel = path.relative_to(folder)
-            if pkg == "tierkv" and rel.parts[0] in ("runtime", "transports"):
-                continue  # the symlinks to the top-level folders
-            parts = list(rel.with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            mods[".".join([pkg, *parts])] = path
-    return mods
-
-
-MODULES = _modules()
+# setup.py's LAYOUT (import package -> folder) and its walk of the tree; importing it builds nothing
+SETUP: dict[str, Any] = runpy.run_path(str(ROOT / "setup.py"), run_name="tierkv_setup")
+MODULES: dict[str, Path] = SETUP["modules"]()
 
 
 def _target(module: str, node: ast.ImportFrom) -> str:
@@ -235,10 +223,12 @@ def test_long_files_say_why_they_stay_whole() -> None:
 def test_one_top_level_import_package(tmp_path: Path) -> None:
     """Installed (editable here), the project adds `tierkv` and nothing else: `runtime` and
     `transports` are only reachable as tierkv.runtime and tierkv.transports."""
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert all(p == "tierkv" or p.startswith("tierkv.") for p in config["packages"])
-    assert set(config["package-dir"]) == {"tierkv", "tierkv.runtime", "tierkv.transports"}
+    assert SETUP["LAYOUT"] == {
+        "tierkv": "tierkv",
+        "tierkv.runtime": "runtime",
+        "tierkv.transports": "transports",
+    }
+    assert all(p == "tierkv" or p.startswith("tierkv.") for p in SETUP["packages"]())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
     def works(code: str) -> bool:
@@ -248,3 +238,40 @@ def test_one_top_level_import_package(tmp_path: Path) -> None:
     assert works("import tierkv.runtime, tierkv.transports, tierkv")
     assert not works("import runtime")
     assert not works("import transports")
+
+
+def test_the_tree_under_test_is_this_checkout() -> None:
+    """tierkv, tierkv.runtime and tierkv.transports all come from this checkout's folders: an
+    editable install of another checkout (or a PYTHONPATH beside it) would mix two trees."""
+    for name, folder in SETUP["LAYOUT"].items():
+        module = importlib.import_module(name)
+        assert module.__file__ is not None
+        assert Path(module.__file__).resolve() == ROOT / folder / "__init__.py", name
+
+
+def _repository_files() -> list[Path]:
+    """What the repository holds: git's tracked and untracked-but-not-ignored files in a checkout,
+    every file below the root elsewhere (an unpacked sdist)."""
+    if (ROOT / ".git").exists():
+        out = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        ).stdout
+        return [ROOT / os.fsdecode(p) for p in out.split(b"\0") if p]
+    found = []
+    for folder, dirs, files in os.walk(ROOT):  # does not follow links: a linked folder is listed
+        found += [Path(folder, name) for name in [*dirs, *files]]
+    return found
+
+
+def test_no_file_is_reachable_by_two_paths() -> None:
+    """One path per file: no symbolic link (to a file or a folder) and no second hard link in the
+    repository, so grep -r, grep -R, editors, mypy and checkouts without links see one tree."""
+    files = _repository_files()
+    assert files
+    links = [str(p.relative_to(ROOT)) for p in files if p.is_symlink()]
+    assert links == [], f"symbolic links: {links}"
+    doubled = [str(p.relative_to(ROOT)) for p in files if p.is_file() and os.stat(p).st_nlink > 1]
+    assert doubled == [], f"files with more than one hard link: {doubled}"
