@@ -13,6 +13,7 @@ from __future__ import annotations
 from tierkv.collector import restore_collector, settle_collector
 from tierkv.errors import (
     AllocationError,
+    CorruptPageError,
     EngineError,
     InvalidInputError,
     InvalidTypeError,
@@ -53,6 +54,7 @@ __all__ = [
     "POLICIES",
     "AllocationError",
     "ChainHint",
+    "CorruptPageError",
     "EngineError",
     "EvictionPolicy",
     "InvalidInputError",

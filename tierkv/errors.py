@@ -21,7 +21,9 @@
      ├── EngineError                           the runtime underneath failed (see __cause__)
      │    ├── TransferFailedError              a page copy failed or was dropped
      │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
-     └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
+     ├── StoreTimeoutError (also TimeoutError) a bounded wait ran out
+     └── CorruptPageError                      a page's bytes failed their checksum: dropped,
+                                               never served (docs/security.md)
 
 Errors raised by the runtime (``tierkv.runtime.errors``) and the transports
 (``tierkv.transports.errors``)
@@ -44,6 +46,8 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class TierKVError(Exception):
@@ -114,3 +118,22 @@ class AllocationError(EngineError, MemoryError):
 
 class StoreTimeoutError(TierKVError, TimeoutError):
     """A bounded wait ran out (runtime ``WaitTimeoutError``, or a SyncKVStore call's bound)."""
+
+
+class CorruptPageError(TierKVError):
+    """Pages whose bytes failed their CRC-32C where they crossed a boundary (a cold copy read
+    back, pages a peer's page server refused at commit): never served, counted in
+    ``tierkv_corrupt_pages_total``.
+
+    Attributes:
+        tier: where the bytes came from (``cold``, ``peer``, ``redis``).
+        pages: how many pages failed.
+        stored: pages of the same call that were stored intact (a publish).
+        keys: the keys of the pages that failed, where known.
+    """
+
+    def __init__(
+        self, msg: str, *, tier: str, pages: int, stored: int = 0, keys: Sequence[bytes] = ()
+    ) -> None:
+        super().__init__(msg)
+        self.tier, self.pages, self.stored, self.keys = tier, pages, stored, list(keys)
