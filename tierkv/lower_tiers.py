@@ -91,6 +91,9 @@ class ColdStorage:
         self._departures = departures
         self._stats = stats
         self._progress = progress
+        # cold pages that failed their checksum while an owner pinned them: dropped by
+        # `drop_bad` once unowned (until then every load of them fails, typed)
+        self.bad: set[PageKey] = set()
 
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove readable, unpinned pages from one tier."""
@@ -147,8 +150,14 @@ class ColdStorage:
         if not isinstance(cause, CorruptPageError):
             return error
         self._stats.corrupt[COLD] = self._stats.corrupt.get(COLD, 0) + cause.pages
-        self.forget_in(COLD, cause.keys)
+        self.bad.update(cause.keys)
+        self.drop_bad()
         return cause
+
+    def drop_bad(self) -> None:
+        """Drop the corrupt cold pages that nothing pins any more."""
+        self.forget_in(COLD, list(self.bad))
+        self.bad.intersection_update(self._table.present(self.bad, COLD))
 
     async def make_room(self, n: int) -> None:
         """Free ``n`` host slots: unowned victims are offered to the remote tier, then

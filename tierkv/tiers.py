@@ -396,6 +396,8 @@ class TierSet:
         give released busy blocks their content keys once they are idle."""
         if self._renames:
             self._retry_renames()
+        if self._cold.bad:
+            self._cold.drop_bad()
         if not self._doomed:
             return
         table, doomed = self._table, list(self._doomed)
@@ -446,7 +448,7 @@ class TierSet:
         second while a hundred pages stay doomed (pinned by write-behind copies): so the reap
         runs once per loop turn, from a callback of its own, and wakes the waiters again if it
         freed something."""
-        if (self._doomed or self._renames) and not self._reap_due:
+        if (self._doomed or self._renames or self._cold.bad) and not self._reap_due:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a synchronous caller): reap now
