@@ -1,4 +1,5 @@
-"""`RemoteTier`: a peer's host tier, reached through its page server.
+"""`RemoteTier`: a peer's host tier, reached through its page server. This file stays whole
+(over 400 lines): one class whose calls share the connection, its reconnection and backoff.
 
 ::
 
