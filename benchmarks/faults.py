@@ -76,10 +76,12 @@ def content_keys(seed: int, n: int) -> list[bytes]:
 
 
 def corrupt_row(row: Pages, rng: np.random.Generator) -> None:
-    """Change ``row`` in place: 1-8 random bits, or a random run of 1-64 bytes."""
+    """Change ``row`` in place: 1-8 random bits (distinct), or a random run of 1-64 bytes
+    (always some change: a fault that changes nothing is not one)."""
     if rng.random() < 0.75:
-        for _ in range(int(rng.integers(1, 9))):
-            row[int(rng.integers(0, row.size))] ^= np.uint8(1 << int(rng.integers(0, 8)))
+        bits = rng.choice(row.size * 8, int(rng.integers(1, 9)), replace=False)
+        for b in bits.tolist():
+            row[b >> 3] ^= np.uint8(1 << (b & 7))
         return
     n = int(rng.integers(1, 65))
     at = int(rng.integers(0, row.size - n))
@@ -332,6 +334,62 @@ async def cost(kind: str, rounds: int) -> dict[str, float]:
     }
 
 
+async def append_cost(rounds: int, steps: int = 64, seqs: int = 64) -> dict[str, float]:
+    """Decode steps (one lease over ``seqs`` sequences, one token appended per layer) with page
+    checksums on and off, rounds interleaved: the loop thread's CPU seconds per round (what
+    other processes on the machine take is not counted), medians."""
+    spec = KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="fp16", page_tokens=16)
+    pb = spec.page_bytes  # 64 KB
+    need = 2 * seqs * spec.num_layers * -(-(16 + steps) // 16)
+    store = KVStore(spec, device_bytes=need * pb, host_bytes=need * pb, codec=None)
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
+    k = torch.randn((8, 1, 128), dtype=torch.float16)
+    sealing = [0.0, 0.0]  # CPU seconds inside TierSet.seal, pages sealed (checksums on)
+    counting = [False]  # in a measured round with checksums on
+    async with store:
+        real = store.tiers.seal
+
+        def timed(keys: Any) -> None:
+            t0 = time.thread_time()
+            real(keys)
+            if counting[0]:
+                sealing[0] += time.thread_time() - t0
+                sealing[1] += len(keys)
+
+        store.tiers.seal = timed  # type: ignore[method-assign]
+        ids = [f"s{i}" for i in range(seqs)]
+        for r in range(2 * rounds + 2):
+            mode = ("on", "off")[(r + r // 2) % 2]  # on off off on on off ...
+            os.environ["TIERKV_PAGE_CHECKSUMS"] = "1" if mode == "on" else "0"
+            for i, sid in enumerate(ids):  # fresh sequences: each round the same work
+                await store.add_sequence(sid, [(r * seqs + i) * 1000 + t for t in range(16)])
+            counting[0] = mode == "on" and r >= 2
+            c0 = time.thread_time()
+            for _ in range(steps):
+                for sid in ids:
+                    store.add_tokens(sid, [7])
+                async with store.lease(ids) as lease:
+                    for sid in ids:
+                        for layer in range(spec.num_layers):
+                            await lease.append(sid, layer, k, k)
+                store.step()
+            if r >= 2:  # the first pair warms up
+                cpu[mode].append(time.thread_time() - c0)
+            for sid in ids:
+                await store.release(sid)
+            for t in (DEVICE, HOST):  # nothing cached: the next round starts alike
+                store.tiers.forget_in(t, store.tiers.table.keys(t))
+        os.environ.pop("TIERKV_PAGE_CHECKSUMS", None)
+    on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
+    return {
+        "cpu s on": on,
+        "cpu s off": off,
+        "on / off": off / on,
+        "seal share of on rounds": sealing[0] / sum(cpu["on"]),
+        "seal us per page": sealing[0] / max(1.0, sealing[1]) * 1e6,
+    }
+
+
 async def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--faults", type=int, default=0, help="total faults (default 100,000)")
@@ -369,6 +427,17 @@ async def main() -> None:
             on, off = c[f"{op} GB/s on"], c[f"{op} GB/s off"]
             crows.append([f"{kind} {op}", f"{on:.2f}", f"{off:.2f}", f"{r:.3f}"])
     print(table(["RemoteTier, 64 x 256 KB", "GB/s on", "GB/s off", "on / off"], crows))
+    a = await append_cost(4 if args.quick else 10)
+    figures["append cost"] = a
+    ratios["decode steps (append path), CPU s: checksums on / off"] = a["on / off"]
+    ratios["decode steps: 1 - share of CPU in seal"] = 1 - a["seal share of on rounds"]
+    head = ["decode steps: 64 seqs x 4 layers, 64 KB pages", "CPU s on", "CPU s off", "on / off"]
+    row = ["median round", f"{a['cpu s on']:.3f}", f"{a['cpu s off']:.3f}", f"{a['on / off']:.3f}"]
+    print(table(head, [row]))
+    print(
+        f"seal: {a['seal us per page']:.1f} us per page sealed, "
+        f"{100 * a['seal share of on rounds']:.2f}% of the CPU of the rounds with checksums on"
+    )
     write_json(args.json, figures, ratios)
     if wrong or counted != injected:
         raise SystemExit(f"FAILED: {wrong} wrong pages served, {injected - counted} not counted")
