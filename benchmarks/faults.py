@@ -32,7 +32,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from tierkv.remote import PageServer, RemoteTier
 from tierkv.remote.store_io import stage_prefix
 from tierkv.sequence import page_key
 from tierkv.tiers import COLD, DEVICE, HOST
+from tierkv.transports.tcp import TcpTransport
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)  # 1 KB
 SECRET = b"faults-bench"
@@ -126,39 +127,45 @@ async def server_slots(kind: str, faults: int, tally: Tally, n: int = 256, per: 
             done += len(bad)
 
 
-class _Tampered(RemoteTier):
-    """A reader whose copies are changed after the transport delivered them."""
-
+@contextlib.contextmanager
+def tampered_reads(per: int, hit: list[int]) -> Iterator[None]:
+    """Reads through the tcp transport whose pages change after every frame passed its CRC
+    check (``per`` ops of each read; ``hit`` gets how many)."""
+    real = TcpTransport._transfer
     rng = np.random.default_rng(2)
-    per = 16
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.hit: list[int] = []
-
-    async def _transfer(self, direction: str, array: Any, local: Any, remote: Any) -> None:
-        await super()._transfer(direction, array, local, remote)
+    async def tampered(self: TcpTransport, direction: Any, ops: Any, *args: Any) -> None:
+        await real(self, direction, ops, *args)
         if direction == "read":
-            rows = self.rng.choice(len(local), min(self.per, len(local)), replace=False)
-            for i in rows:
-                corrupt_row(array[local[i]], self.rng)
-            self.hit[:] = sorted(int(i) for i in rows)
+            for i in rng.choice(len(ops), min(per, len(ops)), replace=False).tolist():
+                op = ops[i]
+                view = np.frombuffer(op.local.view, np.uint8)
+                corrupt_row(view[op.local_offset : op.local_offset + op.length], rng)
+            hit[0] = min(per, len(ops))
+
+    TcpTransport._transfer = tampered  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TcpTransport._transfer = real  # type: ignore[method-assign]
 
 
-async def wire(faults: int, tally: Tally, n: int = 256) -> None:
+async def wire(faults: int, tally: Tally, n: int = 256, per: int = 16) -> None:
     rng = np.random.default_rng(3)
     keys = content_keys(3, n)
     data = rng.integers(0, 256, (n, SPEC.page_bytes), np.uint8)
     out = np.zeros_like(data)
-    async with server("tcp", n) as srv, peer(srv, "tcp") as w, peer(srv, "tcp", _Tampered) as r:
+    hit = [0]
+    async with server("tcp", n) as srv, peer(srv, "tcp") as w, peer(srv, "tcp") as r:
         assert await w.publish(keys, data, list(range(n))) == n
         done = 0
-        while done < faults:
-            before = r.corrupt
-            got = await r.load(keys, out, list(range(n)))
-            wrong = int((out[:got] != data[:got]).any(axis=1).sum())
-            tally.add("wire, after the frame check (tcp)", len(r.hit), r.corrupt - before, wrong)
-            done += len(r.hit)
+        with tampered_reads(per, hit):
+            while done < faults:
+                before = r.corrupt
+                got = await r.load(keys, out, list(range(n)))
+                wrong = int((out[:got] != data[:got]).any(axis=1).sum())
+                tally.add("wire, after the frame check (tcp)", hit[0], r.corrupt - before, wrong)
+                done += hit[0]
 
 
 async def commit(faults: int, tally: Tally, n: int = 128, per: int = 16) -> None:

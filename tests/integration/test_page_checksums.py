@@ -24,6 +24,7 @@ from tierkv.sequence import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import COLD, DEVICE, HOST
 from tierkv.transports.crc32c_native import crc32c, crc32c_rows
+from tierkv.transports.tcp import TcpTransport
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
@@ -177,14 +178,15 @@ async def test_bytes_flipped_after_the_transport_are_caught_by_the_reader(
     keys, data = content_keys(3), pages(3)
     async with page_server("tcp") as srv, peer(srv, "tcp") as writer, peer(srv, "tcp") as reader:
         assert await writer.publish(keys, data, list(range(N))) == N
-        real = RemoteTier._transfer
+        real = TcpTransport._transfer
 
-        async def tampered(self: RemoteTier, direction: str, array: Any, local: Any, remote: Any):
-            await real(self, direction, array, local, remote)
-            if direction == "read":
-                array[local[-1], 5] ^= 0x10  # the last page of each read, after the frame CRC
+        async def tampered(self: TcpTransport, direction: Any, ops: Any, *args: Any) -> None:
+            await real(self, direction, ops, *args)  # every frame checked by its CRC
+            if direction == "read":  # then the last page of each read changes
+                last = ops[-1]
+                last.local.view[last.local_offset + 5] ^= 0x10
 
-        monkeypatch.setattr(RemoteTier, "_transfer", tampered)
+        monkeypatch.setattr(TcpTransport, "_transfer", tampered)
         out = np.zeros((N, PAGE), np.uint8)
         assert await reader.load(keys[:8], out, list(range(8))) == 7
         assert np.array_equal(out[:7], data[:7]) and reader.corrupt == 1

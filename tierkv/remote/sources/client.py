@@ -322,6 +322,15 @@ class RemoteTier:
         """
         await self._transfer("read", array, slots, lease.slots)
 
+    async def _read(self, lease: ReadLease, array: Slots, slots: list[int]) -> list[int] | None:
+        """`read`, page by page with each page's CRC-32C taken as it lands (a transport that
+        copies takes it right after the copy, the bytes still in cache): the checksums, or
+        None with page checksums off."""
+        if not page_sums.enabled():
+            await self._transfer("read", array, slots, lease.slots)
+            return None
+        return await self._transfer("read", array, slots, lease.slots, checksums=True)
+
     async def release(self, lease: ReadLease) -> int:
         """End a read lease; returns how many leading pages were still valid when it ended."""
         valid = (await self._call("release", lease=lease.lease)).get("valid")
@@ -344,24 +353,33 @@ class RemoteTier:
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         lease = await self.acquire(keys)
         local = list(slots[: len(lease.slots)])
+        landed: list[int] | None = None
         if lease.slots:
             try:
-                await self.read(lease, array, local)
+                landed = await self._read(lease, array, local)
             except BaseException:
                 with contextlib.suppress(RemoteError):  # the lease also ends on its own
                     await self.release(lease)
                 raise
         valid = await self.release(lease)
-        return self._verified(lease, array, local[:valid], check)
+        return self._verified(lease, array, local[:valid], check, landed)
 
     def _verified(
-        self, lease: ReadLease, array: Slots, local: list[int], check: PageCheck | None
+        self,
+        lease: ReadLease,
+        array: Slots,
+        local: list[int],
+        check: PageCheck | None,
+        landed: list[int] | None,
     ) -> int:
-        """How many leading pages of ``local`` (read under ``lease``) match their checksums;
-        the ones that do not are counted."""
+        """How many leading pages of ``local`` (read under ``lease``; ``landed``: their
+        checksums as they landed) match the checksums the peer gave; the ones that do not are
+        counted."""
         if not local or not page_sums.enabled():
             return len(local)
-        got = row_sums(array, local)
+        got = landed if landed is not None and len(landed) >= len(local) else None
+        if got is None:
+            got = row_sums(array, local)
         want = lease.sums or [NO_SUM] * len(local)
         bad = [i for i, (w, g) in enumerate(zip(want, got)) if w == NO_SUM or w != g]
         n = bad[0] if bad else len(local)
@@ -428,8 +446,16 @@ class RemoteTier:
 
     # -- one-sided transfers -------------------------------------------------------------
     async def _transfer(
-        self, direction: str, array: Slots, local: list[int], remote: list[int]
-    ) -> None:
+        self,
+        direction: str,
+        array: Slots,
+        local: list[int],
+        remote: list[int],
+        *,
+        checksums: bool = False,
+    ) -> list[int] | None:
+        """One-sided ``direction`` of pages; with ``checksums`` (reads), one op per page and
+        the CRC-32C of each as it landed (returned)."""
         t, desc, pb = self._transport, self._region, self.page_bytes
         if t is None or desc is None:
             raise PeerGoneError("not connected to the page server")
@@ -443,13 +469,14 @@ class RemoteTier:
             raise map_transport_error(exc, "registering the local pages") from exc
         handle: transports.BatchHandle | None = None
         try:
+            runs = [(lo, ro, 1) for lo, ro in zip(local, remote)] if checksums else None
             ops = [
                 transports.TransferOp(region, lo * pb, desc, ro * pb, n * pb)
-                for lo, ro, n in _runs(local, remote)
+                for lo, ro, n in (runs or _runs(local, remote))
             ]
-            post = t.read if direction == "read" else t.write
-            handle = post(ops)
+            handle = t.read(ops, checksums=checksums) if direction == "read" else t.write(ops)
             await handle.wait(self.timeout)
+            return handle.sums
         except transports.TransportError as exc:
             raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
         finally:
