@@ -13,6 +13,9 @@ peak <= 3 layers' pages, tokens identical; 1,000 sequences: no loop stall over 1
 On a machine without a GPU both tiers are host memory: the ratios measure runtime overhead.
 The swap figure is the median of 3 interleaved rounds (the order alternates), with tokens per
 CPU-second beside it: on a shared machine a single pair of runs swung 0.64-11.4.
+Issue 23: each swap round also runs the tiered store with page checksums off
+(``TIERKV_PAGE_CHECKSUMS=0``); "checksums on / off" is the median of those rounds' ratios
+(target >= 0.95).
 """
 
 from __future__ import annotations
@@ -58,20 +61,36 @@ async def decode_modes(
         rounds = ROUNDS if mode == "swap" else 1
         ratios: list[float] = []
         cpu_ratios: list[float] = []
+        # swap also runs without page checksums (TIERKV_PAGE_CHECKSUMS=0, issue 23): their cost
+        sums_ratios: list[float] = []
+        sums_cpu: list[float] = []
         for r in range(rounds):
-            order = ("ref", "tiered") if r % 2 == 0 else ("tiered", "ref")
+            order: tuple[str, ...] = ("ref", "tiered") if r % 2 == 0 else ("tiered", "ref")
+            if mode == "swap":
+                order = (*order, "plain") if r % 2 == 0 else ("plain", *order)
             got: dict[str, Any] = {}
             for which in order:
-                with phase(f"{mode}: {'all-resident' if which == 'ref' else 'tiered'} {r + 1}"):
+                with phase(f"{mode}: {which} {r + 1}"):
                     if which == "ref":
                         budget = cfg.total_kv_bytes() + (1 << 20)
                         got[which] = await run(all_resident(cfg), budget, trace=trace)
+                    elif which == "plain":
+                        os.environ["TIERKV_PAGE_CHECKSUMS"] = "0"
+                        try:
+                            got[which] = await run(cfg, device_budget(cfg), trace=trace)
+                        finally:
+                            os.environ.pop("TIERKV_PAGE_CHECKSUMS", None)
                     else:
                         got[which] = await run(cfg, device_budget(cfg), trace=trace)
             ref, tiered = got["ref"], got["tiered"]
             ratios.append(tiered.tokens_per_s / ref.tokens_per_s)
             if tiered.cpu_seconds and ref.cpu_seconds:  # tokens per CPU-second
                 cpu_ratios.append(ref.cpu_seconds / tiered.cpu_seconds)
+            if "plain" in got:
+                plain = got["plain"]
+                sums_ratios.append(tiered.tokens_per_s / plain.tokens_per_s)
+                if tiered.cpu_seconds and plain.cpu_seconds:
+                    sums_cpu.append(plain.cpu_seconds / tiered.cpu_seconds)
         if traces is not None:
             for label, res in ((f"{mode} all-resident", ref), (f"{mode} tiered", tiered)):
                 if res.trace is not None:
@@ -85,6 +104,9 @@ async def decode_modes(
             "speed_ratio": statistics.median(ratios),
             "speed_ratios": ratios,
             "cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else 0.0,
+            "checksums_speed_ratio": statistics.median(sums_ratios) if sums_ratios else 0.0,
+            "checksums_speed_ratios": sums_ratios,
+            "checksums_cpu_ratio": statistics.median(sums_cpu) if sums_cpu else 0.0,
             "device_tier_of_kv": device_budget(cfg) / cfg.total_kv_bytes(),
             "peak_device_pages": st["peak_device_pages"],
             "three_layers_pages": 3 * spec.blocks_for(cfg.prompt + cfg.generate),
@@ -381,6 +403,9 @@ def main() -> None:
         ["swap tokens/s of all-resident (median)", sw["speed_ratio"], ">= 0.9"],
         ["  rounds: " + ", ".join(f"{x:.3g}" for x in sw["speed_ratios"]), "", ""],
         ["swap tokens per CPU-s of all-resident", sw["cpu_ratio"], "reported"],
+        ["swap tokens/s, page checksums on / off", sw["checksums_speed_ratio"], ">= 0.95"],
+        ["  rounds: " + ", ".join(f"{x:.3g}" for x in sw["checksums_speed_ratios"]), "", ""],
+        ["swap tokens per CPU-s, checksums on / off", sw["checksums_cpu_ratio"], ">= 0.95"],
         ["swap tokens identical", str(sw["tokens_identical"]), "yes"],
         ["swap prefetch accuracy", sw["prefetch_accuracy"], ">= 0.9"],
         ["swap late fetches / loads", sw["late_of_loads"], "<= 0.01"],
@@ -421,6 +446,8 @@ def main() -> None:
         {
             "swap_speed_of_all_resident": sw["speed_ratio"],
             "swap_tokens_per_cpu_s_of_all_resident": sw["cpu_ratio"],
+            "swap_checksums_on_of_off": sw["checksums_speed_ratio"],
+            "swap_checksums_on_of_off_per_cpu_s": sw["checksums_cpu_ratio"],
             "swap_prefetch_accuracy": sw["prefetch_accuracy"],
             "swap_late_of_loads": sw["late_of_loads"],
             "stream_peak_of_three_layers": stream_peak,

@@ -27,6 +27,7 @@ _LAZY = {
     "restore_collector": "tierkv.collector",
     "settle_collector": "tierkv.collector",
     "AllocationError": "tierkv.errors",
+    "CorruptPageError": "tierkv.errors",
     "EngineError": "tierkv.errors",
     "InvalidInputError": "tierkv.errors",
     "InvalidTypeError": "tierkv.errors",
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
     from tierkv.collector import restore_collector, settle_collector
     from tierkv.errors import (
         AllocationError,
+        CorruptPageError,
         EngineError,
         InvalidInputError,
         InvalidTypeError,
@@ -102,6 +104,7 @@ __all__ = [
     "POLICIES",
     "AllocationError",
     "ChainHint",
+    "CorruptPageError",
     "EngineError",
     "EvictionPolicy",
     "InvalidInputError",

@@ -26,7 +26,9 @@
      ├── EngineError                           the runtime underneath failed (see __cause__)
      │    ├── TransferFailedError              a page copy failed or was dropped
      │    └── AllocationError (also MemoryError) a tier's memory cannot be reserved
-     └── StoreTimeoutError (also TimeoutError) a bounded wait ran out
+     ├── StoreTimeoutError (also TimeoutError) a bounded wait ran out
+     └── CorruptPageError                      a page's bytes failed their checksum: dropped,
+                                               never served (docs/security.md)
 
 The runtime's tree (``tierkv.runtime.errors``, rooted at ``RuntimeEngineError``) and the
 transports' (``tierkv.transports.errors``, ``TransportError``) hang under ``TierKVError`` too, and
@@ -59,6 +61,8 @@ ranges and types accepted are documented there and in ``docs/store.md``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 # the root and the registries' error live in the lowest layer; re-exported here
 from tierkv.transports.errors import InvalidInputError as InvalidInputError
@@ -123,3 +127,31 @@ class AllocationError(EngineError, MemoryError):
 
 class StoreTimeoutError(TierKVError, TimeoutError):
     """A bounded wait ran out (runtime ``WaitTimeoutError``, or a SyncKVStore call's bound)."""
+
+
+class CorruptPageError(TierKVError):
+    """Pages whose bytes failed their CRC-32C where they crossed a boundary (a cold copy read
+    back, pages a peer's page server refused at commit): never served, counted in
+    ``tierkv_corrupt_pages_total``.
+
+    Attributes:
+        tier: where the bytes came from (``cold``, ``peer``, ``redis``).
+        pages: how many pages failed.
+        stored: pages of the same call that were stored intact (a publish).
+        keys: the keys of the pages that failed, where known.
+
+    The codecs' :class:`~tierkv.codecs.CorruptEncodingError` (an encoded buffer that does not
+    parse) is one of these too.
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        *,
+        tier: str = "",
+        pages: int = 0,
+        stored: int = 0,
+        keys: Sequence[bytes] = (),
+    ) -> None:
+        super().__init__(msg)
+        self.tier, self.pages, self.stored, self.keys = tier, pages, stored, list(keys)

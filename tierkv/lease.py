@@ -311,6 +311,7 @@ class Lease:
                         page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
                     pos += m
                 tiers.mark_dirty(written)
+                tiers.seal(written[: end // t - first])  # the pages this append filled
             except BaseException:  # undo every step: no page, pin or owner is left behind
                 tiers.abort_device(new, pinned=pinned, owned=owned)
                 raise

@@ -6,6 +6,13 @@ decodes them straight into a device slot. Encoding and decoding are jobs of the 
 (``submit_call``: a host function on the stream of its two arenas), so its priorities, bounds,
 cancellation rules and statistics cover them like every other copy.
 
+Each cold slot keeps the CRC-32C of the encoded payload written there (in the page table's
+:class:`~tierkv.page_sums.PageSums`), checked before the payload is decoded: a lossy codec's
+output is not the page's raw bytes, so the raw checksum cannot vouch for it; the payload's can,
+for the bytes between encode and decode. A payload that fails its check is never decoded: the
+load fails with :class:`~tierkv.errors.CorruptPageError`, the copy is counted (``corrupt``,
+``cold``) and dropped once no owner pins it.
+
 Pages leaving the host tier are announced (:class:`Departures`: a page server's listeners) and
 offered, exact bytes, to the remote tier first. A collaborator of the tier core
 (:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
@@ -20,11 +27,13 @@ from typing import cast
 
 import torch
 
+from tierkv import page_sums
 from tierkv.codecs import Codec
-from tierkv.errors import TierFullError
+from tierkv.errors import CorruptPageError, TierFullError
 from tierkv.jobs import job_done, when_done
 from tierkv.keys import PageKey
 from tierkv.owners import Owners
+from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
@@ -82,6 +91,9 @@ class ColdStorage:
         self._departures = departures
         self._stats = stats
         self._progress = progress
+        # cold pages that failed their checksum while an owner pinned them: dropped by
+        # `drop_bad` once unowned (until then every load of them fails, typed)
+        self.bad: set[PageKey] = set()
 
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove readable, unpinned pages from one tier."""
@@ -93,15 +105,33 @@ class ColdStorage:
                 self._departures.left(here)
 
     def decode(
-        self, cold_slots: list[int], dev_slots: list[int], priority: Priority
+        self,
+        cold_slots: list[int],
+        dev_slots: list[int],
+        priority: Priority,
+        keys: Sequence[PageKey] = (),
     ) -> TransferHandle:
-        """Decode cold pages into device slots: a job of the transfer engine (queued now)."""
+        """Decode cold pages (``keys``) into device slots: a job of the transfer engine (queued
+        now). Each payload is checked against its checksum first: the job fails with
+        CorruptPageError (nothing decoded) when one differs."""
         codec, spec, stats = self.codec, self._spec, self._stats
         assert codec is not None
         cold, dev = self._arenas[COLD], self._arenas[DEVICE]
+        sums = self._table.sums
 
         def work() -> None:
             t0 = time.perf_counter()
+            if page_sums.enabled():
+                want = sums.copies(COLD, cold_slots)
+                got = row_sums(cold.array, cold_slots)
+                bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != NO_SUM and w != g]
+                if bad:
+                    raise CorruptPageError(
+                        f"{len(bad)} of {len(cold_slots)} cold pages failed their checksum",
+                        tier=COLD,
+                        pages=len(bad),
+                        keys=[keys[i] for i in bad if i < len(keys)],
+                    )
             data = cold.tensor.index_select(0, torch.tensor(cold_slots))
             out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
@@ -111,6 +141,23 @@ class ColdStorage:
             stats.decode_s += time.perf_counter() - t0
 
         return self._engine.submit_call(cold, cold_slots, dev, dev_slots, work, priority=priority)
+
+    def corrupt(self, error: BaseException | None) -> BaseException | None:
+        """Of a failed load's error: when a cold payload failed its checksum, count it, drop
+        the pages that no owner pins and return the CorruptPageError itself (typed for the
+        caller); any other error as it is."""
+        cause = error if isinstance(error, CorruptPageError) else getattr(error, "__cause__", None)
+        if not isinstance(cause, CorruptPageError):
+            return error
+        self._stats.corrupt[COLD] = self._stats.corrupt.get(COLD, 0) + cause.pages
+        self.bad.update(cause.keys)
+        self.drop_bad()
+        return cause
+
+    def drop_bad(self) -> None:
+        """Drop the corrupt cold pages that nothing pins any more."""
+        self.forget_in(COLD, list(self.bad))
+        self.bad.intersection_update(self._table.present(self.bad, COLD))
 
     async def make_room(self, n: int) -> None:
         """Free ``n`` host slots: unowned victims are offered to the remote tier, then
@@ -163,6 +210,8 @@ class ColdStorage:
             t0 = time.perf_counter()
             enc = codec.encode(host.tensor.index_select(0, torch.tensor(src)), spec)
             cold.tensor.index_copy_(0, torch.tensor(dst), enc)
+            if page_sums.enabled():  # the slots are this job's until it ends: no race
+                table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
             return time.perf_counter() - t0
 
         handle = self._engine.submit_call(host, src, cold, dst, work, priority=Priority.WRITEBACK)

@@ -178,6 +178,13 @@ class StoreCollector(_Families):
             "Background prefetch / write-back / compression tasks that failed",
             s["background_errors"],
         )
+        yield self._counter(
+            "corrupt_pages",
+            "Pages whose bytes failed their CRC-32C where they crossed a boundary, by where "
+            "they were read from (cold, peer, redis): each a miss, the page dropped, never served",
+            dict(s["corrupt_pages"]),
+            label="tier",
+        )
 
         # the transfer engine: every batch, whatever its priority
         yield self._counter(

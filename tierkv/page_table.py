@@ -50,6 +50,7 @@ from tierkv.errors import (
     TierKVError,
     UnknownPageError,
 )
+from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
 
@@ -141,6 +142,11 @@ class PageTable:
             ``{"device": 512, "host": 8192}``).
         policy: a policy name for every tier, or a mapping tier name -> policy name.
         record_events: keep stored/evicted events for :meth:`take_events`.
+        encoded: tiers whose copies are encoded (cold): :attr:`sums` keeps a checksum of the
+            payload in each of their slots.
+
+    Pages' checksums (:attr:`sums`, a :class:`~tierkv.page_sums.PageSums`) are this table's: a
+    page's goes when the page leaves its last tier, and follows it through :meth:`rekey`.
 
     Raises:
         InvalidInputError: no tiers, or a capacity below 0 (a ValueError).
@@ -153,6 +159,7 @@ class PageTable:
         policy: str | Mapping[str, str] = DEFAULT_POLICY,
         *,
         record_events: bool = True,
+        encoded: Collection[str] = (),
     ) -> None:
         if not tiers:
             raise InvalidInputError("a page table needs at least one tier")
@@ -164,6 +171,7 @@ class PageTable:
             self._tiers[name] = _Tier(name, cap, create_policy(pol))
         self._record = record_events
         self._events: list[PageEvent] = []
+        self.sums = PageSums({t: tiers[t] for t in encoded})
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -458,6 +466,7 @@ class PageTable:
         for k in evicted:
             del slot_of[k]
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
+        self._forget(evicted)
         return evicted
 
     @staticmethod
@@ -614,6 +623,7 @@ class PageTable:
                 unkey(s)
                 del undo[s]
             t.free.extend(slots)
+            self._forget(keys)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
@@ -660,6 +670,7 @@ class PageTable:
         for k in new:
             if k in t.slot_of:
                 raise PageStateError(f"page {_show(k)} is already in tier {tier!r}")
+        self.sums.rename(old, new)
         policy = t.policy
         for k_old, k_new, s in zip(old, new, slots):
             del t.slot_of[k_old]
@@ -711,6 +722,9 @@ class PageTable:
             assert len(used) - in_policy == t.moving, f"{t.name} moving count"
             moving = {s for s in used if t.state[s] == _MOVING}
             assert set(t.undo) == moving, f"{t.name} undo records"
+        held = [t.slot_of for t in self._tiers.values()]
+        for k in self.sums.known():
+            assert any(k in h for h in held), f"checksum of {_show(k)}, in no tier"
 
     # -- helpers -------------------------------------------------------------------------
     def _tier(self, name: str) -> _Tier:
@@ -753,14 +767,24 @@ class PageTable:
             self._raise_state(t, keys, slots, want)
         return slots
 
-    @staticmethod
-    def _drop(t: _Tier, keys: Sequence[Key], slots: list[int]) -> None:
+    def _drop(self, t: _Tier, keys: Sequence[Key], slots: list[int]) -> None:
         slot_of, key_of = t.slot_of, t.key_of
         for k, s in zip(keys, slots):
             del slot_of[k]
             del key_of[s]
         t.policy.remove_slots(slots, keys)
         t.free.extend(slots)
+        self._forget(keys)
+
+    def _forget(self, keys: Iterable[Key]) -> None:
+        """Drop the checksums of the pages of ``keys`` that no tier holds any more."""
+        sums = self.sums
+        if not len(sums):
+            return
+        tiers = [t.slot_of for t in self._tiers.values()]
+        gone = [k for k in keys if k in sums and not any(k in held for held in tiers)]
+        if gone:
+            sums.pop(gone)
 
 
 def _count(values: bytearray, slots: Sequence[int], want: int) -> int:

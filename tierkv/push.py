@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
-from tierkv.page_source import PageSource
+from tierkv.page_source import PageSource, publish_checked
 
 __all__ = ["PushCounters", "Pusher", "Runner"]
 
@@ -90,6 +90,7 @@ class Pusher:
         self._free = list(range(capacity))
         self._pending: list[tuple[bytes, int]] = []
         self._staged: set[bytes] = set()
+        self._sums: dict[bytes, int] = {}  # staged page -> its checksum, when offered with one
         self._work = asyncio.Event()
         self._room = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -140,11 +141,16 @@ class Pusher:
         return not self.pending
 
     async def offer(
-        self, keys: Sequence[bytes], array: npt.NDArray[np.uint8], slots: Sequence[int]
+        self,
+        keys: Sequence[bytes],
+        array: npt.NDArray[np.uint8],
+        slots: Sequence[int],
+        sums: Sequence[int] = (),
     ) -> int:
         """Stage ``array[slots[i]]`` as page ``keys[i]`` (pages already staged are skipped);
         returns the pages staged. Waits at most ``wait`` seconds for room; the rest is dropped.
-        The caller keeps the source slots unchanged until this returns."""
+        ``sums``: the pages' checksums, declared to the source with them. The caller keeps the
+        source slots unchanged until this returns."""
         if self._closed or self._task is None:
             return 0
         todo = [(k, s) for k, s in zip(keys, slots) if k not in self._staged]
@@ -176,6 +182,9 @@ class Pusher:
             self._free.extend(dst)  # the copier returns only once nothing writes the rows
             self._room.set()
             raise
+        if len(sums) == len(keys):
+            declared = dict(zip(keys, sums))
+            self._sums.update((k, declared[k]) for k, _ in fit)
         for (k, _), d in zip(fit, dst):
             self._pending.append((k, d))
             self._staged.add(k)
@@ -193,13 +202,16 @@ class Pusher:
 
     async def _publish(self, take: list[tuple[bytes, int]]) -> None:
         keys, slots = [k for k, _ in take], [s for _, s in take]
+        pop = self._sums.pop
+        got = [pop(k, -1) for k in keys]
+        sums = got if -1 not in got else []  # (else computed from the staged bytes)
         self.counters.batches += 1
         self._busy = len(take)
         try:
             # the bound is inside the call: when it returns, nothing reads the rows any more
             stored = await self.runner(
                 lambda: asyncio.wait_for(
-                    self.source.publish(keys, self.staging, slots), self.timeout
+                    publish_checked(self.source, keys, self.staging, slots, sums), self.timeout
                 )
             )
             if type(stored) is not int:

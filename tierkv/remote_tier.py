@@ -29,7 +29,8 @@ import numpy.typing as npt
 from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
 from tierkv.keys import is_content
-from tierkv.page_source import PageSource
+from tierkv.page_source import PageSource, load_checked, tier_label
+from tierkv.page_sums import PageCheck
 from tierkv.push import Pusher
 from tierkv.tiers import TierSet
 
@@ -118,9 +119,9 @@ class StoreRemote:
         assert self._tiers is not None and self.pusher is not None
         content = [(k, s) for k, s in victims if is_content(k)]
         if content:
-            await self.pusher.offer(
-                [k for k, _ in content], self._tiers.host_array, [s for _, s in content]
-            )
+            keys, slots = [k for k, _ in content], [s for _, s in content]
+            sums = self._tiers.host_sums(keys, slots)  # as the page table knows them
+            await self.pusher.offer(keys, self._tiers.host_array, slots, sums)
 
     def _fail(self, kind: str, exc: BaseException, keys: Sequence[bytes]) -> None:
         self.counters.errors += 1
@@ -156,9 +157,12 @@ class StoreRemote:
         return got
 
     async def _import(self, tiers: TierSet, source: PageSource, keys: list[bytes]) -> int:
+        check = PageCheck()  # the source's verdict on the pages' checksums
+
         async def load(new: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
             try:
-                ok = await asyncio.wait_for(source.load(new, host, slots), self.timeout)
+                read = load_checked(source, new, host, slots, check)
+                ok = await asyncio.wait_for(read, self.timeout)
                 if type(ok) is not int:
                     raise InvalidInputError(f"load answered {type(ok).__name__}, not an int")
             except Exception as exc:  # a source's failure is a miss, whatever its type
@@ -169,7 +173,9 @@ class StoreRemote:
             return got
 
         # victims compressed / pushed for room, not just dropped; nothing stays WRITING
-        ok = await tiers.import_host(keys, load, timeout=self.timeout + 1.0)
+        ok = await tiers.import_host(
+            keys, load, timeout=self.timeout + 1.0, check=check, tier=tier_label(source)
+        )
         self.counters.hits += ok
         self.counters.bytes_in += ok * self.page_bytes
         return ok

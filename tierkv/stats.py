@@ -38,3 +38,6 @@ class TierStats:
     decode_s: float = 0.0
     encode_s: float = 0.0
     peak_device_pages: int = 0
+    # pages whose bytes failed their checksum, by where they were read from (``cold``,
+    # ``peer``, ``redis``): each a miss, the page dropped
+    corrupt: dict[str, int] = field(default_factory=dict)

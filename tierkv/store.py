@@ -708,6 +708,8 @@ class KVStore:
             "peak_device_bytes": ts.peak_device_pages * self.spec.page_bytes,
             "prefix_tokens_reused": c.prefix_tokens_reused,
             "background_errors": c.background_errors,
+            "corrupt_pages": {t: ts.corrupt.get(t, 0) for t in ("cold", "peer", "redis")}
+            | ts.corrupt,
             "tiers": tiers.info(),
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
         }

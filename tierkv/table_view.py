@@ -78,6 +78,10 @@ class TableView:
         """The keys of ``keys`` that some tier holds (any state), in order."""
         return cast(list[PageKey], self._table.held(keys))
 
+    def sums(self, keys: Iterable[PageKey]) -> list[int]:
+        """The checksum (CRC-32C of the raw page) of each key; ``NO_SUM`` (-1) where none."""
+        return self._table.sums.get(keys)
+
     def check(self) -> None:
         """The page table's invariants. Raises AssertionError."""
         self._table.check()

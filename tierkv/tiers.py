@@ -47,6 +47,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from tierkv import page_sums
 from tierkv.codecs import Codec
 from tierkv.errors import (
     PageStateError,
@@ -60,6 +61,7 @@ from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage, Departures, Offer
 from tierkv.owners import Owners
+from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.page_table import PageState, PageTable, StoreAllocation
 from tierkv.runtime import (
     Arena,
@@ -150,7 +152,8 @@ class TierSet:
         self._arenas = arenas
         self._pages = self._page_views(arenas[DEVICE])
         self._by_head = self._pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]: a view
-        self._table = PageTable(tiers, policy, record_events=False)  # the store keeps counters
+        # (the store keeps counters; cold copies are encoded: a checksum per cold slot)
+        self._table = PageTable(tiers, policy, record_events=False, encoded=self._encoded(tiers))
         self.table = TableView(self._table)
         self.lower = [t for t in (HOST, COLD) if t in tiers]
         self.stats = TierStats()
@@ -198,6 +201,10 @@ class TierSet:
         # background prefault racing the first appends left them faulting on the loop)
         self._warm = min(arenas[DEVICE].num_slots, 2 * self._warm_chunk)
         arenas[DEVICE].prefault(0, self._warm)
+
+    @staticmethod
+    def _encoded(tiers: Mapping[str, int]) -> list[str]:
+        return [COLD] if COLD in tiers else []
 
     def _page_views(self, arena: Arena) -> torch.Tensor:
         # every device slot as a page [2, H, T, D] in the KV dtype, without copies
@@ -389,6 +396,8 @@ class TierSet:
         give released busy blocks their content keys once they are idle."""
         if self._renames:
             self._retry_renames()
+        if self._cold.bad:
+            self._cold.drop_bad()
         if not self._doomed:
             return
         table, doomed = self._table, list(self._doomed)
@@ -439,7 +448,7 @@ class TierSet:
         second while a hundred pages stay doomed (pinned by write-behind copies): so the reap
         runs once per loop turn, from a callback of its own, and wakes the waiters again if it
         freed something."""
-        if (self._doomed or self._renames) and not self._reap_due:
+        if (self._doomed or self._renames or self._cold.bad) and not self._reap_due:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a synchronous caller): reap now
@@ -518,6 +527,54 @@ class TierSet:
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove the readable, unpinned pages of ``keys`` from one tier."""
         self._cold.forget_in(tier, keys)
+
+    # -- page checksums (tierkv.page_sums) ----------------------------------------------------
+    def seal(self, keys: Sequence[PageKey]) -> None:
+        """Device pages whose content is final (an append filled them): record the CRC-32C of
+        their bytes, in one native call. Where the device is not host memory (CUDA) the bytes
+        are not read back: those pages get theirs when first published (:meth:`host_sums`)."""
+        if keys and self._pages.device.type == "cpu" and page_sums.enabled():
+            slots = self._table.slots(keys, DEVICE)
+            self._table.sums.set(keys, row_sums(self._arenas[DEVICE].array, slots))
+
+    def set_sums(self, keys: Sequence[PageKey], sums: Sequence[int]) -> None:
+        """Record the checksums of pages whose bytes were verified on arrival (a peer's)."""
+        self._table.sums.set(keys, sums)
+
+    def host_sums(self, keys: Sequence[PageKey], slots: Sequence[int]) -> list[int]:
+        """The checksums of host pages ``keys`` (at ``slots``, pinned by the caller) about to
+        leave this process: the recorded ones, and for pages without one (sealed on a CUDA
+        device, or imported before checksums) the CRC-32C of the host row, recorded now. Empty
+        when checksums are off."""
+        if not page_sums.enabled():
+            return []
+        sums = self._table.sums.get(keys)
+        missing = [i for i, c in enumerate(sums) if c == NO_SUM]
+        if missing:
+            got = row_sums(self._arenas[HOST].array, [slots[i] for i in missing])
+            for i, c in zip(missing, got):
+                sums[i] = c
+            self._table.sums.set([keys[i] for i in missing], got)
+        return sums
+
+    def count_corrupt(self, tier: str, n: int) -> None:
+        """``n`` pages read from ``tier`` failed their checksum (dropped, never served)."""
+        if n > 0:
+            self.stats.corrupt[tier] = self.stats.corrupt.get(tier, 0) + n
+
+    def _imported(
+        self, keys: Sequence[PageKey], slots: Sequence[int], check: PageCheck | None, tier: str
+    ) -> None:
+        """Record the checksums of pages imported into host ``slots``: the ones the source
+        verified, else (a source that does not check) computed from the bytes as they landed."""
+        if check is not None:
+            self.count_corrupt(tier, check.corrupt)
+        if not keys or not page_sums.enabled():
+            return
+        sums = check.sums[: len(keys)] if check is not None else []
+        if len(sums) < len(keys):
+            sums = row_sums(self._arenas[HOST].array, slots)
+        self._table.sums.set(keys, sums)
 
     # -- the host tier, for the remote glue and the page server --------------------------------
     @property
@@ -601,6 +658,8 @@ class TierSet:
         *,
         timeout: float | None = None,
         make_room: bool = True,
+        check: PageCheck | None = None,
+        tier: str = "peer",
     ) -> int:
         """Bring pages no tier holds into the host tier from a remote peer: room is made (the
         victims offered, compressed or dropped; with ``make_room=False`` only what the policy
@@ -609,7 +668,9 @@ class TierSet:
         rolled back (also on error or cancellation). Returns the pages imported (0 when there
         is no room and ``make_room``). Raises TierFullError (``make_room=False`` and the host
         is full of pinned pages), what ``load`` raised (TransferError wraps it) or
-        WaitTimeoutError after ``timeout`` (the engine's by default)."""
+        WaitTimeoutError after ``timeout`` (the engine's by default). ``check``: what ``load``
+        reports of the pages' checksums (verified ones are recorded; the corrupt ones counted
+        under ``tier``); without it the checksums are computed from the bytes that landed."""
         want = self._nowhere(list(dict.fromkeys(keys)))
         if not want:
             return 0
@@ -630,6 +691,7 @@ class TierSet:
         def settle() -> None:
             got = handle.result() if handle.exception() is None else 0
             ok = max(0, min(got, len(new))) if type(got) is int else 0
+            self._imported(new[:ok], slots[:ok], check, tier)
             self.commit_host(new[:ok])
             self.commit_host(new[ok:], ok=False)
 
@@ -897,7 +959,7 @@ class TierSet:
                         self._arenas[HOST], src_slots, self._arenas[DEVICE], dst, priority=priority
                     )
                 else:
-                    h = self._cold.decode(src_slots, dst, priority)
+                    h = self._cold.decode(src_slots, dst, priority, ks)
                 work.append((tier, len(ks), h))
         except BaseException as exc:  # the copies already submitted finish before the rollback
             task = asyncio.ensure_future(self._finish_load(new, src, work, exc))
@@ -947,6 +1009,7 @@ class TierSet:
             self.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
             self._table.complete_load(ks, tier)
+        error = self._cold.corrupt(error)  # a cold copy failed its checksum: dropped, typed
         self._table.complete_store(keys, DEVICE, ok=error is None)
         if error is None:
             self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit

@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
+from .crc32c_native import native_crc32c
 from .errors import (
     ClosedError,
     PeerError,
@@ -32,6 +33,7 @@ from .errors import (
     RegionError,
     RemoteAccessError,
     TransferTimeoutError,
+    TransportError,
 )
 from .handle import BatchHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
@@ -197,9 +199,17 @@ class Transport(abc.ABC):
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def read(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> BatchHandle:
-        """Post a batch of one-sided reads (remote -> local). See `write`."""
-        return self._post("read", ops, notify)
+    def read(
+        self, ops: Iterable[TransferOp], notify: bytes | None = None, *, checksums: bool = False
+    ) -> BatchHandle:
+        """Post a batch of one-sided reads (remote -> local). See `write`. With
+        ``checksums``, the handle's ``sums`` get the CRC-32C of each op's bytes once they have
+        landed: a backend that copies computes each right after its copy (shm: the bytes still
+        in cache), the others over the local ranges once the batch is done. Raises
+        TransportError where no CRC-32C implementation is available."""
+        if checksums and native_crc32c() is None:
+            raise TransportError("checksums=True: no CRC-32C implementation here")
+        return self._post("read", ops, notify, checksums)
 
     def write(self, ops: Iterable[TransferOp], notify: bytes | None = None) -> BatchHandle:
         """Post a batch of one-sided writes (local -> remote); returns an awaitable handle.
@@ -240,7 +250,13 @@ class Transport(abc.ABC):
         self._notifications.put_nowait(Notification(peer, data))
         return True
 
-    def _post(self, direction: Direction, ops: Iterable[TransferOp], notify: bytes | None) -> Any:
+    def _post(
+        self,
+        direction: Direction,
+        ops: Iterable[TransferOp],
+        notify: bytes | None,
+        checksums: bool = False,
+    ) -> Any:
         self._check_open()
         if notify is not None and len(notify) > MAX_NOTIFY_BYTES:
             raise ProtocolError(f"a notification of {len(notify)} bytes (limit {MAX_NOTIFY_BYTES})")
@@ -250,6 +266,7 @@ class Transport(abc.ABC):
             self._validate(op)
             nbytes += op.length
         handle = BatchHandle(timeout=self.timeout, nbytes=nbytes, num_ops=len(batch))
+        handle.want_sums = checksums
         task = asyncio.get_running_loop().create_task(
             self._guarded(direction, batch, notify, handle)
         )
@@ -278,6 +295,10 @@ class Transport(abc.ABC):
     ) -> None:
         try:
             await self._transfer(direction, ops, notify, handle)
+            if handle.want_sums and handle.sums is None:  # over the bytes as they landed
+                crc = native_crc32c()
+                assert crc is not None  # (checked at post)
+                handle.sums = [crc(_landed(op), 0) for op in ops]
         except asyncio.CancelledError:
             if handle.expired:
                 raise TransferTimeoutError(
@@ -321,3 +342,8 @@ class Transport(abc.ABC):
 
     def _on_deregister(self, region: Region) -> None:  # noqa: B027 - optional hook
         """Release backend resources of a region being dropped."""
+
+
+def _landed(op: TransferOp) -> memoryview:
+    """The local bytes of ``op``."""
+    return op.local.view[op.local_offset : op.local_offset + op.length]

@@ -20,13 +20,22 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
 from .errors import TransportError
 
-__all__ = ["Crc", "crc32c", "implementation", "native_crc32c", "reselect", "select_fold"]
+__all__ = [
+    "Crc",
+    "crc32c",
+    "crc32c_rows",
+    "implementation",
+    "native_crc32c",
+    "reselect",
+    "select_fold",
+]
 
 #: `fn(data, crc)`: the CRC-32C of everything so far (`crc`) followed by the buffer `data`.
 Crc = Callable[[Any, int], int]
@@ -98,3 +107,23 @@ def crc32c(data: Any, crc: int = 0) -> int:
             "time and the crc32c package is not installed (or TIERKV_NATIVE_CHECKSUM=0)"
         )
     return fn(data, crc)
+
+
+def crc32c_rows(rows: Any, slots: Sequence[int]) -> list[int]:
+    """CRC-32C of ``rows[s]`` for each ``s`` of ``slots`` (``rows``: a C-contiguous 2-D uint8
+    array, one page per row): one native call over all of them where the extension is in
+    use (it releases the GIL), one call per row with the ``crc32c`` package. Raises
+    TransportError where no implementation is available, IndexError for a slot outside
+    ``rows``."""
+    if not slots:
+        return []
+    ours = _extension()
+    if ours is not None and implementation() == "tierkv":
+        row_bytes = rows.shape[1]
+        out = ours.crc32c_rows(rows, row_bytes, array("q", slots))
+        return array("I", out).tolist()
+    n = rows.shape[0]
+    for s in slots:
+        if not 0 <= s < n:
+            raise IndexError(f"crc32c_rows: row {s} outside [0, {n})")
+    return [crc32c(rows[s]) for s in slots]

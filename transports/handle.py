@@ -20,7 +20,16 @@ class BatchHandle:
     deadline); `cancel()` does, and once it returns no further byte lands in local memory.
     """
 
-    __slots__ = ("_abort_hooks", "_task", "_timeout", "expired", "nbytes", "num_ops")
+    __slots__ = (
+        "_abort_hooks",
+        "_task",
+        "_timeout",
+        "expired",
+        "nbytes",
+        "num_ops",
+        "sums",
+        "want_sums",
+    )
 
     def __init__(self, *, timeout: float, nbytes: int, num_ops: int) -> None:
         self._task: asyncio.Future[None] | None = None
@@ -29,6 +38,10 @@ class BatchHandle:
         self.expired = False
         self.nbytes = nbytes
         self.num_ops = num_ops
+        #: a read posted with ``checksums=True``: the CRC-32C of each op's bytes as they landed
+        #: in local memory (set once the transfer succeeded; None before, or when not asked)
+        self.want_sums = False
+        self.sums: list[int] | None = None
 
     def _start(self, task: asyncio.Future[None]) -> None:
         self._task = task

@@ -34,6 +34,7 @@ from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 from .base import Direction, Transport
+from .crc32c_native import native_crc32c
 from .errors import (
     AuthError,
     InvalidInputError,
@@ -319,14 +320,20 @@ class ShmTransport(Transport):
         handle: BatchHandle,
     ) -> None:
         links = {agent: self._check_alive(agent) for agent in {op.remote.agent for op in ops}}
+        crc = native_crc32c() if handle.want_sums else None
+        sums: list[int] = []
         for local, lo, remote, ro, n in ops:
             theirs = self._map(remote)
             if ro + n > len(theirs):
                 raise RemoteAccessError(f"[{ro}, {ro + n}) is outside {remote}")
             if direction == "read":
                 local.view[lo : lo + n] = theirs[ro : ro + n]
+                if crc is not None:  # each op's bytes right after its copy, still in cache
+                    sums.append(crc(local.view[lo : lo + n], 0))
             else:
                 theirs[ro : ro + n] = local.view[lo : lo + n]
+        if crc is not None:
+            handle.sums = sums
         if notify is not None:
             for agent, session in links.items():
                 try:

@@ -27,6 +27,7 @@ from redis_server import RedisServer, free_port, skip_without_redis  # noqa: E40
 
 from tierkv import KVStore  # noqa: E402
 from tierkv.errors import SpecError  # noqa: E402
+from tierkv.page_sums import PageCheck, row_sums  # noqa: E402
 from tierkv.remote import RedisTier, import_prefix, prefix_pages, publish_prefix  # noqa: E402
 from tierkv.remote.sources.redis_tier import HEADER_BYTES  # noqa: E402
 from tierkv.spec import KVSpec  # noqa: E402
@@ -236,6 +237,26 @@ async def test_corrupted_value_is_a_miss_and_a_warning(
             assert any("rejected" in m for m in caplog.messages)
             assert r.exists(rk) == 0  # dropped, so that a publish repairs it
         assert await rt.publish(keys, src, list(range(6))) == 1
+        assert await rt.load(keys, out, list(range(6))) == 6 and (out == src).all()
+
+
+async def test_a_page_already_wrong_at_the_publisher_fails_its_crc(srv: RedisServer) -> None:
+    """End to end: the value is well formed (its XXH3 is of the bytes stored), but the page's
+    CRC-32C, from the publisher's page table, is of the page as it was when it became final."""
+    keys, src = keys_of(12, 6), pages_of(12, 6)
+    sums = row_sums(src, list(range(6)))
+    flipped = src.copy()
+    flipped[3, 77] ^= 0x08  # host memory went wrong between the seal and the publish
+    async with tier(srv.url) as rt:
+        assert await rt.publish(keys, flipped, list(range(6)), sums=sums) == 6
+        out = np.zeros((6, PB), np.uint8)
+        check = PageCheck()
+        assert await rt.load(keys, out, list(range(6)), check) == 3
+        assert (out[:3] == src[:3]).all() and check.sums == sums[:3] and check.corrupt == 1
+        assert rt.stats()["corrupt"] == 1
+        with redis.Redis.from_url(srv.url) as r:
+            assert r.exists(rt.redis_key(keys[3])) == 0  # dropped: a publish repairs it
+        assert await rt.publish(keys, src, list(range(6)), sums=sums) == 1
         assert await rt.load(keys, out, list(range(6))) == 6 and (out == src).all()
 
 

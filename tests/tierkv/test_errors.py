@@ -156,6 +156,7 @@ BUILTIN_RAISES_ALLOWED = {
     ("tierkv/policies/history.py", "KeyError"): "internal: pop_oldest of an empty history",
     ("tierkv/sequence.py", "IndexError"): "internal: a block past the last one",
     ("runtime/cpu_copy.py", "IndexError"): "internal, as the C kernel's; streams map it",
+    ("transports/crc32c_native.py", "IndexError"): "internal, as the C kernel's (crc32c_rows)",
     ("tierkv/replay.py", "RuntimeError"): "an invariant of a one-tier replay (cannot happen)",
     ("transports/session.py", "ConnectionResetError"): "an OSError the transports map",
     ("tierkv/integrations/smollm2_loader.py", "FileNotFoundError"): "an OSError: no weights",

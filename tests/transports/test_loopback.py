@@ -18,6 +18,7 @@ from tierkv.transports import (
     TransferTimeoutError,
     create,
 )
+from tierkv.transports.crc32c_native import crc32c
 from tierkv.transports.loopback import LoopbackTransport
 
 
@@ -37,6 +38,23 @@ async def test_batch_read_write_bit_exact() -> None:
         assert bytes(src) == bytes(mine.view)
         note = await b.get_notification(timeout=1)
         assert note == ("a", b"w1")
+
+
+async def test_a_read_with_checksums_reports_each_ops_crc32c_as_landed() -> None:
+    async with LoopbackTransport("c1") as a, LoopbackTransport("c2") as b:
+        src = bytearray(os.urandom(1 << 16))
+        theirs = b.register_memory(src)
+        mine = a.allocate(1 << 16)
+        await a.add_peer(b.metadata())
+        ops = [
+            TransferOp(mine, i, theirs.descriptor, (1 << 16) - 4096 - i, 4096) for i in (0, 8192)
+        ]
+        handle = a.read(ops, checksums=True)
+        await handle
+        assert handle.sums == [crc32c(src[(1 << 16) - 4096 - i :][:4096]) for i in (0, 8192)]
+        plain = a.read(ops)
+        await plain
+        assert plain.sums is None
 
 
 async def test_descriptor_round_trip() -> None:

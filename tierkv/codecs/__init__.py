@@ -30,14 +30,14 @@ from tierkv.codecs.base import (
     Codec,
     CodecError,
     CodecRangeError,
-    CorruptPageError,
+    CorruptEncodingError,
     NonFiniteError,
     UnknownCodecError,
 )
 from tierkv.codecs.downcast import Bf16Codec, DowncastCodec, Fp16Codec, IdentityCodec
 from tierkv.codecs.header import HEADER_BYTES, MAGIC, VERSION, unpack_header
 from tierkv.codecs.int8 import Int8Codec, Int8GroupCodec
-from tierkv.errors import SpecError
+from tierkv.errors import CorruptPageError, SpecError
 from tierkv.transports.deprecation import deprecated_alias
 from tierkv.transports.named import Registry
 
@@ -47,6 +47,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "CodecRangeError",
+    "CorruptEncodingError",
     "CorruptPageError",
     "DowncastCodec",
     "Fp16Codec",
@@ -108,15 +109,17 @@ def codec_for(data: torch.Tensor) -> Codec:
     from the first page's header; :meth:`Codec.decode` then checks every header.
 
     Raises:
-        CorruptPageError: shorter than a header, bad magic or version.
+        CorruptEncodingError: shorter than a header, bad magic or version.
         UnknownCodecError: a codec id that no codec here has.
     """
     row = data if data.dim() == 1 else data[0]
     if row.dtype != torch.uint8 or row.numel() < HEADER_BYTES:
-        raise CorruptPageError(f"not an encoded page: {list(data.shape)} {data.dtype}")
+        raise CorruptEncodingError(f"not an encoded page: {list(data.shape)} {data.dtype}")
     h = unpack_header(row)
     if h["magic"] != MAGIC or h["version"] != VERSION:
-        raise CorruptPageError(f"not an encoded page: magic {h['magic']!r} version {h['version']}")
+        raise CorruptEncodingError(
+            f"not an encoded page: magic {h['magic']!r} version {h['version']}"
+        )
     cid = h["codec_id"]
     if not isinstance(cid, int) or cid not in _BY_ID:
         raise UnknownCodecError(f"unknown codec id {cid} in page header")

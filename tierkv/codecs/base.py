@@ -13,7 +13,7 @@ Errors (all under :class:`~tierkv.errors.TierKVError`)::
      └── CodecError
           ├── NonFiniteError (ValueError)  NaN or inf in a page given to a lossy codec
           ├── CodecRangeError (OverflowError)  a value the target dtype cannot hold
-          ├── CorruptPageError (ValueError)    a short buffer or a bad header or bad scales
+          ├── CorruptEncodingError (ValueError) a short buffer or a bad header or bad scales
           └── UnknownCodecError (KeyError)     no codec of that name or id (an
                                                UnknownNameError like every registry's)
 
@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
-from tierkv.errors import SpecError, TierKVError, UnknownNameError
+from tierkv.errors import CorruptPageError, SpecError, TierKVError, UnknownNameError
 from tierkv.spec import ALIGN, KVSpec
 
 
@@ -44,8 +44,12 @@ class CodecRangeError(CodecError, OverflowError):
     """A page holds a value beyond the range of the codec's target dtype."""
 
 
-class CorruptPageError(CodecError, ValueError):
-    """An encoded buffer is too short, its header does not match, or its scales are bad."""
+class CorruptEncodingError(CodecError, CorruptPageError, ValueError):
+    """An encoded buffer is too short, its header does not match, or its scales are bad (a
+    :class:`~tierkv.errors.CorruptPageError` of the cold tier)."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(msg, tier="cold")
 
 
 class UnknownCodecError(CodecError, UnknownNameError, KeyError):
@@ -208,7 +212,7 @@ class Codec(ABC):
 
         Raises:
             SpecError: ``data`` or ``out`` has the wrong shape or dtype.
-            CorruptPageError: a buffer is short, a header does not match this codec and spec,
+            CorruptEncodingError: a buffer is short, a header does not match this codec and spec,
                 or a stored scale is negative or not finite.
         """
         size = self.encoded_bytes(spec)
@@ -217,7 +221,7 @@ class Codec(ABC):
                 f"data: expected [N, {size}] uint8, got {list(data.shape)} {data.dtype}"
             )
         if data.shape[1] < size:
-            raise CorruptPageError(
+            raise CorruptEncodingError(
                 f"data: {data.shape[1]} bytes per page, need {size} ({self.name})"
             )
         n = data.shape[0]
@@ -226,14 +230,14 @@ class Codec(ABC):
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
             why = describe_mismatch(data[first], hdr)
-            raise CorruptPageError(f"pages {bad_pages(bad)}: header mismatch: {why}")
+            raise CorruptEncodingError(f"pages {bad_pages(bad)}: header mismatch: {why}")
         s_end = HEADER_BYTES + self.scale_bytes(spec)
         scales = data[:, HEADER_BYTES:s_end]
         if s_end > HEADER_BYTES:
             sv = scales.view(torch.float32)
             bad = ~(torch.isfinite(sv) & (sv >= 0)).all(dim=1)
             if bool(bad.any()):
-                raise CorruptPageError(f"pages {bad_pages(bad)}: negative or non-finite scales")
+                raise CorruptEncodingError(f"pages {bad_pages(bad)}: negative or non-finite scales")
         if out is None:
             view = torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=data.device)
         else:

@@ -17,7 +17,8 @@ import numpy.typing as npt
 
 from tierkv import validate
 from tierkv.keys import page_key, prefix_keys
-from tierkv.page_source import PageSource
+from tierkv.page_source import PageSource, load_checked, publish_checked, tier_label
+from tierkv.page_sums import PageCheck
 from tierkv.prompt import prompt_keys
 from tierkv.runtime import TransferError
 from tierkv.store import KVStore
@@ -80,8 +81,20 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
     somewhere = set(table.held(pages[have:held]))
     want = [k for k in pages[have:held] if k not in somewhere]
     if want:
+        check = PageCheck()  # the peer's pages are checked as they land (counted if corrupt)
+
+        async def load(keys: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
+            return await load_checked(peer, keys, host, slots, check)
+
         try:
-            await tiers.import_host(want, peer.load, timeout=store.timeout, make_room=False)
+            await tiers.import_host(
+                want,
+                load,
+                timeout=store.timeout,
+                make_room=False,
+                check=check,
+                tier=tier_label(peer),
+            )
         except TransferError as exc:  # the peer's own error, as it raised it
             raise (exc.__cause__ or exc) from None
     return tiers.table.lookup(every) // layers * store.spec.page_tokens  # = store.lookup
@@ -104,7 +117,7 @@ async def publish_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]
         return 0
 
     async def send(keys: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
-        return await peer.publish(keys, host, slots)
+        return await publish_checked(peer, keys, host, slots, tiers.host_sums(keys, slots))
 
     try:
         return await tiers.export_host(pages[:n], send, timeout=store.timeout)

@@ -10,10 +10,10 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
     hello    {}                          -> {"name", "spec", "lease_ttl", "transports":
                                                 {kind: {"metadata", "region"}}}
     lookup   {"keys"}                    -> {"n"}               readable prefix in the host tier
-    acquire  {"keys"}                    -> {"lease", "slots", "gens"}   pins that prefix
+    acquire  {"keys"}                    -> {"lease", "slots", "gens", "sums"}   pins that prefix
     release  {"lease"}                   -> {"valid"}    pages whose slot and generation held
-    reserve  {"keys"}                    -> {"lease", "slots"}   host slots to write (-1: skip)
-    commit   {"lease", "ok"}             -> {"stored"}
+    reserve  {"keys", "sums"}            -> {"lease", "slots"}   host slots to write (-1: skip)
+    commit   {"lease", "ok"}             -> {"stored", "corrupt"}
     stats    {}                          -> {"pages", "leases", "peers", "watchers", ...}
     locate   {"keys"}                    -> {"nodes"}   a node address per leading page held
     watch    {"keys"}                    -> {"held"}    per key: held now (then watched)
@@ -22,6 +22,13 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
 
     server -> client, unasked, on a connection that watches:
              {"ev": "gone", "keys"}      watched pages that left the host tier
+
+Page checksums (``sums``: one CRC-32C of the raw page per key, an int in [0, 2**32); the
+hello's ``"checks": "crc32c"`` says a server keeps them): a reader checks what it read against
+``acquire``'s; a writer declares its pages' at ``reserve``, and ``commit`` stores only the pages
+whose bytes match, counting the rest (``corrupt``). A page without a checksum (a request
+without ``sums``, a ``-1``) is corrupt; so is, for a reader, every page of a server whose
+``acquire`` answers without them.
 
 Roles in the handshake: the server is a ``page-server`` (its id: its address); a client is a
 ``client`` (RemoteTier, Watch) or a ``page-server`` (a peer link, its id: its address).
@@ -53,6 +60,7 @@ __all__ = [
     "error_for",
     "keys_of",
     "spec_fields",
+    "sums_of",
 ]
 
 MAX_FRAME = 8 << 20
@@ -85,6 +93,19 @@ def keys_of(msg: dict[str, Any]) -> list[bytes]:
     if not all(isinstance(k, bytes) and 0 < len(k) <= 64 for k in keys):
         raise RemoteProtocolError("every key must be 1 to 64 bytes")
     return keys
+
+
+def sums_of(msg: dict[str, Any], n: int) -> list[int] | None:
+    """The ``sums`` field: ``n`` checksums, each an int in [0, 2**32) or -1 (none); None when
+    the field is absent. Raises RemoteProtocolError for anything else."""
+    sums = msg.get("sums")
+    if sums is None:
+        return None
+    if not isinstance(sums, list) or len(sums) != n:
+        raise RemoteProtocolError(f"sums must be a list of {n} checksums")
+    if not all(type(c) is int and -1 <= c < 1 << 32 for c in sums):
+        raise RemoteProtocolError("every checksum must be an int in [-1, 2**32)")
+    return sums
 
 
 def error_for(reply: dict[str, Any]) -> RemoteError:

@@ -18,7 +18,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
+from tierkv import page_sums
 from tierkv.keys import is_content
+from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageState
 from tierkv.remote.errors import RemoteFullError, RemoteProtocolError
 from tierkv.tiers import HOST, TierSet
@@ -69,13 +71,17 @@ class Directory:
         """Length of the prefix of ``keys`` readable in the host tier (content pages only)."""
         return self._readable(keys)
 
-    def acquire(self, keys: list[bytes], owner: object) -> tuple[int, list[int], list[int]]:
-        """Pin the readable prefix of ``keys`` for a reader; returns (lease, slots, gens)."""
+    def acquire(
+        self, keys: list[bytes], owner: object
+    ) -> tuple[int, list[int], list[int], list[int]]:
+        """Pin the readable prefix of ``keys`` for a reader; returns (lease, slots, gens,
+        sums): the pages' checksums, what the reader checks its copy against."""
         n = self._readable(keys)
         pinned = keys[:n]
         slots = self.tiers.pin_host(pinned)
         gens = [self._observe(s, k) for s, k in zip(slots, pinned)]
-        return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens
+        sums = self.tiers.host_sums(pinned, slots)
+        return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens, sums
 
     def release(self, lease_id: int) -> int:
         """End a read lease; returns how many leading pages are still the ones served (a page
@@ -100,15 +106,22 @@ class Directory:
         return valid
 
     # -- writes --------------------------------------------------------------------------
-    def reserve(self, keys: list[bytes], owner: object) -> tuple[int, list[int]]:
+    def reserve(
+        self, keys: list[bytes], owner: object, sums: list[int] | None = None
+    ) -> tuple[int, list[int]]:
         """Reserve host slots for pages a peer will write; returns (lease, slot per key, -1
-        where the page is already held or was not admitted). Raises RemoteFullError."""
+        where the page is already held or was not admitted). ``sums``: the checksum the peer
+        declares for each key (recorded for the reserved pages, checked at :meth:`verify`).
+        Raises RemoteFullError."""
         if not all(is_content(k) for k in keys):
             raise RemoteProtocolError("only content pages can be published")
         alloc = self.tiers.reserve_host(keys)  # pages evicted for room are announced
         if alloc is None:
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
         new = cast(list[bytes], alloc.keys)
+        if sums is not None and new:  # (a reserved page is WRITING: it holds no checksum yet)
+            declared = dict(zip(keys, sums))
+            self.tiers.set_sums(new, [declared[k] for k in new])
         slot_of = dict(zip(new, alloc.slots))
         for k, s in slot_of.items():
             self._seen[s] = None
@@ -125,6 +138,28 @@ class Directory:
         self._cancel_timer(lease)
         self._end_write(lease, ok)
         return len(lease.keys) if ok else 0
+
+    def verify(self, lease_id: int) -> int:
+        """Check the bytes a peer wrote under a write lease against the checksums it declared
+        at reserve, before :meth:`commit` publishes them: the pages that differ, or came
+        without a checksum, are rolled back now (the others stay reserved); returns how many.
+        Nothing to check (0) for an unknown lease, or with checksums off."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != "write" or not lease.keys or not page_sums.enabled():
+            return 0
+        want = self.tiers.table.sums(lease.keys)
+        got = row_sums(self.tiers.host_array, lease.slots)
+        bad = [i for i, (w, g) in enumerate(zip(want, got)) if w == NO_SUM or w != g]
+        if not bad:
+            return 0
+        drop = set(bad)
+        self.tiers.commit_host([lease.keys[i] for i in bad], ok=False)
+        for i in bad:
+            self._observe(lease.slots[i], None)
+        lease.keys[:] = [k for i, k in enumerate(lease.keys) if i not in drop]
+        lease.slots[:] = [s for i, s in enumerate(lease.slots) if i not in drop]
+        self.tiers.count_corrupt("peer", len(bad))
+        return len(bad)
 
     def _end_write(self, lease: _Lease, ok: bool) -> None:
         if lease.keys:

@@ -34,7 +34,7 @@ from typing import Any
 from tierkv.errors import TierKVError
 from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
 from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
-from tierkv.remote.protocol.wire import keys_of, spec_fields
+from tierkv.remote.protocol.wire import keys_of, spec_fields, sums_of
 from tierkv.remote.server.control_socket import ControlSocket
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
@@ -224,6 +224,7 @@ class PageServer:
             "name": next(iter(self.transports.values())).name,
             "spec": spec_fields(self.store.spec),
             "lease_ttl": self.lease_ttl,
+            "checks": "crc32c",  # page checksums (wire.py)
             "transports": {
                 kind: {"metadata": t.metadata(), "region": _packed(self.shared[kind])}
                 for kind, t in self.transports.items()
@@ -240,18 +241,24 @@ class PageServer:
             if op == "lookup":
                 return {"n": d.lookup(keys_of(msg))}
             if op == "acquire":
-                lease, slots, gens = d.acquire(keys_of(msg), owner)
-                return {"lease": lease, "slots": slots, "gens": gens}
+                lease, slots, gens, sums = d.acquire(keys_of(msg), owner)
+                reply = {"lease": lease, "slots": slots, "gens": gens}
+                if len(sums) == len(slots):  # (none with checksums off: measurements only)
+                    reply["sums"] = sums
+                return reply
             if op == "release":
                 return {"valid": d.release(_int(msg, "lease"))}
             if op == "reserve":
-                lease, slots = d.reserve(keys_of(msg), owner)
+                keys = keys_of(msg)
+                lease, slots = d.reserve(keys, owner, sums_of(msg, len(keys)))
                 return {"lease": lease, "slots": slots}
             if op == "commit":
-                stored = d.commit(_int(msg, "lease"), bool(msg.get("ok")))
+                lease, ok = _int(msg, "lease"), bool(msg.get("ok"))
+                corrupt = d.verify(lease) if ok else 0  # the peer's bytes, before they are served
+                stored = d.commit(lease, ok)
                 if stored:
                     self.mesh.changed()  # peers hear of published pages at once
-                return {"stored": stored}
+                return {"stored": stored, "corrupt": corrupt}
             if op == "locate":
                 return {"nodes": self.locate(keys_of(msg))}
             if op == "watch":
@@ -280,6 +287,7 @@ class PageServer:
         return {
             "pages": len(d.entries()),
             "host_used": table.used("host"),
+            "corrupt_pages_total": self.store.tiers.stats.corrupt.get("peer", 0),
             "host_capacity": table.capacity("host"),
             "leases": d.leases,
             "expired": d.expired,

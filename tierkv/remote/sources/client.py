@@ -1,4 +1,5 @@
-"""`RemoteTier`: a peer's host tier, reached through its page server.
+"""`RemoteTier`: a peer's host tier, reached through its page server. This file stays whole
+(over 400 lines): one class whose calls share the connection, its reconnection and backoff.
 
 ::
 
@@ -9,7 +10,11 @@
 
 `load` pins the pages on the peer for the read (a lease), reads them one-sidedly straight into
 the given local slots, then asks the peer whether each page's slot and generation held: pages
-from the first one that did not are misses (not counted). The caller owns the local slots (for
+from the first one that did not are misses (not counted). Then each page's bytes are checked
+against the CRC-32C the peer gave for it (``acquire``): a page that differs, or came without
+one, is corrupt (counted in ``corrupt``), and the pages from the first corrupt one on are
+misses. `publish` declares its pages' checksums; the peer stores only the pages that match
+(CorruptPageError names the others). The caller owns the local slots (for
 example reserved WRITING in its page table) and keeps only the counted ones; on any error no
 other local memory has been touched and no byte lands after the call returns.
 
@@ -34,7 +39,9 @@ import numpy as np
 import numpy.typing as npt
 
 import tierkv.transports as transports
-from tierkv.errors import SpecError
+from tierkv import page_sums
+from tierkv.errors import CorruptPageError, SpecError
+from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -61,6 +68,7 @@ class ReadLease:
     keys: list[bytes]
     slots: list[int]
     gens: list[int]
+    sums: list[int] | None = None  # the pages' checksums (None: the peer sent none)
 
 
 def _ints(value: Any, low: int | None) -> bool:
@@ -128,6 +136,13 @@ class RemoteTier:
         self._ctl: Control | None = None
         self._transport: transports.Transport | None = None
         self._region: transports.RegionDescriptor | None = None
+        self.corrupt = 0  # pages read that failed their checksum (misses, never delivered)
+        self.corrupt_published = 0  # pages we published that the peer refused as corrupt
+
+    #: `load` verifies pages and reports their checksums (tierkv.page_source.load_checked)
+    checks_pages = True
+    #: the label of its corrupt pages in a store's counters
+    tier_label = "peer"
 
     # -- life cycle ----------------------------------------------------------------------
     async def connect(self) -> RemoteTier:
@@ -290,12 +305,15 @@ class RemoteTier:
         """Pin the leading pages of ``keys`` that the peer holds; release with `release`."""
         reply = await self._call("acquire", keys=list(keys))
         slots, gens, lease = reply.get("slots"), reply.get("gens"), reply.get("lease")
+        sums = reply.get("sums")
         if not (_ints(slots, 0) and _ints(gens, None) and type(lease) is int):
             raise RemoteProtocolError("bad acquire answer")
         assert isinstance(slots, list) and isinstance(gens, list)
         if len(slots) != len(gens) or len(slots) > len(keys):
             raise RemoteProtocolError("bad acquire answer")
-        return ReadLease(lease, list(keys[: len(slots)]), slots, gens)
+        if sums is not None and not (_ints(sums, NO_SUM) and len(sums) == len(slots)):
+            raise RemoteProtocolError("bad acquire answer (sums)")
+        return ReadLease(lease, list(keys[: len(slots)]), slots, gens, sums)
 
     async def read(self, lease: ReadLease, array: Slots, slots: list[int]) -> None:
         """Copy the lease's pages into ``slots`` of ``array`` ([num_slots, page_bytes] uint8).
@@ -304,6 +322,15 @@ class RemoteTier:
         """
         await self._transfer("read", array, slots, lease.slots)
 
+    async def _read(self, lease: ReadLease, array: Slots, slots: list[int]) -> list[int] | None:
+        """`read`, page by page with each page's CRC-32C taken as it lands (a transport that
+        copies takes it right after the copy, the bytes still in cache): the checksums, or
+        None with page checksums off."""
+        if not page_sums.enabled():
+            await self._transfer("read", array, slots, lease.slots)
+            return None
+        return await self._transfer("read", array, slots, lease.slots, checksums=True)
+
     async def release(self, lease: ReadLease) -> int:
         """End a read lease; returns how many leading pages were still valid when it ended."""
         valid = (await self._call("release", lease=lease.lease)).get("valid")
@@ -311,35 +338,81 @@ class RemoteTier:
             raise RemoteProtocolError(f"bad release answer {valid!r}")
         return valid
 
-    async def load(self, keys: list[bytes], array: Slots, slots: list[int]) -> int:
+    async def load(
+        self, keys: list[bytes], array: Slots, slots: list[int], check: PageCheck | None = None
+    ) -> int:
         """Read the leading pages of ``keys`` the peer holds into ``slots`` of ``array``.
 
-        Returns how many leading pages arrived intact (the rest are misses: not held, or
-        evicted and reused on the peer during the read). Raises PeerGoneError,
+        Returns how many leading pages arrived intact (the rest are misses: not held, evicted
+        and reused on the peer during the read, or corrupt: bytes that differ from the
+        checksum the peer gave, counted in ``corrupt``). ``check``, when given, receives the
+        delivered pages' checksums and the corrupt count. Raises PeerGoneError,
         RemoteTimeoutError, RemoteError, SpecError; only ``slots`` may have been written then.
         """
         if len(slots) < len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         lease = await self.acquire(keys)
+        local = list(slots[: len(lease.slots)])
+        landed: list[int] | None = None
         if lease.slots:
             try:
-                await self.read(lease, array, list(slots[: len(lease.slots)]))
+                landed = await self._read(lease, array, local)
             except BaseException:
                 with contextlib.suppress(RemoteError):  # the lease also ends on its own
                     await self.release(lease)
                 raise
-        return await self.release(lease)
+        valid = await self.release(lease)
+        return self._verified(lease, array, local[:valid], check, landed)
+
+    def _verified(
+        self,
+        lease: ReadLease,
+        array: Slots,
+        local: list[int],
+        check: PageCheck | None,
+        landed: list[int] | None,
+    ) -> int:
+        """How many leading pages of ``local`` (read under ``lease``; ``landed``: their
+        checksums as they landed) match the checksums the peer gave; the ones that do not are
+        counted."""
+        if not local or not page_sums.enabled():
+            return len(local)
+        got = landed if landed is not None and len(landed) >= len(local) else None
+        if got is None:
+            got = row_sums(array, local)
+        want = lease.sums or [NO_SUM] * len(local)
+        bad = [i for i, (w, g) in enumerate(zip(want, got)) if w == NO_SUM or w != g]
+        n = bad[0] if bad else len(local)
+        self.corrupt += len(bad)
+        if check is not None:
+            check.corrupt += len(bad)
+            check.sums = got[:n]
+        return n
 
     # -- writes --------------------------------------------------------------------------
-    async def publish(self, keys: list[bytes], array: Slots, slots: list[int]) -> int:
+    async def publish(
+        self,
+        keys: list[bytes],
+        array: Slots,
+        slots: list[int],
+        sums: list[int] | None = None,
+    ) -> int:
         """Write the pages in ``slots`` of ``array`` to the peer's host tier under ``keys``.
 
-        Pages the peer already holds are skipped. Returns the pages newly stored. Raises
-        RemoteFullError (no room on the peer), PeerGoneError, RemoteTimeoutError, RemoteError.
+        ``sums``: the pages' checksums (from the page table; by default computed from the
+        bytes in ``array`` now). Pages the peer already holds are skipped. Returns the pages
+        newly stored. Raises CorruptPageError when the peer refused pages whose bytes did not
+        match their checksum (``stored`` says how many others it stored), RemoteFullError (no
+        room on the peer), PeerGoneError, RemoteTimeoutError, RemoteError.
         """
         if len(slots) != len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
-        reply = await self._call("reserve", keys=list(keys))
+        fields: dict[str, Any] = {"keys": list(keys)}
+        if page_sums.enabled():
+            if sums is None or len(sums) != len(keys):
+                sums = row_sums(array, slots) if keys else []
+            fields["sums"] = list(sums)
+        reply = await self._call("reserve", **fields)
         lease, remote = reply.get("lease"), reply.get("slots")
         if type(lease) is not int or not _ints(remote, -1):
             raise RemoteProtocolError("bad reserve answer")
@@ -354,15 +427,35 @@ class RemoteTier:
             with contextlib.suppress(RemoteError):
                 await self._call("commit", lease=lease, ok=False)
             raise
-        stored = (await self._call("commit", lease=lease, ok=True)).get("stored")
+        done = await self._call("commit", lease=lease, ok=True)
+        stored, corrupt = done.get("stored"), done.get("corrupt", 0)
         if type(stored) is not int or not 0 <= stored <= len(keys):
             raise RemoteProtocolError("bad commit answer")
+        if type(corrupt) is not int or not 0 <= corrupt <= len(keys) - stored:
+            raise RemoteProtocolError("bad commit answer (corrupt)")
+        if corrupt:
+            self.corrupt_published += corrupt
+            raise CorruptPageError(
+                f"the page server refused {corrupt} of {len(keys)} pages: their bytes did not "
+                f"match their checksums ({stored} stored)",
+                tier="peer",
+                pages=corrupt,
+                stored=stored,
+            )
         return stored
 
     # -- one-sided transfers -------------------------------------------------------------
     async def _transfer(
-        self, direction: str, array: Slots, local: list[int], remote: list[int]
-    ) -> None:
+        self,
+        direction: str,
+        array: Slots,
+        local: list[int],
+        remote: list[int],
+        *,
+        checksums: bool = False,
+    ) -> list[int] | None:
+        """One-sided ``direction`` of pages; with ``checksums`` (reads), one op per page and
+        the CRC-32C of each as it landed (returned)."""
         t, desc, pb = self._transport, self._region, self.page_bytes
         if t is None or desc is None:
             raise PeerGoneError("not connected to the page server")
@@ -376,13 +469,14 @@ class RemoteTier:
             raise map_transport_error(exc, "registering the local pages") from exc
         handle: transports.BatchHandle | None = None
         try:
+            runs = [(lo, ro, 1) for lo, ro in zip(local, remote)] if checksums else None
             ops = [
                 transports.TransferOp(region, lo * pb, desc, ro * pb, n * pb)
-                for lo, ro, n in _runs(local, remote)
+                for lo, ro, n in (runs or _runs(local, remote))
             ]
-            post = t.read if direction == "read" else t.write
-            handle = post(ops)
+            handle = t.read(ops, checksums=checksums) if direction == "read" else t.write(ops)
             await handle.wait(self.timeout)
+            return handle.sums
         except transports.TransportError as exc:
             raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
         finally:

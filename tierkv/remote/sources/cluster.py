@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, SpecError
+from tierkv.page_sums import PageCheck
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteTimeoutError
 from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
@@ -134,10 +135,21 @@ class RemoteCluster:
         """How many leading pages of ``keys`` some node of the cluster holds."""
         return len(await self.locate(keys))
 
-    async def load(self, keys: list[bytes], array: npt.NDArray[np.uint8], slots: list[int]) -> int:
+    #: each node's client verifies page checksums: `load` reports them (tierkv.page_source)
+    checks_pages = True
+    tier_label = "peer"
+
+    async def load(
+        self,
+        keys: list[bytes],
+        array: npt.NDArray[np.uint8],
+        slots: list[int],
+        check: PageCheck | None = None,
+    ) -> int:
         """Read the leading pages of ``keys`` from the nodes holding them into
-        ``array[slots]``; returns how many leading pages arrived intact. Raises RemoteError
-        when the first node asked fails (a later failure ends the load short)."""
+        ``array[slots]``; returns how many leading pages arrived intact (each checked against
+        its checksum by the node's client; ``check`` gathers their verdicts). Raises
+        RemoteError when the first node asked fails (a later failure ends the load short)."""
         if len(slots) < len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
         nodes = await self.locate(keys)
@@ -146,9 +158,10 @@ class RemoteCluster:
             node, end = nodes[got], got
             while end < len(nodes) and nodes[end] == node:
                 end += 1
+            part = PageCheck()
             try:
                 tier = await self.node(node)
-                n = await tier.load(keys[got:end], array, slots[got:end])
+                n = await tier.load(keys[got:end], array, slots[got:end], part)
             except RemoteError as exc:
                 if isinstance(exc, (PeerGoneError, RemoteTimeoutError)):
                     await self._failed(node)
@@ -156,16 +169,24 @@ class RemoteCluster:
                     raise
                 return got
             self.loads_from[node] = self.loads_from.get(node, 0) + n
+            if check is not None:
+                check.corrupt += part.corrupt
+                check.sums += part.sums[:n]
             got += n
             if got < end:
                 break
         return got
 
     async def publish(
-        self, keys: list[bytes], array: npt.NDArray[np.uint8], slots: list[int]
+        self,
+        keys: list[bytes],
+        array: npt.NDArray[np.uint8],
+        slots: list[int],
+        sums: list[int] | None = None,
     ) -> int:
-        """Write pages to the seed's node; returns the pages newly stored there."""
-        stored: int = await self._call_seed("publish", keys, array, slots)
+        """Write pages to the seed's node (``sums``: their checksums, see
+        `RemoteTier.publish`); returns the pages newly stored there."""
+        stored: int = await self._call_seed("publish", keys, array, slots, sums)
         return stored
 
     async def aclose(self) -> None:

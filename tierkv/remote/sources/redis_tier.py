@@ -14,8 +14,10 @@ One page is one value (layout: `tierkv.remote.sources.redis_value`), under a key
 namespace, the page layout and the page.
 
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
-(length, magic, format, codec, layout, checksum: the checksum binds the value to its key) is a
-miss, counted in ``corrupt``, logged (rate-limited) and deleted, so a later publish repairs it.
+(length, magic, format, codec, layout, checksum: the checksum binds the value to its key; then
+the page's own CRC-32C, carried in the header from the publisher's page table, against the
+bytes as they landed) is a miss, counted in ``corrupt``, logged (rate-limited) and deleted, so
+a later publish repairs it.
 
 Failures never reach the caller: every call is bounded by ``timeout``; a call that fails or
 times out returns misses (``0``), marks the tier unavailable and drops the client; later calls
@@ -42,17 +44,21 @@ from redis.backoff import NoBackoff
 from redis.exceptions import OutOfMemoryError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tierkv import page_sums
 from tierkv.errors import SpecError
+from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.sources.redis_ask import AskFollower, follow_failed
 from tierkv.remote.sources.redis_value import (
     FORMAT,
     HEADER_BYTES,
     check_value,
     encode_value,
+    page_sum,
     spec_digest,
     value_header,
 )
 from tierkv.spec import KVSpec
+from tierkv.transports.crc32c_native import crc32c
 
 __all__ = ["BATCH_PAGES", "HEADER_BYTES", "RedisTier"]
 
@@ -109,6 +115,10 @@ class RedisTier:
     """The longest wait between reconnection attempts."""
     in_flight = 2
     """Chunks of one call in flight at once (each on its own pooled connection)."""
+    checks_pages = True
+    """`load` verifies pages' CRC-32C and reports them (tierkv.page_source.load_checked)."""
+    tier_label = "redis"
+    """The label of its corrupt pages in a store's counters."""
 
     def __init__(
         self,
@@ -370,12 +380,16 @@ class RedisTier:
             )  # fmt: skip
 
     # -- load ----------------------------------------------------------------------------
-    async def load(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
+    async def load(
+        self, keys: list[bytes], array: Pages, slots: list[int], check: PageCheck | None = None
+    ) -> int:
         """Read the leading pages of ``keys`` into ``array[slots[i]]`` ([num_slots,
         page_bytes] uint8); returns how many arrived intact. Each value is checked (length,
-        layout, checksum) before its row is written. Rows past the count may have been
-        written (a later chunk that arrived) and hold no page; no row is written after the
-        call returns.
+        layout, checksum) before its row is written, and each row against the page's CRC-32C
+        once written (one native call per chunk). Rows past the count may have been written
+        (a later chunk that arrived, a page that failed its CRC) and hold no page; no row is
+        written after the call returns. ``check``, when given, receives the delivered pages'
+        checksums and how many values were corrupt.
 
         Never raises for server trouble (returns 0 or fewer pages); raises SpecError for a
         wrong array, out-of-range or repeated slots, fewer slots than keys.
@@ -385,8 +399,12 @@ class RedisTier:
             return 0
         rkeys = [self.redis_key(k) for k in keys]
         bad: list[bytes] = []
-        n = await self._run("load", self._load, rkeys, array, slots, bad)
+        sums: dict[int, int] = {}
+        n = await self._run("load", self._load, rkeys, array, slots, bad, sums)
         n = n or 0
+        if check is not None:
+            check.corrupt += len(bad)
+            check.sums = [sums.get(i, NO_SUM) for i in range(n)]
         self._stats["hits"] += n
         self._stats["misses"] += len(keys) - n
         for rkey in bad:
@@ -394,7 +412,13 @@ class RedisTier:
         return n
 
     async def _load(
-        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int], bad: list[bytes]
+        self,
+        client: Client,
+        rkeys: list[bytes],
+        array: Pages,
+        slots: list[int],
+        bad: list[bytes],
+        sums: dict[int, int],
     ) -> int:
         end = len(rkeys)  # the first page that did not arrive intact (so far)
 
@@ -405,23 +429,53 @@ class RedisTier:
             values = await self._get(client, rkeys[lo:hi])
             self._refused("load", values)
             verify, got = self._verify, 0
+            landed: dict[int, int] = {}  # page -> the CRC-32C its header declares
             try:
                 for i, value in enumerate(values, lo):
                     if i >= end or value is None or isinstance(value, Exception):
                         end = min(end, i)
-                        return
+                        break
                     got += len(value)
                     payload = verify(rkeys[i], value)
                     if payload is None:
                         bad.append(rkeys[i])
                         end = min(end, i)
-                        return
+                        break
                     array[slots[i]] = payload  # verified as it arrives, others in flight
+                    landed[i] = page_sum(value)
             finally:
                 self._stats["bytes_in"] += got
+            first = self._check_rows(rkeys, array, slots, landed, bad, sums)
+            end = min(end, first)
 
         await self._chunked(len(rkeys), chunk)
         return end
+
+    def _check_rows(
+        self,
+        rkeys: list[bytes],
+        array: Pages,
+        slots: list[int],
+        landed: dict[int, int],
+        bad: list[bytes],
+        sums: dict[int, int],
+    ) -> int:
+        """Check the rows just written against their pages' CRC-32C (one native call);
+        returns the first page that failed (len(rkeys) if none). The ones that did are
+        counted, logged and listed in ``bad`` (deleted); the others' go to ``sums``."""
+        if not landed or not page_sums.enabled():
+            return len(rkeys)
+        idx = list(landed)
+        first = len(rkeys)
+        for i, crc in zip(idx, row_sums(array, [slots[i] for i in idx])):
+            if crc == landed[i]:
+                sums[i] = crc
+                continue
+            first = min(first, i)
+            bad.append(rkeys[i])
+            self._stats["corrupt"] += 1
+            self._warn.warn("corrupt", "Redis tier: page %s fails its CRC-32C; a miss", rkeys[i])
+        return first
 
     async def _get(self, client: Client, rkeys: list[bytes]) -> list[Any]:
         if self._px is None and not self.cluster:
@@ -451,17 +505,23 @@ class RedisTier:
         return np.frombuffer(value, np.uint8, self._page_bytes, HEADER_BYTES)
 
     # -- publish -------------------------------------------------------------------------
-    async def publish(self, keys: list[bytes], array: Pages, slots: list[int]) -> int:
+    async def publish(
+        self, keys: list[bytes], array: Pages, slots: list[int], sums: list[int] | None = None
+    ) -> int:
         """Store ``array[slots[i]]`` as page ``keys[i]`` unless present (SET NX, PX ttl);
-        returns the pages newly stored. Pages refused for lack of memory (``maxmemory`` with
-        ``noeviction``) count in ``full``. Never raises for server trouble (returns what got
-        stored, or 0); raises SpecError for a wrong array, bad slots, len(slots) != len(keys).
+        returns the pages newly stored. ``sums``: the pages' CRC-32C (from the page table),
+        written into each value's header; by default computed from ``array`` now. Pages
+        refused for lack of memory (``maxmemory`` with ``noeviction``) count in ``full``.
+        Never raises for server trouble (returns what got stored, or 0); raises SpecError for
+        a wrong array, bad slots, len(slots) != len(keys).
         """
         self._check(keys, array, slots, write=False)
         if not keys:
             return 0
+        if sums is None or len(sums) != len(keys) or NO_SUM in sums:
+            sums = row_sums(array, slots) if page_sums.enabled() else [0] * len(keys)
         rkeys = [self.redis_key(k) for k in keys]
-        replies = await self._run("publish", self._set, rkeys, array, slots)
+        replies = await self._run("publish", self._set, rkeys, array, slots, sums)
         if replies is None:
             return 0
         stored = sum(1 for r in replies if r is True)
@@ -476,16 +536,18 @@ class RedisTier:
         self._refused("publish", [r for r in replies if not isinstance(r, OutOfMemoryError)])
         return stored
 
-    def _value(self, rkey: bytes, row: Pages) -> bytes:
-        return encode_value(rkey, self._head, np.ascontiguousarray(row).data)
+    def _value(self, rkey: bytes, row: Pages, crc: int | None = None) -> bytes:
+        data = np.ascontiguousarray(row).data
+        return encode_value(rkey, self._head, data, crc32c(data) if crc is None else crc)
 
     async def _set(
-        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int]
+        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int], sums: list[int]
     ) -> list[Any]:
         async def chunk(lo: int, hi: int) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for i in range(lo, hi):  # values built per chunk: one chunk's copies at a time
-                pipe.set(rkeys[i], self._value(rkeys[i], array[slots[i]]), nx=True, px=self._px)
+                value = self._value(rkeys[i], array[slots[i]], sums[i])
+                pipe.set(rkeys[i], value, nx=True, px=self._px)
             return list(await pipe.execute(raise_on_error=False))
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]

@@ -9,16 +9,20 @@
      0  +---------+---------+---------+---------+
         |  magic b"TKVR"                        |
      4  +---------+---------+---------+---------+
-        | format  | codec=0 | flags=0 | 0       |   u8 each (codec 0: raw pages)
-     8  +---------+---------+---------+---------+
+        | format  | codec=0 | flags=1 | 0       |   u8 each (codec 0: raw pages;
+     8  +---------+---------+---------+---------+              flags bit 0: page CRC below)
         |  spec digest (8 bytes, blake2b of the page layout)
     16  +---------------------------------------+
-        |  payload bytes (u32)  |  0 (u32)      |
+        |  payload bytes (u32)  | page CRC32C   |   the page's checksum (tierkv.page_sums)
     24  +---------------------------------------+
         |  XXH3-64 of the payload, seeded with XXH3-64(redis key | bytes 0..24)
     32  +---------------------------------------+  <- HEADER_BYTES, payload follows
 
-The checksum is seeded with the Redis key, so a value copied under another key fails too.
+The XXH3 checksum is seeded with the Redis key, so a value copied under another key fails too;
+it vouches for the value as the publisher stored it. The page CRC-32C is the page's own, from
+the publisher's page table (computed when the page's content became final), so a reader checks
+the bytes end to end: a page that was already wrong in the publisher's memory fails too.
+Format 1 (no page CRC) lived under other keys (the format is in the key): never read.
 """
 
 from __future__ import annotations
@@ -38,17 +42,21 @@ __all__ = [
     "HEADER_BYTES",
     "check_value",
     "encode_value",
+    "page_sum",
     "spec_digest",
     "value_header",
 ]
 
-FORMAT = 1
+FORMAT = 2
 CODEC_RAW = 0
+FLAG_PAGE_SUM = 1
 MAGIC = b"TKVR"
-_HEAD = struct.Struct("<4sBBBB8sII")  # magic, format, codec, flags, 0, spec, payload, 0
+_HEAD = struct.Struct("<4sBBBB8sII")  # magic, format, codec, flags, 0, spec, payload, page sum
+_PAGE_SUM = struct.Struct("<I")
 _SUM = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _SUM.size
 _SUM_AT = _HEAD.size
+_PAGE_SUM_AT = _HEAD.size - _PAGE_SUM.size
 
 
 def spec_digest(spec: KVSpec) -> bytes:
@@ -58,8 +66,16 @@ def spec_digest(spec: KVSpec) -> bytes:
 
 
 def value_header(digest: bytes, page_bytes: int) -> bytes:
-    """The first 24 bytes of every value of one layout (all but the checksum)."""
-    return _HEAD.pack(MAGIC, FORMAT, CODEC_RAW, 0, 0, digest, page_bytes, 0)
+    """The first 20 bytes of every value of one layout (all but the page CRC-32C and the
+    value checksum)."""
+    return _HEAD.pack(MAGIC, FORMAT, CODEC_RAW, FLAG_PAGE_SUM, 0, digest, page_bytes, 0)[
+        :_PAGE_SUM_AT
+    ]
+
+
+def page_sum(value: bytes) -> int:
+    """The page CRC-32C in a value's header (of a value `check_value` accepted)."""
+    return int(_PAGE_SUM.unpack_from(value, _PAGE_SUM_AT)[0])
 
 
 def checksum(rkey: bytes, head: bytes, payload: Any) -> int:
@@ -68,9 +84,11 @@ def checksum(rkey: bytes, head: bytes, payload: Any) -> int:
     return int(xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(rkey + head)))
 
 
-def encode_value(rkey: bytes, head: bytes, payload: Any) -> bytes:
-    """The value stored under ``rkey``: ``head``, the checksum, the payload (a buffer)."""
-    return head + _SUM.pack(checksum(rkey, head, payload)) + payload
+def encode_value(rkey: bytes, head: bytes, payload: Any, crc: int) -> bytes:
+    """The value stored under ``rkey``: ``head`` (`value_header`), the page's CRC-32C
+    ``crc``, the value checksum, the payload (a buffer)."""
+    full = head + _PAGE_SUM.pack(crc)
+    return full + _SUM.pack(checksum(rkey, full, payload)) + payload
 
 
 def check_value(rkey: bytes, value: Any, head: bytes, page_bytes: int) -> str | None:
@@ -80,13 +98,13 @@ def check_value(rkey: bytes, value: Any, head: bytes, page_bytes: int) -> str | 
         size = len(value) if isinstance(value, bytes) else type(value).__name__
         return f"size {size}, want {HEADER_BYTES + page_bytes}"
     if not value.startswith(head):
-        magic, fmt, codec, _, _, digest, length, _ = _HEAD.unpack_from(value)
-        want = _HEAD.unpack_from(head)[5]
+        magic, fmt, codec, flags, _, digest, length, _ = _HEAD.unpack_from(value)
+        want = _HEAD.unpack_from(head + bytes(_PAGE_SUM.size))[5]
         return (
-            f"header magic={magic!r} format={fmt} codec={codec} layout={digest.hex()} "
-            f"payload={length}, want layout {want.hex()}"
+            f"header magic={magic!r} format={fmt} codec={codec} flags={flags} "
+            f"layout={digest.hex()} payload={length}, want format {FORMAT} layout {want.hex()}"
         )
     (want_sum,) = _SUM.unpack_from(value, _SUM_AT)
-    if want_sum != checksum(rkey, head, memoryview(value)[HEADER_BYTES:]):
+    if want_sum != checksum(rkey, value[:_SUM_AT], memoryview(value)[HEADER_BYTES:]):
         return "checksum mismatch"
     return None
