@@ -12,8 +12,9 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
     lookup   {"keys"}                    -> {"n"}               readable prefix in the host tier
     acquire  {"keys"}                    -> {"lease", "slots", "gens"}   pins that prefix
     release  {"lease"}                   -> {"valid"}    pages whose slot and generation held
-    reserve  {"keys"}                    -> {"lease", "slots"}   host slots to write (-1: skip)
-    commit   {"lease", "ok"}             -> {"stored"}
+    reserve  {"keys", "agent"?}          -> {"lease", "slots"}   host slots to write (-1: skip);
+                                            only the transport agent named may write them
+    commit   {"lease", "ok"}             -> {"stored"}   err "expired": the lease ended first
     stats    {}                          -> {"pages", "leases", "peers", "watchers", ...}
     locate   {"keys"}                    -> {"nodes"}   a node address per leading page held
     watch    {"keys"}                    -> {"held"}    per key: held now (then watched)
@@ -25,7 +26,8 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
 
 Roles in the handshake: the server is a ``page-server`` (its id: its address); a client is a
 ``client`` (RemoteTier, Watch) or a ``page-server`` (a peer link, its id: its address).
-Error codes: ``auth``, ``spec``, ``full``, ``bad`` (malformed request), ``op`` (unknown op).
+Error codes: ``auth``, ``spec``, ``full``, ``expired`` (a write lease that ended before its
+commit), ``bad`` (malformed request), ``op`` (unknown op).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.remote.errors import (
+    LeaseExpiredError,
     RemoteError,
     RemoteFullError,
     RemoteProtocolError,
@@ -92,6 +95,8 @@ def error_for(reply: dict[str, Any]) -> RemoteError:
     code, msg = reply.get("err"), str(reply.get("msg", ""))
     if code == "full":
         return RemoteFullError(msg)
+    if code == "expired":
+        return LeaseExpiredError(msg)
     if code in ("auth", "spec", "op"):
         return RemoteRefusedError(f"{code}: {msg}")
     return RemoteProtocolError(f"{code}: {msg}")

@@ -36,6 +36,7 @@ import numpy.typing as npt
 import tierkv.transports as transports
 from tierkv.errors import SpecError
 from tierkv.remote.errors import (
+    LeaseExpiredError,
     PeerGoneError,
     RemoteError,
     RemoteProtocolError,
@@ -335,11 +336,15 @@ class RemoteTier:
         """Write the pages in ``slots`` of ``array`` to the peer's host tier under ``keys``.
 
         Pages the peer already holds are skipped. Returns the pages newly stored. Raises
-        RemoteFullError (no room on the peer), PeerGoneError, RemoteTimeoutError, RemoteError.
+        RemoteFullError (no room on the peer), LeaseExpiredError (the reservation expired
+        before the commit: nothing stored, publish again), PeerGoneError, RemoteTimeoutError,
+        RemoteError. Only our transport's writes may land in the reserved slots, and none
+        once the reservation has expired.
         """
         if len(slots) != len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
-        reply = await self._call("reserve", keys=list(keys))
+        agent = self._transport.name if self._transport is not None else None
+        reply = await self._call("reserve", keys=list(keys), agent=agent)
         lease, remote = reply.get("lease"), reply.get("slots")
         if type(lease) is not int or not _ints(remote, -1):
             raise RemoteProtocolError("bad reserve answer")
@@ -350,9 +355,14 @@ class RemoteTier:
         try:
             if todo:
                 await self._transfer("write", array, [lo for lo, _ in todo], [ro for _, ro in todo])
-        except BaseException:
-            with contextlib.suppress(RemoteError):
+        except BaseException as exc:
+            try:
                 await self._call("commit", lease=lease, ok=False)
+            except LeaseExpiredError as expired:  # why the write was refused
+                if isinstance(exc, RemoteError):
+                    raise expired from exc
+            except RemoteError:
+                pass
             raise
         stored = (await self._call("commit", lease=lease, ok=True)).get("stored")
         if type(stored) is not int or not 0 <= stored <= len(keys):

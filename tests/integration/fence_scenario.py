@@ -1,0 +1,205 @@
+"""The late one-sided write of issue 23, as one round against a live page server: writer A
+reserves slots, its reservation ends (by ttl, by closing its control connection, or by a relay
+that closes it), writer B publishes other pages, A writes 0xAA into its old slots and commits,
+and B's pages are read back. Used by tests/integration/test_fence.py and benchmarks/fence.py.
+
+A round's outcome (`Outcome`): wrong pages B read back (0 expected), and how A's late write
+ended: refused by the transport, refused by A's own transport (its access was revoked), or
+landed in slots the server keeps quarantined (no one reads them); and whether A's commit was
+told (LeaseExpiredError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import tierkv.transports as transports
+from tierkv import KVSpec
+from tierkv.remote import PageServer, RemoteTier
+from tierkv.remote.errors import LeaseExpiredError, PeerGoneError, RemoteError
+from tierkv.remote.protocol.control import Control
+from tierkv.store import KVStore
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
+PAGE = SPEC.page_bytes
+SECRET = b"fence-test"
+TIMEOUT = 5.0
+N = 4  # pages per writer
+VARIANTS = ("ttl", "close", "relay")
+
+
+@dataclass
+class Outcome:
+    """What one round saw."""
+
+    wrong: int = 0  # B's pages read back with other bytes than B wrote
+    missing: int = 0  # B's pages not read back at all
+    refused: int = 0  # A's late write refused by the page server's transport
+    revoked: int = 0  # A's late write refused by A's own transport (access revoked)
+    quarantined: int = 0  # A's late write landed, in slots the server keeps from everyone
+    told: int = 0  # A's late commit raised LeaseExpiredError
+
+
+def key(round_: int, writer: int, i: int) -> bytes:
+    """A content key (high bit clear) unique to a round, a writer and a page."""
+    return bytes([writer, i]) + round_.to_bytes(14, "big")
+
+
+@contextlib.asynccontextmanager
+async def page_server(kind: str, **kw: Any) -> AsyncIterator[PageServer]:
+    """A page server over ``kind`` with 32 host pages."""
+    store = KVStore(SPEC, device_bytes=PAGE, host_bytes=32 * PAGE, codec=None)
+    async with store, PageServer(store, transports=[kind], secret=SECRET, timeout=TIMEOUT, **kw) as srv:
+        yield srv
+
+
+@contextlib.asynccontextmanager
+async def byte_relay(host: str, port: int) -> AsyncIterator[tuple[str, list[asyncio.StreamWriter]]]:
+    """A party that forwards bytes both ways; close the writers it lists to cut the line."""
+    writers: list[asyncio.StreamWriter] = []
+    tasks: list[asyncio.Task[None]] = []
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await r.read(1 << 16):
+                w.write(data)
+                await w.drain()
+        w.close()
+
+    async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        sr, sw = await asyncio.open_connection(host, port)
+        writers.extend((w, sw))
+        tasks.append(asyncio.create_task(pipe(sr, w)))
+        await pipe(r, sw)
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", writers
+    finally:
+        server.close()
+        for w in writers:
+            w.close()
+        for t in tasks:
+            t.cancel()
+
+
+async def until(cond: Any, what: str) -> None:
+    """Wait (bounded) until ``cond()`` holds: the server's state moves on its own loop turns."""
+    for _ in range(2000):
+        if cond():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"never: {what}")
+
+
+class WriterA:
+    """The late writer: a control connection (direct or through a relay) and a data transport
+    of its own."""
+
+    def __init__(self, srv: PageServer, kind: str, *, declare: bool) -> None:
+        self.srv, self.kind, self.declare = srv, kind, declare
+        self.ctl: Control | None = None
+        self.t: transports.Transport | None = None
+        self.desc: transports.RegionDescriptor | None = None
+        self.buf = np.full((N, PAGE), 0xAA, dtype=np.uint8)
+
+    async def open(self, address: str) -> None:
+        self.ctl = Control(address, secret=SECRET, timeout=TIMEOUT)
+        hello = await self.ctl.open()
+        info = hello["transports"][self.kind]
+        self.desc = transports.RegionDescriptor.unpack(info["region"])
+        self.t = transports.create(self.kind, secret=SECRET, timeout=TIMEOUT)
+        await self.t.start()
+        await self.t.add_peer(info["metadata"])
+
+    async def reserve(self, keys: list[bytes]) -> tuple[int, list[int]]:
+        assert self.ctl is not None and self.t is not None
+        fields: dict[str, Any] = {"keys": keys}
+        if self.declare:
+            fields["agent"] = self.t.name
+        rep = await self.ctl.call("reserve", **fields)
+        return rep["lease"], rep["slots"]
+
+    async def late_write(self, slots: list[int], out: Outcome) -> None:
+        """0xAA into ``slots`` of the server's host arena; counts how it ended."""
+        assert self.t is not None and self.desc is not None
+        region = self.t.register_memory(self.buf)
+        try:
+            ops = [transports.TransferOp(region, i * PAGE, self.desc, s * PAGE, PAGE) for i, s in enumerate(slots)]
+            handle = self.t.write(ops)
+            try:
+                await handle.wait(TIMEOUT)
+            except transports.RemoteAccessError:
+                out.refused += 1
+                return
+            except transports.PeerError:
+                out.revoked += 1
+                return
+            out.quarantined += 1
+        finally:
+            self.t.deregister(region)
+
+    async def commit(self, lease: int, out: Outcome) -> None:
+        assert self.ctl is not None
+        try:
+            await self.ctl.call("commit", lease=lease, ok=True)
+        except LeaseExpiredError:
+            out.told += 1
+        except PeerGoneError:
+            pass  # its connection is gone: nobody to tell
+
+    async def aclose(self) -> None:
+        if self.ctl is not None:
+            await self.ctl.aclose()
+        if self.t is not None:
+            await self.t.aclose()
+
+
+async def one_round(
+    srv: PageServer, b: RemoteTier, kind: str, variant: str, r: int, *, declare: bool
+) -> Outcome:
+    """One round of the repro (``variant``: how A's reservation ends)."""
+    out = Outcome()
+    ka = [key(r, 1, i) for i in range(N)]
+    kb = [key(r, 2, i) for i in range(N)]
+    a = WriterA(srv, kind, declare=declare)
+    d = srv.directory
+    assert d is not None
+    async with byte_relay(srv.host, srv.port) as (via, cut):
+        try:
+            await a.open(via if variant == "relay" else srv.address)
+            lease, slots = await a.reserve(ka)
+            fenced = d.fenced
+            if variant == "ttl":
+                await until(lambda: d.fenced > fenced, "the reservation expired")
+            elif variant == "close":
+                assert a.ctl is not None
+                await a.ctl.aclose()
+            else:
+                for w in cut:
+                    w.close()
+            await until(lambda: d.fenced > fenced, "the reservation was fenced")
+            pages = np.full((N, PAGE), 0xBB, dtype=np.uint8)
+            await b.publish(kb, pages, list(range(N)))
+            await a.late_write(slots, out)
+            await a.commit(lease, out)
+            back = np.zeros((N, PAGE), dtype=np.uint8)
+            got = await b.load(kb, back, list(range(N)))
+            out.missing = N - got
+            out.wrong = sum(1 for i in range(got) if not (back[i] == 0xBB).all())
+        finally:
+            await a.aclose()
+    return out
+
+
+def server_store_ok(srv: PageServer) -> bool:
+    """The page table's invariants hold and no slot is held by a write lease that ended."""
+    srv.store.tiers.table.check()
+    d = srv.directory
+    return d is not None and d.leases == 0 and d.quarantined == 0

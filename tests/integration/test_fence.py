@@ -1,0 +1,112 @@
+"""Fenced one-sided writes (issue 23): a writer whose reservation ended (ttl, its control
+connection closed, a relay that closed it) can no longer corrupt another writer's pages, is
+told so at its commit, and the slots it held come back once its write has ended for certain."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.fence_scenario import (
+    N,
+    VARIANTS,
+    WriterA,
+    key,
+    one_round,
+    page_server,
+    server_store_ok,
+    until,
+)
+from tierkv.remote import RemoteTier
+from tierkv.remote.errors import LeaseExpiredError
+from tests.integration.fence_scenario import SECRET, SPEC, TIMEOUT
+
+
+def _ttl(variant: str) -> float:
+    return 0.05 if variant == "ttl" else 30.0
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+@pytest.mark.parametrize("variant", VARIANTS)
+async def test_a_late_write_never_reaches_another_writers_pages(kind: str, variant: str) -> None:
+    """The repro: 0 wrong pages; the late write is refused (tcp: the server's guard; shm: A's
+    own transport, whose access was revoked), and a commit A can still send is told."""
+    async with page_server(kind, lease_ttl=_ttl(variant)) as srv:
+        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
+            for r in range(3):
+                out = await one_round(srv, b, kind, variant, r, declare=True)
+                assert (out.wrong, out.missing) == (0, 0)
+                assert out.refused + out.revoked == 1 and out.quarantined == 0
+                assert out.told == (1 if variant == "ttl" else 0)
+                await until(lambda: server_store_ok(srv), "the quarantine came back")
+        assert srv.stats()["fenced_total"] == 3
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+async def test_an_undeclared_writer_is_fenced_too(kind: str) -> None:
+    """A writer that names no agent (the issue's Control client): over tcp its late write is
+    refused; over shm (no server in the copy) it lands in quarantined slots nobody reads, and
+    its late commit both tells it and frees them."""
+    async with page_server(kind, lease_ttl=0.05) as srv:
+        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
+            out = await one_round(srv, b, kind, "ttl", 0, declare=False)
+            assert (out.wrong, out.missing, out.told) == (0, 0, 1)
+            if kind == "tcp":
+                assert out.refused == 1
+            else:
+                assert out.quarantined == 1
+            await until(lambda: server_store_ok(srv), "the quarantine came back")
+
+
+async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
+    """Over shm an undeclared writer's slots stay quarantined (not handed out, not readable)
+    until its commit; the quarantine counts against max_writing (a reserve past it is 'full')."""
+    async with page_server("shm", lease_ttl=0.05, max_writing=2 * N) as srv:
+        d = srv.directory
+        assert d is not None
+        a = WriterA(srv, "shm", declare=False)
+        await a.open(srv.address)
+        try:
+            lease, slots = await a.reserve([key(0, 1, i) for i in range(N)])
+            await until(lambda: d.quarantined == N, "the lease was fenced")
+            held = set(slots)
+            c = WriterA(srv, "shm", declare=True)
+            await c.open(srv.address)
+            try:
+                _, other = await c.reserve([key(0, 3, i) for i in range(N)])
+                assert not held & set(other)  # never handed to another writer
+                with pytest.raises(Exception, match="quarantined"):
+                    await c.reserve([key(0, 4, 0)])
+            finally:
+                await c.aclose()
+            with pytest.raises(LeaseExpiredError):
+                assert a.ctl is not None
+                await a.ctl.call("commit", lease=lease, ok=True)
+            assert d.quarantined == 0 and d.late_commits == 1
+            srv.store.tiers.table.check()
+        finally:
+            await a.aclose()
+
+
+async def test_publish_of_an_expired_reservation_raises_a_typed_error() -> None:
+    """RemoteTier.publish whose reservation expires before its commit raises
+    LeaseExpiredError, never returns 0 silently."""
+    async with page_server("tcp", lease_ttl=30.0) as srv:
+        async with RemoteTier(srv.address, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
+            import numpy as np
+
+            d = srv.directory
+            assert d is not None
+            real = d.reserve
+
+            def reserve_then_expire(keys, owner, agent=None):  # type: ignore[no-untyped-def]
+                lease, slots = real(keys, owner, agent)
+                d.expire(lease)  # the ttl runs out right after the answer
+                return lease, slots
+
+            d.reserve = reserve_then_expire  # type: ignore[method-assign]
+            pages = np.full((N, SPEC.page_bytes), 7, dtype=np.uint8)
+            with pytest.raises(LeaseExpiredError):
+                await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N)))
+            d.reserve = real  # type: ignore[method-assign]
+            assert await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N))) == N
+            await until(lambda: server_store_ok(srv), "the quarantine came back")
