@@ -4,6 +4,7 @@ told so at its commit, and the slots it held come back once its write has ended 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.integration.fence_scenario import (
@@ -87,13 +88,13 @@ async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
             await a.aclose()
 
 
-async def test_publish_of_an_expired_reservation_raises_a_typed_error() -> None:
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+async def test_publish_of_an_expired_reservation_raises_a_typed_error(kind: str) -> None:
     """RemoteTier.publish whose reservation expires before its commit raises
-    LeaseExpiredError, never returns 0 silently."""
-    async with page_server("tcp", lease_ttl=30.0) as srv:
-        async with RemoteTier(srv.address, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
-            import numpy as np
-
+    LeaseExpiredError, never returns 0 silently; the same RemoteTier publishes again after
+    (over shm its revoked data link is replaced by a reconnect)."""
+    async with page_server(kind, lease_ttl=30.0) as srv:
+        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
             d = srv.directory
             assert d is not None
             real = d.reserve
@@ -109,4 +110,7 @@ async def test_publish_of_an_expired_reservation_raises_a_typed_error() -> None:
                 await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N)))
             d.reserve = real  # type: ignore[method-assign]
             assert await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N))) == N
+            back = np.zeros_like(pages)
+            assert await b.load([key(0, 5, i) for i in range(N)], back, list(range(N))) == N
+            assert (back == 7).all()
             await until(lambda: server_store_ok(srv), "the quarantine came back")

@@ -184,8 +184,22 @@ async def test_hold_never_dials_an_address_a_client_names() -> None:
             await posing.open()
             await posing.call("hold", node="10.9.9.9:7600", add=[], drop=[])
             await posing.aclose()
+            # issue 23: a page server (by its role) naming a port on its own host, the bait's,
+            # from every loopback address, 100 times over as many connections
+            for i in range(100):
+                posing = Control(
+                    srv.address, secret=SECRET, timeout=TIMEOUT, role="page-server", ident="x"
+                )
+                await posing.open()
+                node = bait_addr if i % 2 else bait_addr.replace("127.0.0.1", f"127.0.0.{2 + i}")
+                with contextlib.suppress(RemoteError):
+                    await posing.call("hold", node=node, add=[KEYS[0]], drop=[])
+                if i == 0:  # it hears our holdings on its own connection instead
+                    assert srv.mesh.back
+                await posing.aclose()
             await asyncio.sleep(0.3)
-            assert srv.mesh.links == {} and not dialled
+            assert srv.mesh.links == {} and not dialled and not srv.mesh.back
+            assert srv.stats()["peers"] == []
     finally:
         bait.close()
 

@@ -84,7 +84,7 @@ class Directory:
     ) -> None:
         """``revoke``: see `Revoke` (None: fenced slots wait for the writer's word);
         ``max_writing``: slots that live write leases and the quarantine may hold together
-        (default: half the host tier); past it `reserve` raises RemoteFullError."""
+        (default: the whole host tier); past it `reserve` raises RemoteFullError."""
         self.tiers = tiers
         self.lease_ttl = lease_ttl
         slots = tiers.table.capacity(HOST)
@@ -94,7 +94,7 @@ class Directory:
         self._ids = itertools.count(1)
         self.expired = 0
         self._revoke = revoke
-        self.max_writing = max(1, slots // 2) if max_writing is None else max_writing
+        self.max_writing = slots if max_writing is None else max_writing
         self._writer: dict[int, _Lease] = {}  # slot -> the live write lease that owns it
         self._fenced: dict[int, _Lease] = {}  # lease id -> expired write lease in quarantine
         self._qids = itertools.count(1)

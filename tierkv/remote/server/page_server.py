@@ -73,7 +73,7 @@ class PageServer:
             until its write has ended for certain, and its late commit raises
             LeaseExpiredError to the writer.
         max_writing: host slots that write leases and the quarantine may hold together
-            (default: half the host tier); past it, reserve answers "full".
+            (default: the whole host tier); past it, reserve answers "full".
         timeout: bound of the transports' transfers and of a client's hello.
         transport_options: extra keyword arguments per transport name.
         peers: other page servers (``host:port``) to share the directory with; one seed is
@@ -356,7 +356,7 @@ class PageServer:
         if self.directory is not None:
             self.directory.expire_all(owner)
         self.watches.close(owner)
-        self.mesh.index.forget_owner(owner)
+        self.mesh.closed(owner)
 
     def _holds(self, key: bytes) -> bool:
         return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))

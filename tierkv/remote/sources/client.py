@@ -128,6 +128,7 @@ class RemoteTier:
         self.server_name = ""
         self._ctl: Control | None = None
         self._transport: transports.Transport | None = None
+        self._link_lost = False  # our data transport lost the server: reconnect both
         self._region: transports.RegionDescriptor | None = None
 
     # -- life cycle ----------------------------------------------------------------------
@@ -207,7 +208,7 @@ class RemoteTier:
     # -- control calls -------------------------------------------------------------------
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         ctl = self._ctl
-        if ctl is None or not ctl.connected:
+        if ctl is None or not ctl.connected or self._link_lost:
             ctl = await self._reconnect()
         return await ctl.call(op, **fields)
 
@@ -219,7 +220,7 @@ class RemoteTier:
         if self._reconnecting is None:
             self._reconnecting = asyncio.Lock()
         async with self._reconnecting:
-            if self._ctl is not None and self._ctl.connected:
+            if self._ctl is not None and self._ctl.connected and not self._link_lost:
                 return self._ctl  # another call reconnected meanwhile
             wait = self._retry_at - time.monotonic()
             if wait > 0:
@@ -233,6 +234,7 @@ class RemoteTier:
                 self._backoff = min(self._backoff * 2, self.max_backoff)
                 raise
             self._backoff = self.retry_after
+            self._link_lost = False
             self.reconnects += 1
             assert self._ctl is not None
             return self._ctl
@@ -394,6 +396,8 @@ class RemoteTier:
             handle = post(ops)
             await handle.wait(self.timeout)
         except transports.TransportError as exc:
+            if isinstance(exc, transports.PeerError):  # e.g. the server revoked our writes
+                self._link_lost = True
             raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
         finally:
             if handle is not None:
