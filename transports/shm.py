@@ -39,7 +39,7 @@ from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .handle import BatchHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
 from .segments import remove_stale_segments, segment_name
-from .session import Limits, StreamSession
+from .session import HELLO_DEADLINE, Limits, StreamSession
 
 __all__ = ["ShmTransport", "remove_stale_segments", "segment_name"]  # the last two: segments.py
 
@@ -260,7 +260,7 @@ class ShmTransport(Transport):
         session = StreamSession(reader, writer, _LIMITS)
         try:
             await session.serve_handshake(
-                self._secret, OWNER_ROLE, self.name, deadline=min(self.timeout, 5.0)
+                self._secret, OWNER_ROLE, self.name, deadline=min(self.timeout, HELLO_DEADLINE)
             )
             self._preauth.release(str(uid))
             preauth = False
