@@ -16,6 +16,9 @@ namespace, the page layout and the page.
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
 (length, magic, format, codec, layout, checksum: the checksum binds the value to its key) is a
 miss, counted in ``corrupt``, logged (rate-limited) and deleted, so a later publish repairs it.
+So is a key of another type (a list, a hash: WRONGTYPE to GET, nil to MGET) at a page's key,
+found by a load or by a publish (each SET NX goes with a STRLEN, in the same round trip, which
+refuses another type): a publish that finds one deletes it and stores the page.
 
 Failures never reach the caller: every call is bounded by ``timeout``; a call that fails or
 times out returns misses (``0``), marks the tier unavailable and drops the client; later calls
@@ -39,7 +42,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv.errors import SpecError
@@ -385,16 +388,35 @@ class RedisTier:
             return 0
         rkeys = [self.redis_key(k) for k in keys]
         bad: list[bytes] = []
-        n = await self._run("load", self._load, rkeys, array, slots, bad)
+        nil: list[bytes] = []  # the key whose MGET answer was nil, where the load stopped
+        n = await self._run("load", self._load, rkeys, array, slots, bad, nil)
         n = n or 0
         self._stats["hits"] += n
         self._stats["misses"] += len(keys) - n
+        if nil and nil[0] == rkeys[n] and await self._run("type", self._wrong_type, nil[0]):
+            self._corrupt(nil[0], "a key of another type")
+            bad.append(nil[0])
         for rkey in bad:
             await self._run("delete", self._delete, rkey)
         return n
 
+    async def _wrong_type(self, client: Client, rkey: bytes) -> bool:
+        """True when ``rkey`` holds something else than a string (nil to MGET)."""
+        kind = await client.type(rkey)
+        return _decoded(kind) not in ("none", "string")
+
+    def _corrupt(self, rkey: bytes, why: str) -> None:
+        self._stats["corrupt"] += 1
+        self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
+
     async def _load(
-        self, client: Client, rkeys: list[bytes], array: Pages, slots: list[int], bad: list[bytes]
+        self,
+        client: Client,
+        rkeys: list[bytes],
+        array: Pages,
+        slots: list[int],
+        bad: list[bytes],
+        nil: list[bytes],
     ) -> int:
         end = len(rkeys)  # the first page that did not arrive intact (so far)
 
@@ -403,12 +425,19 @@ class RedisTier:
             if lo >= end:
                 return  # an earlier page is already a miss: skip the round trip
             values = await self._get(client, rkeys[lo:hi])
-            self._refused("load", values)
+            self._refused("load", [v for v in values if not _wrongtype(v)])
             verify, got = self._verify, 0
             try:
                 for i, value in enumerate(values, lo):
-                    if i >= end or value is None or isinstance(value, Exception):
-                        end = min(end, i)
+                    if i >= end:
+                        return
+                    if value is None or isinstance(value, Exception):
+                        end = i
+                        if _wrongtype(value):  # a key of another type: corrupt, dropped
+                            self._corrupt(rkeys[i], "a key of another type")
+                            bad.append(rkeys[i])
+                        elif value is None:
+                            nil[:] = [rkeys[i]]
                         return
                     got += len(value)
                     payload = verify(rkeys[i], value)
@@ -445,8 +474,7 @@ class RedisTier:
         fails."""
         why = check_value(rkey, value, self._head, self._page_bytes)
         if why is not None:
-            self._stats["corrupt"] += 1
-            self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
+            self._corrupt(rkey, why)
             return None
         return np.frombuffer(value, np.uint8, self._page_bytes, HEADER_BYTES)
 
@@ -486,9 +514,32 @@ class RedisTier:
             pipe = client.pipeline(transaction=False)
             for i in range(lo, hi):  # values built per chunk: one chunk's copies at a time
                 pipe.set(rkeys[i], self._value(rkeys[i], array[slots[i]]), nx=True, px=self._px)
-            return list(await pipe.execute(raise_on_error=False))
+                pipe.strlen(rkeys[i])  # WRONGTYPE when a key of another type is in the way
+            both = list(await pipe.execute(raise_on_error=False))
+            replies = both[0::2]
+            wrong = [i for i, n in enumerate(both[1::2], lo) if _wrongtype(n)]
+            if not wrong:
+                return replies
+            pipe = client.pipeline(transaction=False)
+            for i in wrong:  # repair: the key of another type goes, the page takes its place
+                self._corrupt(rkeys[i], "a key of another type; replaced")
+                pipe.delete(rkeys[i])
+                pipe.set(rkeys[i], self._value(rkeys[i], array[slots[i]]), nx=True, px=self._px)
+            fixed = list(await pipe.execute(raise_on_error=False))[1::2]
+            for i, r in zip(wrong, fixed):
+                replies[i - lo] = r
+            return replies
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
+
+
+def _wrongtype(reply: Any) -> bool:
+    """A reply that says the key holds another type than a string."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _decoded(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def _describe(array: object) -> str:
