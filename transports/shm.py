@@ -295,14 +295,15 @@ class ShmTransport(Transport):
             if task is not None:
                 self._handlers.discard(task)
 
-    def write_fence(self, agent: str | None) -> asyncio.Future[None] | None:
-        """Revoke ``agent``'s writes: half-close its links to us; done once it has closed
-        its end (its transport saw the revocation between two copies, and refuses transfers
-        to us from then on) or is gone. None for ``agent`` None: a peer maps our segment and
-        copies without us, so only a named writer's links can be revoked."""
-        if agent is None:
-            return None
-        mine = [(s, f) for s, f in self._inbound.items() if s.peer_id == agent]
+    def write_fence(self, agent: str | None) -> asyncio.Future[None]:
+        """Revoke ``agent``'s writes (None: every peer's): half-close its links to us; done
+        once it has closed its end (its transport saw the revocation between two copies, and
+        refuses transfers to us from then on) or is gone. A peer copies into our segment
+        without us, so its own transport is what stops it; a revoked peer links again (a new
+        `add_peer`) to transfer again."""
+        mine = [
+            (s, f) for s, f in self._inbound.items() if agent is None or s.peer_id == agent
+        ]
         for session, _ in mine:
             with contextlib.suppress(OSError, RuntimeError):
                 session.writer.write_eof()

@@ -4,6 +4,8 @@ told so at its commit, and the slots it held come back once its write has ended 
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -18,7 +20,7 @@ from tests.integration.fence_scenario import (
     until,
 )
 from tierkv.remote import RemoteTier
-from tierkv.remote.errors import LeaseExpiredError
+from tierkv.remote.errors import LeaseExpiredError, RemoteFullError
 from tests.integration.fence_scenario import SECRET, SPEC, TIMEOUT
 
 
@@ -45,8 +47,8 @@ async def test_a_late_write_never_reaches_another_writers_pages(kind: str, varia
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 async def test_an_undeclared_writer_is_fenced_too(kind: str) -> None:
     """A writer that names no agent (the issue's Control client): over tcp its late write is
-    refused; over shm (no server in the copy) it lands in quarantined slots nobody reads, and
-    its late commit both tells it and frees them."""
+    refused; over shm every link is revoked (its own transport refuses the write, or it
+    landed before the revocation, in slots still quarantined), and its late commit tells it."""
     async with page_server(kind, lease_ttl=0.05) as srv:
         async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
             out = await one_round(srv, b, kind, "ttl", 0, declare=False)
@@ -54,16 +56,19 @@ async def test_an_undeclared_writer_is_fenced_too(kind: str) -> None:
             if kind == "tcp":
                 assert out.refused == 1
             else:
-                assert out.quarantined == 1
+                assert out.revoked + out.quarantined == 1
             await until(lambda: server_store_ok(srv), "the quarantine came back")
 
 
 async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
-    """Over shm an undeclared writer's slots stay quarantined (not handed out, not readable)
-    until its commit; the quarantine counts against max_writing (a reserve past it is 'full')."""
+    """A writer whose revocation is never acknowledged (over shm: a paused process) keeps its
+    slots quarantined (not handed out, not readable) until its commit; the quarantine counts
+    against max_writing (a reserve past it is 'full')."""
     async with page_server("shm", lease_ttl=0.05, max_writing=2 * N) as srv:
         d = srv.directory
         assert d is not None
+        never = asyncio.get_running_loop().create_future()
+        srv.transports["shm"].write_fence = lambda agent: never  # type: ignore[method-assign]
         a = WriterA(srv, "shm", declare=False)
         await a.open(srv.address)
         try:
@@ -73,10 +78,12 @@ async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
             c = WriterA(srv, "shm", declare=True)
             await c.open(srv.address)
             try:
-                _, other = await c.reserve([key(0, 3, i) for i in range(N)])
+                lc, other = await c.reserve([key(0, 3, i) for i in range(N)])
                 assert not held & set(other)  # never handed to another writer
-                with pytest.raises(Exception, match="quarantined"):
+                with pytest.raises(RemoteFullError, match="quarantined"):
                     await c.reserve([key(0, 4, 0)])
+                assert c.ctl is not None
+                assert (await c.ctl.call("commit", lease=lc, ok=False))["stored"] == 0
             finally:
                 await c.aclose()
             with pytest.raises(LeaseExpiredError):

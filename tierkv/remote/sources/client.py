@@ -358,13 +358,15 @@ class RemoteTier:
             if todo:
                 await self._transfer("write", array, [lo for lo, _ in todo], [ro for _, ro in todo])
         except BaseException as exc:
-            try:
-                await self._call("commit", lease=lease, ok=False)
-            except LeaseExpiredError as expired:  # why the write was refused
-                if isinstance(exc, RemoteError):
-                    raise expired from exc
-            except RemoteError:
-                pass
+            ctl = self._ctl  # the lease's connection, never a new one (it would not know it)
+            if ctl is not None and ctl.connected:
+                try:
+                    await ctl.call("commit", lease=lease, ok=False)
+                except LeaseExpiredError as expired:  # why the write was refused
+                    if isinstance(exc, RemoteError):
+                        raise expired from exc
+                except RemoteError:
+                    pass
             raise
         stored = (await self._call("commit", lease=lease, ok=True)).get("stored")
         if type(stored) is not int or not 0 <= stored <= len(keys):
