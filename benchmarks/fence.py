@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
-from benchmarks._common import parser, table, write_json
-from tests.integration.fence_scenario import (
+from fence_scenario import (
     SECRET,
     SPEC,
     TIMEOUT,
@@ -34,6 +34,8 @@ from tests.integration.fence_scenario import (
     page_server,
     until,
 )
+
+from benchmarks._common import parser, table, write_json
 from tierkv.remote import RemoteTier
 
 KINDS = ("tcp", "shm")

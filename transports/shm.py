@@ -301,9 +301,7 @@ class ShmTransport(Transport):
         refuses transfers to us from then on) or is gone. A peer copies into our segment
         without us, so its own transport is what stops it; a revoked peer links again (a new
         `add_peer`) to transfer again."""
-        mine = [
-            (s, f) for s, f in self._inbound.items() if agent is None or s.peer_id == agent
-        ]
+        mine = [(s, f) for s, f in self._inbound.items() if agent is None or s.peer_id == agent]
         for session, _ in mine:
             with contextlib.suppress(OSError, RuntimeError):
                 session.writer.write_eof()
@@ -312,7 +310,12 @@ class ShmTransport(Transport):
             done.set_result(None)  # no link: its transport refuses transfers to us
             return done
         waiting = asyncio.gather(*(f for _, f in mine))
-        waiting.add_done_callback(lambda _: done.done() or done.set_result(None))
+
+        def drained(_: object) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        waiting.add_done_callback(drained)
         return done
 
     def _check_alive(self, agent: str) -> StreamSession:

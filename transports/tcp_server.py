@@ -117,9 +117,7 @@ class ServerConnection(FrameProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.owner.conns.add(self)
-        self._timer = asyncio.get_running_loop().call_later(
-            self.owner.hello_deadline, self._expire
-        )
+        self._timer = asyncio.get_running_loop().call_later(self.owner.hello_deadline, self._expire)
         challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
         self.send({**challenge, "nonce": self._nonce})
 

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from relay import relay  # tests/integration, on the path of whoever imports this module
 
 import tierkv.transports as transports
 from tierkv import KVSpec
 from tierkv.remote import PageServer, RemoteTier
-from tierkv.remote.errors import LeaseExpiredError, PeerGoneError, RemoteError
+from tierkv.remote.errors import LeaseExpiredError, PeerGoneError
 from tierkv.remote.protocol.control import Control
 from tierkv.store import KVStore
 
@@ -55,38 +56,16 @@ def key(round_: int, writer: int, i: int) -> bytes:
 async def page_server(kind: str, **kw: Any) -> AsyncIterator[PageServer]:
     """A page server over ``kind`` with 32 host pages."""
     store = KVStore(SPEC, device_bytes=PAGE, host_bytes=32 * PAGE, codec=None)
-    async with store, PageServer(store, transports=[kind], secret=SECRET, timeout=TIMEOUT, **kw) as srv:
+    async with (
+        store,
+        PageServer(store, transports=[kind], secret=SECRET, timeout=TIMEOUT, **kw) as srv,
+    ):
         yield srv
 
 
-@contextlib.asynccontextmanager
-async def byte_relay(host: str, port: int) -> AsyncIterator[tuple[str, list[asyncio.StreamWriter]]]:
-    """A party that forwards bytes both ways; close the writers it lists to cut the line."""
-    writers: list[asyncio.StreamWriter] = []
-    tasks: list[asyncio.Task[None]] = []
-
-    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
-            while data := await r.read(1 << 16):
-                w.write(data)
-                await w.drain()
-        w.close()
-
-    async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        sr, sw = await asyncio.open_connection(host, port)
-        writers.extend((w, sw))
-        tasks.append(asyncio.create_task(pipe(sr, w)))
-        await pipe(r, sw)
-
-    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", writers
-    finally:
-        server.close()
-        for w in writers:
-            w.close()
-        for t in tasks:
-            t.cancel()
+def writer_b(srv: PageServer, kind: str) -> RemoteTier:
+    """Writer B (and the reader of its pages): a RemoteTier over ``kind``."""
+    return RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT)
 
 
 async def until(cond: Any, what: str) -> None:
@@ -131,7 +110,10 @@ class WriterA:
         assert self.t is not None and self.desc is not None
         region = self.t.register_memory(self.buf)
         try:
-            ops = [transports.TransferOp(region, i * PAGE, self.desc, s * PAGE, PAGE) for i, s in enumerate(slots)]
+            ops = [
+                transports.TransferOp(region, i * PAGE, self.desc, s * PAGE, PAGE)
+                for i, s in enumerate(slots)
+            ]
             handle = self.t.write(ops)
             try:
                 await handle.wait(TIMEOUT)
@@ -180,7 +162,7 @@ async def one_round(
     a = WriterA(srv, kind, declare=declare)
     d = srv.directory
     assert d is not None
-    async with byte_relay(srv.host, srv.port) as (via, cut):
+    async with relay(srv) as (via, state):
         try:
             await a.open(via if variant == "relay" else srv.address)
             lease, slots = await a.reserve(ka)
@@ -191,8 +173,7 @@ async def one_round(
                 assert a.ctl is not None
                 await a.ctl.aclose()
             else:
-                for w in cut:
-                    w.close()
+                state["writer"].close()  # the relay cuts A's line to the server
             await until(lambda: d.fenced > fenced, "the reservation was fenced")
             pages = np.full((N, PAGE), 0xBB, dtype=np.uint8)
             await again(lambda: b.publish(kb, pages, list(range(N))))

@@ -5,23 +5,27 @@ told so at its commit, and the slots it held come back once its write has ended 
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.integration.fence_scenario import (
-    N,
+from tierkv.remote.errors import LeaseExpiredError, RemoteFullError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fence_scenario import (
+    SPEC,
     VARIANTS,
+    N,
     WriterA,
     key,
     one_round,
     page_server,
     server_store_ok,
     until,
+    writer_b,
 )
-from tierkv.remote import RemoteTier
-from tierkv.remote.errors import LeaseExpiredError, RemoteFullError
-from tests.integration.fence_scenario import SECRET, SPEC, TIMEOUT
 
 
 def _ttl(variant: str) -> float:
@@ -33,14 +37,13 @@ def _ttl(variant: str) -> float:
 async def test_a_late_write_never_reaches_another_writers_pages(kind: str, variant: str) -> None:
     """The repro: 0 wrong pages; the late write is refused (tcp: the server's guard; shm: A's
     own transport, whose access was revoked), and a commit A can still send is told."""
-    async with page_server(kind, lease_ttl=_ttl(variant)) as srv:
-        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
-            for r in range(3):
-                out = await one_round(srv, b, kind, variant, r, declare=True)
-                assert (out.wrong, out.missing) == (0, 0)
-                assert out.refused + out.revoked == 1 and out.quarantined == 0
-                assert out.told == (1 if variant == "ttl" else 0)
-                await until(lambda: server_store_ok(srv), "the quarantine came back")
+    async with page_server(kind, lease_ttl=_ttl(variant)) as srv, writer_b(srv, kind) as b:
+        for r in range(3):
+            out = await one_round(srv, b, kind, variant, r, declare=True)
+            assert (out.wrong, out.missing) == (0, 0)
+            assert out.refused + out.revoked == 1 and out.quarantined == 0
+            assert out.told == (1 if variant == "ttl" else 0)
+            await until(lambda: server_store_ok(srv), "the quarantine came back")
         assert srv.stats()["fenced_total"] == 3
 
 
@@ -49,15 +52,14 @@ async def test_an_undeclared_writer_is_fenced_too(kind: str) -> None:
     """A writer that names no agent (the issue's Control client): over tcp its late write is
     refused; over shm every link is revoked (its own transport refuses the write, or it
     landed before the revocation, in slots still quarantined), and its late commit tells it."""
-    async with page_server(kind, lease_ttl=0.05) as srv:
-        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
-            out = await one_round(srv, b, kind, "ttl", 0, declare=False)
-            assert (out.wrong, out.missing, out.told) == (0, 0, 1)
-            if kind == "tcp":
-                assert out.refused == 1
-            else:
-                assert out.revoked + out.quarantined == 1
-            await until(lambda: server_store_ok(srv), "the quarantine came back")
+    async with page_server(kind, lease_ttl=0.05) as srv, writer_b(srv, kind) as b:
+        out = await one_round(srv, b, kind, "ttl", 0, declare=False)
+        assert (out.wrong, out.missing, out.told) == (0, 0, 1)
+        if kind == "tcp":
+            assert out.refused == 1
+        else:
+            assert out.revoked + out.quarantined == 1
+        await until(lambda: server_store_ok(srv), "the quarantine came back")
 
 
 async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
@@ -100,24 +102,23 @@ async def test_publish_of_an_expired_reservation_raises_a_typed_error(kind: str)
     """RemoteTier.publish whose reservation expires before its commit raises
     LeaseExpiredError, never returns 0 silently; the same RemoteTier publishes again after
     (over shm its revoked data link is replaced by a reconnect)."""
-    async with page_server(kind, lease_ttl=30.0) as srv:
-        async with RemoteTier(srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT) as b:
-            d = srv.directory
-            assert d is not None
-            real = d.reserve
+    async with page_server(kind, lease_ttl=30.0) as srv, writer_b(srv, kind) as b:
+        d = srv.directory
+        assert d is not None
+        real = d.reserve
 
-            def reserve_then_expire(keys, owner, agent=None):  # type: ignore[no-untyped-def]
-                lease, slots = real(keys, owner, agent)
-                d.expire(lease)  # the ttl runs out right after the answer
-                return lease, slots
+        def reserve_then_expire(keys, owner, agent=None):  # type: ignore[no-untyped-def]
+            lease, slots = real(keys, owner, agent)
+            d.expire(lease)  # the ttl runs out right after the answer
+            return lease, slots
 
-            d.reserve = reserve_then_expire  # type: ignore[method-assign]
-            pages = np.full((N, SPEC.page_bytes), 7, dtype=np.uint8)
-            with pytest.raises(LeaseExpiredError):
-                await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N)))
-            d.reserve = real  # type: ignore[method-assign]
-            assert await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N))) == N
-            back = np.zeros_like(pages)
-            assert await b.load([key(0, 5, i) for i in range(N)], back, list(range(N))) == N
-            assert (back == 7).all()
-            await until(lambda: server_store_ok(srv), "the quarantine came back")
+        d.reserve = reserve_then_expire  # type: ignore[method-assign]
+        pages = np.full((N, SPEC.page_bytes), 7, dtype=np.uint8)
+        with pytest.raises(LeaseExpiredError):
+            await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N)))
+        d.reserve = real  # type: ignore[method-assign]
+        assert await b.publish([key(0, 5, i) for i in range(N)], pages, list(range(N))) == N
+        back = np.zeros_like(pages)
+        assert await b.load([key(0, 5, i) for i in range(N)], back, list(range(N))) == N
+        assert (back == 7).all()
+        await until(lambda: server_store_ok(srv), "the quarantine came back")

@@ -238,7 +238,12 @@ class Directory:
         drains = self._revoke(lease.agent) if self._revoke is not None else [None]
         if drains and all(d is not None for d in drains):
             done = asyncio.gather(*cast(list["asyncio.Future[None]"], drains))
-            done.add_done_callback(lambda f: f.cancelled() or self._unfence(lease_id))
+
+            def drained(f: asyncio.Future[list[None]]) -> None:
+                if not f.cancelled():
+                    self._unfence(lease_id)
+
+            done.add_done_callback(drained)
 
     def _unfence(self, lease_id: int) -> None:
         """The fenced lease's write has ended: its slots go free."""

@@ -202,8 +202,10 @@ class Mesh:
             if dropped:
                 self._on_departed(dropped)  # departures no hook reported
             if added or dropped:
-                for link in [*self.links.values(), *self.back.values()]:
+                for link in self.links.values():
                     link.changed(added, dropped)
+                for back in self.back.values():
+                    back.changed(added, dropped)
             await self._drop_dead_links()
 
     async def _drop_dead_links(self) -> None:
