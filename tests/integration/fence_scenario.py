@@ -165,8 +165,8 @@ async def one_round(
     async with relay(srv) as (via, state):
         try:
             await a.open(via if variant == "relay" else srv.address)
+            fenced = d.fenced  # before the reserve: a short ttl may end it before its answer
             lease, slots = await a.reserve(ka)
-            fenced = d.fenced
             if variant == "ttl":
                 await until(lambda: d.fenced > fenced, "the reservation expired")
             elif variant == "close":
