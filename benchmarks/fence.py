@@ -5,7 +5,8 @@ own transport and commits, and B's pages are read back (tests/integration/fence_
 
     python benchmarks/fence.py [--quick] [--rounds N] [--json FILE]
 
-Rounds are spread over {tcp, shm} x {ttl, close, relay} x {A declares its agent, or not}, one
+Rounds are spread over {tcp, shm} x {ttl, close, relay} x A {names its agent in reserve, names
+none, names it but never hears a revocation ("deaf": stalled between reserve and write)}, one
 page server per combination. Printed per combination: B's pages read back wrong (target 0) or
 missing, and how A's late writes ended: refused by the server's transport (tcp's write guard),
 refused by A's own transport (its access revoked: shm), or landed in quarantined slots nobody
@@ -29,6 +30,7 @@ from fence_scenario import (
     SPEC,
     TIMEOUT,
     VARIANTS,
+    WRITERS,
     Outcome,
     one_round,
     page_server,
@@ -42,7 +44,7 @@ KINDS = ("tcp", "shm")
 FIELDS = ("wrong", "missing", "refused", "revoked", "quarantined", "told")
 
 
-async def combination(kind: str, variant: str, declare: bool, rounds: int) -> dict[str, Any]:
+async def combination(kind: str, variant: str, writer: str, rounds: int) -> dict[str, Any]:
     """``rounds`` rounds on one page server; the summed outcome and what was left held."""
     total = Outcome()
     ttl = 0.02 if variant == "ttl" else 60.0
@@ -51,7 +53,7 @@ async def combination(kind: str, variant: str, declare: bool, rounds: int) -> di
             srv.address, transport=kind, secret=SECRET, spec=SPEC, timeout=TIMEOUT
         ) as b:
             for r in range(rounds):
-                out = await one_round(srv, b, kind, variant, r, declare=declare)
+                out = await one_round(srv, b, kind, variant, r, writer=writer)
                 for f in FIELDS:
                     setattr(total, f, getattr(total, f) + getattr(out, f))
         d = srv.directory
@@ -63,12 +65,12 @@ async def combination(kind: str, variant: str, declare: bool, rounds: int) -> di
 
 
 async def run(rounds: int) -> dict[str, dict[str, Any]]:
-    combos = list(itertools.product(KINDS, VARIANTS, (True, False)))
-    each = max(1, rounds // len(combos))
+    combos = list(itertools.product(KINDS, VARIANTS, WRITERS))
+    each = -(-rounds // len(combos))  # at least `rounds` in all
     out: dict[str, dict[str, Any]] = {}
-    for kind, variant, declare in combos:
-        name = f"{kind}/{variant}/{'declared' if declare else 'undeclared'}"
-        out[name] = await combination(kind, variant, declare, each)
+    for kind, variant, writer in combos:
+        name = f"{kind}/{variant}/{writer}"
+        out[name] = await combination(kind, variant, writer, each)
         print(name, out[name], flush=True)
     return out
 

@@ -33,6 +33,9 @@ SECRET = b"fence-test"
 TIMEOUT = 5.0
 N = 4  # pages per writer
 VARIANTS = ("ttl", "close", "relay")
+#: writer A: names its agent in reserve; names none; names it but never reads its links, so it
+#: never hears a revocation (a process stalled between its reserve and its write)
+WRITERS = ("declared", "undeclared", "deaf")
 
 
 @dataclass
@@ -77,12 +80,17 @@ async def until(cond: Any, what: str) -> None:
     raise AssertionError(f"never: {what}")
 
 
+async def _deaf(agent: str, session: Any) -> None:
+    """An shm link follower that never reads: its transport never hears a revocation."""
+    await asyncio.Event().wait()
+
+
 class WriterA:
     """The late writer: a control connection (direct or through a relay) and a data transport
     of its own."""
 
-    def __init__(self, srv: PageServer, kind: str, *, declare: bool) -> None:
-        self.srv, self.kind, self.declare = srv, kind, declare
+    def __init__(self, srv: PageServer, kind: str, *, writer: str = "declared") -> None:
+        self.srv, self.kind, self.writer = srv, kind, writer
         self.ctl: Control | None = None
         self.t: transports.Transport | None = None
         self.desc: transports.RegionDescriptor | None = None
@@ -94,13 +102,15 @@ class WriterA:
         info = hello["transports"][self.kind]
         self.desc = transports.RegionDescriptor.unpack(info["region"])
         self.t = transports.create(self.kind, secret=SECRET, timeout=TIMEOUT)
+        if self.writer == "deaf" and self.kind == "shm":
+            self.t._watch = _deaf  # type: ignore[attr-defined]
         await self.t.start()
         await self.t.add_peer(info["metadata"])
 
     async def reserve(self, keys: list[bytes]) -> tuple[int, list[int]]:
         assert self.ctl is not None and self.t is not None
         fields: dict[str, Any] = {"keys": keys}
-        if self.declare:
+        if self.writer != "undeclared":
             fields["agent"] = self.t.name
         rep = await self.ctl.call("reserve", **fields)
         return rep["lease"], rep["slots"]
@@ -153,13 +163,13 @@ async def again(call: Callable[[], Awaitable[int]]) -> int:
 
 
 async def one_round(
-    srv: PageServer, b: RemoteTier, kind: str, variant: str, r: int, *, declare: bool
+    srv: PageServer, b: RemoteTier, kind: str, variant: str, r: int, *, writer: str
 ) -> Outcome:
     """One round of the repro (``variant``: how A's reservation ends)."""
     out = Outcome()
     ka = [key(r, 1, i) for i in range(N)]
     kb = [key(r, 2, i) for i in range(N)]
-    a = WriterA(srv, kind, declare=declare)
+    a = WriterA(srv, kind, writer=writer)
     d = srv.directory
     assert d is not None
     async with relay(srv) as (via, state):

@@ -39,12 +39,25 @@ async def test_a_late_write_never_reaches_another_writers_pages(kind: str, varia
     own transport, whose access was revoked), and a commit A can still send is told."""
     async with page_server(kind, lease_ttl=_ttl(variant)) as srv, writer_b(srv, kind) as b:
         for r in range(3):
-            out = await one_round(srv, b, kind, variant, r, declare=True)
+            out = await one_round(srv, b, kind, variant, r, writer="declared")
             assert (out.wrong, out.missing) == (0, 0)
             assert out.refused + out.revoked == 1 and out.quarantined == 0
             assert out.told == (1 if variant == "ttl" else 0)
             await until(lambda: server_store_ok(srv), "the quarantine came back")
         assert srv.stats()["fenced_total"] == 3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+async def test_a_writer_deaf_to_the_revocation_writes_into_quarantine(variant: str) -> None:
+    """Over shm a writer stalled between its reserve and its write never hears that its
+    access was revoked: its late write lands, in slots still quarantined (nobody reads them,
+    nobody else is given them); they come back at its commit (ttl) or when its transport
+    closes (its connection was cut)."""
+    async with page_server("shm", lease_ttl=_ttl(variant)) as srv, writer_b(srv, "shm") as b:
+        out = await one_round(srv, b, "shm", variant, 0, writer="deaf")
+        assert (out.wrong, out.missing, out.quarantined) == (0, 0, 1)
+        assert out.told == (1 if variant == "ttl" else 0)
+        await until(lambda: server_store_ok(srv), "the quarantine came back")
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
@@ -53,7 +66,7 @@ async def test_an_undeclared_writer_is_fenced_too(kind: str) -> None:
     refused; over shm every link is revoked (its own transport refuses the write, or it
     landed before the revocation, in slots still quarantined), and its late commit tells it."""
     async with page_server(kind, lease_ttl=0.05) as srv, writer_b(srv, kind) as b:
-        out = await one_round(srv, b, kind, "ttl", 0, declare=False)
+        out = await one_round(srv, b, kind, "ttl", 0, writer="undeclared")
         assert (out.wrong, out.missing, out.told) == (0, 0, 1)
         if kind == "tcp":
             assert out.refused == 1
@@ -71,13 +84,13 @@ async def test_quarantine_holds_until_the_write_ends_and_is_bounded() -> None:
         assert d is not None
         never = asyncio.get_running_loop().create_future()
         srv.transports["shm"].write_fence = lambda agent: never  # type: ignore[method-assign]
-        a = WriterA(srv, "shm", declare=False)
+        a = WriterA(srv, "shm", writer="undeclared")
         await a.open(srv.address)
         try:
             lease, slots = await a.reserve([key(0, 1, i) for i in range(N)])
             await until(lambda: d.quarantined == N, "the lease was fenced")
             held = set(slots)
-            c = WriterA(srv, "shm", declare=True)
+            c = WriterA(srv, "shm", writer="declared")
             await c.open(srv.address)
             try:
                 lc, other = await c.reserve([key(0, 3, i) for i in range(N)])
