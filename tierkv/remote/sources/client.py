@@ -17,7 +17,10 @@ Every wait is bounded by ``timeout``. A cancelled call leaves the connection as 
 late reply is dropped by request id); a call that times out, or a connection that breaks (the
 server restarted, a malformed or forged frame), is followed by a reconnect on the next call,
 with backoff (``retry_after`` doubling up to ``max_backoff`` while the server stays away;
-calls in between raise PeerGoneError at once). Every malformed reply raises a RemoteError.
+calls in between raise PeerGoneError at once); so is a data transport whose link to the server
+broke (over shm, the server revokes an expired writer's link: docs/security.md, *Fenced
+writes*). Every malformed reply raises a RemoteError. The file stays whole (~400 lines): one
+class whose calls share the connection, the data transport and the reconnect state.
 """
 
 from __future__ import annotations
@@ -339,9 +342,7 @@ class RemoteTier:
 
         Pages the peer already holds are skipped. Returns the pages newly stored. Raises
         RemoteFullError (no room on the peer), LeaseExpiredError (the reservation expired
-        before the commit: nothing stored, publish again), PeerGoneError, RemoteTimeoutError,
-        RemoteError. Only our transport's writes may land in the reserved slots, and none
-        once the reservation has expired.
+        first: nothing stored), PeerGoneError, RemoteTimeoutError, RemoteError.
         """
         if len(slots) != len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
@@ -398,8 +399,7 @@ class RemoteTier:
             handle = post(ops)
             await handle.wait(self.timeout)
         except transports.TransportError as exc:
-            if isinstance(exc, transports.PeerError):  # e.g. the server revoked our writes
-                self._link_lost = True
+            self._link_lost |= isinstance(exc, transports.PeerError)  # revoked, or gone
             raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
         finally:
             if handle is not None:
