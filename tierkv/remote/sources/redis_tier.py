@@ -16,9 +16,11 @@ namespace, the page layout and the page.
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
 (length, magic, format, codec, layout, checksum: the checksum binds the value to its key) is a
 miss, counted in ``corrupt``, logged (rate-limited) and deleted, so a later publish repairs it.
-So is a key of another type (a list, a hash: WRONGTYPE to GET, nil to MGET) at a page's key,
-found by a load or by a publish (each SET NX goes with a STRLEN, in the same round trip, which
-refuses another type): a publish that finds one deletes it and stores the page.
+So is a key of another type (a list, a hash) at a page's key, found by a lookup (STRLEN, as
+cheap as EXISTS, answers WRONGTYPE), a load (GET/GETEX answer WRONGTYPE; MGET answers nil, so
+one TYPE of the key where a load stopped) or a publish (a SET NX that stored nothing is
+followed by a STRLEN of those keys, one more round trip only then): a publish that finds one
+deletes it and stores the page.
 
 Failures never reach the caller: every call is bounded by ``timeout``; a call that fails or
 times out returns misses (``0``), marks the tier unavailable and drops the client; later calls
@@ -355,12 +357,19 @@ class RedisTier:
         async def chunk(lo: int, hi: int) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for k in rkeys[lo:hi]:
-                pipe.exists(k)
+                pipe.strlen(k)  # as EXISTS (0: absent), and WRONGTYPE for another type
             return list(await pipe.execute(raise_on_error=False))
 
         found = [x for part in await self._chunked(len(rkeys), chunk) for x in part]
-        self._refused("lookup", found)
-        return [x is not None and not isinstance(x, Exception) and bool(x) for x in found]
+        self._refused("lookup", [x for x in found if not _wrongtype(x)])
+        wrong = [k for k, x in zip(rkeys, found) if _wrongtype(x)]
+        if wrong:  # a key of another type: corrupt, dropped so that a publish repairs it
+            pipe = client.pipeline(transaction=False)
+            for k in wrong:
+                self._corrupt(k, "a key of another type")
+                pipe.delete(k)
+            await pipe.execute(raise_on_error=False)
+        return [type(x) is int and x > 0 for x in found]
 
     def _refused(self, what: str, replies: list[Any]) -> None:
         """Count and log per-command error replies (a slot in transit, a server refusing)."""
@@ -514,10 +523,15 @@ class RedisTier:
             pipe = client.pipeline(transaction=False)
             for i in range(lo, hi):  # values built per chunk: one chunk's copies at a time
                 pipe.set(rkeys[i], self._value(rkeys[i], array[slots[i]]), nx=True, px=self._px)
-                pipe.strlen(rkeys[i])  # WRONGTYPE when a key of another type is in the way
-            both = list(await pipe.execute(raise_on_error=False))
-            replies = both[0::2]
-            wrong = [i for i, n in enumerate(both[1::2], lo) if _wrongtype(n)]
+            replies = list(await pipe.execute(raise_on_error=False))
+            held = [i for i, r in enumerate(replies, lo) if r is None]  # NX: something is there
+            if not held:
+                return replies
+            pipe = client.pipeline(transaction=False)
+            for i in held:  # WRONGTYPE when it is a key of another type
+                pipe.strlen(rkeys[i])
+            lengths = await pipe.execute(raise_on_error=False)
+            wrong = [i for i, n in zip(held, lengths) if _wrongtype(n)]
             if not wrong:
                 return replies
             pipe = client.pipeline(transaction=False)
