@@ -45,10 +45,10 @@ import torch
 
 from benchmarks._common import parser, table, write_json
 from tierkv import CorruptPageError, KVSpec, KVStore, prefix_keys
+from tierkv.keys import page_key
 from tierkv.page_sums import row_sums
 from tierkv.remote import PageServer, RemoteTier
 from tierkv.remote.store_io import stage_prefix
-from tierkv.keys import page_key
 from tierkv.tiers import COLD, DEVICE, HOST
 from tierkv.transports.tcp import TcpTransport
 

@@ -640,6 +640,13 @@ class TierSet:
             self._table.complete_store(keys, HOST, ok=ok)
             self.signal_progress()
 
+    def rename_reserved_host(self, keys: Sequence[PageKey], new: Sequence[PageKey]) -> None:
+        """Rename pages of a :meth:`reserve_host` that are still WRITING (same slots, still
+        unreadable): the page server fences an expired reservation's slots this way. Raises
+        UnknownPageError / PageStateError as ``PageTable.rekey``."""
+        if keys:
+            self._table.rekey(keys, new, HOST)
+
     def pin_host(self, keys: Sequence[PageKey]) -> list[int]:
         """Pin readable host pages (none can be evicted) and return their slots. Raises
         PageStateError / UnknownPageError (nothing pinned) when one is not readable."""

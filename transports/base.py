@@ -35,6 +35,7 @@ from .errors import (
     TransferTimeoutError,
     TransportError,
 )
+from .fence import WriteGuard
 from .handle import BatchHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
 from .session import Limits, decode
@@ -79,6 +80,7 @@ class Transport(abc.ABC):
         self._notification_bytes = 0
         self.notifications_dropped = 0
         self._inflight: set[BatchHandle] = set()
+        self.write_guard: WriteGuard | None = None
         self._started = False
         self._closed = False
 
@@ -164,6 +166,22 @@ class Transport(abc.ABC):
                 f"{self.name!r} ({region.size} bytes)"
             )
         return region.view[offset : offset + length]
+
+    # -- fencing peers' writes (fence.py) ----------------------------------------------------
+
+    def guard_writes(self, guard: WriteGuard | None) -> None:
+        """Ask ``guard(agent, region id, offset, length)`` before a peer's write lands in our
+        memory; a refused write fails at the writer with RemoteAccessError. Only transports
+        whose side receives the bytes can ask (tcp); the others ignore it (see
+        `write_fence`)."""
+        self.write_guard = guard
+
+    def write_fence(self, agent: str | None) -> asyncio.Future[None] | None:
+        """A future done once no write of ``agent`` (None: any peer) that was let into our
+        memory before this call can still land, or None when this transport cannot tell (the
+        peer's bytes land without us: only the writer's own word ends its write). Must be
+        called from the event loop. This base: None."""
+        return None
 
     # -- peers -------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, PeerCaps
 from .handle import BatchHandle
 from .regions import Capabilities, Region, RegionDescriptor, TransferOp, as_byte_view
 from .segments import remove_stale_segments, segment_name
-from .session import Limits, StreamSession
+from .session import HELLO_DEADLINE, Limits, StreamSession
 
 __all__ = ["ShmTransport", "remove_stale_segments", "segment_name"]  # the last two: segments.py
 
@@ -121,7 +121,7 @@ class ShmTransport(Transport):
         self._segments: dict[int, tuple[SharedMemory, bool]] = {}  # region id -> (segment, owned)
         self._maps: dict[tuple[str, int], tuple[str, mmap.mmap, memoryview]] = {}
         self._links: dict[str, tuple[StreamSession, asyncio.Task[None], int]] = {}
-        self._inbound: set[StreamSession] = set()
+        self._inbound: dict[StreamSession, asyncio.Future[None]] = {}  # -> done at its end
         self._dead: set[str] = set()
         self._handlers: set[asyncio.Task[Any]] = set()
 
@@ -151,7 +151,8 @@ class ShmTransport(Transport):
     def _on_deregister(self, region: Region) -> None:
         for w in list(self._inbound):
             if not w.writer.is_closing():
-                w.write({"op": "dereg", "region": region.region_id})
+                with contextlib.suppress(RuntimeError):  # revoked (write_eof): nothing goes
+                    w.write({"op": "dereg", "region": region.region_id})
         seg, owned = self._segments.pop(region.region_id, (None, False))
         if seg is None or not owned:  # a caller's SharedMemory stays theirs to close
             return
@@ -235,13 +236,16 @@ class ShmTransport(Transport):
         self._links[agent] = (session, watcher, int(info.get("pid", 0)))
 
     async def _watch(self, agent: str, session: StreamSession) -> None:
-        """Follow the owner's messages on our link; EOF means the peer is gone."""
+        """Follow the owner's messages on our link; EOF means the peer is gone, or that it
+        revoked our writes (`write_fence`): from now on transfers to it are refused, and
+        closing our end tells it so (no copy of ours is running while this task runs)."""
         with contextlib.suppress(TransportError):
             while (msg := await session.recv()) is not None:
                 region = msg.get("region")
                 if msg.get("op") == "dereg" and type(region) is int:
                     self._unmap((agent, region))
         self._dead.add(agent)
+        session.close()
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -264,11 +268,11 @@ class ShmTransport(Transport):
         session = StreamSession(reader, writer, _LIMITS)
         try:
             await session.serve_handshake(
-                self._secret, OWNER_ROLE, self.name, deadline=min(self.timeout, 5.0)
+                self._secret, OWNER_ROLE, self.name, deadline=min(self.timeout, HELLO_DEADLINE)
             )
             self._preauth.release(str(uid))
             preauth = False
-            self._inbound.add(session)
+            self._inbound[session] = asyncio.get_running_loop().create_future()
             while (msg := await session.recv()) is not None:
                 data = msg.get("data")
                 if not isinstance(data, bytes) or msg.get("op") != "notify":
@@ -292,10 +296,35 @@ class ShmTransport(Transport):
         finally:
             if preauth:
                 self._preauth.release(str(uid))
-            self._inbound.discard(session)
+            ended = self._inbound.pop(session, None)
             session.close()
+            if ended is not None and not ended.done():
+                ended.set_result(None)
             if task is not None:
                 self._handlers.discard(task)
+
+    def write_fence(self, agent: str | None) -> asyncio.Future[None]:
+        """Revoke ``agent``'s writes (None: every peer's): half-close its links to us; done
+        once it has closed its end (its transport saw the revocation between two copies, and
+        refuses transfers to us from then on) or is gone. A peer copies into our segment
+        without us, so its own transport is what stops it; a revoked peer links again (a new
+        `add_peer`) to transfer again."""
+        mine = [(s, f) for s, f in self._inbound.items() if agent is None or s.peer_id == agent]
+        for session, _ in mine:
+            with contextlib.suppress(OSError, RuntimeError):
+                session.writer.write_eof()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if not mine:
+            done.set_result(None)  # no link: its transport refuses transfers to us
+            return done
+        waiting = asyncio.gather(*(f for _, f in mine))
+
+        def drained(_: object) -> None:
+            if not done.done():
+                done.set_result(None)
+
+        waiting.add_done_callback(drained)
+        return done
 
     def _check_alive(self, agent: str) -> StreamSession:
         link = self._links.get(agent)
@@ -348,7 +377,7 @@ class ShmTransport(Transport):
             session.close()
             watcher.cancel()
         for w in list(self._inbound):
-            w.close()
+            w.close()  # their handlers end, and with them any fence waiting on them
         pending = [link[1] for link in self._links.values()] + list(self._handlers)
         await asyncio.gather(*pending, return_exceptions=True)
         self._links.clear()

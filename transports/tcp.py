@@ -321,11 +321,18 @@ class TcpTransport(Transport):
             checksums=self._checksums,
             deliver=self.deliver_notification,
             serve_view=self.serve_view,
+            write_guard=lambda: self.write_guard,
+            hello_deadline=min(timeout, HELLO_DEADLINE),
         )
         self._server = TcpServer(self._serving, ssl=ssl_server, hold_s=min(timeout, HELLO_DEADLINE))
 
     async def _start(self) -> None:
         self.port = self._server.start(self.host, self.port)
+
+    def write_fence(self, agent: str | None) -> asyncio.Future[None]:
+        """Done once the writes of ``agent`` (None: anyone) our server is receiving now have
+        landed or dropped: every later write asks `write_guard` again before it lands."""
+        return self._serving.landing.fence(agent)
 
     def _peer_fields(self) -> dict[str, Any]:
         return {"host": self.advertise, "port": self.port}

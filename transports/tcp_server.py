@@ -38,6 +38,7 @@ from typing import Any
 from .acceptor import Acceptor, listen
 from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
+from .fence import Landing, WriteGuard
 from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, Gate
 from .session import NONCE_BYTES, proof, seals, session_keys, transcript
 from .tcp_wire import (
@@ -60,8 +61,10 @@ class ServerSide:
     this module never imports the transport): its identity and secret, the bounds, the
     security counters and the admission gate, the checksum thread, where notifications go
     (``deliver``: False when over its budget) and how a request's segment resolves
-    (``serve_view``: raises RemoteAccessError), and the connections open now (closed with the
-    transport)."""
+    (``serve_view``: raises RemoteAccessError), who may write where (``write_guard``: the
+    transport's `guard_writes`, read per write) and the writes landing now (``landing``), the
+    hello deadline (``hello_deadline``: an unauthenticated connection is dropped after it),
+    and the connections open now (closed with the transport)."""
 
     name: str
     secret: bytes
@@ -72,6 +75,9 @@ class ServerSide:
     checksums: ChecksumThread
     deliver: Callable[[str, bytes], bool]
     serve_view: Callable[[int, int, int], memoryview]
+    write_guard: Callable[[], WriteGuard | None]
+    hello_deadline: float
+    landing: Landing = field(default_factory=Landing)
     conns: set[ServerConnection] = field(default_factory=set)
 
 
@@ -111,7 +117,7 @@ class ServerConnection(FrameProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.owner.conns.add(self)
-        self._timer = asyncio.get_running_loop().call_later(self.owner.timeout, self._expire)
+        self._timer = asyncio.get_running_loop().call_later(self.owner.hello_deadline, self._expire)
         challenge = {"op": "challenge", "v": WIRE_VERSION, "agent": self.owner.name}
         self.send({**challenge, "nonce": self._nonce})
 
@@ -131,6 +137,7 @@ class ServerConnection(FrameProtocol):
             self.owner.gate.failed(self.address)  # every unauthenticated end is a strike
         self.owner.gate.closed(self.address, authenticated=not self._preauth)
         self.owner.conns.discard(self)
+        self.owner.landing.ended(self)  # a write cut short lands no further
         if self._timer is not None:
             self._timer.cancel()
 
@@ -156,10 +163,22 @@ class ServerConnection(FrameProtocol):
         self._refusal, self._views = None, []
         try:
             self._views = self._resolve(header)
+            self._guard(header)
         except RemoteAccessError as exc:
-            self._refusal = _err(header, "access", exc)
+            self._refusal, self._views = _err(header, "access", exc), []
             return None
+        self.owner.landing.started(self, self.peer)
         return self._views
+
+    def _guard(self, header: dict[str, Any]) -> None:
+        """Refuse (RemoteAccessError) a write the owner's guard does not let in."""
+        guard = self.owner.write_guard()
+        if guard is None:
+            return
+        assert self.peer is not None
+        for rid, off, n in parse_segs(header, MAX_SEGS):
+            if not guard(self.peer, rid, off, n):
+                raise RemoteAccessError(f"[{off}, {off + n}) of region {rid} is not ours to write")
 
     def on_frame(self, header: dict[str, Any]) -> None:
         op = header["op"]
@@ -181,6 +200,7 @@ class ServerConnection(FrameProtocol):
             crc.add_done_callback(lambda f: self._checksummed(reply, f))
             return None
         if op == "write":
+            self.owner.landing.ended(self)  # its payload has landed: nothing more from it
             if self._refusal is not None:
                 return self._reply(_Reply(self._refusal))
             reply = _Reply({"op": "ok", "id": header.get("id")})
@@ -331,7 +351,7 @@ class TcpServer:
                 lambda: ServerConnection(self.side, address),
                 sock,
                 ssl=self.ssl,
-                ssl_handshake_timeout=self.side.timeout if self.ssl is not None else None,
+                ssl_handshake_timeout=self.side.hello_deadline if self.ssl is not None else None,
             )
         )
         self._starting.add(task)

@@ -422,11 +422,14 @@ async def test_foreign_value_type_is_a_miss_not_an_outage(srv: RedisServer, ttl:
         assert await rt.publish(keys[:2], src, [0, 1]) == 2
         with redis.Redis.from_url(srv.url) as r:
             r.rpush(rt.redis_key(keys[2]), b"x")  # GETEX on a list: an error reply
-        assert await rt.lookup(keys) == 3
+            assert await rt.lookup(keys) == 2  # corrupt (issue 23), dropped: not an error
+            assert rt.stats()["corrupt"] == 1 and r.exists(rt.redis_key(keys[2])) == 0
+            r.rpush(rt.redis_key(keys[2]), b"x")  # and again, for the load to meet
         assert await rt.load(keys, np.zeros((4, PB), np.uint8), [0, 1, 2, 3]) == 2
-        assert rt.available and rt.stats()["errors"] == (0 if ttl is None else 1)
-        assert await rt.publish(keys, src, [0, 1, 2, 3]) == 1  # the list stays; key 3 lands
-        assert rt.available and rt.stats()["present"] == 3  # NX: the foreign key is kept
+        assert rt.available and rt.stats()["errors"] == 0
+        assert rt.stats()["corrupt"] == 2
+        assert await rt.publish(keys, src, [0, 1, 2, 3]) == 2  # the list was dropped: 2 and 3
+        assert rt.available and rt.stats()["present"] == 2
 
 
 # -- the value codec (no server) -------------------------------------------------------------
@@ -474,3 +477,26 @@ async def test_connect_warns_about_an_eviction_policy_that_does_not_fit(
     finally:
         with redis.Redis.from_url(srv.url) as r:
             r.config_set("maxmemory-policy", "noeviction")
+
+
+@pytest.mark.parametrize("ttl", [None, 60.0], ids=["mget", "getex"])
+async def test_a_key_of_another_type_is_corrupt_and_repaired(srv: RedisServer, ttl: Any) -> None:
+    """A list at a page's key (issue 23): a load counts it as corrupt and drops it; a publish
+    that meets one replaces it (before, the page stayed a miss and republishing stored 0);
+    pages already present cost the publish one STRLEN each, nothing else changes."""
+    keys, src = keys_of(21, 6), pages_of(21, 6)
+    out = np.zeros((6, PB), np.uint8)
+    async with tier(srv.url, ttl=ttl) as rt:
+        assert await rt.publish(keys, src, list(range(6))) == 6
+        with redis.Redis.from_url(srv.url) as r:
+            rk = rt.redis_key(keys[3])
+            r.delete(rk)
+            r.rpush(rk, b"not a page")
+            assert await rt.load(keys, out, list(range(6))) == 3
+            assert rt.stats()["corrupt"] == 1 and rt.stats()["errors"] == 0
+            assert r.exists(rk) == 0  # dropped, so that a publish repairs it
+            r.rpush(rk, b"not a page")  # again, and this time a publish meets it first
+            assert await rt.publish(keys, src, list(range(6))) == 1
+            assert rt.stats()["corrupt"] == 2 and rt.stats()["present"] == 5
+            assert r.type(rk) == b"string"
+        assert await rt.load(keys, out, list(range(6))) == 6 and (out == src).all()

@@ -8,7 +8,9 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,9 @@ from tierkv.remote.protocol.wire import spec_fields
 from tierkv.store import KVStore
 from tierkv.transports.session import HELLO_MAX, PREFIX, StreamSession
 
+sys.path.insert(0, str(Path(__file__).parent))
+from relay import relay
+
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
 SECRET = b"security-test"
@@ -43,42 +48,6 @@ async def page_server(**kw: Any) -> AsyncIterator[PageServer]:
 
 def peer(address: str, **kw: Any) -> RemoteTier:
     return RemoteTier(address, secret=SECRET, spec=SPEC, timeout=TIMEOUT, **kw)
-
-
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, log: list[bytes]) -> None:
-    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-        while True:
-            (n,) = PREFIX.unpack(await src.readexactly(4))
-            body = await src.readexactly(n)
-            log.append(PREFIX.pack(n) + body)
-            dst.write(PREFIX.pack(n) + body)
-            await dst.drain()
-    dst.close()  # one side ended: so does the other
-
-
-@contextlib.asynccontextmanager
-async def relay(target: PageServer) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    """A party without the secret between a client and the server: it forwards frames both
-    ways and records them (``state["up"]``: client -> server; ``state["writer"]``: its
-    connection to the server, to inject frames)."""
-    state: dict[str, Any] = {"up": [], "down": []}
-    tasks: list[asyncio.Task[None]] = []
-
-    async def on_client(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        sr, sw = await asyncio.open_connection(target.host, target.port)
-        state["writer"] = sw
-        tasks.append(asyncio.create_task(_pipe(sr, w, state["down"])))
-        await _pipe(r, sw, state["up"])
-
-    server = await asyncio.start_server(on_client, "127.0.0.1", 0)
-    try:
-        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}", state
-    finally:
-        server.close()
-        for t in tasks:
-            t.cancel()
-        if "writer" in state:
-            state["writer"].close()
 
 
 async def test_a_relayed_session_gives_the_relay_nothing() -> None:
@@ -184,8 +153,22 @@ async def test_hold_never_dials_an_address_a_client_names() -> None:
             await posing.open()
             await posing.call("hold", node="10.9.9.9:7600", add=[], drop=[])
             await posing.aclose()
+            # issue 23: a page server (by its role) naming a port on its own host, the bait's,
+            # from every loopback address, 100 times over as many connections
+            for i in range(100):
+                posing = Control(
+                    srv.address, secret=SECRET, timeout=TIMEOUT, role="page-server", ident="x"
+                )
+                await posing.open()
+                node = bait_addr if i % 2 else bait_addr.replace("127.0.0.1", f"127.0.0.{2 + i}")
+                with contextlib.suppress(RemoteError):
+                    await posing.call("hold", node=node, add=[KEYS[0]], drop=[])
+                if i == 0:  # it hears our holdings on its own connection instead
+                    assert srv.mesh.back
+                await posing.aclose()
             await asyncio.sleep(0.3)
-            assert srv.mesh.links == {} and not dialled
+            assert srv.mesh.links == {} and not dialled and not srv.mesh.back
+            assert srv.stats()["peers"] == []
     finally:
         bait.close()
 

@@ -6,6 +6,7 @@
     ├── PeerGoneError             the page server vanished or cannot be reached (mid-call too)
     ├── RemoteTimeoutError        a bounded wait on the page server ran out (also TimeoutError)
     ├── RemoteProtocolError       a malformed or unexpected control message
+    ├── LeaseExpiredError         a write lease ended before its commit: nothing was stored
     └── RemoteRefusedError        the server said no: bad auth, spec mismatch, unknown op
          └── RemoteFullError      no room in the server's host tier (everything pinned)
 
@@ -21,6 +22,7 @@ from tierkv.boundary import register_transport_mapper
 from tierkv.errors import TierKVError
 
 __all__ = [
+    "LeaseExpiredError",
     "PeerGoneError",
     "RemoteError",
     "RemoteFullError",
@@ -45,6 +47,12 @@ class RemoteTimeoutError(RemoteError, TimeoutError):
 
 class RemoteProtocolError(RemoteError):
     """A malformed, oversized or unexpected control message."""
+
+
+class LeaseExpiredError(RemoteError):
+    """A write lease expired (its ttl ran out, or its connection closed) before the writer
+    committed it: the pages were not stored, and the slots it wrote are quarantined until the
+    server knows the write has ended (this commit tells it). Publish the pages again."""
 
 
 class RemoteRefusedError(RemoteError):

@@ -12,8 +12,10 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
     lookup   {"keys"}                    -> {"n"}               readable prefix in the host tier
     acquire  {"keys"}                    -> {"lease", "slots", "gens", "sums"}   pins that prefix
     release  {"lease"}                   -> {"valid"}    pages whose slot and generation held
-    reserve  {"keys", "sums"}            -> {"lease", "slots"}   host slots to write (-1: skip)
-    commit   {"lease", "ok"}             -> {"stored", "corrupt"}
+    reserve  {"keys", "sums", "agent"?}  -> {"lease", "slots"}   host slots to write (-1: skip);
+                                             only the transport agent named may write them
+    commit   {"lease", "ok"}             -> {"stored", "corrupt"}   err "expired": the lease
+                                             ended first
     stats    {}                          -> {"pages", "leases", "peers", "watchers", ...}
     locate   {"keys"}                    -> {"nodes"}   a node address per leading page held
     watch    {"keys"}                    -> {"held"}    per key: held now (then watched)
@@ -32,7 +34,8 @@ without ``sums``, a ``-1``) is corrupt; so is, for a reader, every page of a ser
 
 Roles in the handshake: the server is a ``page-server`` (its id: its address); a client is a
 ``client`` (RemoteTier, Watch) or a ``page-server`` (a peer link, its id: its address).
-Error codes: ``auth``, ``spec``, ``full``, ``bad`` (malformed request), ``op`` (unknown op).
+Error codes: ``auth``, ``spec``, ``full``, ``expired`` (a write lease that ended before its
+commit), ``bad`` (malformed request), ``op`` (unknown op).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tierkv.remote.errors import (
+    LeaseExpiredError,
     RemoteError,
     RemoteFullError,
     RemoteProtocolError,
@@ -108,11 +112,30 @@ def sums_of(msg: dict[str, Any], n: int) -> list[int] | None:
     return sums
 
 
+def int_of(msg: dict[str, Any], name: str) -> int:
+    """The integer field ``name``. Raises RemoteProtocolError."""
+    value = msg.get(name)
+    if type(value) is not int:
+        raise RemoteProtocolError(f"{name} must be an integer")
+    return value
+
+
+def agent_of(msg: dict[str, Any]) -> str | None:
+    """The optional ``agent`` field (the writer's transport agent). Raises
+    RemoteProtocolError."""
+    agent = msg.get("agent")
+    if agent is not None and not isinstance(agent, str):
+        raise RemoteProtocolError("agent must be a string")
+    return agent
+
+
 def error_for(reply: dict[str, Any]) -> RemoteError:
     """The typed error an ``err`` reply stands for."""
     code, msg = reply.get("err"), str(reply.get("msg", ""))
     if code == "full":
         return RemoteFullError(msg)
+    if code == "expired":
+        return LeaseExpiredError(msg)
     if code in ("auth", "spec", "op"):
         return RemoteRefusedError(f"{code}: {msg}")
     return RemoteProtocolError(f"{code}: {msg}")

@@ -9,20 +9,37 @@ changed as a miss::
 
     acquire(keys) -> pin, slots, gens ... reader copies the slots ... release -> check, unpin
                                           expiry (ttl) / peer gone -> unpin, gen += 1
+
+Writes are fenced: a peer writes its reserved slots one-sidedly, so a slot it may still be
+writing is never handed to anyone else. While a write lease lives, only its writer (its
+declared transport ``agent``) may write its slots (`may_write`, asked by the transports that
+receive the bytes). A write lease that expires (ttl, its connection gone, the server closing)
+is *fenced*: its pages are rolled back under their keys (anyone may publish them again) but
+its slots stay WRITING under quarantine keys (never readable, never reused) until its write
+has ended for certain: the writer commits or aborts it (told LeaseExpiredError), or every
+transport has revoked the writer's access and drained what it had let in (``revoke``)::
+
+    reserve -> live (writer may write its slots) -> commit -> readable / rolled back
+                 | expiry
+                 v
+               fenced: keys free, slots quarantined -- late commit / abort (LeaseExpiredError)
+                                                    -- revoke(agent) drained on every transport
+                                                    -> slots free
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from tierkv import page_sums
-from tierkv.keys import is_content
+from tierkv.keys import KEY_BYTES, is_content
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageState
-from tierkv.remote.errors import RemoteFullError, RemoteProtocolError
+from tierkv.remote.errors import LeaseExpiredError, RemoteFullError, RemoteProtocolError
 from tierkv.tiers import HOST, TierSet
 
 __all__ = ["Directory", "is_content"]
@@ -36,12 +53,35 @@ class _Lease:
     slots: list[int]
     gens: list[int]
     timer: asyncio.TimerHandle | None = field(default=None)
+    agent: str | None = None  # the writer's transport agent (None: undeclared, any agent)
+
+
+#: revoke(agent) -> per transport, a future done once that writer's access is revoked and what
+#: was let in has landed, or None where the transport cannot tell (the writer's word only)
+Revoke = Callable[[str | None], list["asyncio.Future[None] | None"]]
+
+#: quarantine keys: private keys (never served) under a prefix no hash-made key is likely to have
+_QUARANTINE = bytes([0xFF]) + b"fence"
+
+
+def _quarantine_key(n: int) -> bytes:
+    return _QUARANTINE + n.to_bytes(KEY_BYTES - len(_QUARANTINE), "big")
 
 
 class Directory:
     """Leases and generations over one store's host tier. Used from the store's event loop."""
 
-    def __init__(self, tiers: TierSet, *, lease_ttl: float) -> None:
+    def __init__(
+        self,
+        tiers: TierSet,
+        *,
+        lease_ttl: float,
+        revoke: Revoke | None = None,
+        max_writing: int | None = None,
+    ) -> None:
+        """``revoke``: see `Revoke` (None: fenced slots wait for the writer's word);
+        ``max_writing``: slots that live write leases and the quarantine may hold together
+        (default: the whole host tier); past it `reserve` raises RemoteFullError."""
         self.tiers = tiers
         self.lease_ttl = lease_ttl
         slots = tiers.table.capacity(HOST)
@@ -50,6 +90,14 @@ class Directory:
         self._leases: dict[int, _Lease] = {}
         self._ids = itertools.count(1)
         self.expired = 0
+        self._revoke = revoke
+        self.max_writing = slots if max_writing is None else max_writing
+        self._writer: dict[int, _Lease] = {}  # slot -> the live write lease that owns it
+        self._fenced: dict[int, _Lease] = {}  # lease id -> expired write lease in quarantine
+        self._qids = itertools.count(1)
+        self.quarantined = 0  # slots held by fenced leases
+        self.fenced = 0  # write leases fenced so far
+        self.late_commits = 0  # commits / aborts of fenced leases (the writer told)
 
     def _observe(self, slot: int, key: bytes | None) -> int:
         if self._seen[slot] != key:
@@ -107,14 +155,27 @@ class Directory:
 
     # -- writes --------------------------------------------------------------------------
     def reserve(
-        self, keys: list[bytes], owner: object, sums: list[int] | None = None
+        self,
+        keys: list[bytes],
+        owner: object,
+        sums: list[int] | None = None,
+        agent: str | None = None,
     ) -> tuple[int, list[int]]:
-        """Reserve host slots for pages a peer will write; returns (lease, slot per key, -1
-        where the page is already held or was not admitted). ``sums``: the checksum the peer
-        declares for each key (recorded for the reserved pages, checked at :meth:`verify`).
-        Raises RemoteFullError."""
+        """Reserve host slots for pages a peer will write (only ``agent``'s writes may land
+        in them; None: any agent's); returns (lease, slot per key, -1 where the page is
+        already held or was not admitted). ``sums``: the checksum the peer declares for each
+        key (recorded for the reserved pages, checked at :meth:`verify`). Raises
+        RemoteFullError (no room, or the slots being written and quarantined would pass
+        ``max_writing``)."""
         if not all(is_content(k) for k in keys):
             raise RemoteProtocolError("only content pages can be published")
+        busy = len(self._writer) + self.quarantined
+        if busy + len(keys) > self.max_writing:
+            raise RemoteFullError(
+                f"no room for {len(keys)} pages: {len(self._writer)} slots are being written and "
+                f"{self.quarantined} quarantined behind writes not known to have ended "
+                f"(at most {self.max_writing})"
+            )
         alloc = self.tiers.reserve_host(keys)  # pages evicted for room are announced
         if alloc is None:
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
@@ -126,26 +187,51 @@ class Directory:
         for k, s in slot_of.items():
             self._seen[s] = None
             self._observe(s, k)
-        lease = _Lease("write", owner, new, list(alloc.slots), [])
+        lease = _Lease("write", owner, new, list(alloc.slots), [], agent=agent)
+        for s in lease.slots:
+            self._writer[s] = lease
         return self._open(lease), [slot_of.get(k, -1) for k in keys]
 
-    def commit(self, lease_id: int, ok: bool) -> int:
-        """Make reserved pages readable (``ok``) or roll them back; returns pages stored (0 for
-        an expired lease, whose pages were rolled back)."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None or lease.kind != "write":
-            return 0
-        self._cancel_timer(lease)
-        self._end_write(lease, ok)
-        return len(lease.keys) if ok else 0
+    def may_write(self, agent: str, first: int, last: int) -> bool:
+        """True when every slot in ``[first, last]`` belongs to a live write lease that
+        ``agent`` may write (the transports' write guard)."""
+        for s in range(first, last + 1):
+            lease = self._writer.get(s)
+            if lease is None or (lease.agent is not None and lease.agent != agent):
+                return False
+        return True
 
-    def verify(self, lease_id: int) -> int:
+    def commit(self, lease_id: int, ok: bool, owner: object) -> int:
+        """Make reserved pages readable (``ok``) or roll them back; returns pages stored.
+        Raises LeaseExpiredError when ``owner`` holds no such live lease: it expired (its
+        pages were rolled back; this commit ends its fence) or never was."""
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.kind == "write" and lease.owner is owner:
+            del self._leases[lease_id]
+            self._cancel_timer(lease)
+            self._end_write(lease, ok)
+            return len(lease.keys) if ok else 0
+        fenced = self._fenced.get(lease_id)
+        if fenced is not None and fenced.owner is owner:
+            self.late_commits += 1
+            self._unfence(lease_id)  # the writer's word: its write has ended
+            raise LeaseExpiredError(
+                f"write lease {lease_id} expired before its commit: its {len(fenced.keys)} pages "
+                "were not stored (publish them again)"
+            )
+        raise LeaseExpiredError(f"no write lease {lease_id} on this connection (expired?)")
+
+    def verify(self, lease_id: int, owner: object) -> int:
         """Check the bytes a peer wrote under a write lease against the checksums it declared
         at reserve, before :meth:`commit` publishes them: the pages that differ, or came
         without a checksum, are rolled back now (the others stay reserved); returns how many.
-        Nothing to check (0) for an unknown lease, or with checksums off."""
+        Called with the commit (the writer's word that its writes ended), so the rolled-back
+        slots leave the write guard at once. Nothing to check (0) for a lease that ``owner``
+        does not hold live (commit then raises), or with checksums off."""
         lease = self._leases.get(lease_id)
-        if lease is None or lease.kind != "write" or not lease.keys or not page_sums.enabled():
+        if lease is None or lease.kind != "write" or lease.owner is not owner:
+            return 0
+        if not lease.keys or not page_sums.enabled():
             return 0
         want = self.tiers.table.sums(lease.keys)
         got = row_sums(self.tiers.host_array, lease.slots)
@@ -155,6 +241,7 @@ class Directory:
         drop = set(bad)
         self.tiers.commit_host([lease.keys[i] for i in bad], ok=False)
         for i in bad:
+            self._writer.pop(lease.slots[i], None)
             self._observe(lease.slots[i], None)
         lease.keys[:] = [k for i, k in enumerate(lease.keys) if i not in drop]
         lease.slots[:] = [s for i, s in enumerate(lease.slots) if i not in drop]
@@ -162,11 +249,48 @@ class Directory:
         return len(bad)
 
     def _end_write(self, lease: _Lease, ok: bool) -> None:
+        for s in lease.slots:
+            self._writer.pop(s, None)
         if lease.keys:
             self.tiers.commit_host(lease.keys, ok=ok)
         if not ok:
             for s in lease.slots:
                 self._observe(s, None)
+
+    def _fence(self, lease_id: int, lease: _Lease) -> None:
+        """An expired write lease: its pages roll back under their keys, its slots stay
+        WRITING under quarantine keys until its write has ended for certain."""
+        for s in lease.slots:
+            self._writer.pop(s, None)  # from now on the guard refuses its writes
+        if not lease.keys:
+            return
+        qkeys = [_quarantine_key(next(self._qids)) for _ in lease.keys]
+        self.tiers.rename_reserved_host(lease.keys, qkeys)
+        for s in lease.slots:
+            self._observe(s, None)
+        lease.keys = qkeys
+        self._fenced[lease_id] = lease
+        self.quarantined += len(lease.slots)
+        self.fenced += 1
+        drains = self._revoke(lease.agent) if self._revoke is not None else [None]
+        if drains and all(d is not None for d in drains):
+            done = asyncio.gather(*cast(list["asyncio.Future[None]"], drains))
+
+            def drained(f: asyncio.Future[list[None]]) -> None:
+                if not f.cancelled():
+                    self._unfence(lease_id)
+
+            done.add_done_callback(drained)
+
+    def _unfence(self, lease_id: int) -> None:
+        """The fenced lease's write has ended: its slots go free."""
+        lease = self._fenced.pop(lease_id, None)
+        if lease is None:
+            return
+        self.quarantined -= len(lease.slots)
+        self.tiers.commit_host(lease.keys, ok=False)
+        for s in lease.slots:
+            self._observe(s, None)
 
     # -- expiry --------------------------------------------------------------------------
     def _open(self, lease: _Lease) -> int:
@@ -188,7 +312,7 @@ class Directory:
         self._cancel_timer(lease)
         self.expired += 1
         if lease.kind == "write":
-            self._end_write(lease, ok=False)
+            self._fence(lease_id, lease)
             return
         self.tiers.unpin_host(lease.keys)
         for s in lease.slots:
@@ -199,6 +323,14 @@ class Directory:
         ids = [i for i, le in self._leases.items() if owner is None or le.owner is owner]
         for i in ids:
             self.expire(i)
+        return len(ids)
+
+    def unfence_all(self) -> int:
+        """Free every quarantined slot (the transports are closed: nothing lands any more);
+        returns how many leases were fenced."""
+        ids = list(self._fenced)
+        for i in ids:
+            self._unfence(i)
         return len(ids)
 
     @property

@@ -6,25 +6,35 @@ changes, at most every ``interval`` seconds, sooner when pages leave::
 
     server A  PeerLink(B) --hold {node: A, full, add, drop}-->  server B  PeerIndex: A -> keys
               <-- {"peers": [A, B, C]} (B's known nodes: A links to those it lacks)
+              <-- {"ev": "hold", full, add, drop}   BackLink(A): B's holdings, on A's connection
+    PeerIndex: B -> keys
 
 A node's entries live as long as the connection that brought them: a peer that goes away
-(closed, frozen past the timeout) drops out of every `locate` answer. One seed is enough:
-a server that hears from an unknown node links back, and each reply lists the known nodes.
+(closed, frozen past the timeout) drops out of every `locate` answer. One seed is enough: a
+server that hears from an unknown page server answers with its own holdings on that same
+connection (it never dials an address a caller names), and each reply lists the known nodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from ssl import SSLContext
 from typing import Any
 
 from tierkv.remote.errors import RemoteError, RemoteProtocolError
 from tierkv.remote.protocol.control import Control
 from tierkv.remote.protocol.wire import MAX_KEYS, PAGE_SERVER
+from tierkv.transports import TransportError
+from tierkv.transports.session import StreamSession
 
-__all__ = ["PeerIndex", "PeerLink", "keys_field"]
+__all__ = ["BackLink", "Outbox", "PeerIndex", "PeerLink", "keys_field"]
+
+#: send(add, drop, full) -> the peer's reply (empty for an event)
+Send = Callable[[list[bytes], list[bytes], bool], Awaitable[dict[str, Any]]]
+#: on_hold(node, owner, add, drop, full): a peer's holdings heard on connection ``owner``
+OnHold = Callable[[str, object, list[bytes], list[bytes], bool], None]
 
 CHUNK = 16384  # keys per hold message
 
@@ -110,6 +120,111 @@ class PeerIndex:
         return sum(len(v) for v in self.nodes.values())
 
 
+class Outbox:
+    """Our holdings as one peer has yet to hear them: everything (after a (re)connect, or when
+    too many changes pile up) or the changes since the last flush."""
+
+    def __init__(self, held: Callable[[], set[bytes]], max_pending: int) -> None:
+        self._held, self.max_pending = held, max_pending
+        self._add: set[bytes] = set()
+        self._drop: set[bytes] = set()
+        self.full = True
+        self.wake = asyncio.Event()
+
+    def reset(self) -> None:
+        """The next flush sends everything."""
+        self.full = True
+        self._add.clear()
+        self._drop.clear()
+
+    def changed(self, add: Iterable[bytes], drop: Iterable[bytes]) -> None:
+        """Our holdings changed: queue the change (a full resend if too much piles up)."""
+        if self.full:
+            return  # the next flush sends everything
+        for k in drop:
+            self._add.discard(k)
+            self._drop.add(k)
+        for k in add:
+            self._drop.discard(k)
+            self._add.add(k)
+        if len(self._add) + len(self._drop) > self.max_pending:
+            self.reset()
+        self.wake.set()
+
+    async def flush(self, send: Send) -> dict[str, Any]:
+        """Send what is queued, in chunks of CHUNK keys; returns the last reply."""
+        if self.full:
+            self.full = False
+            self._add.clear()
+            self._drop.clear()
+            everything = list(self._held())
+            reply = await send(everything[:CHUNK], [], True)
+            for i in range(CHUNK, len(everything), CHUNK):
+                reply = await send(everything[i : i + CHUNK], [], False)
+            return reply
+        add, drop = list(self._add), list(self._drop)
+        self._add.clear()
+        self._drop.clear()
+        reply = await send(add[:CHUNK], drop[:CHUNK], False)
+        for i in range(CHUNK, max(len(add), len(drop)), CHUNK):
+            reply = await send(add[i : i + CHUNK], drop[i : i + CHUNK], False)
+        return reply
+
+
+def hold_event(msg: dict[str, Any], node: str, owner: object, on_hold: OnHold) -> None:
+    """Apply a peer's ``{"ev": "hold"}`` (heard on our link ``owner`` to ``node``). Raises
+    RemoteProtocolError for a malformed one (the link then reconnects)."""
+    if msg.get("ev") == "hold":
+        full = bool(msg.get("full"))
+        on_hold(node, owner, keys_field(msg, "add"), keys_field(msg, "drop"), full)
+
+
+class BackLink:
+    """Our holdings pushed to a page server that linked to us, as events on its own
+    connection: so it learns them without our dialing the address it claims."""
+
+    def __init__(
+        self,
+        session: StreamSession,
+        node: str,
+        *,
+        held: Callable[[], set[bytes]],
+        timeout: float,
+        max_pending: int = 1 << 18,
+    ) -> None:
+        self.session, self.node, self.timeout = session, node, timeout
+        self.outbox = Outbox(held, max_pending)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start pushing (a full snapshot first)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def close(self) -> None:
+        """Stop pushing (its connection ended, or we are closing)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+
+    def changed(self, add: Iterable[bytes], drop: Iterable[bytes]) -> None:
+        """Our holdings changed."""
+        self.outbox.changed(add, drop)
+
+    async def _run(self) -> None:
+        with contextlib.suppress(TimeoutError, ConnectionError, TransportError):
+            while True:
+                await self.outbox.flush(self._send)
+                await self.outbox.wake.wait()
+                self.outbox.wake.clear()
+        self.session.close()  # a peer that cannot take our holdings: it reconnects afresh
+
+    async def _send(self, add: list[bytes], drop: list[bytes], full: bool) -> dict[str, Any]:
+        event = {"ev": "hold", "add": add, "drop": drop, "full": full}
+        await asyncio.wait_for(self.session.send(event), self.timeout)
+        return {}
+
+
 class PeerLink:
     """This server's link to one peer: our holdings out, the peer's known nodes back.
 
@@ -118,6 +233,8 @@ class PeerLink:
         peer: the peer's address.
         held: our holdings now (a full snapshot is sent on every (re)connect).
         on_peers: called with the node addresses the peer knows.
+        on_hold: the peer's holdings, as it pushes them on our link (`BackLink`); they are
+            forgotten when the link drops.
         interval: seconds between messages when nothing changes (the liveness check).
     """
 
@@ -131,18 +248,16 @@ class PeerLink:
         interval: float,
         held: Callable[[], set[bytes]],
         on_peers: Callable[[list[str]], None],
+        on_hold: OnHold,
+        forget: Callable[[object], None],
         max_pending: int = 1 << 18,
         ssl: SSLContext | None = None,
     ) -> None:
         self.ssl = ssl
         self.me, self.peer = me, peer
         self.secret, self.timeout, self.interval = secret, timeout, interval
-        self._held, self._on_peers = held, on_peers
-        self.max_pending = max_pending
-        self._add: set[bytes] = set()
-        self._drop: set[bytes] = set()
-        self._full = True
-        self._wake = asyncio.Event()
+        self._on_peers, self._on_hold, self._forget = on_peers, on_hold, forget
+        self.outbox = Outbox(held, max_pending)
         self.connected = False
         self.failures = 0
         self.ever_connected = False
@@ -164,19 +279,10 @@ class PeerLink:
 
     def changed(self, add: Iterable[bytes], drop: Iterable[bytes]) -> None:
         """Our holdings changed: queue the change (a full resend if too much piles up)."""
-        if self._full:
-            return  # the next connect sends everything
-        for k in drop:
-            self._add.discard(k)
-            self._drop.add(k)
-        for k in add:
-            self._drop.discard(k)
-            self._add.add(k)
-        if len(self._add) + len(self._drop) > self.max_pending:
-            self._full = True
-            self._add.clear()
-            self._drop.clear()
-        self._wake.set()
+        self.outbox.changed(add, drop)
+
+    async def _event(self, msg: dict[str, Any]) -> None:
+        hold_event(msg, self.peer, self, self._on_hold)
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -188,49 +294,34 @@ class PeerLink:
                 role=PAGE_SERVER,
                 ident=self.me,
                 ssl=self.ssl,
+                on_event=self._event,
             )
             try:
                 await ctl.open()
                 self.connected = True
                 self.ever_connected = True
                 backoff = 0.05
-                self._full = True
+                self.outbox.reset()
                 while True:
                     await self._flush(ctl)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), self.interval)
-                    self._wake.clear()
+                        await asyncio.wait_for(self.outbox.wake.wait(), self.interval)
+                    self.outbox.wake.clear()
             except (RemoteError, OSError) as exc:
                 self.failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
             finally:
                 self.connected = False
-                self._full = True
+                self.outbox.reset()
+                self._forget(self)  # what the peer pushed on this link
                 await ctl.aclose()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, max(self.interval, 1.0))
 
     async def _flush(self, ctl: Control) -> None:
-        if self._full:
-            self._full = False
-            self._add.clear()
-            self._drop.clear()
-            everything = list(self._held())
-            reply = await self._send(ctl, everything[:CHUNK], [], full=True)
-            for i in range(CHUNK, len(everything), CHUNK):
-                reply = await self._send(ctl, everything[i : i + CHUNK], [], full=False)
-        else:
-            add, drop = list(self._add), list(self._drop)
-            self._add.clear()
-            self._drop.clear()
-            reply = await self._send(ctl, add[:CHUNK], drop[:CHUNK], full=False)
-            for i in range(CHUNK, max(len(add), len(drop)), CHUNK):
-                reply = await self._send(ctl, add[i : i + CHUNK], drop[i : i + CHUNK], False)
-        peers = reply.get("peers")
+        async def send(add: list[bytes], drop: list[bytes], full: bool) -> dict[str, Any]:
+            return await ctl.call("hold", node=self.me, add=add, drop=drop, full=full)
+
+        peers = (await self.outbox.flush(send)).get("peers")
         if isinstance(peers, list):
             self._on_peers([p for p in peers if isinstance(p, str)])
-
-    async def _send(
-        self, ctl: Control, add: list[bytes], drop: list[bytes], full: bool
-    ) -> dict[str, Any]:
-        return await ctl.call("hold", node=self.me, add=add, drop=drop, full=full)

@@ -2,14 +2,16 @@
 and the sync of our own holdings to them (gossip.py holds the index and one link)::
 
     configured seeds ─┐                      PeerLink(B) --hold {node, full, add, drop}--> B
-    peers B announced ├─> add_peer ─> links  (every `interval`, sooner when pages change)
-    servers that hold ┘   (capped, learned ones rate limited)
-    to us from home
+    peers B announced ┘─> add_peer ─> links  (every `interval`, sooner when pages change)
+                          (capped, learned ones rate limited)
     hold from a peer  ─> index.apply          locate(keys): ours first, then the index
+    hold from a page server we have no link to ─> BackLink: our holdings as events on its
+                                                  own connection (no dial)
 
-The server dials only peers the operator configured, peers that servers we dialled announce, and
-page servers that authenticated as such from the address they announce (rate limited); never an
-address a client names. Learned links that never connected after `DEAD_AFTER` tries are dropped.
+The server dials only peers the operator configured and peers that servers we dialled (and that
+proved the secret) announce, rate limited; never an address named by whoever is connected to
+it (a page server that links to us hears our holdings on its own connection). Learned links
+that never connected after `DEAD_AFTER` tries are dropped.
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ from ssl import SSLContext
 from typing import Any
 
 from tierkv.remote.errors import RemoteProtocolError
-from tierkv.remote.protocol.exposure import same_host
 from tierkv.remote.protocol.wire import PAGE_SERVER
-from tierkv.remote.server.gossip import PeerIndex, PeerLink, keys_field
+from tierkv.remote.server.gossip import BackLink, PeerIndex, PeerLink, keys_field
 from tierkv.transports.guard import RateLimit
 from tierkv.transports.session import StreamSession
 
@@ -68,6 +69,7 @@ class Mesh:
         self.interval, self.linger, self.max_peers = interval, linger, max_peers
         self.index = PeerIndex()
         self.links: dict[str, PeerLink] = {}
+        self.back: dict[object, BackLink] = {}  # connection -> our holdings pushed on it
         self.links_refused = 0
         self._configured: set[str] = set()
         self._budget = RateLimit(links_per_minute / 60.0, max(1.0, links_per_minute))
@@ -93,6 +95,16 @@ class Mesh:
         for link in list(self.links.values()):
             await link.aclose()
         self.links.clear()
+        for back in self.back.values():
+            back.close()
+        self.back.clear()
+
+    def closed(self, owner: object) -> None:
+        """A connection ended: what it told us goes, and so does our push on it."""
+        self.index.forget_owner(owner)
+        back = self.back.pop(owner, None)
+        if back is not None:
+            back.close()
 
     def changed(self) -> None:
         """Our holdings changed: peers hear of it within `linger`."""
@@ -138,6 +150,8 @@ class Mesh:
             interval=self.interval,
             held=lambda: set(self._held),
             on_peers=self.learn,
+            on_hold=self.index.apply,
+            forget=self.index.forget_owner,
             ssl=self.ssl,
         )
         self.links[address] = link
@@ -161,13 +175,19 @@ class Mesh:
             raise RemoteProtocolError("hold needs the sender's node address")
         add, drop = keys_field(msg, "add"), keys_field(msg, "drop")
         self.index.apply(node, owner, add, drop, full=bool(msg.get("full")))
-        # link back (so it hears our holdings) only to a page server that authenticated as
-        # such and announces itself at the address it connects from: never where a client says
-        host = node.rpartition(":")[0].removeprefix("[").removesuffix("]")
-        if session.peer_role == PAGE_SERVER and same_host(host, addr):
-            with contextlib.suppress(ValueError):
-                self.add_peer(node, configured=False)
-        return {"peers": [self._address(), *self.links]}
+        # a page server we have no link to hears our holdings on its own connection: we
+        # never dial the address it claims (nor any other a connected party names)
+        if (
+            session.peer_role == PAGE_SERVER
+            and node not in self.links
+            and owner not in self.back
+            and len(self.back) < self.max_peers
+        ):
+            back = BackLink(session, node, held=lambda: set(self._held), timeout=self.timeout)
+            self.back[owner] = back
+            back.start()
+        known = dict.fromkeys([*self.links, *(b.node for b in self.back.values())])
+        return {"peers": [self._address(), *known]}
 
     async def _sync_loop(self) -> None:
         assert self._changed is not None
@@ -184,6 +204,8 @@ class Mesh:
             if added or dropped:
                 for link in self.links.values():
                     link.changed(added, dropped)
+                for back in self.back.values():
+                    back.changed(added, dropped)
             await self._drop_dead_links()
 
     async def _drop_dead_links(self) -> None:

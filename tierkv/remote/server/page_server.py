@@ -28,13 +28,18 @@ logged (``tierkv.security``, rate limited).
 
 from __future__ import annotations
 
+import asyncio
 from ssl import SSLContext
 from typing import Any
 
 from tierkv.errors import TierKVError
-from tierkv.remote.errors import RemoteError, RemoteFullError, RemoteProtocolError
+from tierkv.remote.errors import (
+    LeaseExpiredError,
+    RemoteError,
+    RemoteFullError,
+)
 from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
-from tierkv.remote.protocol.wire import keys_of, spec_fields, sums_of
+from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, sums_of
 from tierkv.remote.server.control_socket import ControlSocket
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
@@ -43,6 +48,7 @@ from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
 from tierkv.transports import Transport, TransportError, create
+from tierkv.transports.fence import WriteGuard
 from tierkv.transports.guard import Audit, Gate
 from tierkv.transports.session import HELLO_DEADLINE, StreamSession
 
@@ -61,7 +67,12 @@ class PageServer:
             ``$TIERKV_TRANSPORT_SECRET``. Empty: ValueError.
         insecure: serve without a secret (anyone who can connect may use the server); only
             on a loopback ``host`` (else ValueError).
-        lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes).
+        lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes). A
+            write lease that expires is fenced (directory.py): its slots stay quarantined
+            until its write has ended for certain, and its late commit raises
+            LeaseExpiredError to the writer.
+        max_writing: host slots that write leases and the quarantine may hold together
+            (default: the whole host tier); past it, reserve answers "full".
         timeout: bound of the transports' transfers and of a client's hello.
         transport_options: extra keyword arguments per transport name.
         peers: other page servers (``host:port``) to share the directory with; one seed is
@@ -99,6 +110,7 @@ class PageServer:
         secret: bytes | None = None,
         insecure: bool = False,
         lease_ttl: float = 10.0,
+        max_writing: int | None = None,
         timeout: float = 10.0,
         transport_options: dict[str, dict[str, Any]] | None = None,
         peers: list[str] | tuple[str, ...] | None = None,
@@ -124,7 +136,7 @@ class PageServer:
         self.secret = resolve_secret(secret, insecure=insecure)
         if not self.secret and not is_loopback(host):
             raise ValueError(f"without a secret the page server stays on loopback, not {host!r}")
-        self.lease_ttl, self.timeout = lease_ttl, timeout
+        self.lease_ttl, self.timeout, self.max_writing = lease_ttl, timeout, max_writing
         self._options = transport_options or {}
         self.transports: dict[str, Transport] = {}
         self.shared: dict[str, SharedArena] = {}
@@ -186,7 +198,13 @@ class PageServer:
                 await t.start()
                 share = share_host_arena if i == 0 else register_host_arena
                 self.shared[kind] = share(self.store, t)
-            self.directory = Directory(self.store.tiers, lease_ttl=self.lease_ttl)
+                t.guard_writes(self._guard(self.shared[kind].region.region_id))
+            self.directory = Directory(
+                self.store.tiers,
+                lease_ttl=self.lease_ttl,
+                revoke=self._revoke,
+                max_writing=self.max_writing,
+            )
             self.port = self.control.start(self.host, self.port)
         except (TransportError, ValueError, OSError) as exc:
             await self.aclose()
@@ -210,6 +228,8 @@ class PageServer:
         for t in self.transports.values():
             await t.aclose()
         self.transports.clear()
+        if self.directory is not None:
+            self.directory.unfence_all()  # the transports are closed: nothing lands any more
         for shared in self.shared.values():
             shared.close()
 
@@ -247,15 +267,16 @@ class PageServer:
                     reply["sums"] = sums
                 return reply
             if op == "release":
-                return {"valid": d.release(_int(msg, "lease"))}
+                return {"valid": d.release(int_of(msg, "lease"))}
             if op == "reserve":
                 keys = keys_of(msg)
-                lease, slots = d.reserve(keys, owner, sums_of(msg, len(keys)))
+                lease, slots = d.reserve(keys, owner, sums_of(msg, len(keys)), agent_of(msg))
                 return {"lease": lease, "slots": slots}
             if op == "commit":
-                lease, ok = _int(msg, "lease"), bool(msg.get("ok"))
-                corrupt = d.verify(lease) if ok else 0  # the peer's bytes, before they are served
-                stored = d.commit(lease, ok)
+                lease, ok = int_of(msg, "lease"), bool(msg.get("ok"))
+                # the peer's bytes, before they are served (its commit says its writes ended)
+                corrupt = d.verify(lease, owner) if ok else 0
+                stored = d.commit(lease, ok, owner)
                 if stored:
                     self.mesh.changed()  # peers hear of published pages at once
                 return {"stored": stored, "corrupt": corrupt}
@@ -274,6 +295,8 @@ class PageServer:
                 return self.stats()
         except RemoteFullError as exc:
             return {"err": "full", "msg": str(exc)}
+        except LeaseExpiredError as exc:
+            return {"err": "expired", "msg": str(exc)}
         except TierKVError as exc:  # a malformed request, or one the page table refused
             return {"err": "bad", "msg": f"{type(exc).__name__}: {exc}"}
         return {"err": "op", "msg": f"unknown op {op!r}"}
@@ -291,6 +314,9 @@ class PageServer:
             "host_capacity": table.capacity("host"),
             "leases": d.leases,
             "expired": d.expired,
+            "quarantined": d.quarantined,
+            "fenced_total": d.fenced,
+            "late_commits_total": d.late_commits,
             "peers": sorted(self.mesh.links),
             "peers_connected": self.mesh.connected,
             "peer_pages": self.mesh.index.pages(),
@@ -314,13 +340,31 @@ class PageServer:
             out[f"{kind}_notifications_dropped_total"] = t.notifications_dropped
         return out
 
+    # -- fencing peers' writes (directory.py, transports/fence.py) -------------------------
+    def _guard(self, region_id: int) -> WriteGuard:
+        """The write guard of one transport: a peer's write must fall in our host arena's
+        region, in slots of a live write lease its agent may write."""
+        slot_bytes = self.store.tiers.slot_bytes(HOST)
+
+        def may_write(agent: str, rid: int, offset: int, length: int) -> bool:
+            d = self.directory
+            if d is None or rid != region_id or length <= 0:
+                return False
+            return d.may_write(agent, offset // slot_bytes, (offset + length - 1) // slot_bytes)
+
+        return may_write
+
+    def _revoke(self, agent: str | None) -> list[asyncio.Future[None] | None]:
+        """Revoke a fenced writer's access on every transport (futures: drained)."""
+        return [t.write_fence(agent) for t in self.transports.values()]
+
     # -- the directory shared with peers, and announcements --------------------------------
     def _closed(self, owner: object) -> None:
         """A control connection ended: its leases, watches and gossip go."""
         if self.directory is not None:
             self.directory.expire_all(owner)
         self.watches.close(owner)
-        self.mesh.index.forget_owner(owner)
+        self.mesh.closed(owner)
 
     def _holds(self, key: bytes) -> bool:
         return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))
@@ -344,13 +388,6 @@ class PageServer:
         """Pages left our host tier: announce them now; peers hear of it at the next sync."""
         self.watches.announce(keys)
         self.mesh.changed()
-
-
-def _int(msg: dict[str, Any], name: str) -> int:
-    value = msg.get(name)
-    if type(value) is not int:
-        raise RemoteProtocolError(f"{name} must be an integer")
-    return value
 
 
 def _packed(shared: SharedArena) -> bytes:

@@ -22,7 +22,10 @@ Every wait is bounded by ``timeout``. A cancelled call leaves the connection as 
 late reply is dropped by request id); a call that times out, or a connection that breaks (the
 server restarted, a malformed or forged frame), is followed by a reconnect on the next call,
 with backoff (``retry_after`` doubling up to ``max_backoff`` while the server stays away;
-calls in between raise PeerGoneError at once). Every malformed reply raises a RemoteError.
+calls in between raise PeerGoneError at once); so is a data transport whose link to the server
+broke (over shm, the server revokes an expired writer's link: docs/security.md, *Fenced
+writes*). Every malformed reply raises a RemoteError. The file stays whole (~400 lines): one
+class whose calls share the connection, the data transport and the reconnect state.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from tierkv import page_sums
 from tierkv.errors import CorruptPageError, SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
+    LeaseExpiredError,
     PeerGoneError,
     RemoteError,
     RemoteProtocolError,
@@ -135,6 +139,7 @@ class RemoteTier:
         self.server_name = ""
         self._ctl: Control | None = None
         self._transport: transports.Transport | None = None
+        self._link_lost = False  # our data transport lost the server: reconnect both
         self._region: transports.RegionDescriptor | None = None
         self.corrupt = 0  # pages read that failed their checksum (misses, never delivered)
         self.corrupt_published = 0  # pages we published that the peer refused as corrupt
@@ -221,7 +226,7 @@ class RemoteTier:
     # -- control calls -------------------------------------------------------------------
     async def _call(self, op: str, **fields: Any) -> dict[str, Any]:
         ctl = self._ctl
-        if ctl is None or not ctl.connected:
+        if ctl is None or not ctl.connected or self._link_lost:
             ctl = await self._reconnect()
         return await ctl.call(op, **fields)
 
@@ -233,7 +238,7 @@ class RemoteTier:
         if self._reconnecting is None:
             self._reconnecting = asyncio.Lock()
         async with self._reconnecting:
-            if self._ctl is not None and self._ctl.connected:
+            if self._ctl is not None and self._ctl.connected and not self._link_lost:
                 return self._ctl  # another call reconnected meanwhile
             wait = self._retry_at - time.monotonic()
             if wait > 0:
@@ -247,6 +252,7 @@ class RemoteTier:
                 self._backoff = min(self._backoff * 2, self.max_backoff)
                 raise
             self._backoff = self.retry_after
+            self._link_lost = False
             self.reconnects += 1
             assert self._ctl is not None
             return self._ctl
@@ -403,11 +409,13 @@ class RemoteTier:
         bytes in ``array`` now). Pages the peer already holds are skipped. Returns the pages
         newly stored. Raises CorruptPageError when the peer refused pages whose bytes did not
         match their checksum (``stored`` says how many others it stored), RemoteFullError (no
-        room on the peer), PeerGoneError, RemoteTimeoutError, RemoteError.
+        room on the peer), LeaseExpiredError (the reservation expired first: nothing stored),
+        PeerGoneError, RemoteTimeoutError, RemoteError.
         """
         if len(slots) != len(keys):
             raise SpecError(f"{len(slots)} local slots for {len(keys)} pages")
-        fields: dict[str, Any] = {"keys": list(keys)}
+        agent = self._transport.name if self._transport is not None else None
+        fields: dict[str, Any] = {"keys": list(keys), "agent": agent}
         if page_sums.enabled():
             if sums is None or len(sums) != len(keys):
                 sums = row_sums(array, slots) if keys else []
@@ -423,9 +431,16 @@ class RemoteTier:
         try:
             if todo:
                 await self._transfer("write", array, [lo for lo, _ in todo], [ro for _, ro in todo])
-        except BaseException:
-            with contextlib.suppress(RemoteError):
-                await self._call("commit", lease=lease, ok=False)
+        except BaseException as exc:
+            ctl = self._ctl  # the lease's connection, never a new one (it would not know it)
+            if ctl is not None and ctl.connected:
+                try:
+                    await ctl.call("commit", lease=lease, ok=False)
+                except LeaseExpiredError as expired:  # why the write was refused
+                    if isinstance(exc, RemoteError):
+                        raise expired from exc
+                except RemoteError:
+                    pass
             raise
         done = await self._call("commit", lease=lease, ok=True)
         stored, corrupt = done.get("stored"), done.get("corrupt", 0)
@@ -478,6 +493,7 @@ class RemoteTier:
             await handle.wait(self.timeout)
             return handle.sums
         except transports.TransportError as exc:
+            self._link_lost |= isinstance(exc, transports.PeerError)  # revoked, or gone
             raise map_transport_error(exc, f"{direction} of {len(local)} pages") from exc
         finally:
             if handle is not None:

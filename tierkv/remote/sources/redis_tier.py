@@ -17,7 +17,11 @@ No hash tag: a prompt's pages spread over all slots of a cluster. A value that f
 (length, magic, format, codec, layout, checksum: the checksum binds the value to its key; then
 the page's own CRC-32C, carried in the header from the publisher's page table, against the
 bytes as they landed) is a miss, counted in ``corrupt``, logged (rate-limited) and deleted, so
-a later publish repairs it.
+a later publish repairs it. So is a key of another type (a list, a hash) at a page's key, found
+by a lookup (STRLEN, as cheap as EXISTS, answers WRONGTYPE), a load (GET/GETEX answer
+WRONGTYPE; MGET answers nil, so one TYPE of the key where a load stopped) or a publish (a SET
+NX that stored nothing is followed by a STRLEN of those keys, one more round trip only then):
+a publish that finds one deletes it and stores the page.
 
 Failures never reach the caller: every call is bounded by ``timeout``; a call that fails or
 times out returns misses (``0``), marks the tier unavailable and drops the client; later calls
@@ -41,7 +45,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tierkv import page_sums
@@ -362,12 +366,19 @@ class RedisTier:
         async def chunk(lo: int, hi: int) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for k in rkeys[lo:hi]:
-                pipe.exists(k)
+                pipe.strlen(k)  # as EXISTS (0: absent), and WRONGTYPE for another type
             return list(await pipe.execute(raise_on_error=False))
 
         found = [x for part in await self._chunked(len(rkeys), chunk) for x in part]
-        self._refused("lookup", found)
-        return [x is not None and not isinstance(x, Exception) and bool(x) for x in found]
+        self._refused("lookup", [x for x in found if not _wrongtype(x)])
+        wrong = [k for k, x in zip(rkeys, found) if _wrongtype(x)]
+        if wrong:  # a key of another type: corrupt, dropped so that a publish repairs it
+            pipe = client.pipeline(transaction=False)
+            for k in wrong:
+                self._corrupt(k, "a key of another type")
+                pipe.delete(k)
+            await pipe.execute(raise_on_error=False)
+        return [type(x) is int and x > 0 for x in found]
 
     def _refused(self, what: str, replies: list[Any]) -> None:
         """Count and log per-command error replies (a slot in transit, a server refusing)."""
@@ -400,16 +411,29 @@ class RedisTier:
         rkeys = [self.redis_key(k) for k in keys]
         bad: list[bytes] = []
         sums: dict[int, int] = {}
-        n = await self._run("load", self._load, rkeys, array, slots, bad, sums)
+        nil: list[bytes] = []  # the key whose MGET answer was nil, where the load stopped
+        n = await self._run("load", self._load, rkeys, array, slots, bad, sums, nil)
         n = n or 0
+        self._stats["hits"] += n
+        self._stats["misses"] += len(keys) - n
+        if nil and nil[0] == rkeys[n] and await self._run("type", self._wrong_type, nil[0]):
+            self._corrupt(nil[0], "a key of another type")
+            bad.append(nil[0])
         if check is not None:
             check.corrupt += len(bad)
             check.sums = [sums.get(i, NO_SUM) for i in range(n)]
-        self._stats["hits"] += n
-        self._stats["misses"] += len(keys) - n
         for rkey in bad:
             await self._run("delete", self._delete, rkey)
         return n
+
+    async def _wrong_type(self, client: Client, rkey: bytes) -> bool:
+        """True when ``rkey`` holds something else than a string (nil to MGET)."""
+        kind = await client.type(rkey)
+        return _decoded(kind) not in ("none", "string")
+
+    def _corrupt(self, rkey: bytes, why: str) -> None:
+        self._stats["corrupt"] += 1
+        self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
 
     async def _load(
         self,
@@ -419,6 +443,7 @@ class RedisTier:
         slots: list[int],
         bad: list[bytes],
         sums: dict[int, int],
+        nil: list[bytes],
     ) -> int:
         end = len(rkeys)  # the first page that did not arrive intact (so far)
 
@@ -427,13 +452,20 @@ class RedisTier:
             if lo >= end:
                 return  # an earlier page is already a miss: skip the round trip
             values = await self._get(client, rkeys[lo:hi])
-            self._refused("load", values)
+            self._refused("load", [v for v in values if not _wrongtype(v)])
             verify, got = self._verify, 0
             landed: dict[int, int] = {}  # page -> the CRC-32C its header declares
             try:
                 for i, value in enumerate(values, lo):
-                    if i >= end or value is None or isinstance(value, Exception):
-                        end = min(end, i)
+                    if i >= end:
+                        break
+                    if value is None or isinstance(value, Exception):
+                        end = i
+                        if _wrongtype(value):  # a key of another type: corrupt, dropped
+                            self._corrupt(rkeys[i], "a key of another type")
+                            bad.append(rkeys[i])
+                        elif value is None:
+                            nil[:] = [rkeys[i]]
                         break
                     got += len(value)
                     payload = verify(rkeys[i], value)
@@ -499,8 +531,7 @@ class RedisTier:
         fails."""
         why = check_value(rkey, value, self._head, self._page_bytes)
         if why is not None:
-            self._stats["corrupt"] += 1
-            self._warn.warn("corrupt", "Redis tier: page %s rejected (%s); a miss", rkey, why)
+            self._corrupt(rkey, why)
             return None
         return np.frombuffer(value, np.uint8, self._page_bytes, HEADER_BYTES)
 
@@ -548,9 +579,38 @@ class RedisTier:
             for i in range(lo, hi):  # values built per chunk: one chunk's copies at a time
                 value = self._value(rkeys[i], array[slots[i]], sums[i])
                 pipe.set(rkeys[i], value, nx=True, px=self._px)
-            return list(await pipe.execute(raise_on_error=False))
+            replies = list(await pipe.execute(raise_on_error=False))
+            held = [i for i, r in enumerate(replies, lo) if r is None]  # NX: something is there
+            if not held:
+                return replies
+            pipe = client.pipeline(transaction=False)
+            for i in held:  # WRONGTYPE when it is a key of another type
+                pipe.strlen(rkeys[i])
+            lengths = await pipe.execute(raise_on_error=False)
+            wrong = [i for i, n in zip(held, lengths) if _wrongtype(n)]
+            if not wrong:
+                return replies
+            pipe = client.pipeline(transaction=False)
+            for i in wrong:  # repair: the key of another type goes, the page takes its place
+                self._corrupt(rkeys[i], "a key of another type; replaced")
+                pipe.delete(rkeys[i])
+                value = self._value(rkeys[i], array[slots[i]], sums[i])
+                pipe.set(rkeys[i], value, nx=True, px=self._px)
+            fixed = list(await pipe.execute(raise_on_error=False))[1::2]
+            for i, r in zip(wrong, fixed):
+                replies[i - lo] = r
+            return replies
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
+
+
+def _wrongtype(reply: Any) -> bool:
+    """A reply that says the key holds another type than a string."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _decoded(reply: Any) -> str:
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def _describe(array: object) -> str:
