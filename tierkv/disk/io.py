@@ -26,6 +26,8 @@ Crc = Callable[[Any, int], int]
 #: Filesystems whose pages live in memory: O_DIRECT has no device cache to bypass there.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 
+_BLANK = bytes(HEADER_BYTES)  # a slot never written, or whose failed write was cleared
+
 # Outcomes of one page's I/O.
 OK = 0
 CORRUPT = 1  # read back but failed verification (header, key, generation, length, CRC, short)
@@ -224,10 +226,14 @@ class SlotIO:
         except OSError as exc:
             log.debug("clearing the header of slot %d failed: %s", it.slot, exc)
 
-    def scan(self, fd: int, first_slot: int, slots: int, slot_bytes: int, scratch: Scratch) -> list:
-        """The intact headers of a segment's `slots` slots: [(header, slot)], read one by one
-        (a header that cannot be read is a free slot)."""
+    def scan(
+        self, fd: int, first_slot: int, slots: int, slot_bytes: int, scratch: Scratch
+    ) -> tuple[list[tuple[Header, int]], int]:
+        """The intact headers of a segment's `slots` slots, [(header, slot)], and how many
+        headers were damaged (neither intact nor blank). A header that cannot be read is a free
+        slot."""
         found: list[tuple[Header, int]] = []
+        damaged = 0
         for i in range(slots):
             try:
                 n = os.preadv(fd, [scratch.header], i * slot_bytes)
@@ -240,4 +246,6 @@ class SlotIO:
             h = unpack_header(scratch.header[:HEADER_BYTES], self.crc)
             if h is not None:
                 found.append((h, first_slot + i))
-        return found
+            elif scratch.header[:HEADER_BYTES] != _BLANK:
+                damaged += 1
+        return found, damaged

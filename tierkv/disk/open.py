@@ -68,7 +68,16 @@ def open_files(path: str, geometry: Geometry, direct: bool) -> Opened:
     except BaseException:
         opened.release(remove_created=True)
         raise
+    _drop_segments_beyond(path, geometry.segments)
     return opened
+
+
+def _drop_segments_beyond(path: str, count: int) -> None:
+    # The capacity shrank since the last open: what the old segments held no longer counts.
+    seg = count
+    while os.path.exists(name := os.path.join(path, segment_name(seg))):
+        os.unlink(name)
+        seg += 1
 
 
 def _lock(opened: Opened) -> None:

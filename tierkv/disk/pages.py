@@ -38,6 +38,7 @@ log = logging.getLogger("tierkv.disk")
 
 _PRIVATE_BIT = 0x80  # tierkv.keys: a key whose first byte has the top bit set is private
 _LOGGED_CORRUPT = 10
+_GENERATION_LIMIT = 1 << 62  # far beyond any real count; keeps the u64 field from overflowing
 
 
 class StoreStatus(enum.Enum):
@@ -126,12 +127,17 @@ class DiskPages:
             for seg in range(g.segments)
         ]
         best: dict[bytes, tuple[int, int]] = {}  # key -> (generation, slot)
-        top = 0
+        top = damaged = 0
         for job in jobs:
-            for h, slot in job.result():
+            headers, bad = job.result()
+            damaged += bad
+            for h, slot in headers:
+                fits = h.slot == slot and h.length == g.page_bytes and len(h.key) == g.key_bytes
+                if not fits or h.generation >= _GENERATION_LIMIT:
+                    damaged += 1  # intact, but not a header this slot could hold
+                    continue
                 top = max(top, h.generation)
-                usable = h.persistent and h.slot == slot and h.length == g.page_bytes
-                if not usable or len(h.key) != g.key_bytes:
+                if not h.persistent:
                     continue
                 old = best.get(h.key)
                 if old is None or h.generation > old[0]:
@@ -139,6 +145,9 @@ class DiskPages:
         found = sorted(((gen, slot, key) for key, (gen, slot) in best.items()))
         self._index.load(((k, s, gen) for gen, s, k in found), top + 1)
         self.recovered = len(found)
+        self._c.damaged_at_open = damaged
+        if damaged:
+            log.warning("disk pages at %s: %d damaged slot headers at open", self.path, damaged)
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -393,6 +402,7 @@ class DiskPages:
                 hits=c.hits,
                 misses=c.misses,
                 corrupt_pages=c.corrupt_pages,
+                damaged_at_open=c.damaged_at_open,
                 read_errors=c.read_errors,
                 pages_written=c.pages_written,
                 write_failures=c.write_failures,

@@ -43,7 +43,8 @@ class DiskStats:
     """A snapshot of the disk medium (``DiskPages.stats()``).
 
     ``hits``/``misses`` count keys asked of ``read``; ``corrupt_pages`` the reads that failed
-    verification (each also a miss, its slot freed); ``read_errors`` the reads the OS failed.
+    verification (each also a miss, its slot freed); ``damaged_at_open`` the slot headers found damaged
+    by the scan at open (their pages are not recovered); ``read_errors`` the reads the OS failed.
     ``write_failures`` count keys whose write failed (never reported stored), ``no_room`` keys
     refused for want of a free slot. ``io_mode`` is ``"direct"`` or ``"buffered"``,
     ``io_mode_reason`` says why buffered. ``last_error`` is the last OS error of an I/O.
@@ -52,6 +53,7 @@ class DiskStats:
     hits: int
     misses: int
     corrupt_pages: int
+    damaged_at_open: int
     read_errors: int
     pages_written: int
     write_failures: int
@@ -77,6 +79,7 @@ class Counters:
     hits: int = 0
     misses: int = 0
     corrupt_pages: int = 0
+    damaged_at_open: int = 0
     read_errors: int = 0
     pages_written: int = 0
     write_failures: int = 0
