@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -12,16 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tierkv.disk_util import (
-    PAGE,
-    assert_exact,
-    key,
-    open_disk,
-    page,
-    read_only_dir,
-    read_sync,
-    write_sync,
-)
 from tierkv.disk import (
     DiskClosedError,
     DiskConfigError,
@@ -31,6 +22,18 @@ from tierkv.disk import (
     StoreStatus,
 )
 from tierkv.errors import InvalidInputError, TierKVError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from disk_util import (
+    PAGE,
+    assert_exact,
+    key,
+    open_disk,
+    page,
+    read_only_dir,
+    read_sync,
+    write_sync,
+)
 
 S = StoreStatus
 
