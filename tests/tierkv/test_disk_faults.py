@@ -73,6 +73,9 @@ def test_flipped_bits_are_counted_never_served(tmp_path: Path) -> None:
         assert assert_exact(disk, keys) == hits  # a second read counts nothing twice
         assert disk.stats().corrupt_pages == st.corrupt_pages
         disk.check()
+    with open_disk(tmp_path) as disk:  # found damaged once: cleared, not recovered and counted again
+        assert assert_exact(disk, keys) == hits
+        assert (disk.stats().corrupt_pages, disk.stats().damaged_at_open) == (0, 0)
 
 
 def test_torn_writes_mixing_two_pages(tmp_path: Path) -> None:

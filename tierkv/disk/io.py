@@ -180,6 +180,7 @@ class SlotIO:
                 why = "payload CRC mismatch"
         if why:
             self._zero(it.dst, bounce)
+            self._clear(it.fd, it.offset, it.slot, scratch)  # not recovered again at reopen
             return CORRUPT, f"slot {it.slot}: {why}"
         if bounce:
             it.dst[:] = payload[:pb]
@@ -209,22 +210,22 @@ class SlotIO:
         try:
             n = os.pwritev(it.fd, [scratch.header, src], it.offset)
         except OSError as exc:
-            self._clear(it, scratch)
+            self._clear(it.fd, it.offset, it.slot, scratch)
             return OS_ERROR, f"write of slot {it.slot}: {exc}"
         if n != want:
-            self._clear(it, scratch)
+            self._clear(it.fd, it.offset, it.slot, scratch)
             return OS_ERROR, f"write of slot {it.slot}: short write ({n} of {want} bytes)"
         return OK, ""
 
     @staticmethod
-    def _clear(it: WriteItem, scratch: Scratch) -> None:
+    def _clear(fd: int, offset: int, slot: int, scratch: Scratch) -> None:
         # Best effort: the slot goes back to the free list either way, and a header left behind
-        # still fails verification (its payload CRC no longer matches) if this also fails.
+        # still fails verification (its payload no longer matches) if this fails too.
         np.frombuffer(scratch.header, np.uint8)[:HEADER_BYTES] = 0
         try:
-            os.pwritev(it.fd, [scratch.header], it.offset)
+            os.pwritev(fd, [scratch.header], offset)
         except OSError as exc:
-            log.debug("clearing the header of slot %d failed: %s", it.slot, exc)
+            log.debug("clearing the header of slot %d failed: %s", slot, exc)
 
     def scan(
         self, fd: int, first_slot: int, slots: int, slot_bytes: int, scratch: Scratch
