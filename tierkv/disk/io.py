@@ -7,7 +7,6 @@ generation, which caller buffer) and returns one outcome per page.
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
@@ -26,6 +25,8 @@ Crc = Callable[[Any, int], int]
 #: Filesystems whose pages live in memory: O_DIRECT has no device cache to bypass there.
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "devtmpfs", "hugetlbfs"})
 
+#: Generations at or above this are refused at open (a hostile header could not overflow u64).
+GENERATION_LIMIT = 1 << 62
 _BLANK = bytes(HEADER_BYTES)  # a slot never written, or whose failed write was cleared
 
 # Outcomes of one page's I/O.
@@ -141,8 +142,9 @@ class WriteItem:
 class SlotIO:
     """The blocking batch functions the I/O threads run for one open PATH."""
 
-    def __init__(self, page_bytes: int, direct: bool, crc: Crc) -> None:
+    def __init__(self, page_bytes: int, key_bytes: int, direct: bool, crc: Crc) -> None:
         self.page_bytes = page_bytes
+        self.key_bytes = key_bytes
         self.direct = direct
         self.crc = crc
         # O_DIRECT can move a caller's buffer only when the page is a whole number of blocks
@@ -230,23 +232,32 @@ class SlotIO:
     def scan(
         self, fd: int, first_slot: int, slots: int, slot_bytes: int, scratch: Scratch
     ) -> tuple[list[tuple[Header, int]], int]:
-        """The intact headers of a segment's `slots` slots, [(header, slot)], and how many
-        headers were damaged (neither intact nor blank). A header that cannot be read is a free
-        slot."""
+        """The intact headers of a segment's `slots` slots that this layout could hold,
+        [(header, slot)], and how many were damaged (neither that nor blank; those are cleared,
+        so that a damaged page is counted once). A header that cannot be read is a free slot."""
         found: list[tuple[Header, int]] = []
         damaged = 0
         for i in range(slots):
+            slot, offset = first_slot + i, i * slot_bytes
             try:
-                n = os.preadv(fd, [scratch.header], i * slot_bytes)
+                n = os.preadv(fd, [scratch.header], offset)
             except OSError as exc:
-                if exc.errno != errno.EINTR:
-                    log.warning("reading the header of slot %d failed: %s", first_slot + i, exc)
+                log.warning("reading the header of slot %d failed: %s", slot, exc)
                 continue
-            if n != ALIGN:
+            if n != ALIGN or scratch.header[:HEADER_BYTES] == _BLANK:
                 continue
             h = unpack_header(scratch.header[:HEADER_BYTES], self.crc)
-            if h is not None:
-                found.append((h, first_slot + i))
-            elif scratch.header[:HEADER_BYTES] != _BLANK:
+            if h is not None and self._fits(h, slot):
+                found.append((h, slot))
+            else:
                 damaged += 1
+                self._clear(fd, offset, slot, scratch)
         return found, damaged
+
+    def _fits(self, h: Header, slot: int) -> bool:
+        return (
+            h.slot == slot
+            and h.length == self.page_bytes
+            and len(h.key) == self.key_bytes
+            and h.generation < GENERATION_LIMIT
+        )

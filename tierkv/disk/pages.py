@@ -38,7 +38,6 @@ log = logging.getLogger("tierkv.disk")
 
 _PRIVATE_BIT = 0x80  # tierkv.keys: a key whose first byte has the top bit set is private
 _LOGGED_CORRUPT = 10
-_GENERATION_LIMIT = 1 << 62  # far beyond any real count; keeps the u64 field from overflowing
 
 
 class StoreStatus(enum.Enum):
@@ -70,7 +69,7 @@ class DiskPages:
         self._opened = opened
         self.geometry = geometry
         self.path = opened.path
-        self._io = SlotIO(geometry.page_bytes, not opened.mode_reason, crc32c)
+        self._io = SlotIO(geometry.page_bytes, geometry.key_bytes, not opened.mode_reason, crc32c)
         self._pool = IoPool(io_threads, geometry.payload_bytes)
         self._index = SlotIndex(geometry.capacity)
         self._c = Counters()
@@ -132,10 +131,6 @@ class DiskPages:
             headers, bad = job.result()
             damaged += bad
             for h, slot in headers:
-                fits = h.slot == slot and h.length == g.page_bytes and len(h.key) == g.key_bytes
-                if not fits or h.generation >= _GENERATION_LIMIT:
-                    damaged += 1  # intact, but not a header this slot could hold
-                    continue
                 top = max(top, h.generation)
                 if not h.persistent:
                     continue
