@@ -32,6 +32,7 @@ from disk_util import (
     page,
     read_only_dir,
     read_sync,
+    rows,
     write_sync,
 )
 
@@ -68,6 +69,35 @@ def test_unaligned_and_tensor_buffers(tmp_path: Path, page_bytes: int) -> None:
         assert disk.submit_read(keys, dst).result() == [True] * 4
         for k, d in zip(keys, dst, strict=True):
             assert np.array_equal(d.numpy(), page(k, page_bytes))
+
+
+def test_runs_of_adjacent_slots_and_mixed_buffers(tmp_path: Path) -> None:
+    """Adjacent slots move in one call; a gap, a bounced buffer or MAX_RUN ends a run."""
+    from tierkv.disk.io import MAX_RUN
+
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, iov: list[memoryview], off: int) -> int:
+        calls.append(len(iov) // 2)
+        return real(fd, iov, off)
+
+    n = MAX_RUN + 20
+    with open_disk(tmp_path, slots=n, segment_bytes=1 << 30, io_threads=1) as disk:
+        keys = [key(i) for i in range(n)]
+        assert write_sync(disk, keys) == [S.STORED] * n
+        dst = rows(n, PAGE)
+        dst[3] = np.zeros(PAGE + 1, np.uint8)[1:]  # unaligned: bounced, alone
+        order = keys[:10] + keys[11:] + keys[10:11]  # slot 10 read last: a gap
+        dst_order = dst[:10] + dst[11:] + dst[10:11]
+        os.preadv = counting  # type: ignore[assignment]
+        try:
+            assert disk.submit_read(order, dst_order).result() == [True] * n
+        finally:
+            os.preadv = real  # type: ignore[assignment]
+        assert calls == [3, 1, 6, MAX_RUN, n - 11 - MAX_RUN, 1]
+        for k, d in zip(order, dst_order, strict=True):
+            assert np.array_equal(d, page(k))
 
 
 def test_buffered_on_tmpfs_says_why(tmp_path: Path) -> None:
@@ -245,7 +275,13 @@ def test_bad_arguments_change_nothing(tmp_path: Path) -> None:
         with pytest.raises(InvalidInputError, match="persistent"):
             disk.submit_write([k], [page(k)], persistent=[True, False])
         st = disk.stats()
-        assert (st.used, st.reserved, st.free, st.pages_written, st.hits + st.misses) == (0, 0, 16, 0, 0)
+        assert (st.used, st.reserved, st.free, st.pages_written, st.hits + st.misses) == (
+            0,
+            0,
+            16,
+            0,
+            0,
+        )
         disk.check()
 
 

@@ -73,7 +73,9 @@ def test_flipped_bits_are_counted_never_served(tmp_path: Path) -> None:
         assert assert_exact(disk, keys) == hits  # a second read counts nothing twice
         assert disk.stats().corrupt_pages == st.corrupt_pages
         disk.check()
-    with open_disk(tmp_path) as disk:  # found damaged once: cleared, not recovered and counted again
+    with open_disk(
+        tmp_path
+    ) as disk:  # found damaged once: cleared, not recovered and counted again
         assert assert_exact(disk, keys) == hits
         assert (disk.stats().corrupt_pages, disk.stats().damaged_at_open) == (0, 0)
 
@@ -224,15 +226,19 @@ def test_file_size_limit_fails_stores_counted(tmp_path: Path) -> None:
     """RLIMIT_FSIZE (EFBIG, as ENOSPC would) mid-run: failed stores are counted, never stored."""
     with open_disk(tmp_path, slots=8, segment_bytes=1 << 20):
         pass
-    limit = 3 * SLOT + ALIGN + 100  # slot 3's payload is cut short; slots 4-7 refused
+    limit = 3 * SLOT + ALIGN + 100  # slot 3's payload crosses it; slots 4-7 lie beyond
     r = _run_limited(tmp_path, limit, 8)
-    assert r["status"] == ["stored"] * 3 + ["failed"] * 5, r
-    assert r["hits"] == [True] * 3 + [False] * 5
-    assert r["write_failures"] == 5 and r["free"] == 5
-    assert "short write" in str(r["last_error"]) or "large" in str(r["last_error"])
+    status = r["status"]
+    assert isinstance(status, list)
+    stored = status.count("stored")
+    # a write crossing the limit fails whole (O_DIRECT refuses the cut-down count) or in part
+    assert 2 <= stored <= 3 and status == ["stored"] * stored + ["failed"] * (8 - stored), r
+    assert r["hits"] == [True] * stored + [False] * (8 - stored)
+    assert r["write_failures"] == 8 - stored and r["free"] == 8 - stored
+    assert "large" in str(r["last_error"]) or "Invalid" in str(r["last_error"])
     with open_disk(tmp_path, slots=8, segment_bytes=1 << 20) as disk:
-        assert assert_exact(disk, [key(j) for j in range(8)]) == [True] * 3 + [False] * 5
-        assert disk.stats().corrupt_pages == 0  # the cut write's header was cleared
+        assert assert_exact(disk, [key(j) for j in range(8)]) == r["hits"]
+        assert disk.stats().corrupt_pages == 0  # the cut writes' headers were cleared
 
 
 def test_no_room_to_preallocate_creates_nothing(tmp_path: Path) -> None:
@@ -300,7 +306,9 @@ def test_buffered_mode_survives_the_same_faults(tmp_path: Path) -> None:
         write_sync(disk, keys)
     f, base = slot_offset(tmp_path, 2, 4, SLOT)
     flip_bits(f, [(base + ALIGN + 17, 3)])
-    with DiskPages.open(tmp_path, page_bytes=PAGE, disk_bytes=16 * SLOT, segment_bytes=4 * SLOT, direct=False) as disk:
+    with DiskPages.open(
+        tmp_path, page_bytes=PAGE, disk_bytes=16 * SLOT, segment_bytes=4 * SLOT, direct=False
+    ) as disk:
         hits, out = read_sync(disk, keys)
         assert hits == [True, True, False] + [True] * 5
         assert not out[2].any()  # the damaged bytes read into the caller's buffer were wiped

@@ -7,6 +7,7 @@ generation, which caller buffer) and returns one outcome per page.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -55,7 +56,7 @@ def filesystem_of(path: str) -> str:
 
 
 def choose_mode(path: str, probe_file: str, want_direct: bool) -> str:
-    """"" when O_DIRECT works for `probe_file` (an existing segment), else why not."""
+    """ "" when O_DIRECT works for `probe_file` (an existing segment), else why not."""
     if not want_direct:
         return "O_DIRECT disabled by configuration (direct=False)"
     if not hasattr(os, "O_DIRECT"):
@@ -91,18 +92,24 @@ class AlignedBuffer:
         self._mm.close()
 
 
+#: Most adjacent slots moved by one preadv / pwritev (a header and a payload iovec each).
+MAX_RUN = 64
+
+
 class Scratch:
-    """One I/O thread's aligned buffers: a slot header and a bounce payload for callers'
+    """One I/O thread's aligned buffers: MAX_RUN slot headers and a bounce payload for callers'
     buffers that O_DIRECT cannot use as they are (unaligned, or a page not a multiple of ALIGN)."""
 
     def __init__(self, payload_bytes: int) -> None:
-        self._buf = AlignedBuffer(ALIGN + payload_bytes)
-        self.header = self._buf.view[:ALIGN]
-        self.payload = self._buf.view[ALIGN:]
+        self._buf = AlignedBuffer(ALIGN * MAX_RUN + payload_bytes)
+        self.headers = [self._buf.view[i * ALIGN : (i + 1) * ALIGN] for i in range(MAX_RUN)]
+        self.header = self.headers[0]
+        self.payload = self._buf.view[ALIGN * MAX_RUN :]
 
     def close(self) -> None:
         """Release the buffers."""
-        self.header.release()
+        for h in self.headers:
+            h.release()
         self.payload.release()
         self._buf.close()
 
@@ -111,7 +118,9 @@ def is_aligned(view: memoryview) -> bool:
     """Whether O_DIRECT can use `view` as it is (address and length multiples of ALIGN)."""
     if len(view) % ALIGN:
         return False
-    return int(np.frombuffer(view, np.uint8).ctypes.data) % ALIGN == 0
+    if view.readonly:  # ctypes maps writable buffers only
+        return int(np.frombuffer(view, np.uint8).ctypes.data) % ALIGN == 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,92 +149,166 @@ class WriteItem:
 
 
 class SlotIO:
-    """The blocking batch functions the I/O threads run for one open PATH."""
+    """The blocking batch functions the I/O threads run for one open PATH.
+
+    A batch moves runs of adjacent slots with one call each (header and payload iovecs
+    alternating, as they lie in the file), when the caller's buffers can go to the kernel as
+    they are; any other page moves alone, through the bounce buffer under O_DIRECT.
+    """
 
     def __init__(self, page_bytes: int, key_bytes: int, direct: bool, crc: Crc) -> None:
         self.page_bytes = page_bytes
         self.key_bytes = key_bytes
         self.direct = direct
         self.crc = crc
-        # O_DIRECT can move a caller's buffer only when the page is a whole number of blocks
-        self._direct_page = page_bytes % ALIGN == 0
+        self.slot_bytes = ALIGN + -(-page_bytes // ALIGN) * ALIGN
+        # pages that fill their payload area run together; O_DIRECT also needs aligned buffers
+        self._whole = page_bytes % ALIGN == 0
+
+    def _as_is(self, view: memoryview) -> bool:
+        return self._whole and (not self.direct or is_aligned(view))
+
+    def _runs(
+        self, items: Sequence[ReadItem | WriteItem], views: list[memoryview]
+    ) -> tuple[list[list[int]], list[bool]]:
+        """Runs of adjacent slots (indices into `items`) and, per item, whether its buffer goes
+        to the kernel as it is (a page that does not moves alone)."""
+        runs: list[list[int]] = []
+        as_is = [self._as_is(v) for v in views]
+        prev: ReadItem | WriteItem | None = None
+        for i, it in enumerate(items):
+            if (
+                as_is[i]
+                and prev is not None
+                and runs[-1][-1] == i - 1
+                and len(runs[-1]) < MAX_RUN
+                and it.fd == prev.fd
+                and it.offset == prev.offset + self.slot_bytes
+            ):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+            prev = it if as_is[i] else None
+        return runs, as_is
+
+    # -- reads ---------------------------------------------------------------------------------
 
     def read_batch(self, items: Sequence[ReadItem], scratch: Scratch) -> list[tuple[int, str]]:
         """Read and verify each item into its buffer; (outcome, detail) per item. A page that
-        fails verification has its buffer zeroed: damaged bytes never reach the caller."""
-        return [self._read_one(it, scratch) for it in items]
+        fails verification has its buffer zeroed (damaged bytes never reach the caller) and its
+        header cleared (it is not found again after a restart)."""
+        out: list[tuple[int, str]] = [(OK, "")] * len(items)
+        runs, as_is = self._runs(items, [it.dst for it in items])
+        for run in runs:
+            if not as_is[run[0]]:
+                out[run[0]] = self._read_bounced(items[run[0]], scratch)
+                continue
+            first = items[run[0]]
+            iov: list[memoryview] = []
+            for j, i in enumerate(run):
+                iov += (scratch.headers[j], items[i].dst)
+            try:
+                n = os.preadv(first.fd, iov, first.offset)
+            except OSError as exc:
+                for i in run:
+                    self._zero(items[i].dst)
+                    out[i] = (OS_ERROR, f"read of slot {items[i].slot}: {exc}")
+                continue
+            for j, i in enumerate(run):
+                got = min(max(0, n - j * self.slot_bytes), self.slot_bytes)
+                it = items[i]
+                why = self._check(it, scratch.headers[j], it.dst, got)
+                if why:
+                    self._zero(it.dst)
+                    self._clear(it.fd, it.offset, it.slot, scratch.headers[j])
+                    out[i] = (CORRUPT, f"slot {it.slot}: {why}")
+        return out
 
-    def _read_one(self, it: ReadItem, scratch: Scratch) -> tuple[int, str]:
-        pb = self.page_bytes
-        bounce = self.direct and not (self._direct_page and is_aligned(it.dst))
-        payload = scratch.payload if bounce else it.dst
-        want = ALIGN + len(payload)
+    def _read_bounced(self, it: ReadItem, scratch: Scratch) -> tuple[int, str]:
+        payload = scratch.payload if self.direct else it.dst
         try:
             n = os.preadv(it.fd, [scratch.header, payload], it.offset)
         except OSError as exc:
-            self._zero(it.dst, bounce)
+            self._zero(it.dst)
             return OS_ERROR, f"read of slot {it.slot}: {exc}"
-        why = ""
-        if n != want:
-            why = f"short read ({n} of {want} bytes)"
-        else:
-            h = unpack_header(scratch.header[:HEADER_BYTES], self.crc)
-            if h is None:
-                why = "no intact header"
-            elif h.key != it.key:
-                why = "another key in the header"
-            elif h.generation != it.generation:
-                why = f"generation {h.generation}, expected {it.generation}"
-            elif h.slot != it.slot or h.length != pb:
-                why = "header of another slot or page size"
-            elif self.crc(payload[:pb], 0) != h.payload_crc:
-                why = "payload CRC mismatch"
+        got = n if n < ALIGN + len(payload) else self.slot_bytes
+        why = self._check(it, scratch.header, payload, got)
         if why:
-            self._zero(it.dst, bounce)
-            self._clear(it.fd, it.offset, it.slot, scratch)  # not recovered again at reopen
+            self._zero(it.dst)
+            self._clear(it.fd, it.offset, it.slot, scratch.header)
             return CORRUPT, f"slot {it.slot}: {why}"
-        if bounce:
-            it.dst[:] = payload[:pb]
+        if payload is not it.dst:
+            it.dst[:] = payload[: self.page_bytes]
         return OK, ""
 
+    def _check(self, it: ReadItem, header: memoryview, payload: memoryview, got: int) -> str:
+        """Why the slot read (`got` of its bytes) is not `it`'s page; "" when it is."""
+        if got < self.slot_bytes:
+            return f"short read ({got} of {self.slot_bytes} bytes)"
+        h = unpack_header(header[:HEADER_BYTES], self.crc)
+        if h is None:
+            return "no intact header"
+        if h.key != it.key:
+            return "another key in the header"
+        if h.generation != it.generation:
+            return f"generation {h.generation}, expected {it.generation}"
+        if h.slot != it.slot or h.length != self.page_bytes:
+            return "header of another slot or page size"
+        if self.crc(payload[: self.page_bytes], 0) != h.payload_crc:
+            return "payload CRC mismatch"
+        return ""
+
     @staticmethod
-    def _zero(dst: memoryview, bounce: bool) -> None:
-        if not bounce:  # the read went into the caller's buffer: wipe what landed there
-            np.frombuffer(dst, np.uint8)[:] = 0
+    def _zero(dst: memoryview) -> None:
+        np.frombuffer(dst, np.uint8)[:] = 0
+
+    # -- writes --------------------------------------------------------------------------------
 
     def write_batch(self, items: Sequence[WriteItem], scratch: Scratch) -> list[tuple[int, str]]:
-        """Write each item (header and payload in one pwritev); (outcome, detail) per item. A
-        failed or short write has its header cleared where the OS still allows it."""
-        return [self._write_one(it, scratch) for it in items]
+        """Write each item (its header and payload); (outcome, detail) per item. A page not
+        wholly written (an error, a short write) has its header cleared where the OS still
+        allows it."""
+        out: list[tuple[int, str]] = [(OK, "")] * len(items)
+        runs, as_is = self._runs(items, [it.src for it in items])
+        for run in runs:
+            first = items[run[0]]
+            iov: list[memoryview] = []
+            for j, i in enumerate(run):
+                it = items[i]
+                self._pack(it, scratch.headers[j])
+                src = it.src
+                if not as_is[i]:  # alone, through the bounce buffer
+                    scratch.payload[: self.page_bytes] = src
+                    src = scratch.payload if self.direct else src
+                iov += (scratch.headers[j], src)
+            want = sum(len(v) for v in iov)
+            try:
+                n = os.pwritev(first.fd, iov, first.offset)
+            except OSError as exc:
+                n, why = 0, f"{exc}"
+            else:
+                why = f"short write ({n} of {want} bytes)"
+            for j, i in enumerate(run):
+                it = items[i]
+                if n < want and n < (j + 1) * self.slot_bytes:
+                    self._clear(it.fd, it.offset, it.slot, scratch.headers[j])
+                    out[i] = (OS_ERROR, f"write of slot {it.slot}: {why}")
+        return out
 
-    def _write_one(self, it: WriteItem, scratch: Scratch) -> tuple[int, str]:
-        pb = self.page_bytes
-        src = it.src
-        if self.direct and not (self._direct_page and is_aligned(src)):
-            scratch.payload[:pb] = src
-            src = scratch.payload
+    def _pack(self, it: WriteItem, header: memoryview) -> None:
         flags = FLAG_PERSISTENT if it.persistent else 0
         crc = self.crc(it.src, 0)
-        header = Header(flags, it.key, it.generation, pb, crc, it.slot)
-        pack_header(scratch.header, header, self.crc)
-        want = ALIGN + len(src)
-        try:
-            n = os.pwritev(it.fd, [scratch.header, src], it.offset)
-        except OSError as exc:
-            self._clear(it.fd, it.offset, it.slot, scratch)
-            return OS_ERROR, f"write of slot {it.slot}: {exc}"
-        if n != want:
-            self._clear(it.fd, it.offset, it.slot, scratch)
-            return OS_ERROR, f"write of slot {it.slot}: short write ({n} of {want} bytes)"
-        return OK, ""
+        pack_header(
+            header, Header(flags, it.key, it.generation, self.page_bytes, crc, it.slot), self.crc
+        )
 
     @staticmethod
-    def _clear(fd: int, offset: int, slot: int, scratch: Scratch) -> None:
+    def _clear(fd: int, offset: int, slot: int, header: memoryview) -> None:
         # Best effort: the slot goes back to the free list either way, and a header left behind
         # still fails verification (its payload no longer matches) if this fails too.
-        np.frombuffer(scratch.header, np.uint8)[:HEADER_BYTES] = 0
+        np.frombuffer(header, np.uint8)[:HEADER_BYTES] = 0
         try:
-            os.pwritev(fd, [scratch.header], offset)
+            os.pwritev(fd, [header], offset)
         except OSError as exc:
             log.debug("clearing the header of slot %d failed: %s", slot, exc)
 
@@ -251,7 +334,7 @@ class SlotIO:
                 found.append((h, slot))
             else:
                 damaged += 1
-                self._clear(fd, offset, slot, scratch)
+                self._clear(fd, offset, slot, scratch.header)
         return found, damaged
 
     def _fits(self, h: Header, slot: int) -> bool:

@@ -39,6 +39,7 @@ import json
 import os
 import struct
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from .errors import DiskConfigError, DiskLayoutError
 
@@ -49,6 +50,7 @@ FLAG_PERSISTENT = 1
 KEY_FIELD = 32
 KEY_SIZES = (16, 32)
 
+_ZERO_KEY = bytes(KEY_FIELD)
 _HEADER = struct.Struct("<8sHHHH32sQIIQ")
 _HEADER_CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _HEADER_CRC.size  # 76
@@ -66,9 +68,8 @@ def segment_name(index: int) -> str:
     return f"segment-{index:05d}.tkvd"
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """A slot header, parsed."""
+class Header(NamedTuple):
+    """A slot header, parsed (a tuple: the read path builds one per page)."""
 
     flags: int
     key: bytes
@@ -118,7 +119,7 @@ def unpack_header(raw: memoryview, crc: object) -> Header | None:
     (stored,) = _HEADER_CRC.unpack_from(raw, _HEADER.size)
     if crc(raw[: _HEADER.size], 0) != stored:  # type: ignore[operator]
         return None
-    if any(key[key_len:]):
+    if key[key_len:] != _ZERO_KEY[key_len:]:
         return None
     return Header(flags, bytes(key[:key_len]), generation, length, pcrc, slot)
 

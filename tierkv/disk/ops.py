@@ -9,6 +9,7 @@ runs the batch's `finish` (index and counters) on its own thread and resolves th
 from __future__ import annotations
 
 import asyncio
+import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ from typing import Any, TypeVar
 from .io import OS_ERROR, Scratch
 
 T = TypeVar("T")
-I = TypeVar("I")
+Item = TypeVar("Item")
 Outcome = tuple[int, str]
 
 
@@ -38,8 +39,8 @@ class IoPool:
 
     def run(
         self,
-        items: Sequence[I],
-        fn: Callable[[Sequence[I], Scratch], list[Outcome]],
+        items: Sequence[Item],
+        fn: Callable[[Sequence[Item], Scratch], list[Outcome]],
         finish: Callable[[list[Outcome]], T],
     ) -> Future[T]:
         """Run `fn` over `items` in chunks; `finish(outcomes)` (one per item, in order) gives the
@@ -57,7 +58,7 @@ class IoPool:
         left = [len(chunks)]
         count_lock = threading.Lock()
 
-        def chunk(part: Sequence[I]) -> list[Outcome]:
+        def chunk(part: Sequence[Item]) -> list[Outcome]:
             scratch = self._scratch.get()
             try:
                 return fn(part, scratch)
@@ -80,10 +81,12 @@ class IoPool:
             self._inflight.add(op)
             futures = [self._pool.submit(chunk, c) for c in chunks]
         for i, f in enumerate(futures):
-            f.add_done_callback(lambda f, i=i: done(i, f))
+            f.add_done_callback(functools.partial(done, i))
         return op
 
-    def _settle(self, op: Future[T], finish: Callable[[list[Outcome]], T], out: list[Outcome]) -> None:
+    def _settle(
+        self, op: Future[T], finish: Callable[[list[Outcome]], T], out: list[Outcome]
+    ) -> None:
         try:
             result = finish(out)
         except BaseException as exc:  # a bug in finish must still wake the waiter

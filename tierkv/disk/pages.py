@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import os
 import time
@@ -25,11 +26,11 @@ from typing import Any
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
 
-from ..transports.crc32c_native import crc32c
+from ..transports.crc32c_native import native_crc32c
 from .errors import DiskClosedError, DiskConfigError
 from .index import Reserved, SlotIndex
-from .io import CORRUPT, OK, ReadItem, SlotIO, WriteItem
-from .layout import Geometry
+from .io import CORRUPT, OK, ReadItem, Scratch, SlotIO, WriteItem
+from .layout import Geometry, Header
 from .open import Opened, open_files
 from .ops import IoPool, Outcome, settle
 from .stats import Counters, DiskStats, histogram
@@ -69,7 +70,13 @@ class DiskPages:
         self._opened = opened
         self.geometry = geometry
         self.path = opened.path
-        self._io = SlotIO(geometry.page_bytes, geometry.key_bytes, not opened.mode_reason, crc32c)
+        crc = native_crc32c()
+        if crc is None:
+            raise DiskConfigError(
+                "the disk medium needs CRC-32C: tierkv.transports._crc32c was not built and "
+                "the crc32c package is not installed (or TIERKV_NATIVE_CHECKSUM=0)"
+            )
+        self._io = SlotIO(geometry.page_bytes, geometry.key_bytes, not opened.mode_reason, crc)
         self._pool = IoPool(io_threads, geometry.payload_bytes)
         self._index = SlotIndex(geometry.capacity)
         self._c = Counters()
@@ -113,18 +120,13 @@ class DiskPages:
 
     def _recover(self) -> None:
         g = self.geometry
-        jobs = [
-            self._pool.call(
-                lambda s, seg=seg: self._io.scan(
-                    self._opened.fds[seg],
-                    seg * g.slots_per_segment,
-                    g.segment_slots(seg),
-                    g.slot_bytes,
-                    s,
-                )
-            )
-            for seg in range(g.segments)
-        ]
+        fds = self._opened.fds
+
+        def scan(seg: int, scratch: Scratch) -> tuple[list[tuple[Header, int]], int]:
+            first, slots = seg * g.slots_per_segment, g.segment_slots(seg)
+            return self._io.scan(fds[seg], first, slots, g.slot_bytes, scratch)
+
+        jobs = [self._pool.call(functools.partial(scan, seg)) for seg in range(g.segments)]
         best: dict[bytes, tuple[int, int]] = {}  # key -> (generation, slot)
         top = damaged = 0
         for job in jobs:
@@ -207,7 +209,10 @@ class DiskPages:
         return self._store(list(reserved), views, persistent, commit=False)
 
     def submit_write(
-        self, keys: Sequence[bytes], buffers: Sequence[Any], persistent: Sequence[bool] | None = None
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any],
+        persistent: Sequence[bool] | None = None,
     ) -> Future[list[StoreStatus]]:
         """Reserve, write and commit: a StoreStatus per key. `persistent[i]` says whether key i
         is found again after a restart (default: content keys, whose first byte's top bit is
@@ -218,7 +223,10 @@ class DiskPages:
         return self._store(self._index.reserve(keys), views, persistent, commit=True)
 
     async def write(
-        self, keys: Sequence[bytes], buffers: Sequence[Any], persistent: Sequence[bool] | None = None
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Any],
+        persistent: Sequence[bool] | None = None,
     ) -> list[StoreStatus]:
         """`submit_write`, awaited."""
         return await settle(self.submit_write(keys, buffers, persistent))
@@ -295,7 +303,9 @@ class DiskPages:
         for i, r in enumerate(reserved):
             if r.slot >= 0:
                 seg, off = g.place(r.slot)
-                items.append(WriteItem(fds[seg], off, r.slot, r.key, r.generation, persist[i], views[i]))
+                items.append(
+                    WriteItem(fds[seg], off, r.slot, r.key, r.generation, persist[i], views[i])
+                )
                 where.append(i)
         t0 = time.perf_counter()
 
@@ -321,7 +331,9 @@ class DiskPages:
             return [
                 StoreStatus.STORED
                 if ok[i]
-                else StoreStatus(r.why) if r.slot < 0 else StoreStatus.FAILED
+                else StoreStatus(r.why)
+                if r.slot < 0
+                else StoreStatus.FAILED
                 for i, r in enumerate(reserved)
             ]
 

@@ -43,8 +43,9 @@ class DiskStats:
     """A snapshot of the disk medium (``DiskPages.stats()``).
 
     ``hits``/``misses`` count keys asked of ``read``; ``corrupt_pages`` the reads that failed
-    verification (each also a miss, its slot freed); ``damaged_at_open`` the slot headers found damaged
-    by the scan at open (their pages are not recovered); ``read_errors`` the reads the OS failed.
+    verification (each also a miss, its slot freed); ``damaged_at_open`` the slot headers the
+    scan at open found damaged (those pages are not recovered); ``read_errors`` the reads the
+    OS failed.
     ``write_failures`` count keys whose write failed (never reported stored), ``no_room`` keys
     refused for want of a free slot. ``io_mode`` is ``"direct"`` or ``"buffered"``,
     ``io_mode_reason`` says why buffered. ``last_error`` is the last OS error of an I/O.
