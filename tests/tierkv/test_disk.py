@@ -100,6 +100,19 @@ def test_runs_of_adjacent_slots_and_mixed_buffers(tmp_path: Path) -> None:
             assert np.array_equal(d, page(k))
 
 
+def test_slots_of_one_write_ascend_after_frees(tmp_path: Path) -> None:
+    """Regression: freed slots came back from the free list in reverse, so a batch written
+    after an eviction never formed a run of adjacent slots."""
+    with open_disk(tmp_path, slots=8) as disk:
+        keys = [key(i) for i in range(8)]
+        write_sync(disk, keys)
+        disk.free(keys[2:6])
+        res = disk.reserve([key(10 + i) for i in range(5)])
+        assert [r.slot for r in res] == [2, 3, 4, 5, -1] and res[4].why == "no_room"
+        disk.abort(res)
+        disk.check()
+
+
 def test_buffered_on_tmpfs_says_why(tmp_path: Path) -> None:
     shm = Path("/dev/shm")
     if not shm.is_dir():

@@ -101,18 +101,33 @@ class SlotIndex:
 
     def reserve(self, keys: Sequence[bytes]) -> list[Reserved]:
         """A free slot and a new generation for each key that is neither stored nor being
-        written (a key twice in `keys` counts as being written the second time)."""
+        written (a key twice in `keys` counts as being written the second time). The slots
+        given to one call ascend with the keys' order, so that adjacent ones move in one call."""
         with self._lock:
-            out: list[Reserved] = []
+            why: list[str] = []
+            seen: set[bytes] = set()
             for k in keys:
                 if k in self._committed:
-                    out.append(Reserved(k, -1, 0, "present"))
-                elif k in self._reserved:
-                    out.append(Reserved(k, -1, 0, "busy"))
-                elif not self._free:
+                    why.append("present")
+                elif k in self._reserved or k in seen:
+                    why.append("busy")
+                else:
+                    why.append("")
+                    seen.add(k)
+            wanted = why.count("")
+            take = min(wanted, len(self._free))
+            slots = sorted(self._free[len(self._free) - take :]) if take else []
+            del self._free[len(self._free) - take :]
+            out: list[Reserved] = []
+            given = 0
+            for k, w in zip(keys, why, strict=True):
+                if w:
+                    out.append(Reserved(k, -1, 0, w))
+                elif given == take:
                     out.append(Reserved(k, -1, 0, "no_room"))
                 else:
-                    slot = self._free.pop()
+                    slot = slots[given]
+                    given += 1
                     self._reserved[k] = slot
                     out.append(Reserved(k, slot, self._next_gen))
                     self._next_gen += 1
