@@ -372,3 +372,31 @@ def test_free_during_read_defers_the_slot(tmp_path: Path) -> None:
         assert write_sync(disk, [c]) == [S.STORED]
         assert assert_exact(disk, [a, b, c]) == [False, True, True]
         disk.check()
+
+
+async def test_engine_jobs_move_pages_between_a_host_arena_and_disk(tmp_path: Path) -> None:
+    from tierkv.disk.jobs import submit_load, submit_save
+    from tierkv.runtime import TransferEngine, get_backend
+
+    backend = get_backend("cpu")
+    host = backend.create_arena("host", slot_bytes=PAGE, num_slots=8, kind="pinned")
+    ids = [int(i) for i in host.allocate(8)]
+    keys = [key(i) for i in range(4)]
+    for k, i in zip(keys, ids[:4], strict=True):
+        host.array[i] = page(k)
+    async with open_disk(tmp_path) as disk, TransferEngine(backend) as engine:
+        saved = submit_save(engine, disk, keys, host, ids[:4])
+        assert host.is_busy(ids[:4])  # pinned while the job runs
+        await saved
+        assert saved.result() == [S.STORED] * 4
+        loaded = submit_load(engine, disk, [*keys, key(9)], host, ids[3:8])
+        await loaded
+        assert loaded.result() == [True] * 4 + [False]
+        for k, i in zip(keys, ids[3:7], strict=True):
+            assert np.array_equal(host.array[i], page(k))
+        assert not host.is_busy(ids)
+        with pytest.raises(InvalidInputError):
+            submit_load(engine, disk, keys, host, ids[:3])
+        other = backend.create_arena("other", slot_bytes=2 * PAGE, num_slots=1, kind="pinned")
+        with pytest.raises(InvalidInputError, match="slots"):
+            submit_load(engine, disk, keys[:1], other, [0])

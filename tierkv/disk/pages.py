@@ -25,8 +25,8 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.transports.crc32c_native import native_crc32c
 
-from ..transports.crc32c_native import native_crc32c
 from .errors import DiskClosedError, DiskConfigError
 from .index import Reserved, SlotIndex
 from .io import CORRUPT, OK, ReadItem, Scratch, SlotIO, WriteItem
