@@ -14,8 +14,9 @@ from .errors import (
     DiskSpaceError,
 )
 from .index import Reserved
-from .pages import DiskPages, StoreStatus
+from .pages import DiskPages
 from .stats import DiskStats, Histogram
+from .status import StoreStatus
 
 __all__ = [
     "DiskClosedError",

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from tierkv.errors import InvalidInputError
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 
-from .pages import DiskPages, StoreStatus
+from .pages import DiskPages
+from .status import StoreStatus
 
 
 def _check(disk: DiskPages, keys: Sequence[bytes], arena: Arena, slots: Sequence[int]) -> None:

@@ -15,8 +15,6 @@ leave is the caller's policy (`victims` offers LRU order as a default).
 from __future__ import annotations
 
 import asyncio
-import enum
-import functools
 import logging
 import os
 import time
@@ -24,36 +22,24 @@ from collections.abc import Sequence
 from concurrent.futures import Future, wait
 from typing import Any
 
-from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.errors import InvalidInputError
 from tierkv.transports.crc32c_native import native_crc32c
 
+from .args import check_buffers, check_keys
 from .errors import DiskClosedError, DiskConfigError
 from .index import Reserved, SlotIndex
-from .io import CORRUPT, OK, ReadItem, Scratch, SlotIO, WriteItem
-from .layout import Geometry, Header
+from .io import CORRUPT, OK, ReadItem, SlotIO, WriteItem
+from .layout import Geometry
 from .open import Opened, open_files
 from .ops import IoPool, Outcome, settle
+from .recover import recover
 from .stats import Counters, DiskStats, histogram
+from .status import StoreStatus
 
 log = logging.getLogger("tierkv.disk")
 
 _PRIVATE_BIT = 0x80  # tierkv.keys: a key whose first byte has the top bit set is private
 _LOGGED_CORRUPT = 10
-
-
-class StoreStatus(enum.Enum):
-    """What became of one key of a write."""
-
-    STORED = "stored"  # written and verified-writable: found by later reads
-    PRESENT = "present"  # already on disk: nothing written
-    BUSY = "busy"  # another write of the key is in flight: nothing written
-    NO_ROOM = "no_room"  # no free slot (the caller evicts first): nothing written
-    FAILED = "failed"  # the OS failed the write (EIO, ENOSPC, EFBIG, short): slot returned
-
-    @property
-    def held(self) -> bool:
-        """Whether the key is on disk after the write."""
-        return self in (StoreStatus.STORED, StoreStatus.PRESENT)
 
 
 class DiskPages:
@@ -119,28 +105,8 @@ class DiskPages:
         return self
 
     def _recover(self) -> None:
-        g = self.geometry
-        fds = self._opened.fds
-
-        def scan(seg: int, scratch: Scratch) -> tuple[list[tuple[Header, int]], int]:
-            first, slots = seg * g.slots_per_segment, g.segment_slots(seg)
-            return self._io.scan(fds[seg], first, slots, g.slot_bytes, scratch)
-
-        jobs = [self._pool.call(functools.partial(scan, seg)) for seg in range(g.segments)]
-        best: dict[bytes, tuple[int, int]] = {}  # key -> (generation, slot)
-        top = damaged = 0
-        for job in jobs:
-            headers, bad = job.result()
-            damaged += bad
-            for h, slot in headers:
-                top = max(top, h.generation)
-                if not h.persistent:
-                    continue
-                old = best.get(h.key)
-                if old is None or h.generation > old[0]:
-                    best[h.key] = (h.generation, slot)
-        found = sorted(((gen, slot, key) for key, (gen, slot) in best.items()))
-        self._index.load(((k, s, gen) for gen, s, k in found), top + 1)
+        found, next_gen, damaged = recover(self._io, self._pool, self._opened.fds, self.geometry)
+        self._index.load(found, next_gen)
         self.recovered = len(found)
         self._c.damaged_at_open = damaged
         if damaged:
@@ -163,14 +129,14 @@ class DiskPages:
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
         """The slot holding each key, None where the disk has no committed page of it."""
         self._check_open()
-        return self._index.lookup(self._keys(keys))
+        return self._index.lookup(check_keys(self.geometry.key_bytes, keys))
 
     def free(self, keys: Sequence[bytes]) -> int:
         """Drop keys from the disk (the caller's eviction); returns how many were held. The
         bytes stay until the slot is reused (a content page may come back after a restart,
         verified as ever)."""
         self._check_open()
-        return self._index.free(self._keys(keys))
+        return self._index.free(check_keys(self.geometry.key_bytes, keys))
 
     def victims(self, n: int) -> list[bytes]:
         """Up to `n` stored keys, least recently read or written first, that no read holds."""
@@ -182,7 +148,7 @@ class DiskPages:
         `abort`). A key already stored, being written, or without a free slot gets slot -1
         and ``why`` set."""
         self._check_open()
-        return self._index.reserve(self._keys(keys))
+        return self._index.reserve(check_keys(self.geometry.key_bytes, keys))
 
     def commit(self, reserved: Sequence[Reserved], ok: Sequence[bool]) -> None:
         """Make the reservations whose write succeeded (`ok`) findable; return the others'
@@ -205,7 +171,7 @@ class DiskPages:
         until the future resolves). The future gives, per reservation, whether its page is on
         disk; nothing is committed (see `commit`). Raises InvalidInputError for bad buffers,
         DiskClosedError; nothing was written then."""
-        views = self._views(buffers, len(reserved), writable=False)
+        views = check_buffers(buffers, len(reserved), self.page_bytes, writable=False)
         return self._store(list(reserved), views, persistent, commit=False)
 
     def submit_write(
@@ -218,8 +184,8 @@ class DiskPages:
         is found again after a restart (default: content keys, whose first byte's top bit is
         clear, persist; private keys do not). Raises like `submit_store`."""
         self._check_open()
-        keys = self._keys(keys)
-        views = self._views(buffers, len(keys), writable=False)
+        keys = check_keys(self.geometry.key_bytes, keys)
+        views = check_buffers(buffers, len(keys), self.page_bytes, writable=False)
         return self._store(self._index.reserve(keys), views, persistent, commit=True)
 
     async def write(
@@ -238,8 +204,8 @@ class DiskPages:
         `corrupt_pages` and freed. Raises InvalidInputError for bad keys or buffers,
         DiskClosedError; nothing changed then."""
         self._check_open()
-        keys = self._keys(keys)
-        views = self._views(buffers, len(keys), writable=True)
+        keys = check_keys(self.geometry.key_bytes, keys)
+        views = check_buffers(buffers, len(keys), self.page_bytes, writable=True)
         entries = self._index.pin(keys)
         g, fds = self.geometry, self._opened.fds
         items, where = [], []
@@ -356,43 +322,6 @@ class DiskPages:
         if n <= _LOGGED_CORRUPT:
             what = "damaged page" if code == CORRUPT else "read error"
             log.warning("disk pages at %s: %s, counted as a miss: %s", self.path, what, detail)
-
-    # -- argument checks -----------------------------------------------------------------------
-
-    def _keys(self, keys: Sequence[bytes]) -> list[bytes]:
-        if isinstance(keys, (bytes, bytearray, str)):
-            raise InvalidTypeError("keys must be a sequence of bytes keys, not one key")
-        out = list(keys)
-        kb = self.geometry.key_bytes
-        for k in out:
-            if not isinstance(k, bytes) or len(k) != kb:
-                raise InvalidInputError(f"a key must be {kb} bytes, got {k!r:.60}")
-        return out
-
-    def _views(self, buffers: Sequence[Any], n: int, *, writable: bool) -> list[memoryview]:
-        bufs = list(buffers)
-        if len(bufs) != n:
-            raise InvalidInputError(f"{len(bufs)} buffers for {n} keys")
-        out = []
-        pb = self.geometry.page_bytes
-        for b in bufs:
-            if hasattr(b, "numpy") and hasattr(b, "is_contiguous"):  # a torch CPU tensor
-                if b.device.type != "cpu" or not b.is_contiguous():
-                    raise InvalidInputError("a buffer tensor must be contiguous, on the CPU")
-                b = b.numpy()
-            try:
-                v = memoryview(b)
-            except TypeError as exc:
-                raise InvalidTypeError(f"a buffer must support the buffer protocol: {exc}") from exc
-            if not v.c_contiguous:
-                raise InvalidInputError("a buffer must be contiguous")
-            v = v.cast("B") if v.format != "B" or v.ndim != 1 else v
-            if v.nbytes != pb:
-                raise InvalidInputError(f"a buffer must hold {pb} bytes, got {v.nbytes}")
-            if writable and v.readonly:
-                raise InvalidInputError("a read's buffer must be writable")
-            out.append(v)
-        return out
 
     def _check_open(self) -> None:
         if self._closed:
