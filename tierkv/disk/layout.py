@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .errors import DiskConfigError, DiskLayoutError
@@ -132,16 +132,14 @@ class Geometry:
     key_bytes: int
     slots_per_segment: int
     capacity: int  # slots in all segments together
+    #: the payload area of a slot (page_bytes padded to ALIGN)
+    payload_bytes: int = field(init=False)
+    #: the stride of slots in a segment file (computed once: `place` runs per page)
+    slot_bytes: int = field(init=False)
 
-    @property
-    def payload_bytes(self) -> int:
-        """The payload area of a slot (page_bytes padded to ALIGN)."""
-        return round_up(self.page_bytes)
-
-    @property
-    def slot_bytes(self) -> int:
-        """The stride of slots in a segment file."""
-        return ALIGN + self.payload_bytes
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_bytes", round_up(self.page_bytes))
+        object.__setattr__(self, "slot_bytes", ALIGN + self.payload_bytes)
 
     @property
     def segments(self) -> int:
@@ -214,13 +212,12 @@ def check_layout(path: str, recorded: dict[str, int], geometry: Geometry) -> Non
 
 def layout_record(geometry: Geometry) -> dict[str, int]:
     """What layout.json records of `geometry` (capacity may change between opens)."""
-    d = asdict(geometry)
     return {
         "format": VERSION,
-        "page_bytes": d["page_bytes"],
-        "key_bytes": d["key_bytes"],
+        "page_bytes": geometry.page_bytes,
+        "key_bytes": geometry.key_bytes,
         "slot_bytes": geometry.slot_bytes,
-        "slots_per_segment": d["slots_per_segment"],
+        "slots_per_segment": geometry.slots_per_segment,
     }
 
 
