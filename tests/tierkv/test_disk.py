@@ -322,6 +322,21 @@ def test_close_leaks_nothing(tmp_path: Path) -> None:
         assert _fds() == fds
 
 
+def test_a_failed_scan_leaks_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression: an open that failed in the scan left its I/O threads running."""
+    import tierkv.disk.io as dio
+
+    def boom(*args: object) -> object:
+        raise MemoryError("injected")
+
+    fds, threads = _fds(), threading.active_count()
+    monkeypatch.setattr(dio.SlotIO, "scan", boom)
+    with pytest.raises(MemoryError):
+        open_disk(tmp_path)
+    assert _fds() == fds and threading.active_count() == threads
+    assert _listing(tmp_path) == []
+
+
 async def test_cancelled_awaits_leave_nothing_half_done(tmp_path: Path) -> None:
     async with open_disk(tmp_path, slots=64) as disk:
         keys = [key(i) for i in range(64)]

@@ -96,8 +96,14 @@ class DiskPages:
         opened = open_files(os.fspath(path), geometry, direct)
         try:
             self = cls(opened, geometry, io_threads)
+        except BaseException:
+            opened.release(remove_created=True)
+            raise
+        try:
             self._recover()
         except BaseException:
+            self._pool.shut()
+            self._pool.close()
             opened.release(remove_created=True)
             raise
         if opened.mode_reason:
