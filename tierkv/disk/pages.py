@@ -33,7 +33,7 @@ from .layout import Geometry
 from .open import Opened, open_files
 from .ops import IoPool, Outcome, settle
 from .recover import recover
-from .stats import Counters, DiskStats, histogram
+from .stats import Counters, DiskStats
 from .status import StoreStatus
 
 log = logging.getLogger("tierkv.disk")
@@ -338,30 +338,15 @@ class DiskPages:
     def stats(self) -> DiskStats:
         """A snapshot of the counters, the I/O mode and the slot accounting."""
         used, reserved, free = self._index.counts()
-        c = self._c
-        with c.lock:
-            return DiskStats(
-                hits=c.hits,
-                misses=c.misses,
-                corrupt_pages=c.corrupt_pages,
-                damaged_at_open=c.damaged_at_open,
-                read_errors=c.read_errors,
-                pages_written=c.pages_written,
-                write_failures=c.write_failures,
-                no_room=c.no_room,
-                bytes_read=c.bytes_read,
-                bytes_written=c.bytes_written,
-                read_latency=histogram(c.read_buckets, c.read_s),
-                write_latency=histogram(c.write_buckets, c.write_s),
-                io_mode=self.io_mode,
-                io_mode_reason=self._opened.mode_reason,
-                capacity=self.geometry.capacity,
-                used=used,
-                reserved=reserved,
-                free=free,
-                recovered=self.recovered,
-                last_error=c.last_error,
-            )
+        return self._c.snapshot(
+            io_mode=self.io_mode,
+            io_mode_reason=self._opened.mode_reason,
+            capacity=self.geometry.capacity,
+            used=used,
+            reserved=reserved,
+            free=free,
+            recovered=self.recovered,
+        )
 
     def check(self) -> None:
         """Assert the index's invariants (tests)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Upper bounds (seconds) of the latency buckets; the last bucket is +Inf.
 LATENCY_BUCKETS = (
@@ -93,6 +94,26 @@ class Counters:
     read_s: float = 0.0
     write_s: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def snapshot(self, **medium: Any) -> DiskStats:
+        """The counters, with the medium's fields (I/O mode, slot accounting) added."""
+        with self.lock:
+            return DiskStats(
+                hits=self.hits,
+                misses=self.misses,
+                corrupt_pages=self.corrupt_pages,
+                damaged_at_open=self.damaged_at_open,
+                read_errors=self.read_errors,
+                pages_written=self.pages_written,
+                write_failures=self.write_failures,
+                no_room=self.no_room,
+                bytes_read=self.bytes_read,
+                bytes_written=self.bytes_written,
+                read_latency=histogram(self.read_buckets, self.read_s),
+                write_latency=histogram(self.write_buckets, self.write_s),
+                last_error=self.last_error,
+                **medium,
+            )
 
     def observe(self, write: bool, seconds: float) -> None:
         """Record one batch's latency (the caller holds `lock`)."""
