@@ -16,10 +16,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tierkv.disk.io as dio
 from tierkv.disk import DiskInUseError, DiskPages, StoreStatus
-from tierkv.disk.layout import ALIGN, Header, pack_header
+from tierkv.disk.layout import ALIGN, HEADER_BYTES, Header, pack_header, unpack_header
 from tierkv.transports.crc32c_native import crc32c
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -313,3 +315,29 @@ def test_buffered_mode_survives_the_same_faults(tmp_path: Path) -> None:
         assert hits == [True, True, False] + [True] * 5
         assert not out[2].any()  # the damaged bytes read into the caller's buffer were wiped
         assert all(np.array_equal(o, page(k)) for k, o, h in zip(keys, out, hits, strict=True) if h)
+
+
+@given(raw=st.binary(min_size=0, max_size=HEADER_BYTES + 8))
+@settings(max_examples=300)
+def test_random_header_bytes_never_crash_the_parser(raw: bytes) -> None:
+    h = unpack_header(memoryview(raw), crc32c)
+    assert h is None or len(h.key) in (16, 32)
+
+
+@given(
+    flips=st.lists(st.tuples(st.integers(0, HEADER_BYTES - 1), st.integers(0, 7)), min_size=1),
+    gen=st.integers(0, (1 << 64) - 1),
+    slot=st.integers(0, (1 << 64) - 1),
+)
+@settings(max_examples=300)
+def test_a_damaged_header_is_never_taken_for_another(
+    flips: list[tuple[int, int]], gen: int, slot: int
+) -> None:
+    good = Header(1, key(5), gen, PAGE, 1234, slot)
+    buf = bytearray(ALIGN)
+    pack_header(memoryview(buf), good, crc32c)
+    assert unpack_header(memoryview(buf), crc32c) == good
+    for o, b in flips:
+        buf[o] ^= 1 << b
+    parsed = unpack_header(memoryview(buf), crc32c)
+    assert parsed is None or parsed == good  # flips that cancel out leave it intact
