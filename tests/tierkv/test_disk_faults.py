@@ -341,3 +341,14 @@ def test_a_damaged_header_is_never_taken_for_another(
         buf[o] ^= 1 << b
     parsed = unpack_header(memoryview(buf), crc32c)
     assert parsed is None or parsed == good  # flips that cancel out leave it intact
+
+
+def test_a_damaged_page_read_twice_at_once_counts_once(tmp_path: Path) -> None:
+    """Regression (found by the long model run): the same key twice in one read counted its
+    damage twice."""
+    (k,) = _stored(tmp_path, 1)
+    f, base = slot_offset(tmp_path, 0, 4, SLOT)
+    flip_bits(f, [(base + ALIGN + 5, 0)])
+    with open_disk(tmp_path) as disk:
+        assert assert_exact(disk, [k, k]) == [False, False]
+        assert disk.stats().corrupt_pages == 1 and disk.stats().free == 16

@@ -29,6 +29,7 @@ class Entry:
     generation: int
     readers: int = 0
     mapped: bool = True  # False once freed: the slot returns when readers drop to 0
+    damaged: bool = False  # a read found it damaged (counted once)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,16 +87,22 @@ class SlotIndex:
                 out.append(e)
             return out
 
-    def unpin(self, pairs: Iterable[tuple[bytes, Entry, bool]]) -> None:
+    def unpin(self, pairs: Iterable[tuple[bytes, Entry, bool]]) -> list[bool]:
         """End reads: each (key, entry, good). A bad read drops the key (its bytes are damaged);
-        a dropped entry's slot is free once no read holds it."""
+        a dropped entry's slot is free once no read holds it. Returns, per pair, whether it is
+        the first bad read of that entry (two reads of one damaged page count it once)."""
+        first: list[bool] = []
         with self._lock:
             for key, e, good in pairs:
                 e.readers -= 1
-                if not good and e.mapped:
-                    self._unmap(key, e)
+                first.append(not good and not e.damaged)
+                if not good:
+                    e.damaged = True
+                    if e.mapped:
+                        self._unmap(key, e)
                 if not e.mapped and e.readers == 0:
                     self._free.append(e.slot)
+        return first
 
     # -- writes --------------------------------------------------------------------------------
 

@@ -224,17 +224,13 @@ class DiskPages:
 
         def finish(outcomes: list[Outcome]) -> list[bool]:
             hits = [False] * len(keys)
-            bad = 0
-            for i, (code, detail) in zip(where, outcomes, strict=True):
+            for i, (code, _) in zip(where, outcomes, strict=True):
                 hits[i] = code == OK
-                if code != OK:
+            first = self._index.unpin((keys[i], entries[i], hits[i]) for i in where)  # type: ignore[misc]
+            for (code, detail), new in zip(outcomes, first, strict=True):
+                if new:
                     self._note_bad_read(code, detail)
-                    bad += 1
-            self._index.unpin(
-                (keys[i], entries[i], code == OK)  # type: ignore[misc]
-                for i, (code, _) in zip(where, outcomes, strict=True)
-            )
-            n_hits = len(where) - bad
+            n_hits = sum(hits)
             with self._c.lock:
                 self._c.hits += n_hits
                 self._c.misses += len(keys) - n_hits
