@@ -1,0 +1,139 @@
+"""Opening PATH: validate, lock, create or check the segments, pick the I/O mode, scan headers.
+
+Everything an open creates is removed again if the open fails (the lock file only while this
+process holds the lock, so that a concurrent opener never loses its lock file).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+from dataclasses import dataclass, field
+
+from .errors import DiskConfigError, DiskInUseError, DiskSpaceError
+from .io import choose_mode
+from .layout import LOCK_FILE, Geometry, check_layout, read_layout, segment_name, write_layout
+
+
+@dataclass(slots=True)
+class Opened:
+    """The files of an open PATH (closed by `release`)."""
+
+    path: str
+    lock_fd: int = -1
+    fds: list[int] = field(default_factory=list)
+    mode_reason: str = ""  # "" when O_DIRECT is in use
+    created: list[str] = field(default_factory=list)
+    locked: bool = False
+
+    def release(self, *, remove_created: bool) -> None:
+        """Close the segment files and the lock; remove what this open created if asked."""
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        if remove_created and self.locked:
+            for name in reversed(self.created):
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+        if self.lock_fd >= 0:
+            os.close(self.lock_fd)  # closing the last descriptor drops the flock
+            self.lock_fd = -1
+
+
+def open_files(path: str, geometry: Geometry, direct: bool) -> Opened:
+    """Lock PATH and open its segments (created and preallocated when missing). Raises
+    DiskConfigError (missing or read-only directory, another layout), DiskInUseError,
+    DiskSpaceError; nothing created is left behind then."""
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is not a directory"
+        raise DiskConfigError(f"disk path {path!r} {what}; create the directory first")
+    opened = Opened(path)
+    try:
+        _lock(opened)
+        recorded = read_layout(path)
+        if recorded is not None:
+            check_layout(path, recorded, geometry)
+        for seg in range(geometry.segments):
+            opened.fds.append(_segment(opened, geometry, seg))
+        first = os.path.join(path, segment_name(0))
+        opened.mode_reason = choose_mode(path, first, direct)
+        if not opened.mode_reason:
+            _reopen_direct(opened, geometry)
+        if recorded is None:
+            write_layout(path, geometry)
+            opened.created.append(os.path.join(path, "layout.json"))
+    except BaseException:
+        opened.release(remove_created=True)
+        raise
+    _drop_segments_beyond(path, geometry.segments)
+    return opened
+
+
+def _drop_segments_beyond(path: str, count: int) -> None:
+    # The capacity shrank since the last open: what the old segments held no longer counts.
+    seg = count
+    while os.path.exists(name := os.path.join(path, segment_name(seg))):
+        os.unlink(name)
+        seg += 1
+
+
+def _lock(opened: Opened) -> None:
+    name = os.path.join(opened.path, LOCK_FILE)
+    existed = os.path.exists(name)
+    try:
+        opened.lock_fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise DiskConfigError(
+            f"cannot create files in disk path {opened.path!r}: {exc.strerror} "
+            "(a read-only directory or filesystem?)"
+        ) from exc
+    if not existed:
+        opened.created.append(name)
+    try:
+        fcntl.flock(opened.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise DiskConfigError(f"cannot lock {name}: {exc.strerror}") from exc
+        holder = os.pread(opened.lock_fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        raise DiskInUseError(
+            f"disk path {opened.path!r} is in use (locked by pid {holder}); one process at a "
+            "time may open it: give each process its own path"
+        ) from exc
+    opened.locked = True
+    os.ftruncate(opened.lock_fd, 0)
+    os.pwrite(opened.lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _segment(opened: Opened, geometry: Geometry, seg: int) -> int:
+    name = os.path.join(opened.path, segment_name(seg))
+    want = geometry.segment_slots(seg) * geometry.slot_bytes
+    existed = os.path.exists(name)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise DiskConfigError(f"cannot open segment {name}: {exc.strerror}") from exc
+    if not existed:
+        opened.created.append(name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > want:
+            os.ftruncate(fd, want)  # the capacity shrank since the last open
+        elif size < want:
+            os.posix_fallocate(fd, 0, want)
+    except OSError as exc:
+        os.close(fd)
+        raise DiskSpaceError(
+            f"cannot preallocate {want} bytes for {name}: {exc.strerror} "
+            f"({geometry.capacity} slots of {geometry.slot_bytes} bytes asked in all)"
+        ) from exc
+    return fd
+
+
+def _reopen_direct(opened: Opened, geometry: Geometry) -> None:
+    for seg, fd in enumerate(opened.fds):
+        name = os.path.join(opened.path, segment_name(seg))
+        opened.fds[seg] = os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+        os.close(fd)
