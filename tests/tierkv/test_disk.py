@@ -391,9 +391,9 @@ def test_free_during_read_defers_the_slot(tmp_path: Path) -> None:
 
 async def test_engine_jobs_move_pages_between_a_host_arena_and_disk(tmp_path: Path) -> None:
     from tierkv.disk.jobs import submit_load, submit_save
-    from tierkv.runtime import TransferEngine, get_backend
+    from tierkv.runtime import TransferEngine, create_backend
 
-    backend = get_backend("cpu")
+    backend = create_backend("cpu")
     host = backend.create_arena("host", slot_bytes=PAGE, num_slots=8, kind="pinned")
     ids = [int(i) for i in host.allocate(8)]
     keys = [key(i) for i in range(4)]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from .errors import DiskClosedError
 from .io import OS_ERROR, Scratch
 
 T = TypeVar("T")
@@ -44,7 +45,7 @@ class IoPool:
         finish: Callable[[list[Outcome]], T],
     ) -> Future[T]:
         """Run `fn` over `items` in chunks; `finish(outcomes)` (one per item, in order) gives the
-        result. Raises RuntimeError when the pool is shut (nothing ran then)."""
+        result. Raises DiskClosedError when the pool is shut (nothing ran then)."""
         op: Future[T] = Future()
         op.set_running_or_notify_cancel()  # a running future cannot be cancelled from outside
         n = len(items)
@@ -77,7 +78,7 @@ class IoPool:
 
         with self._lock:
             if self._closed:
-                raise RuntimeError("the disk I/O pool is shut")
+                raise DiskClosedError("the disk I/O pool is shut")
             self._inflight.add(op)
             futures = [self._pool.submit(chunk, c) for c in chunks]
         for i, f in enumerate(futures):

@@ -241,7 +241,7 @@ class DiskPages:
 
         try:
             return self._pool.run(items, self._io.read_batch, finish)
-        except RuntimeError as exc:  # closed in between
+        except DiskClosedError as exc:  # closed in between
             self._index.unpin((keys[i], entries[i], True) for i in where)  # type: ignore[misc]
             raise DiskClosedError(f"disk pages at {self.path} are closed") from exc
 
@@ -307,7 +307,7 @@ class DiskPages:
 
         try:
             return self._pool.run(items, self._io.write_batch, finish)
-        except RuntimeError as exc:
+        except DiskClosedError as exc:
             if commit:
                 self.abort(reserved)
             raise DiskClosedError(f"disk pages at {self.path} are closed") from exc
