@@ -24,7 +24,6 @@ failures. Nothing is asserted on time.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 import re
@@ -39,28 +38,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch
 
 from benchmarks._common import parser, table, write_json
-from tierkv import KVSpec, SequenceError, StoreTimeoutError, TierFullError, UnknownPageError
+from benchmarks.soak import SPEC, expected  # KV that is a function of the prefix alone
+from tierkv import SequenceError, StoreTimeoutError, TierFullError, UnknownPageError
 from tierkv.runtime import new_event_loop
 from tierkv.store import KVStore
 
-SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="fp32", page_tokens=4)
 PREFIXES = [[5] * 8, [1, 2, 3, 4, 5, 6, 7, 8], [9, 8, 7, 6], [1, 2, 3, 4], []]
 MAX_LIVE = 8  # live sequences (x 10 blocks x 2 layers: the host tier holds them all)
 EXPECTED = (TierFullError, StoreTimeoutError, SequenceError)  # a caller must handle these
-_BASE = torch.arange(1, 2 * SPEC.num_kv_heads * SPEC.head_dim + 1, dtype=torch.float64)
-
-
-def kv_of(tokens: list[int], i: int, layer: int) -> torch.Tensor:
-    """``[2, H, 1, D]``: the KV of token ``i`` in ``layer``, a function of ``tokens[: i + 1]``."""
-    h = hashlib.blake2b(repr((tokens[: i + 1], layer)).encode(), digest_size=8).digest()
-    seed = (int.from_bytes(h, "little") % 1_000_003 + 1) / 1_000_003
-    x = torch.frac(_BASE * (seed * 97.31)) * 2.0 - 1.0  # exact: float64, then one rounding
-    return x.to(torch.float32).view(2, SPEC.num_kv_heads, 1, SPEC.head_dim)
-
-
-def expected(tokens: list[int], layer: int, start: int, end: int) -> torch.Tensor:
-    """``[2, H, end - start, D]``: the KV of tokens ``start:end``."""
-    return torch.cat([kv_of(tokens, i, layer) for i in range(start, end)], dim=2)
 
 
 @dataclass
@@ -93,6 +78,7 @@ class Round:
         self.tokens: dict[str, list[int]] = {}  # the model: live sequences' token ids
         self.busy: set[str] = set()  # sequences a worker leases or releases now
         self.next_id = 0
+        self.appending: dict[str, asyncio.Lock] = {}
 
     async def call(self, rng: random.Random, aw: Awaitable[Any], what: str) -> bool:
         """Run ``aw``, cancelled after a random number of loop turns with probability
@@ -137,10 +123,13 @@ class Round:
             layers = list(range(SPEC.num_layers))
             rng.shuffle(layers)
             for layer in layers:
-                start = seq.kv_len_of(layer)
-                if start < len(tokens):
-                    ref = expected(tokens, layer, start, len(tokens))
-                    await lease.append(sid, layer, ref[0], ref[1])
+                # one append to a sequence at a time (as a server steps it): the KV passed is
+                # that of the tokens from the length the store has when the append runs
+                async with self.appending.setdefault(sid, asyncio.Lock()):
+                    start = seq.kv_len_of(layer)
+                    if start < len(tokens):
+                        ref = expected(tokens, layer, start, len(tokens))
+                        await lease.append(sid, layer, ref[0], ref[1])
             self.check(lease, sid, seq, tokens)
 
     def check(self, lease: Any, sid: str, seq: Any, tokens: list[int]) -> None:

@@ -13,6 +13,7 @@ workers on one store, every call cancelled at a random await), replayed determin
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -82,6 +83,15 @@ async def _pin_free_slots(store: KVStore) -> list[bytes]:
     return junk
 
 
+async def _waiting(coro: Any) -> asyncio.Future[Any]:
+    """Start ``coro`` and give it loop turns: it is waiting (for room) when this returns."""
+    task = asyncio.ensure_future(coro)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()
+    return task
+
+
 def _unpin(store: KVStore, junk: list[bytes]) -> None:
     store.tiers.release_device(junk)
     store.tiers.abort_device(junk, pinned=False, owned=False)
@@ -128,10 +138,7 @@ async def test_a_release_during_an_appends_wait_for_room_changes_nothing() -> No
         async with store.lease(["a"], [0]) as lease:
             await lease.append("a", 0, *kv(4, 1))  # block 0
             junk = await _pin_free_slots(store)
-            task = asyncio.ensure_future(lease.append("a", 0, *kv(1, 2)))  # waits for room
-            for _ in range(5):
-                await asyncio.sleep(0)
-            assert not task.done()
+            task = await _waiting(lease.append("a", 0, *kv(1, 2)))  # waits for room
             await store.release("a")
             _unpin(store, junk)
             with pytest.raises(SequenceError, match="released"):
@@ -150,10 +157,7 @@ async def test_a_release_while_an_append_waits_for_its_last_page_is_a_sequence_e
                 await other.append("a", 0, *kv(2, 2))  # block 1 (token 4)
             await _flush_device(store)  # block 1 leaves the device
             junk = await _pin_free_slots(store)
-            task = asyncio.ensure_future(early.append("a", 0, *kv(1, 3)))  # waits for room
-            for _ in range(5):
-                await asyncio.sleep(0)
-            assert not task.done()
+            task = await _waiting(early.append("a", 0, *kv(1, 3)))  # waits for room
             await store.release("a")  # block 1's copies go: it is in no tier now
             _unpin(store, junk)
             with pytest.raises(SequenceError, match="released"):
@@ -170,10 +174,7 @@ async def test_two_appends_to_one_layer_at_once_the_later_is_refused_whole() -> 
         async with store.lease(["a"], [0]) as one, store.lease(["a"], [0]) as two:
             await one.append("a", 0, k0, v0)  # block 0, tokens 0-2
             junk = await _pin_free_slots(store)
-            waiting = asyncio.ensure_future(one.append("a", 0, *kv(2, 2)))  # needs block 1
-            for _ in range(5):
-                await asyncio.sleep(0)
-            assert not waiting.done()
+            waiting = await _waiting(one.append("a", 0, *kv(2, 2)))  # needs block 1
             k2, v2 = kv(1, 3)
             await two.append("a", 0, k2, v2)  # token 3: fits block 0, no wait
             _unpin(store, junk)
