@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +101,13 @@ STORE_CALLS: dict[str, tuple[type[TierKVError], Callable[[KVStore], Any]]] = {
 }
 
 
+def _quiet(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` without torch's beta / prototype warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return make()
+
+
 def _fake(x: torch.Tensor) -> torch.Tensor:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -111,8 +119,9 @@ ODD_TENSORS: dict[str, Callable[[], torch.Tensor]] = {
     "sparse COO": lambda: K1.to_sparse(),
     "sparse CSR": lambda: K1.to_sparse_csr(),
     "sparse CSC": lambda: K1.to_sparse(layout=torch.sparse_csc),
-    "sparse BSR": lambda: K1.to_sparse(layout=torch.sparse_bsr, blocksize=(1, 1)),
-    "nested": lambda: torch.nested.nested_tensor([K1[0], K1[1]]),
+    "sparse BSR": lambda: _quiet(lambda: K1.to_sparse(layout=torch.sparse_bsr, blocksize=(1, 1))),
+    "nested (strided)": lambda: _quiet(lambda: torch.nested.nested_tensor([K1[0], K1[1]])),
+    "nested (jagged)": lambda: torch.nested.nested_tensor([K1[0], K1[1]], layout=torch.jagged),
     "fake": lambda: _fake(K1),
 }
 if torch.backends.mkldnn.is_available():
