@@ -321,3 +321,23 @@ async def test_an_empty_encode_or_decode_batch_is_no_error() -> None:
         await cold._compress([(key, 0)])  # already in cold: nothing to encode
         await job_done(cold.decode([], [], Priority.DEMAND))
         store.check()
+
+
+async def test_a_page_written_while_its_write_behind_copy_is_in_flight_stays_dirty() -> None:
+    """The issue's first suspect: the copy's completion must not call the newer device copy
+    clean, or eviction drops the only current copy. The write-behind's generation check
+    already held (this passes on the old core too): it guards the rule, the lost update was
+    the in-place write of a busy host copy (above)."""
+    async with _tiny_host() as store:
+        tiers = store.tiers
+        key = bytes(range(18))
+        await _put_on_device(store, key, 1.0)
+        copy = asyncio.ensure_future(tiers.write_behind([key]))
+        await asyncio.sleep(0)
+        assert tiers.write_behind_pinned == 1  # in flight
+        await _rewrite(store, key, 2.0)
+        assert await copy == 1
+        assert key in tiers.dirty
+        await _evict_from_device(store, key)  # written back again, not dropped
+        assert await _read(store, key) == 2.0
+        store.check()
