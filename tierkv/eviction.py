@@ -176,8 +176,14 @@ class DeviceEviction:
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
         self._departures.left(alloc.evicted)  # only when room was taken since make_room
+        late = set(alloc.present) - set(present)
+        if late:  # host copies that came while room was made (another write-back's): not ours
+            victims = [(k, s) for k, s in victims if k not in late]
+            keys = [k for k, _ in victims]
+            if not keys:
+                return []
         dst_of = dict(zip(alloc.keys, alloc.slots))
-        for k in alloc.present:  # a stale host copy (idle, pinned above): overwritten in place
+        for k in present:  # a stale host copy (idle, pinned above): overwritten in place
             dst_of[k] = table.slot(k, HOST)
         written = self._engine.backend.compute_event()  # the copy waits for the compute
         handle = self._engine.submit(
@@ -244,8 +250,7 @@ class DeviceEviction:
         gens = {k: self.dirty[k] for k in pick}
         task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
         task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
-        await asyncio.shield(task)
-        return len(pick)
+        return len(await asyncio.shield(task))  # (pages whose host copy was busy: not written)
 
     def _end_write_behind(
         self, keys: list[PageKey], gens: dict[PageKey, int], task: asyncio.Task[list[PageKey]]

@@ -341,3 +341,26 @@ async def test_a_page_written_while_its_write_behind_copy_is_in_flight_stays_dir
         await _evict_from_device(store, key)  # written back again, not dropped
         assert await _read(store, key) == 2.0
         store.check()
+
+
+async def test_a_write_back_never_writes_a_host_slot_another_copy_is_writing() -> None:
+    """Two write-behinds of one page overlap (a lease ended, the page was written again and
+    the next lease ended before the first copy landed): the second must not write into the
+    host slot the first copy reserved (freed under it if the first fails)."""
+    async with _tiny_host() as store:
+        tiers = store.tiers
+        key = bytes(range(18))
+        await _put_on_device(store, key, 1.0)
+        first = asyncio.ensure_future(tiers.write_behind([key]))
+        for _ in range(100):  # loop turns until it reserved its host slot
+            if tiers.table.present([key], HOST):
+                break
+            await asyncio.sleep(0)
+        assert tiers.table.state(key, HOST).name == "WRITING"
+        await _rewrite(store, key, 2.0)
+        assert await tiers.write_behind([key]) == 0  # unfixed: wrote into first's slot
+        await first
+        assert key in tiers.dirty  # the second value is still to be written
+        await _evict_from_device(store, key)
+        assert await _read(store, key) == 2.0
+        store.check()
