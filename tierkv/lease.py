@@ -1,7 +1,7 @@
 """A lease: sequences' pages pinned on the device while compute reads and appends KV.
 
-A lease depends on its store only through :class:`LeaseHost`, the small public surface the
-store implements (this module never imports the store)::
+A lease depends on its store only through :class:`~tierkv.lease_host.LeaseHost`, the small
+public surface the store implements (this module never imports the store)::
 
     store.lease(ids) --> Lease(store) --enter--> admission, tiers.acquire_device, lease_began
                                       --exit---> tiers.release_device, lease_ended, lease_wrote
@@ -13,65 +13,18 @@ import asyncio
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Protocol
 
 import torch
 
 from tierkv import validate
-from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import PageStateError, SequenceError, SpecError, UnknownPageError
+from tierkv.lease_host import LeaseHost
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
-from tierkv.spec import KVSpec
-from tierkv.stats import StoreCounters
-from tierkv.tiers import DEVICE, TierSet
-from tierkv.timeline import Timeline
-from tierkv.turns import TurnBudget
+from tierkv.tiers import DEVICE
 
 __all__ = ["Lease", "LeaseHost"]
-
-
-class LeaseHost(Protocol):
-    """What a lease needs of its store (:class:`tierkv.store.KVStore` implements it)."""
-
-    spec: KVSpec
-    timeout: float
-    counters: StoreCounters
-    timeline: Timeline
-    turns: TurnBudget
-
-    @property
-    def closed(self) -> bool:
-        """True once the store is closed."""
-        ...
-
-    @property
-    def tiers(self) -> TierSet:
-        """The tier core (raises StoreClosedError when closed)."""
-        ...
-
-    @property
-    def admission(self) -> Admission:
-        """The FIFO admission of leases to the device."""
-        ...
-
-    def is_live(self, seq: SequenceState) -> bool:
-        """True while ``seq`` is a live sequence of the store (not released, id not reused)."""
-        ...
-
-    def lease_began(self, keys: Sequence[bytes]) -> None:
-        """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
-        ...
-
-    def lease_ended(self, seqs: Sequence[SequenceState], pinned: Sequence[bytes]) -> None:
-        """A lease let go of ``pinned`` (already unpinned): recency, and publishing the full
-        blocks of the live ``seqs``."""
-        ...
-
-    def lease_wrote(self, keys: list[bytes]) -> None:
-        """Pages a lease wrote: copy them down in the background (if the store does)."""
-        ...
 
 
 class Lease:
