@@ -13,6 +13,8 @@ workers on one store, every call cancelled at a random await), replayed determin
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ import torch
 
 from tierkv import SequenceError
 from tierkv.jobs import job_done
+from tierkv.lease import Lease
 from tierkv.runtime import Priority
 from tierkv.sequence import page_key
 from tierkv.store import KVStore
@@ -97,16 +100,25 @@ def _unpin(store: KVStore, junk: list[bytes]) -> None:
     store.tiers.abort_device(junk, pinned=False, owned=False)
 
 
+@contextlib.asynccontextmanager
+async def _early_lease(store: KVStore, k: torch.Tensor, v: torch.Tensor) -> AsyncIterator[Lease]:
+    """A lease of "a" (layer 0) that pins block 0 (the first 3 tokens of ``k``, ``v``) only:
+    another lease of "a" then appends the rest (block 1) and ends, and block 1 leaves the
+    device."""
+    async with store.lease(["a"], [0]) as lease:
+        await lease.append("a", 0, k[:, :3], v[:, :3])  # block 0
+    async with store.lease(["a"], [0]) as early:  # pins block 0
+        async with store.lease(["a"], [0]) as other:
+            await other.append("a", 0, k[:, 3:], v[:, 3:])  # and block 1
+        await _flush_device(store)  # block 1 (no pin of early's) leaves
+        yield early
+
+
 async def test_an_append_loads_back_a_page_another_lease_added_that_left_the_device() -> None:
     async with _store(8) as store:
         await store.add_sequence("a", tokens(1, 12))
         k0, v0 = kv(5, 1)
-        async with store.lease(["a"], [0]) as lease:
-            await lease.append("a", 0, k0[:, :3], v0[:, :3])  # block 0
-        async with store.lease(["a"], [0]) as early:  # pins block 0
-            async with store.lease(["a"], [0]) as other:
-                await other.append("a", 0, k0[:, 3:], v0[:, 3:])  # and block 1
-            await _flush_device(store)  # block 1 (no pin of early's) leaves
+        async with _early_lease(store, k0, v0) as early:
             k1, v1 = kv(2, 2)
             # unfixed: UnknownPageError (or a write into a slot that is another page's now)
             await early.append("a", 0, k1, v1)
@@ -120,10 +132,7 @@ async def test_an_append_loads_back_a_page_another_lease_added_that_left_the_dev
 async def test_a_read_of_kv_another_lease_added_that_left_the_device_is_a_typed_error() -> None:
     async with _store(8) as store:
         await store.add_sequence("a", tokens(1, 12))
-        async with store.lease(["a"], [0]) as early:
-            async with store.lease(["a"], [0]) as other:
-                await other.append("a", 0, *kv(5, 1))
-            await _flush_device(store)
+        async with _early_lease(store, *kv(5, 1)) as early:
             with pytest.raises(SequenceError, match="lease the sequence again"):
                 early.kv("a", 0)  # unfixed: UnknownPageError, or a read of an unpinned slot
         async with store.lease(["a"], [0]) as again:
@@ -150,12 +159,7 @@ async def test_a_release_during_an_appends_wait_for_room_changes_nothing() -> No
 async def test_a_release_while_an_append_waits_for_its_last_page_is_a_sequence_error() -> None:
     async with _store(8) as store:
         await store.add_sequence("a", tokens(1, 12))
-        async with store.lease(["a"], [0]) as lease:
-            await lease.append("a", 0, *kv(3, 1))  # block 0
-        async with store.lease(["a"], [0]) as early:  # pins block 0
-            async with store.lease(["a"], [0]) as other:
-                await other.append("a", 0, *kv(2, 2))  # block 1 (token 4)
-            await _flush_device(store)  # block 1 leaves the device
+        async with _early_lease(store, *kv(5, 1)) as early:
             junk = await _pin_free_slots(store)
             task = await _waiting(early.append("a", 0, *kv(1, 3)))  # waits for room
             await store.release("a")  # block 1's copies go: it is in no tier now
