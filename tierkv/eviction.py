@@ -19,7 +19,7 @@ from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage, Departures
 from tierkv.owners import Owners
-from tierkv.page_table import PageTable
+from tierkv.page_table import PageState, PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
@@ -62,6 +62,9 @@ class DeviceEviction:
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
         self.soon: frozenset[PageKey] = frozenset()  # pages of announced steps
         self.soon_order: tuple[PageKey, ...] = ()  # the same, soonest needed first
+        # the last eviction put victims back because their host copies were busy (copies
+        # that end on their own): a caller short of room waits for a change, not fails
+        self.lower_busy = False
 
     def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
         """The keys (in order) that some lower tier holds readable."""
@@ -69,11 +72,13 @@ class DeviceEviction:
 
     async def make_room(self, n: int, deadline: float) -> bool:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped.
-        Returns False (nothing changed) when too few pages are evictable now: the caller waits
-        for a change outside the device lock, so a lease that holds pins can still append.
+        Returns False when too few pages are evictable now (nothing changed) or some victims'
+        host copies were busy (those stay; :attr:`lower_busy`): the caller waits for a change
+        outside the device lock, so a lease that holds pins can still append.
         Raises StoreTimeoutError when a write-back does not end by ``deadline`` (loop time; the
         eviction then ends on its own when the copy does)."""
         table = self._table
+        self.lower_busy = False
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
             return True
@@ -97,35 +102,88 @@ class DeviceEviction:
             await within(deadline, asyncio.shield(task), lambda: _late(len(wb)))
         except BaseException:
             if not task.done():  # cancelled caller: the task finishes the eviction on its own
-                task.add_done_callback(lambda t: self._end_evict(keys, t))
+                task.add_done_callback(lambda t: self._end_evict(keys, wb, t))
                 raise
-            self._end_evict(keys, task)
+            self._end_evict(keys, wb, task)
             raise
-        self._end_evict(keys, task)
-        return True
+        return self._end_evict(keys, wb, task)
 
-    def _end_evict(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
+    def _end_evict(
+        self, keys: list[PageKey], wb: list[tuple[PageKey, int]], task: asyncio.Task[list[PageKey]]
+    ) -> bool:
+        """End an eviction: the victims written back (or clean with a lower copy) leave, the
+        rest are put back (a failed write-back, or a host copy busy that could not be
+        overwritten: see :meth:`_write_back`). True when every victim left."""
         ok = not task.cancelled() and task.exception() is None
-        self._table.complete_evict(keys, DEVICE, ok=ok)
-        if ok:
-            self.clean(keys)
+        written = set(task.result()) if ok else set()
+        back = [k for k, _ in wb if k not in written]
+        gone = [k for k in keys if k not in set(back)] if back else keys
+        self.lower_busy = ok and bool(back)
+        if back:
+            self._table.complete_evict(back, DEVICE, ok=False)
+        if gone:
+            self._table.complete_evict(gone, DEVICE, ok=True)
+            self.clean(gone)
         self._progress()
+        return not back
 
-    async def _write_back(self, victims: list[tuple[PageKey, int]]) -> None:
+    async def _write_back(self, victims: list[tuple[PageKey, int]]) -> list[PageKey]:
+        """Copy device pages (key, device slot) to the host; returns the keys written.
+
+        A stale host copy is overwritten in place only when it is idle (readable, pinned by
+        nothing but its owners), and it is pinned for the copy: a host copy that another copy
+        reads or that is leaving (compressed to cold, offered to the remote tier, exported,
+        written by another write-back) is never written, since the copy reading it would then
+        store its old bytes as current, or its slot would be freed under this write; such
+        pages are not written (their device copies stay dirty). Cold copies are older than what
+        was written: dropped once it has landed."""
         if not victims:
-            return
+            return []
+        table, owners = self._table, self._owners
+        keys = [k for k, _ in victims]
+        present = cast(list[PageKey], table.present(keys, HOST))
+        if present:
+            idle = {
+                k
+                for k in present
+                if table.state(k, HOST) == PageState.READABLE
+                and table.pins(k, HOST) == (1 if owners.holds_pin(k, HOST) else 0)
+            }
+            busy = set(present) - idle
+            victims = [(k, s) for k, s in victims if k not in busy]
+            keys = [k for k, _ in victims]
+            present = [k for k in present if k in idle]
+            if not victims:
+                return []
+            table.prepare_load(present, HOST)  # held for the copy: never a victim meanwhile
+        try:
+            await self._host.make_room(len(keys) - len(present))
+            return await self._copy_down(victims, present)
+        finally:
+            if present:
+                table.complete_load(present, HOST)
+                self._progress()
+
+    async def _copy_down(
+        self, victims: list[tuple[PageKey, int]], present: list[PageKey]
+    ) -> list[PageKey]:
+        """The copy of :meth:`_write_back`, its host copies in ``present`` pinned."""
         table = self._table
         keys = [k for k, _ in victims]
-        stale_cold = cast(list[PageKey], table.present(keys, COLD)) if COLD in self._lower else []
-        await self._host.make_room(len(keys))
         alloc = table.prepare_store(keys, HOST)
         if alloc is None:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
         self._departures.left(alloc.evicted)  # only when room was taken since make_room
+        late = set(alloc.present) - set(present)
+        if late:  # host copies that came while room was made (another write-back's): not ours
+            victims = [(k, s) for k, s in victims if k not in late]
+            keys = [k for k, _ in victims]
+            if not keys:
+                return []
         dst_of = dict(zip(alloc.keys, alloc.slots))
-        for k in alloc.present:  # a stale host copy: overwrite it in place
+        for k in present:  # a stale host copy (idle, pinned above): overwritten in place
             dst_of[k] = table.slot(k, HOST)
         written = self._engine.backend.compute_event()  # the copy waits for the compute
         handle = self._engine.submit(
@@ -158,9 +216,11 @@ class DeviceEviction:
         self._stats.bytes_d2h += len(keys) * self._spec.page_bytes
         self._stats.pages_written_back += len(keys)
         self._owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
-        for k in stale_cold:  # the cold copy is older than the one just written
-            self._owners.unpin(k, COLD)
-            self._host.forget_in(COLD, [k])
+        if COLD in self._lower:  # cold copies, whenever they came, are older than this one
+            for k in cast(list[PageKey], table.present(keys, COLD)):
+                self._owners.unpin(k, COLD)
+                self._host.forget_in(COLD, [k])
+        return keys
 
     def mark_dirty(self, keys: Sequence[PageKey]) -> None:
         """Device copies of ``keys`` were written: newer than any lower copy."""
@@ -190,16 +250,15 @@ class DeviceEviction:
         gens = {k: self.dirty[k] for k in pick}
         task = asyncio.ensure_future(self._write_back(list(zip(pick, slots))))
         task.add_done_callback(lambda t: self._end_write_behind(pick, gens, t))
-        await asyncio.shield(task)
-        return len(pick)
+        return len(await asyncio.shield(task))  # (pages whose host copy was busy: not written)
 
     def _end_write_behind(
-        self, keys: list[PageKey], gens: dict[PageKey, int], task: asyncio.Task[None]
+        self, keys: list[PageKey], gens: dict[PageKey, int], task: asyncio.Task[list[PageKey]]
     ) -> None:
         self._table.complete_load(keys, DEVICE)
         self.write_behind_pinned -= len(keys)
         if not task.cancelled() and task.exception() is None:
-            self.clean(keys, gens)  # a page written again meanwhile stays dirty
+            self.clean(task.result(), gens)  # a page written again meanwhile stays dirty
         self._progress()
 
 

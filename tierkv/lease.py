@@ -1,7 +1,7 @@
 """A lease: sequences' pages pinned on the device while compute reads and appends KV.
 
-A lease depends on its store only through :class:`LeaseHost`, the small public surface the
-store implements (this module never imports the store)::
+A lease depends on its store only through :class:`~tierkv.lease_host.LeaseHost`, the small
+public surface the store implements (this module never imports the store)::
 
     store.lease(ids) --> Lease(store) --enter--> admission, tiers.acquire_device, lease_began
                                       --exit---> tiers.unpin_device, lease_ended, lease_wrote
@@ -13,65 +13,18 @@ import asyncio
 import time
 from collections.abc import Sequence
 from functools import partial
-from typing import Protocol
 
 import torch
 
 from tierkv import validate
-from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
-from tierkv.errors import SequenceError, SpecError
+from tierkv.errors import PageStateError, SequenceError, SpecError, UnknownPageError
+from tierkv.lease_host import LeaseHost
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
-from tierkv.spec import KVSpec
-from tierkv.stats import StoreCounters
-from tierkv.tiers import TierSet
-from tierkv.timeline import Timeline
-from tierkv.turns import TurnBudget
+from tierkv.tiers import DEVICE
 
 __all__ = ["Lease", "LeaseHost"]
-
-
-class LeaseHost(Protocol):
-    """What a lease needs of its store (:class:`tierkv.store.KVStore` implements it)."""
-
-    spec: KVSpec
-    timeout: float
-    counters: StoreCounters
-    timeline: Timeline
-    turns: TurnBudget
-
-    @property
-    def closed(self) -> bool:
-        """True once the store is closed."""
-        ...
-
-    @property
-    def tiers(self) -> TierSet:
-        """The tier core (raises StoreClosedError when closed)."""
-        ...
-
-    @property
-    def admission(self) -> Admission:
-        """The FIFO admission of leases to the device."""
-        ...
-
-    def is_live(self, seq: SequenceState) -> bool:
-        """True while ``seq`` is a live sequence of the store (not released, id not reused)."""
-        ...
-
-    def lease_began(self, keys: Sequence[bytes]) -> None:
-        """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
-        ...
-
-    def lease_ended(self, seqs: Sequence[SequenceState], pinned: Sequence[bytes]) -> None:
-        """A lease let go of ``pinned`` (already unpinned): recency, and publishing the full
-        blocks of the live ``seqs``."""
-        ...
-
-    def lease_wrote(self, keys: list[bytes]) -> None:
-        """Pages a lease wrote: copy them down in the background (if the store does)."""
-        ...
 
 
 class Lease:
@@ -89,7 +42,10 @@ class Lease:
         self._order = {s.seq_id: i for i, s in enumerate(seqs)}  # str -> int: untracked
         self.layers: Sequence[int] = tuple(layers)  # of ints: untracked after a young pass
         self._layer_bits = sum(1 << layer for layer in set(layers))
-        self._pinned: tuple[bytes, ...] = ()  # a tuple of bytes: untracked after a young pass
+        # the device pages this lease pins (bytes -> None: a dict the collector does not track),
+        # the one record of what it may read and write: pages another lease of the same
+        # sequence added are pinned here before they are read or written
+        self._pins: dict[bytes, None] = {}
         # written (sequence, layer, block) as one int each (see _written_key): untracked
         self._written: dict[int, None] = {}
         self._active = False
@@ -107,11 +63,12 @@ class Lease:
             TierFullError: the pages can never be resident at once (at once), or no room came
                 before the timeout.
             UnknownPageError: a page is in no tier.
+            SequenceError: a sequence was released while the lease waited.
         On error or cancellation nothing stays pinned or admitted.
         """
         store = self._store
         tiers = store.tiers
-        keys = list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
+        keys = self._keys()
         tiers.ensure_fits(len(keys))
         # Yield once: compute between leases rarely suspends, and background prefetches and
         # write-backs only advance when the loop runs. (When this loop turn's store work is
@@ -126,8 +83,7 @@ class Lease:
             footprint, deadline, partial(tiers.full_error, footprint, store.timeout)
         )
         try:
-            left = max(0.0, deadline - asyncio.get_running_loop().time())
-            waited = await tiers.acquire_device(keys, Priority.DEMAND, timeout=left)
+            keys, waited = await self._acquire(keys, deadline)
         except BaseException:
             self._leave()
             raise
@@ -135,7 +91,7 @@ class Lease:
         # the store work of this entry: all of it when nothing was loaded (no suspension);
         # when pages were loaded the task slept meanwhile, and only what follows is counted
         store.turns.charge((t1 - t0) if not waited else 0.0)
-        self._pinned = tuple(keys)
+        self._pins = dict.fromkeys(keys)
         self._active = True
         self.waited_pages = waited
         c = store.counters
@@ -146,6 +102,30 @@ class Lease:
         if waited:
             store.timeline.span("wait for pages", "compute", t0, t1, pages=waited)
         return self
+
+    async def _acquire(self, keys: list[bytes], deadline: float) -> tuple[list[bytes], int]:
+        """Pin ``keys`` on the device (see :meth:`TierSet.acquire_device`); returns the keys
+        pinned and the pages waited for. The sequences' pages are named again when a page was
+        renamed meanwhile (another lease's end published a full block under its content key):
+        only a page that is in no tier under its current name is an error, and a sequence
+        released meanwhile is a SequenceError, not a missing page."""
+        store = self._store
+        tiers = store.tiers
+        while True:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            try:
+                return keys, await tiers.acquire_device(keys, Priority.DEMAND, timeout=left)
+            except UnknownPageError:
+                for seq in self._seqs:
+                    self._check_live(seq)
+                now = self._keys()
+                if now == keys:
+                    raise
+                keys = now
+
+    def _keys(self) -> list[bytes]:
+        """The leased pages by their current names."""
+        return list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
 
     def _reserve(self) -> int:
         """Pages this lease's appends may open: enough for every declared token's KV (at least
@@ -175,8 +155,8 @@ class Lease:
                 return  # close() already let go of every page
             pinned: tuple[bytes, ...] = ()
             try:
-                if self._pinned:
-                    pinned, self._pinned = self._pinned, ()
+                if self._pins:
+                    pinned, self._pins = tuple(self._pins), {}
                     store.tiers.unpin_device(pinned)
             finally:
                 self._leave()
@@ -216,12 +196,29 @@ class Lease:
             raise SpecError(f"layer {layer} is not in this lease (leased: {self.layers})")
         return seq
 
+    def _hold(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Pin for this lease the pages of ``keys`` it does not pin yet (pages another lease of
+        the same sequence added after this one began) that are readable on the device now;
+        returns the rest (not on the device, or in flight), which this lease must not touch."""
+        pins = self._pins
+        missing = [k for k in keys if k not in pins]
+        if not missing:
+            return []
+        tiers = self._store.tiers
+        ready = tiers.table.readable(missing, DEVICE)
+        if ready:
+            tiers.pin_device(ready)
+            pins.update(dict.fromkeys(ready))
+        return [k for k in missing if k not in pins]
+
     @boundary
     def kv(self, seq_id: str, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every token of a sequence in one layer: two ``[H, S, D]`` tensors.
 
-        Raises SequenceError (a sequence not in this lease, or the lease is not active),
-        SpecError (a layer not in it), InvalidTypeError (an id or layer of the wrong type).
+        Raises SequenceError (a sequence not in this lease, or the lease is not active, or KV
+        that another lease of the sequence appended after this one began has left the device
+        since: lease it again), SpecError (a layer not in it), InvalidTypeError (an id or layer
+        of the wrong type).
         """
         t0 = time.perf_counter()
         try:
@@ -239,6 +236,11 @@ class Lease:
                     (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
                 )
                 return empty, empty.clone()
+            if self._hold(pages):  # never read a slot this lease does not pin
+                raise SequenceError(
+                    f"sequence {seq_id!r} layer {layer}: KV another lease appended after this "
+                    "one began is no longer on the device; lease the sequence again"
+                )
             tiers = self._store.tiers
             kv = tiers.gather_tokens(tiers.device_slots(pages))[:, :, :s]  # [2, H, S, D]
             return kv[0], kv[1]
@@ -249,11 +251,16 @@ class Lease:
     async def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append KV of ``n`` new tokens (``k``, ``v``: ``[H, n, D]`` in the spec's dtype).
 
+        The bytes and the sequence's KV length change together or not at all, whatever is
+        cancelled when: an append that fails (or is cancelled) leaves no page, pin or owner
+        behind and the length as it was.
+
         Raises SpecError for a wrong shape, dtype or device (k and v must be on the device
         tier's device or the cpu), InvalidTypeError for a k or v that is not a tensor (or an id
         or layer of the wrong type), SequenceError for a sequence or layer not in this lease,
-        TierFullError when the device has no room for a new page. Checked before anything is
-        allocated.
+        a sequence released meanwhile, or one that another lease appended to (the same layer)
+        while this append waited, TierFullError when the device has no room for a new page.
+        Checked before anything is allocated.
         """
         seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
         seq = self._seq(seq_id, layer)
@@ -267,8 +274,7 @@ class Lease:
         t0 = time.perf_counter()
         try:
             seq = self._seq(seq_id, layer)  # (the lease may have ended meanwhile)
-            if not store.is_live(seq):  # released (or its id reused) inside the lease
-                raise SequenceError(f"sequence {seq_id!r} was released: nothing can be appended")
+            self._check_live(seq)
             tiers = store.tiers
             device = tiers.device
             if k.device != device or v.device != device:
@@ -281,22 +287,38 @@ class Lease:
             end = start + n
             have = -(-start // t)  # pages this layer already has
             need = -(-end // t)
+            first = start // t
+            # the partly filled last page, pinned by this lease before it is written (another
+            # lease of the sequence may have added it: its pin is not this lease's)
+            rest = self._hold([page_key(seq.block(b), layer) for b in range(first, have)])
+            if rest:
+                try:
+                    await tiers.acquire_device(rest, Priority.DEMAND, timeout=store.timeout)
+                except UnknownPageError:  # released meanwhile: its private pages went
+                    self._check_unchanged(seq, layer, start)
+                    raise
+                self._pins.update(dict.fromkeys(rest))
+                self._check_unchanged(seq, layer, start)
             while seq.num_blocks < need:  # (extra private blocks left by a failure are harmless)
                 seq.append_block(seq.private_block(seq.num_blocks), shared=False)
             new = [page_key(seq.block(b), layer) for b in range(have, need)]
             if new:
-                mine = len(self._pinned)  # distinct: acquired once each, new pages are new
-                slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
+                mine = len(self._pins)  # distinct: acquired once each, new pages are new
+                try:
+                    slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
+                except PageStateError:  # another append made them while this one waited
+                    self._check_unchanged(seq, layer, start)
+                    raise
             pinned = owned = False
             try:
-                if new:
+                if new:  # the wait may have changed the sequence: recheck, then no await
+                    self._check_unchanged(seq, layer, start)
                     tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak
                     tiers.commit_device(new)
                     tiers.pin_device(new)  # pinned for the rest of the lease
                     pinned = True
                     tiers.own(new)
                     owned = True
-                first = start // t
                 written = [page_key(seq.block(b), layer) for b in range(first, need)]
                 pos = start
                 for b, slot in enumerate(tiers.device_slots(written), first):
@@ -315,12 +337,27 @@ class Lease:
             except BaseException:  # undo every step: no page, pin or owner is left behind
                 tiers.abort_device(new, pinned=pinned, owned=owned)
                 raise
-            self._pinned += tuple(new)
+            self._pins.update(dict.fromkeys(new))
             for pos in range(start - start % t, end, t):
                 self._written[self._written_key(seq_id, layer, pos // t)] = None
             seq.set_kv_len(layer, end)
         finally:
             store.turns.charge(time.perf_counter() - t0)
+
+    def _check_live(self, seq: SequenceState) -> None:
+        if not self._store.is_live(seq):  # released (or its id reused) inside the lease
+            raise SequenceError(f"sequence {seq.seq_id!r} was released: nothing can be appended")
+
+    def _check_unchanged(self, seq: SequenceState, layer: int, start: int) -> None:
+        """After an append's wait: the lease still active, the sequence live, and no other
+        append to this layer in between (the positions this one writes are still its end)."""
+        self._seq(seq.seq_id, layer)
+        self._check_live(seq)
+        if seq.kv_len_of(layer) != start:
+            raise SequenceError(
+                f"sequence {seq.seq_id!r} layer {layer}: another lease appended to it while "
+                "this append waited (nothing was appended)"
+            )
 
     def sequences(self) -> Sequence[str]:
         """Ids of the leased sequences."""

@@ -132,11 +132,11 @@ class ColdStorage:
                         pages=len(bad),
                         keys=[keys[i] for i in bad if i < len(keys)],
                     )
-            data = cold.tensor.index_select(0, torch.tensor(cold_slots))
+            data = cold.tensor.index_select(0, _index(cold_slots))
             out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
             target = dev.tensor
-            idx = torch.tensor(dev_slots, device=target.device)
+            idx = _index(dev_slots).to(target.device)
             target.index_copy_(0, idx, out.to(target.device))
             stats.decode_s += time.perf_counter() - t0
 
@@ -208,12 +208,15 @@ class ColdStorage:
 
         def work() -> float:
             t0 = time.perf_counter()
-            enc = codec.encode(host.tensor.index_select(0, torch.tensor(src)), spec)
-            cold.tensor.index_copy_(0, torch.tensor(dst), enc)
+            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
+            cold.tensor.index_copy_(0, _index(dst), enc)
             if page_sums.enabled():  # the slots are this job's until it ends: no race
                 table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
             return time.perf_counter() - t0
 
+        if not todo:  # every page is in cold already (or was not admitted): nothing to encode
+            table.complete_store(alloc.keys, COLD)
+            return
         handle = self._engine.submit_call(host, src, cold, dst, work, priority=Priority.WRITEBACK)
         try:
             await job_done(handle)
@@ -267,3 +270,9 @@ class ColdStorage:
             owners.unpin(k, HOST)  # the owner's pin moved to the cold copy
         self.forget_in(HOST, moved)
         return len(moved)
+
+
+def _index(slots: Sequence[int]) -> torch.Tensor:
+    """Slots as an int64 index tensor (``torch.tensor([])`` is a float tensor, which
+    ``index_select`` refuses: an empty batch must still index)."""
+    return torch.tensor(slots, dtype=torch.int64)

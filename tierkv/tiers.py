@@ -471,14 +471,15 @@ class TierSet:
 
     def _could_free(self, mine: int) -> bool:
         """Whether device pages pinned or in flight for others than the caller (who holds
-        ``mine`` of them pinned) may go, so that waiting for room can succeed."""
+        ``mine`` of them pinned) may go, or victims were put back for host copies busy with
+        copies of their own, so that waiting for room can succeed."""
         t = self._table
-        return t.used(DEVICE) - t.evictable(DEVICE) > mine
+        return t.used(DEVICE) - t.evictable(DEVICE) > mine or self._evict.lower_busy
 
     def _copies_in_flight(self) -> bool:
         """Whether device pages are held by copies that end on their own: write-behind
         reads, loads (WRITING) or write-backs (MOVING), as opposed to leases' pins."""
-        if self._evict.write_behind_pinned:
+        if self._evict.write_behind_pinned or self._evict.lower_busy:
             return True
         t = self._table
         return any(t.state(k, DEVICE) != PageState.READABLE for k in t.keys(DEVICE))

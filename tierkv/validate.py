@@ -168,11 +168,15 @@ def kv_tensors(
     """Check new KV: two tensors ``[H, n, D]`` of the same shape in ``spec.dtype``, on
     ``device`` or the cpu. Returns them detached from autograd (a cache holds values: copying
     a tensor that requires grad into a page would make the whole arena part of its graph).
-    Raises InvalidTypeError, SpecError."""
+    Only dense tensors with data hold KV: sparse (COO, CSR, CSC, BSR, BSC), mkldnn and nested
+    tensors, meta tensors and subclasses with a dispatch of their own (FakeTensor, DTensor...)
+    are refused. Raises InvalidTypeError, SpecError."""
     for name, x in (("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise InvalidTypeError(f"{name}: expected a torch.Tensor [H, n, D], got {_type(x)}")
     assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    for name, x in (("k", k), ("v", v)):  # before the shape: a nested tensor has none
+        _dense(name, x)
     n = k.shape[1] if k.dim() == 3 else -1
     shape = (spec.num_kv_heads, n, spec.head_dim)
     for name, x in (("k", k), ("v", v)):
@@ -183,6 +187,22 @@ def kv_tensors(
         if x.device.type == "meta" or (x.device != device and x.device.type != "cpu"):
             raise SpecError(f"{name}: expected a tensor on {device} (or the cpu), got {x.device}")
     return (k.detach() if k.requires_grad else k), (v.detach() if v.requires_grad else v)
+
+
+def _dense(name: str, x: torch.Tensor) -> None:
+    """Raise SpecError unless ``x`` is a dense tensor whose bytes can be copied into a page."""
+    if x.is_nested:
+        raise SpecError(f"{name}: expected a dense tensor [H, n, D], got a nested tensor")
+    if x.layout != torch.strided:
+        raise SpecError(f"{name}: expected a dense (strided) tensor [H, n, D], got {x.layout}")
+    if getattr(type(x), "__torch_dispatch__", None) is not _PLAIN_DISPATCH:
+        raise SpecError(
+            f"{name}: expected a tensor with data, got a {type(x).__name__} (a tensor subclass "
+            "with a dispatch of its own)"
+        )
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
 # -- construction -----------------------------------------------------------------------------

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from tierkv import CorruptPageError, KVSpec, prefix_keys
+from tierkv.keys import page_key
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageTable
 from tierkv.remote import PageServer, RemoteTier
 from tierkv.remote.protocol.control import Control
 from tierkv.remote.store_io import import_prefix, publish_prefix, stage_prefix
-from tierkv.sequence import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import COLD, DEVICE, HOST
 from tierkv.transports.crc32c_native import crc32c, crc32c_rows

@@ -25,8 +25,8 @@ from redis.asyncio.cluster import RedisCluster as ClusterClient
 from redis.crc import key_slot
 
 from tierkv import prefix_keys
+from tierkv.keys import page_key
 from tierkv.remote.sources.redis_tier import RedisTier
-from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling harness modules

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tierkv import KVStore, prefix_keys
+from tierkv.keys import page_key
 from tierkv.remote import (
     PageServer,
     PeerGoneError,
@@ -29,7 +30,6 @@ from tierkv.remote import (
     RemoteTier,
     RemoteTimeoutError,
 )
-from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)

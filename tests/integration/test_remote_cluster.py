@@ -20,11 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.keys import prefix_keys
+from tierkv.keys import page_key, prefix_keys
 from tierkv.remote import PageServer, PeerGoneError, RemoteTier
 from tierkv.remote.server.gossip import PeerIndex
 from tierkv.remote.sources.cluster import RemoteCluster
-from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 from tierkv.store import KVStore
 

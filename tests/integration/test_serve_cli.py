@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import prefix_keys
 from tierkv.cli import main as cli_main
+from tierkv.keys import page_key
 from tierkv.remote import RemoteTier
-from tierkv.sequence import page_key
 from tierkv.spec import KVSpec
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, dtype="fp16", page_tokens=16)

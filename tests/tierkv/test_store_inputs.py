@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -102,6 +103,33 @@ STORE_CALLS: dict[str, tuple[type[TierKVError], Callable[[KVStore], Any]]] = {
     "sequence of a list": (InvalidTypeError, lambda s: s.sequence(["a"])),
 }
 
+
+def _quiet(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()`` without torch's beta / prototype warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return make()
+
+
+def _fake(x: torch.Tensor) -> torch.Tensor:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode().from_tensor(x)
+
+
+# other layouts and tensors without data (issue 23: a sparse k raised torch's RuntimeError)
+ODD_TENSORS: dict[str, Callable[[], torch.Tensor]] = {
+    "sparse COO": lambda: K1.to_sparse(),
+    "sparse CSR": lambda: K1.to_sparse_csr(),
+    "sparse CSC": lambda: K1.to_sparse(layout=torch.sparse_csc),
+    "sparse BSR": lambda: _quiet(lambda: K1.to_sparse(layout=torch.sparse_bsr, blocksize=(1, 1))),
+    "nested (strided)": lambda: _quiet(lambda: torch.nested.nested_tensor([K1[0], K1[1]])),
+    "nested (jagged)": lambda: torch.nested.nested_tensor([K1[0], K1[1]], layout=torch.jagged),
+    "fake": lambda: _fake(K1),
+}
+if torch.backends.mkldnn.is_available():
+    ODD_TENSORS["mkldnn"] = lambda: K1.to_mkldnn()
+
 LEASE_CALLS: dict[str, tuple[type[TierKVError], Callable[[Lease], Any]]] = {
     "numpy k": (InvalidTypeError, lambda ls: ls.append("a", 0, K1.numpy(), V1.numpy())),
     "list k": (InvalidTypeError, lambda ls: ls.append("a", 0, K1.tolist(), V1)),
@@ -115,6 +143,14 @@ LEASE_CALLS: dict[str, tuple[type[TierKVError], Callable[[Lease], Any]]] = {
     "None seq in append": (InvalidTypeError, lambda ls: ls.append(None, 0, K1, V1)),
     "float layer in kv": (InvalidTypeError, lambda ls: ls.kv("a", 0.0)),
     "unknown seq in kv": (SequenceError, lambda ls: ls.kv("zz", 0)),
+    **{
+        f"{name} k": (SpecError, lambda ls, make=make: ls.append("a", 0, make(), V1))
+        for name, make in ODD_TENSORS.items()
+    },
+    **{
+        f"{name} v": (SpecError, lambda ls, make=make: ls.append("a", 0, K1, make()))
+        for name, make in ODD_TENSORS.items()
+    },
 }
 
 
