@@ -141,3 +141,43 @@ async def test_remote_read_failures_are_logged_rate_limited(
         got = records(caplog, "tierkv.remote")
         assert len(got) == 1 and got[0].tierkv_kind == "remote lookup"  # type: ignore[attr-defined]
         assert got[0].tierkv_tier == "remote" and len(got[0].tierkv_keys) == 4  # type: ignore[attr-defined]
+
+
+async def test_a_page_servers_failing_peer_link_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The gossip link to a peer that refuses connections counts the failure and logs it (it
+    kept only a counter and the last error string before)."""
+    import asyncio
+    import socket
+
+    from tierkv.remote.server.gossip import PeerLink
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    failed = asyncio.Event()
+
+    def forget(_: object) -> None:  # called as each attempt ends: after the failure is counted
+        if link.failures:
+            failed.set()
+
+    link = PeerLink(
+        "127.0.0.1:1",
+        f"127.0.0.1:{port}",
+        secret=b"s" * 32,
+        timeout=1.0,
+        interval=1.0,
+        held=set,
+        on_peers=lambda _: None,
+        on_hold=lambda *_: None,
+        forget=forget,
+    )
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        link.start()
+        try:
+            await asyncio.wait_for(failed.wait(), 10)
+        finally:
+            await link.aclose()
+    got = records(caplog, "tierkv.remote.gossip")
+    assert got and f"link to 127.0.0.1:{port}" in got[0].getMessage()
+    assert got[0].tierkv_tier == "peer"  # type: ignore[attr-defined]
+    assert link.last_error and link.last_error in got[0].getMessage()

@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from ssl import SSLContext
 from typing import Any
 
+from tierkv.failures import FailureLog
 from tierkv.remote.errors import RemoteError, RemoteProtocolError
 from tierkv.remote.protocol.control import Control
 from tierkv.remote.protocol.wire import MAX_KEYS, PAGE_SERVER
@@ -262,6 +263,7 @@ class PeerLink:
         self.failures = 0
         self.ever_connected = False
         self.last_error = ""
+        self._failures = FailureLog("tierkv.remote.gossip")  # each failure logged, rate limited
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -309,7 +311,7 @@ class PeerLink:
                     self.outbox.wake.clear()
             except (RemoteError, OSError) as exc:
                 self.failures += 1
-                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error = self._failures.report(f"link to {self.peer}", exc, tier="peer")
             finally:
                 self.connected = False
                 self.outbox.reset()
