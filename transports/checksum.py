@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .crc32c_native import crc32c, native_crc32c
+from .errors import InvalidInputError
 
 __all__ = [
     "INLINE_BYTES",
@@ -71,7 +72,7 @@ def _crc32_views(views: Sequence[memoryview]) -> int:
 def update_function(name: str) -> Update:
     """The incremental form of algorithm `name`. Raises ValueError as `checksum_function`."""
     if name not in algorithms():
-        raise ValueError(f"checksum {name!r} is not available here (have {algorithms()})")
+        raise InvalidInputError(f"checksum {name!r} is not available here (have {algorithms()})")
     fn = native_crc32c() if name == "crc32c" else None
     return zlib.crc32 if fn is None else fn
 
@@ -116,7 +117,7 @@ def checksum_function(name: str) -> Checksum:
     """The function computing algorithm `name` over a list of views. Raises ValueError when
     `name` is not one of `algorithms()`."""
     if name not in algorithms():
-        raise ValueError(f"checksum {name!r} is not available here (have {algorithms()})")
+        raise InvalidInputError(f"checksum {name!r} is not available here (have {algorithms()})")
     return _crc32c_views if name == "crc32c" else _crc32_views
 
 

@@ -44,6 +44,7 @@ from .checksum import (
 from .errors import (
     AuthError,
     ChecksumError,
+    InvalidInputError,
     PeerError,
     ProtocolError,
     RemoteAccessError,
@@ -296,9 +297,11 @@ class TcpTransport(Transport):
         super().__init__(name, timeout=timeout)
         env = os.environ.get(SECRET_ENV)
         if secret is None and env is None:
-            raise ValueError(f"tcp transport needs a shared secret (secret= or ${SECRET_ENV})")
+            raise InvalidInputError(
+                f"tcp transport needs a shared secret (secret= or ${SECRET_ENV})"
+            )
         if secret is None and not env:
-            raise ValueError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
+            raise InvalidInputError(f"${SECRET_ENV} is empty: an empty secret is not a secret")
         self._secret = secret if secret is not None else (env or "").encode()
         self.host, self.port, self.advertise = host, port, advertise or host
         self.max_frame, self.chunk_bytes, self.checksum = max_frame, chunk_bytes, checksum

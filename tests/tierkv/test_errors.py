@@ -161,11 +161,6 @@ BUILTIN_RAISES_ALLOWED = {
     ("transports/session.py", "ConnectionResetError"): "an OSError the transports map",
     ("tierkv/integrations/smollm2_loader.py", "FileNotFoundError"): "an OSError: no weights",
     ("tierkv/cli/serve.py", "ImportError"): "the CLI's optional dependency check",
-    # left to the helpers that own these files now (issue 24's seams): plain ValueErrors
-    ("transports/tcp.py", "ValueError"): "owned by the fencing work: secret checks",
-    ("transports/checksum.py", "ValueError"): "owned by the checksum work: unknown algorithm",
-    ("tierkv/remote/server/page_server.py", "ValueError"): "owned by the fencing work",
-    ("tierkv/remote/server/mesh.py", "ValueError"): "owned by the fencing work",
 }
 
 

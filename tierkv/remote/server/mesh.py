@@ -22,6 +22,7 @@ from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any
 
+from tierkv.errors import InvalidInputError
 from tierkv.remote.errors import RemoteProtocolError
 from tierkv.remote.protocol.wire import PAGE_SERVER
 from tierkv.remote.server.gossip import BackLink, PeerIndex, PeerLink, keys_field
@@ -134,7 +135,7 @@ class Mesh:
         for an address that is not ``host:port``."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"peer address must be host:port, got {address!r}")
+            raise InvalidInputError(f"peer address must be host:port, got {address!r}")
         if address == self._address() or address in self.links:
             return False
         if len(self.links) >= self.max_peers or not (configured or self._budget.take()):

@@ -32,7 +32,7 @@ import asyncio
 from ssl import SSLContext
 from typing import Any
 
-from tierkv.errors import TierKVError
+from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote.errors import (
     LeaseExpiredError,
     RemoteError,
@@ -135,7 +135,9 @@ class PageServer:
         self.host, self.port = host, port
         self.secret = resolve_secret(secret, insecure=insecure)
         if not self.secret and not is_loopback(host):
-            raise ValueError(f"without a secret the page server stays on loopback, not {host!r}")
+            raise InvalidInputError(
+                f"without a secret the page server stays on loopback, not {host!r}"
+            )
         self.lease_ttl, self.timeout, self.max_writing = lease_ttl, timeout, max_writing
         self._options = transport_options or {}
         self.transports: dict[str, Transport] = {}
