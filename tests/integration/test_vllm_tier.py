@@ -22,10 +22,10 @@ pytest.importorskip(
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_driver import TIERKV, Script, build, key, run_sequence  # noqa: E402
+from vllm_driver import TIERKV, Script, build, key, run_sequence
 
-from tierkv.disk import DiskError, DiskInUseError  # noqa: E402
-from tierkv.integrations.vllm import (  # noqa: E402
+from tierkv.disk import DiskError, DiskInUseError
+from tierkv.integrations.vllm import (
     TierKVDiskTier,
     VllmTierConfigError,
     VllmTierTypeError,
@@ -65,6 +65,7 @@ def test_disk_tier_answers_as_vllms_fs_tier_bit_exact(tmp_path: Path) -> None:
     assert stats["disk_pages_written"] == 24  # every chunk went to disk once
     assert stats["disk_hits"] >= 24  # and the primary's misses came back from it
     assert stats["disk_corrupt_pages"] == 0
+    assert stats["jobs_failed"] == 0 and stats["jobs_done"] >= 6 + 24  # 6 stores, the loads
 
 
 def test_both_tiers_at_once(tmp_path: Path) -> None:

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
 from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
@@ -73,7 +72,7 @@ def offloading_config(
             data_parallel_size=1,
             data_parallel_rank_local=None,
             is_parallelism_agnostic=True,
-        ),  # fmt: skip
+        ),
     )
 
 

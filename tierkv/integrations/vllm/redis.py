@@ -26,7 +26,7 @@ from tierkv.integrations.vllm._vllm import AsyncLookupManager, LookupResult, Med
 from tierkv.integrations.vllm.config import Field
 from tierkv.integrations.vllm.tier import TierKVTierBase, result
 from tierkv.remote.sources.redis_tier import BATCH_PAGES, RedisTier
-from tierkv.spec import KVSpec
+from tierkv.spec import KVSpec, parse_dtype
 
 __all__ = ["TierKVRedisTier"]
 
@@ -51,7 +51,7 @@ class _LoopThread:
             self.loop.close()
 
 
-class _Lookups(AsyncLookupManager):  # type: ignore[misc]
+class _Lookups(AsyncLookupManager):
     """vLLM's async lookup state; the batch is asked of Redis on vLLM's lookup thread."""
 
     def __init__(self, tier: TierKVRedisTier) -> None:
@@ -100,7 +100,7 @@ class TierKVRedisTier(TierKVTierBase):
         o = self.options
         # a KVSpec whose page is one vLLM chunk (1-byte elements): RedisTier checks lengths
         # against it and binds every value to it
-        spec = KVSpec(1, 1, self.block_size_bytes // 2, dtype="fp8", page_tokens=1)
+        spec = KVSpec(1, 1, self.block_size_bytes // 2, dtype=parse_dtype("fp8"), page_tokens=1)
         self.redis = RedisTier(
             o["url"],
             spec=spec,
@@ -173,7 +173,7 @@ class TierKVRedisTier(TierKVTierBase):
         async with self._lock:
             before = self._failures()
             await self.redis.publish(tkeys, self._rows, slots)
-            return self._failures() == before and self.redis.available()
+            return self._failures() == before and self.redis.available
 
     async def _load(self, tkeys: list[bytes], slots: list[int]) -> int:
         async with self._lock:

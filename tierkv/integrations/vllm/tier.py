@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,10 +40,10 @@ Rows = npt.NDArray[np.uint8]
 Finish = Callable[[Any], Any]  # a future's result -> a JobResult
 
 
-class TierKVTierBase(SecondaryTierManager):  # type: ignore[misc]
+class TierKVTierBase(SecondaryTierManager):
     """A vLLM secondary tier whose copies are futures of a tierkv medium (see the module)."""
 
-    FIELDS: dict[str, Field] = {}
+    FIELDS: ClassVar[dict[str, Field]] = {}
 
     def __init__(
         self,
@@ -74,7 +74,7 @@ class TierKVTierBase(SecondaryTierManager):  # type: ignore[misc]
         self._flight_lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
-        self.counters = dict.fromkeys(("lookups", "hits"), 0)
+        self.counters = dict.fromkeys(("lookups", "hits", "jobs_done", "jobs_failed"), 0)
 
     def _see_rows(self) -> None:
         """View the primary tier's rows as uint8 (vLLM's view is signed bytes, a row per
@@ -98,6 +98,8 @@ class TierKVTierBase(SecondaryTierManager):  # type: ignore[misc]
                 result = JobResult(job_id=job_id, success=False)
             self._done.put(result)
             with self._flight_lock:
+                self.counters["jobs_done"] += 1
+                self.counters["jobs_failed"] += not result.success
                 self._in_flight.pop(job_id, None)
                 if not self._in_flight:
                     self._idle.set()
@@ -107,6 +109,9 @@ class TierKVTierBase(SecondaryTierManager):  # type: ignore[misc]
     def _fail_now(self, job_id: int, what: str, exc: BaseException) -> None:
         log.warning("tierkv tier %s: %s %d not submitted: %r", self.tier_type, what, job_id, exc)
         self._done.put(JobResult(job_id=job_id, success=False))
+        with self._flight_lock:
+            self.counters["jobs_done"] += 1
+            self.counters["jobs_failed"] += 1
 
     def get_finished_jobs(self) -> Iterable[Any]:
         """The jobs (stores and loads) ended since the last call."""
