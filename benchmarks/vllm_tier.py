@@ -1,7 +1,7 @@
 """tierkv's disk tier for vLLM against vLLM's own ``fs`` tier, inside vLLM 0.33's manager.
 
     python benchmarks/vllm_tier.py [--quick] [--dir DIR] [--json FILE] [--rounds 6]
-                                   [--batch 32] [--fs-threads 16] [--io-threads 4]
+                                   [--batch 32] [--fs-threads 16] [--io-threads 8]
                                    [--check-chunks N]
 
 Both tiers are built by vLLM's spec and tier factory into one `TieringOffloadingManager` (no
@@ -50,7 +50,9 @@ def args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--fs-threads", type=int, default=16, help="vLLM's default: 16 + 16")
-    p.add_argument("--io-threads", type=int, default=4, help="tierkv disk I/O threads")
+    p.add_argument(
+        "--io-threads", type=int, default=8, help="tierkv disk I/O threads (its default)"
+    )
     p.add_argument("--check-chunks", type=int, default=0)
     a = p.parse_args()
     if a.quick:

@@ -16,6 +16,7 @@ __all__ = [
     "AVAILABLE",
     "AsyncLookupManager",
     "JobResult",
+    "Locality",
     "LookupResult",
     "Medium",
     "RequestOffloadingContext",
@@ -42,6 +43,7 @@ def _load() -> tuple[dict[str, Any], str]:
         "AsyncLookupManager": lookup.AsyncLookupManager,
         "LookupResult": base.LookupResult,
         "Medium": base.Medium,
+        "Locality": base.Locality,
         "RequestOffloadingContext": base.RequestOffloadingContext,
     }
     return names, ""
@@ -73,4 +75,5 @@ AsyncLookupManager: Any = _NAMES.get("AsyncLookupManager", _Missing)
 JobResult: Any = _NAMES.get("JobResult", _Missing)
 LookupResult: Any = _NAMES.get("LookupResult")
 Medium: Any = _NAMES.get("Medium")
+Locality: Any = _NAMES.get("Locality")
 RequestOffloadingContext: Any = _NAMES.get("RequestOffloadingContext", _Missing)

@@ -34,8 +34,9 @@ class TierKVDiskTier(TierKVTierBase):
          "path": "/nvme/kv", "disk_bytes": 68719476736}
 
     Fields: ``path`` (an existing directory, required), ``disk_bytes`` (required),
-    ``io_threads`` (4), ``segment_bytes`` (1 GiB), ``direct`` (True: O_DIRECT where the
-    filesystem takes it), ``locality``, ``drain_timeout``. Unknown or wrong-typed fields raise
+    ``io_threads`` (8: the queue depth; 1-2 MB chunks read at the device's rate from 8),
+    ``segment_bytes`` (1 GiB), ``direct`` (True: O_DIRECT where the filesystem takes it),
+    ``locality``, ``drain_timeout``. Unknown or wrong-typed fields raise
     `VllmTierConfigError`; the disk's own refusals (`DiskConfigError`, `DiskLayoutError`,
     `DiskInUseError`, `DiskSpaceError`) also come at construction.
     """
@@ -44,7 +45,7 @@ class TierKVDiskTier(TierKVTierBase):
     FIELDS: ClassVar[dict[str, Field]] = {
         "path": Field((str,)),
         "disk_bytes": Field((int,), minimum=1),
-        "io_threads": Field((int,), 4, minimum=1),
+        "io_threads": Field((int,), 8, minimum=1),
         "segment_bytes": Field((int,), 1 << 30, minimum=1),
         "direct": Field((bool,), True),
     }

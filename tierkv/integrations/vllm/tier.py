@@ -21,7 +21,12 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.integrations.vllm._vllm import JobResult, RequestOffloadingContext, SecondaryTierManager
+from tierkv.integrations.vllm._vllm import (
+    JobResult,
+    Locality,
+    RequestOffloadingContext,
+    SecondaryTierManager,
+)
 from tierkv.integrations.vllm.config import Field, VllmTierConfigError, check_options
 from tierkv.integrations.vllm.keys import PageKeys, layout_digest, layout_fields
 
@@ -58,12 +63,11 @@ class TierKVTierBase(SecondaryTierManager):
             f"{type(self).__name__} tier {tier_type!r}", options, {**COMMON_FIELDS, **self.FIELDS}
         )
         if self.options["locality"] is not None:
-            locality = importlib_locality()
             try:
-                self.locality = locality(self.options["locality"])
+                self.locality = Locality(self.options["locality"])
             except ValueError as exc:
                 raise VllmTierConfigError(
-                    f"locality must be one of {[m.value for m in locality]}, got "
+                    f"locality must be one of {[m.value for m in Locality]}, got "
                     f"{self.options['locality']!r}"
                 ) from exc
         self._rows: Rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
@@ -150,13 +154,6 @@ class TierKVTierBase(SecondaryTierManager):
     def tierkv_stats(self) -> Mapping[str, Any]:
         """This tier's counters (and its medium's, in subclasses)."""
         return dict(self.counters)
-
-
-def importlib_locality() -> Any:
-    """vLLM's `Locality` enum."""
-    import importlib
-
-    return importlib.import_module("vllm.v1.kv_offload.base").Locality
 
 
 def result(job_id: int, ok: bool, nbytes: int, t0: float, keys: Any = None) -> Any:
