@@ -148,3 +148,26 @@ def test_redis_config_is_checked_and_an_unreachable_server_is_no_startup_error()
         s.settle()
     finally:
         s.close()
+
+
+def test_a_load_that_finds_the_value_gone_is_a_miss_not_a_livelock(server: Any) -> None:
+    """A request's cached HIT whose value has since left Redis (evicted, flushed): the load
+    fails, the tier marks the key a miss, and the request's next lookup answers MISS instead
+    of promoting the same key forever."""
+    import redis
+
+    s = Script(build([redis_tier(server.url)], cpu_chunks=4))
+    a = [key(i) for i in range(4)]
+    try:
+        stores(s, a, "a")
+        stores(s, [key(10 + i) for i in range(4)], "b")  # a leaves the 4-chunk primary
+        assert s.lookup("r", a) == ["HIT"] * 4  # from Redis; cached for request r
+        stores(s, [key(20 + i) for i in range(4)], "c")  # a leaves the primary again
+        redis.Redis.from_url(server.url).flushall()
+        assert s.lookup("r", a) == ["MISS"] * 4
+        assert s.manager.secondary_tiers[0].tierkv_stats()["jobs_failed"] >= 1
+        assert s.mismatches == 0
+        s.end("r")
+        s.settle()
+    finally:
+        s.close()
