@@ -9,9 +9,10 @@ Pages leaving the host tier (evicted by its policy, or compressed idle) are writ
 lower tier that accepts them (`Tier.accepts`: the disk takes content pages only), one engine
 job per tier, awaited by the eviction while the host slots are pinned; a failed write is
 counted (``write_failed`` here, the medium's own counters there) and the page is not reported
-stored. A prefix lookup that misses the host sees the lower tiers' indexes; importing runs the
-tier's read move as the engine job of `TierSet.import_host` (the pages land as unowned cached
-host pages, two-phase: a page that fails the medium's verification is a miss, rolled back).
+stored. A store closing writes its host tier's remaining pages down too (`persist`). A prefix
+lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
+as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
+two-phase: a page that fails the medium's verification is a miss, rolled back).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tierkv.errors import StoreTimeoutError, TierKVError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
+from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
 from tierkv.tier import MoveHandler, Moves, Tier
 from tierkv.tier_names import HOST
@@ -118,6 +120,27 @@ class LowerChain:
             done = sum(getattr(st, "value", "") in ("stored", "present") for st in handle.result())
             c.stored += done
             c.write_failed += len(keys) - done
+
+    async def persist(self, batch: int = 256) -> None:
+        """Write the host tier's readable pages that a lower tier accepts and lacks (a store
+        closing: so that the next process on the same path finds them), ``batch`` pages per
+        job, each batch pinned in the host while written. Raises like `spill`."""
+        core = self._core
+        if core is None:
+            return
+        table = core.table
+        keys = [k for k in table.keys(HOST) if any(t.accepts(k) for t in self.tiers)]
+        for i in range(0, len(keys), batch):
+            part = [
+                k
+                for k in keys[i : i + batch]
+                if table.present([k], HOST) and table.state(k, HOST) is PageState.READABLE
+            ]
+            slots = core.pin_host(part)
+            try:
+                await self.spill(list(zip(part, slots, strict=True)))
+            finally:
+                core.unpin_host(part)
 
     def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
         """Per page, whether some lower tier holds it (their indexes: no I/O)."""

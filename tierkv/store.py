@@ -310,6 +310,8 @@ class KVStore:
             t.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
+        if self._chain is not None:
+            await self._persist(self._chain)
         if self._engine is not None:
             await self._engine.aclose(self.timeout, cancel_pending=True)
         if self._tiers is not None:
@@ -317,6 +319,15 @@ class KVStore:
         if self._chain is not None:
             self._chain.close()
         self._seqs.clear()
+
+    async def _persist(self, chain: LowerChain) -> None:
+        """At close: the host tier's content pages go down to the disk (bounded by the
+        timeout; a failure is logged and counted, the close goes on)."""
+        try:
+            await asyncio.wait_for(chain.persist(), self.timeout)
+        except Exception as exc:  # a close never fails for the disk
+            self.counters.background_errors += 1
+            self.counters.last_error = self._failures.report("disk persist at close", exc)
 
     async def __aenter__(self) -> KVStore:
         return await self.open()
