@@ -226,7 +226,13 @@ class ColdStorage:
         if not todo:  # every page is in cold already (or was not admitted): nothing to encode
             table.complete_store(alloc.keys, COLD)
             return
-        handle = self._engine.submit_call(host, src, cold, dst, work, priority=Priority.WRITEBACK)
+        try:
+            handle = self._engine.submit_call(
+                host, src, cold, dst, work, priority=Priority.WRITEBACK
+            )
+        except BaseException:  # nothing queued (the engine closed): the cold slots go back
+            table.complete_store(alloc.keys, COLD, ok=False)
+            raise
         try:
             await job_done(handle)
         except BaseException:

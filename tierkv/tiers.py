@@ -706,18 +706,22 @@ class TierSet:
             return 0
         new, slots = cast(list[PageKey], list(alloc.keys)), list(alloc.slots)
         host = self._arenas[HOST]
-        if job is not None:
-            handle = job(new, slots)
-        else:
-            assert load is not None
-            handle = self.engine.submit_async(
-                host,
-                [],
-                host,
-                slots,
-                lambda: load(new, host.array, slots),
-                priority=Priority.PREFETCH,
-            )
+        try:
+            if job is not None:
+                handle = job(new, slots)
+            else:
+                assert load is not None
+                handle = self.engine.submit_async(
+                    host,
+                    [],
+                    host,
+                    slots,
+                    lambda: load(new, host.array, slots),
+                    priority=Priority.PREFETCH,
+                )
+        except BaseException:  # nothing queued (the engine closed, a bad size): roll back
+            self.commit_host(new, ok=False)
+            raise
 
         def settle() -> None:
             hits = _hits(handle.result() if handle.exception() is None else 0, len(new))
@@ -782,14 +786,18 @@ class TierSet:
             return 0
         slots = self.pin_host(keys)
         host = self._arenas[HOST]
-        handle = self.engine.submit_async(
-            host,
-            slots,
-            host,
-            [],
-            lambda: send(keys, host.array, slots),
-            priority=Priority.WRITEBACK,
-        )
+        try:
+            handle = self.engine.submit_async(
+                host,
+                slots,
+                host,
+                [],
+                lambda: send(keys, host.array, slots),
+                priority=Priority.WRITEBACK,
+            )
+        except BaseException:  # nothing queued (the engine closed): the pins go
+            self.unpin_host(keys)
+            raise
         try:
             await within(self.deadline(timeout), job_done(handle), lambda: _late(len(keys)))
         except BaseException:

@@ -237,3 +237,32 @@ async def test_the_disk_tier_is_in_the_metrics(tmp_path: Path) -> None:
         assert name in text, name
     hits = next(ln for ln in text.splitlines() if ln.startswith("tierkv_disk_hits_total"))
     assert float(hits.split()[-1]) >= 4
+
+
+async def test_a_read_move_that_cannot_be_queued_rolls_its_host_slots_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: import_host reserved host slots, then the move raised before queueing a
+    job; the slots stayed WRITING forever (the remote path had the same hole)."""
+    from tierkv.keys import page_key, prefix_keys
+    from tierkv.page_table import PageState
+
+    async with store(tmp_path) as s:
+        await fill_many(s, range(8))
+        blocks = prefix_keys(tokens(0), SPEC.page_tokens, None)[:2]
+        pages = [page_key(b, j) for b in blocks for j in range(SPEC.num_layers)]
+        chain = s._chain
+        assert chain is not None and all(chain.lookup(pages))
+        from tierkv.disk import jobs
+
+        def refuse(*_: object, **__: object) -> None:
+            raise InvalidInputError("refused before queueing")
+
+        with monkeypatch.context() as m:
+            m.setattr(jobs, "submit_load", refuse)  # the move raises: no job is queued
+            assert await chain.fetch(pages) == 0  # counted, not raised
+        assert s.stats()["disk"]["errors"] == 1
+        s.check()
+        table = s.tiers.table
+        assert not [k for k in table.keys("host") if table.state(k, "host") is PageState.WRITING]
+        assert await cached_kv(s, 0) == 8  # and the pages still come back
