@@ -93,14 +93,18 @@ class LowerChain:
         for tier in self.tiers:
             c = self.counters[tier.medium]
             todo = [(k, s) for k, s in victims if tier.accepts(k)]
-            if todo:
-                held = tier.lookup([k for k, _ in todo])
-                todo = [v for v, h in zip(todo, held, strict=True) if not h]
             if not todo:
                 continue
             keys, slots = [k for k, _ in todo], [s for _, s in todo]
             c.offered += len(keys)
             try:
+                held = tier.lookup(keys)
+                if all(held):
+                    c.stored += len(keys)
+                    continue
+                keys = [k for k, h in zip(keys, held, strict=True) if not h]
+                slots = [s for s, h in zip(slots, held, strict=True) if not h]
+                c.stored += len(held) - len(keys)  # there already
                 tier.make_room(len(keys))
                 handle = self.moves.get(HOST, tier.medium)(
                     core.engine, tier, keys, core.host_arena, slots
