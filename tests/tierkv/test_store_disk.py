@@ -82,12 +82,30 @@ async def test_evicted_prefix_pages_come_back_from_disk_bit_exact(tmp_path: Path
 
 
 async def test_private_pages_never_go_to_disk(tmp_path: Path) -> None:
-    async with store(tmp_path) as s:
-        await fill_many(s, range(8))
+    from tierkv.keys import is_content, page_key, private_key
+
+    async with KVStore(
+        SPEC,
+        device_bytes=6 * PAGE,
+        host_bytes=16 * PAGE,
+        codec="none",
+        disk_path=tmp_path,
+        disk_bytes=64 * SLOT,
+        compress_live=True,
+        compress_after=1,
+    ) as s:
+        await s.add_sequence("live", tokens(99))  # stays live: its last block is private
+        async with s.lease(["live"]) as lease:
+            for layer in range(SPEC.num_layers):
+                await lease.append("live", layer, *kv(N, 990 + layer))
+        await fill_many(s, range(8))  # evictions, idle compressions (compress_live) offer pages
         disk = s._chain.tiers[0]  # type: ignore[union-attr]
-        assert disk.pages.stats().used > 0
-        for k in s.tiers.table.keys("host"):
-            assert not disk.lookup([k])[0] or disk.accepts(k)
+        on_disk = disk.pages.victims(disk.pages.stats().capacity)
+        assert on_disk and all(is_content(k[:18]) for k in on_disk)
+        before = s.stats()["disk"]["offered"]
+        private = page_key(private_key("live", 2), 0)
+        await s._chain.spill([(private, 0)])  # type: ignore[union-attr]  # the filter itself
+        assert s.stats()["disk"]["offered"] == before and disk.lookup([private]) == [False]
 
 
 async def test_restart_in_process_hits_the_earlier_prefix_pages(tmp_path: Path) -> None:
