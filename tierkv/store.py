@@ -404,11 +404,15 @@ class KVStore:
         return n
 
     async def _fetch_lower(self, blocks: list[bytes]) -> int:
-        """Import the leading ``blocks`` a lower tier holds into the host; returns pages."""
-        n = self._lower_blocks(blocks)
+        """Import the leading ``blocks`` a lower tier holds into the host, as many as the host
+        tier has room for (its free and evictable slots: an import is all or nothing);
+        returns pages."""
+        layers = self.spec.num_layers
+        table = self.tiers.table
+        room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+        n = self._lower_blocks(blocks[: room // layers])
         if n == 0 or self._chain is None:
             return 0
-        layers = self.spec.num_layers
         return await self._chain.fetch([page_key(b, j) for b in blocks[:n] for j in range(layers)])
 
     def _cached_blocks(self, keys: list[bytes]) -> int:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -124,6 +125,7 @@ import asyncio, sys
 sys.path.insert(0, {tests!r})
 from test_store_disk import cached_kv, store
 from pathlib import Path
+from typing import Any
 
 async def main():
     async with store(Path({path!r})) as s:
@@ -284,3 +286,29 @@ async def test_a_read_move_that_cannot_be_queued_rolls_its_host_slots_back(
         table = s.tiers.table
         assert not [k for k in table.keys("host") if table.state(k, "host") is PageState.WRITING]
         assert await cached_kv(s, 0) == 8  # and the pages still come back
+
+
+async def test_a_disk_prefix_longer_than_the_host_imports_what_the_host_holds(
+    tmp_path: Path,
+) -> None:
+    """Regression: an import is all or nothing, so a 14-page prefix on disk into an 8-page
+    host imported nothing (14 counted misses, 0 tokens reused)."""
+    prompt = list(range(1, 30))  # 7 full blocks and a token to compute
+    kw: dict[str, Any] = dict(codec=None, disk_path=tmp_path, disk_bytes=64 * SLOT)
+    async with KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=32 * PAGE, **kw) as s:
+        await s.add_sequence("a", prompt)
+        async with s.lease(["a"]) as lease:
+            for layer in range(SPEC.num_layers):
+                await lease.append("a", layer, *kv(len(prompt), layer))
+        await s.release("a")
+        await s.drain()
+    async with KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=8 * PAGE, **kw) as s:
+        assert s.lookup(prompt) == 28
+        assert await s.add_sequence("b", prompt) == 16  # the 8 pages the host holds
+        d = s.stats()["disk"]
+        assert d["imported"] == 8 and d["import_missed"] == 0
+        async with s.lease(["b"]) as lease:
+            for layer in range(SPEC.num_layers):
+                k, v = kv(len(prompt), layer)
+                got_k, got_v = lease.kv("b", layer)
+                assert torch.equal(got_k, k[:, :16]) and torch.equal(got_v, v[:, :16])
