@@ -180,6 +180,10 @@ async def test_a_flipped_bit_is_a_counted_miss_and_the_prefix_recomputes(tmp_pat
         assert d["corrupt_pages"] >= 1 and d["hits"] == 0 and d["import_missed"] >= 1
         assert s2.lookup(tokens(0)) == 0  # the damaged pages were freed
         s2.check()
+        from tierkv.metrics import render
+
+        line = f"tierkv_disk_corrupt_pages_total {float(d['corrupt_pages'])}"
+        assert line in render(s2).decode()
 
 
 async def test_failed_writes_are_counted_never_stored(tmp_path: Path) -> None:
