@@ -121,7 +121,7 @@ class LowerChain:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
-            done = sum(getattr(st, "value", "") in ("stored", "present") for st in handle.result())
+            done = sum(getattr(st, "held", False) is True for st in handle.result())
             c.stored += done
             c.write_failed += len(keys) - done
 

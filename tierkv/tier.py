@@ -8,9 +8,10 @@ handler registered for the pair of media, never by naming a tier::
     handle = moves.get(HOST, tier.medium)(engine, tier, keys, host_arena, slots)
 
 A handler queues its move as one job of the :class:`~tierkv.runtime.TransferEngine` and
-returns the job's handle at once (its result is per key: a ``StoreStatus`` for a write, a hit
-for a read). What a tier may hold (`Holds`) is the tier's own rule: the core asks
-`Tier.accepts` before it moves a page there.
+returns the job's handle at once. Its result is a list, one item per key: for a write into a
+tier, a status whose ``held`` is True when the page is on that tier afterwards (the disk's
+``StoreStatus``); for a read into the host, True for a verified hit. What a tier may hold
+(`Holds`) is the tier's own rule: the core asks `Tier.accepts` before it moves a page there.
 
 Migrated so far: the host <-> disk moves (:mod:`tierkv.disk.tier`). The device, host and cold
 moves still run through their own code paths in :mod:`tierkv.tiers` (see
