@@ -52,6 +52,7 @@ class Departures:
     def __init__(self) -> None:
         self.listeners: list[Callable[[list[PageKey]], None]] = []
         self.offer: Offer | None = None
+        self.spill: Offer | None = None  # the tiers below the host (tierkv.chain)
 
     def left(self, keys: Sequence[object]) -> None:
         """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners."""
@@ -65,6 +66,13 @@ class Departures:
         remote tier, if any; bounded and best-effort (the remote counts its failures)."""
         if self.offer is not None and victims:
             await self.offer(victims)
+
+    async def spill_below(self, victims: list[tuple[PageKey, int]]) -> None:
+        """Give host pages about to leave (pinned or MOVING) to the tiers below the host, if
+        any; their failures are counted there, a timeout or a cancellation raised (the pages
+        then stay in the host tier)."""
+        if self.spill is not None and victims:
+            await self.spill(victims)
 
 
 class ColdStorage:
@@ -174,6 +182,7 @@ class ColdStorage:
         ok = True
         try:
             await self._departures.offer_remote(victims)  # exact bytes, before they change
+            await self._departures.spill_below(victims)
             if self.codec is not None:
                 await self._compress(victims)
             else:
@@ -217,7 +226,13 @@ class ColdStorage:
         if not todo:  # every page is in cold already (or was not admitted): nothing to encode
             table.complete_store(alloc.keys, COLD)
             return
-        handle = self._engine.submit_call(host, src, cold, dst, work, priority=Priority.WRITEBACK)
+        try:
+            handle = self._engine.submit_call(
+                host, src, cold, dst, work, priority=Priority.WRITEBACK
+            )
+        except BaseException:  # nothing queued (the engine closed): the cold slots go back
+            table.complete_store(alloc.keys, COLD, ok=False)
+            raise
         try:
             await job_done(handle)
         except BaseException:
@@ -259,6 +274,7 @@ class ColdStorage:
         table.prepare_load(pk, HOST)  # hold the sources while encoding
         try:
             await self._departures.offer_remote(pick)
+            await self._departures.spill_below(pick)  # exact bytes: cold is lossy
             await self._compress(pick)
         except TierFullError:
             return 0

@@ -29,7 +29,12 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from tierkv.errors import StoreClosedError
 from tierkv.tiers import DEVICE
@@ -252,6 +257,35 @@ class StoreCollector(_Families):
         remote = s.get("remote")
         if remote is not None:
             yield from self._remote(store, remote)
+        disk = s.get("disk")
+        if disk is not None:
+            yield from self._disk(disk)
+
+    def _disk(self, disk: Mapping[str, Any]) -> Iterator[Metric]:
+        """The store's disk tier: hits, bytes, latency, corrupt pages, failed writes, I/O mode."""
+        for key, doc in _DISK.items():
+            yield self._counter("disk_" + key, doc, disk[key])
+        for key, doc in _DISK_GAUGES.items():
+            yield self._gauge("disk_" + key, doc, disk[key])
+        yield self._gauge(
+            "disk_io_mode",
+            "1 for the disk tier's I/O mode in use (direct: O_DIRECT; buffered: see the log)",
+            {disk["io_mode"]: 1},
+            label="mode",
+        )
+        const = self._labels
+        for op in ("read", "write"):
+            h = disk[op + "_latency"]
+            fam = HistogramMetricFamily(
+                f"{PREFIX}disk_{op}_seconds",
+                f"Seconds of each disk tier {op} batch",
+                labels=list(const),
+            )
+            bounds = [*(repr(b) for b in h.bounds), "+Inf"]
+            fam.add_metric(
+                list(const.values()), list(zip(bounds, map(float, h.cumulative))), h.total_s
+            )
+            yield fam
 
     def _remote(self, store: KVStore, remote: Mapping[str, Any]) -> Iterator[Metric]:
         """The store's remote tier: its reads and pushes, and each source's own figures."""
@@ -287,6 +321,27 @@ _REMOTE = {
     "bytes_out": "Bytes pushed to the remote tier",
 }
 _SOURCE_GAUGES = {"available", "sources"}
+
+_DISK = {
+    "hits": "Pages read from the disk tier, verified",
+    "misses": "Disk tier reads that found no page or a damaged one",
+    "corrupt_pages": "Disk pages that failed verification (CRC-32C, key, generation): each a "
+    "miss, the slot freed, never served",
+    "read_errors": "Disk tier reads the OS failed",
+    "damaged_at_open": "Slot headers found damaged by the scan at open",
+    "pages_written": "Pages written to the disk tier",
+    "write_failures": "Disk tier writes the OS failed or cut short: never reported stored",
+    "write_failed": "Pages leaving the host tier the disk did not store (failed, no room)",
+    "no_room": "Pages refused by the disk tier for want of a free slot",
+    "bytes_read": "Bytes read from the disk tier, verified",
+    "bytes_written": "Bytes written to the disk tier",
+    "imported": "Pages brought back from the disk tier into the host tier",
+}
+_DISK_GAUGES = {
+    "used": "Disk tier slots holding a page",
+    "capacity": "Disk tier slots",
+    "recovered": "Pages the disk tier recovered at open (a previous process's)",
+}
 
 
 # PageServer.stats() keys with a metric of their own; any other numeric key is exported too

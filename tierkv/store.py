@@ -24,6 +24,7 @@ its length is their documentation.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,8 +32,10 @@ from typing import Any
 from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
+from tierkv.chain import LowerChain
 from tierkv.codecs import CODECS, create_codec
 from tierkv.errors import (
+    InvalidInputError,
     InvalidTypeError,
     SequenceError,
     SpecError,
@@ -50,6 +53,7 @@ from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
+from tierkv.tier import Moves
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -95,6 +99,12 @@ class KVStore:
             later turn (first come, first served) before going on, so that a thousand tasks
             stepping at once never hold the loop for long (:mod:`tierkv.turns`); ``None``
             never waits.
+        disk_path: an existing, writable directory for the disk tier (docs/disk.md): content
+            pages leaving the host tier are written there, prefix lookups that miss the host
+            find them, also in a later process opening the same path (its lock keeps a
+            second one out). Private pages never go to disk. None: no disk tier.
+        disk_bytes: the disk tier's budget (segment files preallocated at open), required
+            with ``disk_path``.
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
@@ -132,6 +142,8 @@ class KVStore:
         remote_push_pages: int = 256,
         remote_push_wait: float = 0.05,
         turn_budget: float | None = DEFAULT_TURN_BUDGET,
+        disk_path: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         device_bytes = validate.byte_size("device_bytes", device_bytes)
@@ -152,6 +164,7 @@ class KVStore:
         remote_push_wait = validate.seconds("remote_push_wait", remote_push_wait, allow_zero=True)
         if turn_budget is not None:
             turn_budget = validate.seconds("turn_budget", turn_budget)
+        self._disk = _disk_args(disk_path, disk_bytes)
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
@@ -207,6 +220,7 @@ class KVStore:
             timeout=timeout,
         )
         self._closed = False
+        self._chain: LowerChain | None = None
         self.remote: StoreRemote | None = None
         if remote is not None:
             sources = list(remote) if isinstance(remote, Sequence) else [remote]
@@ -231,6 +245,37 @@ class KVStore:
             return self
         if self._closed:
             raise StoreClosedError("store was closed")
+        chain = self._open_chain()  # first: a bad path fails before anything is allocated
+        try:
+            self._open_core()
+        except BaseException:
+            if chain is not None:
+                chain.close()
+            raise
+        if chain is not None:
+            chain.attach(self.tiers)
+            self._chain = chain
+        if self.remote is not None:
+            self.remote.attach(self.tiers)
+        return self
+
+    def _open_chain(self) -> LowerChain | None:
+        """The tiers below the host, their media opened (none without ``disk_path``)."""
+        if self._disk is None:
+            return None
+        from tierkv.disk.tier import DiskTier, register_moves  # only a store with a disk
+
+        moves = Moves()
+        register_moves(moves)
+        path, size = self._disk
+        disk = DiskTier.open(path, page_bytes=self.spec.page_bytes, disk_bytes=size)
+        try:
+            return LowerChain([disk], moves, self.timeout)
+        except BaseException:
+            disk.close()
+            raise
+
+    def _open_core(self) -> None:
         backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
             backend, max_inflight=self._max_inflight, timeout=self.timeout
@@ -247,9 +292,6 @@ class KVStore:
             timeline=self.timeline,
         )
         self._admission = Admission(self._pages[DEVICE])
-        if self.remote is not None:
-            self.remote.attach(self._tiers)
-        return self
 
     @async_boundary
     async def close(self) -> None:
@@ -262,15 +304,30 @@ class KVStore:
             self._admission.close(lambda: StoreClosedError("store closed while the lease waited"))
         if self.remote is not None:
             await self.remote.aclose()
+        if self._chain is not None:
+            self._chain.detach()
         for t in list(self._tasks):
             t.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
+        if self._chain is not None:
+            await self._persist(self._chain)
         if self._engine is not None:
             await self._engine.aclose(self.timeout, cancel_pending=True)
         if self._tiers is not None:
             self._tiers.close()
+        if self._chain is not None:
+            self._chain.close()
         self._seqs.clear()
+
+    async def _persist(self, chain: LowerChain) -> None:
+        """At close: the host tier's content pages go down to the disk (bounded by the
+        timeout; a failure is logged and counted, the close goes on)."""
+        try:
+            await asyncio.wait_for(chain.persist(), self.timeout)
+        except Exception as exc:  # a close never fails for the disk
+            self.counters.background_errors += 1
+            self.counters.last_error = self._failures.report("disk persist at close", exc)
 
     async def __aenter__(self) -> KVStore:
         return await self.open()
@@ -324,7 +381,39 @@ class KVStore:
         """
         arr = validate.token_array(tokens)
         keys = prefix_keys(arr, self.spec.page_tokens, self.namespace)
-        return self._cached_blocks(keys) * self.spec.page_tokens
+        n = self._cached_blocks(keys)
+        return (n + self._lower_blocks(keys[n:])) * self.spec.page_tokens
+
+    def _lower_blocks(self, blocks: list[bytes]) -> int:
+        """How many of ``blocks``, from the first, a lower tier holds (every layer's page)."""
+        if self._chain is None or not blocks:
+            return 0
+        layers = self.spec.num_layers
+        n, window = 0, 64
+        while n < len(blocks):  # doubling windows, as _cached_blocks
+            part = blocks[n : n + window]
+            found = self._chain.lookup([page_key(b, j) for b in part for j in range(layers)])
+            full = next(
+                (i for i in range(len(part)) if not all(found[i * layers : (i + 1) * layers])),
+                len(part),
+            )
+            n += full
+            if full < len(part):
+                break
+            window *= 2
+        return n
+
+    async def _fetch_lower(self, blocks: list[bytes]) -> int:
+        """Import the leading ``blocks`` a lower tier holds into the host, as many as the host
+        tier has room for (its free and evictable slots: an import is all or nothing);
+        returns pages."""
+        layers = self.spec.num_layers
+        table = self.tiers.table
+        room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+        n = self._lower_blocks(blocks[: room // layers])
+        if n == 0 or self._chain is None:
+            return 0
+        return await self._chain.fetch([page_key(b, j) for b in blocks[:n] for j in range(layers)])
 
     def _cached_blocks(self, keys: list[bytes]) -> int:
         table = self.tiers.table
@@ -369,6 +458,12 @@ class KVStore:
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
             n = self._cached_blocks(keys)
+            if self._chain is not None and n < len(keys):
+                await self._fetch_lower(keys[n:])
+                tiers = self.tiers  # raises if the store closed meanwhile
+                if seq_id in self._seqs:
+                    raise SequenceError(f"sequence {seq_id!r} already exists")
+                n = self._cached_blocks(keys)
             if self.remote is not None and n < len(keys):
                 await self._fetch(keys[n:])
                 tiers = self.tiers  # raises if the store closed meanwhile
@@ -430,6 +525,9 @@ class KVStore:
         loop turn between them. Returns the tokens now cached."""
         _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace)
         n = self._cached_blocks(keys)
+        if self._chain is not None and n < len(keys):
+            await self._fetch_lower(keys[n:])
+            n = self._cached_blocks(keys)
         if self.remote is not None and n < len(keys):
             await self._fetch(keys[n:])
             n = self._cached_blocks(keys)
@@ -712,4 +810,17 @@ class KVStore:
             | ts.corrupt,
             "tiers": tiers.info(),
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
+            **(self._chain.stats() if self._chain is not None else {}),
         }
+
+
+def _disk_args(path: object, size: object) -> tuple[str, int] | None:
+    """``disk_path`` and ``disk_bytes`` checked (both or neither); the directory itself is
+    checked when the store opens (DiskConfigError, nothing created)."""
+    if path is None and size is None:
+        return None
+    if path is None or size is None:
+        raise InvalidInputError("disk_path and disk_bytes go together: give both or neither")
+    if not isinstance(path, str | os.PathLike):
+        raise InvalidTypeError(f"disk_path must be a str or path, got {type(path).__name__}")
+    return os.fspath(path), validate.byte_size("disk_bytes", size)

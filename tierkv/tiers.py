@@ -50,6 +50,7 @@ import torch
 from tierkv import page_sums
 from tierkv.codecs import Codec
 from tierkv.errors import (
+    InvalidInputError,
     PageStateError,
     StoreTimeoutError,
     TierFullError,
@@ -85,6 +86,9 @@ _PREFAULT_BYTES = 8 << 20  # device memory committed ahead of use, per prefault
 
 # a remote read into host slots: (keys, the host arena's bytes, slots) -> pages delivered
 HostLoad = Callable[[list[PageKey], npt.NDArray[np.uint8], list[int]], Awaitable[int]]
+# a lower tier's read into host slots, queued as an engine job: (keys, slots) -> its handle,
+# whose result is a hit per key (tierkv.tier: the move registered from that tier to the host)
+HostJob = Callable[[list[PageKey], list[int]], TransferHandle]
 
 
 class Prefaulter:
@@ -611,6 +615,11 @@ class TierSet:
         if listener in self._departures.listeners:
             self._departures.listeners.remove(listener)
 
+    def set_spill(self, spill: Offer | None) -> None:
+        """Give the pages leaving the host tier (exact bytes, pinned while awaited) to the
+        tiers below it (`tierkv.chain.LowerChain.spill`), or stop (None)."""
+        self._departures.spill = spill
+
     def set_remote_offer(self, offer: Offer | None) -> None:
         """The remote tier's offer of host pages about to leave (None: no remote tier)."""
         self._departures.offer = offer
@@ -662,8 +671,9 @@ class TierSet:
     async def import_host(
         self,
         keys: Sequence[PageKey],
-        load: HostLoad,
+        load: HostLoad | None = None,
         *,
+        job: HostJob | None = None,
         timeout: float | None = None,
         make_room: bool = True,
         check: PageCheck | None = None,
@@ -678,7 +688,11 @@ class TierSet:
         is full of pinned pages), what ``load`` raised (TransferError wraps it) or
         WaitTimeoutError after ``timeout`` (the engine's by default). ``check``: what ``load``
         reports of the pages' checksums (verified ones are recorded; the corrupt ones counted
-        under ``tier``); without it the checksums are computed from the bytes that landed."""
+        under ``tier``); without it the checksums are computed from the bytes that landed.
+        ``job`` instead of ``load``: a lower tier's move, which queues its own engine job and
+        reports a hit per key (each hit committed, each miss rolled back)."""
+        if (load is None) == (job is None):
+            raise InvalidInputError("import_host takes a load or a job, not both or neither")
         want = self._nowhere(list(dict.fromkeys(keys)))
         if not want:
             return 0
@@ -692,16 +706,30 @@ class TierSet:
             return 0
         new, slots = cast(list[PageKey], list(alloc.keys)), list(alloc.slots)
         host = self._arenas[HOST]
-        handle = self.engine.submit_async(
-            host, [], host, slots, lambda: load(new, host.array, slots), priority=Priority.PREFETCH
-        )
+        try:
+            if job is not None:
+                handle = job(new, slots)
+            else:
+                assert load is not None
+                handle = self.engine.submit_async(
+                    host,
+                    [],
+                    host,
+                    slots,
+                    lambda: load(new, host.array, slots),
+                    priority=Priority.PREFETCH,
+                )
+        except BaseException:  # nothing queued (the engine closed, a bad size): roll back
+            self.commit_host(new, ok=False)
+            raise
 
         def settle() -> None:
-            got = handle.result() if handle.exception() is None else 0
-            ok = max(0, min(got, len(new))) if type(got) is int else 0
-            self._imported(new[:ok], slots[:ok], check, tier)
-            self.commit_host(new[:ok])
-            self.commit_host(new[ok:], ok=False)
+            hits = _hits(handle.result() if handle.exception() is None else 0, len(new))
+            got = [i for i, h in enumerate(hits) if h]
+            keep = [new[i] for i in got]
+            self._imported(keep, [slots[i] for i in got], check, tier)
+            self.commit_host(keep)
+            self.commit_host([k for k, h in zip(new, hits, strict=True) if not h], ok=False)
 
         try:
             await within(self.deadline(timeout), job_done(handle), lambda: _late(len(new)))
@@ -710,8 +738,7 @@ class TierSet:
             when_done(handle, settle)
             raise
         settle()
-        got = handle.result()
-        return max(0, min(got, len(new))) if type(got) is int else 0
+        return sum(_hits(handle.result(), len(new)))
 
     async def copy_host_out(self, slots: Sequence[int], copy: Callable[[], None]) -> None:
         """Run ``copy``, which reads host ``slots`` into a buffer of the caller's (the remote
@@ -759,14 +786,18 @@ class TierSet:
             return 0
         slots = self.pin_host(keys)
         host = self._arenas[HOST]
-        handle = self.engine.submit_async(
-            host,
-            slots,
-            host,
-            [],
-            lambda: send(keys, host.array, slots),
-            priority=Priority.WRITEBACK,
-        )
+        try:
+            handle = self.engine.submit_async(
+                host,
+                slots,
+                host,
+                [],
+                lambda: send(keys, host.array, slots),
+                priority=Priority.WRITEBACK,
+            )
+        except BaseException:  # nothing queued (the engine closed): the pins go
+            self.unpin_host(keys)
+            raise
         try:
             await within(self.deadline(timeout), job_done(handle), lambda: _late(len(keys)))
         except BaseException:
@@ -1087,3 +1118,14 @@ def _late(n: int) -> StoreTimeoutError:
 
 def _in_flight(n: int) -> StoreTimeoutError:
     return StoreTimeoutError(f"device tier: {n} pages being loaded did not land in time")
+
+
+def _hits(got: object, n: int) -> list[bool]:
+    """A load's answer as a hit per key: a count (the first ``got`` pages delivered) or a list
+    of hits (a lower tier's move); anything else is no hit."""
+    if type(got) is int:
+        ok = max(0, min(got, n))
+        return [True] * ok + [False] * (n - ok)
+    if isinstance(got, list) and len(got) == n:
+        return [h is True for h in got]
+    return [False] * n

@@ -18,6 +18,10 @@ random search (no shrinking) first failed after 92,381 steps (a lease read a pag
 of its sequence had added, which had left the device): the long profile's 10^5 examples of up
 to 30 steps reach that; CI's 25 derandomized examples do not, tests/tierkv/test_store_races.py
 replays each race deterministically.
+
+Issue 25 added a disk tier (a temporary directory of a dozen slots) in half the runs, and a
+``restart`` rule: every sequence released, the store closed and a new one opened on the same
+directory; prompts then reuse the prefixes the disk kept, every KV read bit-exact or a miss.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import shutil
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -51,6 +57,8 @@ PROMPTS = [
     [3],
 ]
 LAYER_SETS = [[0], [1], [0, 1]]
+DISK_SLOT = 4096 + -(-PAGE // 4096) * 4096  # a disk slot: its header and the page, 4 KiB each
+DISK_SLOTS = 12
 _KV: dict[tuple[bytes, int], torch.Tensor] = {}
 STEPS = [0]  # steps run in this process (the long profile reports how many found a bug)
 
@@ -123,6 +131,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.model = Model()
         self.store: KVStore | None = None
+        self.config: dict[str, Any] = {}
+        self.disk_dir: str | None = None
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -149,6 +159,7 @@ class StoreMachine(RuleBasedStateMachine):
         write_behind=st.booleans(),
         compress_live=st.booleans(),
         remote=st.booleans(),
+        disk=st.booleans(),
     )
     def open_store(
         self,
@@ -158,11 +169,15 @@ class StoreMachine(RuleBasedStateMachine):
         write_behind: bool,
         compress_live: bool,
         remote: bool,
+        disk: bool,
     ) -> None:
+        if disk:  # a small disk: its own eviction runs too
+            self.disk_dir = tempfile.mkdtemp(prefix="tierkv-stateful-")
         if remote:  # a host tier that drops cached prefixes, so that they go to the remote
             cold, host = None, host - 8
-        store = KVStore(
-            SPEC,
+        elif disk:  # a host tier that evicts cached prefixes to disk
+            host -= 8
+        self.config = dict(
             device_bytes=device * PAGE,
             host_bytes=host * PAGE,
             codec=cold,
@@ -172,8 +187,10 @@ class StoreMachine(RuleBasedStateMachine):
             write_behind=write_behind,
             timeout=5.0,
             remote=DictSource() if remote else None,
+            disk_path=self.disk_dir,
+            disk_bytes=DISK_SLOTS * DISK_SLOT if disk else None,
         )
-        self.store = self.run(store.open())
+        self.store = self.run(KVStore(SPEC, **self.config).open())
 
     # -- operations --------------------------------------------------------------------
     async def _append(self, sid: str, layers: list[int], n: int, done: list[int]) -> None:
@@ -427,6 +444,18 @@ class StoreMachine(RuleBasedStateMachine):
 
         self.run(go())
 
+    @precondition(lambda self: self.disk_dir is not None)
+    @rule()
+    def restart(self) -> None:
+        """Close the store and open a new one on the same disk directory (the remote tier's
+        dict, like the disk, outlives the store)."""
+        self.run(self._release_all())
+        self.run(self.s.close())
+        self.model = Model()
+        self.store = None
+        self.store = self.run(KVStore(SPEC, **self.config).open())
+        assert self.s.stats()["disk"]["corrupt_pages"] == 0
+
     @rule()
     def drain(self) -> None:
         self.run(self.s.drain())
@@ -452,12 +481,16 @@ class StoreMachine(RuleBasedStateMachine):
             if self.store is not None:
                 self.run(self.s.close())
             self.loop.close()
+            if self.disk_dir is not None:
+                shutil.rmtree(self.disk_dir, ignore_errors=True)
 
     async def _release_all(self) -> None:
         store = self.s
         for sid in list(self.model.tokens):
             await store.release(sid)
         await store.drain()
+        if "disk" in store.stats():
+            store._chain.tiers[0].pages.check()  # type: ignore[union-attr]
         for _ in range(5):
             await asyncio.sleep(0.001)
         store.check()

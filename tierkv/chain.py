@@ -1,0 +1,212 @@
+"""The tiers below the host: plug-in `Tier`s (:mod:`tierkv.tier`) a store chains after its
+host tier, moved to and from only through the handlers registered for their media::
+
+    KVStore(disk_path=...)   host victims (exact bytes) --moves[host, disk]--> DiskTier
+                             add_sequence / fetch_prefix / lookup: blocks missing locally
+                                tier.lookup -> reserve host slots -> moves[disk, host] -> commit
+
+Pages leaving the host tier (evicted by its policy, or compressed idle) are written to every
+lower tier that accepts them (`Tier.accepts`: the disk takes content pages only), one engine
+job per tier, awaited by the eviction while the host slots are pinned; a failed write is
+counted (``write_failed`` here, the medium's own counters there) and the page is not reported
+stored. A store closing writes its host tier's remaining pages down too (`persist`). A prefix
+lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
+as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
+two-phase: a page that fails the medium's verification is a miss, rolled back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from tierkv.errors import StoreTimeoutError, TierKVError
+from tierkv.failures import FailureLog
+from tierkv.jobs import job_done, within
+from tierkv.keys import PageKey
+from tierkv.page_table import PageState
+from tierkv.runtime import TransferHandle
+from tierkv.tier import MoveHandler, Moves, Tier
+from tierkv.tier_names import HOST
+from tierkv.tiers import TierSet
+
+__all__ = ["ChainCounters", "LowerChain"]
+
+
+@dataclass(slots=True)
+class ChainCounters:
+    """What the chain asked of one lower tier."""
+
+    offered: int = 0  # pages leaving the host that the tier accepts
+    stored: int = 0  # written and committed (or already there)
+    write_failed: int = 0  # refused (no room, busy) or failed: never reported stored
+    imported: int = 0  # pages read back into the host tier, verified
+    import_missed: int = 0  # pages the index had that the read did not deliver (corrupt...)
+    errors: int = 0  # jobs that failed whole (counted, not raised)
+    last_error: str = ""
+
+
+class LowerChain:
+    """The lower tiers of one store, fastest first, and the moves between them and the host."""
+
+    def __init__(self, tiers: Sequence[Tier], moves: Moves, timeout: float) -> None:
+        for t in tiers:
+            moves.get(HOST, t.medium)  # raises UnknownMoveError before anything is used
+            moves.get(t.medium, HOST)
+        self.tiers = list(tiers)
+        self.moves = moves
+        self.timeout = timeout
+        self.counters = {t.medium: ChainCounters() for t in self.tiers}
+        self._core: TierSet | None = None
+        self._failures = FailureLog("tierkv.chain")
+
+    def attach(self, core: TierSet) -> None:
+        """Hook into an opened store's tier core: pages leaving its host come here."""
+        self._core = core
+        core.set_spill(self.spill)
+
+    def detach(self) -> None:
+        """Stop taking pages (before the engine closes)."""
+        if self._core is not None:
+            self._core.set_spill(None)
+
+    def close(self) -> None:
+        """Close every lower tier's medium (idempotent)."""
+        self.detach()
+        for t in self.tiers:
+            t.close()
+
+    def _fail(
+        self, c: ChainCounters, medium: str, what: str, exc: BaseException, keys: Any
+    ) -> None:
+        c.errors += 1
+        c.last_error = self._failures.report(what, exc, tier=medium, keys=list(keys))
+
+    async def spill(self, victims: list[tuple[PageKey, int]]) -> None:
+        """Write host pages about to leave to each lower tier that accepts them and does not
+        hold them yet. Raises StoreTimeoutError past the store's timeout and CancelledError
+        (the caller keeps the pages in the host then); any other failure is counted."""
+        core = self._core
+        assert core is not None
+        for tier in self.tiers:
+            c = self.counters[tier.medium]
+            todo = [(k, s) for k, s in victims if tier.accepts(k)]
+            if not todo:
+                continue
+            keys, slots = [k for k, _ in todo], [s for _, s in todo]
+            c.offered += len(keys)
+            try:
+                held = tier.lookup(keys)
+                if all(held):
+                    c.stored += len(keys)
+                    continue
+                keys = [k for k, h in zip(keys, held, strict=True) if not h]
+                slots = [s for s, h in zip(slots, held, strict=True) if not h]
+                c.stored += len(held) - len(keys)  # there already
+                tier.make_room(len(keys))
+                handle = self.moves.get(HOST, tier.medium)(
+                    core.engine, tier, keys, core.host_arena, slots
+                )
+            except TierKVError as exc:
+                c.write_failed += len(keys)
+                self._fail(c, tier.medium, "lower tier write", exc, keys)
+                continue
+            try:
+                await within(core.deadline(self.timeout), job_done(handle), _late)
+            except StoreTimeoutError:
+                raise
+            except TierKVError as exc:  # the job failed whole (its medium closed...)
+                c.write_failed += len(keys)
+                self._fail(c, tier.medium, "lower tier write", exc, keys)
+                continue
+            done = sum(getattr(st, "held", False) is True for st in handle.result())
+            c.stored += done
+            c.write_failed += len(keys) - done
+
+    async def persist(self, batch: int = 256) -> None:
+        """Write the host tier's readable pages that a lower tier accepts and lacks (a store
+        closing: so that the next process on the same path finds them), ``batch`` pages per
+        job, each batch pinned in the host while written. Raises like `spill`."""
+        core = self._core
+        if core is None:
+            return
+        table = core.table
+        keys = [k for k in table.keys(HOST) if any(t.accepts(k) for t in self.tiers)]
+        for i in range(0, len(keys), batch):
+            part = [
+                k
+                for k in keys[i : i + batch]
+                if table.present([k], HOST) and table.state(k, HOST) is PageState.READABLE
+            ]
+            slots = core.pin_host(part)
+            try:
+                await self.spill(list(zip(part, slots, strict=True)))
+            finally:
+                core.unpin_host(part)
+
+    def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
+        """Per page, whether some lower tier holds it (their indexes: no I/O)."""
+        found = [False] * len(pages)
+        for tier in self.tiers:
+            rest = [i for i, f in enumerate(found) if not f]
+            if not rest:
+                break
+            for i, h in zip(rest, tier.lookup([pages[i] for i in rest]), strict=True):
+                found[i] = h
+        return found
+
+    async def fetch(self, pages: list[PageKey]) -> int:
+        """Import into the host the pages that no local tier holds and a lower tier does,
+        each from the first tier holding it; returns the pages imported. A page the read
+        could not verify is a counted miss. Raises StoreClosedError / StoreTimeoutError as
+        `TierSet.import_host`; a failed read job is counted, not raised."""
+        core = self._core
+        assert core is not None
+        got = 0
+        for tier in self.tiers:
+            local = {k for t in core.table.tier_names for k in core.table.present(pages, t)}
+            want = [k for k in pages if k not in local and tier.accepts(k)]
+            want = [k for k, h in zip(want, tier.lookup(want), strict=True) if h]
+            if not want:
+                continue
+            c = self.counters[tier.medium]
+            job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
+            try:
+                n = await core.import_host(want, job=job, timeout=self.timeout, tier=tier.medium)
+            except StoreTimeoutError:
+                raise
+            except TierKVError as exc:
+                self._fail(c, tier.medium, "lower tier read", exc, want)
+                continue
+            c.imported += n
+            c.import_missed += len(want) - n
+            got += n
+        return got
+
+    @staticmethod
+    def _read_job(
+        core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
+    ) -> TransferHandle:
+        return move(core.engine, tier, new, core.host_arena, slots)
+
+    def stats(self) -> dict[str, Any]:
+        """Per lower tier: its medium's counters and the chain's."""
+        out: dict[str, Any] = {}
+        for tier in self.tiers:
+            c = self.counters[tier.medium]
+            out[tier.medium] = tier.stats() | {
+                "offered": c.offered,
+                "stored": c.stored,
+                "write_failed": c.write_failed,
+                "imported": c.imported,
+                "import_missed": c.import_missed,
+                "errors": c.errors,
+                "chain_last_error": c.last_error,
+            }
+        return out
+
+
+def _late() -> StoreTimeoutError:
+    return StoreTimeoutError("a write to a lower tier did not end in time")

@@ -1,0 +1,149 @@
+"""The tier interface and the registry of moves between tiers' media (issue 25, point 1).
+
+A tier owns its medium and its slots; the core moves pages between two tiers by looking up the
+handler registered for the pair of media, never by naming a tier::
+
+    moves = Moves()
+    moves.register(HOST, DISK, save)          # save(engine, tier, keys, arena, slots) -> handle
+    handle = moves.get(HOST, tier.medium)(engine, tier, keys, host_arena, slots)
+
+A handler queues its move as one job of the :class:`~tierkv.runtime.TransferEngine` and
+returns the job's handle at once. Its result is a list, one item per key: for a write into a
+tier, a status whose ``held`` is True when the page is on that tier afterwards (the disk's
+``StoreStatus``); for a read into the host, True for a verified hit. What a tier may hold
+(`Holds`) is the tier's own rule: the core asks `Tier.accepts` before it moves a page there.
+
+Migrated so far: the host <-> disk moves (:mod:`tierkv.disk.tier`). The device, host and cold
+moves still run through their own code paths in :mod:`tierkv.tiers` (see
+docs/architecture.md for the plan).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from tierkv.errors import InvalidInputError, InvalidTypeError, UnknownNameError
+from tierkv.keys import is_content
+from tierkv.runtime import Arena, TransferEngine, TransferHandle
+
+__all__ = ["Holds", "MoveHandler", "Moves", "Tier", "UnknownMoveError"]
+
+
+class Holds(enum.Enum):
+    """What a tier may hold."""
+
+    ANY = "any"  # any page: a live sequence's private pages too
+    CONTENT = "content"  # content-keyed full blocks only (shareable, immutable, restartable)
+
+    def accepts(self, key: bytes) -> bool:
+        """Whether a page of this key may be held."""
+        return self is Holds.ANY or is_content(key)
+
+
+@runtime_checkable
+class Tier(Protocol):
+    """One tier of the chain: its medium, its rule of what it holds, and its slots.
+
+    ``reserve`` / ``commit`` / ``abort`` / ``free`` are the two-phase slot protocol of the
+    medium (a reservation is made findable by ``commit`` only once its write succeeded);
+    ``lookup`` answers, without I/O, which keys it holds. Reads and writes of its slots are
+    never called by the core directly: they run as jobs of the moves registered for its
+    medium (`Moves`).
+    """
+
+    @property
+    def medium(self) -> str:
+        """The medium's name, the key of its moves in `Moves` (``"disk"``...)."""
+        ...
+
+    @property
+    def holds(self) -> Holds:
+        """What the tier may hold."""
+        ...
+
+    def accepts(self, key: bytes) -> bool:
+        """Whether the tier may hold a page of this key."""
+        ...
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether the tier holds a committed page of it (no I/O)."""
+        ...
+
+    def reserve(self, keys: Sequence[bytes]) -> list[Any]:
+        """Reserve a slot per key for a write (the medium's reservation records)."""
+        ...
+
+    def commit(self, reserved: Sequence[Any], ok: Sequence[bool]) -> None:
+        """Make the reservations whose write succeeded findable; return the others' slots."""
+        ...
+
+    def abort(self, reserved: Sequence[Any]) -> None:
+        """Return reserved slots unused."""
+        ...
+
+    def free(self, keys: Sequence[bytes]) -> int:
+        """Drop keys (the chain's eviction); returns how many were held."""
+        ...
+
+    def make_room(self, n: int) -> int:
+        """Free slots until ``n`` are free, by the tier's own order; returns the pages freed."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The tier's counters (plain values: they go to ``KVStore.stats()``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the medium (idempotent)."""
+        ...
+
+
+#: A move: (engine, the tier at the other end, page keys, the host arena, its slots) -> the
+#: handle of the one engine job it queued.
+MoveHandler = Callable[[TransferEngine, Any, Sequence[bytes], Arena, Sequence[int]], TransferHandle]
+
+
+class UnknownMoveError(UnknownNameError):
+    """No move is registered for that pair of media."""
+
+
+class Moves:
+    """The registry of move handlers, keyed by (source medium, destination medium)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[tuple[str, str], MoveHandler] = {}
+
+    def register(self, source: str, dest: str, handler: MoveHandler) -> None:
+        """Register the move from ``source`` to ``dest``. Raises InvalidTypeError (not
+        callable, a name not a str), InvalidInputError (the pair is registered already, or
+        source equals dest)."""
+        for name in (source, dest):
+            if not isinstance(name, str) or not name:
+                raise InvalidTypeError(f"a medium is a non-empty str, got {name!r}")
+        if not callable(handler):
+            raise InvalidTypeError(f"a move handler must be callable, got {handler!r}")
+        if source == dest:
+            raise InvalidInputError(f"a move needs two media, got {source!r} twice")
+        if (source, dest) in self._handlers:
+            raise InvalidInputError(f"a move {source} -> {dest} is registered already")
+        self._handlers[(source, dest)] = handler
+
+    def get(self, source: str, dest: str) -> MoveHandler:
+        """The handler of the move; raises UnknownMoveError when none is registered."""
+        try:
+            return self._handlers[(source, dest)]
+        except KeyError:
+            known = ", ".join(f"{s}->{d}" for s, d in sorted(self._handlers)) or "none"
+            raise UnknownMoveError(
+                f"no move registered from {source!r} to {dest!r} (registered: {known})"
+            ) from None
+
+    def has(self, source: str, dest: str) -> bool:
+        """Whether a move is registered for the pair."""
+        return (source, dest) in self._handlers
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """The registered pairs, sorted."""
+        return sorted(self._handlers)
