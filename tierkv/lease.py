@@ -305,7 +305,7 @@ class Lease:
             if new:
                 mine = len(self._pins)  # distinct: acquired once each, new pages are new
                 try:
-                    slots = await tiers.allocate_device(new, mine=mine, timeout=store.timeout)
+                    slots = await tiers.reserve_device(new, mine=mine, timeout=store.timeout)
                 except PageStateError:  # another append made them while this one waited
                     self._check_unchanged(seq, layer, start)
                     raise

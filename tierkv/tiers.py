@@ -808,7 +808,7 @@ class TierSet:
         return cast(int, handle.result())
 
     # -- device allocation ---------------------------------------------------------------
-    async def allocate_device(
+    async def reserve_device(
         self, keys: Sequence[PageKey], *, mine: int = 0, timeout: float | None = None
     ) -> list[int]:
         """Reserve device slots for new pages (WRITING) and return them; the caller writes the
@@ -845,7 +845,7 @@ class TierSet:
         self.mark_dirty(keys)
 
     def abort_device(self, keys: Sequence[PageKey], *, pinned: bool, owned: bool) -> None:
-        """Undo new pages reserved by :meth:`allocate_device` (WRITING), or committed and then
+        """Undo new pages reserved by :meth:`reserve_device` (WRITING), or committed and then
         ``pinned`` (:meth:`pin_device`) and ``owned`` (:meth:`own`): a failed append leaves no
         page, pin or owner behind."""
         if not keys:

@@ -70,7 +70,7 @@ async def _flush_device(store: KVStore) -> None:
     table = tiers.table
     n = table.capacity(DEVICE) - table.used(DEVICE) + table.evictable(DEVICE)
     junk = [bytes([9, i]) * 9 for i in range(n)]
-    await tiers.allocate_device(junk)
+    await tiers.reserve_device(junk)
     tiers.abort_device(junk, pinned=False, owned=False)
 
 
@@ -80,7 +80,7 @@ async def _pin_free_slots(store: KVStore) -> list[bytes]:
     tiers = store.tiers
     table = tiers.table
     junk = [bytes([8, i]) * 9 for i in range(table.capacity(DEVICE) - table.used(DEVICE))]
-    await tiers.allocate_device(junk)
+    await tiers.reserve_device(junk)
     tiers.commit_device(junk)
     tiers.pin_device(junk)
     return junk
@@ -230,7 +230,7 @@ def _page(store: KVStore, slot: int, value: float) -> None:
 
 async def _put_on_device(store: KVStore, key: bytes, value: float) -> None:
     tiers = store.tiers
-    (slot,) = await tiers.allocate_device([key])
+    (slot,) = await tiers.reserve_device([key])
     _page(store, slot, value)
     tiers.commit_device([key])
 
@@ -245,7 +245,7 @@ async def _evict_from_device(store: KVStore, key: bytes) -> None:
     """Take the whole device for other pages (``key`` leaves it, written back if dirty)."""
     tiers = store.tiers
     others = [bytes([9, i]) * 9 for i in range(tiers.table.capacity(DEVICE))]
-    await tiers.allocate_device(others)
+    await tiers.reserve_device(others)
     tiers.abort_device(others, pinned=False, owned=False)
     assert not tiers.table.present([key], DEVICE)
 
