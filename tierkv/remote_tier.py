@@ -32,7 +32,7 @@ from tierkv.keys import is_content
 from tierkv.page_source import PageSource, load_checked, tier_label
 from tierkv.page_sums import PageCheck
 from tierkv.push import Pusher
-from tierkv.tiers import TierSet
+from tierkv.tiers import HOST, TierSet
 
 __all__ = ["RemoteCounters", "StoreRemote"]
 
@@ -130,7 +130,8 @@ class StoreRemote:
     # -- reads ---------------------------------------------------------------------------
     async def fetch(self, pages: list[bytes], layers: int) -> int:
         """Import the pages of ``pages`` (block-major, ``layers`` per block) that no local tier
-        holds, from the sources in turn; returns the pages imported. Never raises a source's
+        holds, from the sources in turn, as many leading blocks as the host tier has room for;
+        returns the pages imported. Never raises a source's
         error (counted); raises StoreClosedError when the store closed meanwhile."""
         tiers = self._tiers
         assert tiers is not None
@@ -148,7 +149,10 @@ class StoreRemote:
             except Exception as exc:  # a source's failure is a miss, whatever its type
                 self._fail("remote lookup", exc, pages[have:])
                 continue
-            n = min(n, len(pages) - have) // layers * layers
+            # an import is all or nothing: ask for what the host tier can take (free and
+            # evictable slots), so a prefix longer than the host imports its leading blocks
+            room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+            n = min(n, len(pages) - have, room) // layers * layers
             if n <= 0:
                 continue
             loaded = await self._import(tiers, source, pages[have : have + n])

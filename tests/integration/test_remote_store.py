@@ -244,3 +244,52 @@ async def test_tiers_report_every_host_departure() -> None:
         assert gone and not any(table.present([k], HOST) for k in gone)
         assert COLD not in table.tier_names  # no codec: departed pages are gone
         assert not any(table.present([k], DEVICE) for k in gone)
+
+
+async def test_a_remote_prefix_longer_than_the_host_imports_what_the_host_holds() -> None:
+    """Regression: an import is all or nothing, so a prefix on a page server longer than the
+    importing store's host tier imported nothing (found beside the disk tier's same bug)."""
+    from tierkv.remote.store_io import publish_prefix
+
+    prompt = tokens(7, 29)  # 7 full blocks (14 pages) and a token to compute
+    async with page_server() as srv, peer(srv) as p1, peer(srv) as p2:
+        a = KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=32 * PAGE, codec=None)
+        async with a:
+            await a.add_sequence("a", prompt)
+            ref = {}
+            async with a.lease(["a"]) as lease:
+                for layer in range(SPEC.num_layers):
+                    k, v = kv(len(prompt), 70 + layer)
+                    await lease.append("a", layer, k, v)
+                    ref[layer] = (k, v)
+            await a.release("a")
+            await a.drain()
+            assert await publish_prefix(a, p1, prompt) == 14
+        b = KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=8 * PAGE, codec=None, remote=p2)
+        async with b:
+            assert await b.add_sequence("b", prompt) == 16  # the 8 pages the host holds
+            async with b.lease(["b"]) as lease:
+                for layer, (k, v) in ref.items():
+                    got_k, got_v = lease.kv("b", layer)
+                    assert torch.equal(got_k, k[:, :16]) and torch.equal(got_v, v[:, :16])
+            await b.release("b")
+            assert b.stats()["remote"]["misses"] == 0
+            await no_pins_left(b)
+
+
+async def test_import_prefix_longer_than_the_host_imports_what_the_host_holds() -> None:
+    """The same family through import_prefix: a 14-page prefix into an 8-page host raised
+    TierFullError ("full of pinned pages") and imported nothing; now its leading 4 blocks."""
+    from tierkv.remote.store_io import import_prefix, publish_prefix
+
+    prompt = tokens(8, 29)
+    async with page_server() as srv, peer(srv) as p1, peer(srv) as p2:
+        a = KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=32 * PAGE, codec=None)
+        async with a:
+            await fill(a, "a", 8, 29)
+            await a.drain()
+            assert await publish_prefix(a, p1, prompt) == 14
+        b = KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=8 * PAGE, codec=None)
+        async with b:
+            assert await import_prefix(b, p2, prompt) == 16
+            await no_pins_left(b)

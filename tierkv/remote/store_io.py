@@ -63,7 +63,8 @@ async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
 
 async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
     """Load from ``peer`` the blocks of ``tokens``' prefix this store lacks; returns the prompt
-    tokens now cached locally (what `add_sequence` will reuse). A long prompt is checked and
+    tokens now cached locally (what `add_sequence` will reuse), as many leading blocks as the
+    host tier has room for (free and evictable slots). A long prompt is checked and
     hashed in slices with a loop turn between them; the read is a job of the store's transfer
     engine.
 
@@ -78,6 +79,9 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
     layers = store.spec.num_layers
     have = table.lookup(pages) // layers * layers  # any tier
     held = have + (await peer.lookup(pages[have:])) // layers * layers
+    # an import is all or nothing: ask for the leading blocks the host tier can take
+    room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+    held = min(held, have + max(0, room) // layers * layers)
     somewhere = set(table.held(pages[have:held]))
     want = [k for k in pages[have:held] if k not in somewhere]
     if want:
