@@ -135,3 +135,34 @@ async def test_publish_of_an_expired_reservation_raises_a_typed_error(kind: str)
         assert await b.load([key(0, 5, i) for i in range(N)], back, list(range(N))) == N
         assert (back == 7).all()
         await until(lambda: server_store_ok(srv), "the quarantine came back")
+
+
+async def test_a_lease_is_released_only_by_its_own_connection() -> None:
+    """Regression (found with the fence): ``release`` ended any read lease whatever connection
+    named it (another client's reader then saw a miss), and popped a *write* lease it named
+    without ending it, so the write's slots were never committed, fenced nor freed."""
+    from fence_scenario import SECRET, TIMEOUT
+
+    from tierkv.remote.protocol.control import Control
+
+    async with page_server("tcp") as srv, writer_b(srv, "tcp") as b:
+        keys = [key(9, 1, i) for i in range(N)]
+        pages = np.full((N, SPEC.page_bytes), 5, dtype=np.uint8)
+        assert await b.publish(keys, pages, list(range(N))) == N
+        reader = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
+        other = Control(srv.address, secret=SECRET, timeout=TIMEOUT)
+        await reader.open()
+        await other.open()
+        try:
+            lease = (await reader.call("acquire", keys=keys))["lease"]
+            assert (await other.call("release", lease=lease))["valid"] == 0  # not its lease
+            assert (await reader.call("release", lease=lease))["valid"] == N  # still alive
+            mine = [key(9, 2, i) for i in range(N)]
+            w = (await reader.call("reserve", keys=mine))["lease"]
+            for c in (other, reader):  # release never ends a write lease, whoever asks
+                assert (await c.call("release", lease=w))["valid"] == 0
+            assert (await reader.call("commit", lease=w, ok=False))["stored"] == 0
+        finally:
+            await reader.aclose()
+            await other.aclose()
+        await until(lambda: server_store_ok(srv), "every slot came back")

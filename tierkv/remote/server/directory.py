@@ -131,12 +131,15 @@ class Directory:
         sums = self.tiers.host_sums(pinned, slots)
         return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens, sums
 
-    def release(self, lease_id: int) -> int:
-        """End a read lease; returns how many leading pages are still the ones served (a page
-        whose slot or generation changed is a miss). An unknown (expired) lease: 0."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None or lease.kind != "read":
+    def release(self, lease_id: int, owner: object) -> int:
+        """End ``owner``'s read lease; returns how many leading pages are still the ones served
+        (a page whose slot or generation changed is a miss). 0 and nothing changed for a lease
+        that is not ``owner``'s live read lease (expired, unknown, another connection's, or a
+        write lease: those end by commit)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != "read" or lease.owner is not owner:
             return 0
+        del self._leases[lease_id]
         self._cancel_timer(lease)
         table = self.tiers.table
         valid = 0

@@ -269,7 +269,7 @@ class PageServer:
                     reply["sums"] = sums
                 return reply
             if op == "release":
-                return {"valid": d.release(int_of(msg, "lease"))}
+                return {"valid": d.release(int_of(msg, "lease"), owner)}
             if op == "reserve":
                 keys = keys_of(msg)
                 lease, slots = d.reserve(keys, owner, sums_of(msg, len(keys)), agent_of(msg))
