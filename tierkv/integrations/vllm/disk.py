@@ -50,18 +50,7 @@ class TierKVDiskTier(TierKVTierBase):
         "direct": Field((bool,), True),
     }
 
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, **options
-        )
-        o = self.options
+    def _open(self, o: dict[str, Any]) -> None:
         self.disk = DiskPages.open(
             o["path"],
             page_bytes=self.block_size_bytes,
@@ -71,7 +60,6 @@ class TierKVDiskTier(TierKVTierBase):
             io_threads=o["io_threads"],
             direct=o["direct"],
         )
-        self._see_rows()
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         """HIT when the disk's index holds the chunk, MISS otherwise (or when the disk fails)."""

@@ -86,18 +86,7 @@ class TierKVRedisTier(TierKVTierBase):
         "namespace": Field((str,), "vllm"),
     }
 
-    def __init__(
-        self,
-        offloading_spec: Any,
-        primary_kv_view: memoryview,
-        tier_type: str,
-        backpressure_detector: Any = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(
-            offloading_spec, primary_kv_view, tier_type, backpressure_detector, **options
-        )
-        o = self.options
+    def _open(self, o: dict[str, Any]) -> None:
         # a KVSpec whose page is one vLLM chunk (1-byte elements): RedisTier checks lengths
         # against it and binds every value to it
         spec = KVSpec(1, 1, self.block_size_bytes // 2, dtype=parse_dtype("fp8"), page_tokens=1)
@@ -110,7 +99,8 @@ class TierKVRedisTier(TierKVTierBase):
             timeout=o["timeout"],
             batch_pages=o["batch_pages"],
         )
-        self._loop = _LoopThread(f"tierkv_vllm_redis_{tier_type}")
+        self._load_keys: dict[int, list[Any]] = {}  # in-flight loads (scheduler thread)
+        self._loop = _LoopThread(f"tierkv_vllm_redis_{self.tier_type}")
         self._lock = asyncio.Lock()  # one RedisTier call at a time: its counters tell outcomes
         try:
             # never raises for an unreachable server (it starts unavailable and keeps trying)
@@ -119,8 +109,6 @@ class TierKVRedisTier(TierKVTierBase):
             self._loop.close(5.0)
             raise
         self._lookups = _Lookups(self)
-        self._see_rows()
-        self._load_keys: dict[int, list[Any]] = {}  # in-flight loads (scheduler thread)
 
     async def _connect(self) -> None:
         async with self._lock:

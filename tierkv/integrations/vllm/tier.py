@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -79,6 +80,12 @@ class TierKVTierBase(SecondaryTierManager):
         self._idle = threading.Event()
         self._idle.set()
         self.counters = dict.fromkeys(("lookups", "hits", "jobs_done", "jobs_failed"), 0)
+        self._open(self.options)  # the medium, from the checked options
+        self._see_rows()
+
+    @abstractmethod
+    def _open(self, options: dict[str, Any]) -> None:
+        """Open the tier's medium from its checked ``options`` (each tier class has its own)."""
 
     def _see_rows(self) -> None:
         """View the primary tier's rows as uint8 (vLLM's view is signed bytes, a row per
