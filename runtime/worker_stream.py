@@ -11,6 +11,7 @@ recorded after the device work), how it waits for another stream's event.
 
 from __future__ import annotations
 
+import abc
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -50,8 +51,9 @@ class WorkerStream(Stream):
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The worker's loop: take items with :meth:`_next_item` until closed."""
 
     @property
     def closed(self) -> bool:

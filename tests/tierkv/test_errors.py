@@ -150,7 +150,6 @@ BUILTIN_RAISES_ALLOWED = {
     ("tierkv/__init__.py", "AttributeError"): "module __getattr__ protocol",
     ("tierkv/remote/__init__.py", "AttributeError"): "module __getattr__ protocol",
     ("runtime/cuda_arena.py", "AttributeError"): "module __getattr__ protocol",
-    ("runtime/worker_stream.py", "NotImplementedError"): "a subclass implements it",
     ("tierkv/remote/sources/watch.py", "StopAsyncIteration"): "async iterator protocol",
     ("transports/named.py", "KeyError"): "Registry is a MutableMapping",
     ("tierkv/policies/history.py", "KeyError"): "internal: pop_oldest of an empty history",
