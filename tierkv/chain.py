@@ -133,12 +133,13 @@ class LowerChain:
         if core is None:
             return
         table = core.table
-        keys = [k for k in table.keys(HOST) if any(t.accepts(k) for t in self.tiers)]
+        top = core.top  # the host tier (the leased tier of a host-first store)
+        keys = [k for k in table.keys(top) if any(t.accepts(k) for t in self.tiers)]
         for i in range(0, len(keys), batch):
             part = [
                 k
                 for k in keys[i : i + batch]
-                if table.present([k], HOST) and table.state(k, HOST) is PageState.READABLE
+                if table.present([k], top) and table.state(k, top) is PageState.READABLE
             ]
             slots = core.pin_host(part)
             try:

@@ -11,11 +11,23 @@
      │    ├── InvalidTypeError (also TypeError) an argument of the wrong type: a float, str or
      │    │                                     None token, a list or numpy array as ``k``,
      │    │                                     ``"1G"`` as a budget, a float sequence id
-     │    └── SpecError                         an invalid KVSpec, or a tensor whose shape,
-     │         │                                dtype or device does not match it; a layer or
-     │         │                                token id out of range
-     │         └── UnknownPolicyError           no eviction policy of that name (also an
-     │                                          UnknownNameError)
+     │    ├── SpecError                         an invalid KVSpec, or a tensor whose shape,
+     │    │    │                                dtype or device does not match it; a layer or
+     │    │    │                                token id out of range
+     │    │    └── UnknownPolicyError           no eviction policy of that name (also an
+     │    │                                     UnknownNameError)
+     │    └── TierConfigError                   a bad ``KVStore(tiers=[...])`` chain
+     │         │                                (:mod:`tierkv.chain_config`), refused before
+     │         │                                anything is allocated
+     │         ├── UnknownTierError             a tier kind no chain knows (also an
+     │         │                                UnknownNameError)
+     │         ├── TierTypeError                an entry or a field of the wrong type (also an
+     │         │                                InvalidTypeError)
+     │         ├── TierOrderError               tiers out of order, twice, or a combination
+     │         │                                the core cannot run (no tier for leases)
+     │         ├── TierSizeError                a tier that holds no page (also a SpecError)
+     │         └── TierConflictError            ``tiers=`` and an old keyword argument of the
+     │                                          same tier (``host_bytes=``...) both given
      ├── PageTableError                        misuse of the page table; nothing was changed
      │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
@@ -77,6 +89,35 @@ class SpecError(InvalidInputError):
 
 class UnknownPolicyError(SpecError, UnknownNameError):
     """No eviction policy is registered under that name."""
+
+
+class TierConfigError(InvalidInputError):
+    """A bad chain of tiers (``KVStore(tiers=[...])``, :mod:`tierkv.chain_config`), refused
+    before anything is allocated."""
+
+
+class UnknownTierError(TierConfigError, UnknownNameError):
+    """A tier kind that no chain knows (``{"tier": "ssd"}``)."""
+
+
+class TierTypeError(TierConfigError, InvalidTypeError):
+    """A chain entry, or one of its fields, of the wrong type (``"host"`` with no size,
+    ``bytes="1G"``)."""
+
+
+class TierOrderError(TierConfigError):
+    """Tiers not fastest to slowest, a tier twice, or a chain the core cannot run (no device
+    or host tier to lease pages from; a tier below the device with no host tier between)."""
+
+
+class TierSizeError(TierConfigError, SpecError):
+    """A tier whose budget holds no page (also a SpecError, as the keyword budgets raise)."""
+
+
+class TierConflictError(TierConfigError):
+    """``tiers=`` given together with a keyword argument that configures a tier too
+    (``device_bytes``, ``host_bytes``, ``codec``, ``cold_fraction``, ``disk_path``,
+    ``disk_bytes``, ``remote``)."""
 
 
 class PageTableError(TierKVError):

@@ -82,6 +82,9 @@ class DeviceEviction:
         free = table.capacity(DEVICE) - table.used(DEVICE)
         if free >= n:
             return True
+        if HOST not in self._lower:  # no host tier: its victims leave as the host's do
+            await self._host.make_room(n, self.soon, self.soon_order)
+            return table.capacity(DEVICE) - table.used(DEVICE) >= n
         # all or nothing: a partial pick put back would still churn the policy's queues
         victims = cast(
             list[tuple[PageKey, int]],
@@ -223,7 +226,10 @@ class DeviceEviction:
         return keys
 
     def mark_dirty(self, keys: Sequence[PageKey]) -> None:
-        """Device copies of ``keys`` were written: newer than any lower copy."""
+        """Device copies of ``keys`` were written: newer than any lower copy (nothing to write
+        back without a host tier: the owners pin the one exact copy, on the device)."""
+        if HOST not in self._lower:
+            return
         for k in keys:
             self._gen += 1
             self.dirty[k] = self._gen

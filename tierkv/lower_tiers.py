@@ -22,7 +22,7 @@ gives it, and tells the core of every change by ``progress``.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import cast
 
 import torch
@@ -89,8 +89,10 @@ class ColdStorage:
         departures: Departures,
         stats: TierStats,
         progress: Callable[[], None],
+        top: str = HOST,
     ) -> None:
         self._spec = spec
+        self._top = top  # the tier whose pages leave (DEVICE when there is no host tier)
         self._table = table
         self._arenas = arenas
         self._engine = engine
@@ -109,7 +111,7 @@ class ColdStorage:
         here = cast(list[PageKey], table.idle(keys, tier))
         if here:
             table.remove(here, tier)
-            if tier == HOST:
+            if tier == self._top:
                 self._departures.left(here)
 
     def decode(
@@ -167,15 +169,24 @@ class ColdStorage:
         self.forget_in(COLD, list(self.bad))
         self.bad.intersection_update(self._table.present(self.bad, COLD))
 
-    async def make_room(self, n: int) -> None:
+    async def make_room(
+        self,
+        n: int,
+        keep: Collection[PageKey] | None = None,
+        keep_order: Sequence[PageKey] | None = None,
+    ) -> None:
         """Free ``n`` host slots: unowned victims are offered to the remote tier, then
         compressed into cold, or dropped. Fewer when too few are evictable (the reservation
-        that follows reports the tier as full)."""
-        table = self._table
-        free = table.capacity(HOST) - table.used(HOST)
+        that follows reports the tier as full). ``keep`` / ``keep_order``: pages taken last
+        (``PageTable.prepare_evict``)."""
+        table, top = self._table, self._top
+        free = table.capacity(top) - table.used(top)
         if free >= n:
             return
-        victims = cast(list[tuple[PageKey, int]], table.prepare_evict(HOST, n - free))
+        victims = cast(
+            list[tuple[PageKey, int]],
+            table.prepare_evict(top, n - free, keep=keep, keep_order=keep_order),
+        )
         if not victims:
             return
         keys = [k for k, _ in victims]
@@ -193,9 +204,11 @@ class ColdStorage:
             ok = False
             raise
         finally:
-            table.complete_evict(keys, HOST, ok=ok)
+            table.complete_evict(keys, top, ok=ok)
             if ok:
                 self._departures.left(keys)
+            else:  # back: pages owned while they were leaving get their owners' pin now
+                self._owners.pin_owned(keys, top)
             self._progress()  # a lower copy in flight landed (or left)
 
     async def _compress(self, victims: list[tuple[PageKey, int]]) -> None:
@@ -210,7 +223,7 @@ class ColdStorage:
         self._stats.pages_dropped += len(alloc.evicted)
         new = set(alloc.keys)
         todo = [(k, s) for k, s in victims if k in new]
-        host, cold = self._arenas[HOST], self._arenas[COLD]
+        host, cold = self._arenas[self._top], self._arenas[COLD]
         cold_of = dict(zip(alloc.keys, alloc.slots))
         src = [s for _, s in todo]
         dst = [cold_of[k] for k, _ in todo]
@@ -256,22 +269,22 @@ class ColdStorage:
         """
         if self.codec is None:
             return 0
-        table, owners = self._table, self._owners
+        table, owners, top = self._table, self._owners, self._top
         pick: list[tuple[PageKey, int]] = []
         for k in keys:
-            if table.present([k], DEVICE) or not table.lookup([k], HOST):
+            if (top != DEVICE and table.present([k], DEVICE)) or not table.lookup([k], top):
                 continue
-            if table.pins(k, HOST) != (1 if owners.holds_pin(k, HOST) else 0):
+            if table.pins(k, top) != (1 if owners.holds_pin(k, top) else 0):
                 continue
             if table.present([k], COLD):
                 continue
-            pick.append((k, table.slot(k, HOST)))
+            pick.append((k, table.slot(k, top)))
         room = table.capacity(COLD) - table.used(COLD) + table.evictable(COLD)
         pick = pick[:room]
         if not pick:
             return 0
         pk = [k for k, _ in pick]
-        table.prepare_load(pk, HOST)  # hold the sources while encoding
+        table.prepare_load(pk, top)  # hold the sources while encoding
         try:
             await self._departures.offer_remote(pick)
             await self._departures.spill_below(pick)  # exact bytes: cold is lossy
@@ -279,12 +292,12 @@ class ColdStorage:
         except TierFullError:
             return 0
         finally:
-            table.complete_load(pk, HOST)
+            table.complete_load(pk, top)
             self._progress()
         moved = cast(list[PageKey], table.present(pk, COLD))
         for k in moved:
-            owners.unpin(k, HOST)  # the owner's pin moved to the cold copy
-        self.forget_in(HOST, moved)
+            owners.unpin(k, top)  # the owner's pin moved to the cold copy
+        self.forget_in(top, moved)
         return len(moved)
 
 

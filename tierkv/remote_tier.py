@@ -32,7 +32,7 @@ from tierkv.keys import is_content
 from tierkv.page_source import PageSource, load_checked, tier_label
 from tierkv.page_sums import PageCheck
 from tierkv.push import Pusher
-from tierkv.tiers import HOST, TierSet
+from tierkv.tiers import TierSet
 
 __all__ = ["RemoteCounters", "StoreRemote"]
 
@@ -151,7 +151,8 @@ class StoreRemote:
                 continue
             # an import is all or nothing: ask for what the host tier can take (free and
             # evictable slots), so a prefix longer than the host imports its leading blocks
-            room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+            top = tiers.top  # the host tier (the leased tier of a host-first store)
+            room = table.capacity(top) - table.used(top) + table.evictable(top)
             n = min(n, len(pages) - have, room) // layers * layers
             if n <= 0:
                 continue

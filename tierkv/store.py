@@ -26,20 +26,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain
-from tierkv.codecs import CODECS, create_codec
+from tierkv.chain_config import UNSET, Chain, TierEntry, Unset, build_chain, conflicts, shorthand
+from tierkv.codecs import CODECS
 from tierkv.errors import (
     InvalidInputError,
     InvalidTypeError,
     SequenceError,
-    SpecError,
     StoreClosedError,
+    TierConfigError,
 )
 from tierkv.failures import Background, FailureLog
 from tierkv.keys import page_key, prefix_keys
@@ -124,12 +125,12 @@ class KVStore:
         self,
         spec: KVSpec,
         *,
-        device_bytes: int,
-        host_bytes: int,
+        device_bytes: int | Unset = UNSET,
+        host_bytes: int | Unset = UNSET,
         backend: str = "cpu",
         policy: str = DEFAULT_POLICY,
-        codec: str | None = "int8",
-        cold_fraction: float = 0.25,
+        codec: str | None | Unset = UNSET,
+        cold_fraction: float | Unset = UNSET,
         compress_after: int = 5,
         prefetch_window: int = 4,
         max_inflight: int = 4,
@@ -144,14 +145,28 @@ class KVStore:
         turn_budget: float | None = DEFAULT_TURN_BUDGET,
         disk_path: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
+        tiers: Sequence[TierEntry | Mapping[str, Any]] | None = None,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
-        device_bytes = validate.byte_size("device_bytes", device_bytes)
-        host_bytes = validate.byte_size("host_bytes", host_bytes)
+        if tiers is not None:
+            conflicts(
+                dict(
+                    device_bytes=device_bytes,
+                    host_bytes=host_bytes,
+                    codec=codec,
+                    cold_fraction=cold_fraction,
+                    disk_path=disk_path,
+                    disk_bytes=disk_bytes,
+                    remote=remote,
+                )
+            )
+            chain = build_chain(spec, tiers)
+        else:
+            chain = _keyword_chain(
+                spec, device_bytes, host_bytes, codec, cold_fraction, disk_path, disk_bytes, remote
+            )
         backend = validate.registered("backend", backend, BACKENDS, "auto")
         policy = validate.registered("policy", policy, POLICIES)
-        codec = None if codec is None else validate.registered("codec", codec, CODECS)
-        cold_fraction = validate.fraction("cold_fraction", cold_fraction)
         compress_after = validate.count("compress_after", compress_after, 0)
         prefetch_window = validate.count("prefetch_window", prefetch_window, 0)
         max_inflight = validate.count("max_inflight", max_inflight, 1)
@@ -164,27 +179,18 @@ class KVStore:
         remote_push_wait = validate.seconds("remote_push_wait", remote_push_wait, allow_zero=True)
         if turn_budget is not None:
             turn_budget = validate.seconds("turn_budget", turn_budget)
-        self._disk = _disk_args(disk_path, disk_bytes)
+        self.chain = chain
+        self._disk = chain.disk
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
         self.compress_after = compress_after
-        self.write_behind = write_behind
+        # (no host tier under the leased one: nothing to write behind to)
+        self.write_behind = write_behind and chain.host_pages > 0
         self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
-        self._codec = create_codec(codec) if codec else None
-        cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
-        self._pages = {
-            DEVICE: device_bytes // spec.page_bytes,
-            HOST: (host_bytes - cold_bytes) // spec.page_bytes,
-            COLD: cold_bytes // self._codec.encoded_bytes(spec) if self._codec else 0,
-        }
-        for tier in (DEVICE, HOST):
-            if self._pages[tier] < 1:
-                raise SpecError(
-                    f"{tier} budget holds no page: pages are {spec.page_bytes} bytes "
-                    f"({self._pages[tier]} fit)"
-                )
+        self._codec = chain.codec
+        self._pages = {DEVICE: chain.lease_pages, HOST: chain.host_pages, COLD: chain.cold_pages}
         self._backend_name = backend
         self._policy = policy
         self._max_inflight = max_inflight
@@ -222,10 +228,9 @@ class KVStore:
         self._closed = False
         self._chain: LowerChain | None = None
         self.remote: StoreRemote | None = None
-        if remote is not None:
-            sources = list(remote) if isinstance(remote, Sequence) else [remote]
+        if chain.remote is not None:
             self.remote = StoreRemote(
-                sources,
+                chain.remote,
                 spec.page_bytes,
                 write=remote_write,
                 timeout=min(timeout, 10.0),
@@ -290,6 +295,7 @@ class KVStore:
             codec=self._codec,
             policy=self._policy,
             timeline=self.timeline,
+            host_first=self.chain.host_first,
         )
         self._admission = Admission(self._pages[DEVICE])
 
@@ -408,8 +414,8 @@ class KVStore:
         tier has room for (its free and evictable slots: an import is all or nothing);
         returns pages."""
         layers = self.spec.num_layers
-        table = self.tiers.table
-        room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+        table, top = self.tiers.table, self.tiers.top  # (the leased tier when host-first)
+        room = table.capacity(top) - table.used(top) + table.evictable(top)
         n = self._lower_blocks(blocks[: room // layers])
         if n == 0 or self._chain is None:
             return 0
@@ -812,6 +818,43 @@ class KVStore:
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
             **(self._chain.stats() if self._chain is not None else {}),
         }
+
+
+def _keyword_chain(
+    spec: KVSpec,
+    device_bytes: object,
+    host_bytes: object,
+    codec: object,
+    cold_fraction: object,
+    disk_path: object,
+    disk_bytes: object,
+    remote: object,
+) -> Chain:
+    """The chain of today's keyword arguments (checked here, with today's errors):
+    device, host, cold (``cold_fraction`` of ``host_bytes``), disk, remote."""
+    if device_bytes is UNSET or host_bytes is UNSET:
+        raise TierConfigError(
+            "KVStore needs device_bytes and host_bytes, or a chain of tiers in tiers=[...] "
+            "(docs/configuration.md)"
+        )
+    device = validate.byte_size("device_bytes", device_bytes)
+    host = validate.byte_size("host_bytes", host_bytes)
+    name = "int8" if codec is UNSET else codec
+    name = None if name is None else validate.registered("codec", name, CODECS)
+    fraction = validate.fraction("cold_fraction", 0.25 if cold_fraction is UNSET else cold_fraction)
+    sources = None
+    if remote is not None:
+        sources = list(remote) if isinstance(remote, Sequence) else [remote]
+    tiers = shorthand(
+        spec,
+        device_bytes=device,
+        host_bytes=host,
+        codec=name,
+        cold_fraction=fraction,
+        disk=_disk_args(disk_path, disk_bytes),
+        remote=sources,
+    )
+    return build_chain(spec, tiers)
 
 
 def _disk_args(path: object, size: object) -> tuple[str, int] | None:

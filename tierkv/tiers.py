@@ -136,16 +136,22 @@ class TierSet:
         codec: Codec | None,
         policy: str,
         timeline: Timeline | None = None,
+        host_first: bool = False,
     ) -> None:
+        if host_pages <= 0 and cold_pages > 0 and not host_first:
+            raise InvalidInputError("a cold tier under the device needs a host tier between")
+        if host_first and host_pages > 0:
+            raise InvalidInputError("host-first: the leased tier is the host tier (host_pages=0)")
         self.spec = spec
         self.timeline = timeline if timeline is not None else Timeline()
         self.engine = engine
         codec = codec if cold_pages > 0 else None
-        arenas: dict[str, Arena] = {
-            DEVICE: backend.create_arena(DEVICE, spec.page_bytes, device_pages),
-            HOST: backend.create_arena(HOST, spec.page_bytes, host_pages, kind="pinned"),
-        }
-        tiers = {DEVICE: device_pages, HOST: host_pages}
+        kind = "pinned" if host_first else "device"  # host-first: leased pages in host RAM
+        arenas = {DEVICE: backend.create_arena(DEVICE, spec.page_bytes, device_pages, kind=kind)}
+        tiers = {DEVICE: device_pages}
+        if host_pages > 0:  # (none: host-first, or a device alone; see tierkv.chain_config)
+            arenas[HOST] = backend.create_arena(HOST, spec.page_bytes, host_pages, kind="pinned")
+            tiers[HOST] = host_pages
         if codec is not None:
             arenas[COLD] = backend.create_arena(
                 COLD, codec.encoded_bytes(spec), cold_pages, kind="pinned"
@@ -160,8 +166,12 @@ class TierSet:
         self._table = PageTable(tiers, policy, record_events=False, encoded=self._encoded(tiers))
         self.table = TableView(self._table)
         self.lower = [t for t in (HOST, COLD) if t in tiers]
+        # the tier whose pages leave to the chain below and the remote tier: the host tier, or
+        # with none the leased tier itself, whose owned pages the owners then pin (their one
+        # exact copy: never a victim)
+        self.top = HOST if HOST in tiers else DEVICE
         self.stats = TierStats()
-        self._owners = Owners(self._table, self.lower)
+        self._owners = Owners(self._table, self.lower if HOST in tiers else [DEVICE, *self.lower])
         self._departures = Departures()
         self._cold = ColdStorage(
             spec,
@@ -173,6 +183,7 @@ class TierSet:
             self._departures,
             self.stats,
             self.signal_progress,
+            top=self.top,
         )
         self._evict = DeviceEviction(
             spec,
@@ -295,8 +306,11 @@ class TierSet:
 
     def pinned_on_device(self, keys: Iterable[PageKey]) -> bool:
         """Whether some of ``keys`` is pinned on the device (by a lease or a copy)."""
-        table = self._table
-        return any(table.pins(k, DEVICE) for k in table.present(keys, DEVICE))
+        table, owners = self._table, self._owners
+        return any(
+            table.pins(k, DEVICE) > owners.holds_pin(k, DEVICE)  # (the owners' pin: top=DEVICE)
+            for k in table.present(keys, DEVICE)
+        )
 
     def device_room(self, keys: Sequence[PageKey], protect: AbstractSet[PageKey]) -> list[PageKey]:
         """The pages of ``keys`` not readable on the device (in order) that fit there now
@@ -556,7 +570,7 @@ class TierSet:
         sums = self._table.sums.get(keys)
         missing = [i for i, c in enumerate(sums) if c == NO_SUM]
         if missing:
-            got = row_sums(self._arenas[HOST].array, [slots[i] for i in missing])
+            got = row_sums(self._arenas[self.top].array, [slots[i] for i in missing])
             for i, c in zip(missing, got):
                 sums[i] = c
             self._table.sums.set([keys[i] for i in missing], got)
@@ -578,23 +592,26 @@ class TierSet:
             return
         sums = check.sums[: len(keys)] if check is not None else []
         if len(sums) < len(keys):
-            sums = row_sums(self._arenas[HOST].array, slots)
+            sums = row_sums(self._arenas[self.top].array, slots)
         self._table.sums.set(keys, sums)
 
     # -- the host tier, for the remote glue and the page server --------------------------------
     @property
     def host_array(self) -> npt.NDArray[np.uint8]:
         """The host arena's bytes, ``[slots, page_bytes]`` (what transports register)."""
-        return self._arenas[HOST].array
+        return self._arenas[self.top].array
 
     @property
     def host_arena(self) -> Arena:
         """The host tier's arena (its size and backend; its slots belong to this core)."""
-        return self._arenas[HOST]
+        return self._arenas[self.top]
 
     def replace_host_arena(self, arena: Arena) -> None:
         """Put the host tier on other memory of the same shape (shared with peers). Raises
-        PageStateError when the host tier holds pages, or the shape differs."""
+        PageStateError when the host tier holds pages, or the shape differs, or the store
+        has no host tier (its leased tier's pages are views of their arena)."""
+        if self.top != HOST:
+            raise PageStateError("a store without a host tier has no host arena to replace")
         old = self._arenas[HOST]
         if self._table.used(HOST):
             raise PageStateError("the host arena can only be replaced while it holds no page")
@@ -639,7 +656,7 @@ class TierSet:
         the allocation (``keys`` reserved, ``slots``, ``present``: already held), or None when
         the host is full of pinned pages. Pages evicted for room are announced. Commit with
         :meth:`commit_host`."""
-        alloc = self._table.prepare_store(keys, HOST)
+        alloc = self._table.prepare_store(keys, self.top)
         if alloc is not None:
             self._departures.left(alloc.evicted)
         return alloc
@@ -647,7 +664,7 @@ class TierSet:
     def commit_host(self, keys: Sequence[PageKey], ok: bool = True) -> None:
         """End a :meth:`reserve_host`: the pages are readable (``ok``) or rolled back."""
         if keys:
-            self._table.complete_store(keys, HOST, ok=ok)
+            self._table.complete_store(keys, self.top, ok=ok)
             self.signal_progress()
 
     def rename_reserved_host(self, keys: Sequence[PageKey], new: Sequence[PageKey]) -> None:
@@ -655,17 +672,17 @@ class TierSet:
         unreadable): the page server fences an expired reservation's slots this way. Raises
         UnknownPageError / PageStateError as ``PageTable.rekey``."""
         if keys:
-            self._table.rekey(keys, new, HOST)
+            self._table.rekey(keys, new, self.top)
 
     def pin_host(self, keys: Sequence[PageKey]) -> list[int]:
         """Pin readable host pages (none can be evicted) and return their slots. Raises
         PageStateError / UnknownPageError (nothing pinned) when one is not readable."""
-        return self._table.prepare_load(keys, HOST) if keys else []
+        return self._table.prepare_load(keys, self.top) if keys else []
 
     def unpin_host(self, keys: Sequence[PageKey]) -> None:
         """Drop pins taken by :meth:`pin_host`."""
         if keys:
-            self._table.complete_load(keys, HOST)
+            self._table.complete_load(keys, self.top)
             self.signal_progress()
 
     async def import_host(
@@ -705,7 +722,7 @@ class TierSet:
         if alloc is None or not alloc.keys:
             return 0
         new, slots = cast(list[PageKey], list(alloc.keys)), list(alloc.slots)
-        host = self._arenas[HOST]
+        host = self._arenas[self.top]
         try:
             if job is not None:
                 handle = job(new, slots)
@@ -745,7 +762,7 @@ class TierSet:
         push's staging), as a host-function job of the transfer engine, and wait until it has
         run: also when the caller is cancelled, so that the caller's buffer rows and the host
         slots are never reused while it reads or writes them. Raises what ``copy`` raised."""
-        host = self._arenas[HOST]
+        host = self._arenas[self.top]
         handle = self.engine.submit_call(host, slots, host, [], copy, priority=Priority.WRITEBACK)
         waiter = asyncio.ensure_future(job_done(handle))
         try:
@@ -762,7 +779,7 @@ class TierSet:
         """Run a remote call that touches no host slot (it reads a buffer of the caller's: the
         push staging) as an async job of the transfer engine, to its end (``call`` bounds
         itself). Returns what it returned; raises what it raised (unwrapped)."""
-        host = self._arenas[HOST]
+        host = self._arenas[self.top]
         handle = self.engine.submit_async(host, [], host, [], call, priority=Priority.WRITEBACK)
         try:
             await job_done(handle)
@@ -785,7 +802,7 @@ class TierSet:
         if not keys:
             return 0
         slots = self.pin_host(keys)
-        host = self._arenas[HOST]
+        host = self._arenas[self.top]
         try:
             handle = self.engine.submit_async(
                 host,
@@ -1052,6 +1069,8 @@ class TierSet:
         self._table.complete_store(keys, DEVICE, ok=error is None)
         if error is None:
             self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
+            if self.top == DEVICE:  # no host tier: the owners pin the leased copy
+                self._owners.pin_owned(keys, DEVICE)
         self.signal_progress()
         if error is not None:
             raise error

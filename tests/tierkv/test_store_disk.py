@@ -16,7 +16,7 @@ import torch
 from tierkv import KVSpec
 from tierkv.disk import DiskConfigError, DiskInUseError
 from tierkv.disk.layout import ALIGN
-from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.errors import InvalidInputError, InvalidTypeError, TierSizeError
 from tierkv.store import KVStore
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
@@ -224,9 +224,8 @@ async def test_bad_disk_configuration_is_typed_and_creates_nothing(tmp_path: Pat
     with pytest.raises(DiskConfigError):
         await missing.open()
     assert not (tmp_path / "nope").exists()
-    small = store(tmp_path, disk_bytes=SLOT - 1)
-    with pytest.raises(DiskConfigError):
-        await small.open()
+    with pytest.raises(TierSizeError, match="disk budget holds no page"):  # at entry
+        store(tmp_path, disk_bytes=SLOT - 1)
     assert _segments(tmp_path) == [] and not (tmp_path / "layout.json").exists()
     async with store(tmp_path) as s:
         with pytest.raises(DiskInUseError):

@@ -22,7 +22,6 @@ from tierkv.page_sums import PageCheck
 from tierkv.prompt import prompt_keys
 from tierkv.runtime import TransferError
 from tierkv.store import KVStore
-from tierkv.tiers import HOST
 
 __all__ = ["import_prefix", "prefix_pages", "publish_prefix", "stage_prefix"]
 
@@ -80,7 +79,8 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
     have = table.lookup(pages) // layers * layers  # any tier
     held = have + (await peer.lookup(pages[have:])) // layers * layers
     # an import is all or nothing: ask for the leading blocks the host tier can take
-    room = table.capacity(HOST) - table.used(HOST) + table.evictable(HOST)
+    top = tiers.top  # the host tier (the leased tier of a host-first store)
+    room = table.capacity(top) - table.used(top) + table.evictable(top)
     held = min(held, have + max(0, room) // layers * layers)
     somewhere = set(table.held(pages[have:held]))
     want = [k for k in pages[have:held] if k not in somewhere]
@@ -116,7 +116,7 @@ async def publish_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]
     every, n = await _prefix_pages(store, tokens)
     pages = every[:n]
     layers = store.spec.num_layers
-    n = tiers.table.lookup(pages, HOST) // layers * layers
+    n = tiers.table.lookup(pages, tiers.top) // layers * layers
     if not n:
         return 0
 
