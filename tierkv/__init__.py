@@ -24,6 +24,11 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it. The type checker reads the imports below instead.
 _LAZY = {
+    "Cold": "tierkv.chain_config",
+    "Device": "tierkv.chain_config",
+    "Disk": "tierkv.chain_config",
+    "Host": "tierkv.chain_config",
+    "Remote": "tierkv.chain_config",
     "restore_collector": "tierkv.collector",
     "settle_collector": "tierkv.collector",
     "AllocationError": "tierkv.errors",
@@ -37,6 +42,7 @@ _LAZY = {
     "SpecError": "tierkv.errors",
     "StoreClosedError": "tierkv.errors",
     "StoreTimeoutError": "tierkv.errors",
+    "TierConfigError": "tierkv.errors",
     "TierFullError": "tierkv.errors",
     "TierKVError": "tierkv.errors",
     "TransferFailedError": "tierkv.errors",
@@ -60,6 +66,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
+    from tierkv.chain_config import Cold, Device, Disk, Host, Remote
     from tierkv.collector import restore_collector, settle_collector
     from tierkv.errors import (
         AllocationError,
@@ -73,6 +80,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
         SpecError,
         StoreClosedError,
         StoreTimeoutError,
+        TierConfigError,
         TierFullError,
         TierKVError,
         TransferFailedError,
@@ -104,9 +112,13 @@ __all__ = [
     "POLICIES",
     "AllocationError",
     "ChainHint",
+    "Cold",
     "CorruptPageError",
+    "Device",
+    "Disk",
     "EngineError",
     "EvictionPolicy",
+    "Host",
     "InvalidInputError",
     "InvalidTypeError",
     "KVSpec",
@@ -117,11 +129,13 @@ __all__ = [
     "PageStateError",
     "PageTable",
     "PageTableError",
+    "Remote",
     "SequenceError",
     "SpecError",
     "StoreClosedError",
     "StoreTimeoutError",
     "SyncKVStore",
+    "TierConfigError",
     "TierFullError",
     "TierKVError",
     "TransferFailedError",

@@ -160,7 +160,8 @@ class LowerChain:
 
     async def fetch(self, pages: list[PageKey]) -> int:
         """Import into the host the pages that no local tier holds and a lower tier does,
-        each from the first tier holding it; returns the pages imported. A page the read
+        each from the first tier holding it (room is made sparing ``pages`` held locally: the
+        rest of the prefix); returns the pages imported. A page the read
         could not verify is a counted miss. Raises StoreClosedError / StoreTimeoutError as
         `TierSet.import_host`; a failed read job is counted, not raised."""
         core = self._core
@@ -175,7 +176,9 @@ class LowerChain:
             c = self.counters[tier.medium]
             job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
             try:
-                n = await core.import_host(want, job=job, timeout=self.timeout, tier=tier.medium)
+                n = await core.import_host(
+                    want, job=job, timeout=self.timeout, tier=tier.medium, keep=frozenset(pages)
+                )
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:

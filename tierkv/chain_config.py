@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from tierkv import validate
@@ -198,7 +198,14 @@ def _entry(x: object) -> TierEntry:
     extra = sorted(str(k) for k in x if k != "tier" and k not in known)
     if extra:
         raise TierConfigError(f"{kind} tier: unknown field(s) {extra} (fields: {sorted(known)})")
+    missing = sorted(f.name for f in fields(cls) if f.name not in x and _required(f))
+    if missing:
+        raise TierTypeError(f"{kind} tier: missing field(s) {missing} in {x!r}")
     return cls(**{k: v for k, v in x.items() if k != "tier"})  # type: ignore[no-any-return]
+
+
+def _required(f: Any) -> bool:
+    return f.default is MISSING and f.default_factory is MISSING
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +216,8 @@ class Chain:
     lease_pages: int  # the top tier, where leases pin pages (device, or host when host-first)
     host_pages: int  # the host tier under the device (0: host-first, or a device alone)
     cold_pages: int
-    codec: Codec | None
+    codec_name: str | None
+    codec: Codec | None = field(compare=False)  # (made from codec_name)
     disk: tuple[str, int] | None
     remote: list[PageSource] | None
 
@@ -269,7 +277,8 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         _pages(DISK, d.bytes, ALIGN + round_up(page), "disk slots")
         disk = (os.fspath(d.path), int(d.bytes))
     remote = list(by[REMOTE].sources) if REMOTE in by else None
-    return Chain(names, lease, host, cold, codec, disk, remote)
+    name = by[COLD].codec if COLD in by else None
+    return Chain(names, lease, host, cold, name, codec, disk, remote)
 
 
 def _pages(kind: str, size: int, unit: int, what: str = "pages") -> int:
@@ -305,10 +314,10 @@ def shorthand(
     return out
 
 
-def conflicts(given: Mapping[str, object]) -> None:
-    """Raise TierConflictError when ``tiers=`` comes with old tier keywords (``given``: those
-    keywords by name, UNSET or None when not given)."""
-    both = sorted(k for k, v in given.items() if v is not UNSET and v is not None)
+def conflicts(given: Mapping[str, bool]) -> None:
+    """Raise TierConflictError when ``tiers=`` comes with old tier keywords (``given``: for
+    each of those keywords, whether the caller gave it)."""
+    both = sorted(k for k, v in given.items() if v)
     if both:
         raise TierConflictError(
             f"tiers= and {', '.join(both)} both configure tiers: give the chain in tiers= "

@@ -156,12 +156,15 @@ class StoreRemote:
             n = min(n, len(pages) - have, room) // layers * layers
             if n <= 0:
                 continue
-            loaded = await self._import(tiers, source, pages[have : have + n])
+            # room is made sparing the prefix held locally (its other blocks)
+            loaded = await self._import(tiers, source, pages[have : have + n], frozenset(pages))
             got += loaded
             have = table.lookup(pages) // layers * layers
         return got
 
-    async def _import(self, tiers: TierSet, source: PageSource, keys: list[bytes]) -> int:
+    async def _import(
+        self, tiers: TierSet, source: PageSource, keys: list[bytes], keep: frozenset[bytes]
+    ) -> int:
         check = PageCheck()  # the source's verdict on the pages' checksums
 
         async def load(new: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
@@ -179,7 +182,7 @@ class StoreRemote:
 
         # victims compressed / pushed for room, not just dropped; nothing stays WRITING
         ok = await tiers.import_host(
-            keys, load, timeout=self.timeout + 1.0, check=check, tier=tier_label(source)
+            keys, load, timeout=self.timeout + 1.0, check=check, tier=tier_label(source), keep=keep
         )
         self.counters.hits += ok
         self.counters.bytes_in += ok * self.page_bytes

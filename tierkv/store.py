@@ -151,13 +151,13 @@ class KVStore:
         if tiers is not None:
             conflicts(
                 dict(
-                    device_bytes=device_bytes,
-                    host_bytes=host_bytes,
-                    codec=codec,
-                    cold_fraction=cold_fraction,
-                    disk_path=disk_path,
-                    disk_bytes=disk_bytes,
-                    remote=remote,
+                    device_bytes=device_bytes is not UNSET,
+                    host_bytes=host_bytes is not UNSET,
+                    codec=codec is not UNSET,
+                    cold_fraction=cold_fraction is not UNSET,
+                    disk_path=disk_path is not None,
+                    disk_bytes=disk_bytes is not None,
+                    remote=remote is not None,
                 )
             )
             chain = build_chain(spec, tiers)
@@ -179,6 +179,11 @@ class KVStore:
         remote_push_wait = validate.seconds("remote_push_wait", remote_push_wait, allow_zero=True)
         if turn_budget is not None:
             turn_budget = validate.seconds("turn_budget", turn_budget)
+        if chain.host_first and compress_live:
+            raise TierConfigError(
+                "compress_live needs a device tier: in a host-first store a live sequence's "
+                "pages have one exact copy, in the host tier, and stay there"
+            )
         self.chain = chain
         self._disk = chain.disk
         self.spec = spec
@@ -391,14 +396,18 @@ class KVStore:
         return (n + self._lower_blocks(keys[n:])) * self.spec.page_tokens
 
     def _lower_blocks(self, blocks: list[bytes]) -> int:
-        """How many of ``blocks``, from the first, a lower tier holds (every layer's page)."""
+        """How many of ``blocks``, from the first, a lower tier holds (every layer's page; a
+        page readable in a local tier counts too: a block split between the host and the disk
+        is whole)."""
         if self._chain is None or not blocks:
             return 0
-        layers = self.spec.num_layers
+        layers, table = self.spec.num_layers, self.tiers.table
         n, window = 0, 64
         while n < len(blocks):  # doubling windows, as _cached_blocks
             part = blocks[n : n + window]
-            found = self._chain.lookup([page_key(b, j) for b in part for j in range(layers)])
+            pages = [page_key(b, j) for b in part for j in range(layers)]
+            local = set(table.readable(pages, table.tier_names))
+            found = [f or p in local for p, f in zip(pages, self._chain.lookup(pages), strict=True)]
             full = next(
                 (i for i in range(len(part)) if not all(found[i * layers : (i + 1) * layers])),
                 len(part),
@@ -814,7 +823,12 @@ class KVStore:
             "background_errors": c.background_errors,
             "corrupt_pages": {t: ts.corrupt.get(t, 0) for t in ("cold", "peer", "redis")}
             | ts.corrupt,
-            "tiers": tiers.info(),
+            "chain": list(self.chain.names),  # fastest first (docs/configuration.md)
+            # pages per tier; a host-first store's leased tier (the core's "device") is "host"
+            "tiers": {
+                HOST if self.chain.host_first and t == DEVICE else t: v
+                for t, v in tiers.info().items()
+            },
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
             **(self._chain.stats() if self._chain is not None else {}),
         }

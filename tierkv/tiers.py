@@ -170,6 +170,7 @@ class TierSet:
         # with none the leased tier itself, whose owned pages the owners then pin (their one
         # exact copy: never a victim)
         self.top = HOST if HOST in tiers else DEVICE
+        self.leased = HOST if host_first else DEVICE  # the leased tier's name, for the user
         self.stats = TierStats()
         self._owners = Owners(self._table, self.lower if HOST in tiers else [DEVICE, *self.lower])
         self._departures = Departures()
@@ -509,7 +510,7 @@ class TierSet:
         pinned = t.used(DEVICE) - t.evictable(DEVICE)
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
         return TierFullError(
-            f"device tier full{after}: {n} pages needed, {free} free, {pinned} pinned or in "
+            f"{self.leased} tier full{after}: {n} pages needed, {free} free, {pinned} pinned or in "
             f"flight (capacity {t.capacity(DEVICE)} pages of {self.spec.page_bytes} B)"
         )
 
@@ -518,7 +519,7 @@ class TierSet:
         cap = self._table.capacity(DEVICE)
         if n > cap:
             raise TierFullError(
-                f"device tier: {n} pages can never be resident at once (capacity {cap} pages "
+                f"{self.leased} tier: {n} pages can never be resident at once (capacity {cap} pages "
                 f"of {self.spec.page_bytes} B)"
             )
 
@@ -695,6 +696,7 @@ class TierSet:
         make_room: bool = True,
         check: PageCheck | None = None,
         tier: str = "peer",
+        keep: AbstractSet[PageKey] = frozenset(),
     ) -> int:
         """Bring pages no tier holds into the host tier from a remote peer: room is made (the
         victims offered, compressed or dropped; with ``make_room=False`` only what the policy
@@ -707,14 +709,15 @@ class TierSet:
         reports of the pages' checksums (verified ones are recorded; the corrupt ones counted
         under ``tier``); without it the checksums are computed from the bytes that landed.
         ``job`` instead of ``load``: a lower tier's move, which queues its own engine job and
-        reports a hit per key (each hit committed, each miss rolled back)."""
+        reports a hit per key (each hit committed, each miss rolled back). ``keep``: pages the
+        room is made without, unless nothing else can go (the rest of the caller's prefix)."""
         if (load is None) == (job is None):
             raise InvalidInputError("import_host takes a load or a job, not both or neither")
         want = self._nowhere(list(dict.fromkeys(keys)))
         if not want:
             return 0
         if make_room:
-            await self._cold.make_room(len(want))
+            await self._cold.make_room(len(want), keep or None)
             want = self._nowhere(want)
         alloc = self.reserve_host(want) if want else None
         if alloc is None and not make_room:

@@ -30,7 +30,9 @@ import asyncio
 import contextlib
 import hashlib
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,11 +41,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tierkv import KVSpec, SequenceError, TierFullError
+from tierkv import Cold, Disk, Host, KVSpec, Remote, SequenceError, TierFullError
 from tierkv.keys import KeyKind, key_kind
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dict_source import DictSource  # noqa: E402
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
@@ -80,39 +85,6 @@ def expected(tokens: list[int], layer: int, start: int, end: int) -> torch.Tenso
     if end <= start:
         return torch.empty((2, SPEC.num_kv_heads, 0, SPEC.head_dim))
     return torch.cat([kv_of(tokens[: i + 1], layer) for i in range(start, end)], dim=2)
-
-
-class DictSource:
-    """A remote tier in a dict (a :class:`~tierkv.remote.PageSource`); yields once per call so
-    that its calls interleave with the store's other work."""
-
-    def __init__(self) -> None:
-        self.pages: dict[bytes, bytes] = {}
-
-    async def lookup(self, keys: list[bytes]) -> int:
-        await asyncio.sleep(0)
-        n = 0
-        while n < len(keys) and keys[n] in self.pages:
-            n += 1
-        return n
-
-    async def load(self, keys: list[bytes], array: Any, slots: list[int]) -> int:
-        await asyncio.sleep(0)
-        n = 0
-        for k, s in zip(keys, slots):
-            page = self.pages.get(k)
-            if page is None:
-                break
-            array[s] = np.frombuffer(page, dtype=np.uint8)
-            n += 1
-        return n
-
-    async def publish(self, keys: list[bytes], array: Any, slots: list[int]) -> int:
-        await asyncio.sleep(0)
-        new = [k for k in keys if k not in self.pages]
-        for k, s in zip(keys, slots):
-            self.pages[k] = array[s].tobytes()
-        return len(new)
 
 
 class Model:
@@ -505,5 +477,39 @@ class StoreMachine(RuleBasedStateMachine):
         assert table.used(DEVICE) <= table.capacity(DEVICE)
 
 
+class HostFirstMachine(StoreMachine):
+    """The same model on a host-first store (issue 25): ``tiers=[Host, Cold?, Disk?, Remote?]``,
+    no device tier; leases pin pages in host memory, the owners pin the pages of live
+    sequences there (their one exact copy), cached prefixes leave to cold, disk and remote."""
+
+    @initialize(
+        host=st.integers(20, 30),
+        cold=st.booleans(),
+        remote=st.booleans(),
+        disk=st.booleans(),
+    )
+    def open_store(  # type: ignore[override]
+        self, host: int, cold: bool, remote: bool, disk: bool
+    ) -> None:
+        tiers: list[Any] = [Host(bytes=host * PAGE)]
+        if cold:
+            tiers.append(Cold(codec="none", bytes=12 * (PAGE + 128)))
+        if disk:
+            self.disk_dir = tempfile.mkdtemp(prefix="tierkv-stateful-")
+            tiers.append(Disk(path=self.disk_dir, bytes=DISK_SLOTS * DISK_SLOT))
+        if remote:
+            tiers.append(Remote(sources=[DictSource()]))
+        self.config = dict(
+            tiers=tiers,
+            compress_after=1,  # (compress_live needs a device tier: refused here)
+            timeout=5.0,
+        )
+        self.store = self.run(KVStore(SPEC, **self.config).open())
+
+
 StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
 TestStoreModel = StoreMachine.TestCase
+HostFirstMachine.TestCase.settings = settings(
+    max_examples=15, stateful_step_count=30, deadline=None
+)
+TestHostFirstStoreModel = HostFirstMachine.TestCase
