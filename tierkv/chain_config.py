@@ -91,12 +91,10 @@ def _size(kind: str, x: object) -> int:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Device:
-    """The device tier: leased pages, in accelerator memory (host memory on the cpu backend).
+class _Budget:
+    """A tier of whole pages and a budget in bytes."""
 
-    ``bytes``: its budget, at least one page."""
-
-    kind: ClassVar[str] = DEVICE
+    kind: ClassVar[str] = ""
     bytes: int
 
     def __post_init__(self) -> None:
@@ -104,17 +102,22 @@ class Device:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Host:
+class Device(_Budget):
+    """The device tier: leased pages, in accelerator memory (host memory on the cpu backend).
+
+    ``bytes``: its budget, at least one page."""
+
+    kind: ClassVar[str] = DEVICE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Host(_Budget):
     """The host tier: pinned host RAM (pinned where CUDA is in use). Under a device tier it
     holds the device's victims; first in the chain it is the leased tier (host-first).
 
     ``bytes``: its budget, at least one page (the cold pool is a tier of its own here)."""
 
     kind: ClassVar[str] = HOST
-    bytes: int
-
-    def __post_init__(self) -> None:
-        _size(self.kind, self.bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -146,9 +149,7 @@ class Disk:
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
-            raise TierTypeError(
-                f"disk path must be a str or path, got {type(self.path).__name__}"
-            )
+            raise TierTypeError(f"disk path must be a str or path, got {type(self.path).__name__}")
         _size(self.kind, self.bytes)
 
 
@@ -160,7 +161,7 @@ class Remote:
     ``remote_push_pages`` and ``remote_push_wait``."""
 
     kind: ClassVar[str] = REMOTE
-    sources: Sequence[PageSource] = field(default_factory=list)
+    sources: Sequence[PageSource]
 
     def __post_init__(self) -> None:
         if isinstance(self.sources, str | bytes) or not isinstance(self.sources, Sequence):
@@ -183,7 +184,9 @@ def _entry(x: object) -> TierEntry:
     if isinstance(x, Device | Host | Cold | Disk | Remote):
         return x
     if not isinstance(x, Mapping):
-        hint = ' (a tier needs its size: {"tier": "host", "bytes": ...})' if isinstance(x, str) else ""
+        hint = (
+            ' (a tier needs its size: {"tier": "host", "bytes": ...})' if isinstance(x, str) else ""
+        )
         raise TierTypeError(
             f"a tier is tierkv.Device / Host / Cold / Disk / Remote or a dict, got "
             f"{type(x).__name__} {x!r}{hint}"
@@ -201,7 +204,8 @@ def _entry(x: object) -> TierEntry:
     missing = sorted(f.name for f in fields(cls) if f.name not in x and _required(f))
     if missing:
         raise TierTypeError(f"{kind} tier: missing field(s) {missing} in {x!r}")
-    return cls(**{k: v for k, v in x.items() if k != "tier"})  # type: ignore[no-any-return]
+    entry: TierEntry = cls(**{k: v for k, v in x.items() if k != "tier"})
+    return entry
 
 
 def _required(f: Any) -> bool:

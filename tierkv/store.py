@@ -27,7 +27,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tierkv import validate
 from tierkv.admission import Admission
@@ -66,14 +66,24 @@ _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 class KVStore:
     """A tiered, paged KV store for one model layout.
 
+    The tiers are a chain, fastest first: ``tiers=[tierkv.Device(bytes=...),
+    tierkv.Host(bytes=...), tierkv.Cold(codec=..., bytes=...), tierkv.Disk(path=..., bytes=...),
+    tierkv.Remote(sources=[...])]``, any subset in that order that starts with the device or
+    the host (*host-first*: leases pin pages in host memory; see :mod:`tierkv.chain_config`
+    and docs/configuration.md), or the keyword shorthand below that builds today's chain.
+
     Args:
         spec: the page layout.
-        device_bytes: device tier budget (GPU memory; host memory on the cpu backend).
-        host_bytes: host tier budget, including the compressed cold pool.
+        device_bytes: device tier budget (GPU memory; host memory on the cpu backend);
+            required without ``tiers``.
+        host_bytes: host tier budget, including the compressed cold pool; required without
+            ``tiers``.
         backend: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         policy: eviction policy name for every tier.
-        codec: codec of the cold pool (``"int8"``, ``"fp16"``...), or None for no compression.
-        cold_fraction: share of ``host_bytes`` given to the compressed pool.
+        codec: codec of the cold pool (``"int8"``, ``"fp16"``...; ``"int8"`` when not given),
+            or None for no compression.
+        cold_fraction: share of ``host_bytes`` given to the compressed pool (0.25 when not
+            given).
         compress_after: decode steps a host page may stay idle before it is compressed.
         prefetch_window: how many announced steps :meth:`schedule` prefetches ahead.
         max_inflight: transfer batches in flight at once.
@@ -106,11 +116,17 @@ class KVStore:
             second one out). Private pages never go to disk. None: no disk tier.
         disk_bytes: the disk tier's budget (segment files preallocated at open), required
             with ``disk_path``.
+        tiers: the chain of tiers, fastest first (:mod:`tierkv.chain_config`): typed entries
+            or dicts ``{"tier": "host", "bytes": ...}``. Given, the seven tier keywords above
+            (``device_bytes`` ... ``remote``) must not be.
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
         InvalidInputError: an argument out of range (``timeout <= 0``).
-        SpecError: a budget too small for one page per tier.
+        SpecError: a budget too small for one page per tier (TierSizeError with ``tiers``).
+        TierConfigError: a bad chain (:mod:`tierkv.errors`: an unknown kind, a wrong type,
+            a tier twice or out of order, ``tiers`` with an old tier keyword, compress_live on
+            a host-first chain).
         UnknownNameError: a policy, codec or backend name its registry does not know
             (:class:`~tierkv.errors.UnknownPolicyError`, also an InvalidInputError;
             :class:`~tierkv.codecs.UnknownCodecError`;
@@ -129,7 +145,7 @@ class KVStore:
         host_bytes: int | Unset = UNSET,
         backend: str = "cpu",
         policy: str = DEFAULT_POLICY,
-        codec: str | None | Unset = UNSET,
+        codec: str | Unset | None = UNSET,
         cold_fraction: float | Unset = UNSET,
         compress_after: int = 5,
         prefetch_window: int = 4,
@@ -866,7 +882,7 @@ def _keyword_chain(
         codec=name,
         cold_fraction=fraction,
         disk=_disk_args(disk_path, disk_bytes),
-        remote=sources,
+        remote=cast("list[PageSource] | None", sources),  # (checked by Remote)
     )
     return build_chain(spec, tiers)
 

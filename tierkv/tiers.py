@@ -310,7 +310,7 @@ class TierSet:
         table, owners = self._table, self._owners
         return any(
             table.pins(k, DEVICE) > owners.holds_pin(k, DEVICE)  # (the owners' pin: top=DEVICE)
-            for k in table.present(keys, DEVICE)
+            for k in cast(list[PageKey], table.present(keys, DEVICE))
         )
 
     def device_room(self, keys: Sequence[PageKey], protect: AbstractSet[PageKey]) -> list[PageKey]:
@@ -519,8 +519,8 @@ class TierSet:
         cap = self._table.capacity(DEVICE)
         if n > cap:
             raise TierFullError(
-                f"{self.leased} tier: {n} pages can never be resident at once (capacity {cap} pages "
-                f"of {self.spec.page_bytes} B)"
+                f"{self.leased} tier: {n} pages can never be resident at once (capacity {cap} "
+                f"pages of {self.spec.page_bytes} B)"
             )
 
     # -- writes that leases and background work ask for ------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+import tierkv
 from tierkv import KVStore, SyncKVStore
 from tierkv.cli import build_parser
 from tierkv.remote import PageServer, RemoteTier
@@ -48,6 +49,11 @@ CLASSES: dict[str, Callable[[], Any]] = {
     "RedisTier": _optional("tierkv.remote.sources.redis_tier", "RedisTier"),
     "TieredCache": _optional("tierkv.integrations.hf", "TieredCache"),
     "Timeline": lambda: Timeline,
+    "Device": lambda: tierkv.Device,
+    "Host": lambda: tierkv.Host,
+    "Cold": lambda: tierkv.Cold,
+    "Disk": lambda: tierkv.Disk,
+    "Remote": lambda: tierkv.Remote,
 }
 
 

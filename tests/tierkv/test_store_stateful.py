@@ -35,7 +35,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -48,7 +47,7 @@ from tierkv.store import KVStore
 from tierkv.tiers import DEVICE
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dict_source import DictSource  # noqa: E402
+from dict_source import DictSource
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=1, head_dim=4, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
