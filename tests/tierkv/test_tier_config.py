@@ -383,3 +383,37 @@ async def test_a_prefix_split_between_the_host_and_the_disk_is_reused_whole(
             await fill(s, f"s{i}", i)
         await s.drain()
         assert [await cached_kv(s, i) for i in range(4)] == [8] * 4
+
+
+def test_a_sync_store_takes_a_chain(tmp_path: Path) -> None:
+    with tierkv.SyncKVStore(SPEC, tiers=[{"tier": "host", "bytes": 8 * PAGE}]) as s:
+        assert s.add_sequence("a", tokens(0)) == 0
+        assert s.stats()["chain"] == ["host"]
+    with pytest.raises(e.TierConflictError):
+        tierkv.SyncKVStore(SPEC, tiers=[Host(bytes=8 * PAGE)], host_bytes=8 * PAGE)
+
+
+async def test_host_first_publishes_and_imports_prefixes_by_hand(tmp_path: Path) -> None:
+    """The remote glue's verbs (stage, publish, import) work on the leased tier."""
+    from tierkv.remote.store_io import import_prefix, publish_prefix, stage_prefix
+
+    peer = DictSource()
+    async with host_first(tmp_path, host=12) as s:
+        await fill(s, "s0", 0)
+        assert await stage_prefix(s, tokens(0)) == 0  # already in host memory
+        assert await publish_prefix(s, peer, tokens(0)) == 4
+    async with host_first(tmp_path, host=12) as s:
+        assert await import_prefix(s, peer, tokens(0)) == 8
+        assert await cached_kv(s, 0) == 8
+
+
+async def test_a_page_server_refuses_a_host_first_store_typed(tmp_path: Path) -> None:
+    from tierkv.remote import PageServer
+    from tierkv.remote.errors import RemoteError
+
+    async with host_first(tmp_path) as s:
+        with pytest.raises(RemoteError, match="host-first"):
+            async with PageServer(s, secret=b"host-first-test", timeout=3.0):
+                pass
+        await fill(s, "s0", 0)  # the store goes on
+        assert await cached_kv(s, 0) == 8

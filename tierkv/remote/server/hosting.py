@@ -69,9 +69,15 @@ def share_host_arena(store: KVStore, transport: transports.Transport) -> SharedA
     """Rebind ``store``'s host arena onto memory that ``transport`` can share.
 
     shm: a shared-memory segment peers map; other transports: their ``allocate()``. Raises
-    RemoteError when the host tier already holds pages (or the memory cannot be had).
+    RemoteError when the host tier already holds pages (or the memory cannot be had), or the
+    store has no host tier (host-first).
     """
     tiers = store.tiers
+    if tiers.top != HOST:
+        raise RemoteError(
+            "a store without a host tier (host-first: its leased pages are views of their "
+            "arena) cannot share it; serve a store whose chain has a device and a host tier"
+        )
     old = tiers.host_arena
     if tiers.table.used(HOST):
         raise RemoteError("share the host arena before the store holds host pages")
