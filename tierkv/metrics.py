@@ -223,29 +223,32 @@ class StoreCollector(_Families):
 
         # occupancy, read from the page table now
         names = table.tier_names
+        # the leased tier is labelled "host" in a host-first store (no device tier)
+        shown = {t: tiers.leased if t == DEVICE else t for t in names}
         yield self._gauge(
             "tier_pages",
             "Pages held per tier (any state)",
-            {t: table.used(t) for t in names},
+            {shown[t]: table.used(t) for t in names},
             label="tier",
         )
         yield self._gauge(
             "tier_capacity_pages",
             "Capacity per tier in pages",
-            {t: table.capacity(t) for t in names},
+            {shown[t]: table.capacity(t) for t in names},
             label="tier",
         )
         yield self._gauge(
             "tier_unevictable_pages",
             "Pages per tier that cannot be evicted now (pinned, being written or moving)",
-            {t: table.used(t) - table.evictable(t) for t in names},
+            {shown[t]: table.used(t) - table.evictable(t) for t in names},
             label="tier",
         )
         pinned = sum(1 for k in table.keys(DEVICE) if table.pins(k, DEVICE))
         yield self._gauge(
             "pinned_pages",
-            "Device pages pinned now (by leases and loads in flight)",
-            {DEVICE: pinned},
+            "Leased-tier pages pinned now (by leases and loads in flight; host-first: by live "
+            "sequences too)",
+            {shown[DEVICE]: pinned},
             label="tier",
         )
         yield self._gauge(

@@ -817,10 +817,13 @@ class KVStore:
         loads = ts.loads_from[HOST] + ts.loads_from[COLD]
         return {
             "pages_leased": c.pages_leased,
-            "hits": {
-                "device": c.device_hits,
-                "host": ts.loads_from[HOST],
-                "cold": ts.loads_from[COLD],
+            # leased pages by the tier they came from (host-first: "host" = already resident)
+            "hits": {HOST: c.device_hits, COLD: ts.loads_from[COLD]}
+            if self.chain.host_first
+            else {
+                DEVICE: c.device_hits,
+                HOST: ts.loads_from[HOST],
+                COLD: ts.loads_from[COLD],
             },
             "page_loads": loads,
             "late_fetches": c.late_fetches,

@@ -10,6 +10,7 @@ pytest.importorskip("prometheus_client")
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+import tierkv
 from tierkv import KVSpec, KVStore, metrics
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
@@ -95,6 +96,19 @@ async def test_pinned_pages_counts_a_live_lease() -> None:
             assert get(m, "tierkv_tier_unevictable_pages", tier="device") >= 6
         await store.drain()
         assert get(parse(metrics.render(store)), "tierkv_pinned_pages", tier="device") == 0
+
+
+async def test_a_host_first_store_labels_its_leased_tier_host() -> None:
+    """No device tier: the leased tier is the host's, its live pages pinned by their owners."""
+    async with KVStore(SPEC, tiers=[tierkv.Host(bytes=8 * PAGE)]) as store:
+        await fill(store, "a", list(range(10)))  # 3 blocks x 2 layers, owned
+        m = parse(metrics.render(store))
+        assert get(m, "tierkv_tier_capacity_pages", tier="host") == 8
+        assert get(m, "tierkv_tier_pages", tier="host") == 6
+        assert get(m, "tierkv_pinned_pages", tier="host") == 6
+        assert not any(labels == frozenset({("tier", "device")}) for _, labels in m)
+        await store.release("a")
+        assert get(parse(metrics.render(store)), "tierkv_pinned_pages", tier="host") == 0
 
 
 async def test_scrape_changes_nothing_and_registry_is_per_store() -> None:
