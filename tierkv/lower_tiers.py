@@ -208,7 +208,7 @@ class ColdStorage:
             if ok:
                 self._departures.left(keys)
             else:  # back: pages owned while they were leaving get their owners' pin now
-                self._owners.pin_owned(keys, top)
+                self._owners.pin_owned(cast(list[PageKey], table.readable(keys, top)), top)
             self._progress()  # a lower copy in flight landed (or left)
 
     async def _compress(self, victims: list[tuple[PageKey, int]]) -> None:

@@ -9,6 +9,7 @@ tested through every API: leases, eviction to disk / cold / remote, restarts on 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import sys
 from pathlib import Path
@@ -417,3 +418,40 @@ async def test_a_page_server_refuses_a_host_first_store_typed(tmp_path: Path) ->
                 pass
         await fill(s, "s0", 0)  # the store goes on
         assert await cached_kv(s, 0) == 8
+
+
+async def test_a_page_owned_while_its_host_eviction_fails_keeps_its_owners_pin() -> None:
+    """A host victim (MOVING, so a new owner cannot pin it) whose eviction is cancelled comes
+    back readable: it gets the owners' pin then, or the page's one exact copy could later be
+    evicted from under its owner (found while making eviction serve host-first chains)."""
+    async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
+        await fill(s, "s0", 0)
+        await fill(s, "s1", 1)
+        await s.drain()
+        tiers = s.tiers
+        assert tiers.table.used(HOST) == 8  # full: an import makes room
+        entered, never = asyncio.Event(), asyncio.Event()
+        leaving: list[bytes] = []
+
+        async def spill(victims: list[tuple[bytes, int]]) -> None:
+            leaving.extend(k for k, _ in victims)
+            entered.set()
+            await never.wait()  # the eviction hangs here until cancelled
+
+        async def load(keys: list[bytes], array: Any, slots: list[int]) -> int:
+            return 0
+
+        tiers.set_spill(spill)
+        task = asyncio.ensure_future(tiers.import_host([bytes(18)], load))
+        await entered.wait()
+        victim = leaving[0]
+        tiers.own([victim])  # its host copy is MOVING: not pinned now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        tiers.set_spill(None)
+        assert tiers.table.lookup([victim], HOST) == 1
+        assert tiers.table.pins(victim, HOST) == 1  # the owners' pin, taken when it came back
+        tiers.disown([victim])
+        assert tiers.table.pins(victim, HOST) == 0
+        s.check()
