@@ -42,6 +42,7 @@ class ChainCounters:
     offered: int = 0  # pages leaving the host that the tier accepts
     stored: int = 0  # written and committed (or already there)
     write_failed: int = 0  # refused (no room, busy) or failed: never reported stored
+    not_admitted: int = 0  # evicted pages the tier's admission filter declined (not written)
     imported: int = 0  # pages read back into the host tier, verified
     import_missed: int = 0  # pages the index had that the read did not deliver (corrupt...)
     errors: int = 0  # jobs that failed whole (counted, not raised)
@@ -84,10 +85,11 @@ class LowerChain:
         c.errors += 1
         c.last_error = self._failures.report(what, exc, tier=medium, keys=list(keys))
 
-    async def spill(self, victims: list[tuple[PageKey, int]]) -> None:
-        """Write host pages about to leave to each lower tier that accepts them and does not
-        hold them yet. Raises StoreTimeoutError past the store's timeout and CancelledError
-        (the caller keeps the pages in the host then); any other failure is counted."""
+    async def spill(self, victims: list[tuple[PageKey, int]], *, filtered: bool = True) -> None:
+        """Write host pages about to leave to each lower tier that accepts them, does not
+        hold them yet and (when `filtered`: an eviction) admits them (`Tier.admit`). Raises
+        StoreTimeoutError past the store's timeout and CancelledError (the caller keeps the
+        pages in the host then); any other failure is counted."""
         core = self._core
         assert core is not None
         for tier in self.tiers:
@@ -105,6 +107,13 @@ class LowerChain:
                 keys = [k for k, h in zip(keys, held, strict=True) if not h]
                 slots = [s for s, h in zip(slots, held, strict=True) if not h]
                 c.stored += len(held) - len(keys)  # there already
+                if filtered:
+                    ok = tier.admit(keys)
+                    c.not_admitted += ok.count(False)
+                    keys = [k for k, a in zip(keys, ok, strict=True) if a]
+                    slots = [s for s, a in zip(slots, ok, strict=True) if a]
+                    if not keys:
+                        continue
                 tier.make_room(len(keys))
                 handle = self.moves.get(HOST, tier.medium)(
                     core.engine, tier, keys, core.host_arena, slots
@@ -142,7 +151,7 @@ class LowerChain:
             ]
             slots = core.pin_host(part)
             try:
-                await self.spill(list(zip(part, slots, strict=True)))
+                await self.spill(list(zip(part, slots, strict=True)), filtered=False)
             finally:
                 core.unpin_host(part)
 
@@ -200,6 +209,7 @@ class LowerChain:
                 "offered": c.offered,
                 "stored": c.stored,
                 "write_failed": c.write_failed,
+                "not_admitted": c.not_admitted,
                 "imported": c.imported,
                 "import_missed": c.import_missed,
                 "errors": c.errors,

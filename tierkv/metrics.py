@@ -333,6 +333,7 @@ _DISK = {
     "write_failures": "Disk tier writes the OS failed or cut short: never reported stored",
     "write_failed": "Pages leaving the host tier the disk did not store (failed, no room)",
     "no_room": "Pages refused by the disk tier for want of a free slot",
+    "not_admitted": "Pages leaving the host tier the disk's admission filter declined",
     "bytes_read": "Bytes read from the disk tier, verified",
     "bytes_written": "Bytes written to the disk tier",
     "imported": "Pages brought back from the disk tier into the host tier",

@@ -71,6 +71,12 @@ class Tier(Protocol):
         """Per key, whether the tier holds a committed page of it (no I/O)."""
         ...
 
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key of a page evicted from the tier above (and not held here), whether to
+        write it: the tier's admission filter (all True without one). Called once per offer:
+        a filter may count the offers."""
+        ...
+
     def reserve(self, keys: Sequence[bytes]) -> list[Any]:
         """Reserve a slot per key for a write (the medium's reservation records)."""
         ...
