@@ -73,9 +73,9 @@ class Tier(Protocol):
 
     def admit(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key of a page evicted from the tier above (and not held here), whether to
-        write it: the tier's admission filter (all True without one). Called once per offer:
-        a filter may count the offers."""
-        ...
+        write it: the tier's admission filter (all True without one; a class deriving from
+        `Tier` inherits that). Called once per offer: a filter may count the offers."""
+        return [True] * len(keys)
 
     def reserve(self, keys: Sequence[bytes]) -> list[Any]:
         """Reserve a slot per key for a write (the medium's reservation records)."""

@@ -107,3 +107,12 @@ async def test_a_store_writes_an_evicted_page_on_its_second_eviction(tmp_path: P
         assert s.lookup(tokens(0)) == 8 and await cached_kv(s, 0) == 8
     async with store(tmp_path / "d") as s2:  # the first store's close wrote its host pages
         assert [await cached_kv(s2, i) for i in range(8, 16)] == [8] * 8
+
+
+def test_a_tier_deriving_from_the_protocol_admits_everything_by_default() -> None:
+    from tierkv.tier import Tier
+
+    class Plain(Tier):
+        """A tier with no filter of its own."""
+
+    assert Plain().admit([k(1), k(2)]) == [True, True]
