@@ -215,9 +215,23 @@ def restart(root: Path, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     equal = sum(r["tokens"] == r["recompute_tokens"] for r in second["rows"])
     print(
         table(
-            ["prompt", "tokens", "first: cached", "second: at open", "second: reused", "= recompute"],
             [
-                [i, r1["prompt_tokens"], r1["cached_at_end"], o, r2["reused"], str(r2["tokens"] == r2["recompute_tokens"])]
+                "prompt",
+                "tokens",
+                "first: cached",
+                "second: at open",
+                "second: reused",
+                "= recompute",
+            ],
+            [
+                [
+                    i,
+                    r1["prompt_tokens"],
+                    r1["cached_at_end"],
+                    o,
+                    r2["reused"],
+                    str(r2["tokens"] == r2["recompute_tokens"]),
+                ]
                 for i, (r1, r2, o) in enumerate(
                     zip(first["rows"], second["rows"], second["at_open"], strict=True)
                 )
