@@ -28,9 +28,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "disk_e2e.py"
 
 def test_a_second_process_reuses_the_first_ones_disk_pages(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
+    args = ["--quick", "--only", "restart", "--dir", str(tmp_path), "--json", str(out)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--only", "restart", "--dir", str(tmp_path)]
-        + ["--json", str(out)],
+        [sys.executable, str(SCRIPT), *args],
         capture_output=True,
         text=True,
         timeout=600,

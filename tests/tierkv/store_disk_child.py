@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_store_disk import fill, store  # noqa: E402
+from test_store_disk import fill, store
 
 
 async def main(path: str, first: int) -> None:
