@@ -46,3 +46,31 @@ def test_a_second_process_reuses_the_first_ones_disk_pages(tmp_path: Path) -> No
     assert second["corrupt_pages"] == 0 and second["import_missed"] == 0
     assert f["first_disk"]["write_failed"] == 0
     assert [p.name for p in tmp_path.iterdir()] == ["e2e.json"]  # its disk files removed
+
+
+def test_demo_disk_pass_reads_the_prompt_back_from_disk(tmp_path: Path) -> None:
+    """``tierkv demo --disk PATH``: the disk pass finds the prompt's pages that the pass
+    before it (the warm-up, then an earlier run on the same PATH) left, verified, and its tokens
+    equal DynamicCache's."""
+    import torch
+
+    from tierkv.demo import hf_demo
+    from tierkv.integrations.smollm2_loader import load_smollm2
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tok = load_smollm2()
+        kw = dict(new_tokens=4, repeat=1, int8=False, progress=False, disk=str(tmp_path))
+        first = hf_demo.run(model, tok, **kw)  # type: ignore[arg-type]
+        again = hf_demo.run(model, tok, **kw)  # type: ignore[arg-type]
+    finally:
+        torch.set_num_threads(threads)
+    d1, d2 = first["disk"], again["disk"]
+    assert d1["first_pass_reused"] == 0 and d1["reused"] == d1["reusable_tokens"] > 0
+    assert d2["first_pass_reused"] == d2["reusable_tokens"]  # an earlier run's pages
+    for d in (d1, d2):
+        assert d["tokens_identical"] and d["corrupt_pages"] == 0 and d["hits"] > 0
+        assert d["imported"] == d["hits"] and d["recovered"] > 0
+        assert d["io_mode"] in ("direct", "buffered")
+    assert first["tokens_identical"] and again["tokens_identical"]
