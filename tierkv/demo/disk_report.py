@@ -49,6 +49,9 @@ def disk_rows(f: Mapping[str, Any]) -> list[tuple[str, str]]:
         mode += f" ({f['io_mode_reason']})"
     where = f" {f['path']}" if f.get("path") else ""
     damaged = f["damaged_at_open"] + f["read_errors"]
+    corrupt = f"{f['corrupt_pages']}"
+    if damaged:
+        corrupt += f"; {damaged} damaged at open or unreadable"
     return [
         (f"disk tier{where}", f"I/O {mode}; {f['used']} of {f['capacity']} slots used"),
         (
@@ -60,9 +63,6 @@ def disk_rows(f: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"{f['pages_written']} ({f['bytes_written'] * mb:.1f} MiB), "
             f"{f['write_failures']} failed, {f['no_room']} refused for room",
         ),
-        (
-            "disk corrupt pages (counted misses)",
-            f"{f['corrupt_pages']}" + (f"; {damaged} damaged at open or unreadable" if damaged else ""),
-        ),
+        ("disk corrupt pages (counted misses)", corrupt),
         ("disk pages found at open", f"{f['recovered']} (an earlier process's or pass's)"),
     ]
