@@ -27,8 +27,9 @@ from tierkv.errors import StoreTimeoutError, TierKVError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
-from tierkv.page_table import PageState, PageTable
+from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
+from tierkv.table_view import TableView
 from tierkv.tier import MoveHandler, Moves, Tier
 from tierkv.tier_names import DEVICE, HOST
 from tierkv.tiers import TierSet
@@ -223,7 +224,7 @@ class LowerChain:
         return out
 
 
-def _readable(table: PageTable, key: PageKey) -> bool:
+def _readable(table: TableView, key: PageKey) -> bool:
     """Whether the host tier holds a readable copy of ``key``."""
     return bool(table.present([key], HOST)) and table.state(key, HOST) is PageState.READABLE
 

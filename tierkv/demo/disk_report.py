@@ -59,10 +59,10 @@ def disk_rows(f: Mapping[str, Any]) -> list[tuple[str, str]]:
             f"{f['hits']} ({f['bytes_read'] * mb:.1f} MiB), {f['misses']} misses",
         ),
         (
-            "disk pages written (before the close writes the rest)",
+            "disk pages written",
             f"{f['pages_written']} ({f['bytes_written'] * mb:.1f} MiB), "
             f"{f['write_failures']} failed, {f['no_room']} refused for room",
         ),
         ("disk corrupt pages (counted misses)", corrupt),
-        ("disk pages found at open", f"{f['recovered']} (an earlier process's or pass's)"),
+        ("disk pages found at open", f"{f['recovered']} (left by an earlier store on the path)"),
     ]
