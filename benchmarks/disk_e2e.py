@@ -19,8 +19,10 @@ history with ``set_prompt``, generates, and releases it), round robin over the c
 tiered, the host tier holds at most 25% of the conversations' KV, the device tier a tenth, and
 the rest waits on disk between turns (each turn reads its history's prefix pages back from
 disk); all-resident, the same turns with a device tier that holds every conversation (no disk).
-Targets: tokens identical; tokens/s of the tiered runs against all-resident, the median of the
-rounds' ratios (each round runs both, order alternating, after an untimed warm-up of each).
+A third kind, ``host``, has the same device tier and a host tier holding everything (no disk):
+the tiered runs against it are the disk's own cost. Targets: tokens identical; tokens/s of the
+tiered runs against all-resident, the median of the rounds' ratios (each round runs every
+kind, order rotating, after an untimed warm-up of each).
 What this does not show: a live sequence's own pages never leave the host for the disk (the
 store keeps the pages a live sequence owns in RAM: docs/store.md), so a decode step never
 reads the disk; the disk serves each turn's history.
@@ -294,12 +296,17 @@ class Decode:
         self.kv_bytes = sum(self.spec.bytes_for(n) for n in final)
 
     def store(self, kind: str, path: Path | None) -> Any:
-        """The store of a pass: tiered (host <= 25% of the KV, disk the rest) or resident."""
+        """The store of a pass: ``tiered`` (device a tenth of the KV, host <= 25%, disk the
+        rest), ``host`` (the same device tier, the host holding everything: no disk) or
+        ``resident`` (the device tier holds everything)."""
         from tierkv import SyncKVStore
 
+        room = self.kv_bytes + self.spec.bytes_for(4 * PAGE_TOKENS)
         if kind == "resident":
-            room = self.kv_bytes + self.spec.bytes_for(4 * PAGE_TOKENS)
             return SyncKVStore(self.spec, device_bytes=room, host_bytes=room, codec=None)
+        if kind == "host":
+            dev = self.kv_bytes // 10
+            return SyncKVStore(self.spec, device_bytes=dev, host_bytes=room, codec=None)
         return SyncKVStore(
             self.spec,
             codec=None,  # the host budget all host tier (no lossy cold tier carved from it)
@@ -364,7 +371,7 @@ def decode(
             if path is not None:
                 shutil.rmtree(path)
 
-    kinds = ["resident", "tiered"]
+    kinds = ["resident", "host", "tiered"]
     for kind in kinds:  # warm-up: first-call allocations, kernel choices
         one(kind)
     passes: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
@@ -374,10 +381,14 @@ def decode(
             print(f"  round {r + 1}/{rounds} {kind}: {passes[kind][-1]['tokens_per_s']:.2f} tok/s")
     ref = passes["resident"][0]["tokens"]
     identical = all(p["tokens"] == ref for ps in passes.values() for p in ps)
-    per_round = [
-        t["tokens_per_s"] / r["tokens_per_s"]
-        for t, r in zip(passes["tiered"], passes["resident"], strict=True)
-    ]
+
+    def speed(of: str, against: str) -> list[float]:
+        return [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(passes[of], passes[against], strict=True)
+        ]
+
+    per_round, of_host = speed("tiered", "resident"), speed("tiered", "host")
     last = passes["tiered"][-1]
     figures = {
         "conversations": convs,
@@ -390,14 +401,17 @@ def decode(
         "prefix_tokens_reused": last["reused"],
         "resident_prefix_tokens_reused": passes["resident"][-1]["reused"],
         "resident_tokens_per_s": [p["tokens_per_s"] for p in passes["resident"]],
+        "host_tokens_per_s": [p["tokens_per_s"] for p in passes["host"]],
         "tiered_tokens_per_s": [p["tokens_per_s"] for p in passes["tiered"]],
         "speed_per_round": per_round,
+        "speed_of_host_per_round": of_host,
         "disk": last["disk"],
     }
     ratios = {
         "decode_tokens_identical": 1.0 if identical else 0.0,
         "decode_host_of_kv": last["host_capacity_bytes"] / d.kv_bytes,
         "decode_tokens_per_s_of_resident": statistics.median(per_round),
+        "decode_tokens_per_s_of_device_host": statistics.median(of_host),
     }
     return figures, ratios
 
