@@ -84,20 +84,16 @@ def _model() -> tuple[Any, Any]:
     return load_smollm2()
 
 
+GREEDY = dict(do_sample=False, output_logits=True, return_dict_in_generate=True)  # + logits
+
+
 def _generate(model: Any, ids: Any, cache: Any, n: int) -> Any:
+    """``n`` greedy tokens after ``ids`` (one row) with ``cache``; their logits too."""
     import torch
 
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "cache": cache}
     with torch.inference_mode():
-        return model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            cache=cache,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        return model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, **GREEDY)
 
 
 # -- restart ---------------------------------------------------------------------------------

@@ -10,18 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from .smollm2_skip import require_smollm2
 
-pytest.importorskip("transformers")
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
-
-from tierkv.integrations.smollm2_loader import gguf_path
-
-try:
-    gguf_path()
-except FileNotFoundError as exc:
-    pytest.skip(str(exc), allow_module_level=True)
+require_smollm2()
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "disk_e2e.py"
 

@@ -152,19 +152,15 @@ def run(
     def cache_for(kind: str) -> Any:
         if kind == "reference":
             return contextlib.nullcontext(DynamicCache(config=model.config))
-        if kind == "disk":
-            return TieredCache(
-                model.config,
-                dtype=model.dtype,
-                page_tokens=page_tokens,
-                device_bytes=device_bytes,
-                host_bytes=max(4 * full_kv, 64 << 20),
-                backend=backend,
-                codec=None,
-                disk_path=disk,
-                disk_bytes=disk_bytes,
-            )
         lossy = kind == "int8"
+        if kind == "disk":  # lossless: no cold tier; the prompt's pages go to disk at close
+            extra: dict[str, Any] = dict(codec=None, disk_path=disk, disk_bytes=disk_bytes)
+        else:
+            extra = dict(
+                codec="int8",
+                compress_live=lossy,  # idle pages of the live sequence too, after one step
+                compress_after=1 if lossy else 5,
+            )
         return TieredCache(
             model.config,
             dtype=model.dtype,
@@ -172,9 +168,7 @@ def run(
             device_bytes=device_bytes,
             host_bytes=max(4 * full_kv, 64 << 20),
             backend=backend,
-            codec="int8",
-            compress_live=lossy,  # idle pages of the live sequence too, after one step
-            compress_after=1 if lossy else 5,
+            **extra,
         )
 
     def one(kind: str, n: int, label: str) -> Pass:
