@@ -323,21 +323,21 @@ class Decode:
         out: list[list[int]] = [[] for _ in range(self.convs)]
         reused = 0
         with self.store(kind, path) as store, timing.no_gc():
-            t0 = time.perf_counter()
-            for t in range(self.turns):
-                for c in range(self.convs):
-                    history[c] += _turn_ids(self.tok, c, t)
-                    ids = torch.tensor([history[c]])
-                    with TieredCache(store=store) as cache:
-                        reused += cache.set_prompt(ids)
-                        got = _generate(self.model, ids, cache, self.new_tokens)
-                    new = got.sequences[0, ids.shape[1] :].tolist()
-                    out[c].append(new)
-                    history[c] += new
-            seconds = time.perf_counter() - t0
+            with timing.Clock() as clock:
+                for t in range(self.turns):
+                    for c in range(self.convs):
+                        history[c] += _turn_ids(self.tok, c, t)
+                        ids = torch.tensor([history[c]])
+                        with TieredCache(store=store) as cache:
+                            reused += cache.set_prompt(ids)
+                            got = _generate(self.model, ids, cache, self.new_tokens)
+                        new = got.sequences[0, ids.shape[1] :].tolist()
+                        out[c].append(new)
+                        history[c] += new
             st = store.stats()
         tokens = self.convs * self.turns * self.new_tokens
-        res = {"tokens": out, "seconds": seconds, "tokens_per_s": tokens / seconds}
+        res = {"tokens": out, "seconds": clock.wall, "tokens_per_s": tokens / clock.wall}
+        res["tokens_per_cpu_s"] = tokens / clock.cpu  # other processes' load left out
         res["reused"] = reused
         res["host_capacity_bytes"] = st["tiers"]["host"]["capacity"] * self.spec.page_bytes
         res["device_capacity_bytes"] = st["tiers"]["device"]["capacity"] * self.spec.page_bytes
@@ -374,17 +374,19 @@ def decode(
     for r in range(rounds):
         for kind in timing.order(kinds, r):
             passes[kind].append(one(kind))
-            print(f"  round {r + 1}/{rounds} {kind}: {passes[kind][-1]['tokens_per_s']:.2f} tok/s")
+            p = passes[kind][-1]
+            print(
+                f"  round {r + 1}/{rounds} {kind}: {p['tokens_per_s']:.2f} tok/s, "
+                f"{p['tokens_per_cpu_s']:.2f} tok/CPU-s"
+            )
     ref = passes["resident"][0]["tokens"]
     identical = all(p["tokens"] == ref for ps in passes.values() for p in ps)
 
-    def speed(of: str, against: str) -> list[float]:
-        return [
-            a["tokens_per_s"] / b["tokens_per_s"]
-            for a, b in zip(passes[of], passes[against], strict=True)
-        ]
+    def speed(of: str, against: str, key: str = "tokens_per_s") -> list[float]:
+        return [a[key] / b[key] for a, b in zip(passes[of], passes[against], strict=True)]
 
     per_round, of_host = speed("tiered", "resident"), speed("tiered", "host")
+    cpu = speed("tiered", "resident", "tokens_per_cpu_s")
     last = passes["tiered"][-1]
     figures = {
         "conversations": convs,
@@ -401,6 +403,8 @@ def decode(
         "tiered_tokens_per_s": [p["tokens_per_s"] for p in passes["tiered"]],
         "speed_per_round": per_round,
         "speed_of_host_per_round": of_host,
+        "cpu_speed_per_round": cpu,
+        "tokens_per_cpu_s": {k: [p["tokens_per_cpu_s"] for p in ps] for k, ps in passes.items()},
         "disk": last["disk"],
     }
     ratios = {
@@ -408,6 +412,7 @@ def decode(
         "decode_host_of_kv": last["host_capacity_bytes"] / d.kv_bytes,
         "decode_tokens_per_s_of_resident": statistics.median(per_round),
         "decode_tokens_per_s_of_device_host": statistics.median(of_host),
+        "decode_tokens_per_cpu_s_of_resident": statistics.median(cpu),
     }
     return figures, ratios
 
