@@ -27,7 +27,8 @@ What this does not show: a live sequence's own pages never leave the host for th
 store keeps the pages a live sequence owns in RAM: docs/store.md), so a decode step never
 reads the disk; the disk serves each turn's history.
 
-``--child first|second PATH FILE`` is the restart's process entry (internal).
+``--child first|second PATH OUT NEW`` is the restart's process entry (internal): the child
+processes run this same script, which is why it stays one file of both targets (over 400 lines).
 """
 
 from __future__ import annotations
