@@ -9,7 +9,8 @@ Pages leaving the host tier (evicted by its policy, or compressed idle) are writ
 lower tier that accepts them (`Tier.accepts`: the disk takes content pages only), one engine
 job per tier, awaited by the eviction while the host slots are pinned; a failed write is
 counted (``write_failed`` here, the medium's own counters there) and the page is not reported
-stored. A store closing writes its host tier's remaining pages down too (`persist`). A prefix
+stored. A store closing writes its remaining pages down too (`persist`: the host tier's, and
+those the device tier alone holds, copied down first). A prefix
 lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
 as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
 two-phase: a page that fails the medium's verification is a miss, rolled back).
@@ -28,8 +29,9 @@ from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
+from tierkv.table_view import TableView
 from tierkv.tier import MoveHandler, Moves, Tier
-from tierkv.tier_names import HOST
+from tierkv.tier_names import DEVICE, HOST
 from tierkv.tiers import TierSet
 
 __all__ = ["ChainCounters", "LowerChain"]
@@ -135,25 +137,39 @@ class LowerChain:
             c.write_failed += len(keys) - done
 
     async def persist(self, batch: int = 256) -> None:
-        """Write the host tier's readable pages that a lower tier accepts and lacks (a store
-        closing: so that the next process on the same path finds them), ``batch`` pages per
-        job, each batch pinned in the host while written. Raises like `spill`."""
+        """Write the readable pages a lower tier accepts and lacks down (a store closing: so
+        that the next process on the same path finds them), ``batch`` pages per job: the host
+        tier's, then those the device tier alone holds (write-behind not run yet, or off),
+        copied down to the host a batch at a time first. Each batch is pinned in the host
+        while written. Raises like `spill`."""
         core = self._core
         if core is None:
             return
         table = core.table
-        keys = [k for k in table.keys(HOST) if any(t.accepts(k) for t in self.tiers)]
+        deadline = core.deadline(self.timeout)
+        while core.write_behind_pinned:  # copies down in flight (their task was cancelled)
+            await core.changes.wait(deadline, _late)
+        keys = [k for k in table.keys(HOST) if self._wanted(k)]
         for i in range(0, len(keys), batch):
-            part = [
-                k
-                for k in keys[i : i + batch]
-                if table.present([k], HOST) and table.state(k, HOST) is PageState.READABLE
-            ]
-            slots = core.pin_host(part)
-            try:
-                await self.spill(list(zip(part, slots, strict=True)), filtered=False)
-            finally:
-                core.unpin_host(part)
+            await self._persist_host(core, keys[i : i + batch])
+        device = [k for k in table.keys(DEVICE) if self._wanted(k)]
+        for i in range(0, len(device), batch):
+            part = [k for k in device[i : i + batch] if not _readable(table, k)]
+            if part:
+                await core.write_behind(part)  # dirty device pages copied to the host
+                await self._persist_host(core, part)
+
+    def _wanted(self, key: PageKey) -> bool:
+        return any(t.accepts(key) for t in self.tiers)
+
+    async def _persist_host(self, core: TierSet, keys: list[PageKey]) -> None:
+        table = core.table
+        part = [k for k in keys if _readable(table, k)]
+        slots = core.pin_host(part)
+        try:
+            await self.spill(list(zip(part, slots, strict=True)), filtered=False)
+        finally:
+            core.unpin_host(part)
 
     def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
         """Per page, whether some lower tier holds it (their indexes: no I/O)."""
@@ -216,6 +232,11 @@ class LowerChain:
                 "chain_last_error": c.last_error,
             }
         return out
+
+
+def _readable(table: TableView, key: PageKey) -> bool:
+    """Whether the host tier holds a readable copy of ``key``."""
+    return bool(table.present([key], HOST)) and table.state(key, HOST) is PageState.READABLE
 
 
 def _late() -> StoreTimeoutError:

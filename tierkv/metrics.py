@@ -267,13 +267,15 @@ class StoreCollector(_Families):
             yield self._counter("disk_" + key, doc, disk[key])
         for key, doc in _DISK_GAUGES.items():
             yield self._gauge("disk_" + key, doc, disk[key])
-        yield self._gauge(
-            "disk_io_mode",
-            "1 for the disk tier's I/O mode in use (direct: O_DIRECT; buffered: see the log)",
-            {disk["io_mode"]: 1},
-            label="mode",
-        )
         const = self._labels
+        mode = GaugeMetricFamily(
+            f"{PREFIX}disk_io_mode",
+            "1 for the disk tier's I/O mode in use (direct: O_DIRECT; buffered: the reason "
+            "label says why, e.g. tmpfs)",
+            labels=[*const, "mode", "reason"],
+        )
+        mode.add_metric([*const.values(), disk["io_mode"], disk["io_mode_reason"]], 1.0)
+        yield mode
         for op in ("read", "write"):
             h = disk[op + "_latency"]
             fam = HistogramMetricFamily(
