@@ -23,6 +23,7 @@ from tierkv.page_table import PageState, PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
+from tierkv.tier import Moves, Target
 from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
 
@@ -45,6 +46,8 @@ class DeviceEviction:
         stats: TierStats,
         timeline: Timeline,
         progress: Callable[[], None],
+        *,
+        moves: Moves,
     ) -> None:
         self._spec = spec
         self._table = table
@@ -57,6 +60,7 @@ class DeviceEviction:
         self._stats = stats
         self._timeline = timeline
         self._progress = progress
+        self._moves = moves
         self.dirty: dict[PageKey, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
@@ -186,13 +190,14 @@ class DeviceEviction:
         for k in present:  # a stale host copy (idle, pinned above): overwritten in place
             dst_of[k] = table.slot(k, HOST)
         written = self._engine.backend.compute_event()  # the copy waits for the compute
-        handle = self._engine.submit(
-            self._arenas[DEVICE],
-            [s for _, s in victims],
+        target = Target(
             self._arenas[HOST],
             [dst_of[k] for k in keys],
-            priority=Priority.WRITEBACK,
-            after=[written] if written is not None else [],
+            Priority.WRITEBACK,
+            (written,) if written is not None else (),
+        )
+        handle = self._moves.get(DEVICE, HOST)(
+            self._engine, target, keys, self._arenas[DEVICE], [s for _, s in victims]
         )
         try:
             st = await job_done(handle)  # the slots are the copy's until it has ended

@@ -38,6 +38,7 @@ from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
+from tierkv.tier import Moves, Target
 from tierkv.tier_names import COLD, DEVICE, HOST
 
 __all__ = ["ColdStorage", "Departures"]
@@ -89,6 +90,8 @@ class ColdStorage:
         departures: Departures,
         stats: TierStats,
         progress: Callable[[], None],
+        *,
+        moves: Moves,
     ) -> None:
         self._spec = spec
         self._table = table
@@ -99,6 +102,8 @@ class ColdStorage:
         self._departures = departures
         self._stats = stats
         self._progress = progress
+        self._moves = moves
+        self.register_moves(moves)
         # cold pages that failed their checksum while an owner pinned them: dropped by
         # `drop_bad` once unowned (until then every load of them fails, typed)
         self.bad: set[PageKey] = set()
@@ -112,43 +117,82 @@ class ColdStorage:
             if tier == HOST:
                 self._departures.left(here)
 
-    def decode(
+    def register_moves(self, moves: Moves) -> None:
+        """Register the codec's moves: host -> cold (encode) and cold -> device / host
+        (decode). Nothing without a codec (no cold tier)."""
+        if self.codec is not None:
+            moves.register(HOST, COLD, self._encode_move)
+            moves.register(COLD, DEVICE, self._decode_move)
+            moves.register(COLD, HOST, self._decode_move)
+
+    def _decode_move(
         self,
-        cold_slots: list[int],
-        dev_slots: list[int],
-        priority: Priority,
-        keys: Sequence[PageKey] = (),
+        engine: TransferEngine,
+        target: Target,
+        keys: Sequence[bytes],
+        cold: Arena,
+        cold_slots: Sequence[int],
     ) -> TransferHandle:
-        """Decode cold pages (``keys``) into device slots: a job of the transfer engine (queued
-        now). Each payload is checked against its checksum first: the job fails with
-        CorruptPageError (nothing decoded) when one differs."""
+        """Decode cold pages (``keys``) into the target's slots (device or host): a job of the
+        transfer engine (queued now). Each payload is checked against its checksum first: the
+        job fails with CorruptPageError (nothing decoded) when one differs."""
         codec, spec, stats = self.codec, self._spec, self._stats
         assert codec is not None
-        cold, dev = self._arenas[COLD], self._arenas[DEVICE]
+        dst, dst_slots = target.arena, list(target.slots)
+        src_slots = list(cold_slots)
         sums = self._table.sums
 
         def work() -> None:
             t0 = time.perf_counter()
             if page_sums.enabled():
-                want = sums.copies(COLD, cold_slots)
-                got = row_sums(cold.array, cold_slots)
+                want = sums.copies(COLD, src_slots)
+                got = row_sums(cold.array, src_slots)
                 bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != NO_SUM and w != g]
                 if bad:
                     raise CorruptPageError(
-                        f"{len(bad)} of {len(cold_slots)} cold pages failed their checksum",
+                        f"{len(bad)} of {len(src_slots)} cold pages failed their checksum",
                         tier=COLD,
                         pages=len(bad),
                         keys=[keys[i] for i in bad if i < len(keys)],
                     )
-            data = cold.tensor.index_select(0, _index(cold_slots))
-            out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
+            data = cold.tensor.index_select(0, _index(src_slots))
+            out = torch.empty((len(src_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
-            target = dev.tensor
-            idx = _index(dev_slots).to(target.device)
-            target.index_copy_(0, idx, out.to(target.device))
+            tensor = dst.tensor
+            idx = _index(dst_slots).to(tensor.device)
+            tensor.index_copy_(0, idx, out.to(tensor.device))
             stats.decode_s += time.perf_counter() - t0
 
-        return self._engine.submit_call(cold, cold_slots, dev, dev_slots, work, priority=priority)
+        return engine.submit_call(
+            cold, src_slots, dst, dst_slots, work, priority=target.priority, after=target.after
+        )
+
+    def _encode_move(
+        self,
+        engine: TransferEngine,
+        target: Target,
+        keys: Sequence[bytes],
+        host: Arena,
+        src: Sequence[int],
+    ) -> TransferHandle:
+        """Encode host pages into the target's cold slots, their payloads' checksums recorded:
+        a job of the transfer engine whose result is the seconds the encode took."""
+        codec, spec, table = self.codec, self._spec, self._table
+        assert codec is not None
+        cold, dst = target.arena, list(target.slots)
+        src = list(src)
+
+        def work() -> float:
+            t0 = time.perf_counter()
+            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
+            cold.tensor.index_copy_(0, _index(dst), enc)
+            if page_sums.enabled():  # the slots are this job's until it ends: no race
+                table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
+            return time.perf_counter() - t0
+
+        return engine.submit_call(
+            host, src, cold, dst, work, priority=target.priority, after=target.after
+        )
 
     def corrupt(self, error: BaseException | None) -> BaseException | None:
         """Of a failed load's error: when a cold payload failed its checksum, count it, drop
@@ -201,8 +245,6 @@ class ColdStorage:
     async def _compress(self, victims: list[tuple[PageKey, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
         table = self._table
-        codec, spec = self.codec, self._spec
-        assert codec is not None
         keys = [k for k, _ in victims]
         alloc = table.prepare_store(keys, COLD)
         if alloc is None:
@@ -210,25 +252,14 @@ class ColdStorage:
         self._stats.pages_dropped += len(alloc.evicted)
         new = set(alloc.keys)
         todo = [(k, s) for k, s in victims if k in new]
-        host, cold = self._arenas[HOST], self._arenas[COLD]
         cold_of = dict(zip(alloc.keys, alloc.slots))
-        src = [s for _, s in todo]
-        dst = [cold_of[k] for k, _ in todo]
-
-        def work() -> float:
-            t0 = time.perf_counter()
-            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
-            cold.tensor.index_copy_(0, _index(dst), enc)
-            if page_sums.enabled():  # the slots are this job's until it ends: no race
-                table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
-            return time.perf_counter() - t0
-
         if not todo:  # every page is in cold already (or was not admitted): nothing to encode
             table.complete_store(alloc.keys, COLD)
             return
+        target = Target(self._arenas[COLD], [cold_of[k] for k, _ in todo], Priority.WRITEBACK)
         try:
-            handle = self._engine.submit_call(
-                host, src, cold, dst, work, priority=Priority.WRITEBACK
+            handle = self._moves.get(HOST, COLD)(
+                self._engine, target, [k for k, _ in todo], self._arenas[HOST], [s for _, s in todo]
             )
         except BaseException:  # nothing queued (the engine closed): the cold slots go back
             table.complete_store(alloc.keys, COLD, ok=False)

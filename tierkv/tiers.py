@@ -75,6 +75,7 @@ from tierkv.runtime import (
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
 from tierkv.table_view import TableView
+from tierkv.tier import Moves, Target, copy_move
 from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
 from tierkv.waits import Changes
@@ -163,6 +164,10 @@ class TierSet:
         self.stats = TierStats()
         self._owners = Owners(self._table, self.lower)
         self._departures = Departures()
+        # every move between two arenas of the core, looked up by (source, destination) medium
+        self.moves = Moves()
+        self.moves.register(HOST, DEVICE, copy_move)
+        self.moves.register(DEVICE, HOST, copy_move)
         self._cold = ColdStorage(
             spec,
             self._table,
@@ -173,6 +178,7 @@ class TierSet:
             self._departures,
             self.stats,
             self.signal_progress,
+            moves=self.moves,
         )
         self._evict = DeviceEviction(
             spec,
@@ -186,6 +192,7 @@ class TierSet:
             self.stats,
             self.timeline,
             self.signal_progress,
+            moves=self.moves,
         )
         self._device_lock = asyncio.Lock()
         # every change that may free device room or land a page in flight wakes the waiters:
@@ -992,13 +999,10 @@ class TierSet:
         work: list[tuple[str, int, TransferHandle]] = []
         try:
             for tier, (ks, src_slots) in src.items():
-                dst = [slot_of[k] for k in ks]
-                if tier == HOST:
-                    h = self.engine.submit(
-                        self._arenas[HOST], src_slots, self._arenas[DEVICE], dst, priority=priority
-                    )
-                else:
-                    h = self._cold.decode(src_slots, dst, priority, ks)
+                dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
+                h = self.moves.get(tier, DEVICE)(
+                    self.engine, dst, ks, self._arenas[tier], src_slots
+                )
                 work.append((tier, len(ks), h))
         except BaseException as exc:  # the copies already submitted finish before the rollback
             task = asyncio.ensure_future(self._finish_load(new, src, work, exc))

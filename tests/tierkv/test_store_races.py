@@ -26,7 +26,8 @@ from tierkv.keys import page_key
 from tierkv.lease import Lease
 from tierkv.runtime import Priority
 from tierkv.store import KVStore
-from tierkv.tiers import DEVICE, HOST
+from tierkv.tier import Target
+from tierkv.tiers import COLD, DEVICE, HOST
 
 from .test_store import PAGE, SPEC, kv, no_pins_left, tokens
 
@@ -323,7 +324,10 @@ async def test_an_empty_encode_or_decode_batch_is_no_error() -> None:
         await tiers.make_host_room(1)  # its host copy -> cold
         cold = tiers._cold
         await cold._compress([(key, 0)])  # already in cold: nothing to encode
-        await job_done(cold.decode([], [], Priority.DEMAND))
+        decode = tiers.moves.get(COLD, DEVICE)  # a decode of no page
+        await job_done(
+            decode(tiers.engine, Target(tiers._arenas[DEVICE], []), [], tiers._arenas[COLD], [])
+        )
         store.check()
 
 
