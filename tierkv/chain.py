@@ -65,12 +65,12 @@ class LowerChain:
     def attach(self, core: TierSet) -> None:
         """Hook into an opened store's tier core: pages leaving its host come here."""
         self._core = core
-        core.set_spill(self.spill)
+        core.glue.set_spill(self.spill)
 
     def detach(self) -> None:
         """Stop taking pages (before the engine closes)."""
         if self._core is not None:
-            self._core.set_spill(None)
+            self._core.glue.set_spill(None)
 
     def close(self) -> None:
         """Close every lower tier's medium (idempotent)."""
@@ -107,14 +107,14 @@ class LowerChain:
                 c.stored += len(held) - len(keys)  # there already
                 tier.make_room(len(keys))
                 handle = self.moves.get(HOST, tier.medium)(
-                    core.engine, tier, keys, core.host_arena, slots
+                    core.engine, tier, keys, core.glue.host_arena, slots
                 )
             except TierKVError as exc:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
             try:
-                await within(core.deadline(self.timeout), job_done(handle), _late)
+                await within(core.changes.deadline(self.timeout), job_done(handle), _late)
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:  # the job failed whole (its medium closed...)
@@ -140,11 +140,11 @@ class LowerChain:
                 for k in keys[i : i + batch]
                 if table.present([k], HOST) and table.state(k, HOST) is PageState.READABLE
             ]
-            slots = core.pin_host(part)
+            slots = core.glue.pin_host(part)
             try:
                 await self.spill(list(zip(part, slots, strict=True)))
             finally:
-                core.unpin_host(part)
+                core.glue.unpin_host(part)
 
     def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
         """Per page, whether some lower tier holds it (their indexes: no I/O)."""
@@ -174,7 +174,9 @@ class LowerChain:
             c = self.counters[tier.medium]
             job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
             try:
-                n = await core.import_host(want, job=job, timeout=self.timeout, tier=tier.medium)
+                n = await core.glue.import_host(
+                    want, job=job, timeout=self.timeout, tier=tier.medium
+                )
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:
@@ -189,7 +191,7 @@ class LowerChain:
     def _read_job(
         core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
     ) -> TransferHandle:
-        return move(core.engine, tier, new, core.host_arena, slots)
+        return move(core.engine, tier, new, core.glue.host_arena, slots)
 
     def stats(self) -> dict[str, Any]:
         """Per lower tier: its medium's counters and the chain's."""

@@ -11,21 +11,18 @@ gives it, and tells the core of every change by ``progress``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
+from tierkv.core_context import CoreContext
 from tierkv.errors import StoreTimeoutError, TierFullError
 from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
-from tierkv.lower_tiers import ColdStorage, Departures
-from tierkv.owners import Owners
-from tierkv.page_table import PageState, PageTable
-from tierkv.runtime import Arena, Priority, TransferEngine
-from tierkv.spec import KVSpec
-from tierkv.stats import TierStats
-from tierkv.tier import Moves, Target
+from tierkv.lower_tiers import ColdStorage
+from tierkv.page_table import PageState
+from tierkv.runtime import Priority
+from tierkv.tier import Target
 from tierkv.tier_names import COLD, DEVICE, HOST
-from tierkv.timeline import Timeline
 
 __all__ = ["DeviceEviction"]
 
@@ -33,34 +30,13 @@ __all__ = ["DeviceEviction"]
 class DeviceEviction:
     """Making room on the device of one tier core, and the dirty pages it must write back."""
 
-    def __init__(
-        self,
-        spec: KVSpec,
-        table: PageTable,
-        arenas: dict[str, Arena],
-        engine: TransferEngine,
-        lower: Sequence[str],
-        owners: Owners,
-        host: ColdStorage,
-        departures: Departures,
-        stats: TierStats,
-        timeline: Timeline,
-        progress: Callable[[], None],
-        *,
-        moves: Moves,
-    ) -> None:
-        self._spec = spec
-        self._table = table
-        self._arenas = arenas
-        self._engine = engine
-        self._lower = list(lower)
-        self._owners = owners
-        self._host = host
-        self._departures = departures
-        self._stats = stats
-        self._timeline = timeline
-        self._progress = progress
-        self._moves = moves
+    def __init__(self, ctx: CoreContext, cold: ColdStorage) -> None:
+        self._ctx = ctx
+        self._table = ctx.table
+        self._arenas = ctx.arenas
+        self._engine = ctx.engine
+        self._lower = list(ctx.lower)
+        self._host = cold
         self.dirty: dict[PageKey, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
@@ -69,6 +45,13 @@ class DeviceEviction:
         # the last eviction put victims back because their host copies were busy (copies
         # that end on their own): a caller short of room waits for a change, not fails
         self.lower_busy = False
+
+    def announce(self, keys: Iterable[PageKey]) -> None:
+        """Pages the coming steps read, soonest needed first: evictions take them only when no
+        other page can go, the last needed first (the schedule outranks the policy)."""
+        order = tuple(keys)
+        self.soon_order = order
+        self.soon = frozenset(order)
 
     def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
         """The keys (in order) that some lower tier holds readable."""
@@ -128,7 +111,7 @@ class DeviceEviction:
         if gone:
             self._table.complete_evict(gone, DEVICE, ok=True)
             self.clean(gone)
-        self._progress()
+        self._ctx.progress()
         return not back
 
     async def _write_back(self, victims: list[tuple[PageKey, int]]) -> list[PageKey]:
@@ -143,7 +126,7 @@ class DeviceEviction:
         was written: dropped once it has landed."""
         if not victims:
             return []
-        table, owners = self._table, self._owners
+        table, owners = self._table, self._ctx.owners
         keys = [k for k, _ in victims]
         present = cast(list[PageKey], table.present(keys, HOST))
         if present:
@@ -166,7 +149,7 @@ class DeviceEviction:
         finally:
             if present:
                 table.complete_load(present, HOST)
-                self._progress()
+                self._ctx.progress()
 
     async def _copy_down(
         self, victims: list[tuple[PageKey, int]], present: list[PageKey]
@@ -179,7 +162,7 @@ class DeviceEviction:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
-        self._departures.left(alloc.evicted)  # only when room was taken since make_room
+        self._ctx.departures.left(alloc.evicted)  # only when room was taken since make_room
         late = set(alloc.present) - set(present)
         if late:  # host copies that came while room was made (another write-back's): not ours
             victims = [(k, s) for k, s in victims if k not in late]
@@ -196,7 +179,7 @@ class DeviceEviction:
             Priority.WRITEBACK,
             (written,) if written is not None else (),
         )
-        handle = self._moves.get(DEVICE, HOST)(
+        handle = self._ctx.moves.get(DEVICE, HOST)(
             self._engine, target, keys, self._arenas[DEVICE], [s for _, s in victims]
         )
         try:
@@ -209,21 +192,13 @@ class DeviceEviction:
             table.complete_store(alloc.keys, HOST, ok=False)
             raise
         table.complete_store(alloc.keys, HOST)
-        self._stats.copy_s += st.copy_s
-        self._timeline.span(
-            "write back",
-            "stream device->host",
-            st.started_at,
-            st.finished_at,
-            pages=len(keys),
-            queue_wait_s=st.queue_wait_s,
-        )
-        self._stats.bytes_d2h += len(keys) * self._spec.page_bytes
-        self._stats.pages_written_back += len(keys)
-        self._owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
+        self._ctx.copied("write back", "stream device->host", st, len(keys))
+        self._ctx.stats.bytes_d2h += len(keys) * self._ctx.spec.page_bytes
+        self._ctx.stats.pages_written_back += len(keys)
+        self._ctx.owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
         if COLD in self._lower:  # cold copies, whenever they came, are older than this one
             for k in cast(list[PageKey], table.present(keys, COLD)):
-                self._owners.unpin(k, COLD)
+                self._ctx.owners.unpin(k, COLD)
                 self._host.forget_in(COLD, [k])
         return keys
 
@@ -264,7 +239,7 @@ class DeviceEviction:
         self.write_behind_pinned -= len(keys)
         if not task.cancelled() and task.exception() is None:
             self.clean(task.result(), gens)  # a page written again meanwhile stays dirty
-        self._progress()
+        self._ctx.progress()
 
 
 def _late(n: int) -> StoreTimeoutError:

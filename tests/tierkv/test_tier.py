@@ -134,29 +134,20 @@ async def test_the_core_moves_are_handlers_looked_up_by_media() -> None:
 
     async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=8 * PAGE, codec=None) as plain:
         assert plain.tiers.moves.pairs() == [(DEVICE, HOST), (HOST, DEVICE)]
-    async with KVStore(
-        SPEC,
-        device_bytes=4 * PAGE,
-        host_bytes=16 * PAGE,
-        codec="fp16",
-        compress_after=1,
-        compress_live=True,
-    ) as store:
+    async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=16 * PAGE, codec="fp16") as store:
         tiers = store.tiers
         assert tiers.moves.pairs() == sorted(
             [(DEVICE, HOST), (HOST, DEVICE), (HOST, COLD), (COLD, DEVICE), (COLD, HOST)]
         )
         await fill(store, "a", 1, n=8)
+        await fill(store, "b", 2, n=8)  # a's pages leave the device (written back)
         await store.drain()
-        await fill(store, "b", 2, n=8)  # a's pages leave the device
-        await store.drain()
-        for _ in range(3):  # a's host pages go idle: encoded into cold
-            store.step()
-            await store.drain()
+        pages = store.sequence("a").all_pages()
+        assert await tiers.cold.compress_idle(pages) == len(pages)  # the (host, cold) move
         key = store.sequence("a").all_pages()[0]
         cold_slot = tiers.table.slot(key, COLD)
         spare = [page_key(block(200), 0)]
-        alloc = tiers.reserve_host(spare)
+        alloc = tiers.glue.reserve_host(spare)
         assert alloc is not None
         dev = await tiers.reserve_device(spare)
         arenas = tiers._arenas
@@ -171,6 +162,6 @@ async def test_the_core_moves_are_handlers_looked_up_by_media() -> None:
             )
             assert arenas[HOST].tensor[alloc.slots[0]].any()  # a page was decoded
         finally:
-            tiers.commit_host(spare, ok=False)
+            tiers.glue.commit_host(spare, ok=False)
             tiers.abort_device(spare, pinned=False, owned=False)
         store.check()
