@@ -53,6 +53,19 @@ class DeviceEviction:
         self.soon_order = order
         self.soon = frozenset(order)
 
+    def rename(self, old: Sequence[PageKey], new: Sequence[PageKey]) -> None:
+        """Pages were renamed (:meth:`tierkv.ownership.Ownership.rekey`): the dirty set and
+        the announced pages follow."""
+        dirty, soon = self.dirty, self.soon
+        moved = False
+        for o, n in zip(old, new):
+            if o in dirty:
+                dirty[n] = dirty.pop(o)
+            moved = moved or o in soon
+        if moved:
+            to = dict(zip(old, new))
+            self.announce(to.get(k, k) for k in self.soon_order)
+
     def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
         """The keys (in order) that some lower tier holds readable."""
         return cast(list[PageKey], self._table.readable(keys, self._lower)) if keys else []

@@ -7,17 +7,21 @@ copy or a lease holds them now, *doomed* and removed as soon as they are idle (:
 Its full blocks are renamed to their content keys, at once or once idle, so that a busy block
 is cached, not freed.
 
-A rename happens here only (:meth:`Ownership.rekey`) and reaches every per-page record: the page
-table and the owners here, the dirty set, the store's idle clock, the prefetcher's record and
-eviction's announced pages (each keeps its own and registers a listener with
-:meth:`Ownership.on_rename`). Part of the tier core (:class:`tierkv.tiers.TierSet`), built from
-its :class:`~tierkv.core_context.CoreContext`.
+A rename happens here only (:meth:`Ownership.rekey`: a publish, and the renames deferred until
+a released block is idle) and reaches every per-page record: the page table and the owners
+here; the dirty set and eviction's announced pages, the store's idle clock and the
+prefetcher's record through the listeners they register (:meth:`Ownership.on_rename`). The one
+other rename, the page server's fence of an expired write reservation
+(:meth:`~tierkv.remote_glue.RemoteGlue.rename_reserved_host`), renames host slots still being
+written: no other record holds such a page (not owned, dirty, leased nor prefetched). Part of
+the tier core (:class:`tierkv.tiers.TierSet`), built from its
+:class:`~tierkv.core_context.CoreContext`.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import cast
 
@@ -27,7 +31,10 @@ from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.page_table import PageState
 
-__all__ = ["Ownership"]
+__all__ = ["Ownership", "Renamed"]
+
+# told of a rename: (old keys, new keys), pairwise
+Renamed = Callable[[Sequence[PageKey], Sequence[PageKey]], None]
 
 
 class Ownership:
@@ -42,6 +49,7 @@ class Ownership:
         # released full blocks still busy (a write-behind copy reads them): renamed to their
         # content keys once idle, so that they are cached, not freed
         self._renames: list[tuple[list[PageKey], list[PageKey]]] = []
+        self._listeners: list[Renamed] = []
 
     # -- read-only state -------------------------------------------------------------------
     @property
@@ -176,12 +184,18 @@ class Ownership:
             pairs = [(o, n) for o, n in zip(old, new) if table.present([o], t)]
             if pairs:
                 table.rekey([o for o, _ in pairs], [n for _, n in pairs], t)
-        dirty = self._evict.dirty
         for o, n in zip(old, new):
-            if o in dirty:
-                dirty[n] = dirty.pop(o)
             self._owners.rename(o, n)
+        for listener in self._listeners:
+            listener(old, new)
         return True
+
+    def on_rename(self, listener: Renamed) -> None:
+        """Call ``listener(old, new)`` after every rename (the keys pairwise), so that a record
+        kept per page elsewhere follows it: the dirty set and the announced pages
+        (:class:`~tierkv.eviction.DeviceEviction`), the store's idle clock, the prefetcher's
+        record. A listener must not fail (it runs inside the rename)."""
+        self._listeners.append(listener)
 
     def check(self) -> None:
         """Assert this part's invariants: the owners'; doomed pages and pages to be renamed

@@ -72,6 +72,16 @@ class Prefetcher:
         """Pages that will never be used (released): no longer counted as prefetched."""
         self._prefetched.difference_update(keys)
 
+    def rename(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
+        """Pages were renamed (:meth:`tierkv.ownership.Ownership.rekey`): a prefetched page
+        stays prefetched under its new key."""
+        pf = self._prefetched
+        if pf:
+            for o, n in zip(old, new):
+                if o in pf:
+                    pf.discard(o)
+                    pf.add(n)
+
     def used(self, keys: Sequence[bytes]) -> None:
         """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
         pf = self._prefetched

@@ -252,6 +252,9 @@ class KVStore:
             if chain is not None:
                 chain.close()
             raise
+        renames = self.tiers.ownership  # every per-page record follows a rename
+        renames.on_rename(self._renamed)
+        renames.on_rename(self._prefetcher.rename)
         if chain is not None:
             chain.attach(self.tiers)
             self._chain = chain
@@ -620,13 +623,18 @@ class KVStore:
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
             if tiers.pages.pinned_on_device(old):
                 break  # leased right now: publish at the end of the lease
-            if not tiers.ownership.rekey(old, new):
+            if not tiers.ownership.rekey(old, new):  # (the idle clock follows: _renamed)
                 break
-            for o, n in zip(old, new):
-                for use in (self._last_use, self._parked):
+            seq.set_block(i, key, shared=True)
+
+    def _renamed(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
+        """Pages were renamed (a publish, or a released block once idle): the idle clock
+        follows (a renamed page goes to the end of ``_last_use``: it waits a few steps more)."""
+        for use in (self._last_use, self._parked, self._due):
+            if use:
+                for o, n in zip(old, new):
                     if o in use:
                         use[n] = use.pop(o)
-            seq.set_block(i, key, shared=True)
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary

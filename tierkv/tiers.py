@@ -145,6 +145,7 @@ class TierSet:
         self.cold = ColdStorage(ctx, codec)  # registers the codec's moves
         self._evict = DeviceEviction(ctx, self.cold)
         self.ownership = Ownership(ctx, self._evict, self.cold)
+        self.ownership.on_rename(self._evict.rename)  # the dirty set, the announced pages
         self.pages = LeasePages(ctx, self._evict)
         self.glue = RemoteGlue(ctx, self.cold)
         self.room = DeviceRoom(ctx, self._evict)
