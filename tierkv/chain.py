@@ -11,8 +11,9 @@ job per tier, awaited by the eviction while the host slots are pinned; a failed 
 counted (``write_failed`` here, the medium's own counters there) and the page is not reported
 stored. A store closing writes its host tier's remaining pages down too (`persist`). A prefix
 lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
-as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
-two-phase: a page that fails the medium's verification is a miss, rolled back).
+as the engine job of `RemoteGlue.import_host` (``tiers.glue``; the pages land as unowned
+cached host pages, two-phase: a page that fails the medium's verification is a miss, rolled
+back).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ class LowerChain:
         """Import into the host the pages that no local tier holds and a lower tier does,
         each from the first tier holding it; returns the pages imported. A page the read
         could not verify is a counted miss. Raises StoreClosedError / StoreTimeoutError as
-        `TierSet.import_host`; a failed read job is counted, not raised."""
+        `RemoteGlue.import_host` (`tiers.glue`); a failed read job is counted, not raised."""
         core = self._core
         assert core is not None
         got = 0

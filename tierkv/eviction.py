@@ -3,9 +3,13 @@
 A device page leaves only after its bytes are safe below: when it is dirty (newer than its lower
 copies) or has no lower copy, it is copied to the host first (``WRITEBACK`` priority, after the
 compute that wrote it). Write-behind copies pages a lease wrote as soon as the lease ends, so
-that a later eviction is a drop with no wait. A collaborator of the tier core
-(:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
-gives it, and tells the core of every change by ``progress``.
+that a later eviction is a drop with no wait. The write-back is the move
+registered from the device to the host (``moves.get(DEVICE, HOST)``). The dirty set and the
+announced pages follow a rename (:meth:`DeviceEviction.rename`, a listener of
+:class:`~tierkv.ownership.Ownership`). A collaborator of the tier core
+(:class:`tierkv.tiers.TierSet`), built from its :class:`~tierkv.core_context.CoreContext`: it
+changes page state only through the page table, and tells the core of every change by
+``progress``.
 """
 
 from __future__ import annotations

@@ -10,10 +10,11 @@ Part of the core: it knows a remote tier only by the `PageSource` protocol
 (:mod:`tierkv.page_source`), never the clients or the page server of :mod:`tierkv.remote`, so
 the store imports it directly and the remote package depends on the store one way only.
 Imported pages land in the host tier as unowned cached pages, two-phase (WRITING until the
-source confirmed them), exactly as `import_prefix` does: `TierSet.import_host` reserves them and
-runs the source's read as a job of the transfer engine. Every call on a source is bounded by
-the store's timeout; a failing source is counted (``errors``) and skipped, never raised: any
-exception a source raises (a hostile server's malformed answer included) is a counted miss.
+source confirmed them), exactly as `import_prefix` does: `RemoteGlue.import_host`
+(``tiers.glue``) reserves them and runs the source's read as a job of the transfer engine.
+Every call on a source is bounded by the store's timeout; a failing source is counted
+(``errors``) and skipped, never raised: any exception a source raises (a hostile server's
+malformed answer included) is a counted miss.
 """
 
 from __future__ import annotations
