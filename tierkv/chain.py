@@ -12,8 +12,9 @@ counted (``write_failed`` here, the medium's own counters there) and the page is
 stored. A store closing writes its remaining pages down too (`persist`: the host tier's, and
 those the device tier alone holds, copied down first). A prefix
 lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
-as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
-two-phase: a page that fails the medium's verification is a miss, rolled back).
+as the engine job of `RemoteGlue.import_host` (``tiers.glue``; the pages land as unowned
+cached host pages, two-phase: a page that fails the medium's verification is a miss, rolled
+back).
 """
 
 from __future__ import annotations
@@ -68,12 +69,12 @@ class LowerChain:
     def attach(self, core: TierSet) -> None:
         """Hook into an opened store's tier core: pages leaving its host come here."""
         self._core = core
-        core.set_spill(self.spill)
+        core.glue.set_spill(self.spill)
 
     def detach(self) -> None:
         """Stop taking pages (before the engine closes)."""
         if self._core is not None:
-            self._core.set_spill(None)
+            self._core.glue.set_spill(None)
 
     def close(self) -> None:
         """Close every lower tier's medium (idempotent)."""
@@ -118,14 +119,14 @@ class LowerChain:
                         continue
                 tier.make_room(len(keys))
                 handle = self.moves.get(HOST, tier.medium)(
-                    core.engine, tier, keys, core.host_arena, slots
+                    core.engine, tier, keys, core.glue.host_arena, slots
                 )
             except TierKVError as exc:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
             try:
-                await within(core.deadline(self.timeout), job_done(handle), _late)
+                await within(core.changes.deadline(self.timeout), job_done(handle), _late)
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:  # the job failed whole (its medium closed...)
@@ -146,8 +147,8 @@ class LowerChain:
         if core is None:
             return
         table = core.table
-        deadline = core.deadline(self.timeout)
-        while core.write_behind_pinned:  # copies down in flight (their task was cancelled)
+        deadline = core.changes.deadline(self.timeout)
+        while core.pages.write_behind_pinned:  # copies down in flight (their task was cancelled)
             await core.changes.wait(deadline, _late)
         keys = [k for k in table.keys(HOST) if self._wanted(k)]
         for i in range(0, len(keys), batch):
@@ -156,7 +157,7 @@ class LowerChain:
         for i in range(0, len(device), batch):
             part = [k for k in device[i : i + batch] if not _readable(table, k)]
             if part:
-                await core.write_behind(part)  # dirty device pages copied to the host
+                await core.pages.write_behind(part)  # dirty device pages copied to the host
                 await self._persist_host(core, part)
 
     def _wanted(self, key: PageKey) -> bool:
@@ -165,11 +166,11 @@ class LowerChain:
     async def _persist_host(self, core: TierSet, keys: list[PageKey]) -> None:
         table = core.table
         part = [k for k in keys if _readable(table, k)]
-        slots = core.pin_host(part)
+        slots = core.glue.pin_host(part)
         try:
             await self.spill(list(zip(part, slots, strict=True)), filtered=False)
         finally:
-            core.unpin_host(part)
+            core.glue.unpin_host(part)
 
     def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
         """Per page, whether some lower tier holds it (their indexes: no I/O)."""
@@ -186,7 +187,7 @@ class LowerChain:
         """Import into the host the pages that no local tier holds and a lower tier does,
         each from the first tier holding it; returns the pages imported. A page the read
         could not verify is a counted miss. Raises StoreClosedError / StoreTimeoutError as
-        `TierSet.import_host`; a failed read job is counted, not raised."""
+        `RemoteGlue.import_host` (`tiers.glue`); a failed read job is counted, not raised."""
         core = self._core
         assert core is not None
         got = 0
@@ -199,7 +200,9 @@ class LowerChain:
             c = self.counters[tier.medium]
             job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
             try:
-                n = await core.import_host(want, job=job, timeout=self.timeout, tier=tier.medium)
+                n = await core.glue.import_host(
+                    want, job=job, timeout=self.timeout, tier=tier.medium
+                )
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:
@@ -214,7 +217,7 @@ class LowerChain:
     def _read_job(
         core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
     ) -> TransferHandle:
-        return move(core.engine, tier, new, core.host_arena, slots)
+        return move(core.engine, tier, new, core.glue.host_arena, slots)
 
     def stats(self) -> dict[str, Any]:
         """Per lower tier: its medium's counters and the chain's."""
