@@ -112,7 +112,7 @@ async def server_slots(kind: str, faults: int, tally: Tally, n: int = 256, per: 
     out = np.zeros_like(data)
     async with server(kind, n) as srv, peer(srv, kind) as w, peer(srv, kind) as r:
         assert await w.publish(keys, data, list(range(n))) == n
-        host, tbl = srv.store.tiers.host_array, srv.store.tiers.table
+        host, tbl = srv.store.tiers.glue.host_array, srv.store.tiers.table
         slots = [tbl.slot(k, HOST) for k in keys]
         done = 0
         while done < faults:
@@ -193,10 +193,10 @@ async def commit(faults: int, tally: Tally, n: int = 128, per: int = 16) -> None
             wrong = sum(
                 1
                 for k, s in zip(held, stored)
-                if not np.array_equal(tiers.host_array[s], data[where[k]])
+                if not np.array_equal(tiers.glue.host_array[s], data[where[k]])
             )
             tally.add("commit (writer's bytes)", len(bad), counted, wrong)
-            tiers.forget_in(HOST, held)
+            tiers.cold.forget_in(HOST, held)
             done += len(bad)
 
 
@@ -280,8 +280,8 @@ async def cold(faults: int, tally: Tally) -> None:
             await store.release("s")
             await stage_prefix(store, prompt)
             keys = [page_key(b, lay) for b in prefix_keys(prompt[:8], 4) for lay in range(2)]
-            tiers.forget_in(DEVICE, keys)
-            if await tiers.compress_idle(keys) != 4:
+            tiers.cold.forget_in(DEVICE, keys)
+            if await tiers.cold.compress_idle(keys) != 4:
                 continue
             i = int(rng.integers(0, 4))
             corrupt_row(tiers._arenas[COLD].array[tiers.table.slot(keys[i], COLD)], rng)
@@ -297,7 +297,7 @@ async def cold(faults: int, tally: Tally) -> None:
             counted = store.stats()["corrupt_pages"]["cold"] - before
             tally.add("cold payloads (int8)", 1, counted, served)
             for t in (DEVICE, HOST, COLD):
-                tiers.forget_in(t, keys)
+                tiers.cold.forget_in(t, keys)
             done += 1
 
 
@@ -327,7 +327,7 @@ async def cost(kind: str, rounds: int) -> dict[str, float]:
                     assert got == n and np.array_equal(out, data)
                     times[f"pub {mode}"].append(t1 - t0)
                     times[f"load {mode}"].append(t2 - t1)
-                    store.tiers.forget_in(HOST, keys)
+                    store.tiers.cold.forget_in(HOST, keys)
             os.environ.pop("TIERKV_PAGE_CHECKSUMS", None)
     med = {k: statistics.median(v) for k, v in times.items()}
     gb = n * pb / 1e9
@@ -354,7 +354,7 @@ async def append_cost(rounds: int, steps: int = 64, seqs: int = 64) -> dict[str,
     sealing = [0.0, 0.0]  # CPU seconds inside TierSet.seal, pages sealed (checksums on)
     counting = [False]  # in a measured round with checksums on
     async with store:
-        real = store.tiers.seal
+        real = store.tiers.pages.seal
 
         def timed(keys: Any) -> None:
             t0 = time.thread_time()
@@ -363,7 +363,7 @@ async def append_cost(rounds: int, steps: int = 64, seqs: int = 64) -> dict[str,
                 sealing[0] += time.thread_time() - t0
                 sealing[1] += len(keys)
 
-        store.tiers.seal = timed  # type: ignore[method-assign]
+        store.tiers.pages.seal = timed  # type: ignore[method-assign]
         ids = [f"s{i}" for i in range(seqs)]
         for r in range(2 * rounds + 2):
             mode = ("on", "off")[(r + r // 2) % 2]  # on off off on on off ...
@@ -385,7 +385,7 @@ async def append_cost(rounds: int, steps: int = 64, seqs: int = 64) -> dict[str,
             for sid in ids:
                 await store.release(sid)
             for t in (DEVICE, HOST):  # nothing cached: the next round starts alike
-                store.tiers.forget_in(t, store.tiers.table.keys(t))
+                store.tiers.cold.forget_in(t, store.tiers.table.keys(t))
         os.environ.pop("TIERKV_PAGE_CHECKSUMS", None)
     on, off = statistics.median(cpu["on"]), statistics.median(cpu["off"])
     return {

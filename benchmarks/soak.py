@@ -200,8 +200,8 @@ def leftovers(store: KVStore) -> dict[str, int]:
             out["stuck_pages"] += table.state(k, t) != PageState.READABLE
             out["pinned_pages"] += table.pins(k, t) > 0
             out["private_pages"] += key_kind(k[:16]) is KeyKind.PRIVATE
-    out["owned_pages"] = len(tiers.owners) + len(tiers.owner_pins)
-    out["doomed_pages"] = len(tiers.doomed)
+    out["owned_pages"] = len(tiers.ownership.owners) + len(tiers.ownership.owner_pins)
+    out["doomed_pages"] = len(tiers.ownership.doomed)
     out["admitted_leases"] = store.admission.active + store.admission.waiting
     return out
 

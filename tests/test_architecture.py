@@ -275,3 +275,81 @@ def test_no_file_is_reachable_by_two_paths() -> None:
     assert links == [], f"symbolic links: {links}"
     doubled = [str(p.relative_to(ROOT)) for p in files if p.is_file() and os.stat(p).st_nlink > 1]
     assert doubled == [], f"files with more than one hard link: {doubled}"
+
+
+# issue 25: the tier core split by concern, one class each, none with more than 25 public members
+MAX_PUBLIC = 25
+CORE_CLASSES = {
+    "tierkv.tiers": "TierSet",  # placement of pages on the device, the core's composition
+    "tierkv.device_loads": "DeviceLoads",  # moves into the device
+    "tierkv.device_room": "DeviceRoom",  # room on the device, wait errors
+    "tierkv.ownership": "Ownership",  # owners, doomed pages, renames
+    "tierkv.owners": "Owners",  # owner counts and owners' pins
+    "tierkv.lease_pages": "LeasePages",  # a lease's views and writes
+    "tierkv.remote_glue": "RemoteGlue",  # the host tier for the remote tier and page server
+    "tierkv.prefault": "Prefaulter",  # the prefault thread
+    "tierkv.eviction": "DeviceEviction",  # room on the device, write-back, write-behind
+    "tierkv.lower_tiers": "ColdStorage",  # host room, compression, the codec's moves
+    "tierkv.departures": "Departures",  # who hears of pages leaving the host
+    "tierkv.chain": "LowerChain",  # the tiers below the host
+    "tierkv.prefetch": "Prefetcher",  # prefetch and schedule
+}
+ORCHESTRATION = "tierkv.tiers"  # the file holding the chain's orchestration
+ORCHESTRATION_LINES = 400
+
+
+def _public_members(cls: ast.ClassDef) -> set[str]:
+    """Public names a class defines: methods, properties and class attributes in its body, and
+    the attributes its methods assign on ``self``."""
+    names: set[str] = set()
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            names.add(node.name)
+            for sub in ast.walk(node):
+                targets: list[ast.expr] = []
+                if isinstance(sub, ast.Assign):
+                    targets = sub.targets
+                elif isinstance(sub, ast.AnnAssign | ast.AugAssign):
+                    targets = [sub.target]
+                for t in targets:
+                    if (
+                        isinstance(t, ast.Attribute)
+                        and isinstance(t.value, ast.Name)
+                        and t.value.id == "self"
+                    ):
+                        names.add(t.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return {n for n in names if not n.startswith("_")}
+
+
+def _class(module: str, name: str) -> ast.ClassDef:
+    tree = ast.parse(MODULES[module].read_text())
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def test_the_member_count_counts_methods_properties_and_attributes() -> None:
+    cls = ast.parse(
+        "class C:\n"
+        "    x: int = 0\n"
+        "    def __init__(self):\n        self.a = 1\n        self._b = 2\n"
+        "        self.c: int = 3\n"
+        "    @property\n    def p(self): return 1\n"
+        "    async def m(self): self.a += 1\n"
+        "    def _private(self): self.d = 4\n"
+    ).body[0]
+    assert isinstance(cls, ast.ClassDef)
+    assert _public_members(cls) == {"x", "a", "c", "p", "m", "d"}
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(CORE_CLASSES.items()))
+def test_no_core_class_has_over_25_public_members(module: str, name: str) -> None:
+    members = _public_members(_class(module, name))
+    assert len(members) <= MAX_PUBLIC, f"{name}: {len(members)} public members: {sorted(members)}"
+
+
+def test_the_chain_orchestration_fits_in_400_lines() -> None:
+    lines = MODULES[ORCHESTRATION].read_text().count("\n")
+    assert lines <= ORCHESTRATION_LINES, f"{ORCHESTRATION}: {lines} lines"

@@ -9,10 +9,12 @@ Pages leaving the host tier (evicted by its policy, or compressed idle) are writ
 lower tier that accepts them (`Tier.accepts`: the disk takes content pages only), one engine
 job per tier, awaited by the eviction while the host slots are pinned; a failed write is
 counted (``write_failed`` here, the medium's own counters there) and the page is not reported
-stored. A store closing writes its host tier's remaining pages down too (`persist`). A prefix
+stored. A store closing writes its remaining pages down too (`persist`: the host tier's, and
+those the device tier alone holds, copied down first). A prefix
 lookup that misses the host sees the lower tiers' indexes; importing runs the tier's read move
-as the engine job of `TierSet.import_host` (the pages land as unowned cached host pages,
-two-phase: a page that fails the medium's verification is a miss, rolled back).
+as the engine job of `RemoteGlue.import_host` (``tiers.glue``; the pages land as unowned
+cached host pages, two-phase: a page that fails the medium's verification is a miss, rolled
+back).
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
+from tierkv.table_view import TableView
 from tierkv.tier import MoveHandler, Moves, Tier
-from tierkv.tier_names import HOST
+from tierkv.tier_names import DEVICE, HOST
 from tierkv.tiers import TierSet
 
 __all__ = ["ChainCounters", "LowerChain"]
@@ -42,6 +45,7 @@ class ChainCounters:
     offered: int = 0  # pages leaving the host that the tier accepts
     stored: int = 0  # written and committed (or already there)
     write_failed: int = 0  # refused (no room, busy) or failed: never reported stored
+    not_admitted: int = 0  # evicted pages the tier's admission filter declined (not written)
     imported: int = 0  # pages read back into the host tier, verified
     import_missed: int = 0  # pages the index had that the read did not deliver (corrupt...)
     errors: int = 0  # jobs that failed whole (counted, not raised)
@@ -65,12 +69,12 @@ class LowerChain:
     def attach(self, core: TierSet) -> None:
         """Hook into an opened store's tier core: pages leaving its host come here."""
         self._core = core
-        core.set_spill(self.spill)
+        core.glue.set_spill(self.spill)
 
     def detach(self) -> None:
         """Stop taking pages (before the engine closes)."""
         if self._core is not None:
-            self._core.set_spill(None)
+            self._core.glue.set_spill(None)
 
     def close(self) -> None:
         """Close every lower tier's medium (idempotent)."""
@@ -84,10 +88,11 @@ class LowerChain:
         c.errors += 1
         c.last_error = self._failures.report(what, exc, tier=medium, keys=list(keys))
 
-    async def spill(self, victims: list[tuple[PageKey, int]]) -> None:
-        """Write host pages about to leave to each lower tier that accepts them and does not
-        hold them yet. Raises StoreTimeoutError past the store's timeout and CancelledError
-        (the caller keeps the pages in the host then); any other failure is counted."""
+    async def spill(self, victims: list[tuple[PageKey, int]], *, filtered: bool = True) -> None:
+        """Write host pages about to leave to each lower tier that accepts them, does not
+        hold them yet and (when `filtered`: an eviction) admits them (`Tier.admit`). Raises
+        StoreTimeoutError past the store's timeout and CancelledError (the caller keeps the
+        pages in the host then); any other failure is counted."""
         core = self._core
         assert core is not None
         for tier in self.tiers:
@@ -105,16 +110,23 @@ class LowerChain:
                 keys = [k for k, h in zip(keys, held, strict=True) if not h]
                 slots = [s for s, h in zip(slots, held, strict=True) if not h]
                 c.stored += len(held) - len(keys)  # there already
+                if filtered:
+                    ok = tier.admit(keys)
+                    c.not_admitted += ok.count(False)
+                    keys = [k for k, a in zip(keys, ok, strict=True) if a]
+                    slots = [s for s, a in zip(slots, ok, strict=True) if a]
+                    if not keys:
+                        continue
                 tier.make_room(len(keys))
                 handle = self.moves.get(HOST, tier.medium)(
-                    core.engine, tier, keys, core.host_arena, slots
+                    core.engine, tier, keys, core.glue.host_arena, slots
                 )
             except TierKVError as exc:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
             try:
-                await within(core.deadline(self.timeout), job_done(handle), _late)
+                await within(core.changes.deadline(self.timeout), job_done(handle), _late)
             except StoreTimeoutError:
                 raise
             except TierKVError as exc:  # the job failed whole (its medium closed...)
@@ -126,26 +138,41 @@ class LowerChain:
             c.write_failed += len(keys) - done
 
     async def persist(self, batch: int = 256) -> None:
-        """Write the host tier's readable pages that a lower tier accepts and lacks (a store
-        closing: so that the next process on the same path finds them), ``batch`` pages per
-        job, each batch pinned in the host while written. Raises like `spill`."""
+        """Write the readable pages a lower tier accepts and lacks down (a store closing: so
+        that the next process on the same path finds them), ``batch`` pages per job: the host
+        tier's, then those the device tier alone holds (write-behind not run yet, or off),
+        copied down to the host a batch at a time first. Each batch is pinned in the host
+        while written. Raises like `spill`."""
         core = self._core
         if core is None:
             return
         table = core.table
+        deadline = core.changes.deadline(self.timeout)
+        while core.pages.write_behind_pinned:  # copies down in flight (their task was cancelled)
+            await core.changes.wait(deadline, _late)
         top = core.top  # the host tier (the leased tier of a host-first store)
-        keys = [k for k in table.keys(top) if any(t.accepts(k) for t in self.tiers)]
+        keys = [k for k in table.keys(top) if self._wanted(k)]
         for i in range(0, len(keys), batch):
-            part = [
-                k
-                for k in keys[i : i + batch]
-                if table.present([k], top) and table.state(k, top) is PageState.READABLE
-            ]
-            slots = core.pin_host(part)
-            try:
-                await self.spill(list(zip(part, slots, strict=True)))
-            finally:
-                core.unpin_host(part)
+            await self._persist_host(core, keys[i : i + batch])
+        # (without a host tier the leased tier is the top one: its pages went above)
+        device = [k for k in table.keys(DEVICE) if self._wanted(k)] if top != DEVICE else []
+        for i in range(0, len(device), batch):
+            part = [k for k in device[i : i + batch] if not _readable(table, k, top)]
+            if part:
+                await core.pages.write_behind(part)  # dirty device pages copied to the host
+                await self._persist_host(core, part)
+
+    def _wanted(self, key: PageKey) -> bool:
+        return any(t.accepts(key) for t in self.tiers)
+
+    async def _persist_host(self, core: TierSet, keys: list[PageKey]) -> None:
+        table = core.table
+        part = [k for k in keys if _readable(table, k, core.top)]
+        slots = core.glue.pin_host(part)
+        try:
+            await self.spill(list(zip(part, slots, strict=True)), filtered=False)
+        finally:
+            core.glue.unpin_host(part)
 
     def lookup(self, pages: Sequence[PageKey]) -> list[bool]:
         """Per page, whether some lower tier holds it (their indexes: no I/O)."""
@@ -163,7 +190,7 @@ class LowerChain:
         each from the first tier holding it (room is made sparing ``pages`` held locally: the
         rest of the prefix); returns the pages imported. A page the read
         could not verify is a counted miss. Raises StoreClosedError / StoreTimeoutError as
-        `TierSet.import_host`; a failed read job is counted, not raised."""
+        `RemoteGlue.import_host` (`tiers.glue`); a failed read job is counted, not raised."""
         core = self._core
         assert core is not None
         got = 0
@@ -176,7 +203,7 @@ class LowerChain:
             c = self.counters[tier.medium]
             job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
             try:
-                n = await core.import_host(
+                n = await core.glue.import_host(
                     want, job=job, timeout=self.timeout, tier=tier.medium, keep=frozenset(pages)
                 )
             except StoreTimeoutError:
@@ -193,7 +220,7 @@ class LowerChain:
     def _read_job(
         core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
     ) -> TransferHandle:
-        return move(core.engine, tier, new, core.host_arena, slots)
+        return move(core.engine, tier, new, core.glue.host_arena, slots)
 
     def stats(self) -> dict[str, Any]:
         """Per lower tier: its medium's counters and the chain's."""
@@ -204,12 +231,19 @@ class LowerChain:
                 "offered": c.offered,
                 "stored": c.stored,
                 "write_failed": c.write_failed,
+                "not_admitted": c.not_admitted,
                 "imported": c.imported,
                 "import_missed": c.import_missed,
                 "errors": c.errors,
                 "chain_last_error": c.last_error,
             }
         return out
+
+
+def _readable(table: TableView, key: PageKey, top: str) -> bool:
+    """Whether the host tier (``top``: the leased one of a host-first store) holds a
+    readable copy of ``key``."""
+    return bool(table.present([key], top)) and table.state(key, top) is PageState.READABLE
 
 
 def _late() -> StoreTimeoutError:

@@ -3,28 +3,30 @@
 A device page leaves only after its bytes are safe below: when it is dirty (newer than its lower
 copies) or has no lower copy, it is copied to the host first (``WRITEBACK`` priority, after the
 compute that wrote it). Write-behind copies pages a lease wrote as soon as the lease ends, so
-that a later eviction is a drop with no wait. A collaborator of the tier core
-(:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
-gives it, and tells the core of every change by ``progress``.
+that a later eviction is a drop with no wait. The write-back is the move
+registered from the device to the host (``moves.get(DEVICE, HOST)``). The dirty set and the
+announced pages follow a rename (:meth:`DeviceEviction.rename`, a listener of
+:class:`~tierkv.ownership.Ownership`). A collaborator of the tier core
+(:class:`tierkv.tiers.TierSet`), built from its :class:`~tierkv.core_context.CoreContext`: it
+changes page state only through the page table, and tells the core of every change by
+``progress``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import cast
 
+from tierkv.core_context import CoreContext
 from tierkv.errors import StoreTimeoutError, TierFullError
 from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
-from tierkv.lower_tiers import ColdStorage, Departures
-from tierkv.owners import Owners
-from tierkv.page_table import PageState, PageTable
-from tierkv.runtime import Arena, Priority, TransferEngine
-from tierkv.spec import KVSpec
-from tierkv.stats import TierStats
+from tierkv.lower_tiers import ColdStorage
+from tierkv.page_table import PageState
+from tierkv.runtime import Priority
+from tierkv.tier import Target
 from tierkv.tier_names import COLD, DEVICE, HOST
-from tierkv.timeline import Timeline
 
 __all__ = ["DeviceEviction"]
 
@@ -32,31 +34,13 @@ __all__ = ["DeviceEviction"]
 class DeviceEviction:
     """Making room on the device of one tier core, and the dirty pages it must write back."""
 
-    def __init__(
-        self,
-        spec: KVSpec,
-        table: PageTable,
-        arenas: dict[str, Arena],
-        engine: TransferEngine,
-        lower: Sequence[str],
-        owners: Owners,
-        host: ColdStorage,
-        departures: Departures,
-        stats: TierStats,
-        timeline: Timeline,
-        progress: Callable[[], None],
-    ) -> None:
-        self._spec = spec
-        self._table = table
-        self._arenas = arenas
-        self._engine = engine
-        self._lower = list(lower)
-        self._owners = owners
-        self._host = host
-        self._departures = departures
-        self._stats = stats
-        self._timeline = timeline
-        self._progress = progress
+    def __init__(self, ctx: CoreContext, cold: ColdStorage) -> None:
+        self._ctx = ctx
+        self._table = ctx.table
+        self._arenas = ctx.arenas
+        self._engine = ctx.engine
+        self._lower = list(ctx.lower)
+        self._host = cold
         self.dirty: dict[PageKey, int] = {}  # device copy newer than the lower ones -> generation
         self._gen = 0
         self.write_behind_pinned = 0  # device pages pinned by write-behind copies (not leases)
@@ -65,6 +49,26 @@ class DeviceEviction:
         # the last eviction put victims back because their host copies were busy (copies
         # that end on their own): a caller short of room waits for a change, not fails
         self.lower_busy = False
+
+    def announce(self, keys: Iterable[PageKey]) -> None:
+        """Pages the coming steps read, soonest needed first: evictions take them only when no
+        other page can go, the last needed first (the schedule outranks the policy)."""
+        order = tuple(keys)
+        self.soon_order = order
+        self.soon = frozenset(order)
+
+    def rename(self, old: Sequence[PageKey], new: Sequence[PageKey]) -> None:
+        """Pages were renamed (:meth:`tierkv.ownership.Ownership.rekey`): the dirty set and
+        the announced pages follow."""
+        dirty, soon = self.dirty, self.soon
+        moved = False
+        for o, n in zip(old, new):
+            if o in dirty:
+                dirty[n] = dirty.pop(o)
+            moved = moved or o in soon
+        if moved:
+            to = dict(zip(old, new))
+            self.announce(to.get(k, k) for k in self.soon_order)
 
     def with_lower(self, keys: Sequence[PageKey]) -> list[PageKey]:
         """The keys (in order) that some lower tier holds readable."""
@@ -127,7 +131,7 @@ class DeviceEviction:
         if gone:
             self._table.complete_evict(gone, DEVICE, ok=True)
             self.clean(gone)
-        self._progress()
+        self._ctx.progress()
         return not back
 
     async def _write_back(self, victims: list[tuple[PageKey, int]]) -> list[PageKey]:
@@ -142,7 +146,7 @@ class DeviceEviction:
         was written: dropped once it has landed."""
         if not victims:
             return []
-        table, owners = self._table, self._owners
+        table, owners = self._table, self._ctx.owners
         keys = [k for k, _ in victims]
         present = cast(list[PageKey], table.present(keys, HOST))
         if present:
@@ -165,7 +169,7 @@ class DeviceEviction:
         finally:
             if present:
                 table.complete_load(present, HOST)
-                self._progress()
+                self._ctx.progress()
 
     async def _copy_down(
         self, victims: list[tuple[PageKey, int]], present: list[PageKey]
@@ -178,7 +182,7 @@ class DeviceEviction:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"
             )
-        self._departures.left(alloc.evicted)  # only when room was taken since make_room
+        self._ctx.departures.left(alloc.evicted)  # only when room was taken since make_room
         late = set(alloc.present) - set(present)
         if late:  # host copies that came while room was made (another write-back's): not ours
             victims = [(k, s) for k, s in victims if k not in late]
@@ -189,13 +193,14 @@ class DeviceEviction:
         for k in present:  # a stale host copy (idle, pinned above): overwritten in place
             dst_of[k] = table.slot(k, HOST)
         written = self._engine.backend.compute_event()  # the copy waits for the compute
-        handle = self._engine.submit(
-            self._arenas[DEVICE],
-            [s for _, s in victims],
+        target = Target(
             self._arenas[HOST],
             [dst_of[k] for k in keys],
-            priority=Priority.WRITEBACK,
-            after=[written] if written is not None else [],
+            Priority.WRITEBACK,
+            (written,) if written is not None else (),
+        )
+        handle = self._ctx.moves.get(DEVICE, HOST)(
+            self._engine, target, keys, self._arenas[DEVICE], [s for _, s in victims]
         )
         try:
             st = await job_done(handle)  # the slots are the copy's until it has ended
@@ -207,21 +212,13 @@ class DeviceEviction:
             table.complete_store(alloc.keys, HOST, ok=False)
             raise
         table.complete_store(alloc.keys, HOST)
-        self._stats.copy_s += st.copy_s
-        self._timeline.span(
-            "write back",
-            "stream device->host",
-            st.started_at,
-            st.finished_at,
-            pages=len(keys),
-            queue_wait_s=st.queue_wait_s,
-        )
-        self._stats.bytes_d2h += len(keys) * self._spec.page_bytes
-        self._stats.pages_written_back += len(keys)
-        self._owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
+        self._ctx.copied("write back", "stream device->host", st, len(keys))
+        self._ctx.stats.bytes_d2h += len(keys) * self._ctx.spec.page_bytes
+        self._ctx.stats.pages_written_back += len(keys)
+        self._ctx.owners.pin_owned(cast(list[PageKey], alloc.keys), HOST)
         if COLD in self._lower:  # cold copies, whenever they came, are older than this one
             for k in cast(list[PageKey], table.present(keys, COLD)):
-                self._owners.unpin(k, COLD)
+                self._ctx.owners.unpin(k, COLD)
                 self._host.forget_in(COLD, [k])
         return keys
 
@@ -265,7 +262,7 @@ class DeviceEviction:
         self.write_behind_pinned -= len(keys)
         if not task.cancelled() and task.exception() is None:
             self.clean(task.result(), gens)  # a page written again meanwhile stays dirty
-        self._progress()
+        self._ctx.progress()
 
 
 def _late(n: int) -> StoreTimeoutError:

@@ -69,18 +69,18 @@ class Lease:
         store = self._store
         tiers = store.tiers
         keys = self._keys()
-        tiers.ensure_fits(len(keys))
+        tiers.room.ensure_fits(len(keys))
         # Yield once: compute between leases rarely suspends, and background prefetches and
         # write-backs only advance when the loop runs. (When this loop turn's store work is
         # spent, wait for a later turn in the store's queue: see tierkv.turns.)
         await store.turns.pause(always=True)
         t0 = time.perf_counter()  # (charged to the turn budget at the end: see below)
-        deadline = tiers.deadline(store.timeout)
+        deadline = tiers.changes.deadline(store.timeout)
         footprint = len(keys) + self._reserve()
         # a partial, not a lambda: a closure would make its variables cells (tracked objects)
         # for the whole of this coroutine, which may wait across young collector passes
         self._held = await store.admission.enter(
-            footprint, deadline, partial(tiers.full_error, footprint, store.timeout)
+            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
         )
         try:
             keys, waited = await self._acquire(keys, deadline)
@@ -231,7 +231,7 @@ class Lease:
             pages = seq.pages(layer)
             n, s = len(pages), seq.kv_len_of(layer)
             if not n:
-                device = self._store.tiers.device
+                device = self._store.tiers.pages.device
                 empty = torch.empty(
                     (spec.num_kv_heads, 0, spec.head_dim), dtype=spec.dtype, device=device
                 )
@@ -242,7 +242,9 @@ class Lease:
                     "one began is no longer on the device; lease the sequence again"
                 )
             tiers = self._store.tiers
-            kv = tiers.gather_tokens(tiers.device_slots(pages))[:, :, :s]  # [2, H, S, D]
+            kv = tiers.pages.gather_tokens(tiers.pages.device_slots(pages))[
+                :, :, :s
+            ]  # [2, H, S, D]
             return kv[0], kv[1]
         finally:
             self._store.turns.charge(time.perf_counter() - t0)
@@ -266,7 +268,7 @@ class Lease:
         seq = self._seq(seq_id, layer)
         store = self._store
         spec = store.spec
-        k, v = validate.kv_tensors(spec, k, v, store.tiers.device)
+        k, v = validate.kv_tensors(spec, k, v, store.tiers.pages.device)
         n = k.shape[1]
         if n == 0:
             return
@@ -276,7 +278,7 @@ class Lease:
             seq = self._seq(seq_id, layer)  # (the lease may have ended meanwhile)
             self._check_live(seq)
             tiers = store.tiers
-            device = tiers.device
+            device = tiers.pages.device
             if k.device != device or v.device != device:
                 try:  # on the device first: a tensor that cannot be copied fails before allocating
                     k, v = k.to(device), v.to(device)
@@ -313,18 +315,20 @@ class Lease:
             try:
                 if new:  # the wait may have changed the sequence: recheck, then no await
                     self._check_unchanged(seq, layer, start)
-                    tiers.zero_device(slots)  # a reused slot holds another page's bytes: never leak
+                    tiers.pages.zero_device(
+                        slots
+                    )  # a reused slot holds another page's bytes: never leak
                     tiers.commit_device(new)
                     tiers.pin_device(new)  # pinned for the rest of the lease
                     pinned = True
-                    tiers.own(new)
+                    tiers.ownership.own(new)
                     owned = True
                 written = [page_key(seq.block(b), layer) for b in range(first, need)]
                 pos = start
-                for b, slot in enumerate(tiers.device_slots(written), first):
+                for b, slot in enumerate(tiers.pages.device_slots(written), first):
                     off = pos - b * t
                     m = min(t - off, end - pos)
-                    page = tiers.page(slot)
+                    page = tiers.pages.page(slot)
                     if m == n:  # the whole append in one page (a decode step): no slicing
                         page[0, :, off : off + m] = k
                         page[1, :, off : off + m] = v
@@ -332,8 +336,8 @@ class Lease:
                         page[0, :, off : off + m] = k[:, pos - start : pos - start + m]
                         page[1, :, off : off + m] = v[:, pos - start : pos - start + m]
                     pos += m
-                tiers.mark_dirty(written)
-                tiers.seal(written[: end // t - first])  # the pages this append filled
+                tiers.pages.mark_dirty(written)
+                tiers.pages.seal(written[: end // t - first])  # the pages this append filled
             except BaseException:  # undo every step: no page, pin or owner is left behind
                 tiers.abort_device(new, pinned=pinned, owned=owned)
                 raise

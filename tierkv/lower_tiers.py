@@ -13,94 +13,47 @@ for the bytes between encode and decode. A payload that fails its check is never
 load fails with :class:`~tierkv.errors.CorruptPageError`, the copy is counted (``corrupt``,
 ``cold``) and dropped once no owner pins it.
 
-Pages leaving the host tier are announced (:class:`Departures`: a page server's listeners) and
-offered, exact bytes, to the remote tier first. A collaborator of the tier core
-(:class:`tierkv.tiers.TierSet`): it changes page state only through the page table the core
-gives it, and tells the core of every change by ``progress``.
+The codec's moves are handlers of the core's `Moves` registry (:meth:`ColdStorage.register_moves`:
+host -> cold, cold -> device, cold -> host), looked up by media like every other move. Pages
+leaving the host tier are announced (:class:`~tierkv.departures.Departures`: a page server's
+listeners) and offered, exact bytes, to the remote tier and the lower chain first. A
+collaborator of the tier core (:class:`tierkv.tiers.TierSet`), built from its
+:class:`~tierkv.core_context.CoreContext`: it changes page state only through the page table,
+and tells the core of every change by ``progress``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from typing import cast
 
 import torch
 
 from tierkv import page_sums
 from tierkv.codecs import Codec
+from tierkv.core_context import CoreContext
 from tierkv.errors import CorruptPageError, TierFullError
 from tierkv.jobs import job_done, when_done
 from tierkv.keys import PageKey
-from tierkv.owners import Owners
 from tierkv.page_sums import NO_SUM, row_sums
-from tierkv.page_table import PageTable
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
-from tierkv.spec import KVSpec
-from tierkv.stats import TierStats
+from tierkv.tier import Moves, Target
 from tierkv.tier_names import COLD, DEVICE, HOST
 
-__all__ = ["ColdStorage", "Departures"]
-
-Offer = Callable[[list[tuple[PageKey, int]]], Awaitable[None]]
-
-
-class Departures:
-    """Who hears of pages leaving the host tier: listeners (told the keys after they left) and
-    the remote tier's offer (given the exact bytes before they are compressed or dropped)."""
-
-    def __init__(self) -> None:
-        self.listeners: list[Callable[[list[PageKey]], None]] = []
-        self.offer: Offer | None = None
-        self.spill: Offer | None = None  # the tiers below the host (tierkv.chain)
-
-    def left(self, keys: Sequence[object]) -> None:
-        """Pages left the host tier (evicted, dropped, moved to cold): tell the listeners."""
-        if keys and self.listeners:
-            gone = cast(list[PageKey], list(keys))
-            for listener in list(self.listeners):
-                listener(gone)
-
-    async def offer_remote(self, victims: list[tuple[PageKey, int]]) -> None:
-        """Offer host pages about to leave (pinned or MOVING, so their bytes hold) to the
-        remote tier, if any; bounded and best-effort (the remote counts its failures)."""
-        if self.offer is not None and victims:
-            await self.offer(victims)
-
-    async def spill_below(self, victims: list[tuple[PageKey, int]]) -> None:
-        """Give host pages about to leave (pinned or MOVING) to the tiers below the host, if
-        any; their failures are counted there, a timeout or a cancellation raised (the pages
-        then stay in the host tier)."""
-        if self.spill is not None and victims:
-            await self.spill(victims)
+__all__ = ["ColdStorage"]
 
 
 class ColdStorage:
     """The host and cold tiers of one tier core."""
 
-    def __init__(
-        self,
-        spec: KVSpec,
-        table: PageTable,
-        arenas: dict[str, Arena],
-        engine: TransferEngine,
-        codec: Codec | None,
-        owners: Owners,
-        departures: Departures,
-        stats: TierStats,
-        progress: Callable[[], None],
-        top: str = HOST,
-    ) -> None:
-        self._spec = spec
-        self._top = top  # the tier whose pages leave (DEVICE when there is no host tier)
-        self._table = table
-        self._arenas = arenas
-        self._engine = engine
+    def __init__(self, ctx: CoreContext, codec: Codec | None) -> None:
+        self._ctx = ctx
+        self._table = ctx.table
+        self._arenas = ctx.arenas
+        self._engine = ctx.engine
         self.codec = codec
-        self._owners = owners
-        self._departures = departures
-        self._stats = stats
-        self._progress = progress
+        self.register_moves(ctx.moves)
         # cold pages that failed their checksum while an owner pinned them: dropped by
         # `drop_bad` once unowned (until then every load of them fails, typed)
         self.bad: set[PageKey] = set()
@@ -111,46 +64,86 @@ class ColdStorage:
         here = cast(list[PageKey], table.idle(keys, tier))
         if here:
             table.remove(here, tier)
-            if tier == self._top:
-                self._departures.left(here)
+            if tier == self._ctx.top:
+                self._ctx.departures.left(here)
 
-    def decode(
+    def register_moves(self, moves: Moves) -> None:
+        """Register the codec's moves: host -> cold (encode; from the leased tier of a store
+        without a host tier) and cold -> device / host (decode). Nothing without a codec (no
+        cold tier)."""
+        if self.codec is not None:
+            moves.register(self._ctx.top, COLD, self._encode_move)
+            moves.register(COLD, DEVICE, self._decode_move)
+            moves.register(COLD, HOST, self._decode_move)
+
+    def _decode_move(
         self,
-        cold_slots: list[int],
-        dev_slots: list[int],
-        priority: Priority,
-        keys: Sequence[PageKey] = (),
+        engine: TransferEngine,
+        target: Target,
+        keys: Sequence[bytes],
+        cold: Arena,
+        cold_slots: Sequence[int],
     ) -> TransferHandle:
-        """Decode cold pages (``keys``) into device slots: a job of the transfer engine (queued
-        now). Each payload is checked against its checksum first: the job fails with
-        CorruptPageError (nothing decoded) when one differs."""
-        codec, spec, stats = self.codec, self._spec, self._stats
+        """Decode cold pages (``keys``) into the target's slots (device or host): a job of the
+        transfer engine (queued now). Each payload is checked against its checksum first: the
+        job fails with CorruptPageError (nothing decoded) when one differs."""
+        codec, spec, stats = self.codec, self._ctx.spec, self._ctx.stats
         assert codec is not None
-        cold, dev = self._arenas[COLD], self._arenas[DEVICE]
+        dst, dst_slots = target.arena, list(target.slots)
+        src_slots = list(cold_slots)
         sums = self._table.sums
 
         def work() -> None:
             t0 = time.perf_counter()
             if page_sums.enabled():
-                want = sums.copies(COLD, cold_slots)
-                got = row_sums(cold.array, cold_slots)
+                want = sums.copies(COLD, src_slots)
+                got = row_sums(cold.array, src_slots)
                 bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != NO_SUM and w != g]
                 if bad:
                     raise CorruptPageError(
-                        f"{len(bad)} of {len(cold_slots)} cold pages failed their checksum",
+                        f"{len(bad)} of {len(src_slots)} cold pages failed their checksum",
                         tier=COLD,
                         pages=len(bad),
                         keys=[keys[i] for i in bad if i < len(keys)],
                     )
-            data = cold.tensor.index_select(0, _index(cold_slots))
-            out = torch.empty((len(cold_slots), spec.page_bytes), dtype=torch.uint8)
+            data = cold.tensor.index_select(0, _index(src_slots))
+            out = torch.empty((len(src_slots), spec.page_bytes), dtype=torch.uint8)
             codec.decode(data, spec, out=out)
-            target = dev.tensor
-            idx = _index(dev_slots).to(target.device)
-            target.index_copy_(0, idx, out.to(target.device))
+            tensor = dst.tensor
+            idx = _index(dst_slots).to(tensor.device)
+            tensor.index_copy_(0, idx, out.to(tensor.device))
             stats.decode_s += time.perf_counter() - t0
 
-        return self._engine.submit_call(cold, cold_slots, dev, dev_slots, work, priority=priority)
+        return engine.submit_call(
+            cold, src_slots, dst, dst_slots, work, priority=target.priority, after=target.after
+        )
+
+    def _encode_move(
+        self,
+        engine: TransferEngine,
+        target: Target,
+        keys: Sequence[bytes],
+        host: Arena,
+        src: Sequence[int],
+    ) -> TransferHandle:
+        """Encode host pages into the target's cold slots, their payloads' checksums recorded:
+        a job of the transfer engine whose result is the seconds the encode took."""
+        codec, spec, table = self.codec, self._ctx.spec, self._table
+        assert codec is not None
+        cold, dst = target.arena, list(target.slots)
+        src = list(src)
+
+        def work() -> float:
+            t0 = time.perf_counter()
+            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
+            cold.tensor.index_copy_(0, _index(dst), enc)
+            if page_sums.enabled():  # the slots are this job's until it ends: no race
+                table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
+            return time.perf_counter() - t0
+
+        return engine.submit_call(
+            host, src, cold, dst, work, priority=target.priority, after=target.after
+        )
 
     def corrupt(self, error: BaseException | None) -> BaseException | None:
         """Of a failed load's error: when a cold payload failed its checksum, count it, drop
@@ -159,7 +152,7 @@ class ColdStorage:
         cause = error if isinstance(error, CorruptPageError) else getattr(error, "__cause__", None)
         if not isinstance(cause, CorruptPageError):
             return error
-        self._stats.corrupt[COLD] = self._stats.corrupt.get(COLD, 0) + cause.pages
+        self._ctx.stats.corrupt[COLD] = self._ctx.stats.corrupt.get(COLD, 0) + cause.pages
         self.bad.update(cause.keys)
         self.drop_bad()
         return cause
@@ -175,11 +168,11 @@ class ColdStorage:
         keep: Collection[PageKey] | None = None,
         keep_order: Sequence[PageKey] | None = None,
     ) -> None:
-        """Free ``n`` host slots: unowned victims are offered to the remote tier, then
-        compressed into cold, or dropped. Fewer when too few are evictable (the reservation
-        that follows reports the tier as full). ``keep`` / ``keep_order``: pages taken last
-        (``PageTable.prepare_evict``)."""
-        table, top = self._table, self._top
+        """Free ``n`` host slots (the leased tier's in a store without a host tier): unowned
+        victims are offered to the remote tier, then compressed into cold, or dropped. Fewer
+        when too few are evictable (the reservation that follows reports the tier as full).
+        ``keep`` / ``keep_order``: pages taken last (``PageTable.prepare_evict``)."""
+        table, top = self._table, self._ctx.top
         free = table.capacity(top) - table.used(top)
         if free >= n:
             return
@@ -192,56 +185,44 @@ class ColdStorage:
         keys = [k for k, _ in victims]
         ok = True
         try:
-            await self._departures.offer_remote(victims)  # exact bytes, before they change
-            await self._departures.spill_below(victims)
+            await self._ctx.departures.offer_remote(victims)  # exact bytes, before they change
+            await self._ctx.departures.spill_below(victims)
             if self.codec is not None:
                 await self._compress(victims)
             else:
-                self._stats.pages_dropped += len(keys)
+                self._ctx.stats.pages_dropped += len(keys)
         except TierFullError:
-            self._stats.pages_dropped += len(keys)  # cold is full of owned pages: drop them
+            self._ctx.stats.pages_dropped += len(keys)  # cold is full of owned pages: drop them
         except BaseException:
             ok = False
             raise
         finally:
             table.complete_evict(keys, top, ok=ok)
             if ok:
-                self._departures.left(keys)
+                self._ctx.departures.left(keys)
             else:  # back: pages owned while they were leaving get their owners' pin now
-                self._owners.pin_owned(cast(list[PageKey], table.readable(keys, top)), top)
-            self._progress()  # a lower copy in flight landed (or left)
+                self._ctx.owners.pin_owned(cast(list[PageKey], table.readable(keys, top)), top)
+            self._ctx.progress()  # a lower copy in flight landed (or left)
 
     async def _compress(self, victims: list[tuple[PageKey, int]]) -> None:
         """Encode host pages into cold slots (unowned cold pages are dropped for room)."""
         table = self._table
-        codec, spec = self.codec, self._spec
-        assert codec is not None
         keys = [k for k, _ in victims]
         alloc = table.prepare_store(keys, COLD)
         if alloc is None:
             raise TierFullError("cold tier full of owned pages")
-        self._stats.pages_dropped += len(alloc.evicted)
+        self._ctx.stats.pages_dropped += len(alloc.evicted)
         new = set(alloc.keys)
         todo = [(k, s) for k, s in victims if k in new]
-        host, cold = self._arenas[self._top], self._arenas[COLD]
         cold_of = dict(zip(alloc.keys, alloc.slots))
-        src = [s for _, s in todo]
-        dst = [cold_of[k] for k, _ in todo]
-
-        def work() -> float:
-            t0 = time.perf_counter()
-            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
-            cold.tensor.index_copy_(0, _index(dst), enc)
-            if page_sums.enabled():  # the slots are this job's until it ends: no race
-                table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))
-            return time.perf_counter() - t0
-
         if not todo:  # every page is in cold already (or was not admitted): nothing to encode
             table.complete_store(alloc.keys, COLD)
             return
+        target = Target(self._arenas[COLD], [cold_of[k] for k, _ in todo], Priority.WRITEBACK)
         try:
-            handle = self._engine.submit_call(
-                host, src, cold, dst, work, priority=Priority.WRITEBACK
+            top = self._ctx.top
+            handle = self._ctx.moves.get(top, COLD)(
+                self._engine, target, [k for k, _ in todo], self._arenas[top], [s for _, s in todo]
             )
         except BaseException:  # nothing queued (the engine closed): the cold slots go back
             table.complete_store(alloc.keys, COLD, ok=False)
@@ -253,14 +234,14 @@ class ColdStorage:
 
             def undo() -> None:
                 table.complete_store(alloc.keys, COLD, ok=False)
-                self._progress()
+                self._ctx.progress()
 
             when_done(handle, undo)
             raise
-        self._stats.encode_s += cast(float, handle.result())
+        self._ctx.stats.encode_s += cast(float, handle.result())
         table.complete_store(alloc.keys, COLD)
-        self._owners.pin_owned(cast(list[PageKey], alloc.keys), COLD)
-        self._stats.pages_compressed += len(alloc.keys)
+        self._ctx.owners.pin_owned(cast(list[PageKey], alloc.keys), COLD)
+        self._ctx.stats.pages_compressed += len(alloc.keys)
 
     async def compress_idle(self, keys: Sequence[PageKey]) -> int:
         """Compress these host pages (idle ones, chosen by the caller) into cold; returns count.
@@ -269,7 +250,7 @@ class ColdStorage:
         """
         if self.codec is None:
             return 0
-        table, owners, top = self._table, self._owners, self._top
+        table, owners, top = self._table, self._ctx.owners, self._ctx.top
         pick: list[tuple[PageKey, int]] = []
         for k in keys:
             if (top != DEVICE and table.present([k], DEVICE)) or not table.lookup([k], top):
@@ -286,14 +267,14 @@ class ColdStorage:
         pk = [k for k, _ in pick]
         table.prepare_load(pk, top)  # hold the sources while encoding
         try:
-            await self._departures.offer_remote(pick)
-            await self._departures.spill_below(pick)  # exact bytes: cold is lossy
+            await self._ctx.departures.offer_remote(pick)
+            await self._ctx.departures.spill_below(pick)  # exact bytes: cold is lossy
             await self._compress(pick)
         except TierFullError:
             return 0
         finally:
             table.complete_load(pk, top)
-            self._progress()
+            self._ctx.progress()
         moved = cast(list[PageKey], table.present(pk, COLD))
         for k in moved:
             owners.unpin(k, top)  # the owner's pin moved to the cold copy

@@ -270,13 +270,15 @@ class StoreCollector(_Families):
             yield self._counter("disk_" + key, doc, disk[key])
         for key, doc in _DISK_GAUGES.items():
             yield self._gauge("disk_" + key, doc, disk[key])
-        yield self._gauge(
-            "disk_io_mode",
-            "1 for the disk tier's I/O mode in use (direct: O_DIRECT; buffered: see the log)",
-            {disk["io_mode"]: 1},
-            label="mode",
-        )
         const = self._labels
+        mode = GaugeMetricFamily(
+            f"{PREFIX}disk_io_mode",
+            "1 for the disk tier's I/O mode in use (direct: O_DIRECT; buffered: the reason "
+            "label says why, e.g. tmpfs)",
+            labels=[*const, "mode", "reason"],
+        )
+        mode.add_metric([*const.values(), disk["io_mode"], disk["io_mode_reason"]], 1.0)
+        yield mode
         for op in ("read", "write"):
             h = disk[op + "_latency"]
             fam = HistogramMetricFamily(
@@ -336,6 +338,7 @@ _DISK = {
     "write_failures": "Disk tier writes the OS failed or cut short: never reported stored",
     "write_failed": "Pages leaving the host tier the disk did not store (failed, no room)",
     "no_room": "Pages refused by the disk tier for want of a free slot",
+    "not_admitted": "Pages leaving the host tier the disk's admission filter declined",
     "bytes_read": "Bytes read from the disk tier, verified",
     "bytes_written": "Bytes written to the disk tier",
     "imported": "Pages brought back from the disk tier into the host tier",

@@ -72,6 +72,16 @@ class Prefetcher:
         """Pages that will never be used (released): no longer counted as prefetched."""
         self._prefetched.difference_update(keys)
 
+    def rename(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
+        """Pages were renamed (:meth:`tierkv.ownership.Ownership.rekey`): a prefetched page
+        stays prefetched under its new key."""
+        pf = self._prefetched
+        if pf:
+            for o, n in zip(old, new):
+                if o in pf:
+                    pf.discard(o)
+                    pf.add(n)
+
     def used(self, keys: Sequence[bytes]) -> None:
         """A lease pinned ``keys``: compute reads them now (prefetch accounting)."""
         pf = self._prefetched
@@ -112,7 +122,7 @@ class Prefetcher:
             seq = self._seqs.get(s)
             if seq is not None:
                 keys += seq.all_pages(None if layers is None else list(layers))
-        return await self._load_ahead(self.tiers.device_room(keys, set(keys)))
+        return await self._load_ahead(self.tiers.room.device_room(keys, set(keys)))
 
     async def _load_ahead(self, absent: list[bytes]) -> int:
         if not absent:
@@ -150,7 +160,7 @@ class Prefetcher:
         # announced pages count as about to be used: the ones due first become the most recent,
         # so that loads evict pages nobody announced before any announced one
         for s in reversed(order):
-            tiers.touch_device(self._seqs[s].all_pages())
+            tiers.pages.touch_device(self._seqs[s].all_pages())
         # walk the announced sequences in order while the device holds them all
         budget = table.capacity(DEVICE) - len(steps[0]) * self.spec.num_layers * 2  # new pages
         room: list[bytes] = []

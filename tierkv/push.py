@@ -12,6 +12,11 @@ After a wait ran out, offers stop waiting (they stage what fits and drop the res
 the buffer is free again: a remote slower than the evictions costs them one wait, not one each.
 
 Failures (remote down, full, slow) are counted, never raised into the eviction.
+
+Attached to a store (:meth:`Pusher.start` with the tier core's
+:class:`~tierkv.remote_glue.RemoteGlue`), each staging gather and each publish call runs as a
+job of the store's transfer engine (``copy_host_out`` / ``run_remote``); on its own (no glue)
+they run inline.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,21 +33,9 @@ import numpy.typing as npt
 from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
 from tierkv.page_source import PageSource, publish_checked
+from tierkv.remote_glue import RemoteGlue
 
-__all__ = ["PushCounters", "Pusher", "Runner"]
-
-# runs one remote call to its end (a job of the store's transfer engine, see StoreRemote.attach)
-Runner = Callable[[Callable[[], Awaitable[int]]], Awaitable[int]]
-# runs a host-side copy out of the source slots: (slots, fn) -> a job of the transfer engine
-Copier = Callable[[Sequence[int], Callable[[], None]], Awaitable[None]]
-
-
-async def _direct(call: Callable[[], Awaitable[int]]) -> int:
-    return await call()
-
-
-async def _copy_now(slots: Sequence[int], fn: Callable[[], None]) -> None:
-    fn()
+__all__ = ["PushCounters", "Pusher"]
 
 
 @dataclass(slots=True)
@@ -98,11 +91,13 @@ class Pusher:
         self._shedding = False  # offers do not wait for room (see offer)
         self._capacity = capacity
         self._closed = False
-        self.runner: Runner = _direct  # the store sets its engine's (async jobs)
-        self.copier: Copier = _copy_now  # ... and its engine's host-function jobs
+        self._glue: RemoteGlue | None = None  # the store's: its engine runs the jobs
 
-    def start(self) -> None:
-        """Start the background publisher (on the running loop)."""
+    def start(self, glue: RemoteGlue | None = None) -> None:
+        """Start the background publisher (on the running loop); with a store's ``glue``,
+        every gather and publish is a job of its transfer engine."""
+        if glue is not None:
+            self._glue = glue
         if self._task is None and not self._closed:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -177,7 +172,10 @@ class Pusher:
             self.staging[dst] = array[src]
 
         try:
-            await self.copier(src, gather)
+            if self._glue is not None:
+                await self._glue.copy_host_out(src, gather)
+            else:
+                gather()
         except BaseException:
             self._free.extend(dst)  # the copier returns only once nothing writes the rows
             self._room.set()
@@ -209,11 +207,13 @@ class Pusher:
         self._busy = len(take)
         try:
             # the bound is inside the call: when it returns, nothing reads the rows any more
-            stored = await self.runner(
-                lambda: asyncio.wait_for(
+            def call() -> Awaitable[int]:
+                return asyncio.wait_for(
                     publish_checked(self.source, keys, self.staging, slots, sums), self.timeout
                 )
-            )
+
+            glue = self._glue
+            stored = await (glue.run_remote(call) if glue is not None else call())
             if type(stored) is not int:
                 raise InvalidTypeError(f"publish answered {type(stored).__name__}, not an int")
             self.counters.pushed += max(0, min(stored, len(keys)))

@@ -10,10 +10,11 @@ Part of the core: it knows a remote tier only by the `PageSource` protocol
 (:mod:`tierkv.page_source`), never the clients or the page server of :mod:`tierkv.remote`, so
 the store imports it directly and the remote package depends on the store one way only.
 Imported pages land in the host tier as unowned cached pages, two-phase (WRITING until the
-source confirmed them), exactly as `import_prefix` does: `TierSet.import_host` reserves them and
-runs the source's read as a job of the transfer engine. Every call on a source is bounded by
-the store's timeout; a failing source is counted (``errors``) and skipped, never raised: any
-exception a source raises (a hostile server's malformed answer included) is a counted miss.
+source confirmed them), exactly as `import_prefix` does: `RemoteGlue.import_host`
+(``tiers.glue``) reserves them and runs the source's read as a job of the transfer engine.
+Every call on a source is bounded by the store's timeout; a failing source is counted
+(``errors``) and skipped, never raised: any exception a source raises (a hostile server's
+malformed answer included) is a counted miss.
 """
 
 from __future__ import annotations
@@ -99,15 +100,13 @@ class StoreRemote:
         """Hook into an opened store's tiers (evictions offer their pages)."""
         self._tiers = tiers
         if self.pusher is not None:
-            self.pusher.runner = tiers.run_remote  # each publish: a job of the transfer engine
-            self.pusher.copier = tiers.copy_host_out  # each staging gather: one too
-            self.pusher.start()
-            tiers.set_remote_offer(self._offer)
+            self.pusher.start(tiers.glue)  # each gather and publish: a job of the engine
+            tiers.glue.set_remote_offer(self._offer)
 
     async def aclose(self, flush: float = 0.0) -> None:
         """Stop pushing (staged pages get ``flush`` seconds to go out)."""
         if self._tiers is not None:
-            self._tiers.set_remote_offer(None)
+            self._tiers.glue.set_remote_offer(None)
         if self.pusher is not None:
             await self.pusher.aclose(flush)
 
@@ -120,8 +119,8 @@ class StoreRemote:
         content = [(k, s) for k, s in victims if is_content(k)]
         if content:
             keys, slots = [k for k, _ in content], [s for _, s in content]
-            sums = self._tiers.host_sums(keys, slots)  # as the page table knows them
-            await self.pusher.offer(keys, self._tiers.host_array, slots, sums)
+            sums = self._tiers.glue.host_sums(keys, slots)  # as the page table knows them
+            await self.pusher.offer(keys, self._tiers.glue.host_array, slots, sums)
 
     def _fail(self, kind: str, exc: BaseException, keys: Sequence[bytes]) -> None:
         self.counters.errors += 1
@@ -181,7 +180,7 @@ class StoreRemote:
             return got
 
         # victims compressed / pushed for room, not just dropped; nothing stays WRITING
-        ok = await tiers.import_host(
+        ok = await tiers.glue.import_host(
             keys, load, timeout=self.timeout + 1.0, check=check, tier=tier_label(source), keep=keep
         )
         self.counters.hits += ok

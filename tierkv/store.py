@@ -278,6 +278,9 @@ class KVStore:
             if chain is not None:
                 chain.close()
             raise
+        renames = self.tiers.ownership  # every per-page record follows a rename
+        renames.on_rename(self._renamed)
+        renames.on_rename(self._prefetcher.rename)
         if chain is not None:
             chain.attach(self.tiers)
             self._chain = chain
@@ -396,7 +399,7 @@ class KVStore:
         for seq in self._seqs.values():
             for k in dict.fromkeys(seq.all_pages()):
                 owned[k] = owned.get(k, 0) + 1
-        assert owned == tiers.owners, "owners differ from the live sequences' pages"
+        assert owned == tiers.ownership.owners, "owners differ from the live sequences' pages"
 
     # -- sequences -----------------------------------------------------------------------
     @boundary
@@ -515,15 +518,15 @@ class KVStore:
             seq.cached_tokens = n * t
             pages = seq.all_pages()
             if len(pages) <= _OWN_AT_ONCE:
-                tiers.own(pages)
+                tiers.ownership.own(pages)
             else:  # a million-token prompt: owned in slices, a loop turn between them
-                await tiers.own_async(pages, _OWN_AT_ONCE)
+                await tiers.ownership.own_async(pages, _OWN_AT_ONCE)
                 try:
                     tiers = self.tiers
                     if seq_id in self._seqs:
                         raise SequenceError(f"sequence {seq_id!r} already exists")
                 except BaseException:
-                    tiers.disown(pages)
+                    tiers.ownership.disown(pages)
                     raise
                 held = next(
                     (
@@ -536,12 +539,12 @@ class KVStore:
                     n,
                 )  # pages owned late may have left meanwhile: keep the prefix still held
                 if held < n:
-                    tiers.disown(pages)
+                    tiers.ownership.disown(pages)
                     n = held
                     seq.set_blocks(keys[:n], shared=True)
                     seq.set_all_kv_len(n * t)
                     seq.cached_tokens = n * t
-                    tiers.own(seq.all_pages())
+                    tiers.ownership.own(seq.all_pages())
             self._seqs[seq_id] = seq
             self.counters.prefix_tokens_reused += n * t
             self.counters.prompt_tokens += len(toks)
@@ -614,7 +617,7 @@ class KVStore:
             del self._seqs[seq_id]
             pages = seq.all_pages()
             tiers = self.tiers
-            tiers.disown(pages)
+            tiers.ownership.disown(pages)
             layers = range(seq.num_layers)
             full = dict(seq.unpublished())  # full blocks busy now: renamed once idle
             private: list[bytes] = []
@@ -623,14 +626,16 @@ class KVStore:
                     continue
                 old = [page_key(b, layer) for layer in layers]
                 if i in full:
-                    tiers.rename_when_idle(old, [page_key(full[i], layer) for layer in layers])
+                    tiers.ownership.rename_when_idle(
+                        old, [page_key(full[i], layer) for layer in layers]
+                    )
                 else:
                     private += old
-            tiers.forget(private)
+            tiers.ownership.forget(private)
             for k in private:
                 self._last_use.pop(k, None)
                 self._parked.pop(k, None)
-            parked, owners = self._parked, tiers.owners
+            parked, owners = self._parked, tiers.ownership.owners
             for k in pages:
                 t = parked.get(k)
                 if t is not None and k not in owners:
@@ -647,15 +652,20 @@ class KVStore:
         for i, key in seq.unpublished():  # lazy: stopping early hashes no further block
             old = [page_key(seq.block(i), layer) for layer in range(seq.num_layers)]
             new = [page_key(key, layer) for layer in range(seq.num_layers)]
-            if tiers.pinned_on_device(old):
+            if tiers.pages.pinned_on_device(old):
                 break  # leased right now: publish at the end of the lease
-            if not tiers.rekey(old, new):
+            if not tiers.ownership.rekey(old, new):  # (the idle clock follows: _renamed)
                 break
-            for o, n in zip(old, new):
-                for use in (self._last_use, self._parked):
+            seq.set_block(i, key, shared=True)
+
+    def _renamed(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
+        """Pages were renamed (a publish, or a released block once idle): the idle clock
+        follows (a renamed page goes to the end of ``_last_use``: it waits a few steps more)."""
+        for use in (self._last_use, self._parked, self._due):
+            if use:
+                for o, n in zip(old, new):
                     if o in use:
                         use[n] = use.pop(o)
-            seq.set_block(i, key, shared=True)
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary
@@ -736,7 +746,7 @@ class KVStore:
         self._behind.clear()
         self._behind_task = None  # the next lease to end starts the next copy
         if keys:
-            await self.tiers.write_behind(keys)
+            await self.tiers.pages.write_behind(keys)
 
     @boundary
     def step(self) -> None:
@@ -745,7 +755,7 @@ class KVStore:
         if self._codec is None or self.compress_after <= 0:
             return
         limit = self._clock - self.compress_after
-        owners = self.tiers.owners
+        owners = self.tiers.ownership.owners
         last, parked = self._last_use, self._parked
         stale: list[tuple[bytes, int]] = []
         for k, t in last.items():  # oldest first: only the pages that went idle are read
@@ -766,7 +776,7 @@ class KVStore:
             self._spawn(self._compress(idle), Background("compression", COLD, idle))
 
     async def _compress(self, keys: list[bytes]) -> None:
-        n = await self.tiers.compress_idle(keys)
+        n = await self.tiers.cold.compress_idle(keys)
         self.counters.idle_compressed += n
 
     def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
@@ -795,7 +805,7 @@ class KVStore:
         while self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
         if not self._closed and self._tiers is not None:
-            self._tiers.reap()
+            self._tiers.ownership.reap()
         if self.remote is not None:
             await self.remote.flush(self.timeout)
 

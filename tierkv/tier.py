@@ -13,22 +13,25 @@ tier, a status whose ``held`` is True when the page is on that tier afterwards (
 ``StoreStatus``); for a read into the host, True for a verified hit. What a tier may hold
 (`Holds`) is the tier's own rule: the core asks `Tier.accepts` before it moves a page there.
 
-Migrated so far: the host <-> disk moves (:mod:`tierkv.disk.tier`). The device, host and cold
-moves still run through their own code paths in :mod:`tierkv.tiers` (see
-docs/architecture.md for the plan).
+The tier core's own moves are handlers of the same registry: device <-> host (`copy_move`, one
+engine copy), host -> cold (encode) and cold -> device / host (decode, registered by
+:class:`~tierkv.lower_tiers.ColdStorage`, which owns the codec); the other end of those moves is
+a `Target` (an arena of the core, its slots, the job's priority). A lower tier's moves (host <->
+disk: :mod:`tierkv.disk.tier`) get the `Tier` itself as the other end.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from tierkv.errors import InvalidInputError, InvalidTypeError, UnknownNameError
 from tierkv.keys import is_content
-from tierkv.runtime import Arena, TransferEngine, TransferHandle
+from tierkv.runtime import Arena, Event, Priority, TransferEngine, TransferHandle
 
-__all__ = ["Holds", "MoveHandler", "Moves", "Tier", "UnknownMoveError"]
+__all__ = ["Holds", "MoveHandler", "Moves", "Target", "Tier", "UnknownMoveError", "copy_move"]
 
 
 class Holds(enum.Enum):
@@ -71,6 +74,12 @@ class Tier(Protocol):
         """Per key, whether the tier holds a committed page of it (no I/O)."""
         ...
 
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key of a page evicted from the tier above (and not held here), whether to
+        write it: the tier's admission filter (all True without one; a class deriving from
+        `Tier` inherits that). Called once per offer: a filter may count the offers."""
+        return [True] * len(keys)
+
     def reserve(self, keys: Sequence[bytes]) -> list[Any]:
         """Reserve a slot per key for a write (the medium's reservation records)."""
         ...
@@ -100,9 +109,37 @@ class Tier(Protocol):
         ...
 
 
-#: A move: (engine, the tier at the other end, page keys, the host arena, its slots) -> the
-#: handle of the one engine job it queued.
+#: A move: (engine, the other end, page keys, an arena, its slots) -> the handle of the one engine
+#: job it queued. Between two arenas of the tier core the other end is the destination's `Target`
+#: and the arena the source's; for a lower `Tier` it is the tier, and the arena the host's (the
+#: source of a write into the tier, the destination of a read from it).
 MoveHandler = Callable[[TransferEngine, Any, Sequence[bytes], Arena, Sequence[int]], TransferHandle]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """The destination of a move between two arenas of the tier core: the arena, its slots (one
+    per page, in the order of the keys), the job's priority and what it must wait for (the
+    compute that wrote a page about to be written back)."""
+
+    arena: Arena
+    slots: Sequence[int]
+    priority: Priority = Priority.DEMAND
+    after: Sequence[Event | TransferHandle] = ()
+
+
+def copy_move(
+    engine: TransferEngine,
+    target: Target,
+    keys: Sequence[bytes],
+    arena: Arena,
+    slots: Sequence[int],
+) -> TransferHandle:
+    """The move between two arenas of one slot size (device <-> host): one engine copy of
+    ``arena[slots]`` into ``target.arena[target.slots]``, bit-identical."""
+    return engine.submit(
+        arena, slots, target.arena, target.slots, priority=target.priority, after=target.after
+    )
 
 
 class UnknownMoveError(UnknownNameError):

@@ -35,6 +35,7 @@ __all__ = [
     "native_crc32c",
     "reselect",
     "select_fold",
+    "slot_kernels",
 ]
 
 #: `fn(data, crc)`: the CRC-32C of everything so far (`crc`) followed by the buffer `data`.
@@ -74,6 +75,16 @@ def native_crc32c() -> Crc | None:
     (or ``TIERKV_NATIVE_CHECKSUM=0``). Never raises."""
     selected = _selected()
     return None if selected is None else selected[1]
+
+
+def slot_kernels() -> Any:
+    """The extension where it is the CRC-32C in use, for its batch kernels of the disk medium's
+    slot headers (``check_slots`` / ``pack_slots``: a run of pages with the GIL released
+    once); None elsewhere (the disk medium then checks and packs headers in Python)."""
+    ours = _extension()
+    if ours is None or implementation() != "tierkv" or not hasattr(ours, "check_slots"):
+        return None
+    return ours
 
 
 def implementation() -> str:

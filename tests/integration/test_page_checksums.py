@@ -62,7 +62,7 @@ def peer(srv: PageServer, kind: str) -> RemoteTier:
 
 def flip(srv: PageServer, keys: list[bytes], rng: np.random.Generator) -> None:
     """Flip one random bit of each page of ``keys`` in the server's host tier."""
-    table, host = srv.store.tiers.table, srv.store.tiers.host_array
+    table, host = srv.store.tiers.table, srv.store.tiers.glue.host_array
     for k in keys:
         pos = int(rng.integers(0, PAGE))
         host[table.slot(k, HOST), pos] ^= np.uint8(1 << int(rng.integers(0, 8)))
@@ -108,7 +108,7 @@ async def test_an_append_that_fills_a_page_seals_it() -> None:
         tiers = store.tiers
         for layer in range(2):
             full, part = (page_key(seq.block(b), layer) for b in (0, 1))
-            slot = tiers.device_slot(full)
+            slot = tiers.pages.device_slots([full])[0]
             assert tiers.table.sums([full, part]) == [crc32c(_device_rows(store)[slot]), NO_SUM]
         tiers.check()
 
@@ -243,8 +243,8 @@ async def test_a_flipped_cold_payload_is_never_decoded(codec: str) -> None:
         await stage_prefix(store, prompt)
         tiers = store.tiers
         keys = [page_key(b, layer) for b in prefix_keys(prompt[:8], 4) for layer in range(2)]
-        tiers.forget_in(DEVICE, keys)
-        assert await tiers.compress_idle(keys) == 4
+        tiers.cold.forget_in(DEVICE, keys)
+        assert await tiers.cold.compress_idle(keys) == 4
         cold = tiers._arenas[COLD].array
         cold[tiers.table.slot(keys[2], COLD), 40] ^= 0x04
         await store.add_sequence("t", prompt)

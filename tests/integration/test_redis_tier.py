@@ -150,17 +150,17 @@ async def test_import_prefix_moves_a_prompt_between_stores(srv: RedisServer) -> 
     async with store() as a, store() as b, tier(srv.url) as rt:
         pages = prefix_pages(a, tokens)
         assert len(pages) == 6 * SPEC.num_layers
-        arena = a.tiers.host_array
-        alloc = a.tiers.reserve_host(pages)
+        arena = a.tiers.glue.host_array
+        alloc = a.tiers.glue.reserve_host(pages)
         assert alloc is not None
         want = pages_of(7, len(pages))
         arena[list(alloc.slots)] = want
-        a.tiers.commit_host(pages)
+        a.tiers.glue.commit_host(pages)
         assert await publish_prefix(a, rt, tokens) == len(pages)
         assert b.lookup(tokens) == 0
         assert await import_prefix(b, rt, tokens) == 6 * 16
         assert b.lookup(tokens) == 6 * 16
-        got = b.tiers.host_array
+        got = b.tiers.glue.host_array
         for i, k in enumerate(pages):
             assert (got[b.tiers.table.slot(k, "host")] == want[i]).all()
 

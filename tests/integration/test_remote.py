@@ -57,7 +57,7 @@ async def _serve(kind: str) -> None:
         SPEC, device_bytes=SPEC.page_bytes, host_bytes=PAGES * SPEC.page_bytes, codec=None
     )
     async with store, PageServer(store, transports=[kind], secret=SECRET, lease_ttl=30) as srv:
-        tiers, table, arena = store.tiers, store.tiers.table, store.tiers.host_array
+        tiers, table, arena = store.tiers, store.tiers.table, store.tiers.glue.host_array
         handle = srv.shared[kind].region.descriptor.handle or "-"
         print("READY", srv.address, handle, flush=True)
         loop = asyncio.get_running_loop()
@@ -69,12 +69,12 @@ async def _serve(kind: str) -> None:
                 seed = int(line[1])
                 assert srv.directory is not None
                 srv.directory.expire_all()
-                tiers.forget_in("host", table.keys("host"))
+                tiers.cold.forget_in("host", table.keys("host"))
                 keys = page_keys(seed)
-                alloc = tiers.reserve_host(keys)
+                alloc = tiers.glue.reserve_host(keys)
                 assert alloc is not None and len(alloc.slots) == PAGES, "host tier not free"
                 arena[alloc.slots] = page_bytes(seed)
-                tiers.commit_host(keys)
+                tiers.glue.commit_host(keys)
                 print("FILLED", seed, flush=True)
             elif line[0] == "check":  # how many pages of fill SEED are held; all bit-exact?
                 keys, want = page_keys(int(line[1])), page_bytes(int(line[1]))

@@ -46,12 +46,12 @@ def page_bytes(seed: int, n: int = 4) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 def store_pages(store: KVStore, seed: int, n: int = 4) -> list[bytes]:
     """Put pages of ``seed`` into the store's host tier (as a compute or import would)."""
-    arena = store.tiers.host_array
+    arena = store.tiers.glue.host_array
     keys = page_keys(seed, n)
-    alloc = store.tiers.reserve_host(keys)
+    alloc = store.tiers.glue.reserve_host(keys)
     assert alloc is not None and not alloc.evicted
     arena[alloc.slots] = page_bytes(seed, n)
-    store.tiers.commit_host(keys)
+    store.tiers.glue.commit_host(keys)
     return keys
 
 
@@ -170,7 +170,7 @@ async def test_watcher_and_peer_disconnects() -> None:
         await wait_until(lambda: b.watches.watchers == 1, "b has the watcher")
         await watch.aclose()
         await wait_until(lambda: b.watches.watchers == 0, "b forgot the watcher")
-        b.store.tiers.forget_in("host", keys)  # a departure with nobody watching
+        b.store.tiers.cold.forget_in("host", keys)  # a departure with nobody watching
         await wait_until(lambda: a.locate(keys) == [], "a dropped b's departed pages")
         keys = store_pages(c.store, 3)
         await wait_until(lambda: a.locate(keys) == [c.address] * 4, "a knows c's pages")

@@ -127,7 +127,7 @@ async def test_without_remote_the_store_is_unchanged() -> None:
     async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
         await fill(s, "a", 1)
         assert "remote" not in s.stats() and s.remote is None
-        assert s.tiers.remote_offer is None
+        assert s.tiers.glue.remote_offer is None
         assert await s.fetch_prefix(tokens(1)) == 8
 
 
@@ -185,12 +185,12 @@ async def test_silent_remote_is_bounded_and_a_later_source_serves() -> None:
 
 async def test_full_remote_counts_errors_and_evictions_go_on() -> None:
     async with page_server(pages=2) as srv, peer(srv) as p, peer(srv) as holder:
-        tiers, arena = srv.store.tiers, srv.store.tiers.host_array
+        tiers, arena = srv.store.tiers, srv.store.tiers.glue.host_array
         keys = [b"\x01" * 16 + bytes([i]) for i in range(2)]  # two content pages, pinned
-        alloc = tiers.reserve_host(keys)
+        alloc = tiers.glue.reserve_host(keys)
         assert alloc is not None
         arena[alloc.slots] = 7
-        tiers.commit_host(keys)
+        tiers.glue.commit_host(keys)
         lease = await holder.acquire(keys)
         assert len(lease.slots) == 2
         a = small_store(p)
@@ -235,7 +235,7 @@ def test_bad_remote_is_a_type_error() -> None:
 async def test_tiers_report_every_host_departure() -> None:
     left: list[bytes] = []
     async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
-        s.tiers.add_host_listener(left.extend)
+        s.tiers.glue.add_host_listener(left.extend)
         for i in range(6):
             await fill(s, f"a{i}", i)
         await s.drain()

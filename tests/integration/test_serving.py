@@ -116,7 +116,7 @@ async def test_cancellation_frees_the_request_pages() -> None:
         assert e.counters.cancelled == 2
         await store.drain()  # background write-backs and prefetches
         tiers = store.tiers
-        assert not tiers.owners  # no page is held by a sequence any more
+        assert not tiers.ownership.owners  # no page is held by a sequence any more
         # what stays is the cache of full blocks (content pages), none pinned; private ones went
         left = list(tiers.table.keys("device")) + list(tiers.table.keys("host"))
         assert all(tiers.table.pins(k, "device") == 0 for k in tiers.table.keys("device"))
@@ -241,7 +241,7 @@ async def test_a_failed_step_fails_its_requests_and_the_engine_goes_on() -> None
             await e.complete([1, 2, 3], SamplingParams(max_tokens=4))
         await e.wait_idle()
         assert e.counters.failed == 1
-        assert not e.store.tiers.owners  # its pages were released
+        assert not e.store.tiers.ownership.owners  # its pages were released
         tokens, reason = await e.complete([1, 2, 3], SamplingParams(max_tokens=4))
         assert len(tokens) == 4 and reason == "length"
 

@@ -79,7 +79,7 @@ async def test_a_failed_write_behind_is_counted_and_logged_with_its_pages(
             seen.append(list(keys))
             raise TransferFailedError("the copy engine broke")
 
-        monkeypatch.setattr(store.tiers, "write_behind", broken)
+        monkeypatch.setattr(store.tiers.pages, "write_behind", broken)
         with caplog.at_level(logging.WARNING, logger="tierkv"):
             await fill(store, "a", 1, n=6)  # the lease ends: a write-behind task starts
             await store.drain()
@@ -100,7 +100,7 @@ async def test_a_failed_prefetch_task_names_its_pages(
         def broken(*_: Any) -> list[bytes]:
             raise RuntimeError("room planning failed")
 
-        monkeypatch.setattr(store.tiers, "device_room", broken)
+        monkeypatch.setattr(store.tiers.room, "device_room", broken)
         with caplog.at_level(logging.WARNING, logger="tierkv"):
             await store.prefetch(["a"])
             await store.drain()

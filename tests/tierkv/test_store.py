@@ -55,7 +55,7 @@ async def no_pins_left(store: KVStore) -> None:
     table.check()
     for k in table.keys(DEVICE):
         assert table.pins(k, DEVICE) == 0, "a device page is still pinned"
-    owned = store.tiers.owners
+    owned = store.tiers.ownership.owners
     for tier in (HOST, COLD):
         if tier in table.tier_names:
             for k in table.keys(tier):

@@ -78,19 +78,19 @@ async def test_a_long_prompt_is_owned_in_slices_with_loop_turns() -> None:
         tick = asyncio.ensure_future(ticker())
         await asyncio.sleep(0)
         start = turns
-        await tiers.own_async(pages, batch=2)
+        await tiers.ownership.own_async(pages, batch=2)
         assert turns - start >= len(pages) // 2 - 1  # a loop turn between slices
-        assert all(tiers.owners[k] == 1 for k in pages)
+        assert all(tiers.ownership.owners[k] == 1 for k in pages)
         tiers.check()
-        tiers.disown(pages)
+        tiers.ownership.disown(pages)
         # cancelled midway: nothing stays owned
-        task = asyncio.ensure_future(tiers.own_async(pages, batch=2))
+        task = asyncio.ensure_future(tiers.ownership.own_async(pages, batch=2))
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert not tiers.owners and not tiers.owner_pins
+        assert not tiers.ownership.owners and not tiers.ownership.owner_pins
         tick.cancel()
         tiers.check()
 
@@ -113,16 +113,16 @@ async def test_import_host_commits_what_arrived_and_rolls_back_the_rest() -> Non
             host[slots[:2]] = 9
             return 2
 
-        assert await tiers.import_host(keys, half) == 2
+        assert await tiers.glue.import_host(keys, half) == 2
         assert [tiers.table.lookup([k], HOST) for k in keys] == [1, 1, 0, 0]
-        assert (tiers.host_array[tiers.table.slot(keys[0], HOST)] == 9).all()
+        assert (tiers.glue.host_array[tiers.table.slot(keys[0], HOST)] == 9).all()
         assert store.engine_stats().by_kind.get("async") == 1
 
         async def broken(new: list[bytes], host: Any, slots: list[int]) -> int:
             raise ConnectionError("peer gone")
 
         with pytest.raises(Exception, match="peer gone"):
-            await tiers.import_host(keys[2:], broken)
+            await tiers.glue.import_host(keys[2:], broken)
         assert not tiers.table.present(keys[2:], HOST)  # rolled back, nothing WRITING
 
         gate = asyncio.Event()
@@ -132,7 +132,7 @@ async def test_import_host_commits_what_arrived_and_rolls_back_the_rest() -> Non
             return len(new)
 
         with pytest.raises(StoreTimeoutError):
-            await tiers.import_host(keys[2:], slow, timeout=0.05)
+            await tiers.glue.import_host(keys[2:], slow, timeout=0.05)
         # the read is still running: its slots stay reserved (WRITING) until it ends
         assert all(tiers.table.state(k, HOST) == PageState.WRITING for k in keys[2:])
         gate.set()
@@ -148,17 +148,17 @@ async def test_export_host_pins_the_pages_while_the_peer_reads() -> None:
     async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None) as store:
         tiers = store.tiers
         keys = [bytes([i]) * 18 for i in range(2)]
-        alloc = tiers.reserve_host(keys)
+        alloc = tiers.glue.reserve_host(keys)
         assert alloc is not None
-        tiers.host_array[list(alloc.slots)] = np.arange(2, dtype=np.uint8)[:, None]
-        tiers.commit_host(keys)
+        tiers.glue.host_array[list(alloc.slots)] = np.arange(2, dtype=np.uint8)[:, None]
+        tiers.glue.commit_host(keys)
         seen: list[int] = []
 
         async def send(ks: list[bytes], host: Any, slots: list[int]) -> int:
             seen.extend(tiers.table.pins(k, HOST) for k in ks)
             return len(ks)
 
-        assert await tiers.export_host(keys, send) == 2
+        assert await tiers.glue.export_host(keys, send) == 2
         assert seen == [1, 1]
         assert all(tiers.table.pins(k, HOST) == 0 for k in keys)
         assert store.engine_stats().by_kind.get("async") == 1
@@ -186,12 +186,12 @@ async def test_a_full_block_busy_at_release_is_cached_not_freed(
         # layer 0's write-behind is in flight: the blocks could not be renamed at lease end
         assert not any(store.sequence("a").shared)
         await store.release("a")
-        assert store.tiers.renames_pending == 2
+        assert store.tiers.ownership.renames_pending == 2
         gate.set()
         await store.drain()
         for _ in range(20):
             await asyncio.sleep(0.001)
-            if not store.tiers.renames_pending:
+            if not store.tiers.ownership.renames_pending:
                 break
         assert store.lookup(tokens(1, 9)) == 8  # both blocks are cached, not freed
         assert await store.add_sequence("b", tokens(1, 9)) == 8
@@ -261,15 +261,15 @@ async def test_a_busy_block_whose_content_is_cached_meanwhile_goes_cleanly() -> 
             for layer in ref:
                 await la.append("a", layer, *ref[layer])
             await store.release("a")  # inside its lease: its full blocks are pinned
-            assert store.tiers.renames_pending == 2
+            assert store.tiers.ownership.renames_pending == 2
             async with store.lease(["b"]) as lb:
                 for layer in ref:
                     await lb.append("b", layer, *ref[layer])
             assert all(store.sequence("b").shared)  # b's blocks took the content keys
         await store.drain()
-        assert store.tiers.renames_pending == 0
+        assert store.tiers.ownership.renames_pending == 0
         store.check()
-        assert not store.tiers.doomed
+        assert not store.tiers.ownership.doomed
         await store.release("b")
         assert store.lookup(tokens(1, 9)) == 8
         await no_pins_left(store)

@@ -200,7 +200,7 @@ async def test_a_store_without_disk_has_no_lower_tier() -> None:
     async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
         await fill_many(s, range(4))
         assert "disk" not in s.stats() and s._chain is None
-        assert s.tiers._departures.spill is None
+        assert s.tiers.glue.spill is None
 
 
 async def test_the_disk_tier_is_in_the_metrics(tmp_path: Path) -> None:

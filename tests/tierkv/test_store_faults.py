@@ -153,7 +153,7 @@ async def test_release_during_write_behind_frees_every_private_page() -> None:
         await settle(store)
         assert private_left(store) == 0  # block 1 (2 tokens) was private on device and host
         assert pages_left(store) == 4  # block 0 stays cached (2 layers, device and host)
-        assert not store.tiers.doomed
+        assert not store.tiers.ownership.doomed
         store.check()
         await fill(store, "a", 1, n=6)  # the id is reused: no TierFullError
         await store.release("a")
@@ -223,9 +223,9 @@ async def test_append_failing_after_allocation_rolls_back(monkeypatch: pytest.Mo
                 used = tiers.table.used(DEVICE)
                 with monkeypatch.context() as m:
                     if step == "zero":
-                        m.setattr(tiers, "zero_device", broken)
+                        m.setattr(tiers.pages, "zero_device", broken)
                     else:  # the write into the page fails after commit, pin and own
-                        m.setattr(tiers, "mark_dirty", broken)
+                        m.setattr(tiers.pages, "mark_dirty", broken)
                     with pytest.raises(RuntimeError, match="fault"):
                         await lease.append("a", 0, *ref)
                 assert tiers.table.used(DEVICE) == used

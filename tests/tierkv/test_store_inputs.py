@@ -157,7 +157,7 @@ LEASE_CALLS: dict[str, tuple[type[TierKVError], Callable[[Lease], Any]]] = {
 def snapshot(store: KVStore) -> tuple[object, ...]:
     """What a rejected call must leave as it was."""
     seqs = {sid: (list(s.tokens), list(s.blocks), list(s.kv_len)) for sid, s in store._seqs.items()}
-    return seqs, store.tiers.table.used("device"), dict(store.tiers.owners)
+    return seqs, store.tiers.table.used("device"), dict(store.tiers.ownership.owners)
 
 
 async def _filled() -> KVStore:
@@ -458,5 +458,5 @@ async def test_kv_that_requires_grad_is_stored_as_values() -> None:
             await lease.append("a", 0, k, v)
             got_k, got_v = lease.kv("a", 0)
         assert not got_k.requires_grad and not got_v.requires_grad
-        assert not store.tiers.page(0).requires_grad
+        assert not store.tiers.pages.page(0).requires_grad
         assert torch.equal(got_k, k.detach()) and torch.equal(got_v, v.detach())

@@ -26,7 +26,8 @@ from tierkv.keys import page_key
 from tierkv.lease import Lease
 from tierkv.runtime import Priority
 from tierkv.store import KVStore
-from tierkv.tiers import DEVICE, HOST
+from tierkv.tier import Target
+from tierkv.tiers import COLD, DEVICE, HOST
 
 from .test_store import PAGE, SPEC, kv, no_pins_left, tokens
 
@@ -225,7 +226,7 @@ async def test_a_lease_entering_while_another_publishes_the_blocks_finds_them() 
 
 
 def _page(store: KVStore, slot: int, value: float) -> None:
-    store.tiers.page(slot).fill_(value)
+    store.tiers.pages.page(slot).fill_(value)
 
 
 async def _put_on_device(store: KVStore, key: bytes, value: float) -> None:
@@ -237,8 +238,8 @@ async def _put_on_device(store: KVStore, key: bytes, value: float) -> None:
 
 async def _rewrite(store: KVStore, key: bytes, value: float) -> None:
     tiers = store.tiers
-    _page(store, tiers.device_slot(key), value)
-    tiers.mark_dirty([key])
+    _page(store, tiers.pages.device_slots([key])[0], value)
+    tiers.pages.mark_dirty([key])
 
 
 async def _evict_from_device(store: KVStore, key: bytes) -> None:
@@ -254,7 +255,7 @@ async def _read(store: KVStore, key: bytes) -> float:
     tiers = store.tiers
     await tiers.acquire_device([key], Priority.DEMAND)
     try:
-        page = tiers.page(tiers.device_slot(key))
+        page = tiers.pages.page(tiers.pages.device_slots([key])[0])
         assert bool((page == page.flatten()[0]).all())
         return float(page.flatten()[0])
     finally:
@@ -280,16 +281,16 @@ async def test_a_write_back_never_writes_a_host_copy_being_compressed() -> None:
         assert tiers.table.capacity(HOST) == 1
         key = bytes(range(18))
         await _put_on_device(store, key, 1.0)
-        assert await tiers.write_behind([key]) == 1  # host copy: 1.0, device clean
+        assert await tiers.pages.write_behind([key]) == 1  # host copy: 1.0, device clean
         await _rewrite(store, key, 2.0)  # the device copy is newer again
-        moving = asyncio.ensure_future(tiers.make_host_room(1))  # host copy -> cold
+        moving = asyncio.ensure_future(tiers.cold.make_room(1))  # host copy -> cold
         await asyncio.sleep(0)
         assert tiers.table.state(key, HOST).name == "MOVING"
         # unfixed: wrote 2.0 into the leaving slot and called the device copy clean, while the
         # compression stored 1.0 in cold and dropped the host slot
-        await tiers.write_behind([key])
+        await tiers.pages.write_behind([key])
         await moving
-        assert key in tiers.dirty
+        assert key in tiers.pages.dirty
         await _evict_from_device(store, key)
         assert await _read(store, key) == 2.0
         store.check()
@@ -300,12 +301,12 @@ async def test_a_write_back_leaves_no_older_cold_copy_behind() -> None:
         tiers = store.tiers
         key = bytes(range(18))
         await _put_on_device(store, key, 1.0)
-        assert await tiers.write_behind([key]) == 1
+        assert await tiers.pages.write_behind([key]) == 1
         await _rewrite(store, key, 2.0)
         # unfixed: the eviction's write-back made host room by compressing the page's own
         # host copy (1.0) into cold, wrote 2.0 to a new host slot and kept the cold copy
         await _evict_from_device(store, key)
-        await tiers.make_host_room(1)  # the host copy goes to cold (kept, if one is there)
+        await tiers.cold.make_room(1)  # the host copy goes to cold (kept, if one is there)
         assert not tiers.table.present([key], HOST)
         assert await _read(store, key) == 2.0
         store.check()
@@ -319,11 +320,13 @@ async def test_an_empty_encode_or_decode_batch_is_no_error() -> None:
         tiers = store.tiers
         key = bytes(range(18))
         await _put_on_device(store, key, 1.0)
-        await tiers.write_behind([key])
-        await tiers.make_host_room(1)  # its host copy -> cold
-        cold = tiers._cold
-        await cold._compress([(key, 0)])  # already in cold: nothing to encode
-        await job_done(cold.decode([], [], Priority.DEMAND))
+        await tiers.pages.write_behind([key])
+        await tiers.cold.make_room(1)  # its host copy -> cold
+        await tiers.cold._compress([(key, 0)])  # already in cold: nothing to encode
+        arenas = tiers._arenas
+        for src, dst in ((COLD, DEVICE), (HOST, COLD)):  # a decode, an encode of no page
+            move = tiers.moves.get(src, dst)
+            await job_done(move(tiers.engine, Target(arenas[dst], []), [], arenas[src], []))
         store.check()
 
 
@@ -336,12 +339,12 @@ async def test_a_page_written_while_its_write_behind_copy_is_in_flight_stays_dir
         tiers = store.tiers
         key = bytes(range(18))
         await _put_on_device(store, key, 1.0)
-        copy = asyncio.ensure_future(tiers.write_behind([key]))
+        copy = asyncio.ensure_future(tiers.pages.write_behind([key]))
         await asyncio.sleep(0)
-        assert tiers.write_behind_pinned == 1  # in flight
+        assert tiers.pages.write_behind_pinned == 1  # in flight
         await _rewrite(store, key, 2.0)
         assert await copy == 1
-        assert key in tiers.dirty
+        assert key in tiers.pages.dirty
         await _evict_from_device(store, key)  # written back again, not dropped
         assert await _read(store, key) == 2.0
         store.check()
@@ -355,16 +358,16 @@ async def test_a_write_back_never_writes_a_host_slot_another_copy_is_writing() -
         tiers = store.tiers
         key = bytes(range(18))
         await _put_on_device(store, key, 1.0)
-        first = asyncio.ensure_future(tiers.write_behind([key]))
+        first = asyncio.ensure_future(tiers.pages.write_behind([key]))
         for _ in range(100):  # loop turns until it reserved its host slot
             if tiers.table.present([key], HOST):
                 break
             await asyncio.sleep(0)
         assert tiers.table.state(key, HOST).name == "WRITING"
         await _rewrite(store, key, 2.0)
-        assert await tiers.write_behind([key]) == 0  # unfixed: wrote into first's slot
+        assert await tiers.pages.write_behind([key]) == 0  # unfixed: wrote into first's slot
         await first
-        assert key in tiers.dirty  # the second value is still to be written
+        assert key in tiers.pages.dirty  # the second value is still to be written
         await _evict_from_device(store, key)
         assert await _read(store, key) == 2.0
         store.check()

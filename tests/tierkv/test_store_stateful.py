@@ -467,7 +467,11 @@ class StoreMachine(RuleBasedStateMachine):
         store.check()
         tiers = store.tiers
         table = tiers.table
-        assert not tiers.owners and not tiers.owner_pins and not tiers.doomed
+        assert (
+            not tiers.ownership.owners
+            and not tiers.ownership.owner_pins
+            and not tiers.ownership.doomed
+        )
         for t in table.tier_names:
             for k in table.keys(t):
                 assert table.state(k, t) == PageState.READABLE, ("stuck", t, k.hex())

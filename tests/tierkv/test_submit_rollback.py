@@ -41,7 +41,7 @@ async def _host_pages(store: KVStore, n: int) -> list[bytes]:
             host[s] = 7
         return len(new)
 
-    assert await store.tiers.import_host(keys, load) == n
+    assert await store.tiers.glue.import_host(keys, load) == n
     return keys
 
 
@@ -58,11 +58,11 @@ async def test_a_move_that_cannot_be_queued_leaves_no_state_behind(
         monkeypatch.setattr(tiers.engine, "submit_call", _refuse)
         with pytest.raises(EngineClosedError):
             if move == "import":
-                await tiers.import_host([b"\x55" * PAGE_KEY_BYTES], lambda *a: _refuse())
+                await tiers.glue.import_host([b"\x55" * PAGE_KEY_BYTES], lambda *a: _refuse())
             elif move == "export":
-                await tiers.export_host(keys, lambda *a: _refuse())
+                await tiers.glue.export_host(keys, lambda *a: _refuse())
             else:
-                await tiers.compress_idle(keys)
+                await tiers.cold.compress_idle(keys)
         monkeypatch.undo()
         _nothing_stuck(store)
         assert tiers.table.present(keys, HOST) == keys

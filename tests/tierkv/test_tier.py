@@ -117,3 +117,51 @@ def test_a_chain_refuses_a_tier_without_moves(tmp_path: Path) -> None:
             LowerChain([tier], Moves(), timeout=5.0)
     finally:
         tier.close()
+
+
+async def test_the_core_moves_are_handlers_looked_up_by_media() -> None:
+    """Issue 25, point 1: device <-> host copies, host -> cold encode and cold -> device / host
+    decode are handlers of the core's `Moves` registry; a decode into the host gives the same
+    bytes as one into the device (one handler, any target arena)."""
+    import torch
+
+    from tierkv.jobs import job_done
+    from tierkv.store import KVStore
+    from tierkv.tier import Target
+    from tierkv.tier_names import COLD, DEVICE
+
+    from .test_store import PAGE, SPEC, fill
+
+    async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=8 * PAGE, codec=None) as plain:
+        assert plain.tiers.moves.pairs() == [(DEVICE, HOST), (HOST, DEVICE)]
+    async with KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=16 * PAGE, codec="fp16") as store:
+        tiers = store.tiers
+        assert tiers.moves.pairs() == sorted(
+            [(DEVICE, HOST), (HOST, DEVICE), (HOST, COLD), (COLD, DEVICE), (COLD, HOST)]
+        )
+        await fill(store, "a", 1, n=8)
+        await fill(store, "b", 2, n=8)  # a's pages leave the device (written back)
+        await store.drain()
+        pages = store.sequence("a").all_pages()
+        assert await tiers.cold.compress_idle(pages) == len(pages)  # the (host, cold) move
+        key = store.sequence("a").all_pages()[0]
+        cold_slot = tiers.table.slot(key, COLD)
+        spare = [page_key(block(200), 0)]
+        alloc = tiers.glue.reserve_host(spare)
+        assert alloc is not None
+        dev = await tiers.reserve_device(spare)
+        arenas = tiers._arenas
+        try:
+            for dst, slots in ((HOST, alloc.slots), (DEVICE, dev)):
+                move = tiers.moves.get(COLD, dst)
+                await job_done(
+                    move(tiers.engine, Target(arenas[dst], slots), [key], arenas[COLD], [cold_slot])
+                )
+            assert torch.equal(
+                arenas[HOST].tensor[alloc.slots[0]], arenas[DEVICE].tensor[dev[0]].cpu()
+            )
+            assert arenas[HOST].tensor[alloc.slots[0]].any()  # a page was decoded
+        finally:
+            tiers.glue.commit_host(spare, ok=False)
+            tiers.abort_device(spare, pinned=False, owned=False)
+        store.check()

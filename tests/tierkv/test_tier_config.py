@@ -307,7 +307,7 @@ async def test_host_first_keeps_live_sequences_pages_and_waits_for_room(tmp_path
             for layer in range(SPEC.num_layers):
                 await lease.append("live1", layer, *kv(N, 10 + layer))
         table = s.tiers.table
-        assert all(table.pins(k, DEVICE) == 1 for k in s.tiers.owners)  # the owners' pins
+        assert all(table.pins(k, DEVICE) == 1 for k in s.tiers.ownership.owners)  # the owners' pins
         with pytest.raises(e.TierFullError):
             async with s.lease(["live2"]) as lease:
                 await lease.append("live2", 0, *kv(N, 20))
@@ -330,7 +330,7 @@ async def test_host_first_keeps_live_sequences_pages_and_waits_for_room(tmp_path
 async def test_host_first_every_api_works_or_refuses_typed(tmp_path: Path) -> None:
     async with host_first(tmp_path, Disk(path=tmp_path, bytes=64 * SLOT), host=12) as s:
         assert s.write_behind is False  # nothing under the leased tier to write behind to
-        assert s.tiers.device.type == "cpu"
+        assert s.tiers.pages.device.type == "cpu"
         await fill(s, f"s{0}", 0)
         await s.add_sequence("a", [*tokens(0), 7, 7])
         s.add_tokens("a", [8])
@@ -344,7 +344,7 @@ async def test_host_first_every_api_works_or_refuses_typed(tmp_path: Path) -> No
         assert s.engine_stats().pages >= 0
         assert s.stats()["dropped"] == 0
         with pytest.raises(e.PageStateError):  # the page server's shared host arena
-            s.tiers.replace_host_arena(s.tiers.host_arena)
+            s.tiers.glue.replace_host_arena(s.tiers.glue.host_arena)
         await s.release("a")
         s.check()
 
@@ -441,17 +441,17 @@ async def test_a_page_owned_while_its_host_eviction_fails_keeps_its_owners_pin()
         async def load(keys: list[bytes], array: Any, slots: list[int]) -> int:
             return 0
 
-        tiers.set_spill(spill)
-        task = asyncio.ensure_future(tiers.import_host([bytes(18)], load))
+        tiers.glue.set_spill(spill)
+        task = asyncio.ensure_future(tiers.glue.import_host([bytes(18)], load))
         await entered.wait()
         victim = leaving[0]
-        tiers.own([victim])  # its host copy is MOVING: not pinned now
+        tiers.ownership.own([victim])  # its host copy is MOVING: not pinned now
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        tiers.set_spill(None)
+        tiers.glue.set_spill(None)
         assert tiers.table.lookup([victim], HOST) == 1
         assert tiers.table.pins(victim, HOST) == 1  # the owners' pin, taken when it came back
-        tiers.disown([victim])
+        tiers.ownership.disown([victim])
         assert tiers.table.pins(victim, HOST) == 0
         s.check()

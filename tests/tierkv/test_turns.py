@@ -144,7 +144,7 @@ async def test_a_release_frees_its_private_pages_before_it_pauses() -> None:
             for layer in range(SPEC.num_layers):
                 await lease.append("a", layer, *kv(6, layer))
         await store.release("a")  # the lease's write-behind is due; the budget is spent
-        assert not store.tiers.doomed  # freed at once, not left to a copy in flight
+        assert not store.tiers.ownership.doomed  # freed at once, not left to a copy in flight
         await store.drain()
         store.check()
 

@@ -82,6 +82,20 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-int8-check", action="store_true", help="skip the lossy-codec pass")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto)")
+    p.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="smollm2: add a pass whose store has a disk tier in the directory PATH; each "
+        "pass's store writes the prompt's pages there at close and the next pass (or the next "
+        "run of the demo on PATH) reads them back, verified: shows disk hits, bytes read and "
+        "written, corrupt pages and the I/O mode",
+    )
+    p.add_argument(
+        "--disk-bytes",
+        type=int,
+        default=64 << 20,
+        help="the disk tier's size in bytes, preallocated in PATH (default 64 MiB)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=main)
@@ -116,6 +130,8 @@ def main(args: argparse.Namespace) -> int:
         from tierkv.demo import hf_demo
 
         return hf_demo.main(args)
+    if args.disk:
+        print("note: --disk applies to --model smollm2; ignored", file=sys.stderr)
     try:
         cfg = config_from(args)
         check_fits(cfg, device_budget(cfg))

@@ -7,8 +7,12 @@ import json
 import sys
 from typing import Any
 
+from tierkv.demo.disk_report import disk_figures, disk_rows
+from tierkv.demo.report import print_rows
+from tierkv.errors import TierKVError
 from tierkv.policies import DEFAULT_POLICY, POLICIES
 from tierkv.replay import ReplayResult, load_trace, replay, replay_belady, replay_infinite, sweep
+from tierkv.replay_disk import DiskReplayResult, replay_with_disk
 
 
 def add_parser(sub: Any) -> None:
@@ -35,6 +39,23 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--plot", metavar="FILE.png", help="draw hit rate against capacity")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--disk",
+        metavar="PATH",
+        help="also replay the first policy with a disk tier in the directory PATH below the "
+        "RAM tier (blocks RAM evicts written there, read back verified): hit rates with and "
+        "without it, disk hits, bytes read and written, corrupt pages, I/O mode",
+    )
+    p.add_argument(
+        "--disk-tokens", type=int, help="the disk tier's capacity in tokens (with --disk)"
+    )
+    p.add_argument(
+        "--disk-page-bytes",
+        type=int,
+        default=4096,
+        help="bytes written per block (with --disk; the KV of a block is larger: the byte "
+        "figures scale with it, the hit rates do not)",
+    )
     p.set_defaults(func=run)
 
 
@@ -48,16 +69,40 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if (args.disk is None) != (args.disk_tokens is None):
+        print("error: --disk and --disk-tokens go together", file=sys.stderr)
+        return 2
     cap = args.capacity_tokens // args.block_tokens
     policies = args.policy or sorted(POLICIES)
     show = not args.quiet
+    disk = None
+    if args.disk is not None:
+        try:
+            disk = replay_with_disk(
+                trace,
+                cap,
+                args.disk,
+                max(1, args.disk_tokens // args.block_tokens),
+                policy=args.policy[0] if args.policy else DEFAULT_POLICY,
+                page_bytes=args.disk_page_bytes,
+                progress=show,
+            )
+        except TierKVError as exc:
+            print(f"error: --disk {args.disk}: {exc}", file=sys.stderr)
+            return 2
     results = [replay(trace, cap, p, progress=show) for p in policies]
     bound = replay_belady(trace, cap, progress=show)
     inf = replay_infinite(trace)
     if args.json:
-        print(json.dumps(_as_json(results, bound, inf, cap), indent=2))
+        doc = _as_json(results, bound, inf, cap)
+        if disk is not None:
+            doc["disk"] = _disk_json(disk, args.disk)
+        print(json.dumps(doc, indent=2))
     else:
         _print_table(results, bound, inf, cap, len(trace))
+        if disk is not None:
+            alone = next((r for r in results if r.policy == disk.policy), None)
+            _print_disk(disk, args.disk, inf, alone)
     if args.plot:
         _plot(trace, cap, policies, inf, args.plot, show)
     return 0
@@ -81,6 +126,38 @@ def _as_json(
             for r in results
         },
     }
+
+
+def _disk_json(r: DiskReplayResult, path: str) -> dict[str, Any]:
+    return {
+        "policy": r.policy,
+        "disk_blocks": r.disk_blocks,
+        "hit_rate": r.hit_rate,
+        "ram_hit_rate": r.ram_hit_rate,
+        "ram_hits": r.ram_hits,
+        "disk_hits": r.disk_hits,
+        **disk_figures(r.disk),
+        "path": path,
+    }
+
+
+def _print_disk(
+    r: DiskReplayResult, path: str, inf: ReplayResult, alone: ReplayResult | None
+) -> None:
+    base = alone.hit_rate if alone is not None else r.ram_hit_rate  # the replay without disk
+    gain = r.hit_rate / base if base else float("inf")
+    of_inf = r.hit_rate / inf.hit_rate if inf.hit_rate else 0.0
+    rows = [
+        (
+            f"{r.policy} with a disk tier of {r.disk_blocks} blocks",
+            f"hit rate {r.hit_rate:.4f} (RAM {r.ram_hit_rate:.4f} + disk "
+            f"{r.disk_hits / r.blocks if r.blocks else 0.0:.4f}): {gain:.2f}x RAM alone, "
+            f"{of_inf:.3f} of infinite",
+        ),
+        *disk_rows(disk_figures(r.disk) | {"path": path}),
+    ]
+    print()
+    print_rows("disk tier", rows)
 
 
 def _print_table(

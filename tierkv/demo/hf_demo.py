@@ -3,8 +3,11 @@
 ``DynamicCache`` (all KV resident).
 
 Three kinds of pass generate the same greedy tokens from the same chat prompt: ``reference``
-(DynamicCache), ``tiered`` (TieredCache, device tier ``--device-fraction`` of the KV) and
-``int8`` (the same, with idle live pages compressed to int8 after every step: lossy). A short
+(DynamicCache), ``tiered`` (TieredCache, device tier ``--device-fraction`` of the KV),
+``int8`` (the same, with idle live pages compressed to int8 after every step: lossy) and, with
+``--disk PATH``, ``disk`` (the tiered store with a disk tier on PATH: the prompt declared with
+``set_prompt``, its prefix read back from the disk pages an earlier pass or process left
+there, which each pass's store writes at close). A short
 warm-up pass of each kind runs first, then ``--repeat`` rounds alternate them
 (:mod:`tierkv.demo.timing`); speeds are medians.
 """
@@ -22,12 +25,14 @@ from typing import Any
 import torch
 
 from tierkv.demo import timing
+from tierkv.demo.disk_report import disk_figures, disk_rows
 from tierkv.demo.report import lossy_row, print_rows, store_figures, store_rows
 from tierkv.errors import InvalidInputError
 from tierkv.progress import Progress
 
 PROMPT = "Explain in a few sentences why the sky is blue."
 DEFAULT_NEW_TOKENS = 32
+DISK_BYTES = 64 << 20  # the disk tier's default budget (--disk-bytes)
 WARMUP_TOKENS = 8
 
 
@@ -42,6 +47,7 @@ class Pass:
     cpu_seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
     kv_bytes: int = 0
+    reused: int = 0  # prefix tokens the store held at set_prompt (disk passes)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -57,6 +63,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.trace:
         print("note: --trace applies to --model tiny; ignored", file=sys.stderr)
+    if args.disk and not os.path.isdir(args.disk):
+        print(f"error: --disk {args.disk}: not a directory", file=sys.stderr)
+        return 2
     if (os.cpu_count() or 1) <= 2:
         torch.set_num_threads(1)  # spinning intra-op workers on two cores slow a forward 5x
     print(
@@ -78,12 +87,15 @@ def main(args: argparse.Namespace) -> int:
         page_tokens=args.page_tokens,
         backend=args.backend,
         progress=not args.quiet,
+        disk=args.disk,
+        disk_bytes=args.disk_bytes,
     )
     print_report(report)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
-    return 0 if report["tokens_identical"] else 1
+    same = report["tokens_identical"] and report.get("disk", {}).get("tokens_identical", True)
+    return 0 if same else 1
 
 
 class _Ticks:
@@ -115,9 +127,12 @@ def run(
     backend: str = "cpu",
     progress: bool = True,
     prompt: str = PROMPT,
+    disk: str | None = None,
+    disk_bytes: int = DISK_BYTES,
 ) -> dict[str, Any]:
-    """Warm-up, then ``repeat`` rounds of the reference, tiered and (``int8``) lossy passes;
-    returns the figures. Raises ValueError for ``repeat`` < 1 or ``new_tokens`` < 1."""
+    """Warm-up, then ``repeat`` rounds of the reference, tiered, (``int8``) lossy and
+    (``disk``: a directory) disk-tier passes; returns the figures. Raises ValueError for
+    ``repeat`` < 1 or ``new_tokens`` < 1, tierkv.disk's DiskError for an unusable ``disk``."""
     from transformers import DynamicCache
 
     from tierkv.integrations.hf import TieredCache, kv_spec_for
@@ -138,6 +153,14 @@ def run(
         if kind == "reference":
             return contextlib.nullcontext(DynamicCache(config=model.config))
         lossy = kind == "int8"
+        if kind == "disk":  # lossless: no cold tier; the prompt's pages go to disk at close
+            extra: dict[str, Any] = dict(codec=None, disk_path=disk, disk_bytes=disk_bytes)
+        else:
+            extra = dict(
+                codec="int8",
+                compress_live=lossy,  # idle pages of the live sequence too, after one step
+                compress_after=1 if lossy else 5,
+            )
         return TieredCache(
             model.config,
             dtype=model.dtype,
@@ -145,13 +168,14 @@ def run(
             device_bytes=device_bytes,
             host_bytes=max(4 * full_kv, 64 << 20),
             backend=backend,
-            codec="int8",
-            compress_live=lossy,  # idle pages of the live sequence too, after one step
-            compress_after=1 if lossy else 5,
+            **extra,
         )
 
     def one(kind: str, n: int, label: str) -> Pass:
         with cache_for(kind) as cache, Progress(n, label, enabled=progress) as bar:
+            reused = 0
+            if kind == "disk":  # the prompt's ids: its prefix comes back from the disk
+                reused = cache.set_prompt(inputs["input_ids"], inputs["attention_mask"])
             with timing.no_gc(), timing.Clock() as clock, torch.inference_mode():
                 out = model.generate(
                     **inputs,
@@ -172,17 +196,31 @@ def run(
                 clock.cpu,
                 cache.stats() if tiered else {},
                 cache.full_kv_bytes() if tiered else 0,
+                reused,
             )
 
-    kinds = ["reference", "tiered", *(["int8"] if int8 else [])]
+    kinds = ["reference", "tiered", *(["int8"] if int8 else []), *(["disk"] if disk else [])]
+    first: dict[str, Pass] = {}
     if warmup:  # first-call allocations and kernel choices, in every kind of pass
         for kind in kinds:
-            one(kind, min(WARMUP_TOKENS, new_tokens), f"warm-up {kind}")
+            first[kind] = one(kind, min(WARMUP_TOKENS, new_tokens), f"warm-up {kind}")
     passes: dict[str, list[Pass]] = {k: [] for k in kinds}
     for r in range(repeat):
         for kind in timing.order(kinds, r):
             passes[kind].append(one(kind, new_tokens, f"{kind} {r + 1}/{repeat}"))
-    return _figures(tok, prompt, n_prompt, device_bytes, passes)
+    report = _figures(tok, prompt, n_prompt, device_bytes, passes)
+    if disk:
+        ref, got = passes["reference"][0], passes["disk"]
+        report["disk"] = {
+            "path": disk,
+            "tokens_identical": all(torch.equal(p.tokens, ref.tokens) for p in got),
+            "prompt_tokens": n_prompt,
+            "reusable_tokens": (n_prompt - 1) // page_tokens * page_tokens,
+            "first_pass_reused": first.get("disk", got[0]).reused,
+            "reused": got[-1].reused,
+            **disk_figures(got[-1].stats["disk"]),
+        }
+    return report
 
 
 def _figures(
@@ -245,5 +283,17 @@ def print_report(r: dict[str, Any]) -> None:
     ]
     if "lossy_check" in r:
         rows.append(lossy_row(r["lossy_check"]))
+    if "disk" in r:
+        d = r["disk"]
+        rows += [
+            (
+                "disk pass: prompt tokens from disk",
+                f"{d['reused']} of {d['prompt_tokens']} (at most {d['reusable_tokens']}: "
+                f"whole pages, one token computed); first disk pass of this process: "
+                f"{d['first_pass_reused']}",
+            ),
+            ("disk pass tokens identical", "yes" if d["tokens_identical"] else "NO"),
+            *disk_rows(d),
+        ]
     print(f"\nprompt: {r['prompt']}\ngenerated: {r['text'].strip()}\n")
     print_rows(f"tierkv demo --model smollm2: {r['model']} (cpu: both tiers are host memory)", rows)

@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(slots=True)
@@ -32,9 +33,9 @@ class Entry:
     damaged: bool = False  # a read found it damaged (counted once)
 
 
-@dataclass(frozen=True, slots=True)
-class Reserved:
-    """A slot reserved for a key's write: `slot` is -1 when none was given (`why` says)."""
+class Reserved(NamedTuple):
+    """A slot reserved for a key's write: `slot` is -1 when none was given (`why` says). A
+    tuple: a write builds one per page."""
 
     key: bytes
     slot: int

@@ -23,7 +23,7 @@ from concurrent.futures import Future, wait
 from typing import Any
 
 from tierkv.errors import InvalidInputError
-from tierkv.transports.crc32c_native import native_crc32c
+from tierkv.transports.crc32c_native import native_crc32c, slot_kernels
 
 from .args import check_buffers, check_keys
 from .errors import DiskClosedError, DiskConfigError
@@ -62,7 +62,9 @@ class DiskPages:
                 "the disk medium needs CRC-32C: tierkv.transports._crc32c was not built and "
                 "the crc32c package is not installed (or TIERKV_NATIVE_CHECKSUM=0)"
             )
-        self._io = SlotIO(geometry.page_bytes, geometry.key_bytes, not opened.mode_reason, crc)
+        self._io = SlotIO(
+            geometry.page_bytes, geometry.key_bytes, not opened.mode_reason, crc, slot_kernels()
+        )
         self._pool = IoPool(io_threads, geometry.payload_bytes)
         self._index = SlotIndex(geometry.capacity)
         self._c = Counters()

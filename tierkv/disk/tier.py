@@ -25,6 +25,7 @@ from tierkv.tier import Holds, Moves
 from tierkv.tier_names import DISK, HOST
 
 from . import jobs
+from .admission import SeenTwice
 from .index import Reserved
 from .pages import DiskPages
 
@@ -48,22 +49,31 @@ class DiskTier:
     medium = DISK
     holds = Holds.CONTENT
 
-    def __init__(self, pages: DiskPages) -> None:
-        """Use `DiskTier.open` (or wrap pages opened with ``key_bytes=32``)."""
+    def __init__(self, pages: DiskPages, admission: SeenTwice | None = None) -> None:
+        """Use `DiskTier.open` (or wrap pages opened with ``key_bytes=32``). `admission`:
+        the filter of evicted pages (`admit`); None writes every one."""
         if pages.geometry.key_bytes != _KEY_BYTES:
             raise InvalidInputError(f"a disk tier needs {_KEY_BYTES}-byte disk keys")
         self.pages = pages
+        self.admission = admission
 
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], *, page_bytes: int, disk_bytes: int, **kw: Any
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        page_bytes: int,
+        disk_bytes: int,
+        seen_twice: bool = False,
+        **kw: Any,
     ) -> DiskTier:
-        """`DiskPages.open` with the tier's key size; raises what it raises (nothing created)."""
-        return cls(
-            DiskPages.open(
-                path, page_bytes=page_bytes, disk_bytes=disk_bytes, **kw, key_bytes=_KEY_BYTES
-            )
+        """`DiskPages.open` with the tier's key size; raises what it raises (nothing created).
+        `seen_twice`: write an evicted page only on its second offer (`SeenTwice`, remembering
+        four times the disk's pages; off by default: docs/disk.md, "Admission")."""
+        pages = DiskPages.open(
+            path, page_bytes=page_bytes, disk_bytes=disk_bytes, **kw, key_bytes=_KEY_BYTES
         )
+        return cls(pages, SeenTwice(4 * pages.geometry.capacity) if seen_twice else None)
 
     def accepts(self, key: bytes) -> bool:
         """Content pages only."""
@@ -76,6 +86,13 @@ class DiskTier:
     def lookup(self, keys: Sequence[bytes]) -> list[bool]:
         """Per key, whether a committed page of it is on disk (the index: no I/O)."""
         return [s is not None for s in self.pages.lookup(_pad(keys))]
+
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per evicted page, whether to write it: the admission filter's verdict (each call
+        counts as an offer of these keys), or True for all without a filter."""
+        if self.admission is None:
+            return [True] * len(keys)
+        return self.admission.admit(list(keys))
 
     def reserve(self, keys: Sequence[bytes]) -> list[Reserved]:
         """`DiskPages.reserve` under the medium's keys."""
@@ -105,6 +122,8 @@ class DiskTier:
         s = self.pages.stats()
         out: dict[str, Any] = {name: getattr(s, name) for name in s.__slots__}
         out["path"] = self.pages.path
+        if self.admission is not None:
+            out["admission"] = self.admission.stats()
         out["read_latency"] = s.read_latency  # Histogram: cumulative counts per bound
         out["write_latency"] = s.write_latency
         return out

@@ -57,7 +57,7 @@ async def stage_prefix(store: KVStore, tokens: Sequence[int]) -> int:
     """
     await store.drain()
     every, n = await _prefix_pages(store, tokens)
-    return await store.tiers.write_behind(every[:n])
+    return await store.tiers.pages.write_behind(every[:n])
 
 
 async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]) -> int:
@@ -91,7 +91,7 @@ async def import_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int])
             return await load_checked(peer, keys, host, slots, check)
 
         try:
-            await tiers.import_host(
+            await tiers.glue.import_host(
                 want,
                 load,
                 timeout=store.timeout,
@@ -121,9 +121,9 @@ async def publish_prefix(store: KVStore, peer: PageSource, tokens: Sequence[int]
         return 0
 
     async def send(keys: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
-        return await publish_checked(peer, keys, host, slots, tiers.host_sums(keys, slots))
+        return await publish_checked(peer, keys, host, slots, tiers.glue.host_sums(keys, slots))
 
     try:
-        return await tiers.export_host(pages[:n], send, timeout=store.timeout)
+        return await tiers.glue.export_host(pages[:n], send, timeout=store.timeout)
     except TransferError as exc:  # the peer's own error, as it raised it
         raise (exc.__cause__ or exc) from None

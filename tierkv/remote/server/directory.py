@@ -126,9 +126,9 @@ class Directory:
         sums): the pages' checksums, what the reader checks its copy against."""
         n = self._readable(keys)
         pinned = keys[:n]
-        slots = self.tiers.pin_host(pinned)
+        slots = self.tiers.glue.pin_host(pinned)
         gens = [self._observe(s, k) for s, k in zip(slots, pinned)]
-        sums = self.tiers.host_sums(pinned, slots)
+        sums = self.tiers.glue.host_sums(pinned, slots)
         return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens, sums
 
     def release(self, lease_id: int, owner: object) -> int:
@@ -153,7 +153,7 @@ class Directory:
             if not ok:
                 break
             valid += 1
-        self.tiers.unpin_host(lease.keys)
+        self.tiers.glue.unpin_host(lease.keys)
         return valid
 
     # -- writes --------------------------------------------------------------------------
@@ -179,13 +179,13 @@ class Directory:
                 f"{self.quarantined} quarantined behind writes not known to have ended "
                 f"(at most {self.max_writing})"
             )
-        alloc = self.tiers.reserve_host(keys)  # pages evicted for room are announced
+        alloc = self.tiers.glue.reserve_host(keys)  # pages evicted for room are announced
         if alloc is None:
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
         new = cast(list[bytes], alloc.keys)
         if sums is not None and new:  # (a reserved page is WRITING: it holds no checksum yet)
             declared = dict(zip(keys, sums))
-            self.tiers.set_sums(new, [declared[k] for k in new])
+            self.tiers.glue.set_sums(new, [declared[k] for k in new])
         slot_of = dict(zip(new, alloc.slots))
         for k, s in slot_of.items():
             self._seen[s] = None
@@ -237,25 +237,25 @@ class Directory:
         if not lease.keys or not page_sums.enabled():
             return 0
         want = self.tiers.table.sums(lease.keys)
-        got = row_sums(self.tiers.host_array, lease.slots)
+        got = row_sums(self.tiers.glue.host_array, lease.slots)
         bad = [i for i, (w, g) in enumerate(zip(want, got)) if w == NO_SUM or w != g]
         if not bad:
             return 0
         drop = set(bad)
-        self.tiers.commit_host([lease.keys[i] for i in bad], ok=False)
+        self.tiers.glue.commit_host([lease.keys[i] for i in bad], ok=False)
         for i in bad:
             self._writer.pop(lease.slots[i], None)
             self._observe(lease.slots[i], None)
         lease.keys[:] = [k for i, k in enumerate(lease.keys) if i not in drop]
         lease.slots[:] = [s for i, s in enumerate(lease.slots) if i not in drop]
-        self.tiers.count_corrupt("peer", len(bad))
+        self.tiers.glue.count_corrupt("peer", len(bad))
         return len(bad)
 
     def _end_write(self, lease: _Lease, ok: bool) -> None:
         for s in lease.slots:
             self._writer.pop(s, None)
         if lease.keys:
-            self.tiers.commit_host(lease.keys, ok=ok)
+            self.tiers.glue.commit_host(lease.keys, ok=ok)
         if not ok:
             for s in lease.slots:
                 self._observe(s, None)
@@ -268,7 +268,7 @@ class Directory:
         if not lease.keys:
             return
         qkeys = [_quarantine_key(next(self._qids)) for _ in lease.keys]
-        self.tiers.rename_reserved_host(lease.keys, qkeys)
+        self.tiers.glue.rename_reserved_host(lease.keys, qkeys)
         for s in lease.slots:
             self._observe(s, None)
         lease.keys = qkeys
@@ -291,7 +291,7 @@ class Directory:
         if lease is None:
             return
         self.quarantined -= len(lease.slots)
-        self.tiers.commit_host(lease.keys, ok=False)
+        self.tiers.glue.commit_host(lease.keys, ok=False)
         for s in lease.slots:
             self._observe(s, None)
 
@@ -317,7 +317,7 @@ class Directory:
         if lease.kind == "write":
             self._fence(lease_id, lease)
             return
-        self.tiers.unpin_host(lease.keys)
+        self.tiers.glue.unpin_host(lease.keys)
         for s in lease.slots:
             self.gen[s] += 1  # unpinned: whoever still reads it may see the slot reused
 

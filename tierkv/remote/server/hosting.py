@@ -5,7 +5,7 @@ on this side reads it), but only a shared-memory segment for shm (the peer maps 
 first transport *rebinds* the store's host arena onto memory it can share (for shm a segment
 this module creates, else the transport's ``allocate()``); the others register that memory::
 
-    store.tiers.host_arena     [ slot 0 | slot 1 | ... | slot n-1 ]  <- one buffer
+    store.tiers.glue.host_arena     [ slot 0 | slot 1 | ... | slot n-1 ]  <- one buffer
                                   ^ shm segment /dev/shm/tkv-host-<pid>-<start>-... (rebound,
                                     shm first; `tierkv serve` removes those of dead owners)
                                   ^ also registered with tcp (its server reads it)
@@ -78,7 +78,7 @@ def share_host_arena(store: KVStore, transport: transports.Transport) -> SharedA
             "a store without a host tier (host-first: its leased pages are views of their "
             "arena) cannot share it; serve a store whose chain has a device and a host tier"
         )
-    old = tiers.host_arena
+    old = tiers.glue.host_arena
     if tiers.table.used(HOST):
         raise RemoteError("share the host arena before the store holds host pages")
     try:
@@ -97,13 +97,13 @@ def share_host_arena(store: KVStore, transport: transports.Transport) -> SharedA
         new = backend.register_host_arena(old.name, buf, old.slot_bytes)
     else:
         new = Arena(old.name, old.slot_bytes, old.num_slots, backend=old.backend, buffer=buf)
-    tiers.replace_host_arena(new)  # its slots are handed over to the tier core
+    tiers.glue.replace_host_arena(new)  # its slots are handed over to the tier core
     return shared
 
 
 def register_host_arena(store: KVStore, transport: transports.Transport) -> SharedArena:
     """Register the store's host arena, as it is, with ``transport`` (tcp and the like)."""
     try:
-        return SharedArena(transport.register_memory(store.tiers.host_array))
+        return SharedArena(transport.register_memory(store.tiers.glue.host_array))
     except transports.TransportError as exc:
         raise map_transport_error(exc, "registering the host arena") from exc

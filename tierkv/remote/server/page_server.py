@@ -214,14 +214,14 @@ class PageServer:
         except BaseException:
             await self.aclose()
             raise
-        self.store.tiers.add_host_listener(self._on_left)
+        self.store.tiers.glue.add_host_listener(self._on_left)
         self.mesh.start(self.seeds)
         return self
 
     async def aclose(self) -> None:
         """Stop serving: close connections (their leases end), then the transports."""
         self.control.stop_accepting()
-        self.store.tiers.remove_host_listener(self._on_left)
+        self.store.tiers.glue.remove_host_listener(self._on_left)
         await self.mesh.aclose()
         self.watches.close_all()
         await self.control.aclose()  # handlers end, their leases with them
