@@ -19,7 +19,7 @@ back).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -55,19 +55,27 @@ class ChainCounters:
 class LowerChain:
     """The lower tiers of one store, fastest first, and the moves between them and the host."""
 
-    def __init__(self, tiers: Sequence[Tier], moves: Moves, timeout: float) -> None:
+    def __init__(
+        self, tiers: Sequence[Tier], register: Callable[[Moves], None], timeout: float
+    ) -> None:
+        """``register(moves)`` registers the tiers' moves (host <-> medium) in a registry: the
+        tier core's, at :meth:`attach` (one registry for every move of the store)."""
+        probe = Moves()
+        register(probe)
         for t in tiers:
-            moves.get(HOST, t.medium)  # raises UnknownMoveError before anything is used
-            moves.get(t.medium, HOST)
+            probe.get(HOST, t.medium)  # raises UnknownMoveError before anything is used
+            probe.get(t.medium, HOST)
         self.tiers = list(tiers)
-        self.moves = moves
+        self._register = register
         self.timeout = timeout
         self.counters = {t.medium: ChainCounters() for t in self.tiers}
         self._core: TierSet | None = None
         self._failures = FailureLog("tierkv.chain")
 
     def attach(self, core: TierSet) -> None:
-        """Hook into an opened store's tier core: pages leaving its host come here."""
+        """Hook into an opened store's tier core: the tiers' moves join its registry
+        (``core.moves``); pages leaving its host come here."""
+        self._register(core.moves)
         self._core = core
         core.glue.set_spill(self.spill)
 
@@ -118,7 +126,7 @@ class LowerChain:
                     if not keys:
                         continue
                 tier.make_room(len(keys))
-                handle = self.moves.get(HOST, tier.medium)(
+                handle = core.moves.get(HOST, tier.medium)(
                     core.engine, tier, keys, core.glue.host_arena, slots
                 )
             except TierKVError as exc:
@@ -201,7 +209,7 @@ class LowerChain:
             if not want:
                 continue
             c = self.counters[tier.medium]
-            job = partial(self._read_job, core, tier, self.moves.get(tier.medium, HOST))
+            job = partial(self._read_job, core, tier, core.moves.get(tier.medium, HOST))
             try:
                 n = await core.glue.import_host(
                     want, job=job, timeout=self.timeout, tier=tier.medium, keep=frozenset(pages)

@@ -54,7 +54,6 @@ from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
-from tierkv.tier import Moves
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -294,12 +293,10 @@ class KVStore:
             return None
         from tierkv.disk.tier import DiskTier, register_moves  # only a store with a disk
 
-        moves = Moves()
-        register_moves(moves)
         path, size = self._disk
         disk = DiskTier.open(path, page_bytes=self.spec.page_bytes, disk_bytes=size)
-        try:
-            return LowerChain([disk], moves, self.timeout)
+        try:  # (its moves go into the core's registry when the chain attaches)
+            return LowerChain([disk], register_moves, self.timeout)
         except BaseException:
             disk.close()
             raise

@@ -17,7 +17,8 @@ The tier core's own moves are handlers of the same registry: device <-> host (`c
 engine copy), host -> cold (encode) and cold -> device / host (decode, registered by
 :class:`~tierkv.lower_tiers.ColdStorage`, which owns the codec); the other end of those moves is
 a `Target` (an arena of the core, its slots, the job's priority). A lower tier's moves (host <->
-disk: :mod:`tierkv.disk.tier`) get the `Tier` itself as the other end.
+disk: :mod:`tierkv.disk.tier`) get the `Tier` itself as the other end; the lower chain registers
+them in the same registry, the core's, when it attaches (`tierkv.chain.LowerChain.attach`).
 """
 
 from __future__ import annotations

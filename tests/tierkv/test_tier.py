@@ -114,9 +114,31 @@ def test_a_chain_refuses_a_tier_without_moves(tmp_path: Path) -> None:
     try:
         assert isinstance(tier, Tier)
         with pytest.raises(UnknownMoveError):
-            LowerChain([tier], Moves(), timeout=5.0)
+            LowerChain([tier], lambda moves: None, timeout=5.0)
     finally:
         tier.close()
+
+
+async def test_a_disk_stores_moves_are_the_cores_registry(tmp_path: Path) -> None:
+    """The chain's host <-> disk moves join the tier core's `Moves` (one registry per store)."""
+    from tierkv.store import KVStore
+    from tierkv.tier_names import DEVICE
+
+    from .test_store import PAGE as STORE_PAGE
+    from .test_store import SPEC
+
+    size = 16 * (STORE_PAGE + 4096)
+    async with KVStore(
+        SPEC,
+        device_bytes=4 * STORE_PAGE,
+        host_bytes=8 * STORE_PAGE,
+        codec=None,
+        disk_path=tmp_path,
+        disk_bytes=size,
+    ) as store:
+        assert store.tiers.moves.pairs() == sorted(
+            [(DEVICE, HOST), (HOST, DEVICE), (HOST, DISK), (DISK, HOST)]
+        )
 
 
 async def test_the_core_moves_are_handlers_looked_up_by_media() -> None:
