@@ -52,6 +52,7 @@ from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
+from tierkv.step import StepPlan, check_tokens
 from tierkv.stats import StoreCounters
 from tierkv.tier import Moves
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
@@ -637,6 +638,35 @@ class KVStore:
         ls = validate.layers(layers, self.spec.num_layers)
         seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
         return Lease(self, seqs, ls)
+
+    @boundary
+    def step_plan(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        tokens: int | Sequence[int] = 1,
+        ahead: int = 2,
+    ) -> StepPlan:
+        """Plan a step: ``seq_ids`` run ``layers`` (all by default, in that order), each
+        appending ``tokens`` new tokens (one count for all, or one per sequence) to every
+        layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
+
+        Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
+        or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
+        layout the step path cannot index), InvalidTypeError / InvalidInputError for bad
+        arguments; nothing changes then.
+        """
+        ls = validate.layers(layers, self.spec.num_layers)
+        if len(set(ls)) != len(ls):
+            raise SpecError(f"layers: each at most once, got {ls}")
+        ids = validate.seq_ids(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise SequenceError(f"a sequence is named twice in {ids}")
+        seqs = [self.sequence(s) for s in ids]
+        counts = check_tokens(tokens, len(seqs))
+        window = validate.count("ahead", ahead, 0)
+        return StepPlan(self, seqs, ls, counts, window)
 
     @async_boundary
     async def prefetch(

@@ -253,6 +253,12 @@ class TierSet:
         return self._evict.write_behind_pinned
 
     @property
+    def device_pages(self) -> torch.Tensor:
+        """Every device slot as a page: ``[slots, 2, H, T, D]`` in the KV dtype (a view; the
+        step path reads and writes pinned slots through it, :mod:`tierkv.step`)."""
+        return self._pages
+
+    @property
     def device(self) -> torch.device:
         """The torch device of the device tier's pages."""
         return self._pages.device

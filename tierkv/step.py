@@ -1,0 +1,447 @@
+"""A step: some sequences run some layers, each appending the same count of new tokens per
+layer; planned once, then each layer costs a wait, two ``index_copy_`` and one
+``index_select``.
+
+::
+
+    async with store.step_plan(ids, tokens=1) as step:      # one call plans the step
+        for layer in range(num_layers):
+            h = await step.layer(layer)                     # its pages pinned, its rows ready
+            h.append(k, v)                                  # [B, H, n, D] or [H, N, D]
+            k_all, v_all = h.kv()                           # [B, H, S, D] each (or h.kv_list())
+
+What the plan does, so that a layer's path has no Python per page and allocates nothing per
+page: at entry it checks everything, gives the sequences the blocks the step fills and takes
+the device room of its window (``ahead + 1`` layers) from the store's admission, then loads
+layer after layer (the pins of a layer's pages, loads of those not resident, the new pages its
+append opens), ``ahead`` layers before compute asks for them; each layer's task ends by
+building the layer's row indices (:mod:`tierkv.step_plan`). :meth:`StepPlan.layer` lets go of
+the layer before (its pins; the pages it wrote go down in the background, write-behind), starts
+the load of the layer ``ahead`` further, and waits for its own (none when it landed already).
+At exit the pages used get their recency, full blocks their content keys, and the next step's
+first ``ahead`` layers are prefetched.
+
+Errors: a bad argument (an unknown or released sequence, a layer out of range or out of the
+plan's order, a tensor of the wrong shape, dtype or device) raises the typed error before
+anything changes; a layer whose load failed raises at its wait. At exit (or error, or
+cancellation) nothing stays pinned or admitted, and the new pages of layers never appended
+to are dropped.
+
+The core calls used (the tier core's surface this path depends on): ``TierSet.acquire_device``,
+``unpin_device``, ``reserve_device``, ``zero_device``, ``commit_device``, ``pin_device``,
+``own``, ``abort_device``, ``device_slots``, ``mark_dirty``, ``seal``, ``ensure_fits``,
+``deadline``, ``full_error``, ``device_pages`` and ``device``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Protocol
+
+import torch
+
+from tierkv import validate
+from tierkv.boundary import async_boundary, boundary
+from tierkv.errors import InvalidTypeError, SequenceError, SpecError
+from tierkv.lease_host import LeaseHost
+from tierkv.runtime import Priority
+from tierkv.sequence import SequenceState, page_key
+from tierkv.tier_names import DEVICE
+from tierkv.step_plan import LayerRows, arena_rows, layer_rows
+
+__all__ = ["LayerStep", "StepHost", "StepPlan"]
+
+
+class StepHost(LeaseHost, Protocol):
+    """What a step needs of its store: a lease's hooks, and the prefetch of the next step."""
+
+    async def prefetch(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Load these sequences' pages ahead of use (see :meth:`tierkv.store.KVStore.prefetch`)."""
+        ...
+
+
+class LayerStep:
+    """One layer of a step: its pages pinned on the device, its rows precomputed.
+
+    Got from :meth:`StepPlan.layer`; valid until the plan's next ``layer()`` call or its exit.
+    """
+
+    __slots__ = ("_appended", "_plan", "_rows", "_starts", "filled", "keys", "layer", "new")
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        layer: int,
+        keys: list[bytes],
+        new: list[bytes],
+        filled: list[bytes],
+        starts: list[int],
+        rows: LayerRows,
+    ) -> None:
+        self._plan = plan
+        self.layer = layer
+        self.keys = keys  # the layer's pages this step pinned (acquired)
+        self.new = new  # the pages the append opens (reserved, owned, pinned)
+        self.filled = filled  # the pages the append fills (sealed once written)
+        self._starts = starts
+        self._rows = rows
+        self._appended = not any(rows.n_new)
+
+    @boundary
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K and V: ``[B, H, n, D]`` (every sequence ``n`` tokens, in the
+        plan's order) or ``[H, N, D]`` (the sequences' tokens one after another), in the
+        spec's dtype, on the device tier's device or the cpu.
+
+        Raises SpecError (shape, dtype, device), InvalidTypeError (not tensors),
+        SequenceError (the layer is no longer current, appended already, a sequence released
+        or appended to by someone else meanwhile); all before anything is written.
+        """
+        plan = self._plan
+        rows = self._rows
+        by_seq = self._check_kv(k, v)
+        plan.check_current(self)
+        if self._appended:
+            raise SequenceError(f"layer {self.layer}: this step appended to it already")
+        seqs, layer = plan.seqs, self.layer
+        for seq, start in zip(seqs, self._starts):
+            if not plan.store.is_live(seq) or seq.kv_len_of(layer) != start:
+                raise SequenceError(
+                    f"sequence {seq.seq_id!r} layer {layer}: released or appended to outside "
+                    "this step (nothing was appended)"
+                )
+        d = plan.store.spec.head_dim
+        flat = plan.flat
+        dev = flat.device
+        if k.device != dev:
+            k, v = k.to(dev), v.to(dev)
+        flat.index_copy_(0, rows.k_rows(by_seq), k.reshape(-1, d))
+        flat.index_copy_(0, rows.v_rows(by_seq), v.reshape(-1, d))
+        tiers = plan.store.tiers
+        tiers.mark_dirty(plan.written(self))
+        if self.filled:
+            tiers.seal(self.filled)
+        for seq, end in zip(seqs, rows.lengths):
+            seq.set_kv_len(layer, end)
+        self._appended = True
+
+    def _check_kv(self, k: object, v: object) -> bool:
+        """Check new KV; True for ``[B, H, n, D]``, False for ``[H, N, D]``."""
+        plan = self._plan
+        spec = plan.store.spec
+        rows = self._rows
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        h, d = spec.num_kv_heads, spec.head_dim
+        uniform = len(set(rows.n_new)) == 1
+        shapes = [(h, sum(rows.n_new), d)]
+        if uniform:
+            shapes.append((rows.batch, h, rows.n_new[0], d))
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) not in shapes:
+                raise SpecError(f"{name}: expected shape {' or '.join(map(str, shapes))}")
+            if x.dtype != spec.dtype:
+                raise SpecError(f"{name}: expected dtype {spec.dtype}, got {x.dtype}")
+            if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
+                raise SpecError(f"{name}: expected a dense tensor with data")
+            if x.device != plan.flat.device and x.device.type != "cpu":
+                raise SpecError(f"{name}: expected a tensor on {plan.flat.device} or the cpu")
+        if k.shape != v.shape:
+            raise SpecError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+        return k.dim() == 4
+
+    def _gather(self) -> torch.Tensor:
+        self._plan.check_current(self)
+        if not self._appended:
+            raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
+        return self._plan.flat.index_select(0, self._rows.read)
+
+    @boundary
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every sequence, ``[B, H, S, D]`` each (views of one gathered copy):
+        every sequence must have the same length. Raises SequenceError (lengths differ: use
+        :meth:`kv_list`; not appended yet; the layer no longer current)."""
+        rows = self._rows
+        if len(set(rows.lengths)) > 1:
+            raise SequenceError("the step's sequences differ in length: use kv_list()")
+        spec = self._plan.store.spec
+        s = rows.lengths[0] if rows.lengths else 0
+        out = self._gather().view(rows.batch, 2, spec.num_kv_heads, s, spec.head_dim)
+        return out[:, 0], out[:, 1]
+
+    @boundary
+    def kv_list(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V of each sequence, ``[H, S_b, D]`` each (views of one gathered copy)."""
+        spec = self._plan.store.spec
+        h, d = spec.num_kv_heads, spec.head_dim
+        parts = self._gather().split(self._rows.sizes)
+        out = []
+        for p, s in zip(parts, self._rows.lengths):
+            kv = p.view(2, h, s, d)
+            out.append((kv[0], kv[1]))
+        return out
+
+
+class StepPlan:
+    """A planned step (see the module docstring); made by
+    :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager."""
+
+    def __init__(
+        self,
+        store: StepHost,
+        seqs: list[SequenceState],
+        layers: list[int],
+        tokens: list[int],
+        ahead: int,
+    ) -> None:
+        self.store = store
+        self.seqs = tuple(seqs)
+        self.layers = tuple(layers)
+        self.tokens = tokens
+        self.ahead = ahead
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        self._tasks: list[asyncio.Task[LayerStep] | None] = [None] * len(layers)
+        self._released = [False] * len(layers)
+        self._next = 0  # the index of the layer the next layer() call must name
+        self._current: LayerStep | None = None
+        self._held: int | None = None
+        self._used: list[bytes] = []  # every page the step pinned (recency at exit)
+        self._active = False
+        tiers = store.tiers
+        self.flat, self._per_slot = arena_rows(tiers.device_pages, store.spec)
+        self.waited_pages = 0
+
+    # -- entry and exit ------------------------------------------------------------------
+    def _footprint(self, capacity: int) -> int:
+        """The most device pages the step pins at once: ``ahead + 1`` consecutive layers'.
+        ``ahead`` shrinks (to 0 at least) until that fits ``capacity`` pages."""
+        t = self.store.spec.page_tokens
+        per = []
+        for layer in self.layers:
+            n = 0
+            for seq, k in zip(self.seqs, self.tokens):
+                n += -(-(seq.kv_len_of(layer) + k) // t)
+            per.append(n)
+        while True:
+            w = self.ahead + 1
+            most = max((sum(per[i : i + w]) for i in range(len(per))), default=0)
+            if most <= capacity or not self.ahead:
+                return most
+            self.ahead -= 1
+
+    @async_boundary
+    async def __aenter__(self) -> StepPlan:
+        """Take the step's room from the admission and start the first layers' loads.
+
+        Raises TierFullError (the window of layers can never be resident, or no room came
+        before the timeout), SequenceError (a sequence was released). Nothing is held then.
+        """
+        store = self.store
+        tiers = store.tiers
+        for seq in self.seqs:
+            self._check_live(seq)
+        footprint = self._footprint(tiers.table.capacity(DEVICE))
+        tiers.ensure_fits(footprint)
+        t = store.spec.page_tokens
+        for seq, k in zip(self.seqs, self.tokens):  # the blocks the step fills (extras harmless)
+            need = -(-(max(seq.kv_len) + k) // t)
+            while seq.num_blocks < need:
+                seq.append_block(seq.private_block(seq.num_blocks), shared=False)
+        # the step's pages in the order it reads them: evictions take pages outside the step
+        # first, then the one read last (in a cyclic walk over layers that keeps a steady set
+        # of layers resident and streams the rest through the window, instead of evicting
+        # each layer's pages just before the next step reads them)
+        tiers.announce(k for layer in self.layers for s in self.seqs for k in s.pages(layer))
+        deadline = tiers.deadline(store.timeout)
+        self._held = await store.admission.enter(
+            footprint, deadline, partial(tiers.full_error, footprint, store.timeout)
+        )
+        self._active = True
+        for i in range(min(len(self.layers), self.ahead + 1)):
+            self._start(i)
+        return self
+
+    @async_boundary
+    async def __aexit__(self, *exc: object) -> None:
+        t0 = time.perf_counter()
+        store = self.store
+        self._active = False
+        self._current = None
+        try:
+            pending = [t for t in self._tasks if t is not None and not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            if store.closed:
+                return  # close() let go of every page
+            for i in range(len(self.layers)):
+                self._release(i)
+        finally:
+            if self._held is not None and not store.closed:
+                store.admission.leave(self._held)
+            self._held = None
+        used, self._used = self._used, []
+        store.lease_ended([s for s in self.seqs if store.is_live(s)], used)
+        store.turns.charge(time.perf_counter() - t0)
+        if exc[0] is None and self._next == len(self.layers) and self.ahead:
+            ids = [s.seq_id for s in self.seqs if store.is_live(s)]
+            if ids:  # the next step's first layers, loading while the caller samples
+                await store.prefetch(ids, list(self.layers[: self.ahead]), wait=False)
+
+    # -- layers ----------------------------------------------------------------------------
+    @async_boundary
+    async def layer(self, layer: int) -> LayerStep:
+        """The next layer of the plan, its pages pinned and its rows built (waits for its
+        loads when they have not landed). Lets go of the layer before it and starts loading
+        the layer ``ahead`` further.
+
+        Raises SpecError (a layer not in the plan, or not the next one: layers run in the
+        plan's order), SequenceError (the plan is not active), and what the layer's load
+        raised (TierFullError, StoreTimeoutError, UnknownPageError).
+        """
+        layer = validate.layer(layer, self.store.spec.num_layers)
+        i = self._index.get(layer)
+        if i is None:
+            raise SpecError(f"layer {layer} is not in this step (planned: {self.layers})")
+        if not self._active:
+            raise SequenceError("the step is not active (use it inside `async with`)")
+        if i != self._next:
+            want = self.layers[self._next] if self._next < len(self.layers) else None
+            raise SpecError(f"layer {layer}: the step's layers run in order, next is {want}")
+        self._current = None
+        if i:
+            self._release(i - 1)
+        if i + self.ahead < len(self.layers):
+            self._start(i + self.ahead)
+        task = self._tasks[i]
+        assert task is not None  # started by the call before (or the entry)
+        step = await task
+        self._next = i + 1
+        self._current = step
+        return step
+
+    def check_current(self, step: LayerStep) -> None:
+        """Raise SequenceError unless ``step`` is the plan's current layer."""
+        if step is not self._current:
+            raise SequenceError(f"layer {step.layer} is no longer current in this step")
+
+    def written(self, step: LayerStep) -> list[bytes]:
+        """The pages of ``step``'s layer its append writes (the partly filled and new ones)."""
+        t = self.store.spec.page_tokens
+        out = []
+        for seq, start, k in zip(self.seqs, step._starts, self.tokens):
+            if k:
+                out += [page_key(seq.block(b), step.layer) for b in range(start // t, -(-(start + k) // t))]
+        return out
+
+    def _start(self, i: int) -> None:
+        if self._tasks[i] is None:
+            self._tasks[i] = asyncio.ensure_future(self._load(i))
+
+    async def _load(self, i: int) -> LayerStep:
+        """Pin layer ``i``'s pages (loading those not resident), open the pages its append
+        needs, build its rows. On error nothing stays pinned or opened."""
+        store = self.store
+        tiers = store.tiers
+        layer = self.layers[i]
+        t = store.spec.page_tokens
+        keys: list[bytes] = []
+        new: list[bytes] = []
+        filled: list[bytes] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        for seq, k in zip(self.seqs, self.tokens):
+            start = seq.kv_len_of(layer)
+            have, need = -(-start // t), -(-(start + k) // t)
+            keys += seq.pages(layer)
+            new += [page_key(seq.block(b), layer) for b in range(have, need)]
+            filled += [page_key(seq.block(b), layer) for b in range(start // t, (start + k) // t)]
+            starts.append(start)
+            counts.append(need)
+        waited = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
+        opened = pinned = owned = False
+        try:
+            if new:
+                slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
+                opened = True
+                tiers.zero_device(slots)  # a reused slot holds another page's bytes
+                tiers.commit_device(new)
+                tiers.pin_device(new)
+                pinned = True
+                tiers.own(new)
+                owned = True
+            flat = tiers.device_slots(keys + new) if keys or new else []
+            per_seq, at, at_new = [], 0, len(keys)
+            for seq, start, need in zip(self.seqs, starts, counts):
+                have = -(-start // t)
+                per_seq.append(flat[at : at + have] + flat[at_new : at_new + need - have])
+                at += have
+                at_new += need - have
+            rows = layer_rows(per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.device)
+        except BaseException:
+            if opened:
+                tiers.abort_device(new, pinned=pinned, owned=owned)
+            if keys:
+                tiers.unpin_device(keys)
+            raise
+        c = store.counters
+        c.pages_leased += len(keys)
+        c.device_hits += len(keys) - waited
+        c.late_fetches += waited
+        self.waited_pages += waited
+        store.lease_began(keys)
+        return LayerStep(self, layer, keys, new, filled, starts, rows)
+
+    def _release(self, i: int) -> None:
+        """Let go of layer ``i``: its pins, its unused new pages; write-behind of what it
+        wrote. Idempotent; nothing for a layer whose load did not succeed."""
+        task = self._tasks[i]
+        if self._released[i] or task is None or not task.done() or task.cancelled():
+            return
+        if task.exception() is not None:
+            self._released[i] = True
+            return
+        self._released[i] = True
+        step = task.result()
+        tiers = self.store.tiers
+        if step._appended:
+            pins = step.keys + step.new
+            written = self.written(step) if any(self.tokens) else []
+        else:  # never appended to: the pages it opened go
+            tiers.abort_device(step.new, pinned=True, owned=True)
+            pins, written = step.keys, []
+        if pins:
+            tiers.unpin_device(pins)
+            self._used += pins
+        if written:
+            self.store.lease_wrote(written)
+
+    def _check_live(self, seq: SequenceState) -> None:
+        if not self.store.is_live(seq):
+            raise SequenceError(f"sequence {seq.seq_id!r} was released")
+
+
+def check_tokens(tokens: int | Sequence[int], n: int) -> list[int]:
+    """``tokens`` as one count per sequence (an int: the same for all). Raises
+    InvalidTypeError, SpecError."""
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        tokens = [tokens] * n
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise InvalidTypeError(f"tokens: expected an int or a list of ints, got {tokens!r}")
+    out = [validate.count("tokens", x, 0) for x in tokens]
+    if len(out) != n:
+        raise SpecError(f"tokens: {len(out)} counts for {n} sequences")
+    return out
