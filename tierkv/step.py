@@ -76,7 +76,18 @@ class LayerStep:
     Got from :meth:`StepPlan.layer`; valid until the plan's next ``layer()`` call or its exit.
     """
 
-    __slots__ = ("_appended", "_plan", "_rows", "_starts", "filled", "keys", "layer", "new")
+    __slots__ = (
+        "_appended",
+        "_plan",
+        "_rows",
+        "_starts",
+        "filled",
+        "keys",
+        "layer",
+        "loaded",
+        "new",
+        "written",
+    )
 
     def __init__(
         self,
@@ -85,6 +96,7 @@ class LayerStep:
         keys: list[bytes],
         new: list[bytes],
         filled: list[bytes],
+        written: list[bytes],
         starts: list[int],
         rows: LayerRows,
     ) -> None:
@@ -93,9 +105,11 @@ class LayerStep:
         self.keys = keys  # the layer's pages this step pinned (acquired)
         self.new = new  # the pages the append opens (reserved, owned, pinned)
         self.filled = filled  # the pages the append fills (sealed once written)
+        self.written = written  # the pages the append writes (the partly filled and new ones)
         self._starts = starts
         self._rows = rows
         self._appended = not any(rows.n_new)
+        self.loaded = 0  # pages its group loaded (on the group's first layer)
 
     @boundary
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -128,7 +142,7 @@ class LayerStep:
         flat.index_copy_(0, rows.k_rows(by_seq), k.reshape(-1, d))
         flat.index_copy_(0, rows.v_rows(by_seq), v.reshape(-1, d))
         tiers = plan.store.tiers
-        tiers.mark_dirty(plan.written(self))
+        tiers.mark_dirty(self.written)
         if self.filled:
             tiers.seal(self.filled)
         for seq, end in zip(seqs, rows.lengths):
@@ -196,7 +210,11 @@ class LayerStep:
 
 class StepPlan:
     """A planned step (see the module docstring); made by
-    :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager."""
+    :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager.
+
+    Layers load in groups of ``max(1, ahead)``: one pin, one load and one reservation per
+    group; group ``g + 1`` loads while group ``g`` computes.
+    """
 
     def __init__(
         self,
@@ -212,20 +230,26 @@ class StepPlan:
         self.tokens = tokens
         self.ahead = ahead
         self._index = {layer: i for i, layer in enumerate(layers)}
-        self._tasks: list[asyncio.Task[LayerStep] | None] = [None] * len(layers)
-        self._released = [False] * len(layers)
+        self._tasks: list[asyncio.Task[list[LayerStep]] | None] = []
+        self._released: list[bool] = []
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
         self._held: int | None = None
         self._used: list[bytes] = []  # every page the step pinned (recency at exit)
+        self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
         self._active = False
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.device_pages, store.spec)
         self.waited_pages = 0
 
+    @property
+    def group(self) -> int:
+        """Layers per load group."""
+        return max(1, self.ahead)
+
     # -- entry and exit ------------------------------------------------------------------
     def _footprint(self, capacity: int) -> int:
-        """The most device pages the step pins at once: ``ahead + 1`` consecutive layers'.
+        """The most device pages the step pins at once: two groups' (one with ``ahead=0``).
         ``ahead`` shrinks (to 0 at least) until that fits ``capacity`` pages."""
         t = self.store.spec.page_tokens
         per = []
@@ -235,8 +259,10 @@ class StepPlan:
                 n += -(-(seq.kv_len_of(layer) + k) // t)
             per.append(n)
         while True:
-            w = self.ahead + 1
-            most = max((sum(per[i : i + w]) for i in range(len(per))), default=0)
+            g = self.group
+            sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
+            w = 2 if self.ahead else 1
+            most = max((sum(sums[i : i + w]) for i in range(len(sums))), default=0)
             if most <= capacity or not self.ahead:
                 return most
             self.ahead -= 1
@@ -254,23 +280,31 @@ class StepPlan:
             self._check_live(seq)
         footprint = self._footprint(tiers.table.capacity(DEVICE))
         tiers.ensure_fits(footprint)
+        groups = -(-len(self.layers) // self.group)
+        self._tasks = [None] * groups
+        self._released = [False] * groups
         t = store.spec.page_tokens
         for seq, k in zip(self.seqs, self.tokens):  # the blocks the step fills (extras harmless)
             need = -(-(max(seq.kv_len) + k) // t)
             while seq.num_blocks < need:
                 seq.append_block(seq.private_block(seq.num_blocks), shared=False)
-        # the step's pages in the order it reads them: evictions take pages outside the step
-        # first, then the one read last (in a cyclic walk over layers that keeps a steady set
+        # The step's pages in the order it reads them: evictions take pages outside the step
+        # first, then the one read last (a cyclic walk over the layers then keeps a steady set
         # of layers resident and streams the rest through the window, instead of evicting
-        # each layer's pages just before the next step reads them)
-        tiers.announce(k for layer in self.layers for s in self.seqs for k in s.pages(layer))
+        # each layer's pages just before the next step reads them). The pages the step writes
+        # come first (evicted last): each goes down once, by one write-behind at the end of
+        # the step, not by an eviction's wait half way through.
+        written = [k for layer in self.layers for k in self._written_keys(layer)]
+        first = set(written)
+        rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
+        tiers.announce(written + [k for k in rest if k not in first])
         deadline = tiers.deadline(store.timeout)
         self._held = await store.admission.enter(
             footprint, deadline, partial(tiers.full_error, footprint, store.timeout)
         )
         self._active = True
-        for i in range(min(len(self.layers), self.ahead + 1)):
-            self._start(i)
+        for g in range(min(groups, 2 if self.ahead else 0)):
+            self._start(g)
         return self
 
     @async_boundary
@@ -287,26 +321,38 @@ class StepPlan:
                 await asyncio.gather(*pending, return_exceptions=True)
             if store.closed:
                 return  # close() let go of every page
-            for i in range(len(self.layers)):
-                self._release(i)
+            for g in range(len(self._tasks)):
+                self._release(g)
         finally:
             if self._held is not None and not store.closed:
                 store.admission.leave(self._held)
             self._held = None
         used, self._used = self._used, []
-        store.lease_ended([s for s in self.seqs if store.is_live(s)], used)
+        wrote, self._wrote = self._wrote, []
+        live = [s for s in self.seqs if store.is_live(s)]
+        store.lease_ended(live, used)  # (full blocks get their content keys: names change)
+        if wrote and live:  # one write-behind for the step, the pages by their names now
+            t = store.spec.page_tokens
+            keys = []
+            for layer in wrote:
+                for seq, k in zip(self.seqs, self.tokens):
+                    end = seq.kv_len_of(layer)
+                    if k and store.is_live(seq):
+                        blocks = range((end - k) // t, -(-end // t))
+                        keys += [page_key(seq.block(b), layer) for b in blocks]
+            store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
         if exc[0] is None and self._next == len(self.layers) and self.ahead:
             ids = [s.seq_id for s in self.seqs if store.is_live(s)]
             if ids:  # the next step's first layers, loading while the caller samples
-                await store.prefetch(ids, list(self.layers[: self.ahead]), wait=False)
+                await store.prefetch(ids, list(self.layers[: self.group]), wait=False)
 
     # -- layers ----------------------------------------------------------------------------
     @async_boundary
     async def layer(self, layer: int) -> LayerStep:
         """The next layer of the plan, its pages pinned and its rows built (waits for its
-        loads when they have not landed). Lets go of the layer before it and starts loading
-        the layer ``ahead`` further.
+        group's loads when they have not landed). Entering a group lets go of the group
+        before it and starts loading the next.
 
         Raises SpecError (a layer not in the plan, or not the next one: layers run in the
         plan's order), SequenceError (the plan is not active), and what the layer's load
@@ -322,13 +368,40 @@ class StepPlan:
             want = self.layers[self._next] if self._next < len(self.layers) else None
             raise SpecError(f"layer {layer}: the step's layers run in order, next is {want}")
         self._current = None
-        if i:
-            self._release(i - 1)
-        if i + self.ahead < len(self.layers):
-            self._start(i + self.ahead)
-        task = self._tasks[i]
-        assert task is not None  # started by the call before (or the entry)
-        step = await task
+        g, at = divmod(i, self.group)
+        if at == 0:
+            if g:
+                self._release(g - 1)
+            self._start(g)
+            if self.ahead and g + 1 < len(self._tasks):
+                self._start(g + 1)
+                await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
+        task = self._tasks[g]
+        assert task is not None  # started above or before
+        if at == 0 and not task.done():  # compute waits for these loads: late
+            steps = await task
+            late = sum(s.loaded for s in steps)
+            self.store.counters.late_fetches += late
+            self.waited_pages += late
+        steps = await task
+        step = steps[at]
+        self._next = i + 1
+        self._current = step
+        return step
+
+    @boundary
+    def layer_now(self, layer: int) -> LayerStep | None:
+        """:meth:`layer` without an event loop, where it has nothing to wait for or start:
+        a layer inside a group that has landed (not a group's first layer). None otherwise
+        (then call :meth:`layer`). Raises what :meth:`layer` raises for bad arguments."""
+        i = self._index.get(layer) if type(layer) is int else None
+        if i is None or not self._active or i != self._next:
+            return None
+        g, at = divmod(i, self.group)
+        task = self._tasks[g]
+        if at == 0 or task is None or not task.done():
+            return None
+        step = task.result()[at]
         self._next = i + 1
         self._current = step
         return step
@@ -338,40 +411,45 @@ class StepPlan:
         if step is not self._current:
             raise SequenceError(f"layer {step.layer} is no longer current in this step")
 
-    def written(self, step: LayerStep) -> list[bytes]:
-        """The pages of ``step``'s layer its append writes (the partly filled and new ones)."""
+    def _written_keys(self, layer: int) -> list[bytes]:
         t = self.store.spec.page_tokens
         out = []
-        for seq, start, k in zip(self.seqs, step._starts, self.tokens):
+        for seq, k in zip(self.seqs, self.tokens):
             if k:
-                out += [page_key(seq.block(b), step.layer) for b in range(start // t, -(-(start + k) // t))]
+                start = seq.kv_len_of(layer)
+                blocks = range(start // t, -(-(start + k) // t))
+                out += [page_key(seq.block(b), layer) for b in blocks]
         return out
 
-    def _start(self, i: int) -> None:
-        if self._tasks[i] is None:
-            self._tasks[i] = asyncio.ensure_future(self._load(i))
+    def _start(self, g: int) -> None:
+        if self._tasks[g] is None:
+            self._tasks[g] = asyncio.ensure_future(self._load(g))
 
-    async def _load(self, i: int) -> LayerStep:
-        """Pin layer ``i``'s pages (loading those not resident), open the pages its append
-        needs, build its rows. On error nothing stays pinned or opened."""
+    async def _load(self, g: int) -> list[LayerStep]:
+        """Pin group ``g``'s pages (loading those not resident), open the pages its appends
+        need, build its layers' rows. On error nothing stays pinned or opened."""
         store = self.store
         tiers = store.tiers
-        layer = self.layers[i]
         t = store.spec.page_tokens
+        layers = self.layers[g * self.group : (g + 1) * self.group]
         keys: list[bytes] = []
         new: list[bytes] = []
-        filled: list[bytes] = []
-        starts: list[int] = []
-        counts: list[int] = []
-        for seq, k in zip(self.seqs, self.tokens):
-            start = seq.kv_len_of(layer)
-            have, need = -(-start // t), -(-(start + k) // t)
-            keys += seq.pages(layer)
-            new += [page_key(seq.block(b), layer) for b in range(have, need)]
-            filled += [page_key(seq.block(b), layer) for b in range(start // t, (start + k) // t)]
-            starts.append(start)
-            counts.append(need)
-        waited = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
+        plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
+        for layer in layers:
+            starts, counts, filled = [], [], []
+            written = self._written_keys(layer)
+            at, at_new = len(keys), len(new)
+            for seq, k in zip(self.seqs, self.tokens):
+                start = seq.kv_len_of(layer)
+                have, need = -(-start // t), -(-(start + k) // t)
+                keys += seq.pages(layer)
+                new += [page_key(seq.block(b), layer) for b in range(have, need)]
+                full = range(start // t, (start + k) // t)
+                filled += [page_key(seq.block(b), layer) for b in full]
+                starts.append(start)
+                counts.append(need)
+            plans.append((at, at_new, starts, counts, filled, written))
+        loaded = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
         opened = pinned = owned = False
         try:
             if new:
@@ -383,14 +461,26 @@ class StepPlan:
                 pinned = True
                 tiers.own(new)
                 owned = True
-            flat = tiers.device_slots(keys + new) if keys or new else []
-            per_seq, at, at_new = [], 0, len(keys)
-            for seq, start, need in zip(self.seqs, starts, counts):
-                have = -(-start // t)
-                per_seq.append(flat[at : at + have] + flat[at_new : at_new + need - have])
-                at += have
-                at_new += need - have
-            rows = layer_rows(per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.device)
+            old_slots = tiers.device_slots(keys) if keys else []
+            new_slots = tiers.device_slots(new) if new else []
+            steps = []
+            bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
+            for j, (layer, plan) in enumerate(zip(layers, plans)):
+                at, at_new, starts, counts, filled, written = plan
+                per_seq = []
+                for start, need in zip(starts, counts):
+                    have = -(-start // t)
+                    grown = need - have
+                    per_seq.append(old_slots[at : at + have] + new_slots[at_new : at_new + grown])
+                    at += have
+                    at_new += grown
+                rows = layer_rows(
+                    per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.device
+                )
+                (k0, n0), (k1, n1) = bounds[j], bounds[j + 1]
+                steps.append(
+                    LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
+                )
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)
@@ -399,35 +489,34 @@ class StepPlan:
             raise
         c = store.counters
         c.pages_leased += len(keys)
-        c.device_hits += len(keys) - waited
-        c.late_fetches += waited
-        self.waited_pages += waited
+        c.device_hits += len(keys) - loaded
+        if steps:
+            steps[0].loaded = loaded
         store.lease_began(keys)
-        return LayerStep(self, layer, keys, new, filled, starts, rows)
+        return steps
 
-    def _release(self, i: int) -> None:
-        """Let go of layer ``i``: its pins, its unused new pages; write-behind of what it
-        wrote. Idempotent; nothing for a layer whose load did not succeed."""
-        task = self._tasks[i]
-        if self._released[i] or task is None or not task.done() or task.cancelled():
+    def _release(self, g: int) -> None:
+        """Let go of group ``g``: its pins, the new pages of layers not appended to. Idempotent;
+        nothing for a group whose load did not succeed."""
+        task = self._tasks[g]
+        if self._released[g] or task is None or not task.done() or task.cancelled():
             return
+        self._released[g] = True
         if task.exception() is not None:
-            self._released[i] = True
             return
-        self._released[i] = True
-        step = task.result()
         tiers = self.store.tiers
-        if step._appended:
-            pins = step.keys + step.new
-            written = self.written(step) if any(self.tokens) else []
-        else:  # never appended to: the pages it opened go
-            tiers.abort_device(step.new, pinned=True, owned=True)
-            pins, written = step.keys, []
+        pins: list[bytes] = []
+        for step in task.result():
+            if step._appended:
+                pins += step.keys + step.new
+                if any(self.tokens):
+                    self._wrote.append(step.layer)
+            else:  # never appended to: the pages it opened go
+                tiers.abort_device(step.new, pinned=True, owned=True)
+                pins += step.keys
         if pins:
             tiers.unpin_device(pins)
             self._used += pins
-        if written:
-            self.store.lease_wrote(written)
 
     def _check_live(self, seq: SequenceState) -> None:
         if not self.store.is_live(seq):

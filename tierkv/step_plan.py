@@ -12,8 +12,11 @@ where ``R`` is the rows one slot spans (its padding included)::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from tierkv.errors import SpecError
@@ -46,37 +49,82 @@ class LayerRows:
     ``v_rows(by_seq)``: where the new tokens' K (V) go, for new KV laid out ``[B, H, n, D]``
     (``by_seq``) or ``[H, N, D]`` (the sequences' new tokens one after another)."""
 
-    __slots__ = ("_head", "_kv_off", "_tok", "batch", "lengths", "n_new", "read", "sizes")
+    __slots__ = (
+        "_device",
+        "_head",
+        "_k",
+        "_kv_off",
+        "_tok",
+        "batch",
+        "lengths",
+        "n_new",
+        "read",
+        "sizes",
+    )
 
     def __init__(
         self,
         read: torch.Tensor,
-        tok: torch.Tensor,
+        tok: npt.NDArray[np.int64],
         lengths: list[int],
         n_new: list[int],
         spec: KVSpec,
+        device: torch.device,
     ) -> None:
         self.read = read
         self._tok = tok  # the row of (kv=0, head=0) of each new token, sequence after sequence
+        self._device = device
         self.lengths = lengths
         self.n_new = n_new
         self.batch = len(lengths)
         h, t = spec.num_kv_heads, spec.page_tokens
         self.sizes = [2 * h * s for s in lengths]
-        self._head = torch.arange(h, dtype=torch.int64, device=tok.device) * t
+        self._head = _heads(h, t)
         self._kv_off = h * t
+        self._k: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""
-        h = self._head
-        if by_seq:  # [B, H, n, D]: (b, head, j)
-            n = self.n_new[0] if self.n_new else 0
-            return (self._tok.view(self.batch, 1, n) + h.view(1, -1, 1)).reshape(-1)
-        return (h.view(-1, 1) + self._tok.view(1, -1)).reshape(-1)  # [H, N, D]: (head, j)
+        return self._rows(by_seq)[0]
 
     def v_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' V (those of K, one K block further)."""
-        return self.k_rows(by_seq) + self._kv_off
+        return self._rows(by_seq)[1]
+
+    def _rows(self, by_seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._k.get(by_seq)
+        if got is None:
+            k = self._k_rows(by_seq)
+            pair = torch.from_numpy(k), torch.from_numpy(k + self._kv_off)
+            if self._device.type != "cpu":
+                pair = pair[0].to(self._device), pair[1].to(self._device)
+            got = self._k[by_seq] = pair
+        return got
+
+    def _k_rows(self, by_seq: bool) -> npt.NDArray[np.int64]:
+        h = self._head
+        if by_seq:  # [B, H, n, D]: (b, head, j)
+            n = self.n_new[0] if self.n_new else 0
+            return (self._tok.reshape(self.batch, 1, n) + h.reshape(1, -1, 1)).reshape(-1)
+        return (h.reshape(-1, 1) + self._tok.reshape(1, -1)).reshape(-1)  # [H, N, D]: (head, j)
+
+
+@functools.lru_cache(maxsize=16)
+def _heads(h: int, t: int) -> npt.NDArray[np.int64]:
+    """The row offset of each head inside a K (or V) block of a slot."""
+    out = np.arange(h, dtype=np.int64) * t
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _inner(h: int, t: int) -> npt.NDArray[np.int64]:
+    """``[2, H, 1, T]``: the row of (kv, head, token in page) inside a slot."""
+    kv = np.arange(2, dtype=np.int64).reshape(2, 1, 1, 1) * (h * t)
+    head = np.arange(h, dtype=np.int64).reshape(1, h, 1, 1) * t
+    out = kv + head + np.arange(t, dtype=np.int64).reshape(1, 1, 1, t)
+    out.setflags(write=False)
+    return out
 
 
 def layer_rows(
@@ -89,32 +137,30 @@ def layer_rows(
 ) -> LayerRows:
     """The rows of one layer: ``slots[b]``, the device slots of sequence ``b``'s pages in block
     order (its new pages included); ``starts[b]``, its KV length before the append;
-    ``n_new[b]``, the tokens it appends. A few torch ops in all (one batch of them when every
-    sequence has as many pages and tokens, else a few per sequence)."""
+    ``n_new[b]``, the tokens it appends. A few numpy operations in all (one batch of them when
+    every sequence has as many pages and tokens, else a few per sequence)."""
     h, t = spec.num_kv_heads, spec.page_tokens
     ends = [s + n for s, n in zip(starts, n_new)]
-    inner = (
-        torch.arange(2, dtype=torch.int64).view(2, 1, 1, 1) * (h * t)
-        + torch.arange(h, dtype=torch.int64).view(1, h, 1, 1) * t
-        + torch.arange(t, dtype=torch.int64).view(1, 1, 1, t)
-    )  # [2, H, 1, T]: (kv, head, token in page)
+    inner = _inner(h, t)
     pages = [len(s) for s in slots]
-    uniform = len(set(pages)) <= 1 and len(set(ends)) <= 1 and len(set(starts)) <= 1
-    if uniform and slots:
+    read: npt.NDArray[np.int64]
+    tok: npt.NDArray[np.int64]
+    if slots and len(set(pages)) == 1 and len(set(ends)) == 1 and len(set(starts)) == 1:
         b, m, end, start = len(slots), pages[0], ends[0], starts[0]
-        base = torch.tensor(slots, dtype=torch.int64).view(b, 1, 1, m, 1) * per_slot
-        read = (base + inner).view(b, 2, h, m * t)[..., :end].reshape(-1)
-        pos = torch.arange(start, end, dtype=torch.int64)
-        tok = (base.view(b, m)[:, pos // t] + (pos % t)).reshape(-1)
+        base = np.array(slots, dtype=np.int64).reshape(b, 1, 1, m, 1) * per_slot
+        read = (base + inner).reshape(b, 2, h, m * t)[..., :end].reshape(-1)
+        pos = np.arange(start, end, dtype=np.int64)
+        tok = (base.reshape(b, m)[:, pos // t] + pos % t).reshape(-1)
     else:
         reads, toks = [], []
         for s, start, end in zip(slots, starts, ends):
-            base = torch.tensor(list(s), dtype=torch.int64).view(1, 1, -1, 1) * per_slot
-            reads.append((base + inner).view(2, h, -1)[..., :end].reshape(-1))
-            pos = torch.arange(start, end, dtype=torch.int64)
-            toks.append(base.view(-1)[pos // t] + pos % t)
-        read = torch.cat(reads) if reads else torch.empty(0, dtype=torch.int64)
-        tok = torch.cat(toks) if toks else torch.empty(0, dtype=torch.int64)
+            base = np.array(s, dtype=np.int64).reshape(1, 1, -1, 1) * per_slot
+            reads.append((base + inner).reshape(2, h, -1)[..., :end].reshape(-1))
+            pos = np.arange(start, end, dtype=np.int64)
+            toks.append(base.reshape(-1)[pos // t] + pos % t)
+        read = np.concatenate(reads) if reads else np.empty(0, dtype=np.int64)
+        tok = np.concatenate(toks) if toks else np.empty(0, dtype=np.int64)
+    r = torch.from_numpy(read)
     if device.type != "cpu":
-        read, tok = read.to(device, non_blocking=True), tok.to(device, non_blocking=True)
-    return LayerRows(read, tok, ends, list(n_new), spec)
+        r = r.to(device, non_blocking=True)
+    return LayerRows(r, tok, ends, list(n_new), spec, device)

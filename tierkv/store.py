@@ -50,6 +50,7 @@ from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
+from tierkv.runtime.transfer import INLINE_MAX_BYTES
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.step import StepPlan, check_tokens
@@ -187,6 +188,9 @@ class KVStore:
                     f"({self._pages[tier]} fit)"
                 )
         self._backend_name = backend
+        # small cpu copies on the loop's thread (measured: benchmarks/step.py, issue 26);
+        # TIERKV_INLINE_COPIES=0 turns it off
+        self._inline = os.environ.get("TIERKV_INLINE_COPIES", "1") != "0"
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
@@ -279,7 +283,10 @@ class KVStore:
     def _open_core(self) -> None:
         backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
-            backend, max_inflight=self._max_inflight, timeout=self.timeout
+            backend,
+            max_inflight=self._max_inflight,
+            timeout=self.timeout,
+            inline_bytes=INLINE_MAX_BYTES if self._inline else 0,
         )
         self._tiers = TierSet(
             self.spec,
