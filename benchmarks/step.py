@@ -76,9 +76,7 @@ async def lease_step(store: KVStore, ids: list[str], kvs: list[torch.Tensor]) ->
     return time.thread_time() - c0
 
 
-async def plan_step(
-    store: KVStore, ids: list[str], kvs: list[torch.Tensor]
-) -> tuple[float, float]:
+async def plan_step(store: KVStore, ids: list[str], kvs: list[torch.Tensor]) -> tuple[float, float]:
     """One decode step on the step path; returns (the store's CPU seconds, the floor's)."""
     floor = 0.0
     d = SPEC.head_dim

@@ -461,6 +461,11 @@ class TransferEngine:
             or self.backend.name != "cpu"
         ):
             return False
+        self._start_locked(handle)
+        return True
+
+    def _start_locked(self, handle: TransferHandle) -> None:
+        """A batch is dispatched: its staging buffer, running, counted in flight."""
         if self._staging_pool:
             handle._staging = self._staging_pool.pop()
         else:
@@ -470,7 +475,6 @@ class TransferEngine:
         handle._stats.dispatched_at = time.perf_counter()
         self._inflight += 1
         self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, self._inflight)
-        return True
 
     def _run_inline(self, handle: TransferHandle) -> None:
         """Run a copy :meth:`_inline_locked` took, here and now, and finish it."""
@@ -535,15 +539,7 @@ class TransferEngine:
             handle = heapq.heappop(self._pending)
             if handle._state != _PENDING:
                 continue  # cancelled while queued
-            if self._staging_pool:
-                handle._staging = self._staging_pool.pop()
-            else:
-                handle._staging = self.backend.create_staging(self.staging_bytes)
-                self._staging_made += 1
-            handle._state = _RUNNING
-            handle._stats.dispatched_at = time.perf_counter()
-            self._inflight += 1
-            self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, self._inflight)
+            self._start_locked(handle)
             stream = self._stream_locked(handle.src, handle.dst)
             for dep in handle._deps:
                 stream.wait_event(dep)

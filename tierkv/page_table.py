@@ -37,7 +37,8 @@ of state, pins and slots is here, where :meth:`PageTable.check` can be read agai
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import compress
@@ -541,8 +542,10 @@ class PageTable:
         n = min(n, evictable)
         if not keep or not n:
             return self._pick(t, n, None)
-        if keep_order and t.slot_of.keys() <= keep:  # every page kept (one C-speed pass):
-            return self._pick(t, n, None, keep_order)  # the policy's scan would find none
+        if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
+            # every page is kept (checked in one C-speed pass): the policy's scan for pages
+            # nobody keeps would walk them all and find none, so straight to the order
+            return self._pick(t, n, None, keep_order)
         first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
         if len(first) == n:
             return first
@@ -583,6 +586,7 @@ class PageTable:
         def can_evict_unkept(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
 
+        pick: Callable[[int], bool]
         if only is not None:  # a set's own membership test: no Python frame per slot scanned
             pick, want = frozenset(slot_of[k] for k in only).__contains__, len(only)
         else:

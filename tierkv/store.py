@@ -27,6 +27,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from tierkv import validate
@@ -53,8 +54,8 @@ from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.runtime.transfer import INLINE_MAX_BYTES
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
-from tierkv.step import StepPlan, check_tokens
 from tierkv.stats import StoreCounters
+from tierkv.step import StepPlan, check_tokens
 from tierkv.tier import Moves
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
@@ -673,7 +674,7 @@ class KVStore:
         seqs = [self.sequence(s) for s in ids]
         counts = check_tokens(tokens, len(seqs))
         window = validate.count("ahead", ahead, 0)
-        return StepPlan(self, seqs, ls, counts, window)
+        return StepPlan(self, seqs, ls, counts, window, partial(self.prefetch, wait=False))
 
     @async_boundary
     async def prefetch(

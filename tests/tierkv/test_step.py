@@ -44,7 +44,9 @@ async def read_back(st: KVStore, sid: str, layer: int) -> tuple[torch.Tensor, to
 async def test_batch_kv_is_exact_through_loads_and_evictions() -> None:
     # the device holds a fraction of the KV: every step loads and evicts
     ids = ["a", "b", "c"]
-    ref = {(s, layer): (torch.empty(H, 0, D), torch.empty(H, 0, D)) for s in ids for layer in range(4)}
+    ref = {
+        (s, layer): (torch.empty(H, 0, D), torch.empty(H, 0, D)) for s in ids for layer in range(4)
+    }
     async with store(device_pages=24) as st:
         for s in ids:
             await st.add_sequence(s, [])

@@ -21,18 +21,23 @@ Its full prompt blocks then become reusable by the next cache whose prompt start
 rest copied); a store the original opened closes when the last of its copies closes.
 
 How a model's K/V reach the store: each batch row is one store sequence, each model layer one
-store layer. ``update(k, v, layer)`` leases that layer's pages of every row (loading them to the
-device tier if they were evicted), appends the new tokens and returns the whole layer::
+store layer, and each forward one store step (:mod:`tierkv.step`), planned at layer 0::
 
-    key_states [B, H_kv, n, D]  --row b-->  lease.append(seq_b, layer, k[b] [H, n, D], ...)
-    returned   [B, H_kv, S, D]  <--stack--  lease.kv(seq_b, layer) -> K [H, S, D], V [H, S, D]
+    update(k, v, 0)   store.step_plan(rows, tokens=n): pins, loads, new pages, row indices
+    update(k, v, L)   one wait for layer L's group (none inside a group that landed: no loop
+                      run), one append (two index_copy_), one gather (one index_select)
+    returned          [B, H_kv, S, D] K and V: views of the gathered copy
 
-so the device tier needs one layer's pages of the batch (plus a new page per row); the others
-wait on the host tier. After every second layer the next two layers' loads are submitted; they
-run while the model computes. A store the cache opens runs in the caller's thread, a shared
-one on its loop thread (:mod:`.hf_store`). The returned K/V are copies gathered from the pages,
-so greedy outputs are bit-identical to ``DynamicCache`` (live pages are never compressed
-unless ``compress_live``). A padded row (a zero in ``attention_mask``) shares nothing.
+so the device tier needs a few layers' pages of the batch at a time; the others wait on the
+host tier, and the next group of layers loads while the model computes. A store the cache
+opens runs in the caller's thread, a shared one on its loop thread (:mod:`.hf_store`). The
+returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
+``DynamicCache`` (live pages are never compressed unless ``compress_live``). A padded row (a
+zero in ``attention_mask``) shares nothing.
+
+This file stays whole (over 400 lines): the cache and its layer class are one transformers
+``Cache`` implementation; how it reaches its store and its rows' helpers are apart
+(:mod:`.hf_store`, :mod:`.hf_rows`).
 
 Unsupported, and raised as :class:`UnsupportedCacheOperation` (a ``NotImplementedError``):
 cache edits that the store cannot express yet (``crop`` of a non-zero count, as assisted and
