@@ -8,6 +8,11 @@
             await lease.append("req-1", layer, k, v)               # new KV ([H, n, D])
             k_all, v_all = lease.kv("req-1", layer)                # [H, S, D] for attention
         store.add_tokens("req-1", [next_token])
+        async with store.step_plan(["req-1"], tokens=1) as step:   # a decode step, planned once
+            for layer in range(spec.num_layers):                   # (tierkv.step)
+                h = await step.layer(layer)                        # its pages pinned, loaded
+                h.append(k, v)                                     # [B, H, n, D]
+                k_all, v_all = h.kv()                              # [B, H, S, D]
         store.schedule([["req-2"], ["req-3"]])                     # prefetch the next steps
         store.step()                                               # one decode step done
         await store.release("req-1")                               # full blocks stay cached

@@ -59,7 +59,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from tierkv import validate
 from tierkv.errors import SpecError, StoreClosedError, TierKVError
 from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
-from tierkv.integrations.hf_store import Driver, StoreOwner, ThreadStore, open_store
+from tierkv.integrations.hf_store import (
+    Driver,
+    LocalStore,
+    StoreOwner,
+    ThreadStore,
+    open_store,
+)
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.step import LayerStep, StepPlan
 from tierkv.store import KVStore
@@ -243,8 +249,10 @@ class TieredCache(Cache):
         if idx == 0 and plan is not None:  # a forward that stopped half way: its plan
             self._end_plan()
             plan = None
-        # inside a group of layers that has landed, nothing waits: no loop run (tierkv.step)
-        step = plan.layer_now(idx) if plan is not None else None
+        # inside a group of layers that has landed, nothing waits: no loop run (tierkv.step);
+        # only where this thread drives the store (a shared store's state is its loop's)
+        local = isinstance(self._driver, LocalStore)
+        step = plan.layer_now(idx) if plan is not None and local else None
         if step is not None and idx != self.spec.num_layers - 1:
             try:
                 step.append(k, v)
