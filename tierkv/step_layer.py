@@ -98,6 +98,8 @@ class LayerStep:
         d = plan.store.spec.head_dim
         flat = plan.flat
         dev = flat.device
+        if k.requires_grad or v.requires_grad:  # a cache holds values, not a graph
+            k, v = k.detach(), v.detach()
         if k.device != dev:
             k, v = k.to(dev), v.to(dev)
         flat.index_copy_(0, rows.k_rows(by_seq), k.reshape(-1, d))

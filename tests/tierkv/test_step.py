@@ -233,3 +233,18 @@ async def test_layer_now_only_inside_a_landed_group() -> None:
                 h.append(rand(1, H, 1, D, seed=layer), rand(1, H, 1, D, seed=layer))
         await idle(st)
         assert st.sequence("a").kv_len == [1, 1, 1, 1]
+
+
+async def test_kv_that_requires_grad_is_stored_as_values() -> None:
+    async with store(device_pages=40) as st:
+        await st.add_sequence("a", [])
+        k = rand(1, H, 2, D, seed=3).requires_grad_()
+        async with st.step_plan(["a"], tokens=2) as step:
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                h.append(k, k * 2)
+                got_k, got_v = h.kv()
+                assert not got_k.requires_grad
+                assert torch.equal(got_v, (k * 2).detach())
+        assert not step.flat.requires_grad and k.grad is None
+        await idle(st)
