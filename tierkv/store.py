@@ -8,6 +8,11 @@
             await lease.append("req-1", layer, k, v)               # new KV ([H, n, D])
             k_all, v_all = lease.kv("req-1", layer)                # [H, S, D] for attention
         store.add_tokens("req-1", [next_token])
+        async with store.step_plan(["req-1"], tokens=1) as step:   # a decode step, planned once
+            for layer in range(spec.num_layers):                   # (tierkv.step)
+                h = await step.layer(layer)                        # its pages pinned, loaded
+                h.append(k, v)                                     # [B, H, n, D]
+                k_all, v_all = h.kv()                              # [B, H, S, D]
         store.schedule([["req-2"], ["req-3"]])                     # prefetch the next steps
         store.step()                                               # one decode step done
         await store.release("req-1")                               # full blocks stay cached
@@ -27,6 +32,7 @@ import asyncio
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from tierkv import validate
@@ -50,9 +56,11 @@ from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
+from tierkv.runtime.transfer import INLINE_MAX_BYTES
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
+from tierkv.step import StepPlan, check_tokens
 from tierkv.tier import Moves
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
@@ -186,6 +194,9 @@ class KVStore:
                     f"({self._pages[tier]} fit)"
                 )
         self._backend_name = backend
+        # small cpu copies on the loop's thread (measured: benchmarks/step.py, issue 26);
+        # TIERKV_INLINE_COPIES=0 turns it off
+        self._inline = os.environ.get("TIERKV_INLINE_COPIES", "1") != "0"
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
@@ -281,7 +292,10 @@ class KVStore:
     def _open_core(self) -> None:
         backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
-            backend, max_inflight=self._max_inflight, timeout=self.timeout
+            backend,
+            max_inflight=self._max_inflight,
+            timeout=self.timeout,
+            inline_bytes=INLINE_MAX_BYTES if self._inline else 0,
         )
         self._tiers = TierSet(
             self.spec,
@@ -647,6 +661,35 @@ class KVStore:
         ls = validate.layers(layers, self.spec.num_layers)
         seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
         return Lease(self, seqs, ls)
+
+    @boundary
+    def step_plan(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        tokens: int | Sequence[int] = 1,
+        ahead: int = 2,
+    ) -> StepPlan:
+        """Plan a step: ``seq_ids`` run ``layers`` (all by default, in that order), each
+        appending ``tokens`` new tokens (one count for all, or one per sequence) to every
+        layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
+
+        Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
+        or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
+        layout the step path cannot index), InvalidTypeError / InvalidInputError for bad
+        arguments; nothing changes then.
+        """
+        ls = validate.layers(layers, self.spec.num_layers)
+        if len(set(ls)) != len(ls):
+            raise SpecError(f"layers: each at most once, got {ls}")
+        ids = validate.seq_ids(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise SequenceError(f"a sequence is named twice in {ids}")
+        seqs = [self.sequence(s) for s in ids]
+        counts = check_tokens(tokens, len(seqs))
+        window = validate.count("ahead", ahead, 0)
+        return StepPlan(self, seqs, ls, counts, window, partial(self.prefetch, wait=False))
 
     @async_boundary
     async def prefetch(
