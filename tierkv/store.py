@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierkv import validate
@@ -628,15 +628,22 @@ class KVStore:
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary
-    def lease(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> Lease:
+    def lease(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> Lease:
         """Pin these sequences' pages (of ``layers``, all by default) on the device.
 
+        ``blocks`` pins only those page indices of each sequence (none for a sequence it does
+        not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
         Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
         id, SpecError for a bad layer, InvalidTypeError for a single str instead of a list.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
-        return Lease(self, seqs, ls)
+        return Lease(self, seqs, ls, blocks)
 
     @async_boundary
     async def prefetch(
