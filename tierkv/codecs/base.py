@@ -27,6 +27,7 @@ from typing import ClassVar
 
 import torch
 
+from tierkv.codecs import fast
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
 from tierkv.errors import CorruptPageError, SpecError, TierKVError, UnknownNameError
 from tierkv.spec import ALIGN, KVSpec
@@ -149,6 +150,9 @@ class Codec(ABC):
     def _chunk(self, spec: KVSpec) -> int:
         return max(1, self.chunk_bytes // spec.page_bytes)
 
+    def _decode_chunk(self, spec: KVSpec) -> int:
+        return self._chunk(spec)
+
     def check_spec(self, spec: KVSpec) -> None:
         """Raise SpecError if this codec cannot encode pages of ``spec.dtype``."""
         if spec.dtype not in self.dtypes:
@@ -234,8 +238,7 @@ class Codec(ABC):
         s_end = HEADER_BYTES + self.scale_bytes(spec)
         scales = data[:, HEADER_BYTES:s_end]
         if s_end > HEADER_BYTES:
-            sv = scales.view(torch.float32)
-            bad = ~(torch.isfinite(sv) & (sv >= 0)).all(dim=1)
+            bad = fast.bad_scales(scales)
             if bool(bad.any()):
                 raise CorruptEncodingError(f"pages {bad_pages(bad)}: negative or non-finite scales")
         if out is None:
@@ -247,7 +250,7 @@ class Codec(ABC):
             if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
                 out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
         payload = data[:, s_end : s_end + self.payload_bytes(spec)]
-        step = self._chunk(spec)
+        step = self._decode_chunk(spec)
         for i in range(0, n, step):
             self._decode(scales[i : i + step], payload[i : i + step], view[i : i + step])
         return view
