@@ -217,7 +217,12 @@ class ColdStorage:
 
         def work() -> float:
             t0 = time.perf_counter()
-            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
+            pages = host.tensor.index_select(0, _index(src))
+            if codec.needs_layers:  # (head-sparse: the layer is the page key's last 2 bytes)
+                lay = [int.from_bytes(k[-2:], "little") for k, _ in todo]
+                enc = codec.encode(pages, spec, layers=lay)  # type: ignore[call-arg]
+            else:
+                enc = codec.encode(pages, spec)
             cold.tensor.index_copy_(0, _index(dst), enc)
             if page_sums.enabled():  # the slots are this job's until it ends: no race
                 table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))

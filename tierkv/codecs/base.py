@@ -118,6 +118,7 @@ class Codec(ABC):
     lossless: ClassVar[bool] = False
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
     group_size: int = 0
+    needs_layers: ClassVar[bool] = False  # encode(..., layers=) takes each page's layer
     chunk_bytes: ClassVar[int] = 1 << 19
 
     @abstractmethod

@@ -10,6 +10,7 @@ module picked on this CPU: ``"avx512"`` (AVX-512 F/BW/VL, 16 channels per instru
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import torch
@@ -21,10 +22,9 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 def _module() -> ModuleType | None:
     try:
-        from tierkv.codecs import _dequant
+        return importlib.import_module(f"{__package__}._dequant")
     except ImportError:
         return None
-    return _dequant
 
 
 _NATIVE = _module()
