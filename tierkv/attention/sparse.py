@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from tierkv import validate
 from tierkv.attention.host import host_only, read_host_tokens
@@ -174,6 +175,16 @@ class SparseLayers:
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
+    def _count(
+        self, on_device: list[int], on_host: list[int], pages: int, chosen: int, n: int
+    ) -> None:
+        c = self.counters
+        c.device_pages += len(on_device)
+        if n == 1:
+            c.decode_attends += 1
+            c.decode_pages += pages
+            c.decode_chosen += chosen
+
     def _choose(self, sid: str, layer: int, q: torch.Tensor, pages: int, scale: float) -> list[int]:
         topk = self.options.topk
         if topk is None or q.shape[2] != 1:
@@ -199,35 +210,28 @@ class SparseLayers:
         on_device = [b for b in chosen if b not in host]
         on_host = [b for b in chosen if b in host]
         qpos = torch.arange(total - n, total)
-        parts: list[Partial] = []
+        parts: list[Partial] = []  # (the device part, then the host part)
         async with store.lease([sid], [layer], blocks={sid: on_device}) as lease:
             k, v = lease.kv_blocks(sid, layer, on_device)
-            kpos = _positions(on_device, t, total)
-            bias = _bias(mask, qpos, kpos, q.device)
-            parts.append(
-                partial_attention(
-                    q, k.unsqueeze(0).to(q.device), v.unsqueeze(0).to(q.device), scale, bias
-                )
-            )
-        if on_host:
-            kv = read_host_tokens(store.tiers, spec, [pages[b] for b in on_host])
-            kpos = _positions(on_host, t, total)
-            bias = _bias(mask, qpos, kpos, torch.device("cpu"))
-            keep = kpos.numel()
-            part = partial_attention(
-                q.cpu(), kv[0, :, :keep].unsqueeze(0), kv[1, :, :keep].unsqueeze(0), scale, bias
-            )
-            c = self.counters
-            c.host_pages += len(on_host)
-            c.host_bytes += len(on_host) * spec.page_bytes
-            c.partial_bytes += part.nbytes
-            parts.append(part.to(q.device))
+            k, v = k.unsqueeze(0).to(q.device), v.unsqueeze(0).to(q.device)
+        kpos = _positions(on_device, t, total)
+        bias = _bias(mask, qpos, kpos, q.device)
+        if not on_host:  # one part: plain attention (SDPA), no merge to do
+            self._count(on_device, on_host, len(pages), len(chosen), n)
+            return _sdpa(q, k, v, scale, bias)
+        parts.append(partial_attention(q, k, v, scale, bias))
+        kv = read_host_tokens(store.tiers, spec, [pages[b] for b in on_host])
+        kpos = _positions(on_host, t, total)
+        bias = _bias(mask, qpos, kpos, torch.device("cpu"))
+        keep = kpos.numel()
+        k, v = kv[0, :, :keep].unsqueeze(0), kv[1, :, :keep].unsqueeze(0)
+        part = partial_attention(q.cpu(), k, v, scale, bias)
         c = self.counters
-        c.device_pages += len(on_device)
-        if n == 1:
-            c.decode_attends += 1
-            c.decode_pages += len(pages)
-            c.decode_chosen += len(chosen)
+        c.host_pages += len(on_host)
+        c.host_bytes += len(on_host) * spec.page_bytes
+        c.partial_bytes += part.nbytes
+        parts.append(part.to(q.device))
+        self._count(on_device, on_host, len(pages), len(chosen), n)
         return finish(merge(parts), q.dtype)
 
 
@@ -270,6 +274,23 @@ def take_pending(layer: int) -> Pending | None:
         return None
     _PENDING.set(None)
     return got
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Attention of one part (grouped-query heads; ``bias`` additive or None)."""
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    if k.shape[2] == 0:
+        return torch.zeros_like(q)
+    if bias is None:
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), bias.to(q.dtype), scale=scale
+    )
+    return out.nan_to_num_(0.0)  # a row with every key masked (padding) attends nothing
 
 
 def _row_mask(mask: torch.Tensor | None, b: int) -> torch.Tensor | None:
