@@ -32,12 +32,8 @@ def _pages(spec: KVSpec, n: int = 23) -> torch.Tensor:
 
 
 def _torch_decode(codec: object, blob: torch.Tensor, spec: KVSpec) -> torch.Tensor:
-    mp = pytest.MonkeyPatch()
-    mp.setattr(fast, "_NATIVE", None)
-    try:
+    with fast.torch_path():
         return codec.decode(blob, spec)  # type: ignore[attr-defined]
-    finally:
-        mp.undo()
 
 
 @needs_native

@@ -11,11 +11,13 @@ module picked on this CPU: ``"avx512"`` (AVX-512 F/BW/VL, 16 channels per instru
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
 
-__all__ = ["ISA", "bad_scales", "dequant"]
+__all__ = ["ISA", "bad_scales", "dequant", "torch_path"]
 
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -29,6 +31,18 @@ def _module() -> ModuleType | None:
 
 _NATIVE = _module()
 ISA: str | None = None if _NATIVE is None else str(_NATIVE.ISA)
+
+
+@contextmanager
+def torch_path() -> Iterator[None]:
+    """Decode with the torch path inside the block (benchmarks and tests compare the two;
+    not thread-safe: every decode of the process takes the torch path meanwhile)."""
+    global _NATIVE
+    saved, _NATIVE = _NATIVE, None
+    try:
+        yield
+    finally:
+        _NATIVE = saved
 
 
 def _rows(t: torch.Tensor, width: int) -> bool:
