@@ -108,7 +108,8 @@ def topk_figures(model: Any, wins: list[torch.Tensor], evals: int) -> dict[str, 
             with TieredCache(
                 model.config,
                 device_bytes=budget,
-                host_bytes=budget,
+                host_bytes=2 * budget,
+                codec=None,
                 sparse_topk=k,
                 sparse_recent=RECENT,
             ) as c:
@@ -174,7 +175,7 @@ def score_cold(model: Any, w: torch.Tensor, evals: int, codec: Any, spec: KVSpec
 
 
 def _crop(cache: Any) -> Any:
-    cache.crop(PROMPT - 1)  # the prompt's last token again, now over the decoded history
+    cache.crop(-1)  # the prompt's last token again, now over the decoded history
     return cache
 
 
@@ -386,7 +387,7 @@ def main() -> None:
     model, _, ids = load()
     wins = windows(ids, n, evals)
     if args.only in (None, "host"):
-        h = figures["host_attention"] = host_figures(model, wins[0], 8 if args.quick else 16)
+        h = figures["host_attention"] = host_figures(model, ids, 8 if args.quick else 16)
         ratios["host_logits_rel_err / 1e-5 (<= 1)"] = h["logits_rel_err_host_attention"] / 1e-5
         ratios["host_bytes_to_device (== 0)"] = h["bytes_h2d_host_attention"]
         ratios["host_tokens_per_s / loading"] = (

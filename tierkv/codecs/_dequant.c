@@ -76,6 +76,16 @@ static inline float scale_of(const job_t *j, const float *s, Py_ssize_t gi, Py_s
     return s[(gi * j->t + i) * (j->d / j->g) + c / j->g];
 }
 
+/* one element, rounded to the page dtype (fp32 clamped to its finite range) */
+static inline void store1(char *o, Py_ssize_t e, float v, int dtype) {
+    if (dtype == 0)
+        ((float *)o)[e] = v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
+    else if (dtype == 1)
+        ((uint16_t *)o)[e] = fp16_rne(v);
+    else
+        ((uint16_t *)o)[e] = bf16_rne(v);
+}
+
 static void run_scalar(const job_t *j) {
     for (Py_ssize_t p = 0; p < j->pages; p++) {
         const int8_t *q = (const int8_t *)((const char *)j->q + p * j->q_stride);
@@ -84,15 +94,8 @@ static void run_scalar(const job_t *j) {
         Py_ssize_t e = 0;
         for (Py_ssize_t gi = 0; gi < j->groups; gi++)
             for (Py_ssize_t i = 0; i < j->t; i++)
-                for (Py_ssize_t c = 0; c < j->d; c++, e++) {
-                    float v = (float)q[e] * scale_of(j, s, gi, i, c);
-                    if (j->dtype == 0)
-                        ((float *)o)[e] = v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
-                    else if (j->dtype == 1)
-                        ((uint16_t *)o)[e] = fp16_rne(v);
-                    else
-                        ((uint16_t *)o)[e] = bf16_rne(v);
-                }
+                for (Py_ssize_t c = 0; c < j->d; c++, e++)
+                    store1(o, e, (float)q[e] * scale_of(j, s, gi, i, c), j->dtype);
     }
 }
 
@@ -135,15 +138,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void run_avx512
                     __m512i qi = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + e)));
                     store16(o, e, _mm512_mul_ps(_mm512_cvtepi32_ps(qi), sv), j->dtype);
                 }
-                for (; c < d; c++, e++) {
-                    float v = (float)q[e] * scale_of(j, s, gi, i, c);
-                    if (j->dtype == 0)
-                        ((float *)o)[e] = v > FLT_MAX ? FLT_MAX : v < -FLT_MAX ? -FLT_MAX : v;
-                    else if (j->dtype == 1)
-                        ((uint16_t *)o)[e] = fp16_rne(v);
-                    else
-                        ((uint16_t *)o)[e] = bf16_rne(v);
-                }
+                for (; c < d; c++, e++)
+                    store1(o, e, (float)q[e] * scale_of(j, s, gi, i, c), j->dtype);
             }
     }
 }

@@ -106,6 +106,21 @@ def as_pages(t: torch.Tensor, spec: KVSpec, what: str) -> torch.Tensor:
     return t
 
 
+def decode_target(
+    out: torch.Tensor | None, n: int, spec: KVSpec, device: torch.device
+) -> torch.Tensor:
+    """Where a decode of ``n`` pages writes: ``out`` viewed as pages (uint8 slots get their
+    padding up to ``page_bytes`` zeroed), or new pages. Raises SpecError for a wrong ``out``."""
+    if out is None:
+        return torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=device)
+    if out.shape[0] != n:
+        raise SpecError(f"out: expected {n} pages, got {out.shape[0]}")
+    view = as_pages(out, spec, "out")
+    if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
+        out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
+    return view
+
+
 class Codec(ABC):
     """Encode and decode batches of KV pages to fixed-size, self-contained byte strings.
 
@@ -242,14 +257,7 @@ class Codec(ABC):
             bad = fast.bad_scales(scales)
             if bool(bad.any()):
                 raise CorruptEncodingError(f"pages {bad_pages(bad)}: negative or non-finite scales")
-        if out is None:
-            view = torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=data.device)
-        else:
-            if out.shape[0] != n:
-                raise SpecError(f"out: expected {n} pages, got {out.shape[0]}")
-            view = as_pages(out, spec, "out")
-            if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
-                out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
+        view = decode_target(out, n, spec, data.device)
         payload = data[:, s_end : s_end + self.payload_bytes(spec)]
         step = self._decode_chunk(spec)
         for i in range(0, n, step):

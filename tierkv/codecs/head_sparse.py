@@ -44,6 +44,7 @@ from tierkv.codecs.base import (
     as_pages,
     bad_pages,
     check_finite,
+    decode_target,
 )
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch
 from tierkv.errors import SpecError
@@ -322,14 +323,7 @@ class HeadSparseCodec(Codec):
         bads = ~(torch.isfinite(s) & (s >= 0)).flatten(1).all(dim=1)
         if bool(bads.any()):
             raise CorruptEncodingError(f"pages {bad_pages(bads)}: negative or non-finite scales")
-        if out is None:
-            view = torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=data.device)
-        else:
-            if out.shape[0] != n:
-                raise SpecError(f"out: expected {n} pages, got {out.shape[0]}")
-            view = as_pages(out, spec, "out")
-            if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
-                out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
+        view = decode_target(out, n, spec, data.device)
         full = data[:, c:e].contiguous().view(self.full_dtype(spec)).view(n, 2, k, t, d)
         q = data[:, e:f].contiguous().view(torch.int8).view(n, 2, h - k, t, d)
         ranked = torch.cat([full.to(spec.dtype), (q.float() * s).to(spec.dtype)], dim=2)
