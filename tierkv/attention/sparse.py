@@ -33,6 +33,7 @@ from tierkv.attention.partial import Partial, finish, merge, partial_attention
 from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
 from tierkv.errors import InvalidInputError, SpecError, TierKVError
 from tierkv.spec import KVSpec
+from tierkv.tier_names import DEVICE
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -110,6 +111,8 @@ class SparseCounters:
     host_bytes: int = 0  # their page bytes (read on the host, never sent to the device)
     partial_bytes: int = 0  # the host partials' state (what goes to the device instead)
     device_pages: int = 0  # pages attended from the device tier
+    append_loads: int = 0  # partly filled last pages brought back to the device to append to
+    attend_loads: int = 0  # pages loaded to the device to be attended there (cold ones)
 
     def as_dict(self) -> dict[str, Any]:
         """The counters and the share of pages a decode step attended."""
@@ -148,6 +151,11 @@ class SparseLayers:
         ``last``: the model's last layer (the store's step ends)."""
         store = self._store
         starts = [store.sequence(sid).kv_len_of(layer) for sid in ids]
+        t = self.spec.page_tokens
+        tails = [store.sequence(sid).pages(layer)[-1] for sid, s in zip(ids, starts) if s % t]
+        if tails:  # (the appends load these if they left the device: counted, not hidden)
+            on_device = store.tiers.table.readable(tails, DEVICE)
+            self.counters.append_loads += len(tails) - len(on_device)
         async with store.lease(list(ids), [layer], blocks={}) as lease:
             for b, sid in enumerate(ids):
                 await lease.append(sid, layer, k[b], v[b])
@@ -212,6 +220,7 @@ class SparseLayers:
         qpos = torch.arange(total - n, total)
         parts: list[Partial] = []  # (the device part, then the host part)
         async with store.lease([sid], [layer], blocks={sid: on_device}) as lease:
+            self.counters.attend_loads += lease.waited_pages
             k, v = lease.kv_blocks(sid, layer, on_device)
             k, v = k.unsqueeze(0).to(q.device), v.unsqueeze(0).to(q.device)
         kpos = _positions(on_device, t, total)

@@ -76,6 +76,12 @@ static inline float scale_of(const job_t *j, const float *s, Py_ssize_t gi, Py_s
     return s[(gi * j->t + i) * (j->d / j->g) + c / j->g];
 }
 
+/* q, s and o: page p's int8 values, scales and output */
+#define PAGE_POINTERS(j, p)                                                      \
+    const int8_t *q = (const int8_t *)((const char *)(j)->q + (p) * (j)->q_stride); \
+    const float *s = (const float *)((const char *)(j)->s + (p) * (j)->s_stride);   \
+    char *o = (j)->out + (p) * (j)->out_stride
+
 /* one element, rounded to the page dtype (fp32 clamped to its finite range) */
 static inline void store1(char *o, Py_ssize_t e, float v, int dtype) {
     if (dtype == 0)
@@ -88,9 +94,7 @@ static inline void store1(char *o, Py_ssize_t e, float v, int dtype) {
 
 static void run_scalar(const job_t *j) {
     for (Py_ssize_t p = 0; p < j->pages; p++) {
-        const int8_t *q = (const int8_t *)((const char *)j->q + p * j->q_stride);
-        const float *s = (const float *)((const char *)j->s + p * j->s_stride);
-        char *o = j->out + p * j->out_stride;
+        PAGE_POINTERS(j, p);
         Py_ssize_t e = 0;
         for (Py_ssize_t gi = 0; gi < j->groups; gi++)
             for (Py_ssize_t i = 0; i < j->t; i++)
@@ -100,29 +104,42 @@ static void run_scalar(const job_t *j) {
 }
 
 #ifdef TIERKV_X86
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static inline void
-store16(char *o, Py_ssize_t e, __m512 v, int dtype) {
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
+
+static int has_bf16 = 0; /* AVX512_BF16: vcvtneps2bf16 */
+
+/* bf16 round to nearest even with integer ops (exact for subnormals too) */
+AVX512_TARGET static inline void store16_bf16_int(char *o, Py_ssize_t e, __m512 v) {
+    __m512i b = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)o + e), _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+}
+
+AVX512_TARGET static inline void store16(char *o, Py_ssize_t e, __m512 v, int dtype) {
     if (dtype == 0) { /* clamped: 127 * s may round past FLT_MAX */
         v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-FLT_MAX)), _mm512_set1_ps(FLT_MAX));
         _mm512_storeu_ps((float *)o + e, v);
     } else if (dtype == 1) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)o + e),
                             _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    } else if (has_bf16) { /* vcvtneps2bf16, unless a lane is an fp32 subnormal (it flushes) */
+        __mmask16 sub = _mm512_cmp_ps_mask(_mm512_abs_ps(v), _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ) &
+                        _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        if (!sub) {
+            _mm256_storeu_si256((__m256i *)((uint16_t *)o + e), (__m256i)_mm512_cvtneps_pbh(v));
+            return;
+        }
+        store16_bf16_int(o, e, v);
     } else {
-        __m512i b = _mm512_castps_si512(v);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-        b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-        _mm256_storeu_si256((__m256i *)((uint16_t *)o + e),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(b, 16)));
+        store16_bf16_int(o, e, v);
     }
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void run_avx512(const job_t *j) {
+AVX512_TARGET static void run_avx512(const job_t *j) {
     Py_ssize_t d = j->d, g = j->g;
     for (Py_ssize_t p = 0; p < j->pages; p++) {
-        const int8_t *q = (const int8_t *)((const char *)j->q + p * j->q_stride);
-        const float *s = (const float *)((const char *)j->s + p * j->s_stride);
-        char *o = j->out + p * j->out_stride;
+        PAGE_POINTERS(j, p);
         Py_ssize_t e = 0;
         for (Py_ssize_t gi = 0; gi < j->groups; gi++)
             for (Py_ssize_t i = 0; i < j->t; i++) {
@@ -146,6 +163,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c"))) static void run_avx512
 
 static int has_avx512(void) {
     __builtin_cpu_init();
+    has_bf16 = __builtin_cpu_supports("avx512bf16");
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
 }
