@@ -126,3 +126,29 @@ def test_a_model_not_routed_to_tierkv_attention_is_an_error(tiny: Any) -> None:
         torch.inference_mode(),
     ):
         model(ids, cache=c)
+
+
+def test_a_padded_batch_of_two(tiny: Any) -> None:
+    model = tiny[0]
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 101, (2, 70), generator=gen)
+    mask = torch.ones_like(ids)
+    ids[1, :9], mask[1, :9] = 0, 0  # the second row left-padded
+    with torch.inference_mode():
+        ref = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW,
+            do_sample=False,
+            cache=DynamicCache(config=model.config),
+        )
+    route(model)
+    try:
+        for kw in ({"sparse_topk": 64}, {"host_attention": True}):
+            with _cache(model, 16, **kw) as c, torch.inference_mode():
+                got = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, cache=c
+                )
+            assert torch.equal(got, ref), kw
+    finally:
+        model.set_attn_implementation("sdpa")
