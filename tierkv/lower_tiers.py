@@ -220,7 +220,7 @@ class ColdStorage:
             pages = host.tensor.index_select(0, _index(src))
             if codec.needs_layers:  # (head-sparse: the layer is the page key's last 2 bytes)
                 lay = [int.from_bytes(k[-2:], "little") for k, _ in todo]
-                enc = codec.encode(pages, spec, layers=lay)  # type: ignore[call-arg]
+                enc = codec.encode(pages, spec, layers=lay)
             else:
                 enc = codec.encode(pages, spec)
             cold.tensor.index_copy_(0, _index(dst), enc)

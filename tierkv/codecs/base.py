@@ -23,6 +23,7 @@ Every check runs before anything is written: a call that raises leaves ``out`` u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -189,13 +190,18 @@ class Codec(ABC):
         return pack_header(self.codec_id, spec, self.group_size, self.encoded_bytes(spec))
 
     def encode(
-        self, pages: torch.Tensor, spec: KVSpec, out: torch.Tensor | None = None
+        self,
+        pages: torch.Tensor,
+        spec: KVSpec,
+        out: torch.Tensor | None = None,
+        layers: Sequence[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Encode ``N`` pages into ``[N, encoded_bytes(spec)]`` uint8 (``out`` if given).
 
         ``pages`` is ``[N, 2, H, T, D]`` in ``spec.dtype`` or ``[N, >= 2*kv_bytes]`` uint8
         slots. ``out`` is ``[N, >= encoded_bytes]`` uint8 that must not overlap ``pages``;
-        only its first ``encoded_bytes`` columns are written.
+        only its first ``encoded_bytes`` columns are written. ``layers``: each page's layer,
+        used by codecs with :attr:`needs_layers` (``head-sparse``), ignored by the others.
 
         Raises:
             SpecError: wrong shape or dtype, or a dtype this codec does not handle.
