@@ -152,3 +152,22 @@ def test_a_padded_batch_of_two(tiny: Any) -> None:
             assert torch.equal(got, ref), kw
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_auto_host_attention_decides_by_room_and_burst(tiny: Any) -> None:
+    from tierkv.attention.sparse import SparseOptions
+
+    auto = SparseOptions(host="auto", queue_bound=2)
+    assert not auto.host_wanted(5, room=8, in_flight=0)  # room for them: loaded
+    assert auto.host_wanted(9, room=8, in_flight=0)  # more than the device's room
+    assert auto.host_wanted(1, room=8, in_flight=3)  # a burst of transfers
+    assert not auto.host_wanted(0, room=0, in_flight=9)
+    assert SparseOptions(host=True).host_wanted(1, room=99, in_flight=0)
+    assert not SparseOptions().host_wanted(9, room=0, in_flight=9)
+    with pytest.raises(InvalidTypeError):
+        SparseOptions(host="sometimes")
+    model, ids, _, greedy = tiny
+    with _cache(model, 8, host_attention="auto") as c:  # the device has room: pages load
+        assert torch.equal(_run(model, ids, c), greedy)
+        st = c.stats()
+    assert st["sparse"]["host_pages"] == 0 and st["page_loads"] > 0

@@ -55,7 +55,11 @@ class SparseOptions:
             recent pages); None: every page.
         recent: the last pages always attended.
         sink: the first pages always attended (the attention sink).
-        host: attend on the host the chosen pages the host tier holds and the device does not.
+        host: attend on the host the chosen pages the host tier holds and the device does not:
+            True always; ``"auto"`` only when they are more than the device tier has room for
+            (free or evictable slots) or more than ``queue_bound`` transfer batches are in
+            flight (a burst); False never.
+        queue_bound: the transfer batches in flight above which ``"auto"`` attends on the host.
         max_pages: the most pages a sequence's layer can have (the store's room): ``topk``
             above it is an error.
     """
@@ -63,8 +67,9 @@ class SparseOptions:
     topk: int | None = None
     recent: int = 2
     sink: int = 1
-    host: bool = False
+    host: bool | str = False
     max_pages: int | None = None
+    queue_bound: int = 4
 
     def __post_init__(self) -> None:
         if self.topk is not None:
@@ -75,12 +80,23 @@ class SparseOptions:
                 )
         validate.count("sparse_recent", self.recent, 0)
         validate.count("sparse_sink", self.sink, 0)
-        validate.flag("host_attention", self.host)
+        if self.host != "auto":
+            validate.flag("host_attention", self.host)
+        validate.count("queue_bound", self.queue_bound, 0)
 
     @property
     def active(self) -> bool:
         """Whether the path is used at all (top-k or host attention on)."""
-        return self.topk is not None or self.host
+        return self.topk is not None or bool(self.host)
+
+    def host_wanted(self, host_pages: int, room: int, in_flight: int) -> bool:
+        """Whether ``host_pages`` chosen pages that only the host holds are attended there,
+        with ``room`` device slots free or evictable and ``in_flight`` transfer batches."""
+        if not host_pages or not self.host:
+            return False
+        if self.host is True:
+            return True
+        return host_pages > room or in_flight > self.queue_bound
 
 
 def sparse_options(
@@ -214,7 +230,8 @@ class SparseLayers:
         host: set[int] = set()
         if self.options.host:
             off = host_only(store.tiers, [pages[b] for b in chosen])
-            host = {b for b in chosen if pages[b] in off}
+            if self.options.host_wanted(len(off), *_pressure(store)):
+                host = {b for b in chosen if pages[b] in off}
         on_device = [b for b in chosen if b not in host]
         on_host = [b for b in chosen if b in host]
         qpos = torch.arange(total - n, total)
@@ -283,6 +300,14 @@ def take_pending(layer: int) -> Pending | None:
         return None
     _PENDING.set(None)
     return got
+
+
+def _pressure(store: Any) -> tuple[int, int]:
+    """The device tier's room (free and evictable slots) and the transfer batches in flight."""
+    table = store.tiers.table
+    room = table.capacity(DEVICE) - table.used(DEVICE) + table.evictable(DEVICE)
+    e = store.engine_stats()
+    return room, e.submitted - e.completed - e.failed - e.cancelled
 
 
 def _sdpa(

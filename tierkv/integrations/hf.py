@@ -184,7 +184,8 @@ class TieredCache(Cache):
             (2: half the copy submissions of one at a time; best effort, within the room).
         sparse_topk, sparse_recent, host_attention: decode attends the ``sparse_topk`` best
             pages by key summary plus the first and the ``sparse_recent`` last; pages only the
-            host holds are attended there (:mod:`tierkv.attention.sparse`; the model's
+            host holds are attended there (``"auto"``: when they exceed the device's room or
+            a transfer burst is on; :mod:`tierkv.attention.sparse`; the model's
             attention must be ``"tierkv"``: :func:`tierkv.attention.hf.route`). Off: None/False.
 
     Raises:
@@ -208,7 +209,7 @@ class TieredCache(Cache):
         prefetch_layers: int = 2,
         sparse_topk: int | None = None,
         sparse_recent: int = 2,
-        host_attention: bool = False,
+        host_attention: bool | str = False,
         **store_kwargs: Any,
     ) -> None:
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
