@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,6 +60,9 @@ class SparseOptions:
             (free or evictable slots) or more than ``queue_bound`` transfer batches are in
             flight (a burst); False never.
         queue_bound: the transfer batches in flight above which ``"auto"`` attends on the host.
+        dense_layers: the first layers attend every page even with ``topk`` (Quest's choice;
+            0 by default: on SmolLM2 and the language reference, 2 dense layers gave a worse
+            perplexity ratio over 3 windows, 1.069 against 1.059, for 17% more pages).
         max_pages: the most pages a sequence's layer can have (the store's room): ``topk``
             above it is an error.
     """
@@ -70,6 +73,7 @@ class SparseOptions:
     host: bool | str = False
     max_pages: int | None = None
     queue_bound: int = 4
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.topk is not None:
@@ -83,6 +87,7 @@ class SparseOptions:
         if self.host != "auto":
             validate.flag("host_attention", self.host)
         validate.count("queue_bound", self.queue_bound, 0)
+        validate.count("dense_layers", self.dense_layers, 0)
 
     @property
     def active(self) -> bool:
@@ -109,7 +114,7 @@ def sparse_options(
     table = store.tiers.table
     room = sum(table.capacity(t) for t in table.tier_names)
     try:
-        return SparseOptions(options.topk, options.recent, options.sink, options.host, room)
+        return replace(options, max_pages=room)
     except BaseException:
         if undo is not None:
             undo()
@@ -211,7 +216,7 @@ class SparseLayers:
 
     def _choose(self, sid: str, layer: int, q: torch.Tensor, pages: int, scale: float) -> list[int]:
         topk = self.options.topk
-        if topk is None or q.shape[2] != 1:
+        if topk is None or q.shape[2] != 1 or layer < self.options.dense_layers:
             return list(range(pages))
         scores = page_scores(q[0, :, 0], self.summaries.table(sid, layer)[:pages], scale)
         return select_pages(scores, topk, self.options.sink, self.options.recent)
