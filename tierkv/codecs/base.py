@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
 from tierkv.codecs import fast
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
@@ -57,6 +58,9 @@ class CorruptEncodingError(CodecError, CorruptPageError, ValueError):
 class UnknownCodecError(CodecError, UnknownNameError, KeyError):
     """No codec is registered under that name (or header id)."""
 
+
+Layers = Sequence[int] | torch.Tensor | None
+"""Each page's layer, for a codec that needs it (:attr:`Codec.needs_layers`)."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -217,6 +221,12 @@ class Codec(ABC):
             raise SpecError(f"out: expected [{n}, >= {size}] uint8, got {list(out.shape)}")
         elif out.shape[1] < size:
             raise SpecError(f"out: {out.shape[1]} bytes per page, the codec needs {size}")
+        return self._encode_into(x, spec, out, layers)
+
+    def _encode_into(self, x: Tensor, spec: KVSpec, out: Tensor, layers: Layers) -> Tensor:
+        """Check ``x`` (pages) and encode it into ``out`` (checked): the chunked kernels, the
+        headers and the padding. A codec with a layout of its own overrides this."""
+        n, size = x.shape[0], self.encoded_bytes(spec)
         s_end = HEADER_BYTES + self.scale_bytes(spec)
         p_end = s_end + self.payload_bytes(spec)
         self._check(x)

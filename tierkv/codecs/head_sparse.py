@@ -35,12 +35,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from tierkv.codecs.base import (
     Codec,
     CodecError,
     CodecRangeError,
     CorruptEncodingError,
+    Layers,
     as_pages,
     bad_pages,
     check_finite,
@@ -242,26 +244,11 @@ class HeadSparseCodec(Codec):
         """The kept heads' dtype for pages of ``dtype``."""
         return dtype if dtype in (torch.float16, torch.bfloat16) else self._full
 
-    def encode(
-        self,
-        pages: torch.Tensor,
-        spec: KVSpec,
-        out: torch.Tensor | None = None,
-        layers: Sequence[int] | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Encode ``N`` pages of the given ``layers`` (see :meth:`Codec.encode`).
-
-        Raises SpecError (also for missing or bad ``layers``), CalibrationError,
-        NonFiniteError, CodecRangeError; nothing is written when it raises.
-        """
-        size = self.encoded_bytes(spec)
-        x = as_pages(pages, spec, "pages")
-        n = x.shape[0]
+    def _encode_into(self, x: Tensor, spec: KVSpec, out: Tensor, layers: Layers) -> Tensor:
+        """Encode pages of the given ``layers`` (:meth:`Codec.encode` checked the rest).
+        Raises SpecError for missing or bad ``layers``; nothing is written when it raises."""
+        n, size = x.shape[0], self.encoded_bytes(spec)
         lay = self._layers(layers, n)
-        if out is None:
-            out = torch.empty((n, size), dtype=torch.uint8, device=x.device)
-        elif out.dtype != torch.uint8 or out.dim() != 2 or out.shape[0] != n or out.shape[1] < size:
-            raise SpecError(f"out: expected [{n}, >= {size}] uint8, got {list(out.shape)}")
         self._check(x)
         h, k = spec.num_kv_heads, self.keep
         parts = self._cuts(spec)
