@@ -20,20 +20,15 @@ from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.integrations.hf import TieredCache, kv_spec_for
 
 NEW = 10
+# two layers, 4 query heads sharing 2 KV heads of 16 channels
+TINY = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+HEADS = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
 @pytest.fixture(scope="module")
 def tiny() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=101,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
+    cfg = LlamaConfig(**TINY, **HEADS)
     model = LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 101, (1, 90))
     with torch.inference_mode():
