@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -39,7 +39,7 @@ from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain
-from tierkv.codecs import CODECS, create_codec
+from tierkv.codecs import CODECS, Codec, create_codec
 from tierkv.errors import (
     InvalidInputError,
     InvalidTypeError,
@@ -79,7 +79,8 @@ class KVStore:
         host_bytes: host tier budget, including the compressed cold pool.
         backend: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         policy: eviction policy name for every tier.
-        codec: codec of the cold pool (``"int8"``, ``"fp16"``...), or None for no compression.
+        codec: codec of the cold pool (``"int8"``, ``"fp16"``... or a Codec built with options,
+            such as ``head-sparse`` with its ranking), or None for no compression.
         cold_fraction: share of ``host_bytes`` given to the compressed pool.
         compress_after: decode steps a host page may stay idle before it is compressed.
         prefetch_window: how many announced steps :meth:`schedule` prefetches ahead.
@@ -136,7 +137,7 @@ class KVStore:
         host_bytes: int,
         backend: str = "cpu",
         policy: str = DEFAULT_POLICY,
-        codec: str | None = "int8",
+        codec: str | Codec | None = "int8",
         cold_fraction: float = 0.25,
         compress_after: int = 5,
         prefetch_window: int = 4,
@@ -158,7 +159,8 @@ class KVStore:
         host_bytes = validate.byte_size("host_bytes", host_bytes)
         backend = validate.registered("backend", backend, BACKENDS, "auto")
         policy = validate.registered("policy", policy, POLICIES)
-        codec = None if codec is None else validate.registered("codec", codec, CODECS)
+        if not isinstance(codec, Codec):  # (an instance: a codec built with options)
+            codec = None if codec is None else validate.registered("codec", codec, CODECS)
         cold_fraction = validate.fraction("cold_fraction", cold_fraction)
         compress_after = validate.count("compress_after", compress_after, 0)
         prefetch_window = validate.count("prefetch_window", prefetch_window, 0)
@@ -180,7 +182,9 @@ class KVStore:
         self.write_behind = write_behind
         self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
-        self._codec = create_codec(codec) if codec else None
+        self._codec = codec if isinstance(codec, Codec) else create_codec(codec) if codec else None
+        if self._codec is not None:
+            self._codec.check_spec(spec)
         cold_bytes = int(host_bytes * cold_fraction) if self._codec else 0
         self._pages = {
             DEVICE: device_bytes // spec.page_bytes,
@@ -652,15 +656,22 @@ class KVStore:
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary
-    def lease(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> Lease:
+    def lease(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> Lease:
         """Pin these sequences' pages (of ``layers``, all by default) on the device.
 
+        ``blocks`` pins only those page indices of each sequence (none for a sequence it does
+        not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
         Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
         id, SpecError for a bad layer, InvalidTypeError for a single str instead of a list.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
-        return Lease(self, seqs, ls)
+        return Lease(self, seqs, ls, blocks)
 
     @boundary
     def step_plan(

@@ -44,6 +44,8 @@ cache edits that the store cannot express yet (``crop`` of a non-zero count, as 
 contrastive decoding do; ``reorder_cache``, as beam search does; ``batch_repeat_interleave``
 and ``batch_select_indices``), a batch size that changes after the first update, and models
 with sliding-window or other non-full-attention layers.
+
+This file stays whole (over 400 lines): transformers' Cache interface, one class and its layer.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierkv import validate
+from tierkv.attention.sparse import SparseLayers, SparseOptions, sparse_options
 from tierkv.errors import SpecError, StoreClosedError, TierKVError
 from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
 from tierkv.integrations.hf_store import (
@@ -183,12 +186,18 @@ class TieredCache(Cache):
         prefetch: load the coming layers' pages in the background while the model computes.
         prefetch_layers: how many layers load ahead of the one computing (the step's window,
             :mod:`tierkv.step`; it shrinks where the device cannot hold that many).
+        sparse_topk, sparse_recent, host_attention: decode attends the ``sparse_topk`` best
+            pages by key summary plus the first and the ``sparse_recent`` last; pages only the
+            host holds are attended there (``"auto"``: when they exceed the device's room or
+            a transfer burst is on; :mod:`tierkv.attention.sparse`; the model's
+            attention must be ``"tierkv"``: :func:`tierkv.attention.hf.route`). Off: None/False.
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
         SpecError: no config and no store, a config without attention fields, budgets that hold
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
+        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` < 0.
     """
 
     def __init__(
@@ -202,9 +211,13 @@ class TieredCache(Cache):
         page_tokens: int = 16,
         prefetch: bool = True,
         prefetch_layers: int = 2,
+        sparse_topk: int | None = None,
+        sparse_recent: int = 2,
+        host_attention: bool | str = False,
         **store_kwargs: Any,
     ) -> None:
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
+        sparse = SparseOptions(sparse_topk, sparse_recent, host=host_attention)
         driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
@@ -218,13 +231,17 @@ class TieredCache(Cache):
         else:
             driver = ThreadStore(store)
             owner = None
-        self._setup(driver, owner, prefetch_layers if prefetch else 0)
+        sparse = sparse_options(sparse, driver.store, owner.drop if owner is not None else None)
+        self._setup(driver, owner, prefetch_layers if prefetch else 0, sparse)
 
-    def _setup(self, driver: Driver, owner: StoreOwner | None, prefetch: int) -> None:
+    def _setup(
+        self, driver: Driver, owner: StoreOwner | None, prefetch: int, sparse: SparseOptions
+    ) -> None:
         self.spec = driver.store.spec
         self._driver = driver
         self._owner = owner  # the store this cache (and its copies) opened, else None
-        self.prefetch_layers = prefetch  # 0: no prefetch
+        self.prefetch_layers = 0 if sparse.active else prefetch  # 0: no prefetch
+        self._sparse = SparseLayers(driver.store, self.spec, sparse) if sparse.active else None
         self._prefix = f"hf-{next(_cache_ids)}"
         self._seq_ids: list[str] = []
         self._closed = False
@@ -245,6 +262,11 @@ class TieredCache(Cache):
                 f"batch size changed from {len(self._seq_ids)} to {batch} on a TieredCache"
             )
         idx = layer.layer_idx
+        if self._sparse is not None:  # append only; the "tierkv" attention reads the pages
+            last = idx == self.spec.num_layers - 1
+            self._sparse.update(self._driver.run, self._seq_ids, idx, k, v, last)
+            layer.length += n
+            return k, v
         plan = self._plan
         if idx == 0 and plan is not None:  # a forward that stopped half way: its plan
             self._end_plan()
@@ -352,8 +374,11 @@ class TieredCache(Cache):
         return self._driver.store
 
     def stats(self) -> dict[str, Any]:
-        """The store's figures (see :meth:`tierkv.KVStore.stats`)."""
-        return self._driver.call(self._driver.store.stats)
+        """The store's figures (:meth:`tierkv.KVStore.stats`; ``"sparse"``: the sparse path's)."""
+        got = self._driver.call(self._driver.store.stats)
+        if self._sparse is not None:
+            got["sparse"] = self._sparse.counters.as_dict()
+        return got
 
     def full_kv_bytes(self) -> int:
         """Page bytes of the cache's tokens in all layers (what an all-resident tier holds)."""
@@ -364,6 +389,8 @@ class TieredCache(Cache):
         store = self._driver.store
         for sid in ids:
             self._driver.run(store.release(sid))
+            if self._sparse is not None:  # (its summaries go with it)
+                self._sparse.summaries.drop(sid)
 
     def close(self) -> None:
         """Release the store's sequences (and close the store if the cache opened it and no
@@ -390,10 +417,12 @@ class TieredCache(Cache):
         """
         if self._closed:
             raise StoreClosedError("TieredCache is closed: nothing to copy")
+        if self._sparse is not None:
+            raise UnsupportedCacheOperation("a TieredCache with sparse attention cannot be copied")
         new = TieredCache.__new__(TieredCache)
         if self._owner is not None:
             self._owner.refs += 1
-        new._setup(self._driver, self._owner, self.prefetch_layers)
+        new._setup(self._driver, self._owner, self.prefetch_layers, SparseOptions())
         try:
             if self._seq_ids:
                 ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]
