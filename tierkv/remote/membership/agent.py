@@ -1,0 +1,172 @@
+"""`DirectoryAgent`: one page server's presence in the cluster directory (redis_directory.py).
+
+::
+
+    start:  connect (bad url / refused auth: raise) -> register (address held by a live node:
+            NodeIdTakenError, after waiting once for a restarted node's former self to lapse)
+    loop:   woken by `changed` (then `linger` lets a burst collect) or by the refresh timer
+            (ttl / 3): publish what changed (held() - published, published - held()),
+            refresh the registration, now and then sweep dead nodes' entries
+    Redis fails / is slow: counted, a warning (rate limited), retried with backoff; the
+            node registers again under a new number (its former entries are never answered
+            again: what a failed call wrote is unknown) and publishes its full set
+    aclose: leave (our entries stop being answered at once), close
+
+Only the agent's task touches ``published`` and ``number``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+from tierkv.failures import FailureLog
+from tierkv.remote.errors import DirectoryError, NodeIdTakenError
+from tierkv.remote.membership.redis_directory import RedisDirectory
+
+__all__ = ["DirectoryAgent"]
+
+_FAILURES = (RedisError, OSError, TimeoutError, DirectoryError)
+
+
+class DirectoryAgent:
+    """Registers ``address`` in ``directory`` and keeps what ``held()`` returns published.
+
+    Args:
+        directory: the directory (not yet connected: `start` connects it).
+        address: our address as clients reach us (the node id).
+        held: the content pages we hold now.
+        linger: seconds a burst of changes collects before it is published.
+        sweep_every: seconds between tries to sweep dead nodes' entries (default: 4 ttl).
+        backoff_cap: the longest wait between tries while Redis fails.
+    """
+
+    def __init__(
+        self,
+        directory: RedisDirectory,
+        address: str,
+        held: Callable[[], set[bytes]],
+        *,
+        linger: float = 0.02,
+        sweep_every: float | None = None,
+        backoff_cap: float = 2.0,
+    ) -> None:
+        self.directory, self.address, self._held = directory, address, held
+        self.linger, self.backoff_cap = linger, backoff_cap
+        self.sweep_every = 4 * directory.ttl if sweep_every is None else sweep_every
+        self.number = 0  # our registration (0: none now)
+        self.published: set[bytes] = set()
+        self.errors = 0  # failed calls to Redis
+        self.registrations = 0
+        self.swept = 0  # dead nodes' entries removed by our sweeps
+        self._prev = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._failures = FailureLog("tierkv.remote.directory")
+
+    async def start(self) -> DirectoryAgent:
+        """Connect and register. Raises DirectoryURLError / DirectoryAuthError (bad
+        configuration), NodeIdTakenError; an unreachable Redis is only warned about (the
+        agent keeps trying: serving pages does not need the directory)."""
+        try:
+            await self.directory.connect()
+            await self._register()
+        except NodeIdTakenError:
+            raise
+        except _FAILURES as exc:
+            if type(exc) is not DirectoryError and isinstance(exc, DirectoryError):
+                raise  # bad url, refused auth: the operator's to fix
+            self._failed("start", exc)
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    async def aclose(self) -> None:
+        """Stop; leave the directory (bounded by its timeout) and close it."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.number:
+            with contextlib.suppress(*_FAILURES):
+                await asyncio.wait_for(
+                    self.directory.leave(self.number, self.address), self.directory.timeout
+                )
+            self.number = 0
+        await self.directory.aclose()
+
+    def changed(self) -> None:
+        """Our holdings changed: published within ``linger`` (when Redis answers)."""
+        self._wake.set()
+
+    @property
+    def registered(self) -> bool:
+        """Whether we are registered now (as far as we know)."""
+        return self.number != 0
+
+    def stats(self) -> dict[str, int]:
+        """The agent's counters."""
+        return {
+            "directory_registered": int(self.registered),
+            "directory_number": self.number,
+            "directory_published": len(self.published),
+            "directory_errors_total": self.errors,
+            "directory_registrations_total": self.registrations,
+            "directory_swept_total": self.swept,
+        }
+
+    async def _register(self) -> None:
+        self.number = await self.directory.register(self.address, self._prev)
+        self._prev = self.number
+        self.published = set()
+        self.registrations += 1
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._failures.report(f"directory {what}", exc, tier="directory")
+        self.number = 0  # what the failed call did is unknown: a new number, a full set
+
+    async def _run(self) -> None:
+        ttl = self.directory.ttl
+        backoff = 0.05
+        refresh_at = time.monotonic() + ttl / 3
+        sweep_at = time.monotonic() + self.sweep_every
+        while True:
+            try:
+                if not self.number:
+                    await self._register()
+                    refresh_at = time.monotonic() + ttl / 3
+                await self._publish()
+                now = time.monotonic()
+                if now >= refresh_at:
+                    if not await self.directory.refresh(self.number, self.address):
+                        self.number = 0  # lapsed (Redis was away too long): register again
+                        continue
+                    refresh_at = now + ttl / 3
+                if now >= sweep_at:
+                    sweep_at = now + self.sweep_every
+                    self.swept += await self.directory.sweep()
+                backoff = 0.05
+            except _FAILURES as exc:
+                self._failed("sync", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.backoff_cap)
+                continue
+            wait = max(0.0, min(refresh_at, sweep_at) - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+                await asyncio.sleep(self.linger)  # let a burst of changes collect
+            self._wake.clear()
+
+    async def _publish(self) -> None:
+        now = self._held()
+        add, drop = list(now - self.published), list(self.published - now)
+        if not add and not drop:
+            return
+        timeout = self.directory.timeout * (1 + (len(add) + len(drop)) // 100_000)
+        await asyncio.wait_for(self.directory.publish(self.number, add, drop), timeout)
+        self.published = now
