@@ -299,3 +299,38 @@ async def until_true(cond: object, bound: float = 10.0) -> None:
     while not cond():  # type: ignore[operator]
         assert loop.time() < deadline, f"not within {bound} s"
         await asyncio.sleep(0.02)
+
+
+async def test_cluster_mode_spreads_shards_and_answers_the_same() -> None:
+    """On a 3-node Redis Cluster: detected at connect, buckets in 16 hash-tagged shards (every
+    script touches one slot), the same answers as on one server."""
+    from redis_cluster import RedisCluster, available
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    with RedisCluster(3) as cluster:
+        d = await RedisDirectory(cluster.url, ttl=TTL).connect()
+        try:
+            assert d.cluster and d.layout.shards == 16
+            a, b = await d.register("a:1"), await d.register("b:2")
+            keys = keys_of(2000)
+            assert await d.publish(a, keys) == 2000
+            assert await d.publish(b, keys[:7]) == 7
+            await d.publish(a, [], keys[:3])
+            got = await d.locate(keys)
+            assert got[:3] == [["b:2"]] * 3 and got[3:7] == [["a:1", "b:2"]] * 4
+            assert got[7:] == [["a:1"]] * 1993
+            await d.leave(a, "a:1")
+            assert await d.locate(keys[:8]) == [["b:2"]] * 7 + [[]]
+            assert await d.sweep() == 1997
+            owners = {cluster.owner(s).port for s in {_slot(d.layout.shard_prefix(i)) for i in range(16)}}
+            assert len(owners) > 1  # the shards are spread over the nodes
+        finally:
+            await d.aclose()
+
+
+def _slot(name: str) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(name.encode()))
