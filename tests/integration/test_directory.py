@@ -75,6 +75,12 @@ async def test_publish_locate_withdraw(fresh: str) -> None:
         await d.publish(a, [], keys[:20])  # pages leave a
         got = await d.locate(keys[:30])
         assert got == [["b:2"]] * 10 + [[]] * 10 + [["a:1"]] * 10
+        pages = [k + bytes((layer, 0)) for k in keys_of(20, seed=4) for layer in range(2)]
+        mixed = keys_of(20, seed=5) + pages  # 16- and 18-byte keys in one call
+        assert await d.publish(b, mixed, keys[:5]) == 60
+        got = await d.locate(mixed + keys[:6])
+        assert got == [["b:2"]] * 60 + [[]] * 5 + [["b:2"]]
+        assert await d.locate(pages) == [["b:2"]] * 40  # 18 bytes alone (end to end)
         with pytest.raises(InvalidInputError):
             await d.publish(a, [b"\x80" * 16])  # a private key
         with pytest.raises(InvalidInputError):

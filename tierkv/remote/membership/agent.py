@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 
 from tierkv.failures import FailureLog
 from tierkv.remote.errors import DirectoryError, NodeIdTakenError
-from tierkv.remote.membership.redis_directory import RedisDirectory
+from tierkv.remote.membership.redis_directory import PUBLISH_BATCH, RedisDirectory
 
 __all__ = ["DirectoryAgent"]
 
@@ -167,6 +167,6 @@ class DirectoryAgent:
         add, drop = list(now - self.published), list(self.published - now)
         if not add and not drop:
             return
-        timeout = self.directory.timeout * (1 + (len(add) + len(drop)) // 100_000)
+        timeout = self.directory.timeout * (1 + (len(add) + len(drop)) // PUBLISH_BATCH)
         await asyncio.wait_for(self.directory.publish(self.number, add, drop), timeout)
         self.published = now

@@ -13,13 +13,17 @@ writes it (every script runs atomically on one slot).
     {ns}:{m}:conf     hash  buckets, shards (the first node to register sets them)
     {ns}:{s<i>}:<b>   hash  bucket b of shard i: page key -> node numbers (uint32 LE each)
 
-A page key picks its shard from bytes 4..7 and its bucket from bytes 8..11 (keys are blake2b
-digests: uniform). A bucket of a few dozen keys stays a listpack (``hash-max-listpack-entries``
+A page key picks its shard from bytes 4..7 (mod shards) and its bucket from bytes 8 and 9: the
+bucket's name ends with byte 8 and byte 9 masked to the shard's bucket bits (8 to 16: 256 to
+65,536 buckets per shard), raw bytes, so that a script names a bucket with two string
+operations (keys are blake2b digests: uniform; a `struct.unpack`, a modulo and a number to
+string cost 2.4x more per key, measured). A bucket of a few dozen keys stays a listpack (``hash-max-listpack-entries``
 128, values up to 64 bytes = 16 holders), about 25 bytes per (key, node) entry. The hash tag
 ``{s<i>}`` keeps a shard on one slot (cluster mode): a script reads or writes many buckets of a
 shard at once; the meta keys share the tag ``{m}``.
 
-Requests carry keys as one blob of records ``len (1 byte) | key`` (no per-key argument)::
+Requests carry keys as one blob (no per-key argument): the keys end to end when all have one
+length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
 
     locate(shard blob)        -> per key: its holders' numbers (or nil)
     publish(idx, add, drop)   -> adds (HSETNX first: one call for a new key), drops
@@ -46,7 +50,9 @@ class Layout:
 
     def __init__(self, namespace: str, buckets: int, shards: int) -> None:
         self.namespace, self.buckets, self.shards = namespace, buckets, shards
-        self.per_shard = max(1, buckets // shards)
+        bits = min(16, max(8, (max(1, buckets // shards)).bit_length() - 1))
+        self.per_shard = 1 << bits
+        self.mask = (1 << (bits - 8)) - 1  # of key byte 9
         meta = f"{namespace}:{{m}}:"
         self.seq, self.alive, self.addr = meta + "seq", meta + "alive", meta + "addr"
         self.ids, self.dead, self.conf = meta + "ids", meta + "dead", meta + "conf"
@@ -63,6 +69,11 @@ class Layout:
     def shard_of(self, key: bytes) -> int:
         """The shard of a page key."""
         return int.from_bytes(key[4:8], "little") % self.shards
+
+    def bucket_of(self, key: bytes) -> bytes:
+        """The name of a page key's bucket."""
+        prefix = self.shard_prefix(self.shard_of(key)).encode()
+        return prefix + bytes((key[8], key[9] & self.mask))
 
 
 # -- membership (the {m} keys: seq, alive, addr, ids, dead) --------------------------------
@@ -140,33 +151,50 @@ return out
 """
 )
 
-# -- buckets (one shard: KEYS[1] is its bucket 0, naming the slot) -------------------------
+# -- buckets (one shard: KEYS[1] names its slot) -------------------------------------------
 _RECORDS = """
+local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
+local mask = tonumber(ARGV[2])
+local fixed = tonumber(ARGV[4])
 local function records(blob, fn)
-  local pos, n = 1, #blob
+  local pos, n, pre = 1, #blob, ARGV[1]
   while pos <= n do
-    local len = string.byte(blob, pos)
-    local key = string.sub(blob, pos + 1, pos + len)
-    local b = struct.unpack('<I4', key, 9) % tonumber(ARGV[2])
-    fn(ARGV[1] .. b, key)
-    pos = pos + 1 + len
+    local key
+    if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+    else
+      local len = byte(blob, pos)
+      key = sub(blob, pos + 1, pos + len)
+      pos = pos + 1 + len
+    end
+    if mask == 255 then fn(pre .. sub(key, 9, 10), key)
+    else fn(pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)), key) end
   end
 end
 """
 
-#: ARGV prefix, per_shard, blob -> per key its holders (a string of uint32 LE) or false
-LOCATE = (
-    _RECORDS
-    + """
-local out = {}
-records(ARGV[3], function(bucket, key)
-  out[#out + 1] = redis.call('HGET', bucket, key)
-end)
+#: ARGV prefix, mask, blob, fixed -> per key its holders (a string of uint32 LE) or false
+LOCATE = """
+local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
+local pre, mask, blob, fixed = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local out, i, pos, n = {}, 0, 1, #blob
+while pos <= n do
+  local key
+  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+  else
+    local len = byte(blob, pos)
+    key = sub(blob, pos + 1, pos + len)
+    pos = pos + 1 + len
+  end
+  local b
+  if mask == 255 then b = pre .. sub(key, 9, 10)
+  else b = pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)) end
+  i = i + 1
+  out[i] = call('HGET', b, key)
+end
 return out
 """
-)
 
-#: ARGV prefix, per_shard, number (4 bytes), add blob, drop blob -> entries added
+#: ARGV prefix, mask, number (4 bytes), fixed, add blob, drop blob -> entries added
 PUBLISH = (
     _RECORDS
     + """
@@ -175,13 +203,13 @@ local function has(v)
   for i = 1, #v, 4 do if string.sub(v, i, i + 3) == me then return true end end
   return false
 end
-records(ARGV[4], function(bucket, key)
-  if redis.call('HSETNX', bucket, key, me) == 1 then added = added + 1; return end
-  local v = redis.call('HGET', bucket, key)
-  if not has(v) then redis.call('HSET', bucket, key, v .. me); added = added + 1 end
-end)
 records(ARGV[5], function(bucket, key)
-  local v = redis.call('HGET', bucket, key)
+  if call('HSETNX', bucket, key, me) == 1 then added = added + 1; return end
+  local v = call('HGET', bucket, key)
+  if not has(v) then call('HSET', bucket, key, v .. me); added = added + 1 end
+end)
+records(ARGV[6], function(bucket, key)
+  local v = call('HGET', bucket, key)
   if not v then return end
   local keep = {}
   for i = 1, #v, 4 do
@@ -195,13 +223,14 @@ return added
 """
 )
 
-#: ARGV prefix, first bucket, last bucket, dead numbers (4 bytes each) -> entries removed
+#: ARGV prefix, first bucket, last bucket, dead numbers (4 bytes each) -> entries removed;
+#: bucket i is named by the bytes i % 256, i / 256
 SWEEP = """
 local dead = {}
 for i = 1, #ARGV[4], 4 do dead[string.sub(ARGV[4], i, i + 3)] = true end
 local removed = 0
 for b = tonumber(ARGV[2]), tonumber(ARGV[3]) do
-  local bucket = ARGV[1] .. b
+  local bucket = ARGV[1] .. string.char(b % 256, math.floor(b / 256))
   local all = redis.call('HGETALL', bucket)
   for i = 1, #all, 2 do
     local v = all[i + 1]

@@ -28,14 +28,16 @@ for the caller (`DirectoryAgent`, `RemoteCluster`) to count and ride out.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
+from collections.abc import Callable
 from urllib.parse import urlsplit
 from collections.abc import Sequence
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import AuthenticationError, RedisError, ResponseError
+from redis.exceptions import AuthenticationError, NoScriptError, RedisError, ResponseError
 
 from tierkv.errors import InvalidInputError
 from tierkv.keys import is_content
@@ -71,12 +73,21 @@ SWEEP_BUCKETS = 256
 SWEEP_PIPELINE = 4
 """Sweep scripts per round trip (a client's pipeline runs back to back on the server)."""
 
+_SCRIPTS = (REGISTER, REFRESH, LEAVE, LIVE, LOCATE, PUBLISH, SWEEP)
+_SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in _SCRIPTS}
 _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=:-]{1,64}")
 Client = Redis | RedisCluster
 
 
-def _blob(keys: Sequence[bytes]) -> bytes:
-    return b"".join(bytes((len(k),)) + k for k in keys)
+def _fixed(*groups: Sequence[bytes]) -> int:
+    """The length every key of ``groups`` has, or 0 when they differ."""
+    sizes = {len(k) for g in groups for k in g}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def _blob(keys: Sequence[bytes], fixed: int) -> bytes:
+    """The keys as one blob: end to end (``fixed``), or length-prefixed records."""
+    return b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys)
 
 
 def check_keys(keys: Sequence[bytes]) -> None:
@@ -211,7 +222,22 @@ class RedisDirectory:
 
     async def _meta(self, script: str, *args: Any) -> Any:
         keys = self.layout.meta_keys()
-        return await self._client.eval(script, len(keys), *keys, *args)  # type: ignore[misc]
+        return (await self._pipeline(lambda p: p.evalsha(_SHA[script], len(keys), *keys, *args)))[0]
+
+    async def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
+        """Run the commands ``build`` puts in a pipeline (one round trip); scripts go by
+        EVALSHA, loaded again (every primary) when the server answers NOSCRIPT (restarted)."""
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            build(pipe)
+            try:
+                return list(await pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                for script in _SCRIPTS:
+                    await self._client.script_load(script)  # type: ignore[misc]
+        raise AssertionError("unreachable")
 
     # -- membership ----------------------------------------------------------------------
     async def register(self, address: str, prev: int = 0, *, wait: bool = True) -> int:
@@ -257,7 +283,7 @@ class RedisDirectory:
 
     def _eval(self, pipe: Any, script: str, shard: int, *args: Any) -> None:
         prefix = self.layout.shard_prefix(shard)
-        pipe.eval(script, 1, prefix + "0", prefix, self.layout.per_shard, *args)
+        pipe.evalsha(_SHA[script], 1, prefix, prefix, self.layout.mask, *args)
 
     async def publish(self, number: int, add: Sequence[bytes], drop: Sequence[bytes] = ()) -> int:
         """Record that node ``number`` holds ``add`` and no longer holds ``drop``, in one
@@ -266,46 +292,58 @@ class RedisDirectory:
         check_keys(add)
         check_keys(drop)
         me = number.to_bytes(4, "little")
-        pipe = self._client.pipeline(transaction=False)
         adds, drops = self._by_shard(add), self._by_shard(drop)
+        fixed = _fixed(add, drop)
+        calls: list[tuple[int, bytes, bytes]] = []
         for shard in sorted(adds.keys() | drops.keys()):
             a = [add[i] for i in adds.get(shard, [])]
             d = [drop[i] for i in drops.get(shard, [])]
             for lo in range(0, max(len(a), len(d)), PUBLISH_BATCH):
                 hi = lo + PUBLISH_BATCH
-                self._eval(pipe, PUBLISH, shard, me, _blob(a[lo:hi]), _blob(d[lo:hi]))
-        if not len(pipe):  # type: ignore[arg-type]
+                calls.append((shard, _blob(a[lo:hi], fixed), _blob(d[lo:hi], fixed)))
+        if not calls:
             return 0
-        return sum(int(n) for n in await pipe.execute())
+
+        def build(pipe: Any) -> None:
+            for shard, a, d in calls:
+                self._eval(pipe, PUBLISH, shard, me, fixed, a, d)
+
+        return sum(int(n) for n in await self._pipeline(build))
 
     async def holders(self, keys: Sequence[bytes]) -> tuple[list[list[int]], dict[int, str]]:
         """Per key the live numbers holding it, and the live nodes (number -> address): one
         round trip per `LOCATE_BATCH` keys (one pipeline: the live set, one script per shard
         and batch)."""
         check_keys(keys)
-        pipe = self._client.pipeline(transaction=False)
-        keys_meta = self.layout.meta_keys()
-        pipe.eval(LIVE, len(keys_meta), *keys_meta)
+        meta = self.layout.meta_keys()
+        calls: list[tuple[int, bytes]] = []
         order: list[int] = []
+        fixed = _fixed(keys)
         for lo in range(0, len(keys), LOCATE_BATCH):
             part = keys[lo : lo + LOCATE_BATCH]
             for shard, idx in self._by_shard(part).items():
-                self._eval(pipe, LOCATE, shard, _blob([part[i] for i in idx]))
+                calls.append((shard, _blob([part[i] for i in idx], fixed)))
                 order += [lo + i for i in idx]
-        replies = await pipe.execute()
+
+        def build(pipe: Any) -> None:
+            pipe.evalsha(_SHA[LIVE], len(meta), *meta)
+            for shard, blob in calls:
+                self._eval(pipe, LOCATE, shard, blob, fixed)
+
+        replies = await self._pipeline(build)
         flat = replies[0]
         live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        out: list[list[int]] = [[] for _ in keys]
-        pos = 0
-        for reply in replies[1:]:
-            for v in reply:
-                if v:
-                    out[order[pos]] = [
-                        n
-                        for j in range(0, len(v), 4)
-                        if (n := int.from_bytes(v[j : j + 4], "little")) in live
-                    ]
-                pos += 1
+        out: list[list[int]] = [[]] * len(keys)  # (the empty list shared: never mutated)
+        values = [v for reply in replies[1:] for v in reply]
+        for at, v in zip(order, values):
+            if not v:
+                continue
+            if len(v) == 4:  # one holder: the common case
+                n = int.from_bytes(v, "little")
+                if n in live:
+                    out[at] = [n]
+                continue
+            out[at] = [n for j in range(0, len(v), 4) if (n := int.from_bytes(v[j : j + 4], "little")) in live]
         return out, live
 
     async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
@@ -333,11 +371,13 @@ class RedisDirectory:
                 prefix = lay.shard_prefix(shard)
                 starts = list(range(0, lay.per_shard, SWEEP_BUCKETS))
                 for at in range(0, len(starts), SWEEP_PIPELINE):  # others are served between
-                    pipe = c.pipeline(transaction=False)
-                    for lo in starts[at : at + SWEEP_PIPELINE]:
-                        hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
-                        pipe.eval(SWEEP, 1, prefix + "0", prefix, lo, hi, blob)
-                    removed += sum(int(n) for n in await pipe.execute())
+
+                    def build(pipe: Any, part: list[int] = starts[at : at + SWEEP_PIPELINE]) -> None:
+                        for lo in part:
+                            hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
+                            pipe.evalsha(_SHA[SWEEP], 1, prefix, prefix, lo, hi, blob)
+
+                    removed += sum(int(n) for n in await self._pipeline(build))
             await c.srem(lay.dead, *dead)  # type: ignore[misc]
         finally:
             await c.delete(lay.sweep_lock)
