@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 
 pytest.importorskip("redis")
 sys.path.insert(0, str(Path(__file__).parent))
-from redis_server import RedisServer, free_port, skip_without_redis  # noqa: E402
+from redis_server import RedisServer, free_port, skip_without_redis
 
-from tierkv.errors import InvalidInputError  # noqa: E402
-from tierkv.remote.errors import (  # noqa: E402
+from tierkv.errors import InvalidInputError
+from tierkv.remote.errors import (
     DirectoryAuthError,
     DirectoryError,
     DirectoryURLError,
     NodeIdTakenError,
 )
-from tierkv.remote.membership.agent import DirectoryAgent  # noqa: E402
-from tierkv.remote.membership.redis_directory import RedisDirectory, check_url  # noqa: E402
+from tierkv.remote.membership.agent import DirectoryAgent
+from tierkv.remote.membership.redis_directory import RedisDirectory, check_url
 
 TTL = 0.5
 
@@ -52,7 +52,7 @@ async def fresh(server: RedisServer) -> AsyncIterator[str]:
         server.restart()
     d = RedisDirectory(server.url)
     await d.connect()
-    await d._client.flushall()  # noqa: SLF001 - the test's own client
+    await d._client.flushall()
     await d.aclose()
     yield server.url
 
@@ -105,7 +105,7 @@ async def test_a_node_that_leaves_or_lapses_is_never_answered_and_is_swept(fresh
         assert await d.sweep() == 600  # a's (it left) and b's (lapsed: found by the refresh)
         assert await d.sweep() == 0
         # the buckets are empty: nothing left in Redis but the membership keys
-        assert sorted(await d._client.keys(b"tkv:dir:{s*")) == []  # noqa: SLF001
+        assert sorted(await d._client.keys(b"tkv:dir:{s*")) == []
     finally:
         await d.aclose()
 
@@ -169,7 +169,7 @@ async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
     with RedisServer() as srv:
         host_port = srv.url.split("//")[1]
         d = await directory(srv.url)
-        await d._client.config_set("requirepass", "s3cret")  # noqa: SLF001
+        await d._client.config_set("requirepass", "s3cret")
         await d.aclose()
         with pytest.raises(DirectoryAuthError):
             await directory(f"redis://{host_port}")  # no password
@@ -246,7 +246,9 @@ async def test_agent_start_refuses_a_taken_address(fresh: str) -> None:
 
 
 _ops = st.lists(
-    st.tuples(st.sampled_from(["add", "drop", "leave"]), st.integers(0, 2), st.sets(st.integers(0, 15))),
+    st.tuples(
+        st.sampled_from(["add", "drop", "leave"]), st.integers(0, 2), st.sets(st.integers(0, 15))
+    ),
     max_size=25,
 )
 
@@ -261,7 +263,7 @@ def test_locate_matches_a_model(server: RedisServer, ops: list[tuple[str, int, s
         d = RedisDirectory(server.url, ttl=30, namespace=f"model{os.getpid()}")
         await d.connect()
         try:
-            await d._client.flushall()  # noqa: SLF001
+            await d._client.flushall()
             nodes = [await d.register(f"n:{i}") for i in range(3)]
             model: list[set[int]] = [set(), set(), set()]
             for op, node, ks in ops:
@@ -330,7 +332,9 @@ async def test_cluster_mode_spreads_shards_and_answers_the_same() -> None:
             await d.leave(a, "a:1")
             assert await d.locate(keys[:8]) == [["b:2"]] * 7 + [[]]
             assert await d.sweep() == 1997
-            owners = {cluster.owner(s).port for s in {_slot(d.layout.shard_prefix(i)) for i in range(16)}}
+            owners = {
+                cluster.owner(s).port for s in {_slot(d.layout.shard_prefix(i)) for i in range(16)}
+            }
             assert len(owners) > 1  # the shards are spread over the nodes
         finally:
             await d.aclose()
@@ -340,3 +344,37 @@ def _slot(name: str) -> int:
     from redis.crc import key_slot
 
     return int(key_slot(name.encode()))
+
+
+async def test_a_publish_whose_reply_is_lost_is_set_right(fresh: str) -> None:
+    """A call that landed in Redis but whose reply was lost (a timeout after the write): its
+    keys are uncertain, and the next call withdraws those no longer held and adds the rest,
+    under the same number (no new registration for a blip)."""
+    held = set(keys_of(40))
+    d = RedisDirectory(fresh, ttl=5.0)
+    agent = DirectoryAgent(d, "a:1", lambda: set(held), linger=0, backoff_cap=0.05)
+    real = d.publish
+    lost = []
+
+    async def landed_then_lost(number: int, add: object, drop: object = ()) -> int:
+        n = await real(number, add, drop)  # type: ignore[arg-type]
+        if not lost:
+            lost.append(n)
+            raise TimeoutError("reply lost")
+        return n
+
+    d.publish = landed_then_lost  # type: ignore[method-assign]
+    reader = await directory(fresh)
+    try:
+        await agent.start()
+        number = agent.number
+        agent.changed()
+        await until_true(lambda: bool(lost))
+        gone = sorted(held)[:10]
+        held.difference_update(gone)  # left while their publish was uncertain
+        agent.changed()
+        await until(lambda: reader.locate(gone + sorted(held)), [[]] * 10 + [["a:1"]] * 30)
+        assert agent.number == number and agent.errors == 1 and not agent.uncertain
+    finally:
+        await agent.aclose()
+        await reader.aclose()

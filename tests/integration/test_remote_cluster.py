@@ -22,15 +22,14 @@ import pytest
 
 pytest.importorskip("redis")
 sys.path.insert(0, str(Path(__file__).parent))
-from redis_server import RedisServer, skip_without_redis  # noqa: E402
+from redis_server import RedisServer, skip_without_redis
 
-from tierkv.keys import page_key, prefix_keys  # noqa: E402
-from tierkv.remote import PageServer, PeerGoneError, RemoteTier  # noqa: E402
-from tierkv.remote.errors import NodeIdTakenError  # noqa: E402
-from tierkv.remote.membership.redis_directory import RedisDirectory  # noqa: E402
-from tierkv.remote.sources.cluster import RemoteCluster  # noqa: E402
-from tierkv.spec import KVSpec  # noqa: E402
-from tierkv.store import KVStore  # noqa: E402
+from tierkv.keys import page_key, prefix_keys
+from tierkv.remote import PageServer, PeerGoneError, RemoteTier
+from tierkv.remote.errors import NodeIdTakenError
+from tierkv.remote.sources.cluster import RemoteCluster
+from tierkv.spec import KVSpec
+from tierkv.store import KVStore
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 PAGE = SPEC.page_bytes
@@ -140,35 +139,40 @@ async def test_a_cluster_without_directory_asks_its_seeds() -> None:
         keys = [k for i, s in enumerate((a, b, c)) for k in store_pages(s.store, i)]
         async with cluster(None, [a.address, b.address, c.address]) as rc:
             assert await rc.locate(keys + page_keys(9)) == [
-                *[a.address] * 4, *[b.address] * 4, *[c.address] * 4
+                *[a.address] * 4,
+                *[b.address] * 4,
+                *[c.address] * 4,
             ]
         async with cluster(None, [b.address]) as rc:  # only b's pages: the run stops at a's
             assert await rc.locate(keys[4:8] + keys[:4]) == [b.address] * 4
 
 
 async def test_eviction_is_announced_and_leaves_the_directory(redis_url: str) -> None:
-    async with servers(2, pages=4, directory=redis_url) as (_a, b), client(b) as cb:
-        async with cluster(redis_url) as rc:
-            watched = store_pages(b.store, 1)
-            published(b)
-            await wait_until(lambda: rc.locate(watched), [b.address] * 4, "b's pages located")
-            watch = await cb.watch(watched + page_keys(7))  # page_keys(7): not held
-            try:
-                assert watch.keys == set(watched)
-                # a peer publishes 4 other pages: b's host tier evicts the watched ones
-                fresh = page_keys(2)
-                assert await cb.publish(fresh, page_bytes(2), [0, 1, 2, 3]) == 4
-                gone = await asyncio.wait_for(anext(watch), TIMEOUT)
-                while set(gone) != set(watched):
-                    gone += await asyncio.wait_for(anext(watch), TIMEOUT)
-                assert sorted(gone) == sorted(watched) and not watch.keys
-                assert (await cb.stats())["announced"] == 4
-            finally:
-                await watch.aclose()
-            await wait_until(lambda: rc.locate(watched), [], "the departed pages left")
-            await wait_until(lambda: rc.locate(fresh), [b.address] * 4, "the new pages known")
-            with pytest.raises(StopAsyncIteration):
-                await anext(watch)
+    async with (
+        servers(2, pages=4, directory=redis_url) as (_a, b),
+        client(b) as cb,
+        cluster(redis_url) as rc,
+    ):
+        watched = store_pages(b.store, 1)
+        published(b)
+        await wait_until(lambda: rc.locate(watched), [b.address] * 4, "b's pages located")
+        watch = await cb.watch(watched + page_keys(7))  # page_keys(7): not held
+        try:
+            assert watch.keys == set(watched)
+            # a peer publishes 4 other pages: b's host tier evicts the watched ones
+            fresh = page_keys(2)
+            assert await cb.publish(fresh, page_bytes(2), [0, 1, 2, 3]) == 4
+            gone = await asyncio.wait_for(anext(watch), TIMEOUT)
+            while set(gone) != set(watched):
+                gone += await asyncio.wait_for(anext(watch), TIMEOUT)
+            assert sorted(gone) == sorted(watched) and not watch.keys
+            assert (await cb.stats())["announced"] == 4
+        finally:
+            await watch.aclose()
+        await wait_until(lambda: rc.locate(watched), [], "the departed pages left")
+        await wait_until(lambda: rc.locate(fresh), [b.address] * 4, "the new pages known")
+        with pytest.raises(StopAsyncIteration):
+            await anext(watch)
 
 
 async def test_announcements_by_callback_and_unwatch() -> None:

@@ -7,12 +7,14 @@
     loop:   woken by `changed` (then `linger` lets a burst collect) or by the refresh timer
             (ttl / 3): publish what changed (held() - published, published - held()),
             refresh the registration, now and then sweep dead nodes' entries
-    Redis fails / is slow: counted, a warning (rate limited), retried with backoff; the
-            node registers again under a new number (its former entries are never answered
-            again: what a failed call wrote is unknown) and publishes its full set
+    Redis fails / is slow: counted, a warning (rate limited), retried with backoff; the keys
+            of a call that failed are *uncertain* (it may or may not have landed): the next
+            call adds those still held and withdraws the others. When Redis comes back
+            without our registration (restarted empty, or we lapsed), the refresh says so:
+            the node registers again under a new number and publishes its full set
     aclose: leave (our entries stop being answered at once), close
 
-Only the agent's task touches ``published`` and ``number``.
+Only the agent's task touches ``published``, ``uncertain`` and ``number``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class DirectoryAgent:
         self.sweep_every = 4 * directory.ttl if sweep_every is None else sweep_every
         self.number = 0  # our registration (0: none now)
         self.published: set[bytes] = set()
+        self.uncertain: set[bytes] = set()  # keys of failed calls: state in Redis unknown
         self.errors = 0  # failed calls to Redis
         self.registrations = 0
         self.swept = 0  # dead nodes' entries removed by our sweeps
@@ -122,13 +125,12 @@ class DirectoryAgent:
     async def _register(self) -> None:
         self.number = await self.directory.register(self.address, self._prev)
         self._prev = self.number
-        self.published = set()
+        self.published, self.uncertain = set(), set()
         self.registrations += 1
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.errors += 1
         self._failures.report(f"directory {what}", exc, tier="directory")
-        self.number = 0  # what the failed call did is unknown: a new number, a full set
 
     async def _run(self) -> None:
         ttl = self.directory.ttl
@@ -164,9 +166,14 @@ class DirectoryAgent:
 
     async def _publish(self) -> None:
         now = self._held()
-        add, drop = list(now - self.published), list(self.published - now)
+        add = list((now - self.published) | (now & self.uncertain))
+        drop = list((self.published - now) | (self.uncertain - now))
         if not add and not drop:
             return
         timeout = self.directory.timeout * (1 + (len(add) + len(drop)) // PUBLISH_BATCH)
-        await asyncio.wait_for(self.directory.publish(self.number, add, drop), timeout)
-        self.published = now
+        try:
+            await asyncio.wait_for(self.directory.publish(self.number, add, drop), timeout)
+        except BaseException:
+            self.uncertain.update(add, drop)  # landed or not: the next call sets them right
+            raise
+        self.published, self.uncertain = now, set()

@@ -17,8 +17,9 @@ A page key picks its shard from bytes 4..7 (mod shards) and its bucket from byte
 bucket's name ends with byte 8 and byte 9 masked to the shard's bucket bits (8 to 16: 256 to
 65,536 buckets per shard), raw bytes, so that a script names a bucket with two string
 operations (keys are blake2b digests: uniform; a `struct.unpack`, a modulo and a number to
-string cost 2.4x more per key, measured). A bucket of a few dozen keys stays a listpack (``hash-max-listpack-entries``
-128, values up to 64 bytes = 16 holders), about 25 bytes per (key, node) entry. The hash tag
+string cost 2.4x more per key, measured). A bucket of a few dozen keys stays a listpack
+(``hash-max-listpack-entries`` 128, values up to 64 bytes = 16 holders): about 25 bytes per
+(key, node) entry. The hash tag
 ``{s<i>}`` keeps a shard on one slot (cluster mode): a script reads or writes many buckets of a
 shard at once; the meta keys share the tag ``{m}``.
 

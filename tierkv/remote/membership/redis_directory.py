@@ -30,10 +30,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Callable
-from urllib.parse import urlsplit
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -145,9 +144,13 @@ class RedisDirectory:
         if not _NAMESPACE.fullmatch(namespace):
             raise DirectoryURLError(f"namespace must match {_NAMESPACE.pattern}, not {namespace!r}")
         if not (0.05 <= ttl <= 3600 and 0 < timeout <= 60):
-            raise DirectoryURLError(f"ttl in [0.05, 3600] s and timeout in (0, 60] s: {ttl}, {timeout}")
+            raise DirectoryURLError(
+                f"ttl in [0.05, 3600] s and timeout in (0, 60] s: {ttl}, {timeout}"
+            )
         if not (1 <= buckets <= 1 << 24) or (shards is not None and not 1 <= shards <= 1024):
-            raise DirectoryURLError(f"buckets in [1, 2^24], shards in [1, 1024]: {buckets}, {shards}")
+            raise DirectoryURLError(
+                f"buckets in [1, 2^24], shards in [1, 1024]: {buckets}, {shards}"
+            )
         check_url(url)
         self.url, self.namespace, self.ttl, self.timeout = url, namespace, ttl, timeout
         self._want = (buckets, shards)
@@ -187,13 +190,19 @@ class RedisDirectory:
                 await asyncio.wait_for(self._client.initialize(), self.timeout)  # type: ignore[union-attr]
             await self._read_layout()
         except AuthenticationError as exc:
-            raise DirectoryAuthError(f"the directory at {self._where()} refused our credentials: {exc}") from exc
+            raise DirectoryAuthError(
+                f"the directory at {self._where()} refused our credentials: {exc}"
+            ) from exc
         except ResponseError as exc:
             if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                raise DirectoryAuthError(f"the directory at {self._where()} needs a password: {exc}") from exc
+                raise DirectoryAuthError(
+                    f"the directory at {self._where()} needs a password: {exc}"
+                ) from exc
             raise DirectoryError(f"the directory at {self._where()} refused: {exc}") from exc
         except (RedisError, OSError, TimeoutError) as exc:
-            raise DirectoryError(f"cannot reach the directory at {self._where()}: {type(exc).__name__}: {exc}") from exc
+            raise DirectoryError(
+                f"cannot reach the directory at {self._where()}: {type(exc).__name__}: {exc}"
+            ) from exc
         return self
 
     def _where(self) -> str:
@@ -343,7 +352,11 @@ class RedisDirectory:
                 if n in live:
                     out[at] = [n]
                 continue
-            out[at] = [n for j in range(0, len(v), 4) if (n := int.from_bytes(v[j : j + 4], "little")) in live]
+            out[at] = [
+                n
+                for j in range(0, len(v), 4)
+                if (n := int.from_bytes(v[j : j + 4], "little")) in live
+            ]
         return out, live
 
     async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
@@ -372,10 +385,14 @@ class RedisDirectory:
                 starts = list(range(0, lay.per_shard, SWEEP_BUCKETS))
                 for at in range(0, len(starts), SWEEP_PIPELINE):  # others are served between
 
-                    def build(pipe: Any, part: list[int] = starts[at : at + SWEEP_PIPELINE]) -> None:
+                    def build(
+                        pipe: Any,
+                        part: list[int] = starts[at : at + SWEEP_PIPELINE],
+                        pre: str = prefix,
+                    ) -> None:
                         for lo in part:
                             hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
-                            pipe.evalsha(_SHA[SWEEP], 1, prefix, prefix, lo, hi, blob)
+                            pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, blob)
 
                     removed += sum(int(n) for n in await self._pipeline(build))
             await c.srem(lay.dead, *dead)  # type: ignore[misc]

@@ -39,13 +39,13 @@ from tierkv.remote.errors import (
     RemoteError,
     RemoteFullError,
 )
+from tierkv.remote.membership.agent import DirectoryAgent
+from tierkv.remote.membership.redis_directory import RedisDirectory
 from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
 from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, sums_of
 from tierkv.remote.server.control_socket import ControlSocket
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
-from tierkv.remote.membership.agent import DirectoryAgent
-from tierkv.remote.membership.redis_directory import RedisDirectory
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
 from tierkv.tiers import HOST

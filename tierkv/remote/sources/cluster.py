@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
 from redis.exceptions import RedisError
 
 from tierkv.errors import InvalidInputError, SpecError
