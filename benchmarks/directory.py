@@ -23,7 +23,8 @@ sweeps) over a set of keys it holds; the driver locates and publishes through a
 
 What fits 2 shared cores: the node processes run the directory side of a page server (its
 agent), not a store and transports; the churn runs at ``--churn-keys`` keys per node (a restart
-republishes them) and ttl 1 s, so 1,000 cycles take minutes, not hours.
+republishes them) and ttl 2 s (1 s lapsed live nodes here: a node process starved of the CPU
+for a second by the other jobs on the box), so 1,000 cycles take minutes, not hours.
 """
 
 from __future__ import annotations
@@ -85,11 +86,7 @@ async def node_main(index: int, url: str, ttl: float) -> None:
             await synced(agent)
             print("FILLED", agent.number, time.perf_counter() - t, flush=True)
         elif words[0] == "crash":  # as SIGKILL leaves it: no leave, the connection dropped
-            task = agent._task
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-            await agent.directory.aclose()
+            await agent.halt()
             print("CRASHED", agent.number, flush=True)
         elif words[0] == "restart":
             t = time.perf_counter()
@@ -143,6 +140,10 @@ class Node:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+def say(what: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {what}", file=sys.stderr, flush=True)
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -204,6 +205,8 @@ async def churn(d: Any, nodes: list[Node], args: Any, share: int, gen: int) -> d
                 stats["gone_s"].append(await gone(old, sample[node.index], t0))
                 words = await asyncio.to_thread(node.command, "restart", "UP")
                 node.number = int(words[0])
+                if done % 100 == 0:
+                    say(f"{done} cycles")
             finally:
                 busy.discard(node.index)
 
@@ -246,11 +249,12 @@ async def drive(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     figures: dict[str, Any] = {"nodes": args.nodes, "keys": args.keys, "ttl_s": args.ttl}
     with RedisServer() as srv:
         d = await RedisDirectory(srv.url, ttl=args.ttl, timeout=5.0).connect()
-        client = d._client
+        client = d.client
         nodes = [Node(i, srv.url, args.ttl) for i in range(args.nodes)]
         try:
             for n in nodes:
                 await asyncio.to_thread(n.ready)
+            say("nodes up")
             base = (await client.info("memory"))["used_memory"]
             share = args.keys // args.nodes
             fill_s = []
@@ -258,6 +262,7 @@ async def drive(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                 words = await asyncio.to_thread(n.command, f"fill {share} 0", "FILLED")
                 fill_s.append(float(words[1]))
             entries = share * len(nodes)
+            say(f"filled {entries} keys")
             used = (await client.info("memory"))["used_memory"] - base
             usage = 0
             names = [k async for k in client.scan_iter(match=f"{d.namespace}:{{s*", count=1000)]
@@ -284,6 +289,7 @@ async def drive(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             figures["locate_1000_p50_ms"] = round(pct(lat, 0.5), 3)
             figures["locate_1000_p99_ms"] = round(pct(lat, 0.99), 3)
             figures["locate_wrong_answers"] = wrong
+            say(f"locate p50 {figures['locate_1000_p50_ms']} ms")
 
             me = await d.register("127.0.0.1:16999")
             pub = []
@@ -296,6 +302,7 @@ async def drive(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             figures["publish_10000_median_ms"] = round(statistics.median(pub), 3)
             figures["publish_10000_max_ms"] = round(max(pub), 3)
 
+            say(f"publish median {figures['publish_10000_median_ms']} ms")
             small = min(args.churn_keys, share)
             for n in nodes:  # the churn at a size a restart can republish quickly
                 await asyncio.to_thread(n.command, f"fill {small} 2", "FILLED")
@@ -350,10 +357,10 @@ def main() -> None:
     p.add_argument("--locates", type=int, default=2000)
     p.add_argument("--publishes", type=int, default=20)
     p.add_argument("--cycles", type=int, default=1000)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=12)
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--churn-keys", type=int, default=2000)
-    p.add_argument("--ttl", type=float, default=1.0)
+    p.add_argument("--ttl", type=float, default=2.0)
     args = p.parse_args()
     if args.quick:
         args.nodes, args.keys, args.locates, args.publishes = 4, 40_000, 200, 5

@@ -52,7 +52,7 @@ async def fresh(server: RedisServer) -> AsyncIterator[str]:
         server.restart()
     d = RedisDirectory(server.url)
     await d.connect()
-    await d._client.flushall()
+    await d.client.flushall()
     await d.aclose()
     yield server.url
 
@@ -105,7 +105,7 @@ async def test_a_node_that_leaves_or_lapses_is_never_answered_and_is_swept(fresh
         assert await d.sweep() == 600  # a's (it left) and b's (lapsed: found by the refresh)
         assert await d.sweep() == 0
         # the buckets are empty: nothing left in Redis but the membership keys
-        assert sorted(await d._client.keys(b"tkv:dir:{s*")) == []
+        assert sorted(await d.client.keys(b"tkv:dir:{s*")) == []
     finally:
         await d.aclose()
 
@@ -169,7 +169,7 @@ async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
     with RedisServer() as srv:
         host_port = srv.url.split("//")[1]
         d = await directory(srv.url)
-        await d._client.config_set("requirepass", "s3cret")
+        await d.client.config_set("requirepass", "s3cret")
         await d.aclose()
         with pytest.raises(DirectoryAuthError):
             await directory(f"redis://{host_port}")  # no password
@@ -263,7 +263,7 @@ def test_locate_matches_a_model(server: RedisServer, ops: list[tuple[str, int, s
         d = RedisDirectory(server.url, ttl=30, namespace=f"model{os.getpid()}")
         await d.connect()
         try:
-            await d._client.flushall()
+            await d.client.flushall()
             nodes = [await d.register(f"n:{i}") for i in range(3)]
             model: list[set[int]] = [set(), set(), set()]
             for op, node, ks in ops:
@@ -378,3 +378,16 @@ async def test_a_publish_whose_reply_is_lost_is_set_right(fresh: str) -> None:
     finally:
         await agent.aclose()
         await reader.aclose()
+
+
+def test_the_page_server_and_cluster_need_redis_only_with_a_directory() -> None:
+    """The directory needs the `redis` extra; importing tierkv.remote, the page server and
+    RemoteCluster does not load redis (it is imported when a directory is given)."""
+    import subprocess
+
+    code = (
+        "import sys, tierkv.remote, tierkv.remote.server.page_server, "
+        "tierkv.remote.sources.cluster; print('redis' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-500:]

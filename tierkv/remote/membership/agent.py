@@ -4,9 +4,11 @@
 
     start:  connect (bad url / refused auth: raise) -> register (address held by a live node:
             NodeIdTakenError, after waiting once for a restarted node's former self to lapse)
-    loop:   woken by `changed` (then `linger` lets a burst collect) or by the refresh timer
-            (ttl / 3): publish what changed (held() - published, published - held()),
-            refresh the registration, now and then sweep dead nodes' entries
+    tasks:  publisher: woken by `changed` (then `linger` lets a burst collect), else every
+              ttl / 3: publish what changed (held() - published, published - held())
+            keepalive: refresh the registration every ttl / 3 (a long publish never delays
+              it); found lapsed -> the publisher registers again
+            sweeper: every `sweep_every`, remove dead nodes' entries
     Redis fails / is slow: counted, a warning (rate limited), retried with backoff; the keys
             of a call that failed are *uncertain* (it may or may not have landed): the next
             call adds those still held and withdraws the others. When Redis comes back
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 from redis.exceptions import RedisError
@@ -43,7 +44,8 @@ class DirectoryAgent:
         address: our address as clients reach us (the node id).
         held: the content pages we hold now.
         linger: seconds a burst of changes collects before it is published.
-        sweep_every: seconds between tries to sweep dead nodes' entries (default: 4 ttl).
+        sweep_every: seconds between tries to sweep dead nodes' entries (default: the larger
+            of 4 ttl and 30 s: a sweep walks every bucket).
         backoff_cap: the longest wait between tries while Redis fails.
     """
 
@@ -59,7 +61,7 @@ class DirectoryAgent:
     ) -> None:
         self.directory, self.address, self._held = directory, address, held
         self.linger, self.backoff_cap = linger, backoff_cap
-        self.sweep_every = 4 * directory.ttl if sweep_every is None else sweep_every
+        self.sweep_every = max(4 * directory.ttl, 30.0) if sweep_every is None else sweep_every
         self.number = 0  # our registration (0: none now)
         self.published: set[bytes] = set()
         self.uncertain: set[bytes] = set()  # keys of failed calls: state in Redis unknown
@@ -68,7 +70,8 @@ class DirectoryAgent:
         self.swept = 0  # dead nodes' entries removed by our sweeps
         self._prev = 0
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._lapsed = False  # the keepalive found our registration gone
         self._failures = FailureLog("tierkv.remote.directory")
 
     async def start(self) -> DirectoryAgent:
@@ -84,16 +87,25 @@ class DirectoryAgent:
             if type(exc) is not DirectoryError and isinstance(exc, DirectoryError):
                 raise  # bad url, refused auth: the operator's to fix
             self._failed("start", exc)
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(f()) for f in (self._run, self._keepalive, self._sweeper)]
         return self
+
+    async def halt(self) -> None:
+        """Stop without leaving and close the client: what a crash leaves in Redis (our
+        registration lapses within ttl). For tests and benchmarks; `aclose` leaves."""
+        await self._stop()
+        await self.directory.aclose()
+
+    async def _stop(self) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def aclose(self) -> None:
         """Stop; leave the directory (bounded by its timeout) and close it."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._stop()
         if self.number:
             with contextlib.suppress(*_FAILURES):
                 await asyncio.wait_for(
@@ -133,36 +145,50 @@ class DirectoryAgent:
         self._failures.report(f"directory {what}", exc, tier="directory")
 
     async def _run(self) -> None:
-        ttl = self.directory.ttl
+        """Publish what changed; register (again) when we have no live registration."""
         backoff = 0.05
-        refresh_at = time.monotonic() + ttl / 3
-        sweep_at = time.monotonic() + self.sweep_every
         while True:
             try:
-                if not self.number:
+                if not self.number or self._lapsed:
+                    self._lapsed = False
                     await self._register()
-                    refresh_at = time.monotonic() + ttl / 3
                 await self._publish()
-                now = time.monotonic()
-                if now >= refresh_at:
-                    if not await self.directory.refresh(self.number, self.address):
-                        self.number = 0  # lapsed (Redis was away too long): register again
-                        continue
-                    refresh_at = now + ttl / 3
-                if now >= sweep_at:
-                    sweep_at = now + self.sweep_every
-                    self.swept += await self.directory.sweep()
                 backoff = 0.05
             except _FAILURES as exc:
                 self._failed("sync", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.backoff_cap)
                 continue
-            wait = max(0.0, min(refresh_at, sweep_at) - time.monotonic())
+            # woken by a change, else a scan every ttl/3 (additions by local computation)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                await asyncio.wait_for(self._wake.wait(), self.directory.ttl / 3)
                 await asyncio.sleep(self.linger)  # let a burst of changes collect
             self._wake.clear()
+
+    async def _keepalive(self) -> None:
+        """Refresh every ttl/3, apart from publishing (a long publish never delays it); a
+        registration found lapsed wakes the publisher to register again."""
+        while True:
+            await asyncio.sleep(self.directory.ttl / 3)
+            number = self.number
+            if not number or self._lapsed:
+                continue
+            try:
+                lapsed = not await self.directory.refresh(number, self.address)
+                if lapsed and number == self.number:
+                    self._lapsed = True
+                    self._wake.set()
+            except _FAILURES as exc:
+                self._failed("refresh", exc)
+
+    async def _sweeper(self) -> None:
+        """Every ``sweep_every``: remove dead nodes' entries (one node at a time does)."""
+        while True:
+            await asyncio.sleep(self.sweep_every)
+            try:
+                self.swept += await self.directory.sweep()
+            except _FAILURES as exc:
+                self._failed("sweep", exc)
 
     async def _publish(self) -> None:
         now = self._held()

@@ -67,10 +67,11 @@ LOCATE_BATCH = 1000
 """Keys per locate script: a locate of 1,000 keys is one round trip."""
 PUBLISH_BATCH = 4096
 """Keys per publish script (a script blocks the server while it runs: a few ms each)."""
-SWEEP_BUCKETS = 256
-"""Buckets per sweep script."""
-SWEEP_PIPELINE = 4
-"""Sweep scripts per round trip (a client's pipeline runs back to back on the server)."""
+SWEEP_BUCKETS = 64
+"""Buckets per sweep script (about 1,000 entries at 10^6 keys: a millisecond or so)."""
+SWEEP_PIPELINE = 1
+"""Sweep scripts per round trip (a client's pipeline runs back to back on the server, so one
+at a time: other clients are served between them)."""
 
 _SCRIPTS = (REGISTER, REFRESH, LEAVE, LIVE, LOCATE, PUBLISH, SWEEP)
 _SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in _SCRIPTS}
@@ -171,6 +172,11 @@ class RedisDirectory:
             return Redis.from_url(self.url, **opts)
         except (ValueError, TypeError, RedisError) as exc:
             raise DirectoryURLError(f"bad directory url or option ({self.url!r}): {exc}") from exc
+
+    @property
+    def client(self) -> Client:
+        """The redis-py client (standalone or Cluster, as found by `connect`)."""
+        return self._client
 
     @property
     def ttl_ms(self) -> int:

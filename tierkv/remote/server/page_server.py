@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote.errors import (
@@ -39,8 +39,6 @@ from tierkv.remote.errors import (
     RemoteError,
     RemoteFullError,
 )
-from tierkv.remote.membership.agent import DirectoryAgent
-from tierkv.remote.membership.redis_directory import RedisDirectory
 from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
 from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, sums_of
 from tierkv.remote.server.control_socket import ControlSocket
@@ -53,6 +51,10 @@ from tierkv.transports import Transport, TransportError, create
 from tierkv.transports.fence import WriteGuard
 from tierkv.transports.guard import Audit, Gate
 from tierkv.transports.session import HELLO_DEADLINE, StreamSession
+
+if TYPE_CHECKING:  # the directory needs the `redis` extra: imported when one is given
+    from tierkv.remote.membership.agent import DirectoryAgent
+    from tierkv.remote.membership.redis_directory import RedisDirectory
 
 __all__ = ["PageServer"]
 
@@ -144,6 +146,8 @@ class PageServer:
         self._advertise = advertise
         self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
         if isinstance(directory, str):
+            from tierkv.remote.membership.redis_directory import RedisDirectory
+
             directory = RedisDirectory(directory, ttl=directory_ttl)
         self._redis_directory = directory
         self.agent: DirectoryAgent | None = None
@@ -204,6 +208,8 @@ class PageServer:
             raise
         self.store.tiers.add_host_listener(self._on_left)
         if self._redis_directory is not None:
+            from tierkv.remote.membership.agent import DirectoryAgent
+
             agent = DirectoryAgent(self._redis_directory, self.address, self._held)
             try:
                 self.agent = await agent.start()

@@ -24,19 +24,20 @@ from __future__ import annotations
 import asyncio
 import time
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-from redis.exceptions import RedisError
 
 from tierkv.errors import InvalidInputError, SpecError
 from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
 from tierkv.remote.errors import DirectoryError, PeerGoneError, RemoteError, RemoteTimeoutError
-from tierkv.remote.membership.redis_directory import RedisDirectory
 from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
+
+if TYPE_CHECKING:  # the directory needs the `redis` extra: imported when one is given
+    from tierkv.remote.membership.redis_directory import RedisDirectory
 
 __all__ = ["RemoteCluster"]
 
@@ -70,7 +71,11 @@ class RemoteCluster:
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds or [])
         if not self.seeds and directory is None:
             raise InvalidInputError("a cluster needs a directory or at least one seed address")
-        self.directory = RedisDirectory(directory) if isinstance(directory, str) else directory
+        if isinstance(directory, str):
+            from tierkv.remote.membership.redis_directory import RedisDirectory
+
+            directory = RedisDirectory(directory)
+        self.directory = directory
         self._dir_ready: asyncio.Future[None] | None = None
         self.directory_errors = 0
         self._failures = FailureLog("tierkv.remote.directory")
@@ -148,6 +153,8 @@ class RemoteCluster:
         the seeds'); shorter than ``keys`` from the first page no node is known to hold."""
         if self.directory is None:
             return await self._ask_seeds(keys)
+        from redis.exceptions import RedisError  # (the directory imported redis already)
+
         try:
             holders = await asyncio.wait_for(self._holders(keys), self.directory.timeout)
         except (RedisError, OSError, TimeoutError, DirectoryError) as exc:
