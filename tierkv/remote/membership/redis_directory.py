@@ -183,6 +183,14 @@ class RedisDirectory:
         """The registration ttl in milliseconds."""
         return int(self.ttl * 1000)
 
+    @property
+    def live_ms(self) -> int:
+        """How long a registration lives past the refresh that Redis last executed: ttl less
+        5 %, so that a refresh still queued in Redis when its node died (executed a little
+        after the death) leaves the node live less than ttl after it died (measured: 1 ms
+        late at ttl 2 s without the margin, on a loaded box)."""
+        return self.ttl_ms - self.ttl_ms // 20
+
     # -- life cycle ----------------------------------------------------------------------
     async def connect(self) -> RedisDirectory:
         """Reach the server, tell a Cluster from a standalone server, read (or set) the layout.
@@ -261,10 +269,10 @@ class RedisDirectory:
         another registration is waited for once, as long as that one has left (``wait``: a
         restarted node's former self lapses within ttl); raises NodeIdTakenError when it is
         still held then (a live node refreshes it)."""
-        idx, left = await self._meta(REGISTER, address, self.ttl_ms, prev)
+        idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
         if idx < 0 and wait:
             await asyncio.sleep(min(int(left), self.ttl_ms) / 1000 + 0.05)
-            idx, left = await self._meta(REGISTER, address, self.ttl_ms, prev)
+            idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
         if idx < 0:
             raise NodeIdTakenError(
                 f"node id {address!r} is held by a live node of the directory "
@@ -275,7 +283,7 @@ class RedisDirectory:
     async def refresh(self, number: int, address: str) -> bool:
         """Keep ``number`` live another ttl; False when it lapsed or was replaced (register
         again: what it published is no longer answered)."""
-        return bool(await self._meta(REFRESH, number, address, self.ttl_ms))
+        return bool(await self._meta(REFRESH, number, address, self.live_ms))
 
     async def leave(self, number: int, address: str) -> None:
         """Leave now: nothing ``number`` published is answered any more (swept later)."""
