@@ -38,10 +38,12 @@ def keys_of(n: int, seed: int = 0) -> list[bytes]:
     return [bytes([rnd.randrange(128)]) + rnd.randbytes(15) for _ in range(n)]
 
 
+skip_without_redis()
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[RedisServer]:
-    skip_without_redis()
-    with RedisServer() as srv:
+    with RedisServer() as srv:  # one per module; `fresh` empties it for each test
         yield srv
 
 
@@ -165,7 +167,6 @@ def test_good_urls_parse() -> None:
 
 
 async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
-    skip_without_redis()
     with RedisServer() as srv:
         host_port = srv.url.split("//")[1]
         d = await directory(srv.url)

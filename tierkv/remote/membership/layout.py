@@ -34,6 +34,11 @@ length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from tierkv.errors import InvalidInputError
+from tierkv.keys import is_content
+
 __all__ = [
     "LEAVE",
     "LIVE",
@@ -43,6 +48,9 @@ __all__ = [
     "REGISTER",
     "SWEEP",
     "Layout",
+    "blob",
+    "check_keys",
+    "fixed_length",
 ]
 
 
@@ -75,6 +83,24 @@ class Layout:
         """The name of a page key's bucket."""
         prefix = self.shard_prefix(self.shard_of(key)).encode()
         return prefix + bytes((key[8], key[9] & self.mask))
+
+
+def fixed_length(*groups: Sequence[bytes]) -> int:
+    """The length every key of ``groups`` has, or 0 when they differ."""
+    sizes = {len(k) for g in groups for k in g}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def blob(keys: Sequence[bytes], fixed: int) -> bytes:
+    """The keys as one blob: end to end (``fixed``), or length-prefixed records."""
+    return b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys)
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise InvalidInputError unless every key is a content page key (16..255 bytes)."""
+    for k in keys:
+        if not isinstance(k, bytes) or not 16 <= len(k) <= 255 or not is_content(k):
+            raise InvalidInputError(f"the directory holds content page keys only, not {k!r}")
 
 
 # -- membership (the {m} keys: seq, alive, addr, ids, dead) --------------------------------
@@ -174,26 +200,17 @@ end
 """
 
 #: ARGV prefix, mask, blob, fixed -> per key its holders (a string of uint32 LE) or false
-LOCATE = """
-local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
-local pre, mask, blob, fixed = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-local out, i, pos, n = {}, 0, 1, #blob
-while pos <= n do
-  local key
-  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
-  else
-    local len = byte(blob, pos)
-    key = sub(blob, pos + 1, pos + len)
-    pos = pos + 1 + len
-  end
-  local b
-  if mask == 255 then b = pre .. sub(key, 9, 10)
-  else b = pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)) end
+LOCATE = (
+    _RECORDS
+    + """
+local out, i = {}, 0
+records(ARGV[3], function(bucket, key)
   i = i + 1
-  out[i] = call('HGET', b, key)
-end
+  out[i] = call('HGET', bucket, key)
+end)
 return out
 """
+)
 
 #: ARGV prefix, mask, number (4 bytes), fixed, add blob, drop blob -> entries added
 PUBLISH = (

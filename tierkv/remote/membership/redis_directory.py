@@ -38,8 +38,6 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AuthenticationError, NoScriptError, RedisError, ResponseError
 
-from tierkv.errors import InvalidInputError
-from tierkv.keys import is_content
 from tierkv.remote.errors import (
     DirectoryAuthError,
     DirectoryError,
@@ -55,6 +53,9 @@ from tierkv.remote.membership.layout import (
     REGISTER,
     SWEEP,
     Layout,
+    blob,
+    check_keys,
+    fixed_length,
 )
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
@@ -77,24 +78,6 @@ _SCRIPTS = (REGISTER, REFRESH, LEAVE, LIVE, LOCATE, PUBLISH, SWEEP)
 _SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in _SCRIPTS}
 _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=:-]{1,64}")
 Client = Redis | RedisCluster
-
-
-def _fixed(*groups: Sequence[bytes]) -> int:
-    """The length every key of ``groups`` has, or 0 when they differ."""
-    sizes = {len(k) for g in groups for k in g}
-    return sizes.pop() if len(sizes) == 1 else 0
-
-
-def _blob(keys: Sequence[bytes], fixed: int) -> bytes:
-    """The keys as one blob: end to end (``fixed``), or length-prefixed records."""
-    return b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys)
-
-
-def check_keys(keys: Sequence[bytes]) -> None:
-    """Raise InvalidInputError unless every key is a content page key (16..255 bytes)."""
-    for k in keys:
-        if not isinstance(k, bytes) or not 16 <= len(k) <= 255 or not is_content(k):
-            raise InvalidInputError(f"the directory holds content page keys only, not {k!r}")
 
 
 def check_url(url: str) -> None:
@@ -316,14 +299,14 @@ class RedisDirectory:
         check_keys(drop)
         me = number.to_bytes(4, "little")
         adds, drops = self._by_shard(add), self._by_shard(drop)
-        fixed = _fixed(add, drop)
+        fixed = fixed_length(add, drop)
         calls: list[tuple[int, bytes, bytes]] = []
         for shard in sorted(adds.keys() | drops.keys()):
             a = [add[i] for i in adds.get(shard, [])]
             d = [drop[i] for i in drops.get(shard, [])]
             for lo in range(0, max(len(a), len(d)), PUBLISH_BATCH):
                 hi = lo + PUBLISH_BATCH
-                calls.append((shard, _blob(a[lo:hi], fixed), _blob(d[lo:hi], fixed)))
+                calls.append((shard, blob(a[lo:hi], fixed), blob(d[lo:hi], fixed)))
         if not calls:
             return 0
 
@@ -341,17 +324,17 @@ class RedisDirectory:
         meta = self.layout.meta_keys()
         calls: list[tuple[int, bytes]] = []
         order: list[int] = []
-        fixed = _fixed(keys)
+        fixed = fixed_length(keys)
         for lo in range(0, len(keys), LOCATE_BATCH):
             part = keys[lo : lo + LOCATE_BATCH]
             for shard, idx in self._by_shard(part).items():
-                calls.append((shard, _blob([part[i] for i in idx], fixed)))
+                calls.append((shard, blob([part[i] for i in idx], fixed)))
                 order += [lo + i for i in idx]
 
         def build(pipe: Any) -> None:
             pipe.evalsha(_SHA[LIVE], len(meta), *meta)
-            for shard, blob in calls:
-                self._eval(pipe, LOCATE, shard, blob, fixed)
+            for shard, keys_blob in calls:
+                self._eval(pipe, LOCATE, shard, keys_blob, fixed)
 
         replies = await self._pipeline(build)
         flat = replies[0]
@@ -391,7 +374,7 @@ class RedisDirectory:
         lock_ms = max(self.ttl_ms * 4, 60_000)
         if not await c.set(lay.sweep_lock, b"1", nx=True, px=lock_ms):
             return 0
-        blob = b"".join(n.to_bytes(4, "little") for n in dead)
+        dead_blob = b"".join(n.to_bytes(4, "little") for n in dead)
         removed = 0
         try:
             for shard in range(lay.shards):
@@ -406,7 +389,7 @@ class RedisDirectory:
                     ) -> None:
                         for lo in part:
                             hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
-                            pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, blob)
+                            pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, dead_blob)
 
                     removed += sum(int(n) for n in await self._pipeline(build))
             await c.srem(lay.dead, *dead)  # type: ignore[misc]
