@@ -236,17 +236,17 @@ class RedisDirectory:
     async def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
         """Run the commands ``build`` puts in a pipeline (one round trip); scripts go by
         EVALSHA, loaded again (every primary) when the server answers NOSCRIPT (restarted)."""
-        for attempt in (0, 1):
-            pipe = self._client.pipeline(transaction=False)
-            build(pipe)
-            try:
-                return list(await pipe.execute())
-            except NoScriptError:
-                if attempt:
-                    raise
-                for script in _SCRIPTS:
-                    await self._client.script_load(script)  # type: ignore[misc]
-        raise AssertionError("unreachable")
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        try:
+            return list(await pipe.execute())
+        except NoScriptError:
+            pass
+        for script in _SCRIPTS:
+            await self._client.script_load(script)  # type: ignore[misc]
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        return list(await pipe.execute())
 
     # -- membership ----------------------------------------------------------------------
     async def register(self, address: str, prev: int = 0, *, wait: bool = True) -> int:
