@@ -187,7 +187,7 @@ class RedisDirectory:
                 await self._client.aclose()
                 self.cluster = True
                 self._client = self._make(cluster=True)
-                await asyncio.wait_for(self._client.initialize(), self.timeout)  # type: ignore[union-attr]
+                await asyncio.wait_for(self._client.initialize(), self.timeout)
             await self._read_layout()
         except AuthenticationError as exc:
             raise DirectoryAuthError(
@@ -214,9 +214,9 @@ class RedisDirectory:
             shards = CLUSTER_SHARDS if self.cluster else 1
         conf = self.layout.conf
         c = self._client
-        await c.hsetnx(conf, "buckets", buckets)  # type: ignore[misc]
-        await c.hsetnx(conf, "shards", shards)  # type: ignore[misc]
-        got = await c.hgetall(conf)  # type: ignore[misc]
+        await c.hsetnx(conf, "buckets", buckets)
+        await c.hsetnx(conf, "shards", shards)
+        got = await c.hgetall(conf)
         self.layout = Layout(self.namespace, int(got[b"buckets"]), int(got[b"shards"]))
 
     async def aclose(self) -> None:
@@ -243,7 +243,7 @@ class RedisDirectory:
         except NoScriptError:
             pass
         for script in _SCRIPTS:
-            await self._client.script_load(script)  # type: ignore[misc]
+            await self._client.script_load(script)
         pipe = self._client.pipeline(transaction=False)
         build(pipe)
         return list(await pipe.execute())
@@ -381,7 +381,8 @@ class RedisDirectory:
         scripts of `SWEEP_BUCKETS` buckets (the server serves others between them)."""
         c = self._client
         lay = self.layout
-        dead = [int(x) for x in await c.srandmember(lay.dead, max_dead)]  # type: ignore[misc]
+        picked = await c.srandmember(lay.dead, max_dead)
+        dead = [int(x) for x in picked or []]
         if not dead:
             return 0
         lock_ms = max(self.ttl_ms * 4, 60_000)
@@ -405,7 +406,7 @@ class RedisDirectory:
                             pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, dead_blob)
 
                     removed += sum(int(n) for n in await self._pipeline(build))
-            await c.srem(lay.dead, *dead)  # type: ignore[misc]
+            await c.srem(lay.dead, *dead)
         finally:
             await c.delete(lay.sweep_lock)
         return removed

@@ -76,7 +76,7 @@ class RemoteCluster:
 
             directory = RedisDirectory(directory)
         self.directory = directory
-        self._dir_ready: asyncio.Future[None] | None = None
+        self._dir_ready: asyncio.Future[None] | None = None  # the directory's connect
         self.directory_errors = 0
         self._failures = FailureLog("tierkv.remote.directory")
         self._kw: dict[str, Any] = {
@@ -170,12 +170,16 @@ class RemoteCluster:
             out.append(out[-1] if out and out[-1] in nodes else nodes[0])  # runs stay whole
         return out
 
+    async def _connect_directory(self) -> None:
+        assert self.directory is not None
+        await self.directory.connect()
+
     async def _holders(self, keys: list[bytes]) -> list[list[str]]:
         assert self.directory is not None
         ready = self._dir_ready
         if ready is None or (ready.done() and (ready.cancelled() or ready.exception())):
-            self._dir_ready = asyncio.ensure_future(self.directory.connect())  # type: ignore[arg-type]
-        await asyncio.shield(self._dir_ready)
+            ready = self._dir_ready = asyncio.ensure_future(self._connect_directory())
+        await asyncio.shield(ready)
         return await self.directory.locate(keys)
 
     async def _ask_seeds(self, keys: list[bytes]) -> list[str]:
