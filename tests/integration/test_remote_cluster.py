@@ -147,6 +147,21 @@ async def test_a_cluster_without_directory_asks_its_seeds() -> None:
             assert await rc.locate(keys[4:8] + keys[:4]) == [b.address] * 4
 
 
+async def test_a_cluster_without_directory_raises_only_when_no_seed_answers() -> None:
+    """A dead seed among live ones is skipped; when no seed answers, the error is raised (the
+    store counts it), as a single unreachable page server's is."""
+    with contextlib.closing(__import__("socket").socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # nobody listens there
+    async with servers(1) as (a,):
+        keys = store_pages(a.store, 1)
+        async with cluster(None, [dead, a.address]) as rc:
+            assert await rc.locate(keys) == [a.address] * 4
+        async with cluster(None, [dead]) as rc:
+            with pytest.raises(PeerGoneError):
+                await rc.locate(keys)
+
+
 async def test_eviction_is_announced_and_leaves_the_directory(redis_url: str) -> None:
     async with (
         servers(2, pages=4, directory=redis_url) as (_a, b),

@@ -183,22 +183,27 @@ class RemoteCluster:
         return await self.directory.locate(keys)
 
     async def _ask_seeds(self, keys: list[bytes]) -> list[str]:
-        """No directory: at each position, the seed holding the longest run from there."""
+        """No directory: at each position, the seed holding the longest run from there.
+        Raises the last error when no seed answers (as one unreachable page server does)."""
+        failed: list[RemoteError] = []
 
         async def ask(address: str, part: list[bytes]) -> list[str]:
             try:
                 found: list[str] = await (await self.node(address)).locate(part)
                 return found
-            except (PeerGoneError, RemoteTimeoutError):
-                await self._failed(address)
-                return []
-            except RemoteError:
+            except RemoteError as exc:
+                if isinstance(exc, (PeerGoneError, RemoteTimeoutError)):
+                    await self._failed(address)
+                failed.append(exc)
                 return []
 
         out: list[str] = []
         while len(out) < len(keys):
+            failed.clear()
             part = keys[len(out) :]
             runs = await asyncio.gather(*(ask(a, part) for a in self.seeds))
+            if len(failed) == len(self.seeds):
+                raise failed[-1]
             best = max(runs, key=len)
             if not best:
                 break
