@@ -7,12 +7,13 @@ install as ``tierkv.runtime`` and ``tierkv.transports``. Every package under eac
 found by walking it (`packages()`), so no hand-kept list can miss one; tests/test_packaging.py
 builds the wheel and the sdist and checks they hold every module of the tree.
 
-Native extensions, built at install time (`pip install .` and `pip install -e .`). Three small
+Native extensions, built at install time (`pip install .` and `pip install -e .`). Four small
 C modules:
 
 - ``tierkv.runtime._copy`` (runtime/_copy.c): the cpu backend's batch copy;
 - ``tierkv.transports._crc32c`` (transports/_crc32c.c): CRC-32C for the tcp transport;
-- ``tierkv.policies._kvaware`` (tierkv/policies/_kvaware.c): the default policy's inner loops.
+- ``tierkv.policies._kvaware`` (tierkv/policies/_kvaware.c): the default policy's inner loops;
+- ``tierkv.codecs._dequant`` (tierkv/codecs/_dequant.c): int8 cold pages decoded in one pass.
 
 All are optional: where no C compiler (or no Python headers) is found, the install still
 succeeds with a warning and the library uses its fallbacks (numpy copy kernels; the ``crc32c``
@@ -104,6 +105,7 @@ def extensions() -> list[Extension]:
         Extension("tierkv.runtime._copy", ["runtime/_copy.c"]),
         Extension("tierkv.transports._crc32c", ["transports/_crc32c.c"]),
         Extension("tierkv.policies._kvaware", ["tierkv/policies/_kvaware.c"]),
+        Extension("tierkv.codecs._dequant", ["tierkv/codecs/_dequant.c"]),
     ]
 
 

@@ -71,6 +71,11 @@ _PENDING, _RUNNING, _DONE, _FAILED, _CANCELLED = "pending", "running", "done", "
 #: 10 GB/s). Larger batches gain nothing from it and run alone.
 MERGE_MAX_BYTES = 4 << 20
 
+#: What a store's engine passes as ``inline_bytes``: on the cpu backend a copy this small,
+#: submitted while the engine is idle, runs on the submitting thread (no stream thread woken,
+#: no completion handed back across threads). An engine's default is 0: off.
+INLINE_MAX_BYTES = 256 << 10
+
 
 class TransferHandle:
     """One submitted batch. Await it (or `wait`/`synchronize`) for completion.
@@ -237,6 +242,7 @@ class TransferEngine:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_external: int = 4,
+        inline_bytes: int = 0,
     ) -> None:
         if max_inflight < 1:
             raise InvalidInputError(f"max_inflight must be >= 1, got {max_inflight}")
@@ -246,6 +252,7 @@ class TransferEngine:
         self.max_inflight = max_inflight
         self.max_external = max_external
         self.staging_bytes = staging_bytes
+        self.inline_bytes = inline_bytes  # cpu copies up to this run on the submitting thread
         self.timeout = timeout
         self._lock = threading.Lock()
         self._seq = itertools.count()
@@ -429,11 +436,52 @@ class TransferEngine:
                 loop,
             )
             self._raise_dep_priorities(after, handle._priority)
-            heapq.heappush(self._pending_ext if kind == "async" else self._pending, handle)
             self._outstanding.add(handle)
             self._stats.submitted += 1
-            self._dispatch_locked()
+            inline = self._inline_locked(handle)
+            if not inline:
+                heapq.heappush(self._pending_ext if kind == "async" else self._pending, handle)
+                self._dispatch_locked()
+        if inline:
+            self._run_inline(handle)
         return handle
+
+    def _inline_locked(self, handle: TransferHandle) -> bool:
+        """Whether `handle` runs now on the submitting thread (marked running if so): a copy
+        of at most `inline_bytes` with no dependency, on a backend whose copies are host
+        memcpy (cpu), while nothing else is queued or running (so no batch is overtaken).
+        Measured (issue 26): waking a stream thread and taking its completion back costs the
+        loop more than the copy of a few pages."""
+        if (
+            handle._stats.kind != "copy"
+            or handle._deps
+            or handle._stats.bytes > self.inline_bytes
+            or self._inflight
+            or self._pending
+            or self.backend.name != "cpu"
+        ):
+            return False
+        self._start_locked(handle)
+        return True
+
+    def _start_locked(self, handle: TransferHandle) -> None:
+        """A batch is dispatched: its staging buffer, running, counted in flight."""
+        if self._staging_pool:
+            handle._staging = self._staging_pool.pop()
+        else:
+            handle._staging = self.backend.create_staging(self.staging_bytes)
+            self._staging_made += 1
+        handle._state = _RUNNING
+        handle._stats.dispatched_at = time.perf_counter()
+        self._inflight += 1
+        self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, self._inflight)
+
+    def _run_inline(self, handle: TransferHandle) -> None:
+        """Run a copy :meth:`_inline_locked` took, here and now, and finish it."""
+        started = time.perf_counter()
+        errors = self._copy_group([handle])
+        handle._stats.started_at, handle._stats.finished_at = started, time.perf_counter()
+        self._finish_group([handle], errors)
 
     async def transfer(
         self,
@@ -491,15 +539,7 @@ class TransferEngine:
             handle = heapq.heappop(self._pending)
             if handle._state != _PENDING:
                 continue  # cancelled while queued
-            if self._staging_pool:
-                handle._staging = self._staging_pool.pop()
-            else:
-                handle._staging = self.backend.create_staging(self.staging_bytes)
-                self._staging_made += 1
-            handle._state = _RUNNING
-            handle._stats.dispatched_at = time.perf_counter()
-            self._inflight += 1
-            self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, self._inflight)
+            self._start_locked(handle)
             stream = self._stream_locked(handle.src, handle.dst)
             for dep in handle._deps:
                 stream.wait_event(dep)

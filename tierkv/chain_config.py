@@ -123,14 +123,17 @@ class Host(_Budget):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cold:
     """The cold pool: host RAM holding pages compressed by ``codec`` (lossy for ``int8``;
-    docs/codecs.md). ``bytes``: its budget, at least one encoded page."""
+    docs/codecs.md; a registered name, or a Codec built with options such as ``head-sparse``
+    with its ranking). ``bytes``: its budget, at least one encoded page."""
 
     kind: ClassVar[str] = COLD
-    codec: str = "int8"
+    codec: str | Codec = "int8"
     bytes: int
 
     def __post_init__(self) -> None:
         _size(self.kind, self.bytes)
+        if isinstance(self.codec, Codec):
+            return
         try:
             validate.registered("codec", self.codec, CODECS)
         except InvalidTypeError as exc:
@@ -271,7 +274,8 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
     host = _pages(HOST, by[HOST].bytes, page) if DEVICE in by and HOST in by else 0
     codec, cold = None, 0
     if COLD in by:
-        codec = create_codec(by[COLD].codec)
+        codec = _codec(by[COLD].codec)
+        codec.check_spec(spec)  # SpecError (or the codec's own) for pages it cannot encode
         cold = _pages(COLD, by[COLD].bytes, codec.encoded_bytes(spec), "encoded pages")
     disk = None
     if DISK in by:
@@ -281,8 +285,13 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         _pages(DISK, d.bytes, ALIGN + round_up(page), "disk slots")
         disk = (os.fspath(d.path), int(d.bytes))
     remote = list(by[REMOTE].sources) if REMOTE in by else None
-    name = by[COLD].codec if COLD in by else None
+    name = codec.name if codec is not None else None
     return Chain(names, lease, host, cold, name, codec, disk, remote)
+
+
+def _codec(codec: str | Codec) -> Codec:
+    """A cold entry's codec: the instance given, or one made from its registered name."""
+    return codec if isinstance(codec, Codec) else create_codec(codec)
 
 
 def _pages(kind: str, size: int, unit: int, what: str = "pages") -> int:
@@ -299,7 +308,7 @@ def shorthand(
     *,
     device_bytes: int,
     host_bytes: int,
-    codec: str | None,
+    codec: str | Codec | None,
     cold_fraction: float,
     disk: tuple[str, int] | None,
     remote: list[PageSource] | None,
@@ -309,7 +318,7 @@ def shorthand(
     it holds no encoded page: compression then does nothing, as before)."""
     cold_bytes = int(host_bytes * cold_fraction) if codec else 0
     out: list[TierEntry] = [Device(bytes=device_bytes), Host(bytes=host_bytes - cold_bytes)]
-    if codec and cold_bytes >= create_codec(codec).encoded_bytes(spec):
+    if codec and cold_bytes >= _codec(codec).encoded_bytes(spec):
         out.append(Cold(codec=codec, bytes=cold_bytes))
     if disk is not None:
         out.append(Disk(path=disk[0], bytes=disk[1]))

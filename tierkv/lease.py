@@ -5,13 +5,15 @@ public surface the store implements (this module never imports the store)::
 
     store.lease(ids) --> Lease(store) --enter--> admission, tiers.acquire_device, lease_began
                                       --exit---> tiers.unpin_device, lease_ended, lease_wrote
+
+This file stays whole (over 400 lines): it is the one class that reads and writes leased pages.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 
 import torch
@@ -33,7 +35,13 @@ class Lease:
     Created by :meth:`tierkv.store.KVStore.lease`; use as an async context manager.
     """
 
-    def __init__(self, store: LeaseHost, seqs: list[SequenceState], layers: list[int]) -> None:
+    def __init__(
+        self,
+        store: LeaseHost,
+        seqs: list[SequenceState],
+        layers: list[int],
+        blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         # Few tracked objects per lease, and none per page or per append: a lease outlives
         # young collector passes while a thousand sequences take turns, and whatever it holds
         # then is promoted towards the next full pass (see docs/store.md, the loop at scale).
@@ -51,6 +59,9 @@ class Lease:
         self._active = False
         self._held: int | None = None  # device footprint admitted for this lease
         self.waited_pages = 0
+        # only these blocks of each sequence (in every leased layer) are pinned at entry; None:
+        # all (sparse attention leases the pages it attends, see tierkv.attention)
+        self._blocks = None if blocks is None else {s: tuple(b) for s, b in blocks.items()}
 
     @async_boundary
     async def __aenter__(self) -> Lease:
@@ -125,7 +136,15 @@ class Lease:
 
     def _keys(self) -> list[bytes]:
         """The leased pages by their current names."""
-        return list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
+        if self._blocks is None:
+            return list(dict.fromkeys(k for s in self._seqs for k in s.all_pages(self.layers)))
+        keys: dict[bytes, None] = {}
+        for s in self._seqs:
+            chosen = self._blocks.get(s.seq_id, ())
+            for layer in self.layers:
+                pages = s.pages(layer)
+                keys.update(dict.fromkeys(pages[b] for b in chosen if 0 <= b < len(pages)))
+        return list(keys)
 
     def _reserve(self) -> int:
         """Pages this lease's appends may open: enough for every declared token's KV (at least
@@ -248,6 +267,33 @@ class Lease:
             return kv[0], kv[1]
         finally:
             self._store.turns.charge(time.perf_counter() - t0)
+
+    @boundary
+    def kv_blocks(
+        self, seq_id: str, layer: int, blocks: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of some blocks (ascending page indices) of a sequence in one layer: two
+        ``[H, n, D]`` tensors of those pages' tokens in order (the last page of the layer only
+        up to its length). The pages must be pinned by this lease (``store.lease(..., blocks=)``
+        or appended in it).
+
+        Raises SequenceError as :meth:`kv` and for a block that is not pinned here, SpecError
+        for a block out of range or out of order.
+        """
+        seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
+        seq = self._seq(seq_id, layer)
+        pages = seq.pages(layer)
+        chosen = list(blocks)
+        if any(b < 0 or b >= len(pages) for b in chosen) or chosen != sorted(set(chosen)):
+            raise SpecError(f"blocks must be ascending pages of the {len(pages)}, got {chosen}")
+        keys = [pages[b] for b in chosen]
+        if self._hold(keys):
+            raise SequenceError(f"sequence {seq_id!r} layer {layer}: a block is not pinned here")
+        tiers = self._store.tiers
+        kv = tiers.pages.gather_tokens(tiers.pages.device_slots(keys))
+        if chosen and chosen[-1] == len(pages) - 1:  # the layer's last page: only its tokens
+            kv = kv[:, :, : kv.shape[2] - (len(pages) * seq.page_tokens - seq.kv_len_of(layer))]
+        return kv[0], kv[1]
 
     @async_boundary
     async def append(self, seq_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

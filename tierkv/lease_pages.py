@@ -47,6 +47,12 @@ class LeasePages:
         return self._pages.device
 
     @property
+    def all_pages(self) -> torch.Tensor:
+        """Every device slot as a page: ``[slots, 2, H, T, D]`` in the KV dtype (a view; the
+        step path reads and writes pinned slots through it, :mod:`tierkv.step`)."""
+        return self._pages
+
+    @property
     def dirty(self) -> Mapping[PageKey, int]:
         """Device pages newer than their lower copies (read-only)."""
         return self._evict.dirty

@@ -132,10 +132,17 @@ class ColdStorage:
         assert codec is not None
         cold, dst = target.arena, list(target.slots)
         src = list(src)
+        # (head-sparse needs each page's layer: the page key's last 2 bytes)
+        layers = [int.from_bytes(k[-2:], "little") for k in keys] if codec.needs_layers else None
 
         def work() -> float:
             t0 = time.perf_counter()
-            enc = codec.encode(host.tensor.index_select(0, _index(src)), spec)
+            pages = host.tensor.index_select(0, _index(src))
+            enc = (
+                codec.encode(pages, spec)
+                if layers is None
+                else codec.encode(pages, spec, layers=layers)
+            )
             cold.tensor.index_copy_(0, _index(dst), enc)
             if page_sums.enabled():  # the slots are this job's until it ends: no race
                 table.sums.set_copies(COLD, dst, row_sums(cold.array, dst))

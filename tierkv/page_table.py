@@ -37,7 +37,8 @@ of state, pins and slots is here, where :meth:`PageTable.check` can be read agai
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import compress
@@ -541,6 +542,10 @@ class PageTable:
         n = min(n, evictable)
         if not keep or not n:
             return self._pick(t, n, None)
+        if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
+            # every page is kept (checked in one C-speed pass): the policy's scan for pages
+            # nobody keeps would walk them all and find none, so straight to the order
+            return self._pick(t, n, None, keep_order)
         first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
         if len(first) == n:
             return first
@@ -577,16 +582,13 @@ class PageTable:
             return not pins[s] and state[s] == _READABLE
 
         kept: Collection[Key] = keep or ()
-        chosen: Collection[Key] = only or ()
 
         def can_evict_unkept(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
 
-        def can_evict_chosen(s: int) -> bool:
-            return key_of[s] in chosen  # evictable, checked when chosen
-
-        if only is not None:
-            pick, want = can_evict_chosen, len(only)
+        pick: Callable[[int], bool]
+        if only is not None:  # a set's own membership test: no Python frame per slot scanned
+            pick, want = frozenset(slot_of[k] for k in only).__contains__, len(only)
         else:
             pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
         out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]

@@ -8,6 +8,11 @@
             await lease.append("req-1", layer, k, v)               # new KV ([H, n, D])
             k_all, v_all = lease.kv("req-1", layer)                # [H, S, D] for attention
         store.add_tokens("req-1", [next_token])
+        async with store.step_plan(["req-1"], tokens=1) as step:   # a decode step, planned once
+            for layer in range(spec.num_layers):                   # (tierkv.step)
+                h = await step.layer(layer)                        # its pages pinned, loaded
+                h.append(k, v)                                     # [B, H, n, D]
+                k_all, v_all = h.kv()                              # [B, H, S, D]
         store.schedule([["req-2"], ["req-3"]])                     # prefetch the next steps
         store.step()                                               # one decode step done
         await store.release("req-1")                               # full blocks stay cached
@@ -27,6 +32,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, cast
 
 from tierkv import validate
@@ -34,11 +40,12 @@ from tierkv.admission import Admission
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain
 from tierkv.chain_config import UNSET, Chain, TierEntry, Unset, build_chain, conflicts, shorthand
-from tierkv.codecs import CODECS
+from tierkv.codecs import CODECS, Codec
 from tierkv.errors import (
     InvalidInputError,
     InvalidTypeError,
     SequenceError,
+    SpecError,
     StoreClosedError,
     TierConfigError,
 )
@@ -51,9 +58,11 @@ from tierkv.prefetch import Prefetcher
 from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
+from tierkv.runtime.transfer import INLINE_MAX_BYTES
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
+from tierkv.step import StepPlan, check_tokens
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -79,8 +88,9 @@ class KVStore:
             ``tiers``.
         backend: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         policy: eviction policy name for every tier.
-        codec: codec of the cold pool (``"int8"``, ``"fp16"``...; ``"int8"`` when not given),
-            or None for no compression.
+        codec: codec of the cold pool (``"int8"``, ``"fp16"``... or a Codec built with options,
+            such as ``head-sparse`` with its ranking; ``"int8"`` when not given), or None for
+            no compression.
         cold_fraction: share of ``host_bytes`` given to the compressed pool (0.25 when not
             given).
         compress_after: decode steps a host page may stay idle before it is compressed.
@@ -144,7 +154,7 @@ class KVStore:
         host_bytes: int | Unset = UNSET,
         backend: str = "cpu",
         policy: str = DEFAULT_POLICY,
-        codec: str | Unset | None = UNSET,
+        codec: str | Codec | Unset | None = UNSET,
         cold_fraction: float | Unset = UNSET,
         compress_after: int = 5,
         prefetch_window: int = 4,
@@ -212,6 +222,9 @@ class KVStore:
         self._codec = chain.codec
         self._pages = {DEVICE: chain.lease_pages, HOST: chain.host_pages, COLD: chain.cold_pages}
         self._backend_name = backend
+        # small cpu copies on the loop's thread (measured: benchmarks/step.py, issue 26);
+        # TIERKV_INLINE_COPIES=0 turns it off
+        self._inline = os.environ.get("TIERKV_INLINE_COPIES", "1") != "0"
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
@@ -304,7 +317,10 @@ class KVStore:
     def _open_core(self) -> None:
         backend = create_backend(self._backend_name)
         self._engine = TransferEngine(
-            backend, max_inflight=self._max_inflight, timeout=self.timeout
+            backend,
+            max_inflight=self._max_inflight,
+            timeout=self.timeout,
+            inline_bytes=INLINE_MAX_BYTES if self._inline else 0,
         )
         self._tiers = TierSet(
             self.spec,
@@ -666,15 +682,51 @@ class KVStore:
 
     # -- leases and prefetch -------------------------------------------------------------
     @boundary
-    def lease(self, seq_ids: Sequence[str], layers: Sequence[int] | None = None) -> Lease:
+    def lease(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        blocks: Mapping[str, Sequence[int]] | None = None,
+    ) -> Lease:
         """Pin these sequences' pages (of ``layers``, all by default) on the device.
 
+        ``blocks`` pins only those page indices of each sequence (none for a sequence it does
+        not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
         Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
         id, SpecError for a bad layer, InvalidTypeError for a single str instead of a list.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
-        return Lease(self, seqs, ls)
+        return Lease(self, seqs, ls, blocks)
+
+    @boundary
+    def step_plan(
+        self,
+        seq_ids: Sequence[str],
+        layers: Sequence[int] | None = None,
+        *,
+        tokens: int | Sequence[int] = 1,
+        ahead: int = 2,
+    ) -> StepPlan:
+        """Plan a step: ``seq_ids`` run ``layers`` (all by default, in that order), each
+        appending ``tokens`` new tokens (one count for all, or one per sequence) to every
+        layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
+
+        Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
+        or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
+        layout the step path cannot index), InvalidTypeError / InvalidInputError for bad
+        arguments; nothing changes then.
+        """
+        ls = validate.layers(layers, self.spec.num_layers)
+        if len(set(ls)) != len(ls):
+            raise SpecError(f"layers: each at most once, got {ls}")
+        ids = validate.seq_ids(seq_ids)
+        if len(set(ids)) != len(ids):
+            raise SequenceError(f"a sequence is named twice in {ids}")
+        seqs = [self.sequence(s) for s in ids]
+        counts = check_tokens(tokens, len(seqs))
+        window = validate.count("ahead", ahead, 0)
+        return StepPlan(self, seqs, ls, counts, window, partial(self.prefetch, wait=False))
 
     @async_boundary
     async def prefetch(
@@ -880,7 +932,8 @@ def _keyword_chain(
     device = validate.byte_size("device_bytes", device_bytes)
     host = validate.byte_size("host_bytes", host_bytes)
     name = "int8" if codec is UNSET else codec
-    name = None if name is None else validate.registered("codec", name, CODECS)
+    if name is not None and not isinstance(name, Codec):  # (an instance: built with options)
+        name = validate.registered("codec", name, CODECS)
     fraction = validate.fraction("cold_fraction", 0.25 if cold_fraction is UNSET else cold_fraction)
     sources = None
     if remote is not None:

@@ -40,7 +40,7 @@ STOP_S = 60.0
 class Serve:
     """A ``tierkv serve`` subprocess and its stdout lines (read by a thread)."""
 
-    def __init__(self, trace: Path) -> None:
+    def __init__(self, trace: Path, extra: tuple[str, ...] = ()) -> None:
         env = {k: v for k, v in os.environ.items() if k != "TIERKV_TRANSPORT_SECRET"}
         host_mb = HOST_PAGES * SPEC.page_bytes / 2**20
         self.proc = subprocess.Popen(
@@ -50,6 +50,7 @@ class Serve:
                 *("--trace", str(trace), "--trace-events", "5000", "--sample-every", "0.2"),
                 *("--host-mb", f"{host_mb}", "--layers", "2", "--kv-heads", "2"),
                 *("--head-dim", "32", "--page-tokens", "16", "--every", "1"),
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -183,6 +184,10 @@ async def _publish_and_lease(address: str, url: str, keys: list[bytes]) -> None:
         (["--trace", "/nonexistent-dir/t.json"], "--trace: cannot write"),
         (["--trace-events", "0"], "--trace-events must be >= 1"),
         (["--sample-every", "0"], "--sample-every must be > 0"),
+        (["--directory", "http://h:1"], "a directory URL is redis://"),
+        (["--directory", "redis://h:port/0"], "bad directory url"),
+        (["--directory", "redis://:pw@h:1/db"], "db a number"),
+        (["--directory-ttl", "0"], "--directory-ttl must be > 0"),
     ],
 )
 def test_bad_arguments_fail_before_serving(
@@ -274,3 +279,65 @@ async def test_page_server_collector_follows_the_server_life() -> None:
                 name = key.removesuffix("_total")
                 assert f"tierkv_page_server_{name}" in m or f"tierkv_page_server_{name}_total" in m
         assert scrape_registry(reg) == {"tierkv_page_server_up": 0.0}  # closed
+
+
+def test_serve_registers_in_the_directory_and_leaves_on_sigterm(tmp_path: Path) -> None:
+    """``tierkv serve --directory redis://:password@...``: registered under its address, a
+    page a peer publishes is located through Redis, SIGTERM leaves the directory at once; a
+    wrong password stops the start (exit 1, DirectoryAuthError)."""
+    pytest.importorskip("redis")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from redis_server import RedisServer, skip_without_redis
+
+    from tierkv.remote import RemoteCluster
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    skip_without_redis()
+    with RedisServer() as srv:
+        port = srv.url.rsplit(":", 1)[1].split("/")[0]
+        url = f"redis://:pw@127.0.0.1:{port}/0"
+
+        async def setup() -> None:
+            d = await RedisDirectory(srv.url).connect()
+            await d.client.config_set("requirepass", "pw")
+            await d.aclose()
+
+        asyncio.run(setup())
+        s = Serve(tmp_path / "t.json", ("--directory", url, "--directory-ttl", "2"))
+        try:
+            address = s.expect("serving ").split(" on ")[1].split()[0]
+            keys = [
+                page_key(b, layer) for b in prefix_keys(list(range(32)), 16) for layer in range(2)
+            ]
+            data = np.random.default_rng(0).integers(0, 256, (4, SPEC.page_bytes), np.uint8)
+
+            async def use() -> None:
+                async with RemoteTier(address, secret=bytes.fromhex(SECRET), spec=SPEC) as peer:
+                    assert await peer.publish(keys, data, list(range(4))) == 4
+                rc = RemoteCluster(directory=url, secret=bytes.fromhex(SECRET), spec=SPEC)
+                async with rc:
+                    for _ in range(500):  # bounded: the server publishes within its linger
+                        if await rc.locate(keys) == [address] * 4:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert await rc.locate(keys) == [address] * 4
+
+            asyncio.run(use())
+            s.proc.send_signal(signal.SIGTERM)
+            assert s.proc.wait(STOP_S) == 0
+
+            async def gone() -> None:
+                async with RedisDirectory(url) as d:
+                    assert await d.live() == {}
+                    assert await d.locate(keys) == [[]] * 4
+
+            asyncio.run(gone())
+        finally:
+            s.stop()
+        bad = f"redis://:wrong@127.0.0.1:{port}/0"
+        refused = Serve(tmp_path / "t2.json", ("--directory", bad))
+        try:
+            assert refused.proc.wait(START_S) == 1
+            assert any("DirectoryAuthError" in line for line in refused.stderr)
+        finally:
+            refused.stop()

@@ -168,7 +168,11 @@ def test_sizes_and_compression_ratios():
     assert create_codec("none").encoded_bytes(spec16) == spec16.page_bytes + 128
 
 
-@pytest.mark.parametrize("name", sorted(CODECS))
+# codecs built without options (head-sparse needs its calibration: test_codecs_head_sparse.py)
+PLAIN = sorted(set(CODECS) - {"head-sparse"})
+
+
+@pytest.mark.parametrize("name", PLAIN)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_batch_equals_single_and_bytes_are_self_contained(name, dtype):
     spec = KVSpec(1, 2, 64, dtype, 8)
@@ -290,7 +294,7 @@ def test_corrupt_and_short_buffers_raise_corrupt_page_error():
 def test_registry_names_round_trip():
     spec = KVSpec(1, 1, 32, torch.float32, 2)
     x = torch.randn(2, *spec.page_shape)
-    for name in CODECS:
+    for name in PLAIN:
         codec = create_codec(name)
         y = codec.decode(codec.encode(x, spec), spec)
         assert bool(((y.double() - x.double()).abs() <= codec.error_bound(x, spec)).all())

@@ -143,41 +143,25 @@ async def test_remote_read_failures_are_logged_rate_limited(
         assert got[0].tierkv_tier == "remote" and len(got[0].tierkv_keys) == 4  # type: ignore[attr-defined]
 
 
-async def test_a_page_servers_failing_peer_link_is_logged(caplog: pytest.LogCaptureFixture) -> None:
-    """The gossip link to a peer that refuses connections counts the failure and logs it (it
-    kept only a counter and the last error string before)."""
-    import asyncio
+async def test_a_page_servers_unreachable_directory_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A page server's directory agent whose Redis refuses connections starts anyway (serving
+    pages does not need it), counts the failure and logs it, rate limited."""
     import socket
 
-    from tierkv.remote.server.gossip import PeerLink
+    pytest.importorskip("redis")
+    from tierkv.remote.membership.agent import DirectoryAgent
+    from tierkv.remote.membership.redis_directory import RedisDirectory
 
     with socket.socket() as s:  # a free port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    failed = asyncio.Event()
-
-    def forget(_: object) -> None:  # called as each attempt ends: after the failure is counted
-        if link.failures:
-            failed.set()
-
-    link = PeerLink(
-        "127.0.0.1:1",
-        f"127.0.0.1:{port}",
-        secret=b"s" * 32,
-        timeout=1.0,
-        interval=1.0,
-        held=set,
-        on_peers=lambda _: None,
-        on_hold=lambda *_: None,
-        forget=forget,
-    )
+    agent = DirectoryAgent(RedisDirectory(f"redis://127.0.0.1:{port}/0", timeout=0.5), "a:1", set)
     with caplog.at_level(logging.WARNING, logger="tierkv"):
-        link.start()
-        try:
-            await asyncio.wait_for(failed.wait(), 10)
-        finally:
-            await link.aclose()
-    got = records(caplog, "tierkv.remote.gossip")
-    assert got and f"link to 127.0.0.1:{port}" in got[0].getMessage()
-    assert got[0].tierkv_tier == "peer"  # type: ignore[attr-defined]
-    assert link.last_error and link.last_error in got[0].getMessage()
+        await agent.start()
+        await agent.aclose()
+    got = records(caplog, "tierkv.remote.directory")
+    assert got and "directory start" in got[0].getMessage()
+    assert got[0].tierkv_tier == "directory"  # type: ignore[attr-defined]
+    assert agent.errors >= 1 and not agent.registered

@@ -114,6 +114,9 @@ async def test_waiting_for_a_page_in_flight_is_woken_not_polled() -> None:
 async def test_a_page_that_never_lands_ends_the_wait_with_a_typed_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # a copy that hangs is modelled on a stream thread: a small cpu copy would otherwise run
+    # inline on the loop's thread (a memcpy, which always ends; issue 26)
+    monkeypatch.setenv("TIERKV_INLINE_COPIES", "0")
     async with KVStore(
         SPEC, device_bytes=8 * PAGE, host_bytes=40 * PAGE, codec=None, timeout=0.3
     ) as store:

@@ -21,7 +21,7 @@ import torch
 import tierkv
 from tierkv import Cold, Device, Disk, Host, Remote
 from tierkv import errors as e
-from tierkv.codecs import UnknownCodecError
+from tierkv.codecs import UnknownCodecError, create_codec
 from tierkv.store import KVStore
 from tierkv.tier_names import COLD, DEVICE, HOST
 
@@ -226,6 +226,18 @@ def test_no_chain_at_all_is_refused() -> None:
         KVStore(SPEC)
     with pytest.raises(e.TierConfigError):
         KVStore(SPEC, device_bytes=6 * PAGE)
+
+
+async def test_a_cold_entry_takes_a_codec_built_with_options() -> None:
+    """A Codec instance (head-sparse with its ranking, or any codec made by hand) stands in a
+    Cold entry and in the codec= keyword alike."""
+    codec = create_codec("fp16")
+    chain = [Device(bytes=4 * PAGE), Host(bytes=8 * PAGE), Cold(codec=codec, bytes=8 * PAGE)]
+    async with KVStore(SPEC, tiers=chain) as s:
+        assert s.chain.codec is codec and s.chain.codec_name == "fp16"
+        assert s.stats()["tiers"][COLD]["capacity"] > 0
+    s2 = KVStore(SPEC, device_bytes=4 * PAGE, host_bytes=8 * PAGE, codec=codec)
+    assert s2.chain.codec is codec
 
 
 def test_the_errors_are_the_families_callers_catch() -> None:

@@ -81,16 +81,24 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--lease-ttl", type=float, default=10.0, help="seconds a peer may pin pages")
     p.add_argument("--every", type=float, default=10.0, help="seconds between status lines")
     p.add_argument(
-        "--peer",
-        action="append",
-        default=[],
-        metavar="HOST:PORT",
-        help="another page server to share the page directory with (repeat; one seed is enough)",
+        "--directory",
+        metavar="URL",
+        help="the cluster directory to register in and publish this node's pages to: "
+        "redis://[[user]:password@]host:port/db or rediss:// (TLS); Redis or Valkey, standalone "
+        "or cluster. Without it, clients find this node's pages by asking it",
+    )
+    p.add_argument(
+        "--directory-ttl",
+        type=float,
+        default=5.0,
+        help="seconds this node stays in the directory's answers without a refresh (a killed "
+        "node leaves them within it)",
     )
     p.add_argument(
         "--advertise",
         metavar="HOST:PORT",
-        help="the address peers use to reach this server (default: the listening address)",
+        help="the address clients use to reach this server, and its node id in the directory "
+        "(default: the listening address)",
     )
     p.add_argument(
         "--metrics",
@@ -157,7 +165,7 @@ def _check(args: argparse.Namespace) -> None:
     parse_address(args.listen, "--listen")
     if args.metrics:
         parse_address(args.metrics, "--metrics")
-    for name in ("host_mb", "lease_ttl", "every", "sample_every"):
+    for name in ("host_mb", "lease_ttl", "every", "sample_every", "directory_ttl"):
         if not getattr(args, name) > 0:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be > 0")
     for name in ("layers", "kv_heads", "head_dim", "page_tokens", "trace_events"):
@@ -167,6 +175,10 @@ def _check(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise InvalidInputError(f"--trace: cannot write into {folder}")
+    if args.directory:
+        from tierkv.remote.membership.redis_directory import check_url
+
+        check_url(args.directory)  # DirectoryURLError (a ValueError) for one that does not parse
     _secret(args)
 
 
@@ -218,7 +230,8 @@ async def _serve(args: argparse.Namespace) -> int:
                 insecure=secret is None,
                 lease_ttl=args.lease_ttl,
                 transport_options={"shm": {"allow_uids": args.allow_uid}},
-                peers=args.peer,
+                directory=args.directory,
+                directory_ttl=args.directory_ttl,
                 advertise=args.advertise,
             )
             async with server, _metrics_http(server, args.metrics):
@@ -283,11 +296,22 @@ async def _until_stopped(server: PageServer, stop: asyncio.Event, args: argparse
             s = server.stats()
             print(
                 f"pages {s['pages']}/{s['host_capacity']}  leases {s['leases']}  "
-                f"expired {s['expired']}  peers {s['peers_connected']}/"
-                f"{len(s['peers'])}  watchers {s['watchers']}",
+                f"expired {s['expired']}  watchers {s['watchers']}"
+                f"{_directory_status(s)}",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _directory_status(s: dict[str, Any]) -> str:
+    """The directory's part of a status line (nothing without a directory)."""
+    if "directory_registered" not in s:
+        return ""
+    state = "registered" if s["directory_registered"] else "NOT registered"
+    return (
+        f"  directory {state}: {s['directory_published']} pages published, "
+        f"{s['directory_errors_total']} errors"
+    )
 
 
 def _sample(server: PageServer) -> None:

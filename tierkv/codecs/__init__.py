@@ -13,6 +13,7 @@ name           what                                         options
 ``bf16``       downcast to bfloat16                         ``saturate=False``
 ``int8``       int8, one fp32 scale per (K/V, head, channel)  -
 ``int8-group`` int8, one fp32 scale per G elements of a head  ``group_size=32``
+``head-sparse`` a layer's top KV heads fp16, the rest int8    ``ranking=``, ``keep=1``
 =============  ===========================================  =======================
 
 Layouts are drawn in :mod:`tierkv.codecs.header`, bounds stated in :mod:`.downcast` and
@@ -35,6 +36,7 @@ from tierkv.codecs.base import (
     UnknownCodecError,
 )
 from tierkv.codecs.downcast import Bf16Codec, DowncastCodec, Fp16Codec, IdentityCodec
+from tierkv.codecs.head_sparse import CalibrationError, HeadRanking, HeadSparseCodec
 from tierkv.codecs.header import HEADER_BYTES, MAGIC, VERSION, unpack_header
 from tierkv.codecs.int8 import Int8Codec, Int8GroupCodec
 from tierkv.errors import CorruptPageError, SpecError
@@ -44,6 +46,7 @@ from tierkv.transports.named import Registry
 __all__ = [
     "CODECS",
     "Bf16Codec",
+    "CalibrationError",
     "Codec",
     "CodecError",
     "CodecRangeError",
@@ -51,6 +54,8 @@ __all__ = [
     "CorruptPageError",
     "DowncastCodec",
     "Fp16Codec",
+    "HeadRanking",
+    "HeadSparseCodec",
     "IdentityCodec",
     "Int8Codec",
     "Int8GroupCodec",
@@ -72,6 +77,7 @@ CODECS: Registry[Codec] = Registry(
         "bf16": Bf16Codec,
         "int8": Int8Codec,
         "int8-group": Int8GroupCodec,
+        "head-sparse": HeadSparseCodec,
     },
     result=Codec,
     fold_case=True,
@@ -111,6 +117,7 @@ def codec_for(data: torch.Tensor) -> Codec:
     Raises:
         CorruptEncodingError: shorter than a header, bad magic or version.
         UnknownCodecError: a codec id that no codec here has.
+        CalibrationError: a head-sparse page (it needs its model's ranking).
     """
     row = data if data.dim() == 1 else data[0]
     if row.dtype != torch.uint8 or row.numel() < HEADER_BYTES:
@@ -121,6 +128,11 @@ def codec_for(data: torch.Tensor) -> Codec:
             f"not an encoded page: magic {h['magic']!r} version {h['version']}"
         )
     cid = h["codec_id"]
+    if cid == HeadSparseCodec.codec_id:
+        raise CalibrationError(
+            "head-sparse pages decode with their model's ranking: create_codec('head-sparse', "
+            "ranking=HeadRanking.load(...), keep=...)"
+        )
     if not isinstance(cid, int) or cid not in _BY_ID:
         raise UnknownCodecError(f"unknown codec id {cid} in page header")
     if cid == Int8GroupCodec.codec_id:

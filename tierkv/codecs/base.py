@@ -23,10 +23,13 @@ Every check runs before anything is written: a call that raises leaves ``out`` u
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
+from torch import Tensor
 
+from tierkv.codecs import fast
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
 from tierkv.errors import CorruptPageError, SpecError, TierKVError, UnknownNameError
 from tierkv.spec import ALIGN, KVSpec
@@ -55,6 +58,9 @@ class CorruptEncodingError(CodecError, CorruptPageError, ValueError):
 class UnknownCodecError(CodecError, UnknownNameError, KeyError):
     """No codec is registered under that name (or header id)."""
 
+
+Layers = Sequence[int] | torch.Tensor | None
+"""Each page's layer, for a codec that needs it (:attr:`Codec.needs_layers`)."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -105,6 +111,21 @@ def as_pages(t: torch.Tensor, spec: KVSpec, what: str) -> torch.Tensor:
     return t
 
 
+def decode_target(
+    out: torch.Tensor | None, n: int, spec: KVSpec, device: torch.device
+) -> torch.Tensor:
+    """Where a decode of ``n`` pages writes: ``out`` viewed as pages (uint8 slots get their
+    padding up to ``page_bytes`` zeroed), or new pages. Raises SpecError for a wrong ``out``."""
+    if out is None:
+        return torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=device)
+    if out.shape[0] != n:
+        raise SpecError(f"out: expected {n} pages, got {out.shape[0]}")
+    view = as_pages(out, spec, "out")
+    if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
+        out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
+    return view
+
+
 class Codec(ABC):
     """Encode and decode batches of KV pages to fixed-size, self-contained byte strings.
 
@@ -117,6 +138,7 @@ class Codec(ABC):
     lossless: ClassVar[bool] = False
     dtypes: ClassVar[tuple[torch.dtype, ...]] = FLOAT_DTYPES
     group_size: int = 0
+    needs_layers: ClassVar[bool] = False  # encode(..., layers=) takes each page's layer
     chunk_bytes: ClassVar[int] = 1 << 19
 
     @abstractmethod
@@ -149,6 +171,9 @@ class Codec(ABC):
     def _chunk(self, spec: KVSpec) -> int:
         return max(1, self.chunk_bytes // spec.page_bytes)
 
+    def _decode_chunk(self, spec: KVSpec) -> int:
+        return self._chunk(spec)
+
     def check_spec(self, spec: KVSpec) -> None:
         """Raise SpecError if this codec cannot encode pages of ``spec.dtype``."""
         if spec.dtype not in self.dtypes:
@@ -169,13 +194,18 @@ class Codec(ABC):
         return pack_header(self.codec_id, spec, self.group_size, self.encoded_bytes(spec))
 
     def encode(
-        self, pages: torch.Tensor, spec: KVSpec, out: torch.Tensor | None = None
+        self,
+        pages: torch.Tensor,
+        spec: KVSpec,
+        out: torch.Tensor | None = None,
+        layers: Sequence[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Encode ``N`` pages into ``[N, encoded_bytes(spec)]`` uint8 (``out`` if given).
 
         ``pages`` is ``[N, 2, H, T, D]`` in ``spec.dtype`` or ``[N, >= 2*kv_bytes]`` uint8
         slots. ``out`` is ``[N, >= encoded_bytes]`` uint8 that must not overlap ``pages``;
-        only its first ``encoded_bytes`` columns are written.
+        only its first ``encoded_bytes`` columns are written. ``layers``: each page's layer,
+        used by codecs with :attr:`needs_layers` (``head-sparse``), ignored by the others.
 
         Raises:
             SpecError: wrong shape or dtype, or a dtype this codec does not handle.
@@ -191,6 +221,12 @@ class Codec(ABC):
             raise SpecError(f"out: expected [{n}, >= {size}] uint8, got {list(out.shape)}")
         elif out.shape[1] < size:
             raise SpecError(f"out: {out.shape[1]} bytes per page, the codec needs {size}")
+        return self._encode_into(x, spec, out, layers)
+
+    def _encode_into(self, x: Tensor, spec: KVSpec, out: Tensor, layers: Layers) -> Tensor:
+        """Check ``x`` (pages) and encode it into ``out`` (checked): the chunked kernels, the
+        headers and the padding. A codec with a layout of its own overrides this."""
+        n, size = x.shape[0], self.encoded_bytes(spec)
         s_end = HEADER_BYTES + self.scale_bytes(spec)
         p_end = s_end + self.payload_bytes(spec)
         self._check(x)
@@ -234,20 +270,12 @@ class Codec(ABC):
         s_end = HEADER_BYTES + self.scale_bytes(spec)
         scales = data[:, HEADER_BYTES:s_end]
         if s_end > HEADER_BYTES:
-            sv = scales.view(torch.float32)
-            bad = ~(torch.isfinite(sv) & (sv >= 0)).all(dim=1)
+            bad = fast.bad_scales(scales)
             if bool(bad.any()):
                 raise CorruptEncodingError(f"pages {bad_pages(bad)}: negative or non-finite scales")
-        if out is None:
-            view = torch.empty((n, *spec.page_shape), dtype=spec.dtype, device=data.device)
-        else:
-            if out.shape[0] != n:
-                raise SpecError(f"out: expected {n} pages, got {out.shape[0]}")
-            view = as_pages(out, spec, "out")
-            if out.dtype == torch.uint8 and out.shape[1] >= spec.page_bytes:
-                out[:, 2 * spec.kv_bytes : spec.page_bytes] = 0
+        view = decode_target(out, n, spec, data.device)
         payload = data[:, s_end : s_end + self.payload_bytes(spec)]
-        step = self._chunk(spec)
+        step = self._decode_chunk(spec)
         for i in range(0, n, step):
             self._decode(scales[i : i + step], payload[i : i + step], view[i : i + step])
         return view

@@ -21,24 +21,31 @@ Its full prompt blocks then become reusable by the next cache whose prompt start
 rest copied); a store the original opened closes when the last of its copies closes.
 
 How a model's K/V reach the store: each batch row is one store sequence, each model layer one
-store layer. ``update(k, v, layer)`` leases that layer's pages of every row (loading them to the
-device tier if they were evicted), appends the new tokens and returns the whole layer::
+store layer, and each forward one store step (:mod:`tierkv.step`), planned at layer 0::
 
-    key_states [B, H_kv, n, D]  --row b-->  lease.append(seq_b, layer, k[b] [H, n, D], ...)
-    returned   [B, H_kv, S, D]  <--stack--  lease.kv(seq_b, layer) -> K [H, S, D], V [H, S, D]
+    update(k, v, 0)   store.step_plan(rows, tokens=n): pins, loads, new pages, row indices
+    update(k, v, L)   one wait for layer L's group (none inside a group that landed: no loop
+                      run), one append (two index_copy_), one gather (one index_select)
+    returned          [B, H_kv, S, D] K and V: views of the gathered copy
 
-so the device tier needs one layer's pages of the batch (plus a new page per row); the others
-wait on the host tier. After every second layer the next two layers' loads are submitted; they
-run while the model computes. A store the cache opens runs in the caller's thread, a shared
-one on its loop thread (:mod:`.hf_store`). The returned K/V are copies gathered from the pages,
-so greedy outputs are bit-identical to ``DynamicCache`` (live pages are never compressed
-unless ``compress_live``). A padded row (a zero in ``attention_mask``) shares nothing.
+so the device tier needs a few layers' pages of the batch at a time; the others wait on the
+host tier, and the next group of layers loads while the model computes. A store the cache
+opens runs in the caller's thread, a shared one on its loop thread (:mod:`.hf_store`). The
+returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
+``DynamicCache`` (live pages are never compressed unless ``compress_live``). A padded row (a
+zero in ``attention_mask``) shares nothing.
+
+This file stays whole (over 400 lines): the cache and its layer class are one transformers
+``Cache`` implementation; how it reaches its store and its rows' helpers are apart
+(:mod:`.hf_store`, :mod:`.hf_rows`).
 
 Unsupported, and raised as :class:`UnsupportedCacheOperation` (a ``NotImplementedError``):
 cache edits that the store cannot express yet (``crop`` of a non-zero count, as assisted and
 contrastive decoding do; ``reorder_cache``, as beam search does; ``batch_repeat_interleave``
 and ``batch_select_indices``), a batch size that changes after the first update, and models
 with sliding-window or other non-full-attention layers.
+
+This file stays whole (over 400 lines): transformers' Cache interface, one class and its layer.
 """
 
 from __future__ import annotations
@@ -52,10 +59,18 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierkv import validate
+from tierkv.attention.sparse import SparseLayers, SparseOptions, sparse_options
 from tierkv.errors import SpecError, StoreClosedError, TierKVError
 from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
-from tierkv.integrations.hf_store import Driver, StoreOwner, ThreadStore, open_store
+from tierkv.integrations.hf_store import (
+    Driver,
+    LocalStore,
+    StoreOwner,
+    ThreadStore,
+    open_store,
+)
 from tierkv.spec import KVSpec, parse_dtype
+from tierkv.step import LayerStep, StepPlan
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 
@@ -85,14 +100,6 @@ def kv_spec_for(
     if dtype is None:
         dtype = getattr(text, "dtype", None) or torch.float32
     return KVSpec(layers, kv_heads, head_dim, parse_dtype(dtype), page_tokens)
-
-
-def _ahead(layer: int, layers: int, window: int) -> list[int] | None:
-    """The layers to prefetch after ``layer``: the next ``window`` ones (wrapping to the next
-    step's first layers) after every ``window``-th layer and after the last; else None."""
-    if window < 1 or layers < 2 or ((layer + 1) % window and layer != layers - 1):
-        return None
-    return [(layer + 1 + i) % layers for i in range(min(window, layers - 1))]
 
 
 def _check_full_attention(config: Any) -> None:
@@ -177,14 +184,20 @@ class TieredCache(Cache):
         dtype: the KV dtype; must be the model's (default: the config's, else float32).
         page_tokens: tokens per page.
         prefetch: load the coming layers' pages in the background while the model computes.
-        prefetch_layers: after every ``prefetch_layers``-th layer, prefetch the next that many
-            (2: half the copy submissions of one at a time; best effort, within the room).
+        prefetch_layers: how many layers load ahead of the one computing (the step's window,
+            :mod:`tierkv.step`; it shrinks where the device cannot hold that many).
+        sparse_topk, sparse_recent, host_attention: decode attends the ``sparse_topk`` best
+            pages by key summary plus the first and the ``sparse_recent`` last; pages only the
+            host holds are attended there (``"auto"``: when they exceed the device's room or
+            a transfer burst is on; :mod:`tierkv.attention.sparse`; the model's
+            attention must be ``"tierkv"``: :func:`tierkv.attention.hf.route`). Off: None/False.
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
         SpecError: no config and no store, a config without attention fields, budgets that hold
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
+        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` < 0.
     """
 
     def __init__(
@@ -198,9 +211,13 @@ class TieredCache(Cache):
         page_tokens: int = 16,
         prefetch: bool = True,
         prefetch_layers: int = 2,
+        sparse_topk: int | None = None,
+        sparse_recent: int = 2,
+        host_attention: bool | str = False,
         **store_kwargs: Any,
     ) -> None:
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
+        sparse = SparseOptions(sparse_topk, sparse_recent, host=host_attention)
         driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
@@ -214,16 +231,21 @@ class TieredCache(Cache):
         else:
             driver = ThreadStore(store)
             owner = None
-        self._setup(driver, owner, prefetch_layers if prefetch else 0)
+        sparse = sparse_options(sparse, driver.store, owner.drop if owner is not None else None)
+        self._setup(driver, owner, prefetch_layers if prefetch else 0, sparse)
 
-    def _setup(self, driver: Driver, owner: StoreOwner | None, prefetch: int) -> None:
+    def _setup(
+        self, driver: Driver, owner: StoreOwner | None, prefetch: int, sparse: SparseOptions
+    ) -> None:
         self.spec = driver.store.spec
         self._driver = driver
         self._owner = owner  # the store this cache (and its copies) opened, else None
-        self.prefetch_layers = prefetch  # 0: no prefetch
+        self.prefetch_layers = 0 if sparse.active else prefetch  # 0: no prefetch
+        self._sparse = SparseLayers(driver.store, self.spec, sparse) if sparse.active else None
         self._prefix = f"hf-{next(_cache_ids)}"
         self._seq_ids: list[str] = []
         self._closed = False
+        self._plan: StepPlan | None = None  # the step of the forward under way
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         super().__init__(layers=list(self._layers))
 
@@ -239,15 +261,30 @@ class TieredCache(Cache):
             raise UnsupportedCacheOperation(
                 f"batch size changed from {len(self._seq_ids)} to {batch} on a TieredCache"
             )
-        idx, last = layer.layer_idx, self.spec.num_layers - 1
-        ahead = _ahead(idx, self.spec.num_layers, self.prefetch_layers)
-        kvs = self._driver.run(self._append_and_read(self._seq_ids, idx, k, v, ahead, idx == last))
-        layer.length += n
-        if batch == 1:
-            keys, values = kvs[0][0].unsqueeze(0), kvs[0][1].unsqueeze(0)
+        idx = layer.layer_idx
+        if self._sparse is not None:  # append only; the "tierkv" attention reads the pages
+            last = idx == self.spec.num_layers - 1
+            self._sparse.update(self._driver.run, self._seq_ids, idx, k, v, last)
+            layer.length += n
+            return k, v
+        plan = self._plan
+        if idx == 0 and plan is not None:  # a forward that stopped half way: its plan
+            self._end_plan()
+            plan = None
+        # inside a group of layers that has landed, nothing waits: no loop run (tierkv.step);
+        # only where this thread drives the store (a shared store's state is its loop's)
+        local = isinstance(self._driver, LocalStore)
+        step = plan.layer_now(idx) if plan is not None and local else None
+        if step is not None and idx != self.spec.num_layers - 1:
+            try:
+                step.append(k, v)
+                keys, values = step.kv()
+            except BaseException:
+                self._end_plan()
+                raise
         else:
-            keys = torch.stack([kk for kk, _ in kvs])
-            values = torch.stack([vv for _, vv in kvs])
+            keys, values = self._driver.run(self._layer_step(idx, k, v, step))
+        layer.length += n
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
@@ -291,29 +328,41 @@ class TieredCache(Cache):
             layer.length = reused
         return reused
 
-    async def _append_and_read(
-        self,
-        ids: list[str],
-        layer: int,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        ahead: list[int] | None,
-        last: bool,
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        # One run on the store's loop per update; then the next layer's loads are submitted.
+    async def _layer_step(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, step: LayerStep | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # One run on the store's loop per update. The forward is one step of the store
+        # (tierkv.step): planned at layer 0, ended after the last layer; each layer waits for
+        # its pages (loaded ahead), appends and gathers with precomputed indices.
         store = self._driver.store
-        async with store.lease(ids, [layer]) as lease:
-            for b, sid in enumerate(ids):
-                await lease.append(sid, layer, k[b], v[b])
-            kvs = [lease.kv(sid, layer) for sid in ids]
-        if ahead is not None:
-            await store.prefetch(ids, ahead, wait=False)
-        if last:
+        plan = self._plan
+        if plan is None:
+            plan = store.step_plan(self._seq_ids, tokens=k.shape[2], ahead=self.prefetch_layers)
+            await plan.__aenter__()
+            self._plan = plan
+        try:
+            if step is None:
+                step = await plan.layer(layer)
+            step.append(k, v)
+            kv = step.kv()
+        except BaseException as exc:
+            self._plan = None
+            await plan.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
+        if layer == self.spec.num_layers - 1:
+            self._plan = None
+            await plan.__aexit__(None, None, None)
             store.step()
-        return kvs
+        return kv
+
+    def _end_plan(self) -> None:
+        plan, self._plan = self._plan, None
+        if plan is not None:
+            self._driver.run(plan.__aexit__(None, None, None))
 
     def reset(self) -> None:
         """Drop every token (the store's sequences are released); the cache stays usable."""
+        self._end_plan()
         self._release()
         for layer in self.layers:
             layer.reset()
@@ -325,8 +374,11 @@ class TieredCache(Cache):
         return self._driver.store
 
     def stats(self) -> dict[str, Any]:
-        """The store's figures (see :meth:`tierkv.KVStore.stats`)."""
-        return self._driver.call(self._driver.store.stats)
+        """The store's figures (:meth:`tierkv.KVStore.stats`; ``"sparse"``: the sparse path's)."""
+        got = self._driver.call(self._driver.store.stats)
+        if self._sparse is not None:
+            got["sparse"] = self._sparse.counters.as_dict()
+        return got
 
     def full_kv_bytes(self) -> int:
         """Page bytes of the cache's tokens in all layers (what an all-resident tier holds)."""
@@ -337,6 +389,8 @@ class TieredCache(Cache):
         store = self._driver.store
         for sid in ids:
             self._driver.run(store.release(sid))
+            if self._sparse is not None:  # (its summaries go with it)
+                self._sparse.summaries.drop(sid)
 
     def close(self) -> None:
         """Release the store's sequences (and close the store if the cache opened it and no
@@ -348,6 +402,7 @@ class TieredCache(Cache):
             return
         self._closed = True
         try:
+            self._end_plan()
             self._release()
         finally:
             if self._owner is not None:
@@ -362,10 +417,12 @@ class TieredCache(Cache):
         """
         if self._closed:
             raise StoreClosedError("TieredCache is closed: nothing to copy")
+        if self._sparse is not None:
+            raise UnsupportedCacheOperation("a TieredCache with sparse attention cannot be copied")
         new = TieredCache.__new__(TieredCache)
         if self._owner is not None:
             self._owner.refs += 1
-        new._setup(self._driver, self._owner, self.prefetch_layers)
+        new._setup(self._driver, self._owner, self.prefetch_layers, SparseOptions())
         try:
             if self._seq_ids:
                 ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]

@@ -15,7 +15,8 @@ docs/remote.md. The package is split by role, imports running one way (no side i
 other's modules)::
 
     sources/    the clients of a PageSource (RemoteTier, RemoteCluster, Watch, RedisTier)
-    server/     PageServer, its admission, directory, mesh (gossip), watches, hosting
+    server/     PageServer, its admission, directory (leases), watches, hosting
+    membership/ the cluster directory in Redis / Valkey: who is live, who holds which page
     protocol/   what both sides speak: messages and limits, the Control connection, secrets
     errors.py   the RemoteError tree;  store_io.py: prefix helpers over any PageSource
 
@@ -23,6 +24,7 @@ The store's own glue (the `PageSource` protocol, `StoreRemote`, `Pusher`) lives 
 (tierkv/page_source.py, remote_tier.py, push.py): the store never imports this package.
 
     sources ──> protocol <── server        (both ──> errors, tierkv.transports)
+         └──> membership <──┘
 """
 
 from __future__ import annotations

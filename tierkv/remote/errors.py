@@ -7,8 +7,13 @@
     ├── RemoteTimeoutError        a bounded wait on the page server ran out (also TimeoutError)
     ├── RemoteProtocolError       a malformed or unexpected control message
     ├── LeaseExpiredError         a write lease ended before its commit: nothing was stored
-    └── RemoteRefusedError        the server said no: bad auth, spec mismatch, unknown op
-         └── RemoteFullError      no room in the server's host tier (everything pinned)
+    ├── RemoteRefusedError        the server said no: bad auth, spec mismatch, unknown op
+    │    └── RemoteFullError      no room in the server's host tier (everything pinned)
+    └── DirectoryError            the cluster directory (Redis / Valkey) cannot be used
+         ├── DirectoryURLError    a directory URL or option that does not parse (also a
+         │                        ValueError, an InvalidInputError)
+         ├── DirectoryAuthError   the directory's Redis refused our credentials
+         └── NodeIdTakenError     another live node holds our node id (its address)
 
 Transport errors (`transports.TransportError`) are mapped at the boundary with
 ``raise ... from exc``: `PeerError` -> PeerGoneError, `TransferTimeoutError` ->
@@ -19,10 +24,14 @@ from __future__ import annotations
 
 import tierkv.transports as transports
 from tierkv.boundary import register_transport_mapper
-from tierkv.errors import TierKVError
+from tierkv.errors import InvalidInputError, TierKVError
 
 __all__ = [
+    "DirectoryAuthError",
+    "DirectoryError",
+    "DirectoryURLError",
     "LeaseExpiredError",
+    "NodeIdTakenError",
     "PeerGoneError",
     "RemoteError",
     "RemoteFullError",
@@ -61,6 +70,25 @@ class RemoteRefusedError(RemoteError):
 
 class RemoteFullError(RemoteRefusedError):
     """The page server's host tier has no room for the pages to publish."""
+
+
+class DirectoryError(RemoteError):
+    """The cluster directory (tierkv.remote.membership) cannot be used as configured. Raised at
+    start only: once running, a directory that fails answers "not known" and is retried."""
+
+
+class DirectoryURLError(DirectoryError, InvalidInputError):
+    """A directory URL (``redis://``, ``rediss://``, with or without a password) or option that
+    does not parse."""
+
+
+class DirectoryAuthError(DirectoryError):
+    """The directory's Redis / Valkey refused our credentials (wrong or missing password)."""
+
+
+class NodeIdTakenError(DirectoryError):
+    """Another live node holds the node id (the address) we register under; a node that died
+    lets go of it within its ttl."""
 
 
 def map_transport_error(exc: transports.TransportError, what: str) -> RemoteError:

@@ -12,13 +12,14 @@ A step (see :mod:`tierkv.serving.scheduler` for what runs in it)::
 
     admit waiting requests   store.add_sequence(id, prompt) -> cached prompt tokens (skipped)
     store.schedule([step ids, next ids])       pages of the coming steps prefetched
-    for each layer:                            one lease of this layer's pages of the step
-        q, k, v of all rows at once; per request lease.append(k, v), attention over lease.kv
-        prefetch layer + 1 while the rest of the layer computes
+    store.step_plan(step ids, tokens=counts)   the step planned once (tierkv.step): layers load
+    for each layer:                            in groups, the next group while this one computes
+        q, k, v of all rows at once; one append of every request's k, v (index_copy_), one
+        gather of their K/V (index_select), attention per request over its views
     sample the requests whose prompt is complete; store.add_tokens; store.step()
     release finished and cancelled requests   full blocks stay cached for later prompts
 
-The device tier only needs one layer's pages of the step at a time, so it can be much smaller
+The device tier only needs a few layers' pages of the step at a time, so it can be much smaller
 than the live KV (by default half of ``max_running`` full contexts); the host tier holds the
 rest. When the store is shared and the device is pinned full, a lease waits its turn (the
 store's backpressure) and the step with it; nothing fails.
@@ -67,7 +68,7 @@ class EngineConfig:
         device_bytes: device tier (None: half the KV of ``max_running`` full contexts).
         host_bytes: host tier (None: twice the KV of ``max_running`` full contexts).
         prefix_reuse: load the cached KV of a prompt's prefix instead of computing it.
-        prefetch: prefetch layer ``L + 1`` of the step while layer ``L`` computes.
+        prefetch: load the step's next layers while a layer computes (tierkv.step).
         codec: the store's cold-pool codec (None: none; a lossy one changes warm outputs).
         timeout: the store's bound on every wait, in seconds.
 
@@ -421,17 +422,18 @@ class Engine:
         with torch.inference_mode():
             x = model.embed(torch.tensor(tokens))
             pos = torch.tensor(positions)
-            for layer in range(model.num_layers):
-                q, k, v = model.qkv(layer, x, pos)
-                parts: list[torch.Tensor] = []
-                async with store.lease(ids, [layer]) as lease:
-                    for req, a, b, past in rows:
-                        await lease.append(req.rid, layer, k[:, a:b], v[:, a:b])
-                        kk, vv = lease.kv(req.rid, layer)
-                        parts.append(model.attend(layer, q[:, a:b], kk, vv, past))
-                if cfg.prefetch and layer + 1 < model.num_layers:
-                    await store.prefetch(ids, [layer + 1], wait=False)
-                x = model.finish(layer, x, torch.cat(parts))
+            counts = [b - a for _, a, b, _ in rows]
+            ahead = 2 if cfg.prefetch else 0
+            async with store.step_plan(ids, tokens=counts, ahead=ahead) as plan:
+                for layer in range(model.num_layers):
+                    q, k, v = model.qkv(layer, x, pos)
+                    h = plan.layer_now(layer) or await plan.layer(layer)
+                    h.append(k, v)  # [H, N, D]: the requests' tokens one after another
+                    parts = [
+                        model.attend(layer, q[:, a:b], kk, vv, past)
+                        for (_, a, b, past), (kk, vv) in zip(rows, h.kv_list())
+                    ]
+                    x = model.finish(layer, x, torch.cat(parts))
             sample = [(req, b - 1) for req, a, b, past in rows if b - a + past >= len(req.prompt)]
             logits = model.logits(x[[r for _, r in sample]]) if sample else None
         now = time.perf_counter()

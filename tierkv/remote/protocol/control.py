@@ -1,7 +1,6 @@
 """A control connection with a reader task: replies go to their callers, events to a handler.
 
-Used by `RemoteTier`, and where the server speaks unasked: peer links between page servers (the
-directory) and watches (eviction announcements)::
+Used by `RemoteTier`, and where the server speaks unasked: watches (eviction announcements)::
 
     Control(address, secret=s).open()  -> hello fields (after the mutual handshake of
                                           transports.session: the server proves the secret too)

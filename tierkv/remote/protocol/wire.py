@@ -17,10 +17,9 @@ the reply echoes ``id`` and carries either the fields below or ``err`` (a code) 
     commit   {"lease", "ok"}             -> {"stored", "corrupt"}   err "expired": the lease
                                              ended first
     stats    {}                          -> {"pages", "leases", "peers", "watchers", ...}
-    locate   {"keys"}                    -> {"nodes"}   a node address per leading page held
+    locate   {"keys"}                    -> {"nodes"}   our address per leading page we hold
     watch    {"keys"}                    -> {"held"}    per key: held now (then watched)
     unwatch  {"keys"}                    -> {}
-    hold     {"node", "full", "add", "drop"} -> {"peers"}   a peer's holdings (gossip.py)
 
     server -> client, unasked, on a connection that watches:
              {"ev": "gone", "keys"}      watched pages that left the host tier
@@ -33,7 +32,7 @@ without ``sums``, a ``-1``) is corrupt; so is, for a reader, every page of a ser
 ``acquire`` answers without them.
 
 Roles in the handshake: the server is a ``page-server`` (its id: its address); a client is a
-``client`` (RemoteTier, Watch) or a ``page-server`` (a peer link, its id: its address).
+``client`` (RemoteTier, Watch) or a ``page-server`` (its id: its address).
 Error codes: ``auth``, ``spec``, ``full``, ``expired`` (a write lease that ended before its
 commit), ``bad`` (malformed request), ``op`` (unknown op).
 """

@@ -3,9 +3,7 @@
     page_server.py  PageServer: lifecycle, the control socket's connections, the requests
     admission.py    who may connect: per-address caps and penalties decided at accept time,
                     before anything is read or allocated for a connection
-    mesh.py         the directory shared among page servers: peer links, locate, hold
     directory.py    Directory: served pages' slots, generations and leases
-    gossip.py       PeerIndex (which node holds what) and PeerLink (one link to a peer)
     watches.py      WatchHub: eviction announcements to watching clients
     hosting.py      the host arena on memory a transport can serve (shm segment, registration)
 

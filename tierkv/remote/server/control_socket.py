@@ -10,7 +10,7 @@ whatever the requests mean (page_server.py answers them)::
           recv (tagged, REQUEST_LIMITS) ─> answer(msg, owner, session, address) ─> send
                   │ EOF / error
                   v
-          closed(owner): leases, watches and gossip of that connection end
+          closed(owner): leases and watches of that connection end
 
 Every end is counted and logged by `audit` (refused authentication, protocol errors, budget
 hits: the hello deadline, a send that does not drain within the timeout).

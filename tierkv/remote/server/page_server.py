@@ -12,8 +12,9 @@
 Only content pages (shareable, immutable) that are readable in the host tier are served. A
 connection that closes drops its leases (pins released, generations bumped) and its watches.
 
-With ``peers``, servers keep a directory of which node holds which page among themselves
-(mesh.py, gossip.py: `locate` answers for every node), and a client may `watch` pages to hear
+With a ``directory`` (Redis / Valkey: tierkv.remote.membership), the server registers there
+and keeps what its host tier holds published, so that a `RemoteCluster` finds which node holds
+which page; without one it answers for its own pages only. A client may `watch` pages to hear
 when they leave this host tier (watches.py).
 
 Hostile peers (docs/security.md): the accept loop (tierkv.transports.acceptor) judges each new
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote.errors import (
@@ -43,7 +44,6 @@ from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, 
 from tierkv.remote.server.control_socket import ControlSocket
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
-from tierkv.remote.server.mesh import Mesh
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
@@ -51,6 +51,10 @@ from tierkv.transports import Transport, TransportError, create
 from tierkv.transports.fence import WriteGuard
 from tierkv.transports.guard import Audit, Gate
 from tierkv.transports.session import HELLO_DEADLINE, StreamSession
+
+if TYPE_CHECKING:  # the directory needs the `redis` extra: imported when one is given
+    from tierkv.remote.membership.agent import DirectoryAgent
+    from tierkv.remote.membership.redis_directory import RedisDirectory
 
 __all__ = ["PageServer"]
 
@@ -75,12 +79,12 @@ class PageServer:
             (default: the whole host tier); past it, reserve answers "full".
         timeout: bound of the transports' transfers and of a client's hello.
         transport_options: extra keyword arguments per transport name.
-        peers: other page servers (``host:port``) to share the directory with; one seed is
-            enough (the others are learned). None / empty: a single node.
-        advertise: our address as peers reach it (default: ``host:port`` once bound).
-        sync_interval: seconds between directory messages to a peer when nothing changes
-            (changes go out within ``sync_linger`` seconds).
-        max_peers: the most peer links this server keeps.
+        directory: the cluster directory to register in and publish our pages to: a URL
+            (``redis://[:password@]host:port/db``, ``rediss://`` for TLS) or a
+            `RedisDirectory`. None: no directory (clients find our pages by asking us).
+        directory_ttl: seconds our registration lives without a refresh (with a URL).
+        advertise: our address as clients reach it, and our node id in the directory
+            (default: ``host:port`` once bound).
         watch_pending: departed keys a watcher may have queued before it is dropped.
         max_conns_per_peer / max_preauth_per_peer: open connections per peer address (all /
             not yet authenticated); past them a connection is refused (a budget hit).
@@ -92,12 +96,12 @@ class PageServer:
             seconds (default: the hello deadline) before it is reset, at most this many at
             once (past that, reset at once): a flooding client that waits for an answer
             then reconnects that much slower.
-        peer_links_per_minute: new peer links this server may open (beyond the seeds).
-        ssl / peer_ssl: TLS contexts of the control socket (server side) and of our links to
-            peers (client side); docs/security.md.
+        ssl: TLS context of the control socket (server side); docs/security.md.
 
-    Raises ValueError (no secret, empty secret, insecure off loopback); RemoteError (from
-    `start`) when the arena cannot be shared or a transport fails.
+    Raises ValueError (no secret, empty secret, insecure off loopback), DirectoryURLError (a
+    directory URL that does not parse); from `start`: RemoteError when the arena cannot be
+    shared or a transport fails, DirectoryAuthError (the directory refused our credentials),
+    NodeIdTakenError (another live node registered our address).
     """
 
     def __init__(
@@ -113,11 +117,9 @@ class PageServer:
         max_writing: int | None = None,
         timeout: float = 10.0,
         transport_options: dict[str, dict[str, Any]] | None = None,
-        peers: list[str] | tuple[str, ...] | None = None,
+        directory: str | RedisDirectory | None = None,
+        directory_ttl: float = 5.0,
         advertise: str | None = None,
-        sync_interval: float = 1.0,
-        sync_linger: float = 0.02,
-        max_peers: int = 64,
         watch_pending: int = 1 << 16,
         max_conns_per_peer: int = 256,
         max_preauth_per_peer: int = 32,
@@ -125,9 +127,7 @@ class PageServer:
         max_preauth_failures: int | None = 64,
         refused_hold: float | None = None,
         max_refused_held: int = 256,
-        peer_links_per_minute: float = 30.0,
         ssl: SSLContext | None = None,
-        peer_ssl: SSLContext | None = None,
     ) -> None:
         self.ssl = ssl
         self.store = store
@@ -143,22 +143,14 @@ class PageServer:
         self.transports: dict[str, Transport] = {}
         self.shared: dict[str, SharedArena] = {}
         self.directory: Directory | None = None
-        self.seeds = list(peers or [])
         self._advertise = advertise
         self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
-        self.mesh = Mesh(
-            lambda: self.address,
-            holds=self._holds,
-            held=self._held,
-            on_departed=self.watches.announce,
-            secret=self.secret,
-            timeout=timeout,
-            interval=sync_interval,
-            linger=sync_linger,
-            max_peers=max_peers,
-            links_per_minute=peer_links_per_minute,
-            ssl=peer_ssl,
-        )
+        if isinstance(directory, str):
+            from tierkv.remote.membership.redis_directory import RedisDirectory
+
+            directory = RedisDirectory(directory, ttl=directory_ttl)
+        self._redis_directory = directory
+        self.agent: DirectoryAgent | None = None
         self.audit = Audit("page-server")
         self.gate = Gate(
             per_peer=max_conns_per_peer,
@@ -215,14 +207,25 @@ class PageServer:
             await self.aclose()
             raise
         self.store.tiers.glue.add_host_listener(self._on_left)
-        self.mesh.start(self.seeds)
+        if self._redis_directory is not None:
+            from tierkv.remote.membership.agent import DirectoryAgent
+
+            agent = DirectoryAgent(self._redis_directory, self.address, self._held)
+            try:
+                self.agent = await agent.start()
+            except BaseException:
+                await agent.aclose()
+                await self.aclose()
+                raise
         return self
 
     async def aclose(self) -> None:
         """Stop serving: close connections (their leases end), then the transports."""
         self.control.stop_accepting()
         self.store.tiers.glue.remove_host_listener(self._on_left)
-        await self.mesh.aclose()
+        agent, self.agent = self.agent, None
+        if agent is not None:
+            await agent.aclose()  # our pages leave every answer now
         self.watches.close_all()
         await self.control.aclose()  # handlers end, their leases with them
         if self.directory is not None:
@@ -279,8 +282,8 @@ class PageServer:
                 # the peer's bytes, before they are served (its commit says its writes ended)
                 corrupt = d.verify(lease, owner) if ok else 0
                 stored = d.commit(lease, ok, owner)
-                if stored:
-                    self.mesh.changed()  # peers hear of published pages at once
+                if stored and self.agent is not None:
+                    self.agent.changed()  # the directory hears of published pages at once
                 return {"stored": stored, "corrupt": corrupt}
             if op == "locate":
                 return {"nodes": self.locate(keys_of(msg))}
@@ -289,8 +292,6 @@ class PageServer:
             if op == "unwatch":
                 self.watches.unwatch(owner, keys_of(msg))
                 return {}
-            if op == "hold":
-                return self.mesh.hold(msg, owner, session, addr)
             if op == "hello":
                 return self._hello()
             if op == "stats":
@@ -319,13 +320,10 @@ class PageServer:
             "quarantined": d.quarantined,
             "fenced_total": d.fenced,
             "late_commits_total": d.late_commits,
-            "peers": sorted(self.mesh.links),
-            "peers_connected": self.mesh.connected,
-            "peer_pages": self.mesh.index.pages(),
             "watchers": self.watches.watchers,
             "announced": self.watches.announced,
             "watchers_dropped": self.watches.dropped,
-            "peer_links_refused_total": self.mesh.links_refused,
+            **(self.agent.stats() if self.agent is not None else {}),
             "sessions": self.control.sessions,
             "refused_held": self.control.held,
             **self.audit.stats(),
@@ -362,11 +360,10 @@ class PageServer:
 
     # -- the directory shared with peers, and announcements --------------------------------
     def _closed(self, owner: object) -> None:
-        """A control connection ended: its leases, watches and gossip go."""
+        """A control connection ended: its leases and watches go."""
         if self.directory is not None:
             self.directory.expire_all(owner)
         self.watches.close(owner)
-        self.mesh.closed(owner)
 
     def _holds(self, key: bytes) -> bool:
         return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))
@@ -376,20 +373,19 @@ class PageServer:
         return self.directory.held()
 
     def locate(self, keys: list[bytes]) -> list[str]:
-        """For the leading pages of ``keys`` that some node holds, the address of one
-        (ours first); stops at the first page no known node holds."""
-        return self.mesh.locate(keys)
-
-    def add_peer(self, address: str, *, configured: bool = True) -> bool:
-        """Link to another page server (idempotent); False when it is us, over ``max_peers``,
-        or (not ``configured``) over the link rate. Raises ValueError for an address that is
-        not ``host:port``."""
-        return self.mesh.add_peer(address, configured=configured)
+        """Our address for each leading page of ``keys`` that we hold (the cluster's other
+        nodes are found through the directory: `RemoteCluster`)."""
+        n = 0
+        while n < len(keys) and self._holds(keys[n]):
+            n += 1
+        return [self.address] * n
 
     def _on_left(self, keys: list[bytes]) -> None:
-        """Pages left our host tier: announce them now; peers hear of it at the next sync."""
+        """Pages left our host tier: announce them now; the directory hears of it within
+        the agent's linger."""
         self.watches.announce(keys)
-        self.mesh.changed()
+        if self.agent is not None:
+            self.agent.changed()
 
 
 def _packed(shared: SharedArena) -> bytes:

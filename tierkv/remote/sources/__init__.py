@@ -10,7 +10,7 @@ it. A store, `import_prefix` and `publish_prefix` need only this side::
                     redis_ask.py: reads that follow a slot migration)
 
 Why a package of its own: a process that only reads and writes pages (a decode worker, a
-store with ``remote=``) never imports the page server, its directory or its gossip. This side
+store with ``remote=``) never imports the page server or its directory. This side
 imports the messages both sides speak (tierkv.remote.protocol), never tierkv.remote.server;
 the server never imports this side. The modules are imported by path (this file re-exports
 nothing), so importing `source` costs nothing else.

@@ -1,16 +1,22 @@
-"""`RemoteCluster`: the page servers of a cluster as one `PageSource`, reached from a seed.
+"""`RemoteCluster`: the page servers of a cluster as one `PageSource`.
 
 ::
 
-    cluster = RemoteCluster(["10.0.0.7:7600"], transport="tcp", secret=s, spec=spec)
-    n = await cluster.lookup(keys)           # seed.locate(keys): one node per leading page
+    cluster = RemoteCluster(["10.0.0.7:7600"], directory="redis://10.0.0.5:6379/0",
+                            transport="tcp", secret=s, spec=spec)
+    n = await cluster.lookup(keys)           # locate(keys): one live node per leading page
     got = await cluster.load(keys, arr, slots)   # runs of pages, each from the node holding it
                                                  #   A A A B B C -> A.load(3), B.load(2), C.load(1)
-    await cluster.publish(keys, arr, slots)  # to the seed's node
+    await cluster.publish(keys, arr, slots)  # to the first seed that answers
+
+With a ``directory`` (tierkv.remote.membership: the page servers publish what they hold there),
+`locate` is one round trip to Redis per 1,000 keys, and any live node may serve; a directory
+that fails or is slow answers "not known" (misses, counted in ``directory_errors``, a warning),
+never an exception. Without one, the cluster is the ``seeds`` alone: `locate` asks each of them
+which leading pages it holds, one run at a time.
 
 Clients (`RemoteTier`) connect lazily, one per node, and are dropped when they fail; a node
-that failed is skipped for ``retry_after`` seconds (its pages count as not held). Any seed that
-answers will do: the first reachable one is used.
+that failed is skipped for ``retry_after`` seconds (its pages count as not held).
 """
 
 from __future__ import annotations
@@ -18,16 +24,20 @@ from __future__ import annotations
 import asyncio
 import time
 from ssl import SSLContext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, SpecError
+from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
-from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.remote.errors import DirectoryError, PeerGoneError, RemoteError, RemoteTimeoutError
 from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
+
+if TYPE_CHECKING:  # the directory needs the `redis` extra: imported when one is given
+    from tierkv.remote.membership.redis_directory import RedisDirectory
 
 __all__ = ["RemoteCluster"]
 
@@ -36,7 +46,10 @@ class RemoteCluster:
     """Several page servers as one page source (see the module docstring).
 
     Args:
-        seeds: ``host:port`` of one or more page servers of the cluster.
+        seeds: ``host:port`` of page servers of the cluster (publishes go to the first that
+            answers; without a directory, the cluster is these nodes).
+        directory: the cluster directory: a URL (``redis://``, ``rediss://``, with a password
+            or not) or a `RedisDirectory`. None: ask the seeds.
         transport, secret, spec, timeout, transport_options, ssl: as for `RemoteTier`, for
             every node.
         retry_after: seconds a node that failed is left alone.
@@ -44,8 +57,9 @@ class RemoteCluster:
 
     def __init__(
         self,
-        seeds: list[str] | str,
+        seeds: list[str] | str | None = None,
         *,
+        directory: str | RedisDirectory | None = None,
         transport: str = "tcp",
         secret: bytes | None = None,
         spec: KVSpec | None = None,
@@ -54,9 +68,17 @@ class RemoteCluster:
         retry_after: float = 1.0,
         ssl: SSLContext | None = None,
     ) -> None:
-        self.seeds = [seeds] if isinstance(seeds, str) else list(seeds)
-        if not self.seeds:
-            raise InvalidInputError("a cluster needs at least one seed address")
+        self.seeds = [seeds] if isinstance(seeds, str) else list(seeds or [])
+        if not self.seeds and directory is None:
+            raise InvalidInputError("a cluster needs a directory or at least one seed address")
+        if isinstance(directory, str):
+            from tierkv.remote.membership.redis_directory import RedisDirectory
+
+            directory = RedisDirectory(directory)
+        self.directory = directory
+        self._dir_ready: asyncio.Future[None] | None = None  # the directory's connect
+        self.directory_errors = 0
+        self._failures = FailureLog("tierkv.remote.directory")
         self._kw: dict[str, Any] = {
             "transport": transport,
             "secret": secret,
@@ -127,9 +149,66 @@ class RemoteCluster:
             raise
 
     async def locate(self, keys: list[bytes]) -> list[str]:
-        """Per leading page of ``keys``, a node holding it (asked of a seed)."""
-        nodes: list[str] = await self._call_seed("locate", keys)
-        return nodes
+        """Per leading page of ``keys``, a live node holding it (the directory's answer, or
+        the seeds'); shorter than ``keys`` from the first page no node is known to hold."""
+        if self.directory is None:
+            return await self._ask_seeds(keys)
+        from redis.exceptions import RedisError  # (the directory imported redis already)
+
+        try:
+            holders = await asyncio.wait_for(self._holders(keys), self.directory.timeout)
+        except (RedisError, OSError, TimeoutError, DirectoryError) as exc:
+            self.directory_errors += 1
+            self._failures.report("directory locate", exc, tier="directory", keys=keys)
+            return []  # not known: misses, never an error into the store
+        out: list[str] = []
+        now = time.monotonic()
+        for nodes in holders:
+            nodes = [n for n in nodes if self._down.get(n, 0.0) <= now]
+            if not nodes:
+                break
+            out.append(out[-1] if out and out[-1] in nodes else nodes[0])  # runs stay whole
+        return out
+
+    async def _connect_directory(self) -> None:
+        assert self.directory is not None
+        await self.directory.connect()
+
+    async def _holders(self, keys: list[bytes]) -> list[list[str]]:
+        assert self.directory is not None
+        ready = self._dir_ready
+        if ready is None or (ready.done() and (ready.cancelled() or ready.exception())):
+            ready = self._dir_ready = asyncio.ensure_future(self._connect_directory())
+        await asyncio.shield(ready)
+        return await self.directory.locate(keys)
+
+    async def _ask_seeds(self, keys: list[bytes]) -> list[str]:
+        """No directory: at each position, the seed holding the longest run from there.
+        Raises the last error when no seed answers (as one unreachable page server does)."""
+        failed: list[RemoteError] = []
+
+        async def ask(address: str, part: list[bytes]) -> list[str]:
+            try:
+                found: list[str] = await (await self.node(address)).locate(part)
+                return found
+            except RemoteError as exc:
+                if isinstance(exc, (PeerGoneError, RemoteTimeoutError)):
+                    await self._failed(address)
+                failed.append(exc)
+                return []
+
+        out: list[str] = []
+        while len(out) < len(keys):
+            failed.clear()
+            part = keys[len(out) :]
+            runs = await asyncio.gather(*(ask(a, part) for a in self.seeds))
+            if len(failed) == len(self.seeds):
+                raise failed[-1]
+            best = max(runs, key=len)
+            if not best:
+                break
+            out += best
+        return out
 
     async def lookup(self, keys: list[bytes]) -> int:
         """How many leading pages of ``keys`` some node of the cluster holds."""
@@ -190,10 +269,13 @@ class RemoteCluster:
         return stored
 
     async def aclose(self) -> None:
-        """Close every node's client."""
+        """Close every node's client and the directory's."""
         tiers, self._tiers = list(self._tiers.values()), {}
         for t in tiers:
             await t.aclose()
+        if self.directory is not None:
+            await self.directory.aclose()
+            self._dir_ready = None
 
     async def __aenter__(self) -> RemoteCluster:
         return self

@@ -1,0 +1,394 @@
+"""The cluster directory in Redis (tierkv.remote.membership): registration, liveness, publish,
+locate, sweep, faults and bad configuration, against a private redis-server (and a 3-node
+Redis Cluster for the hash-tagged layout)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("redis")
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_server import RedisServer, free_port, skip_without_redis
+
+from tierkv.errors import InvalidInputError
+from tierkv.remote.errors import (
+    DirectoryAuthError,
+    DirectoryError,
+    DirectoryURLError,
+    NodeIdTakenError,
+)
+from tierkv.remote.membership.agent import DirectoryAgent
+from tierkv.remote.membership.redis_directory import RedisDirectory, check_url
+
+TTL = 0.5
+
+
+def keys_of(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` content keys (top bit clear), the same for a seed."""
+    rnd = __import__("random").Random(seed)
+    return [bytes([rnd.randrange(128)]) + rnd.randbytes(15) for _ in range(n)]
+
+
+skip_without_redis()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as srv:  # one per module; `fresh` empties it for each test
+        yield srv
+
+
+@pytest.fixture
+async def fresh(server: RedisServer) -> AsyncIterator[str]:
+    """The module's server, emptied."""
+    if not server.running:
+        server.restart()
+    d = RedisDirectory(server.url)
+    await d.connect()
+    await d.client.flushall()
+    await d.aclose()
+    yield server.url
+
+
+async def directory(url: str, **kw: object) -> RedisDirectory:
+    return await RedisDirectory(url, ttl=TTL, **kw).connect()  # type: ignore[arg-type]
+
+
+async def test_publish_locate_withdraw(fresh: str) -> None:
+    d = await directory(fresh)
+    try:
+        a, b = await d.register("a:1"), await d.register("b:2")
+        keys = keys_of(3000)
+        assert await d.publish(a, keys) == 3000
+        assert await d.publish(a, keys[:10]) == 0  # idempotent
+        assert await d.publish(b, keys[:10]) == 10
+        got = await d.locate(keys + keys_of(5, seed=9))
+        assert got[:10] == [["a:1", "b:2"]] * 10
+        assert got[10:3000] == [["a:1"]] * 2990 and got[3000:] == [[]] * 5
+        await d.publish(a, [], keys[:20])  # pages leave a
+        got = await d.locate(keys[:30])
+        assert got == [["b:2"]] * 10 + [[]] * 10 + [["a:1"]] * 10
+        pages = [k + bytes((layer, 0)) for k in keys_of(20, seed=4) for layer in range(2)]
+        mixed = keys_of(20, seed=5) + pages  # 16- and 18-byte keys in one call
+        assert await d.publish(b, mixed, keys[:5]) == 60
+        got = await d.locate(mixed + keys[:6])
+        assert got == [["b:2"]] * 60 + [[]] * 5 + [["b:2"]]
+        assert await d.locate(pages) == [["b:2"]] * 40  # 18 bytes alone (end to end)
+        with pytest.raises(InvalidInputError):
+            await d.publish(a, [b"\x80" * 16])  # a private key
+        with pytest.raises(InvalidInputError):
+            await d.locate([b"short"])
+    finally:
+        await d.aclose()
+
+
+async def test_a_node_that_leaves_or_lapses_is_never_answered_and_is_swept(fresh: str) -> None:
+    d = await directory(fresh)
+    try:
+        a, b = await d.register("a:1"), await d.register("b:2")
+        keys = keys_of(500)
+        await d.publish(a, keys)
+        await d.publish(b, keys[:100])
+        await d.leave(a, "a:1")
+        assert await d.locate(keys[:101]) == [["b:2"]] * 100 + [[]]
+        await asyncio.sleep(TTL + 0.1)  # b stops refreshing: it lapses
+        assert await d.locate(keys[:100]) == [[]] * 100
+        assert await d.live() == {}
+        assert not await d.refresh(b, "b:2")  # lapsed: register again (a new number)
+        assert await d.sweep() == 600  # a's (it left) and b's (lapsed: found by the refresh)
+        assert await d.sweep() == 0
+        # the buckets are empty: nothing left in Redis but the membership keys
+        assert sorted(await d.client.keys(b"tkv:dir:{s*")) == []
+    finally:
+        await d.aclose()
+
+
+async def test_a_restarted_node_never_answers_its_former_entries(fresh: str) -> None:
+    d = await directory(fresh)
+    try:
+        old = await d.register("a:1")
+        keys = keys_of(50)
+        await d.publish(old, keys)
+        # the process dies (no leave) and starts again: it waits out its former self
+        new = await d.register("a:1")
+        assert new != old
+        assert await d.locate(keys) == [[]] * 50  # the former entries: not answered
+        await d.publish(new, keys[:5])
+        assert await d.locate(keys[:6]) == [["a:1"]] * 5 + [[]]
+        assert not await d.refresh(old, "a:1")  # the former self, if it still ran: replaced
+    finally:
+        await d.aclose()
+
+
+async def test_an_address_held_by_a_live_node_is_refused(fresh: str) -> None:
+    d = await directory(fresh)
+    try:
+        n = await d.register("a:1")
+
+        async def keep() -> None:
+            while True:
+                assert await d.refresh(n, "a:1")
+                await asyncio.sleep(TTL / 4)
+
+        keeper = asyncio.ensure_future(keep())
+        try:
+            with pytest.raises(NodeIdTakenError, match="a:1"):
+                await d.register("a:1")
+        finally:
+            keeper.cancel()
+        assert await d.live() == {n: "a:1"}
+    finally:
+        await d.aclose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://h:1", "redis://h:port/0", "redis://h:1/zz", "redis://h:99999/0", "redis:///0", ""],
+)
+def test_a_bad_url_is_a_typed_error(url: str) -> None:
+    with pytest.raises(DirectoryURLError):
+        check_url(url)
+    with pytest.raises(ValueError):  # also a ValueError (InvalidInputError)
+        RedisDirectory(url)
+
+
+def test_good_urls_parse() -> None:
+    for url in ("redis://:pw@h:1/0", "rediss://user:pw@h:6380/2", "redis://h", "unix:///tmp/r"):
+        check_url(url)
+
+
+async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
+    with RedisServer() as srv:
+        host_port = srv.url.split("//")[1]
+        d = await directory(srv.url)
+        await d.client.config_set("requirepass", "s3cret")
+        await d.aclose()
+        with pytest.raises(DirectoryAuthError):
+            await directory(f"redis://{host_port}")  # no password
+        with pytest.raises(DirectoryAuthError):
+            await directory(f"redis://:wrong@{host_port}")
+        d = await directory(f"redis://:s3cret@{host_port}")
+        assert await d.register("a:1") > 0
+        await d.aclose()
+    with pytest.raises(DirectoryError, match="cannot reach"):
+        await directory(f"redis://127.0.0.1:{free_port()}/0")
+
+
+async def test_agent_publishes_changes_and_leaves(fresh: str) -> None:
+    held: set[bytes] = set(keys_of(100))
+    agent = DirectoryAgent(RedisDirectory(fresh, ttl=TTL), "a:1", lambda: set(held), linger=0)
+    reader = await directory(fresh)
+    try:
+        await agent.start()
+        agent.changed()
+        await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 100)
+        gone = sorted(held)[:30]
+        held.difference_update(gone)
+        agent.changed()
+        await until(lambda: reader.locate(gone), [[]] * 30)
+        await asyncio.sleep(TTL * 2)  # refreshed meanwhile: still live
+        assert await reader.locate(sorted(held)) == [["a:1"]] * 70
+        await agent.aclose()
+        assert await reader.locate(sorted(held)) == [[]] * 70  # left: at once
+    finally:
+        await agent.aclose()
+        await reader.aclose()
+
+
+async def test_agent_rides_out_redis_down_and_republishes_in_full(
+    server: RedisServer, fresh: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    held = set(keys_of(200))
+    agent = DirectoryAgent(
+        RedisDirectory(fresh, ttl=TTL, timeout=0.2), "a:1", lambda: set(held), linger=0
+    )
+    await agent.start()
+    try:
+        agent.changed()
+        reader = await directory(fresh)
+        await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 200)
+        await reader.aclose()
+        with caplog.at_level(logging.WARNING, logger="tierkv.remote.directory"):
+            server.kill()  # everything Redis had is gone (nothing saved)
+            held.update(keys_of(10, seed=5))
+            agent.changed()
+            await until_true(lambda: agent.errors > 0)
+            server.restart()
+            reader = await directory(fresh)
+            try:  # back: registered again under a new number, the full set published
+                await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 210)
+            finally:
+                await reader.aclose()
+        assert agent.number and agent.registrations >= 2  # (numbers restart at the clock)
+        assert any("directory" in r.getMessage() for r in caplog.records)
+    finally:
+        await agent.aclose()
+
+
+async def test_agent_start_refuses_a_taken_address(fresh: str) -> None:
+    a = DirectoryAgent(RedisDirectory(fresh, ttl=TTL), "a:1", set)
+    await a.start()
+    try:
+        b = DirectoryAgent(RedisDirectory(fresh, ttl=TTL), "a:1", set)
+        with pytest.raises(NodeIdTakenError):
+            await b.start()
+        await b.aclose()
+    finally:
+        await a.aclose()
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "drop", "leave"]), st.integers(0, 2), st.sets(st.integers(0, 15))
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ops=_ops)
+def test_locate_matches_a_model(server: RedisServer, ops: list[tuple[str, int, set[int]]]) -> None:
+    """Publish / withdraw / leave against a plain model: per key, the live nodes holding it."""
+    keys = keys_of(16, seed=3)
+
+    async def run() -> None:
+        d = RedisDirectory(server.url, ttl=30, namespace=f"model{os.getpid()}")
+        await d.connect()
+        try:
+            await d.client.flushall()
+            nodes = [await d.register(f"n:{i}") for i in range(3)]
+            model: list[set[int]] = [set(), set(), set()]
+            for op, node, ks in ops:
+                if op == "add":
+                    await d.publish(nodes[node], [keys[k] for k in ks])
+                    model[node] |= ks
+                elif op == "drop":
+                    await d.publish(nodes[node], [], [keys[k] for k in ks])
+                    model[node] -= ks
+                else:
+                    await d.leave(nodes[node], f"n:{node}")
+                    nodes[node] = await d.register(f"n:{node}")
+                    model[node] = set()
+                    if ks:
+                        await d.sweep()
+                got = await d.locate(keys)
+                want = [sorted(f"n:{i}" for i in range(3) if k in model[i]) for k in range(16)]
+                assert [sorted(g) for g in got] == want
+        finally:
+            await d.aclose()
+
+    asyncio.run(run())
+
+
+async def until(get: object, want: object, bound: float = 10.0) -> None:
+    """Wait (bounded) for ``await get()`` to equal ``want``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    got = None
+    while loop.time() < deadline:
+        got = await get()  # type: ignore[operator]
+        if got == want:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"not within {bound} s: {str(got)[:200]}")
+
+
+async def until_true(cond: object, bound: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound
+    while not cond():  # type: ignore[operator]
+        assert loop.time() < deadline, f"not within {bound} s"
+        await asyncio.sleep(0.02)
+
+
+async def test_cluster_mode_spreads_shards_and_answers_the_same() -> None:
+    """On a 3-node Redis Cluster: detected at connect, buckets in 16 hash-tagged shards (every
+    script touches one slot), the same answers as on one server."""
+    from redis_cluster import RedisCluster, available
+
+    why_not = available()
+    if why_not is not None:
+        pytest.skip(why_not)
+    with RedisCluster(3) as cluster:
+        d = await RedisDirectory(cluster.url, ttl=TTL).connect()
+        try:
+            assert d.cluster and d.layout.shards == 16
+            a, b = await d.register("a:1"), await d.register("b:2")
+            keys = keys_of(2000)
+            assert await d.publish(a, keys) == 2000
+            assert await d.publish(b, keys[:7]) == 7
+            await d.publish(a, [], keys[:3])
+            got = await d.locate(keys)
+            assert got[:3] == [["b:2"]] * 3 and got[3:7] == [["a:1", "b:2"]] * 4
+            assert got[7:] == [["a:1"]] * 1993
+            await d.leave(a, "a:1")
+            assert await d.locate(keys[:8]) == [["b:2"]] * 7 + [[]]
+            assert await d.sweep() == 1997
+            owners = {
+                cluster.owner(s).port for s in {_slot(d.layout.shard_prefix(i)) for i in range(16)}
+            }
+            assert len(owners) > 1  # the shards are spread over the nodes
+        finally:
+            await d.aclose()
+
+
+def _slot(name: str) -> int:
+    from redis.crc import key_slot
+
+    return int(key_slot(name.encode()))
+
+
+async def test_a_publish_whose_reply_is_lost_is_set_right(fresh: str) -> None:
+    """A call that landed in Redis but whose reply was lost (a timeout after the write): its
+    keys are uncertain, and the next call withdraws those no longer held and adds the rest,
+    under the same number (no new registration for a blip)."""
+    held = set(keys_of(40))
+    d = RedisDirectory(fresh, ttl=5.0)
+    agent = DirectoryAgent(d, "a:1", lambda: set(held), linger=0, backoff_cap=0.05)
+    real = d.publish
+    lost = []
+
+    async def landed_then_lost(number: int, add: object, drop: object = ()) -> int:
+        n = await real(number, add, drop)  # type: ignore[arg-type]
+        if not lost:
+            lost.append(n)
+            raise TimeoutError("reply lost")
+        return n
+
+    d.publish = landed_then_lost  # type: ignore[method-assign]
+    reader = await directory(fresh)
+    try:
+        await agent.start()
+        number = agent.number
+        agent.changed()
+        await until_true(lambda: bool(lost))
+        gone = sorted(held)[:10]
+        held.difference_update(gone)  # left while their publish was uncertain
+        agent.changed()
+        await until(lambda: reader.locate(gone + sorted(held)), [[]] * 10 + [["a:1"]] * 30)
+        assert agent.number == number and agent.errors == 1 and not agent.uncertain
+    finally:
+        await agent.aclose()
+        await reader.aclose()
+
+
+def test_the_page_server_and_cluster_need_redis_only_with_a_directory() -> None:
+    """The directory needs the `redis` extra; importing tierkv.remote, the page server and
+    RemoteCluster does not load redis (it is imported when a directory is given)."""
+    import subprocess
+
+    code = (
+        "import sys, tierkv.remote, tierkv.remote.server.page_server, "
+        "tierkv.remote.sources.cluster; print('redis' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-500:]

@@ -1,0 +1,140 @@
+"""Partial attention and its log-sum-exp merge (tierkv.attention.partial), page summaries and
+top-k selection (tierkv.attention.summaries): exact against float64 attention, the summary
+bound never below a real score, selection rules and typed errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.attention.partial import attend, finish, merge, partial_attention
+from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
+from tierkv.errors import InvalidInputError, SequenceError, SpecError
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None):
+    g = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q.double() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if bias is not None:
+        s = s + bias.double()
+    return torch.softmax(s, dim=-1) @ v
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+@settings(max_examples=40)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    hkv=st.sampled_from([1, 2, 3]),
+    g=st.sampled_from([1, 3]),
+    n=st.sampled_from([1, 4]),
+    s=st.integers(1, 300),
+    cuts=st.lists(st.integers(0, 300), max_size=4),
+    chunk=st.sampled_from([1, 7, 64, 1024]),
+    spread=st.sampled_from([0.1, 1.0, 8.0]),
+)
+def test_parts_merge_to_full_attention(seed, hkv, g, n, s, cuts, chunk, spread) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, hkv * g, n, 16, generator=gen) * spread
+    k = torch.randn(2, hkv, s, 16, generator=gen) * spread
+    v = torch.randn(2, hkv, s, 16, generator=gen)
+    edges = sorted({0, s, *(c for c in cuts if c < s)})
+    parts = [(k[:, :, a:b], v[:, :, a:b], None) for a, b in itertools.pairwise(edges)]
+    parts.append((k[:, :, :0], v[:, :, :0], None))  # an empty part weighs nothing
+    out = attend(q, parts, 16**-0.5, chunk=chunk)
+    assert _rel(out, _reference(q, k, v, None)) < 1e-5
+
+
+def test_masked_keys_and_a_fully_masked_part() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, 3, 8, generator=gen) for _ in range(3))
+    k, v = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 8, generator=gen)
+    bias = torch.zeros(1, 1, 3, 40)
+    bias[..., 30:] = float("-inf")  # the second part is masked for every query
+    bias[0, 0, 1, 5] = float("-inf")
+    left = partial_attention(q, k[:, :, :30], v[:, :, :30], 8**-0.5, bias[..., :30])
+    right = partial_attention(q, k[:, :, 30:], v[:, :, 30:], 8**-0.5, bias[..., 30:], chunk=4)
+    assert bool(torch.isinf(right.m).all()) and float(right.l.abs().max()) == 0
+    got = finish(merge([right, left]))
+    assert _rel(got, _reference(q, k, v, bias)) < 1e-5
+
+
+def test_bad_shapes_are_spec_errors() -> None:
+    q, k = torch.zeros(1, 3, 1, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(SpecError):
+        partial_attention(q, k, k, 1.0)  # 3 query heads over 2 KV heads
+    with pytest.raises(SpecError):
+        partial_attention(torch.zeros(1, 2, 1, 4), k, k, 1.0)
+    with pytest.raises(SpecError):
+        partial_attention(torch.zeros(1, 2, 1, 8), k, k, 1.0, torch.zeros(1, 1, 1, 4))
+    with pytest.raises(SpecError):
+        partial_attention(torch.zeros(1, 2, 1, 8), k, k, 1.0, chunk=0)
+    with pytest.raises(SpecError):
+        merge([])
+    a = partial_attention(torch.zeros(1, 2, 1, 8), k, k, 1.0)
+    b = partial_attention(torch.zeros(1, 2, 2, 8), k, k, 1.0)
+    with pytest.raises(SpecError):
+        merge([a, b])
+
+
+@settings(max_examples=30)
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.lists(st.integers(1, 40), min_size=1, max_size=5))
+def test_summary_bound_is_never_below_a_score(seed: int, tokens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    table = PageSummaries(page_tokens=8, num_kv_heads=2, head_dim=4)
+    keys = [torch.randn(2, n, 4, generator=gen) for n in tokens]
+    for k in keys:
+        table.append("s", 0, k)
+    allk = torch.cat(keys, dim=1)
+    total = allk.shape[1]
+    assert table.tokens("s", 0) == total and table.pages("s", 0) == -(-total // 8)
+    summ = table.table("s", 0)
+    for p in range(summ.shape[0]):
+        page = allk[:, p * 8 : (p + 1) * 8]
+        assert torch.equal(summ[p, 0], page.amin(dim=1)) and torch.equal(
+            summ[p, 1], page.amax(dim=1)
+        )
+    q = torch.randn(6, 4, generator=gen)  # 3 query heads per KV head
+    qg = q.view(2, 3, 4)
+    lo, hi = summ[:, 0], summ[:, 1]
+    bound = (qg.unsqueeze(2).clamp(min=0) * hi.transpose(0, 1).unsqueeze(1)).sum(-1) + (
+        qg.unsqueeze(2).clamp(max=0) * lo.transpose(0, 1).unsqueeze(1)
+    ).sum(-1)
+    for p in range(summ.shape[0]):
+        real = torch.einsum("hgd,htd->hgt", qg, allk[:, p * 8 : (p + 1) * 8]).amax(-1)
+        assert bool((bound[:, :, p] >= real - 1e-5).all())
+    scores = page_scores(q, summ, 0.5)
+    assert scores.shape == (summ.shape[0],) and abs(float(scores.sum()) - 6.0) < 1e-4
+
+
+def test_selection_rules() -> None:
+    scores = torch.tensor([0.0, 5, 1, 4, 2, 3, 0, 0])
+    assert select_pages(scores, 2, sink=1, recent=2) == [0, 1, 3, 6, 7]
+    assert select_pages(scores, 5, sink=1, recent=2) == list(range(8))  # covers all: exact
+    assert select_pages(scores[:2], 1) == [0, 1]
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(InvalidInputError):
+            select_pages(scores, bad)  # type: ignore[arg-type]
+
+
+def test_unknown_pages_rank_first_and_summaries_errors() -> None:
+    table = PageSummaries(page_tokens=4, num_kv_heads=1, head_dim=2)
+    table.append("s", 0, torch.ones(1, 4, 2), start=8)  # pages 0, 1 never seen (a reused prefix)
+    assert table.tokens("s", 0) == 12
+    scores = page_scores(torch.ones(1, 2), table.table("s", 0), 1.0)
+    assert torch.isinf(scores[:2]).all() and bool(torch.isfinite(scores[2]))
+    assert select_pages(torch.cat([scores, torch.zeros(4)]), 2, sink=0, recent=0) == [0, 1]
+    with pytest.raises(InvalidInputError):
+        table.append("s", 0, torch.ones(1, 1, 2), start=3)
+    with pytest.raises(SpecError):
+        table.append("s", 0, torch.ones(2, 1, 2))
+    table.drop("s")
+    with pytest.raises(SequenceError):
+        table.table("s", 0)

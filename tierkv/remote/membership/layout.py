@@ -1,0 +1,265 @@
+"""Where the cluster directory keeps its data in Redis / Valkey, and the Lua that reads and
+writes it (every script runs atomically on one slot).
+
+::
+
+    {ns}:{m}:seq      INCR: node numbers, never reused (a restarted node gets a new one);
+                      starts at the server's clock (s): a Redis that lost its data hands
+                      out numbers above the ones it handed out before
+    {ns}:{m}:alive    zset  node number -> expiry (ms, the server's clock); live: score > now
+    {ns}:{m}:addr     hash  node number -> address (what locate answers)
+    {ns}:{m}:ids      hash  address -> node number holding it now
+    {ns}:{m}:dead     set   node numbers whose entries wait for the sweep
+    {ns}:{m}:conf     hash  buckets, shards (the first node to register sets them)
+    {ns}:{s<i>}:<b>   hash  bucket b of shard i: page key -> node numbers (uint32 LE each)
+
+A page key picks its shard from bytes 4..7 (mod shards) and its bucket from bytes 8 and 9: the
+bucket's name ends with byte 8 and byte 9 masked to the shard's bucket bits (8 to 16: 256 to
+65,536 buckets per shard), raw bytes, so that a script names a bucket with two string
+operations (keys are blake2b digests: uniform; a `struct.unpack`, a modulo and a number to
+string cost 2.4x more per key, measured). A bucket of a few dozen keys stays a listpack
+(``hash-max-listpack-entries`` 128, values up to 64 bytes = 16 holders): about 25 bytes per
+(key, node) entry. The hash tag
+``{s<i>}`` keeps a shard on one slot (cluster mode): a script reads or writes many buckets of a
+shard at once; the meta keys share the tag ``{m}``.
+
+Requests carry keys as one blob (no per-key argument): the keys end to end when all have one
+length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
+
+    locate(shard blob)        -> per key: its holders' numbers (or nil)
+    publish(idx, add, drop)   -> adds (HSETNX first: one call for a new key), drops
+    sweep(first, last, dead)  -> buckets first..last rid of the dead numbers
+    register / refresh / leave / lapsed: the {m} keys
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tierkv.errors import InvalidInputError
+from tierkv.keys import is_content
+
+__all__ = [
+    "LEAVE",
+    "LIVE",
+    "LOCATE",
+    "PUBLISH",
+    "REFRESH",
+    "REGISTER",
+    "SWEEP",
+    "Layout",
+    "blob",
+    "check_keys",
+    "fixed_length",
+]
+
+
+class Layout:
+    """Key names of one directory namespace."""
+
+    def __init__(self, namespace: str, buckets: int, shards: int) -> None:
+        self.namespace, self.buckets, self.shards = namespace, buckets, shards
+        bits = min(16, max(8, (max(1, buckets // shards)).bit_length() - 1))
+        self.per_shard = 1 << bits
+        self.mask = (1 << (bits - 8)) - 1  # of key byte 9
+        meta = f"{namespace}:{{m}}:"
+        self.seq, self.alive, self.addr = meta + "seq", meta + "alive", meta + "addr"
+        self.ids, self.dead, self.conf = meta + "ids", meta + "dead", meta + "conf"
+        self.sweep_lock = meta + "sweep"
+
+    def meta_keys(self) -> list[str]:
+        """The keys every membership script is given (one slot: the tag ``{m}``)."""
+        return [self.seq, self.alive, self.addr, self.ids, self.dead]
+
+    def shard_prefix(self, shard: int) -> str:
+        """Bucket names of a shard are this prefix and the bucket number."""
+        return f"{self.namespace}:{{s{shard}}}:"
+
+    def shard_of(self, key: bytes) -> int:
+        """The shard of a page key."""
+        return int.from_bytes(key[4:8], "little") % self.shards
+
+    def bucket_of(self, key: bytes) -> bytes:
+        """The name of a page key's bucket."""
+        prefix = self.shard_prefix(self.shard_of(key)).encode()
+        return prefix + bytes((key[8], key[9] & self.mask))
+
+
+def fixed_length(*groups: Sequence[bytes]) -> int:
+    """The length every key of ``groups`` has, or 0 when they differ."""
+    sizes = {len(k) for g in groups for k in g}
+    return sizes.pop() if len(sizes) == 1 else 0
+
+
+def blob(keys: Sequence[bytes], fixed: int) -> bytes:
+    """The keys as one blob: end to end (``fixed``), or length-prefixed records."""
+    return b"".join(keys) if fixed else b"".join(bytes((len(k),)) + k for k in keys)
+
+
+def check_keys(keys: Sequence[bytes]) -> None:
+    """Raise InvalidInputError unless every key is a content page key (16..255 bytes)."""
+    for k in keys:
+        if not isinstance(k, bytes) or not 16 <= len(k) <= 255 or not is_content(k):
+            raise InvalidInputError(f"the directory holds content page keys only, not {k!r}")
+
+
+# -- membership (the {m} keys: seq, alive, addr, ids, dead) --------------------------------
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+#: ARGV address, ttl_ms, prev (our former number or 0) -> {number, 0} or {-1, ms the holder
+#: has left}: an address held by another live node is refused; our own former number (or a
+#: lapsed holder) is retired to the sweep
+REGISTER = (
+    _NOW
+    + """
+local cur = redis.call('HGET', KEYS[4], ARGV[1])
+if cur and cur ~= ARGV[3] then
+  local score = redis.call('ZSCORE', KEYS[2], cur)
+  if score and tonumber(score) > now then return {-1, tonumber(score) - now} end
+end
+if cur then
+  redis.call('ZREM', KEYS[2], cur)
+  redis.call('HDEL', KEYS[3], cur)
+  redis.call('SADD', KEYS[5], cur)
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then  -- a new (or emptied) Redis: numbers start at
+  redis.call('SET', KEYS[1], math.floor(now / 1000))  -- the clock, past any issued before
+end
+local idx = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[4], ARGV[1], idx)
+redis.call('HSET', KEYS[3], idx, ARGV[1])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), idx)
+return {idx, 0}
+"""
+)
+
+#: ARGV number, address, ttl_ms -> 1 refreshed, 0 lapsed or replaced (register again).
+#: Lapsed nodes found on the way go to the sweep (a few per call).
+REFRESH = (
+    _NOW
+    + """
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now, 'LIMIT', 0, 64)
+for _, idx in ipairs(gone) do
+  redis.call('ZREM', KEYS[2], idx)
+  redis.call('HDEL', KEYS[3], idx)
+  redis.call('SADD', KEYS[5], idx)
+end
+if redis.call('HGET', KEYS[4], ARGV[2]) ~= ARGV[1] then return 0 end
+if not redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[2], 'XX', now + tonumber(ARGV[3]), ARGV[1])
+return 1
+"""
+)
+
+#: ARGV number, address: a clean leave (its entries go to the sweep)
+LEAVE = """
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[3], ARGV[1])
+redis.call('SADD', KEYS[5], ARGV[1])
+if redis.call('HGET', KEYS[4], ARGV[2]) == ARGV[1] then redis.call('HDEL', KEYS[4], ARGV[2]) end
+return 1
+"""
+
+#: -> {number, address, number, address...} of the live nodes
+LIVE = (
+    _NOW
+    + """
+local live = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. now, '+inf')
+local out = {}
+if #live == 0 then return out end
+local addrs = redis.call('HMGET', KEYS[3], unpack(live))
+for i, idx in ipairs(live) do
+  if addrs[i] then out[#out + 1] = idx; out[#out + 1] = addrs[i] end
+end
+return out
+"""
+)
+
+# -- buckets (one shard: KEYS[1] names its slot) -------------------------------------------
+_RECORDS = """
+local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
+local mask = tonumber(ARGV[2])
+local fixed = tonumber(ARGV[4])
+local function records(blob, fn)
+  local pos, n, pre = 1, #blob, ARGV[1]
+  while pos <= n do
+    local key
+    if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+    else
+      local len = byte(blob, pos)
+      key = sub(blob, pos + 1, pos + len)
+      pos = pos + 1 + len
+    end
+    if mask == 255 then fn(pre .. sub(key, 9, 10), key)
+    else fn(pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)), key) end
+  end
+end
+"""
+
+#: ARGV prefix, mask, blob, fixed -> per key its holders (a string of uint32 LE) or false
+LOCATE = (
+    _RECORDS
+    + """
+local out, i = {}, 0
+records(ARGV[3], function(bucket, key)
+  i = i + 1
+  out[i] = call('HGET', bucket, key)
+end)
+return out
+"""
+)
+
+#: ARGV prefix, mask, number (4 bytes), fixed, add blob, drop blob -> entries added
+PUBLISH = (
+    _RECORDS
+    + """
+local me, added = ARGV[3], 0
+local function has(v)
+  for i = 1, #v, 4 do if string.sub(v, i, i + 3) == me then return true end end
+  return false
+end
+records(ARGV[5], function(bucket, key)
+  if call('HSETNX', bucket, key, me) == 1 then added = added + 1; return end
+  local v = call('HGET', bucket, key)
+  if not has(v) then call('HSET', bucket, key, v .. me); added = added + 1 end
+end)
+records(ARGV[6], function(bucket, key)
+  local v = call('HGET', bucket, key)
+  if not v then return end
+  local keep = {}
+  for i = 1, #v, 4 do
+    local one = string.sub(v, i, i + 3)
+    if one ~= me then keep[#keep + 1] = one end
+  end
+  if #keep == 0 then redis.call('HDEL', bucket, key)
+  elseif #keep * 4 ~= #v then redis.call('HSET', bucket, key, table.concat(keep)) end
+end)
+return added
+"""
+)
+
+#: ARGV prefix, first bucket, last bucket, dead numbers (4 bytes each) -> entries removed;
+#: bucket i is named by the bytes i % 256, i / 256
+SWEEP = """
+local dead = {}
+for i = 1, #ARGV[4], 4 do dead[string.sub(ARGV[4], i, i + 3)] = true end
+local removed = 0
+for b = tonumber(ARGV[2]), tonumber(ARGV[3]) do
+  local bucket = ARGV[1] .. string.char(b % 256, math.floor(b / 256))
+  local all = redis.call('HGETALL', bucket)
+  for i = 1, #all, 2 do
+    local v = all[i + 1]
+    local keep = {}
+    for j = 1, #v, 4 do
+      local one = string.sub(v, j, j + 3)
+      if dead[one] then removed = removed + 1 else keep[#keep + 1] = one end
+    end
+    if #keep == 0 then redis.call('HDEL', bucket, all[i])
+    elseif #keep * 4 ~= #v then redis.call('HSET', bucket, all[i], table.concat(keep)) end
+  end
+end
+return removed
+"""

@@ -1,0 +1,412 @@
+"""`RedisDirectory`: the cluster's page directory in Redis / Valkey (layout.py draws the keys,
+holds the Lua and the request encoding). This file stays whole (~400 lines): one class whose
+calls share the client (standalone or Cluster), the layout read from Redis and the script
+loading.
+
+::
+
+    d = await RedisDirectory("redis://:pw@10.0.0.5:6379/0", ttl=5.0).connect()
+    n = await d.register("10.0.0.7:7600")        # a node: a fresh number, live for ttl
+    await d.refresh(n, "10.0.0.7:7600")          # every ttl/3 (False: lapsed, register again)
+    await d.publish(n, add=keys, drop=gone)      # one round trip per call (batches pipelined)
+    holders = await d.locate(keys)               # per key the live nodes holding it
+                                                 #   one round trip per 1,000 keys
+    await d.sweep()                              # entries of dead nodes removed
+
+Only live nodes are answered: an entry names a node *number*, and a number is live while its
+expiry (the server's clock) is ahead; a node that registers again (a restart, or after losing
+Redis) gets a new number, so what it held before is never answered under its new one. Dead
+numbers' entries are removed by `sweep` (any node may run it; a lock key keeps it to one).
+
+A standalone server keeps the buckets in one shard (one script per request); on a Redis
+Cluster (detected at `connect`) they spread over ``shards`` hash-tagged shards and a request
+is one pipeline of one script per shard touched, sent to the shards' nodes in parallel.
+
+Errors: `connect` raises DirectoryURLError (a URL or option that does not parse),
+DirectoryAuthError (credentials refused), DirectoryError (unreachable); `register` raises
+NodeIdTakenError. The other calls raise redis-py's errors (RedisError, OSError, TimeoutError)
+for the caller (`DirectoryAgent`, `RemoteCluster`) to count and ride out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import AuthenticationError, NoScriptError, RedisError, ResponseError
+
+from tierkv.remote.errors import (
+    DirectoryAuthError,
+    DirectoryError,
+    DirectoryURLError,
+    NodeIdTakenError,
+)
+from tierkv.remote.membership.layout import (
+    LEAVE,
+    LIVE,
+    LOCATE,
+    PUBLISH,
+    REFRESH,
+    REGISTER,
+    SWEEP,
+    Layout,
+    blob,
+    check_keys,
+    fixed_length,
+)
+
+__all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
+
+BUCKETS = 1 << 16
+"""Buckets by default: about 15 keys each at 10^6 keys (listpack up to 128; docs/remote.md)."""
+CLUSTER_SHARDS = 16
+"""Shards (hash tags) on a Redis Cluster by default; a standalone server uses one."""
+LOCATE_BATCH = 1000
+"""Keys per locate script: a locate of 1,000 keys is one round trip."""
+PUBLISH_BATCH = 4096
+"""Keys per publish script (a script blocks the server while it runs: a few ms each)."""
+SWEEP_BUCKETS = 64
+"""Buckets per sweep script (about 1,000 entries at 10^6 keys: a millisecond or so)."""
+SWEEP_PIPELINE = 1
+"""Sweep scripts per round trip (a client's pipeline runs back to back on the server, so one
+at a time: other clients are served between them)."""
+
+_SCRIPTS = (REGISTER, REFRESH, LEAVE, LIVE, LOCATE, PUBLISH, SWEEP)
+_SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in _SCRIPTS}
+_NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=:-]{1,64}")
+Client = Redis | RedisCluster
+
+
+def check_url(url: str) -> None:
+    """Raise DirectoryURLError unless redis-py takes ``url`` (``redis://``, ``rediss://``,
+    ``unix://``; a password or not). Connects to nothing."""
+    if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+        raise DirectoryURLError(f"a directory URL is redis://, rediss:// or unix://, not {url!r}")
+    try:
+        parts = urlsplit(url)
+        Redis.from_url(url)
+        _ = parts.port  # ValueError for a port out of range
+    except (ValueError, TypeError, RedisError) as exc:
+        raise DirectoryURLError(f"bad directory url {url!r}: {exc}") from exc
+    db = parts.path.strip("/")
+    if parts.scheme != "unix" and (not parts.hostname or (db and not db.isdigit())):
+        raise DirectoryURLError(f"bad directory url {url!r}: host:port/db, db a number")
+
+
+class RedisDirectory:
+    """The page directory of a cluster, in one Redis / Valkey (standalone or Cluster).
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` or ``rediss://`` (TLS): what redis-py's
+            ``from_url`` takes.
+        namespace: prefix of every key (clusters sharing one Redis use different ones).
+        ttl: seconds a node stays live without a refresh (a killed node leaves every answer
+            within it).
+        timeout: bound of each call to Redis (connect, socket reads).
+        buckets / shards: the layout, set by the first node to register (later ones and
+            locators read it from Redis). shards: None is 1 standalone, CLUSTER_SHARDS on a
+            Cluster.
+        client_options: extra keyword arguments for ``from_url`` (``ssl_ca_certs``, ...).
+
+    Raises DirectoryURLError for a bad namespace, ttl, timeout, layout or url.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        namespace: str = "tkv:dir",
+        ttl: float = 5.0,
+        timeout: float = 1.0,
+        buckets: int = BUCKETS,
+        shards: int | None = None,
+        client_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not _NAMESPACE.fullmatch(namespace):
+            raise DirectoryURLError(f"namespace must match {_NAMESPACE.pattern}, not {namespace!r}")
+        if not (0.05 <= ttl <= 3600 and 0 < timeout <= 60):
+            raise DirectoryURLError(
+                f"ttl in [0.05, 3600] s and timeout in (0, 60] s: {ttl}, {timeout}"
+            )
+        if not (1 <= buckets <= 1 << 24) or (shards is not None and not 1 <= shards <= 1024):
+            raise DirectoryURLError(
+                f"buckets in [1, 2^24], shards in [1, 1024]: {buckets}, {shards}"
+            )
+        check_url(url)
+        self.url, self.namespace, self.ttl, self.timeout = url, namespace, ttl, timeout
+        self._want = (buckets, shards)
+        self._options = dict(client_options or {})
+        self.cluster = False
+        self.layout = Layout(namespace, buckets, shards or 1)
+        self._client: Client = self._make(cluster=False)
+
+    def _make(self, *, cluster: bool) -> Client:
+        opts: dict[str, Any] = {
+            "socket_timeout": self.timeout,
+            "socket_connect_timeout": self.timeout,
+            **self._options,
+        }
+        try:
+            if cluster:
+                return RedisCluster.from_url(self.url, **opts)
+            return Redis.from_url(self.url, **opts)
+        except (ValueError, TypeError, RedisError) as exc:
+            raise DirectoryURLError(f"bad directory url or option ({self.url!r}): {exc}") from exc
+
+    @property
+    def client(self) -> Client:
+        """The redis-py client (standalone or Cluster, as found by `connect`)."""
+        return self._client
+
+    @property
+    def ttl_ms(self) -> int:
+        """The registration ttl in milliseconds."""
+        return int(self.ttl * 1000)
+
+    @property
+    def live_ms(self) -> int:
+        """How long a registration lives past the refresh that Redis last executed: ttl less
+        5 %, so that a refresh still queued in Redis when its node died (executed a little
+        after the death) leaves the node live less than ttl after it died (measured: 1 ms
+        late at ttl 2 s without the margin, on a loaded box)."""
+        return self.ttl_ms - self.ttl_ms // 20
+
+    # -- life cycle ----------------------------------------------------------------------
+    async def connect(self) -> RedisDirectory:
+        """Reach the server, tell a Cluster from a standalone server, read (or set) the layout.
+        Raises DirectoryAuthError, DirectoryError (unreachable, or not a Redis that runs Lua)."""
+        try:
+            info = await asyncio.wait_for(self._client.info("cluster"), self.timeout)
+            if info.get("cluster_enabled") and not self.cluster:
+                await self._client.aclose()
+                self.cluster = True
+                self._client = self._make(cluster=True)
+                await asyncio.wait_for(self._client.initialize(), self.timeout)
+            await self._read_layout()
+        except AuthenticationError as exc:
+            raise DirectoryAuthError(
+                f"the directory at {self._where()} refused our credentials: {exc}"
+            ) from exc
+        except ResponseError as exc:
+            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+                raise DirectoryAuthError(
+                    f"the directory at {self._where()} needs a password: {exc}"
+                ) from exc
+            raise DirectoryError(f"the directory at {self._where()} refused: {exc}") from exc
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise DirectoryError(
+                f"cannot reach the directory at {self._where()}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self
+
+    def _where(self) -> str:
+        return re.sub(r"//[^@/]*@", "//***@", self.url)  # never log a password
+
+    async def _read_layout(self) -> None:
+        buckets, shards = self._want
+        if shards is None:
+            shards = CLUSTER_SHARDS if self.cluster else 1
+        conf = self.layout.conf
+        c = self._client
+        await c.hsetnx(conf, "buckets", buckets)
+        await c.hsetnx(conf, "shards", shards)
+        got = await c.hgetall(conf)
+        self.layout = Layout(self.namespace, int(got[b"buckets"]), int(got[b"shards"]))
+
+    async def aclose(self) -> None:
+        """Close the client."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> RedisDirectory:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _meta(self, script: str, *args: Any) -> Any:
+        keys = self.layout.meta_keys()
+        return (await self._pipeline(lambda p: p.evalsha(_SHA[script], len(keys), *keys, *args)))[0]
+
+    async def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
+        """Run the commands ``build`` puts in a pipeline (one round trip); scripts go by
+        EVALSHA, loaded again (every primary) when the server answers NOSCRIPT (restarted)."""
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        try:
+            return list(await pipe.execute())
+        except NoScriptError:
+            pass
+        for script in _SCRIPTS:
+            await self._client.script_load(script)
+        pipe = self._client.pipeline(transaction=False)
+        build(pipe)
+        return list(await pipe.execute())
+
+    # -- membership ----------------------------------------------------------------------
+    async def register(self, address: str, prev: int = 0, *, wait: bool = True) -> int:
+        """Register ``address`` as a live node (for ttl); returns its new number. ``prev``: our
+        own former number, retired (a node that lost Redis and comes back). An address held by
+        another registration is waited for once, as long as that one has left (``wait``: a
+        restarted node's former self lapses within ttl); raises NodeIdTakenError when it is
+        still held then (a live node refreshes it)."""
+        idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
+        if idx < 0 and wait:
+            await asyncio.sleep(min(int(left), self.ttl_ms) / 1000 + 0.05)
+            idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
+        if idx < 0:
+            raise NodeIdTakenError(
+                f"node id {address!r} is held by a live node of the directory "
+                f"{self._where()} (its registration lapses in {left} ms unless it refreshes)",
+            )
+        return int(idx)
+
+    async def refresh(self, number: int, address: str) -> bool:
+        """Keep ``number`` live another ttl; False when it lapsed or was replaced (register
+        again: what it published is no longer answered)."""
+        return bool(await self._meta(REFRESH, number, address, self.live_ms))
+
+    async def leave(self, number: int, address: str) -> None:
+        """Leave now: nothing ``number`` published is answered any more (swept later)."""
+        await self._meta(LEAVE, number, address)
+
+    async def live(self) -> dict[int, str]:
+        """The live nodes: number -> address."""
+        flat = await self._meta(LIVE)
+        return {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+
+    # -- holdings ------------------------------------------------------------------------
+    def _by_shard(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        if self.layout.shards == 1:
+            return {0: list(range(len(keys)))}
+        out: dict[int, list[int]] = {}
+        shard_of = self.layout.shard_of
+        for i, k in enumerate(keys):
+            out.setdefault(shard_of(k), []).append(i)
+        return out
+
+    def _eval(self, pipe: Any, script: str, shard: int, *args: Any) -> None:
+        prefix = self.layout.shard_prefix(shard)
+        pipe.evalsha(_SHA[script], 1, prefix, prefix, self.layout.mask, *args)
+
+    async def publish(self, number: int, add: Sequence[bytes], drop: Sequence[bytes] = ()) -> int:
+        """Record that node ``number`` holds ``add`` and no longer holds ``drop``: scripts of
+        `PUBLISH_BATCH` keys per shard, one round trip per batch (a full set of 10^5 keys is
+        25 trips, and Redis serves other clients between them: one pipeline of them all
+        blocked it for seconds when many nodes republished at once); returns the entries
+        added.
+        Raises InvalidInputError for a key that is not a content page key."""
+        check_keys(add)
+        check_keys(drop)
+        me = number.to_bytes(4, "little")
+        adds, drops = self._by_shard(add), self._by_shard(drop)
+        fixed = fixed_length(add, drop)
+        calls: list[tuple[int, bytes, bytes]] = []
+        for shard in sorted(adds.keys() | drops.keys()):
+            a = [add[i] for i in adds.get(shard, [])]
+            d = [drop[i] for i in drops.get(shard, [])]
+            for lo in range(0, max(len(a), len(d)), PUBLISH_BATCH):
+                hi = lo + PUBLISH_BATCH
+                calls.append((shard, blob(a[lo:hi], fixed), blob(d[lo:hi], fixed)))
+        if not calls:
+            return 0
+
+        added = 0
+        per_trip = max(1, self.layout.shards)  # one batch of keys (a script per shard) a trip
+        for at in range(0, len(calls), per_trip):  # Redis serves others between the batches
+
+            def build(
+                pipe: Any, part: list[tuple[int, bytes, bytes]] = calls[at : at + per_trip]
+            ) -> None:
+                for shard, a, d in part:
+                    self._eval(pipe, PUBLISH, shard, me, fixed, a, d)
+
+            added += sum(int(n) for n in await self._pipeline(build))
+        return added
+
+    async def holders(self, keys: Sequence[bytes]) -> tuple[list[list[int]], dict[int, str]]:
+        """Per key the live numbers holding it, and the live nodes (number -> address): one
+        round trip per `LOCATE_BATCH` keys (one pipeline: the live set, one script per shard
+        and batch)."""
+        check_keys(keys)
+        meta = self.layout.meta_keys()
+        calls: list[tuple[int, bytes]] = []
+        order: list[int] = []
+        fixed = fixed_length(keys)
+        for lo in range(0, len(keys), LOCATE_BATCH):
+            part = keys[lo : lo + LOCATE_BATCH]
+            for shard, idx in self._by_shard(part).items():
+                calls.append((shard, blob([part[i] for i in idx], fixed)))
+                order += [lo + i for i in idx]
+
+        def build(pipe: Any) -> None:
+            pipe.evalsha(_SHA[LIVE], len(meta), *meta)
+            for shard, keys_blob in calls:
+                self._eval(pipe, LOCATE, shard, keys_blob, fixed)
+
+        replies = await self._pipeline(build)
+        flat = replies[0]
+        live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        out: list[list[int]] = [[]] * len(keys)  # (the empty list shared: never mutated)
+        values = [v for reply in replies[1:] for v in reply]
+        for at, v in zip(order, values):
+            if not v:
+                continue
+            if len(v) == 4:  # one holder: the common case
+                n = int.from_bytes(v, "little")
+                if n in live:
+                    out[at] = [n]
+                continue
+            out[at] = [
+                n
+                for j in range(0, len(v), 4)
+                if (n := int.from_bytes(v[j : j + 4], "little")) in live
+            ]
+        return out, live
+
+    async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Per key, the addresses of the live nodes holding it (empty: none known)."""
+        numbers, live = await self.holders(keys)
+        return [[live[n] for n in ns] for ns in numbers]
+
+    # -- sweeping ------------------------------------------------------------------------
+    async def sweep(self, *, max_dead: int = 4096) -> int:
+        """Remove the entries of dead nodes (lapsed or replaced), if no other node is sweeping;
+        returns the entries removed. One pass over every bucket: O(entries) server work, in
+        scripts of `SWEEP_BUCKETS` buckets (the server serves others between them)."""
+        c = self._client
+        lay = self.layout
+        picked = await c.srandmember(lay.dead, max_dead)
+        dead = [int(x) for x in picked or []]
+        if not dead:
+            return 0
+        lock_ms = max(self.ttl_ms * 4, 60_000)
+        if not await c.set(lay.sweep_lock, b"1", nx=True, px=lock_ms):
+            return 0
+        dead_blob = b"".join(n.to_bytes(4, "little") for n in dead)
+        removed = 0
+        try:
+            for shard in range(lay.shards):
+                prefix = lay.shard_prefix(shard)
+                starts = list(range(0, lay.per_shard, SWEEP_BUCKETS))
+                for at in range(0, len(starts), SWEEP_PIPELINE):  # others are served between
+
+                    def build(
+                        pipe: Any,
+                        part: list[int] = starts[at : at + SWEEP_PIPELINE],
+                        pre: str = prefix,
+                    ) -> None:
+                        for lo in part:
+                            hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
+                            pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, dead_blob)
+
+                    removed += sum(int(n) for n in await self._pipeline(build))
+            await c.srem(lay.dead, *dead)
+        finally:
+            await c.delete(lay.sweep_lock)
+        return removed

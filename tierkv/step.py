@@ -1,0 +1,383 @@
+"""A step: some sequences run some layers, each appending its count of new tokens to every
+layer; planned once, then each layer costs at most a wait, two ``index_copy_`` and one
+``index_select``.
+
+::
+
+    async with store.step_plan(ids, tokens=1) as step:      # one call plans the step
+        for layer in range(num_layers):
+            h = await step.layer(layer)                     # its pages pinned, its rows ready
+            h.append(k, v)                                  # [B, H, n, D] or [H, N, D]
+            k_all, v_all = h.kv()                           # [B, H, S, D] each (or h.kv_list())
+
+What the plan does, so that a layer's path has no Python per page and allocates nothing per
+page: at entry it checks everything, gives the sequences the blocks the step fills, announces
+the step's pages in the order it reads them (the pages it writes first: evicted last) and
+takes the device room of its window (two groups of ``max(1, ahead)`` layers; ``ahead`` shrinks
+where that does not fit) from the store's admission. Layers then load in groups: one task per
+group pins its pages (loading those not resident: one acquire, one engine batch), opens the
+new pages its appends need and builds each layer's row indices (:mod:`tierkv.step_plan`).
+:meth:`StepPlan.layer`, at a group's first layer, lets go of the group before (its pins),
+starts the next group's loads and waits for its own (none when they landed);
+:meth:`StepPlan.layer_now` serves the other layers of a landed group with no event loop at
+all. At exit the pages used get their recency, full blocks their content keys, the pages the
+step wrote go down in one write-behind, and the next step's first group is prefetched.
+
+The announced order makes evictions take, among the step's pages, the one read last: in the
+cyclic walk over layers a steady set of layers stays resident and the rest stream through the
+window (the lease path's recency order evicted each layer's pages just before the next step
+read them: 0.98 loads per page per step against 0.64, benchmarks/step.py at batch 1).
+
+Errors: a bad argument (an unknown or released sequence, a layer out of range or out of the
+plan's order, a tensor of the wrong shape, dtype or device) raises the typed error before
+anything changes; a layer whose load failed raises at its wait. At exit (or error, or
+cancellation) nothing stays pinned or admitted, and the new pages of layers never appended
+to are dropped. A plan names pages by the keys they had at entry: a lease of the same
+sequences that ends inside the step (and publishes their full blocks) may make a later group's
+load fail with UnknownPageError.
+
+The core calls used (the tier core's surface this path depends on): ``TierSet.announce``,
+``acquire_device``, ``unpin_device``, ``reserve_device``, ``zero_device``, ``commit_device``,
+``pin_device``, ``own``, ``abort_device``, ``device_slots``, ``mark_dirty``, ``seal``,
+``ensure_fits``, ``deadline``, ``full_error``, ``table`` (capacity), ``device_pages`` (new) and
+``device``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+from tierkv import validate
+from tierkv.boundary import async_boundary, boundary
+from tierkv.errors import SequenceError, SpecError
+from tierkv.lease_host import LeaseHost
+from tierkv.runtime import Priority
+from tierkv.sequence import SequenceState, page_key
+from tierkv.step_layer import LayerStep, check_tokens
+from tierkv.step_plan import arena_rows, layer_rows
+from tierkv.tier_names import DEVICE
+
+__all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
+
+# loads the next step's first layers of some sequences, in the background
+NextStep = Callable[[list[str], list[int]], Awaitable[int]]
+
+
+class StepPlan:
+    """A planned step (see the module docstring); made by
+    :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager.
+
+    Layers load in groups of ``max(1, ahead)``: one pin, one load and one reservation per
+    group; group ``g + 1`` loads while group ``g`` computes.
+    """
+
+    def __init__(
+        self,
+        store: LeaseHost,
+        seqs: list[SequenceState],
+        layers: list[int],
+        tokens: list[int],
+        ahead: int,
+        next_step: NextStep,
+    ) -> None:
+        self.store = store
+        self._next_step = next_step
+        self.seqs = tuple(seqs)
+        self.layers = tuple(layers)
+        self.tokens = tokens
+        self.ahead = ahead
+        self._index = {layer: i for i, layer in enumerate(layers)}
+        self._tasks: list[asyncio.Task[list[LayerStep]] | None] = []
+        self._released: list[bool] = []
+        self._next = 0  # the index of the layer the next layer() call must name
+        self._current: LayerStep | None = None
+        self._held: int | None = None
+        self._used: list[bytes] = []  # every page the step pinned (recency at exit)
+        self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
+        self._active = False
+        tiers = store.tiers
+        self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
+        self.waited_pages = 0
+
+    @property
+    def group(self) -> int:
+        """Layers per load group."""
+        return max(1, self.ahead)
+
+    # -- entry and exit ------------------------------------------------------------------
+    def _footprint(self, capacity: int) -> int:
+        """The most device pages the step pins at once: two groups' (one with ``ahead=0``).
+        ``ahead`` shrinks (to 0 at least) until that fits ``capacity`` pages."""
+        t = self.store.spec.page_tokens
+        per = []
+        for layer in self.layers:
+            n = 0
+            for seq, k in zip(self.seqs, self.tokens):
+                n += -(-(seq.kv_len_of(layer) + k) // t)
+            per.append(n)
+        while True:
+            g = self.group
+            sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
+            w = 2 if self.ahead else 1
+            most = max((sum(sums[i : i + w]) for i in range(len(sums))), default=0)
+            if most <= capacity or not self.ahead:
+                return most
+            self.ahead -= 1
+
+    @async_boundary
+    async def __aenter__(self) -> StepPlan:
+        """Take the step's room from the admission and start the first layers' loads.
+
+        Raises TierFullError (the window of layers can never be resident, or no room came
+        before the timeout), SequenceError (a sequence was released). Nothing is held then.
+        """
+        store = self.store
+        tiers = store.tiers
+        for seq in self.seqs:
+            self._check_live(seq)
+        footprint = self._footprint(tiers.table.capacity(DEVICE))
+        tiers.room.ensure_fits(footprint)
+        groups = -(-len(self.layers) // self.group)
+        self._tasks = [None] * groups
+        self._released = [False] * groups
+        t = store.spec.page_tokens
+        for seq, k in zip(self.seqs, self.tokens):  # the blocks the step fills (extras harmless)
+            need = -(-(max(seq.kv_len) + k) // t)
+            while seq.num_blocks < need:
+                seq.append_block(seq.private_block(seq.num_blocks), shared=False)
+        # The step's pages in the order it reads them: evictions take pages outside the step
+        # first, then the one read last (a cyclic walk over the layers then keeps a steady set
+        # of layers resident and streams the rest through the window, instead of evicting
+        # each layer's pages just before the next step reads them). The pages the step writes
+        # come first (evicted last): each goes down once, by one write-behind at the end of
+        # the step, not by an eviction's wait half way through.
+        written = [k for layer in self.layers for k in self._written_keys(layer)]
+        first = set(written)
+        rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
+        tiers.announce(written + [k for k in rest if k not in first])
+        deadline = tiers.changes.deadline(store.timeout)
+        self._held = await store.admission.enter(
+            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
+        )
+        self._active = True
+        for g in range(min(groups, 2 if self.ahead else 0)):
+            self._start(g)
+        return self
+
+    @async_boundary
+    async def __aexit__(self, *exc: object) -> None:
+        t0 = time.perf_counter()
+        store = self.store
+        self._active = False
+        self._current = None
+        try:
+            pending = [t for t in self._tasks if t is not None and not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            if store.closed:
+                return  # close() let go of every page
+            for g in range(len(self._tasks)):
+                self._release(g)
+        finally:
+            if self._held is not None and not store.closed:
+                store.admission.leave(self._held)
+            self._held = None
+        used, self._used = self._used, []
+        wrote, self._wrote = self._wrote, []
+        live = [s for s in self.seqs if store.is_live(s)]
+        store.lease_ended(live, used)  # (full blocks get their content keys: names change)
+        if wrote and live:  # one write-behind for the step, the pages by their names now
+            t = store.spec.page_tokens
+            keys = []
+            for layer in wrote:
+                for seq, k in zip(self.seqs, self.tokens):
+                    end = seq.kv_len_of(layer)
+                    if k and store.is_live(seq):
+                        blocks = range((end - k) // t, -(-end // t))
+                        keys += [page_key(seq.block(b), layer) for b in blocks]
+            store.lease_wrote(keys)
+        store.turns.charge(time.perf_counter() - t0)
+        if exc[0] is None and self._next == len(self.layers) and self.ahead:
+            ids = [s.seq_id for s in self.seqs if store.is_live(s)]
+            if ids:  # the next step's first layers, loading while the caller samples
+                await self._next_step(ids, list(self.layers[: self.group]))
+
+    # -- layers ----------------------------------------------------------------------------
+    @async_boundary
+    async def layer(self, layer: int) -> LayerStep:
+        """The next layer of the plan, its pages pinned and its rows built (waits for its
+        group's loads when they have not landed). Entering a group lets go of the group
+        before it and starts loading the next.
+
+        Raises SpecError (a layer not in the plan, or not the next one: layers run in the
+        plan's order), SequenceError (the plan is not active), and what the layer's load
+        raised (TierFullError, StoreTimeoutError, UnknownPageError).
+        """
+        layer = validate.layer(layer, self.store.spec.num_layers)
+        i = self._index.get(layer)
+        if i is None:
+            raise SpecError(f"layer {layer} is not in this step (planned: {self.layers})")
+        if not self._active:
+            raise SequenceError("the step is not active (use it inside `async with`)")
+        if i != self._next:
+            want = self.layers[self._next] if self._next < len(self.layers) else None
+            raise SpecError(f"layer {layer}: the step's layers run in order, next is {want}")
+        self._current = None
+        g, at = divmod(i, self.group)
+        if at == 0:
+            if g:
+                self._release(g - 1)
+            self._start(g)
+            if self.ahead and g + 1 < len(self._tasks):
+                self._start(g + 1)
+                await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
+        task = self._tasks[g]
+        assert task is not None  # started above or before
+        if at == 0 and not task.done():  # compute waits for these loads: late
+            steps = await task
+            late = sum(s.loaded for s in steps)
+            self.store.counters.late_fetches += late
+            self.waited_pages += late
+        steps = await task
+        step = steps[at]
+        self._next = i + 1
+        self._current = step
+        return step
+
+    @boundary
+    def layer_now(self, layer: int) -> LayerStep | None:
+        """:meth:`layer` without an event loop, where it has nothing to wait for or start:
+        a layer inside a group that has landed (not a group's first layer). None otherwise
+        (then call :meth:`layer`). Raises what :meth:`layer` raises for bad arguments."""
+        i = self._index.get(layer) if type(layer) is int else None
+        if i is None or not self._active or i != self._next:
+            return None
+        g, at = divmod(i, self.group)
+        task = self._tasks[g]
+        if at == 0 or task is None or not task.done():
+            return None
+        step = task.result()[at]
+        self._next = i + 1
+        self._current = step
+        return step
+
+    def check_current(self, step: LayerStep) -> None:
+        """Raise SequenceError unless ``step`` is the plan's current layer."""
+        if step is not self._current:
+            raise SequenceError(f"layer {step.layer} is no longer current in this step")
+
+    def _written_keys(self, layer: int) -> list[bytes]:
+        t = self.store.spec.page_tokens
+        out = []
+        for seq, k in zip(self.seqs, self.tokens):
+            if k:
+                start = seq.kv_len_of(layer)
+                blocks = range(start // t, -(-(start + k) // t))
+                out += [page_key(seq.block(b), layer) for b in blocks]
+        return out
+
+    def _start(self, g: int) -> None:
+        if self._tasks[g] is None:
+            self._tasks[g] = asyncio.ensure_future(self._load(g))
+
+    async def _load(self, g: int) -> list[LayerStep]:
+        """Pin group ``g``'s pages (loading those not resident), open the pages its appends
+        need, build its layers' rows. On error nothing stays pinned or opened."""
+        store = self.store
+        tiers = store.tiers
+        t = store.spec.page_tokens
+        layers = self.layers[g * self.group : (g + 1) * self.group]
+        keys: list[bytes] = []
+        new: list[bytes] = []
+        plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
+        for layer in layers:
+            starts, counts, filled = [], [], []
+            written = self._written_keys(layer)
+            at, at_new = len(keys), len(new)
+            for seq, k in zip(self.seqs, self.tokens):
+                start = seq.kv_len_of(layer)
+                have, need = -(-start // t), -(-(start + k) // t)
+                keys += seq.pages(layer)
+                new += [page_key(seq.block(b), layer) for b in range(have, need)]
+                full = range(start // t, (start + k) // t)
+                filled += [page_key(seq.block(b), layer) for b in full]
+                starts.append(start)
+                counts.append(need)
+            plans.append((at, at_new, starts, counts, filled, written))
+        loaded = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
+        opened = pinned = owned = False
+        try:
+            if new:
+                slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
+                opened = True
+                tiers.pages.zero_device(slots)  # a reused slot holds another page's bytes
+                tiers.commit_device(new)
+                tiers.pin_device(new)
+                pinned = True
+                tiers.ownership.own(new)
+                owned = True
+            old_slots = tiers.pages.device_slots(keys) if keys else []
+            new_slots = tiers.pages.device_slots(new) if new else []
+            steps = []
+            bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
+            for j, (layer, plan) in enumerate(zip(layers, plans)):
+                at, at_new, starts, counts, filled, written = plan
+                per_seq = []
+                for start, need in zip(starts, counts):
+                    have = -(-start // t)
+                    grown = need - have
+                    per_seq.append(old_slots[at : at + have] + new_slots[at_new : at_new + grown])
+                    at += have
+                    at_new += grown
+                rows = layer_rows(
+                    per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.pages.device
+                )
+                (k0, n0), (k1, n1) = bounds[j], bounds[j + 1]
+                steps.append(
+                    LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
+                )
+        except BaseException:
+            if opened:
+                tiers.abort_device(new, pinned=pinned, owned=owned)
+            if keys:
+                tiers.unpin_device(keys)
+            raise
+        c = store.counters
+        c.pages_leased += len(keys)
+        c.device_hits += len(keys) - loaded
+        if steps:
+            steps[0].loaded = loaded
+        store.lease_began(keys)
+        return steps
+
+    def _release(self, g: int) -> None:
+        """Let go of group ``g``: its pins, the new pages of layers not appended to. Idempotent;
+        nothing for a group whose load did not succeed."""
+        task = self._tasks[g]
+        if self._released[g] or task is None or not task.done() or task.cancelled():
+            return
+        self._released[g] = True
+        if task.exception() is not None:
+            return
+        tiers = self.store.tiers
+        pins: list[bytes] = []
+        for step in task.result():
+            if step.appended:
+                pins += step.keys + step.new
+                if any(self.tokens):
+                    self._wrote.append(step.layer)
+            else:  # never appended to: the pages it opened go
+                tiers.abort_device(step.new, pinned=True, owned=True)
+                pins += step.keys
+        if pins:
+            tiers.unpin_device(pins)
+            self._used += pins
+
+    def _check_live(self, seq: SequenceState) -> None:
+        if not self.store.is_live(seq):
+            raise SequenceError(f"sequence {seq.seq_id!r} was released")

@@ -1,0 +1,184 @@
+"""One layer of a step (:mod:`tierkv.step`): the handle a caller appends through and reads
+K/V from, with its precomputed rows (:mod:`tierkv.step_plan`); and the check of a step's
+token counts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from tierkv import validate
+from tierkv.boundary import boundary
+from tierkv.errors import InvalidTypeError, SequenceError, SpecError
+from tierkv.lease_host import LeaseHost
+from tierkv.sequence import SequenceState
+from tierkv.step_plan import LayerRows
+
+__all__ = ["LayerStep", "StepView", "check_tokens"]
+
+
+class StepView(Protocol):
+    """What a layer needs of its step (:class:`tierkv.step.StepPlan` implements it)."""
+
+    store: LeaseHost
+    seqs: tuple[SequenceState, ...]
+    flat: torch.Tensor  # the device pages as rows of head_dim elements
+
+    def check_current(self, step: LayerStep) -> None:
+        """Raise SequenceError unless ``step`` is the step's current layer."""
+        ...
+
+
+class LayerStep:
+    """One layer of a step: its pages pinned on the device, its rows precomputed.
+
+    Got from :meth:`StepPlan.layer`; valid until the plan's next ``layer()`` call or its exit.
+    """
+
+    __slots__ = (
+        "_plan",
+        "_rows",
+        "appended",
+        "filled",
+        "keys",
+        "layer",
+        "loaded",
+        "new",
+        "starts",
+        "written",
+    )
+
+    def __init__(
+        self,
+        plan: StepView,
+        layer: int,
+        keys: list[bytes],
+        new: list[bytes],
+        filled: list[bytes],
+        written: list[bytes],
+        starts: list[int],
+        rows: LayerRows,
+    ) -> None:
+        self._plan = plan
+        self.layer = layer
+        self.keys = keys  # the layer's pages this step pinned (acquired)
+        self.new = new  # the pages the append opens (reserved, owned, pinned)
+        self.filled = filled  # the pages the append fills (sealed once written)
+        self.written = written  # the pages the append writes (the partly filled and new ones)
+        self.starts = starts
+        self._rows = rows
+        self.appended = not any(rows.n_new)
+        self.loaded = 0  # pages its group loaded (on the group's first layer)
+
+    @boundary
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K and V: ``[B, H, n, D]`` (every sequence ``n`` tokens, in the
+        plan's order) or ``[H, N, D]`` (the sequences' tokens one after another), in the
+        spec's dtype, on the device tier's device or the cpu.
+
+        Raises SpecError (shape, dtype, device), InvalidTypeError (not tensors),
+        SequenceError (the layer is no longer current, appended already, a sequence released
+        or appended to by someone else meanwhile); all before anything is written.
+        """
+        plan = self._plan
+        rows = self._rows
+        by_seq = self._check_kv(k, v)
+        plan.check_current(self)
+        if self.appended:
+            raise SequenceError(f"layer {self.layer}: this step appended to it already")
+        seqs, layer = plan.seqs, self.layer
+        for seq, start in zip(seqs, self.starts):
+            if not plan.store.is_live(seq) or seq.kv_len_of(layer) != start:
+                raise SequenceError(
+                    f"sequence {seq.seq_id!r} layer {layer}: released or appended to outside "
+                    "this step (nothing was appended)"
+                )
+        d = plan.store.spec.head_dim
+        flat = plan.flat
+        dev = flat.device
+        if k.requires_grad or v.requires_grad:  # a cache holds values, not a graph
+            k, v = k.detach(), v.detach()
+        if k.device != dev:
+            k, v = k.to(dev), v.to(dev)
+        flat.index_copy_(0, rows.k_rows(by_seq), k.reshape(-1, d))
+        flat.index_copy_(0, rows.v_rows(by_seq), v.reshape(-1, d))
+        tiers = plan.store.tiers
+        tiers.pages.mark_dirty(self.written)
+        if self.filled:
+            tiers.pages.seal(self.filled)
+        for seq, end in zip(seqs, rows.lengths):
+            seq.set_kv_len(layer, end)
+        self.appended = True
+
+    def _check_kv(self, k: object, v: object) -> bool:
+        """Check new KV; True for ``[B, H, n, D]``, False for ``[H, N, D]``."""
+        plan = self._plan
+        spec = plan.store.spec
+        rows = self._rows
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise InvalidTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        assert isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+        h, d = spec.num_kv_heads, spec.head_dim
+        uniform = len(set(rows.n_new)) == 1
+        shapes: list[tuple[int, ...]] = [(h, sum(rows.n_new), d)]
+        if uniform:
+            shapes.append((rows.batch, h, rows.n_new[0], d))
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) not in shapes:
+                raise SpecError(f"{name}: expected shape {' or '.join(map(str, shapes))}")
+            if x.dtype != spec.dtype:
+                raise SpecError(f"{name}: expected dtype {spec.dtype}, got {x.dtype}")
+            if x.is_nested or x.layout != torch.strided or x.device.type == "meta":
+                raise SpecError(f"{name}: expected a dense tensor with data")
+            if x.device != plan.flat.device and x.device.type != "cpu":
+                raise SpecError(f"{name}: expected a tensor on {plan.flat.device} or the cpu")
+        if k.shape != v.shape:
+            raise SpecError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
+        return k.dim() == 4
+
+    def _gather(self) -> torch.Tensor:
+        self._plan.check_current(self)
+        if not self.appended:
+            raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
+        return self._plan.flat.index_select(0, self._rows.read)
+
+    @boundary
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every sequence, ``[B, H, S, D]`` each (views of one gathered copy):
+        every sequence must have the same length. Raises SequenceError (lengths differ: use
+        :meth:`kv_list`; not appended yet; the layer no longer current)."""
+        rows = self._rows
+        if len(set(rows.lengths)) > 1:
+            raise SequenceError("the step's sequences differ in length: use kv_list()")
+        spec = self._plan.store.spec
+        s = rows.lengths[0] if rows.lengths else 0
+        out = self._gather().view(rows.batch, 2, spec.num_kv_heads, s, spec.head_dim)
+        return out[:, 0], out[:, 1]
+
+    @boundary
+    def kv_list(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """K and V of each sequence, ``[H, S_b, D]`` each (views of one gathered copy)."""
+        spec = self._plan.store.spec
+        h, d = spec.num_kv_heads, spec.head_dim
+        parts = self._gather().split(self._rows.sizes)
+        out = []
+        for p, s in zip(parts, self._rows.lengths):
+            kv = p.view(2, h, s, d)
+            out.append((kv[0], kv[1]))
+        return out
+
+
+def check_tokens(tokens: int | Sequence[int], n: int) -> list[int]:
+    """``tokens`` as one count per sequence (an int: the same for all). Raises
+    InvalidTypeError, SpecError."""
+    if isinstance(tokens, int) and not isinstance(tokens, bool):
+        tokens = [tokens] * n
+    if isinstance(tokens, str | bytes) or not isinstance(tokens, Sequence):
+        raise InvalidTypeError(f"tokens: expected an int or a list of ints, got {tokens!r}")
+    out = [validate.count("tokens", x, 0) for x in tokens]
+    if len(out) != n:
+        raise SpecError(f"tokens: {len(out)} counts for {n} sequences")
+    return out

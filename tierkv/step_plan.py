@@ -1,0 +1,166 @@
+"""The index math of a step (:mod:`tierkv.step`): device pages as rows, and per layer the rows
+an append writes and the rows attention reads, as int64 tensors built with a few torch ops
+(no Python per page or per token).
+
+The device arena is ``[slots, 2, H, T, D]`` (a page per slot, K then V); seen as rows of ``D``
+elements, the row of (slot, kv, head, token) is ``slot * R + (kv * H + head) * T + token``
+where ``R`` is the rows one slot spans (its padding included)::
+
+    slot s:  [K h0 t0..T-1][K h1 ...]...[V h0 t0..T-1]...[pad]     R rows
+    rows of a sequence's K/V, in the order attention reads them: (kv, head, token)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from tierkv.errors import SpecError
+from tierkv.spec import KVSpec
+
+__all__ = ["LayerRows", "arena_rows", "layer_rows"]
+
+
+def arena_rows(pages: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, int]:
+    """The device pages ``[slots, 2, H, T, D]`` as a ``[rows, D]`` view, and the rows one slot
+    spans. Raises SpecError when a slot is not a whole number of rows (a page size whose
+    alignment padding is not a multiple of ``D`` elements)."""
+    d = spec.head_dim
+    stride = pages.stride(0)
+    if stride % d or pages.stride(-1) != 1 or pages.stride(-2) != d:
+        raise SpecError(
+            f"the step path needs pages that are whole rows of head_dim={d} elements "
+            f"(a slot spans {stride} elements): use store.lease()"
+        )
+    per_slot = stride // d
+    flat = pages.as_strided((pages.shape[0] * per_slot, d), (d, 1), pages.storage_offset())
+    return flat, per_slot
+
+
+class LayerRows:
+    """One layer's rows for the sequences of a step.
+
+    ``read``: the rows of every sequence's K/V after the append, sequence by sequence, each
+    ``(kv, head, token)``; ``sizes``: the rows of each sequence; ``k_rows(by_seq)`` /
+    ``v_rows(by_seq)``: where the new tokens' K (V) go, for new KV laid out ``[B, H, n, D]``
+    (``by_seq``) or ``[H, N, D]`` (the sequences' new tokens one after another)."""
+
+    __slots__ = (
+        "_device",
+        "_head",
+        "_k",
+        "_kv_off",
+        "_tok",
+        "batch",
+        "lengths",
+        "n_new",
+        "read",
+        "sizes",
+    )
+
+    def __init__(
+        self,
+        read: torch.Tensor,
+        tok: npt.NDArray[np.int64],
+        lengths: list[int],
+        n_new: list[int],
+        spec: KVSpec,
+        device: torch.device,
+    ) -> None:
+        self.read = read
+        self._tok = tok  # the row of (kv=0, head=0) of each new token, sequence after sequence
+        self._device = device
+        self.lengths = lengths
+        self.n_new = n_new
+        self.batch = len(lengths)
+        h, t = spec.num_kv_heads, spec.page_tokens
+        self.sizes = [2 * h * s for s in lengths]
+        self._head = _heads(h, t)
+        self._kv_off = h * t
+        self._k: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def k_rows(self, by_seq: bool) -> torch.Tensor:
+        """Rows of the new tokens' K, in the order of the new KV's elements."""
+        return self._rows(by_seq)[0]
+
+    def v_rows(self, by_seq: bool) -> torch.Tensor:
+        """Rows of the new tokens' V (those of K, one K block further)."""
+        return self._rows(by_seq)[1]
+
+    def _rows(self, by_seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self._k.get(by_seq)
+        if got is None:
+            k = self._k_rows(by_seq)
+            pair = torch.from_numpy(k), torch.from_numpy(k + self._kv_off)
+            if self._device.type != "cpu":
+                pair = pair[0].to(self._device), pair[1].to(self._device)
+            got = self._k[by_seq] = pair
+        return got
+
+    def _k_rows(self, by_seq: bool) -> npt.NDArray[np.int64]:
+        h = self._head
+        if by_seq:  # [B, H, n, D]: (b, head, j)
+            n = self.n_new[0] if self.n_new else 0
+            return (self._tok.reshape(self.batch, 1, n) + h.reshape(1, -1, 1)).reshape(-1)
+        return (h.reshape(-1, 1) + self._tok.reshape(1, -1)).reshape(-1)  # [H, N, D]: (head, j)
+
+
+@functools.lru_cache(maxsize=16)
+def _heads(h: int, t: int) -> npt.NDArray[np.int64]:
+    """The row offset of each head inside a K (or V) block of a slot."""
+    out = np.arange(h, dtype=np.int64) * t
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _inner(h: int, t: int) -> npt.NDArray[np.int64]:
+    """``[2, H, 1, T]``: the row of (kv, head, token in page) inside a slot."""
+    kv = np.arange(2, dtype=np.int64).reshape(2, 1, 1, 1) * (h * t)
+    head = np.arange(h, dtype=np.int64).reshape(1, h, 1, 1) * t
+    out = kv + head + np.arange(t, dtype=np.int64).reshape(1, 1, 1, t)
+    out.setflags(write=False)
+    return out
+
+
+def layer_rows(
+    slots: Sequence[Sequence[int]],
+    starts: Sequence[int],
+    n_new: Sequence[int],
+    per_slot: int,
+    spec: KVSpec,
+    device: torch.device,
+) -> LayerRows:
+    """The rows of one layer: ``slots[b]``, the device slots of sequence ``b``'s pages in block
+    order (its new pages included); ``starts[b]``, its KV length before the append;
+    ``n_new[b]``, the tokens it appends. A few numpy operations in all (one batch of them when
+    every sequence has as many pages and tokens, else a few per sequence)."""
+    h, t = spec.num_kv_heads, spec.page_tokens
+    ends = [s + n for s, n in zip(starts, n_new)]
+    inner = _inner(h, t)
+    pages = [len(s) for s in slots]
+    read: npt.NDArray[np.int64]
+    tok: npt.NDArray[np.int64]
+    if slots and len(set(pages)) == 1 and len(set(ends)) == 1 and len(set(starts)) == 1:
+        b, m, end, start = len(slots), pages[0], ends[0], starts[0]
+        base = np.array(slots, dtype=np.int64).reshape(b, 1, 1, m, 1) * per_slot
+        read = (base + inner).reshape(b, 2, h, m * t)[..., :end].reshape(-1)
+        pos = np.arange(start, end, dtype=np.int64)
+        tok = (base.reshape(b, m)[:, pos // t] + pos % t).reshape(-1)
+    else:
+        reads, toks = [], []
+        for s, start, end in zip(slots, starts, ends):
+            base = np.array(s, dtype=np.int64).reshape(1, 1, -1, 1) * per_slot
+            reads.append((base + inner).reshape(2, h, -1)[..., :end].reshape(-1))
+            pos = np.arange(start, end, dtype=np.int64)
+            toks.append(base.reshape(-1)[pos // t] + pos % t)
+        read = np.concatenate(reads) if reads else np.empty(0, dtype=np.int64)
+        tok = np.concatenate(toks) if toks else np.empty(0, dtype=np.int64)
+    r = torch.from_numpy(read)
+    if device.type != "cpu":
+        r = r.to(device, non_blocking=True)
+    return LayerRows(r, tok, ends, list(n_new), spec, device)
