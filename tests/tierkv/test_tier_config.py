@@ -467,3 +467,15 @@ async def test_a_page_owned_while_its_host_eviction_fails_keeps_its_owners_pin()
         tiers.ownership.disown([victim])
         assert tiers.table.pins(victim, HOST) == 0
         s.check()
+
+
+async def test_host_first_has_no_host_only_pages(tmp_path: Path) -> None:
+    """Host attention's host-only pages (tierkv.attention.host): none in a host-first store,
+    whose leased pages are in host memory already (not an UnknownPageError for the missing
+    host column)."""
+    from tierkv.attention.host import host_only
+
+    async with host_first(tmp_path, host=12) as s:
+        await fill(s, "s0", 0)  # released: its pages stay cached in the leased tier
+        pages = list(s.tiers.table.keys(DEVICE))
+        assert pages and host_only(s.tiers, pages) == set()

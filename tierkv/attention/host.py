@@ -23,8 +23,11 @@ __all__ = ["host_only", "read_host_tokens"]
 
 
 def host_only(tiers: TierSet, keys: Sequence[bytes]) -> set[bytes]:
-    """Those of ``keys`` readable in the host tier and not on the device."""
+    """Those of ``keys`` readable in the host tier and not on the device (none in a store
+    without a host tier: a host-first store's leased pages are in host memory already)."""
     table = tiers.table
+    if HOST not in table.tier_names:
+        return set()
     on_host = set(table.readable(keys, HOST))
     if not on_host:
         return on_host
