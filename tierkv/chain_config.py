@@ -144,16 +144,24 @@ class Cold:
 class Disk:
     """The disk tier (docs/disk.md): content pages on local disk, verified, found again by a
     later process on the same ``path`` (an existing, writable directory, checked at ``open()``).
-    ``bytes``: its budget, at least one slot (a 4 KiB header and the page padded to 4 KiB)."""
+    ``bytes``: its budget, at least one slot (a 4 KiB header and the page padded to 4 KiB).
+    ``seen_twice``: the admission filter (an evicted page is written on its second offer,
+    Dynamo's rule; a closing store writes every page): off by default, as it lowered the hit
+    rate on the Mooncake trace at all but the smallest disk (docs/disk.md, "Admission")."""
 
     kind: ClassVar[str] = DISK
     path: str | os.PathLike[str]
     bytes: int
+    seen_twice: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise TierTypeError(f"disk path must be a str or path, got {type(self.path).__name__}")
         _size(self.kind, self.bytes)
+        if not isinstance(self.seen_twice, bool):
+            raise TierTypeError(
+                f"disk seen_twice must be a bool, got {type(self.seen_twice).__name__}"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -225,7 +233,7 @@ class Chain:
     cold_pages: int
     codec_name: str | None
     codec: Codec | None = field(compare=False)  # (made from codec_name)
-    disk: tuple[str, int] | None
+    disk: tuple[str, int, bool] | None  # path, bytes, seen_twice
     remote: list[PageSource] | None
 
     @property
@@ -283,7 +291,7 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         from tierkv.disk.layout import ALIGN, round_up  # pure arithmetic, no I/O
 
         _pages(DISK, d.bytes, ALIGN + round_up(page), "disk slots")
-        disk = (os.fspath(d.path), int(d.bytes))
+        disk = (os.fspath(d.path), int(d.bytes), d.seen_twice)
     remote = list(by[REMOTE].sources) if REMOTE in by else None
     name = codec.name if codec is not None else None
     return Chain(names, lease, host, cold, name, codec, disk, remote)

@@ -306,8 +306,10 @@ class KVStore:
             return None
         from tierkv.disk.tier import DiskTier, register_moves  # only a store with a disk
 
-        path, size = self._disk
-        disk = DiskTier.open(path, page_bytes=self.spec.page_bytes, disk_bytes=size)
+        path, size, seen_twice = self._disk
+        disk = DiskTier.open(
+            path, page_bytes=self.spec.page_bytes, disk_bytes=size, seen_twice=seen_twice
+        )
         try:  # (its moves go into the core's registry when the chain attaches)
             return LowerChain([disk], register_moves, self.timeout)
         except BaseException:

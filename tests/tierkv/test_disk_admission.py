@@ -5,17 +5,20 @@ its pages down whatever the filter says (a restart finds them)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tierkv.chain_config import Device, Disk, Host
 from tierkv.disk.admission import SeenTwice
 from tierkv.disk.tier import DiskTier
-from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.errors import InvalidInputError, InvalidTypeError, TierTypeError
+from tierkv.store import KVStore
 
 sys.path.insert(0, str(Path(__file__).parent))
+from store_kv import SPEC
 from test_store_disk import PAGE, SLOT, cached_kv, fill_many, store, tokens
 
 
@@ -80,21 +83,21 @@ def test_a_disk_tier_without_a_filter_admits_everything(tmp_path: Path) -> None:
         tier.close()
 
 
-@pytest.fixture
-def seen_twice(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The store's disk tier opened with the filter (the store has no option for it yet)."""
-    opener = DiskTier.open.__func__  # type: ignore[attr-defined]
+def filtered_store(path: Path) -> KVStore:
+    """`store_kv.store`'s tiers, its disk with the admission filter (``Disk(seen_twice=True)``)."""
+    return KVStore(
+        SPEC,
+        tiers=[
+            Device(bytes=6 * PAGE),
+            Host(bytes=8 * PAGE),
+            Disk(path=path, bytes=64 * SLOT, seen_twice=True),
+        ],
+    )
 
-    def with_filter(cls: type[DiskTier], *a: Any, **kw: Any) -> DiskTier:
-        return opener(cls, *a, **kw, seen_twice=True)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(DiskTier, "open", classmethod(with_filter))
-
-
-@pytest.mark.usefixtures("seen_twice")
 async def test_a_store_writes_an_evicted_page_on_its_second_eviction(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
-    async with store(tmp_path / "d") as s:
+    async with filtered_store(tmp_path / "d") as s:
         await fill_many(s, range(8))  # 32 pages, the host holds 8: evicted once each
         d = s.stats()["disk"]
         assert d["offered"] > 0 and d["not_admitted"] == d["offered"] and d["used"] == 0
@@ -107,6 +110,17 @@ async def test_a_store_writes_an_evicted_page_on_its_second_eviction(tmp_path: P
         assert s.lookup(tokens(0)) == 8 and await cached_kv(s, 0) == 8
     async with store(tmp_path / "d") as s2:  # the first store's close wrote its host pages
         assert [await cached_kv(s2, i) for i in range(8, 16)] == [8] * 8
+
+
+async def test_the_filter_is_off_by_default_and_checked(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    async with store(tmp_path / "d") as s:  # the keyword shorthand: no filter
+        await fill_many(s, range(8))
+        d = s.stats()["disk"]
+        assert d["offered"] > 0 and d["not_admitted"] == 0 and d["used"] > 0
+    with pytest.raises(TierTypeError, match="seen_twice"):
+        Disk(path=tmp_path, bytes=64 * SLOT, seen_twice="yes")  # type: ignore[arg-type]
+    assert sorted(os.listdir(tmp_path)) == ["d"]  # nothing created
 
 
 def test_a_tier_deriving_from_the_protocol_admits_everything_by_default() -> None:
