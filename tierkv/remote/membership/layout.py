@@ -26,7 +26,7 @@ shard at once; the meta keys share the tag ``{m}``.
 Requests carry keys as one blob (no per-key argument): the keys end to end when all have one
 length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
 
-    locate(shard blob)        -> per key: its holders' numbers (or nil)
+    locate(shard blob)        -> per key its holder count (uint16), the holders end to end
     publish(idx, add, drop)   -> adds (HSETNX first: one call for a new key), drops
     sweep(first, last, dead)  -> buckets first..last rid of the dead numbers
     register / refresh / leave / lapsed: the {m} keys
@@ -51,6 +51,7 @@ __all__ = [
     "blob",
     "check_keys",
     "fixed_length",
+    "pack",
 ]
 
 
@@ -101,6 +102,22 @@ def check_keys(keys: Sequence[bytes]) -> None:
     for k in keys:
         if not isinstance(k, bytes) or not 16 <= len(k) <= 255 or not is_content(k):
             raise InvalidInputError(f"the directory holds content page keys only, not {k!r}")
+
+
+def pack(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    """`check_keys`, then ``(blob, fixed)`` of the keys. The common case (keys of one length,
+    plain bytes) costs a few C calls, not a Python step per key: the lengths and types as sets,
+    the blob joined once, and the content bit of every key (its first byte below 0x80) read as
+    ``isascii`` of the blob's every ``fixed``-th byte (0.3 ms per 1,000 keys -> 0.03 ms)."""
+    if set(map(type, keys)) == {bytes}:
+        sizes = set(map(len, keys))
+        if len(sizes) == 1 and 16 <= (fixed := sizes.pop()) <= 255:
+            joined = b"".join(keys)
+            if joined[::fixed].isascii():  # no private bit (0x80) on any first byte
+                return joined, fixed
+    check_keys(keys)
+    fixed = fixed_length(keys)
+    return blob(keys, fixed), fixed
 
 
 # -- membership (the {m} keys: seq, alive, addr, ids, dead) --------------------------------
@@ -199,18 +216,39 @@ local function records(blob, fn)
 end
 """
 
-#: ARGV prefix, mask, blob, fixed -> per key its holders (a string of uint32 LE) or false
-LOCATE = (
-    _RECORDS
-    + """
-local out, i = {}, 0
-records(ARGV[3], function(bucket, key)
+#: ARGV prefix, mask, blob, fixed -> {counts, holders}: per key its number of holders (uint16
+#: LE), and the holders of every key end to end (uint32 LE each). Two bulk strings, not an array
+#: of 1,000: the client unpacks them with two C calls, and the loop is inline (no closure, no
+#: mask test per key when the mask is 255): measured 1.8 ms server time -> see docs/remote.md
+LOCATE = """
+local sub, byte, char, band, call, floor = string.sub, string.byte, string.char, bit.band,
+  redis.call, math.floor
+local pre, mask, blob, fixed = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+local counts, held, i, h, n = {}, {}, 0, 0, #blob
+local none, one = char(0, 0), char(1, 0)
+local pos = 1
+while pos <= n do
+  local key
+  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+  else
+    local len = byte(blob, pos)
+    key = sub(blob, pos + 1, pos + len)
+    pos = pos + 1 + len
+  end
+  local v
+  if mask == 255 then v = call('HGET', pre .. sub(key, 9, 10), key)
+  else v = call('HGET', pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)), key) end
   i = i + 1
-  out[i] = call('HGET', bucket, key)
-end)
-return out
+  if not v then counts[i] = none
+  else
+    h = h + 1
+    held[h] = v
+    local k = #v / 4
+    if k == 1 then counts[i] = one else counts[i] = char(k % 256, floor(k / 256)) end
+  end
+end
+return {table.concat(counts), table.concat(held)}
 """
-)
 
 #: ARGV prefix, mask, number (4 bytes), fixed, add blob, drop blob -> entries added
 PUBLISH = (
