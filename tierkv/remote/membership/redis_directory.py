@@ -385,22 +385,31 @@ class RedisDirectory:
         """The live set and, per script, the keys' places (None: in order) and its reply.
         Raises InvalidInputError for a key that is not a content page key."""
         keys_blob, fixed = pack(keys)
+        lay = self.layout
         calls: list[tuple[int, bytes, list[int] | None]] = []
-        if self.layout.shards == 1 and fixed:  # slices of the blob: no step per key
+        if lay.shards == 1 and fixed:  # slices of the blob: no step per key
             step = LOCATE_BATCH * fixed
-            calls = [(0, keys_blob[lo : lo + step], None) for lo in range(0, len(keys_blob), step)]
+            for lo in range(0, len(keys_blob), step):
+                calls.append((0, lay.records(0, keys_blob[lo : lo + step], fixed, ()), None))
         else:
             for lo in range(0, len(keys), LOCATE_BATCH):
                 part = keys[lo : lo + LOCATE_BATCH]
                 for shard, idx in self._by_shard(part).items():
-                    order = [lo + i for i in idx]
-                    calls.append((shard, blob([part[i] for i in idx], fixed), order))
-        meta = self.layout.meta_keys()
+                    mine = [part[i] for i in idx]
+                    calls.append(
+                        (
+                            shard,
+                            lay.records(shard, blob(mine, fixed), fixed, mine),
+                            [lo + i for i in idx],
+                        )
+                    )
+        meta = lay.meta_keys()
 
         def build(pipe: Any) -> None:
             pipe.evalsha(_SHA[LIVE], len(meta), *meta)
-            for shard, part_blob, _ in calls:
-                self._eval(pipe, LOCATE, shard, part_blob, fixed)
+            for shard, records, _ in calls:
+                prefix = lay.shard_prefix(shard)
+                pipe.evalsha(_SHA[LOCATE], 1, prefix, len(prefix.encode()) + 2, fixed, records)
 
         replies = await self._pipeline(build)
         flat = replies[0]
