@@ -99,7 +99,7 @@ def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> 
         k = len(counts) // 2
         per_key: Iterable[list[T]]
         if counts == b"\x01\x00" * k:
-            per_key = [[a] if (a := name(h)) is not None else [] for h in _u32(held)]
+            per_key = [[a] if a is not None else [] for a in map(name, _u32(held))]
         else:
             per_key = _split(struct.unpack(f"<{k}H", counts), _u32(held), name)
         if order is None:
