@@ -215,7 +215,19 @@ return out
 )
 
 # -- buckets (one shard: KEYS[1] names its slot) -------------------------------------------
-_RECORDS = """
+#: Lua: the key at ``pos`` of ``blob`` (``fixed`` bytes, or a length byte first) into ``key``,
+#: ``pos`` past it
+_CUT_KEY = """
+  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+  else
+    local len = byte(blob, pos)
+    key = sub(blob, pos + 1, pos + len)
+    pos = pos + 1 + len
+  end
+"""
+
+_RECORDS = (
+    """
 local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
 local mask = tonumber(ARGV[2])
 local fixed = tonumber(ARGV[4])
@@ -223,17 +235,15 @@ local function records(blob, fn)
   local pos, n, pre = 1, #blob, ARGV[1]
   while pos <= n do
     local key
-    if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
-    else
-      local len = byte(blob, pos)
-      key = sub(blob, pos + 1, pos + len)
-      pos = pos + 1 + len
-    end
+"""
+    + _CUT_KEY
+    + """
     if mask == 255 then fn(pre .. sub(key, 9, 10), key)
     else fn(pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)), key) end
   end
 end
 """
+)
 
 #: ARGV name length, key length (0: a length byte first), records (`Layout.records`: per key
 #: its bucket's full name, then the key) -> {counts, holders}: per key its number of holders
@@ -241,7 +251,8 @@ end
 #: buckets (C slices over the whole request), so the script cuts two strings per key and joins
 #: none (the name built here, ``prefix .. sub(key, 9, 10)``, cost 0.24 ms per 1,000 keys);
 #: two bulk strings come back, not an array of 1,000, unpacked by one C call each.
-LOCATE = """
+LOCATE = (
+    """
 local sub, byte, char, call, floor = string.sub, string.byte, string.char, redis.call, math.floor
 local name, fixed, blob = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local counts, held, i, h, n, pos = {}, {}, 0, 0, #blob, 1
@@ -249,12 +260,9 @@ local none, one = char(0, 0), char(1, 0)
 while pos <= n do
   local bucket, key = sub(blob, pos, pos + name - 1), nil
   pos = pos + name
-  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
-  else
-    local len = byte(blob, pos)
-    key = sub(blob, pos + 1, pos + len)
-    pos = pos + 1 + len
-  end
+"""
+    + _CUT_KEY
+    + """
   local v = call('HGET', bucket, key)
   i = i + 1
   if not v then counts[i] = none
@@ -267,6 +275,7 @@ while pos <= n do
 end
 return {table.concat(counts), table.concat(held)}
 """
+)
 
 #: ARGV prefix, mask, number (4 bytes), fixed, add blob, drop blob -> entries added
 PUBLISH = (
