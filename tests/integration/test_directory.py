@@ -392,3 +392,48 @@ def test_the_page_server_and_cluster_need_redis_only_with_a_directory() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr[-500:]
+
+
+@pytest.mark.parametrize(("buckets", "shards"), [(1 << 16, 1), (1 << 10, 1), (1 << 16, 16)])
+def test_locate_requests_name_each_keys_bucket(buckets: int, shards: int) -> None:
+    """Layout.records (C slices per byte column) names the same bucket as bucket_of, for every
+    mask and shard, keys of one length or mixed; pack refuses what check_keys refuses."""
+    from tierkv.remote.membership.layout import Layout, blob, pack
+
+    lay = Layout("t:ns", buckets, shards)
+    same, mixed = keys_of(300, seed=4), keys_of(5, seed=5) + [k + b"\x01\x00" for k in keys_of(5)]
+    for keys in (same, mixed):
+        joined, fixed = pack(keys)
+        assert (joined, fixed) == (blob(keys, fixed), 16 if keys is same else 0)
+        shard = lay.shard_of(keys[0])
+        got = lay.records(shard, joined, fixed, keys)
+        want = b"".join(
+            lay.shard_prefix(shard).encode()
+            + lay.bucket_of(k)[-2:]
+            + (b"" if fixed else bytes((len(k),)))
+            + k
+            for k in keys
+        )
+        assert got == want
+    private = bytes([0x80]) + same[0][1:]
+    for bad in ([*same[:3], private], [bytearray(same[0])], [same[0][:15]], [b"\x00" * 256]):
+        with pytest.raises(InvalidInputError):
+            pack(bad)  # type: ignore[arg-type]
+
+
+async def test_locate_on_a_small_layout_in_several_scripts(fresh: str) -> None:
+    """Buckets under 65,536 (byte 9 masked), 2,500 keys (three scripts), mixed holders."""
+    d = await directory(fresh, buckets=1 << 10)
+    try:
+        a, b = await d.register("a:1"), await d.register("b:2")
+        keys = keys_of(2500, seed=6)
+        await d.publish(a, keys[:2000])
+        await d.publish(b, keys[1000:])
+        got = await d.locate(keys)
+        assert got == [["a:1"]] * 1000 + [["a:1", "b:2"]] * 1000 + [["b:2"]] * 500
+        await d.leave(a, "a:1")
+        assert await d.locate(keys[900:1100]) == [[]] * 100 + [["b:2"]] * 100
+        numbers, live = await d.holders(keys[1999:2001])
+        assert (numbers, live) == ([[b], [b]], {b: "b:2"})
+    finally:
+        await d.aclose()

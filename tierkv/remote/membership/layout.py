@@ -26,7 +26,7 @@ shard at once; the meta keys share the tag ``{m}``.
 Requests carry keys as one blob (no per-key argument): the keys end to end when all have one
 length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
 
-    locate(shard blob)        -> per key: its holders' numbers (or nil)
+    locate(names and keys)    -> per key its holder count (uint16), the holders end to end
     publish(idx, add, drop)   -> adds (HSETNX first: one call for a new key), drops
     sweep(first, last, dead)  -> buckets first..last rid of the dead numbers
     register / refresh / leave / lapsed: the {m} keys
@@ -51,6 +51,7 @@ __all__ = [
     "blob",
     "check_keys",
     "fixed_length",
+    "pack",
 ]
 
 
@@ -62,6 +63,7 @@ class Layout:
         bits = min(16, max(8, (max(1, buckets // shards)).bit_length() - 1))
         self.per_shard = 1 << bits
         self.mask = (1 << (bits - 8)) - 1  # of key byte 9
+        self._masked = bytes(b & self.mask for b in range(256))  # (a bytes.translate table)
         meta = f"{namespace}:{{m}}:"
         self.seq, self.alive, self.addr = meta + "seq", meta + "alive", meta + "addr"
         self.ids, self.dead, self.conf = meta + "ids", meta + "dead", meta + "conf"
@@ -84,6 +86,24 @@ class Layout:
         prefix = self.shard_prefix(self.shard_of(key)).encode()
         return prefix + bytes((key[8], key[9] & self.mask))
 
+    def records(self, shard: int, keys_blob: bytes, fixed: int, keys: Sequence[bytes]) -> bytes:
+        """LOCATE's request: per key its bucket's name (of shard ``shard``), then the key (a
+        length byte first when ``fixed`` is 0). Keys of one length (``keys_blob``, end to end)
+        are laid out by C slice assignments, one per byte column (30 of them), not a Python
+        step per key."""
+        prefix = self.shard_prefix(shard).encode()
+        if not fixed:
+            return b"".join(prefix + bytes((k[8], k[9] & self.mask, len(k))) + k for k in keys)
+        n, name = len(keys_blob) // fixed, len(prefix) + 2
+        width = name + fixed
+        out = bytearray((prefix + bytes(width - len(prefix))) * n)
+        out[name - 2 :: width] = keys_blob[8::fixed]
+        ninth = keys_blob[9::fixed]
+        out[name - 1 :: width] = ninth if self.mask == 255 else ninth.translate(self._masked)
+        for j in range(fixed):
+            out[name + j :: width] = keys_blob[j::fixed]
+        return bytes(out)
+
 
 def fixed_length(*groups: Sequence[bytes]) -> int:
     """The length every key of ``groups`` has, or 0 when they differ."""
@@ -101,6 +121,22 @@ def check_keys(keys: Sequence[bytes]) -> None:
     for k in keys:
         if not isinstance(k, bytes) or not 16 <= len(k) <= 255 or not is_content(k):
             raise InvalidInputError(f"the directory holds content page keys only, not {k!r}")
+
+
+def pack(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    """`check_keys`, then ``(blob, fixed)`` of the keys. The common case (keys of one length,
+    plain bytes) costs a few C calls, not a Python step per key: the lengths and types as sets,
+    the blob joined once, and the content bit of every key (its first byte below 0x80) read as
+    ``isascii`` of the blob's every ``fixed``-th byte (0.3 ms per 1,000 keys -> 0.03 ms)."""
+    if set(map(type, keys)) == {bytes}:
+        sizes = set(map(len, keys))
+        if len(sizes) == 1 and 16 <= (fixed := sizes.pop()) <= 255:
+            joined = b"".join(keys)
+            if joined[::fixed].isascii():  # no private bit (0x80) on any first byte
+                return joined, fixed
+    check_keys(keys)
+    fixed = fixed_length(keys)
+    return blob(keys, fixed), fixed
 
 
 # -- membership (the {m} keys: seq, alive, addr, ids, dead) --------------------------------
@@ -179,7 +215,19 @@ return out
 )
 
 # -- buckets (one shard: KEYS[1] names its slot) -------------------------------------------
-_RECORDS = """
+#: Lua: the key at ``pos`` of ``blob`` (``fixed`` bytes, or a length byte first) into ``key``,
+#: ``pos`` past it
+_CUT_KEY = """
+  if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
+  else
+    local len = byte(blob, pos)
+    key = sub(blob, pos + 1, pos + len)
+    pos = pos + 1 + len
+  end
+"""
+
+_RECORDS = (
+    """
 local sub, byte, char, band, call = string.sub, string.byte, string.char, bit.band, redis.call
 local mask = tonumber(ARGV[2])
 local fixed = tonumber(ARGV[4])
@@ -187,28 +235,45 @@ local function records(blob, fn)
   local pos, n, pre = 1, #blob, ARGV[1]
   while pos <= n do
     local key
-    if fixed > 0 then key = sub(blob, pos, pos + fixed - 1); pos = pos + fixed
-    else
-      local len = byte(blob, pos)
-      key = sub(blob, pos + 1, pos + len)
-      pos = pos + 1 + len
-    end
+"""
+    + _CUT_KEY
+    + """
     if mask == 255 then fn(pre .. sub(key, 9, 10), key)
     else fn(pre .. sub(key, 9, 9) .. char(band(byte(key, 10), mask)), key) end
   end
 end
 """
+)
 
-#: ARGV prefix, mask, blob, fixed -> per key its holders (a string of uint32 LE) or false
+#: ARGV name length, key length (0: a length byte first), records (`Layout.records`: per key
+#: its bucket's full name, then the key) -> {counts, holders}: per key its number of holders
+#: (uint16 LE), and the holders of every key end to end (uint32 LE each). The client names the
+#: buckets (C slices over the whole request), so the script cuts two strings per key and joins
+#: none (the name built here, ``prefix .. sub(key, 9, 10)``, cost 0.24 ms per 1,000 keys);
+#: two bulk strings come back, not an array of 1,000, unpacked by one C call each.
 LOCATE = (
-    _RECORDS
+    """
+local sub, byte, char, call, floor = string.sub, string.byte, string.char, redis.call, math.floor
+local name, fixed, blob = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local counts, held, i, h, n, pos = {}, {}, 0, 0, #blob, 1
+local none, one = char(0, 0), char(1, 0)
+while pos <= n do
+  local bucket, key = sub(blob, pos, pos + name - 1), nil
+  pos = pos + name
+"""
+    + _CUT_KEY
     + """
-local out, i = {}, 0
-records(ARGV[3], function(bucket, key)
+  local v = call('HGET', bucket, key)
   i = i + 1
-  out[i] = call('HGET', bucket, key)
-end)
-return out
+  if not v then counts[i] = none
+  else
+    h = h + 1
+    held[h] = v
+    local k = #v / 4
+    if k == 1 then counts[i] = one else counts[i] = char(k % 256, floor(k / 256)) end
+  end
+end
+return {table.concat(counts), table.concat(held)}
 """
 )
 

@@ -33,8 +33,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Callable, Sequence
-from typing import Any
+import struct
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from redis.asyncio import Redis
@@ -59,6 +60,7 @@ from tierkv.remote.membership.layout import (
     blob,
     check_keys,
     fixed_length,
+    pack,
 )
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
@@ -81,6 +83,44 @@ _SCRIPTS = (REGISTER, REFRESH, LEAVE, LIVE, LOCATE, PUBLISH, SWEEP)
 _SHA = {s: hashlib.sha1(s.encode()).hexdigest() for s in _SCRIPTS}
 _NAMESPACE = re.compile(r"[A-Za-z0-9._/@+=:-]{1,64}")
 Client = Redis | RedisCluster
+
+
+_Reply = tuple[list[int] | None, bytes, bytes]
+"""A locate script's keys' places (None: the keys in order), holder counts, holders."""
+T = TypeVar("T")
+
+
+def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> list[list[T]]:
+    """Per key the names of its live holders (``name``: None for a number not live) from the
+    replies of LOCATE: the counts (uint16 LE) and holders (uint32 LE) unpacked by one C call
+    each, one Python step per key (the common case, one holder each: one list per key)."""
+    out: list[list[T]] = [] if all(r[0] is None for r in replies) else [[] for _ in range(n)]
+    for order, counts, held in replies:
+        k = len(counts) // 2
+        per_key: Iterable[list[T]]
+        if counts == b"\x01\x00" * k:
+            per_key = [[a] if a is not None else [] for a in map(name, _u32(held))]
+        else:
+            per_key = _split(struct.unpack(f"<{k}H", counts), _u32(held), name)
+        if order is None:
+            out += per_key
+        else:
+            for at, one in zip(order, per_key):
+                out[at] = one
+    return out
+
+
+def _u32(held: bytes) -> tuple[int, ...]:
+    return struct.unpack(f"<{len(held) // 4}I", held)
+
+
+def _split(
+    counts: Sequence[int], numbers: Sequence[int], name: Callable[[int], T | None]
+) -> Iterator[list[T]]:
+    at = 0
+    for c in counts:
+        yield [a for h in numbers[at : at + c] if (a := name(h)) is not None]
+        at += c
 
 
 def check_url(url: str) -> None:
@@ -333,46 +373,48 @@ class RedisDirectory:
         """Per key the live numbers holding it, and the live nodes (number -> address): one
         round trip per `LOCATE_BATCH` keys (one pipeline: the live set, one script per shard
         and batch)."""
-        check_keys(keys)
-        meta = self.layout.meta_keys()
-        calls: list[tuple[int, bytes]] = []
-        order: list[int] = []
-        fixed = fixed_length(keys)
-        for lo in range(0, len(keys), LOCATE_BATCH):
-            part = keys[lo : lo + LOCATE_BATCH]
-            for shard, idx in self._by_shard(part).items():
-                calls.append((shard, blob([part[i] for i in idx], fixed)))
-                order += [lo + i for i in idx]
+        live, replies = await self._locate(keys)
+        return _answers(len(keys), replies, {n: n for n in live}.get), live
+
+    async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Per key, the addresses of the live nodes holding it (empty: none known)."""
+        live, replies = await self._locate(keys)
+        return _answers(len(keys), replies, live.get)
+
+    async def _locate(self, keys: Sequence[bytes]) -> tuple[dict[int, str], list[_Reply]]:
+        """The live set and, per script, the keys' places (None: in order) and its reply.
+        Raises InvalidInputError for a key that is not a content page key."""
+        keys_blob, fixed = pack(keys)
+        lay = self.layout
+        calls: list[tuple[int, bytes, list[int] | None]] = []
+        if lay.shards == 1 and fixed:  # slices of the blob: no step per key
+            step = LOCATE_BATCH * fixed
+            for lo in range(0, len(keys_blob), step):
+                calls.append((0, lay.records(0, keys_blob[lo : lo + step], fixed, ()), None))
+        else:
+            for lo in range(0, len(keys), LOCATE_BATCH):
+                part = keys[lo : lo + LOCATE_BATCH]
+                for shard, idx in self._by_shard(part).items():
+                    mine = [part[i] for i in idx]
+                    calls.append(
+                        (
+                            shard,
+                            lay.records(shard, blob(mine, fixed), fixed, mine),
+                            [lo + i for i in idx],
+                        )
+                    )
+        meta = lay.meta_keys()
 
         def build(pipe: Any) -> None:
             pipe.evalsha(_SHA[LIVE], len(meta), *meta)
-            for shard, keys_blob in calls:
-                self._eval(pipe, LOCATE, shard, keys_blob, fixed)
+            for shard, records, _ in calls:
+                prefix = lay.shard_prefix(shard)
+                pipe.evalsha(_SHA[LOCATE], 1, prefix, len(prefix.encode()) + 2, fixed, records)
 
         replies = await self._pipeline(build)
         flat = replies[0]
         live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        out: list[list[int]] = [[]] * len(keys)  # (the empty list shared: never mutated)
-        values = [v for reply in replies[1:] for v in reply]
-        for at, v in zip(order, values):
-            if not v:
-                continue
-            if len(v) == 4:  # one holder: the common case
-                n = int.from_bytes(v, "little")
-                if n in live:
-                    out[at] = [n]
-                continue
-            out[at] = [
-                n
-                for j in range(0, len(v), 4)
-                if (n := int.from_bytes(v[j : j + 4], "little")) in live
-            ]
-        return out, live
-
-    async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """Per key, the addresses of the live nodes holding it (empty: none known)."""
-        numbers, live = await self.holders(keys)
-        return [[live[n] for n in ns] for ns in numbers]
+        return live, [(order, r[0], r[1]) for (_, _, order), r in zip(calls, replies[1:])]
 
     # -- sweeping ------------------------------------------------------------------------
     async def sweep(self, *, max_dead: int = 4096) -> int:
