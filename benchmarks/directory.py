@@ -69,9 +69,18 @@ async def node_main(index: int, url: str, ttl: float) -> None:
         d = RedisDirectory(url, ttl=ttl, timeout=5.0)  # (a contended box: slow replies)
         return await DirectoryAgent(d, address, lambda: set(held), linger=0).start()
 
-    async def synced(agent: DirectoryAgent) -> None:
+    async def synced(agent: DirectoryAgent, limit: float = 120.0) -> None:
         agent.changed()
-        while not (agent.registered and agent.published == held):  # noqa: ASYNC110
+        deadline = time.perf_counter() + limit  # a node that never syncs says so, not hangs
+        while not (agent.registered and agent.published == held):
+            if time.perf_counter() > deadline:
+                print(
+                    f"STUCK node {index}: registered {agent.registered}, published "
+                    f"{len(agent.published)} of {len(held)} held, number {agent.number}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                raise SystemExit(3)
             await asyncio.sleep(0.005)  # (the benchmark watches the agent from outside)
 
     agent = await up()
