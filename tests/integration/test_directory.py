@@ -437,3 +437,29 @@ async def test_locate_on_a_small_layout_in_several_scripts(fresh: str) -> None:
         assert (numbers, live) == ([[b], [b]], {b: "b:2"})
     finally:
         await d.aclose()
+
+
+async def test_halt_ends_a_loop_whose_cancellation_a_call_swallowed(
+    fresh: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: halt() cancelled the agent's tasks and waited for them; a refresh whose
+    cancellation came back as a Redis error (caught by the keepalive, as every failure is) kept
+    the loop going: halt() never returned and the registration it meant to let lapse stayed
+    refreshed (two of 16 nodes hung so in every run of benchmarks/directory.py's churn)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    d = RedisDirectory(fresh, ttl=0.3, timeout=2.0)
+    agent = await DirectoryAgent(d, "127.0.0.1:17999", set, linger=0).start()
+    started = asyncio.Event()
+
+    async def swallowing(number: int, address: str) -> bool:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            raise RedisConnectionError("connection closed mid-call") from None
+        return True
+
+    monkeypatch.setattr(d, "refresh", swallowing)
+    await asyncio.wait_for(started.wait(), 5)  # the keepalive is inside the call
+    await asyncio.wait_for(agent.halt(), 5)  # hung before the fix (the test with it)

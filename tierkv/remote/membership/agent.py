@@ -72,6 +72,10 @@ class DirectoryAgent:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._lapsed = False  # the keepalive found our registration gone
+        # set before the tasks are cancelled: a loop whose cancellation a library call
+        # swallowed (redis-py turning it into a connection error, caught below) ends at its
+        # next turn instead of refreshing a registration that halt() meant to let lapse
+        self._closing = False
         self._failures = FailureLog("tierkv.remote.directory")
 
     async def start(self) -> DirectoryAgent:
@@ -99,6 +103,7 @@ class DirectoryAgent:
 
     async def _stop(self) -> None:
         tasks, self._tasks = self._tasks, []
+        self._closing = True
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -147,7 +152,7 @@ class DirectoryAgent:
     async def _run(self) -> None:
         """Publish what changed; register (again) when we have no live registration."""
         backoff = 0.05
-        while True:
+        while not self._closing:
             try:
                 if not self.number or self._lapsed:
                     self._lapsed = False
@@ -168,7 +173,7 @@ class DirectoryAgent:
     async def _keepalive(self) -> None:
         """Refresh every ttl/3, apart from publishing (a long publish never delays it); a
         registration found lapsed wakes the publisher to register again."""
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.directory.ttl / 3)
             number = self.number
             if not number or self._lapsed:
@@ -183,7 +188,7 @@ class DirectoryAgent:
 
     async def _sweeper(self) -> None:
         """Every ``sweep_every``: remove dead nodes' entries (one node at a time does)."""
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.sweep_every)
             try:
                 self.swept += await self.directory.sweep()
