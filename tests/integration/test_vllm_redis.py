@@ -4,9 +4,7 @@ another. Skipped where vLLM, redis-py or a redis-server binary is missing."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,7 @@ pytest.importorskip("redis")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from redis_server import RedisServer, skip_without_redis
-from vllm_driver import TIERKV, Script, build, key, run_sequence
+from vllm_driver import TIERKV, Script, build, key, run_sequence, store_in_a_child
 
 from tierkv.integrations.vllm import TierKVRedisTier, VllmTierTypeError
 
@@ -100,24 +98,7 @@ def test_redis_stopped_and_restarted_mid_sequence(server: Any) -> None:
 
 
 def test_a_prefix_stored_by_one_process_is_a_hit_for_another(server: Any) -> None:
-    child = textwrap.dedent(
-        f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from vllm_driver import Script, build, key, TIERKV
-        s = Script(build([{{"type": "TierKVRedisTier", "module_path": TIERKV,
-                           "url": {server.url!r}}}]))
-        for lo in range(0, 8, 4):
-            s.store("w%d" % lo, [key(i) for i in range(lo, lo + 4)])
-            s.settle()
-            s.end("w%d" % lo)
-        s.settle()
-        s.close()
-        print("stored")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "stored" in out.stdout, out.stderr[-3000:]
+    store_in_a_child({"type": "TierKVRedisTier", "module_path": TIERKV, "url": server.url})
     s = Script(build([redis_tier(server.url)]))
     try:
         assert s.lookup("r", [key(i) for i in range(8)] + [key(8)]) == ["HIT"] * 8 + ["MISS"]

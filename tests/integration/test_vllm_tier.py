@@ -22,7 +22,7 @@ pytest.importorskip(
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vllm_driver import TIERKV, Script, build, key, run_sequence
+from vllm_driver import TIERKV, Script, build, key, run_sequence, store_in_a_child
 
 from tierkv.disk import DiskError, DiskInUseError
 from tierkv.integrations.vllm import (
@@ -255,27 +255,8 @@ def test_disk_full_for_real_in_a_child(tmp_path: Path) -> None:
 def test_chunks_a_process_left_on_disk_are_hits_for_the_next(tmp_path: Path) -> None:
     """The disk path is one process's at a time (its lock): a vLLM instance in a child process
     stores a prefix and exits; an instance here opens the same path and loads it bit-exact."""
-    import subprocess
-    import textwrap
-
-    code = textwrap.dedent(
-        f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from vllm_driver import Script, build, key, TIERKV
-        s = Script(build([{{"type": "TierKVDiskTier", "module_path": TIERKV,
-                           "path": {str(tmp_path)!r}, "disk_bytes": 64 << 20}}]))
-        for lo in range(0, 8, 4):
-            s.store("w%d" % lo, [key(i) for i in range(lo, lo + 4)])
-            s.settle()
-            s.end("w%d" % lo)
-        s.settle()
-        s.close()
-        print("stored")
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0 and "stored" in out.stdout, out.stderr[-3000:]
+    store_in_a_child({"type": "TierKVDiskTier", "module_path": TIERKV,
+                      "path": str(tmp_path), "disk_bytes": 64 << 20})  # fmt: skip
     s = Script(build([disk_tier(tmp_path)]))
     try:
         assert s.lookup("r", [key(i) for i in range(9)]) == ["HIT"] * 8 + ["MISS"]

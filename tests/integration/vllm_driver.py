@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -215,3 +219,26 @@ def run_sequence(s: Script, n: int = 24, salt: bytes = b"") -> None:
     s.lookup("r3", keys[::3])
     s.end("r3")
     s.settle()
+
+
+def store_in_a_child(config: dict[str, Any]) -> None:
+    """Store keys 0-7 (two jobs of 4) through one tier built from ``config`` in a child
+    process, which closes it: the pages another process finds afterwards (its own vLLM
+    manager). Fails with the child's stderr if it did not store."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from vllm_driver import Script, build, key
+        s = Script(build([{config!r}]))
+        for lo in range(0, 8, 4):
+            s.store("w%d" % lo, [key(i) for i in range(lo, lo + 4)])
+            s.settle()
+            s.end("w%d" % lo)
+        s.settle()
+        s.close()
+        print("stored")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "stored" in out.stdout, out.stderr[-3000:]
