@@ -16,18 +16,22 @@
      │    │    │                                token id out of range
      │    │    └── UnknownPolicyError           no eviction policy of that name (also an
      │    │                                     UnknownNameError)
-     │    └── TierConfigError                   a bad ``KVStore(tiers=[...])`` chain
-     │         │                                (:mod:`tierkv.chain_config`), refused before
-     │         │                                anything is allocated
-     │         ├── UnknownTierError             a tier kind no chain knows (also an
-     │         │                                UnknownNameError)
-     │         ├── TierTypeError                an entry or a field of the wrong type (also an
-     │         │                                InvalidTypeError)
-     │         ├── TierOrderError               tiers out of order, twice, or a combination
-     │         │                                the core cannot run (no tier for leases)
-     │         ├── TierSizeError                a tier that holds no page (also a SpecError)
-     │         └── TierConflictError            ``tiers=`` and an old keyword argument of the
-     │                                          same tier (``host_bytes=``...) both given
+     │    ├── TierConfigError                   a bad ``KVStore(tiers=[...])`` chain
+     │    │    │                                (:mod:`tierkv.chain_config`), refused before
+     │    │    │                                anything is allocated
+     │    │    ├── UnknownTierError             a tier kind no chain knows (also an
+     │    │    │                                UnknownNameError)
+     │    │    ├── TierTypeError                an entry or a field of the wrong type (also an
+     │    │    │                                InvalidTypeError)
+     │    │    ├── TierOrderError               tiers out of order, twice, or a combination
+     │    │    │                                the core cannot run (no tier for leases)
+     │    │    ├── TierSizeError                a tier that holds no page (also a SpecError)
+     │    │    └── TierConflictError            ``tiers=`` and an old keyword argument of the
+     │    │                                     same tier (``host_bytes=``...) both given
+     │    └── TenantError                       a bad tenant name or cache salt
+     │         │                                (:mod:`tierkv.tenant_names`)
+     │         └── UnknownTenantError           a tenant nobody configured (also an
+     │                                          UnknownNameError)
      ├── PageTableError                        misuse of the page table; nothing was changed
      │    ├── UnknownPageError (also KeyError)  a key that the tier does not hold
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
@@ -196,3 +200,13 @@ class CorruptPageError(TierKVError):
     ) -> None:
         super().__init__(msg)
         self.tier, self.pages, self.stored, self.keys = tier, pages, stored, list(keys)
+
+
+class TenantError(InvalidInputError):
+    """A tenant name or a cache salt that is not acceptable (:mod:`tierkv.tenant_names`):
+    not a string (or bytes, for a salt), empty, too long, or with characters outside the
+    allowed set. Raised at entry; nothing changed."""
+
+
+class UnknownTenantError(TenantError, UnknownNameError):
+    """A request named a tenant the store (or server) was not configured with."""
