@@ -72,7 +72,8 @@ class TierKVRedisTier(TierKVTierBase):
 
     Fields: ``url`` (required), ``cluster`` (False), ``ttl`` (seconds or None), ``timeout``
     (1.0 s: the bound of every Redis call), ``batch_pages`` (64), ``namespace`` (what shares
-    values, default ``"vllm"``; the model and layout are in every key anyway), ``locality``,
+    values, default ``"vllm"``; the model and layout are in every key anyway), ``tenant``
+    (None: whose chunks these are, in every key: docs/security.md, *Tenants*), ``locality``,
     ``drain_timeout``.
     """
 
@@ -84,6 +85,7 @@ class TierKVRedisTier(TierKVTierBase):
         "timeout": Field((float,), 1.0, minimum=0.001),
         "batch_pages": Field((int,), BATCH_PAGES, minimum=1),
         "namespace": Field((str,), "vllm"),
+        "tenant": Field((str, type(None)), None),
     }
 
     def _open(self, o: dict[str, Any]) -> None:
@@ -98,6 +100,7 @@ class TierKVRedisTier(TierKVTierBase):
             ttl=o["ttl"],
             timeout=o["timeout"],
             batch_pages=o["batch_pages"],
+            tenant=o["tenant"],
         )
         self._load_keys: dict[int, list[Any]] = {}  # in-flight loads (scheduler thread)
         self._loop = _LoopThread(f"tierkv_vllm_redis_{self.tier_type}")

@@ -11,7 +11,9 @@ apart already.
         stored = await rt.publish(keys, arena.array, slots)     # SET NX (PX ttl)
 
 One page is one value (layout: `tierkv.remote.sources.redis_value`), under a key that names the
-namespace, the page layout and the page.
+namespace, the page layout and the page; with a ``tenant``, the tenant too (``...:t:<tenant>:``
+before the page), so that an operator can confine each tenant's Redis user to its own keys with
+an ACL (``~tkv:*:t:<tenant>:*``, docs/security.md, *Tenants*).
 
 No hash tag: a prompt's pages spread over all slots of a cluster. A value that fails any check
 (length, magic, format, codec, layout, checksum: the checksum binds the value to its key; then
@@ -62,9 +64,10 @@ from tierkv.remote.sources.redis_value import (
     value_header,
 )
 from tierkv.spec import KVSpec
+from tierkv.tenant_names import check_tenant
 from tierkv.transports.crc32c_native import crc32c
 
-__all__ = ["BATCH_PAGES", "HEADER_BYTES", "RedisTier"]
+__all__ = ["BATCH_PAGES", "HEADER_BYTES", "RedisTier", "redis_prefix"]
 
 log = logging.getLogger("tierkv.remote.redis")
 
@@ -107,10 +110,14 @@ class RedisTier:
         ttl: seconds a page lives after its last publish or load (None: until evicted).
         timeout: the bound of every call, connect included, in seconds.
         batch_pages: pages per MGET / pipeline; the chunks of one call run concurrently.
+        tenant: whose pages these are: every key it reads and writes carries it (None: no
+            tenant, the keys of a tierkv without tenants). Pages of another tenant, or of
+            none, are never read.
         client_options: extra keyword arguments for ``Redis.from_url`` /
-            ``RedisCluster.from_url`` (``password``, ``ssl_ca_certs``, ``max_connections``...).
+            ``RedisCluster.from_url`` (``username``, ``password``, ``ssl_ca_certs``...).
 
-    Raises SpecError for a bad namespace, ttl, timeout, batch_pages or url.
+    Raises SpecError for a bad namespace, ttl, timeout, batch_pages or url; TenantError for a
+    bad tenant name.
     """
 
     backoff_base = 0.1
@@ -134,8 +141,10 @@ class RedisTier:
         ttl: float | None = None,
         timeout: float = 1.0,
         batch_pages: int = BATCH_PAGES,
+        tenant: str | None = None,
         **client_options: Any,
     ) -> None:
+        self.tenant = None if tenant is None else check_tenant(tenant)
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise SpecError(f"namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
         if ttl is not None and not ttl > 0:
@@ -148,7 +157,7 @@ class RedisTier:
         self.cluster, self.ttl, self.timeout, self.batch_pages = cluster, ttl, timeout, batch_pages
         self._options = client_options
         self._digest = spec_digest(spec)
-        self._prefix = f"tkv:{namespace}:{FORMAT}.{self._digest[:4].hex()}:".encode()
+        self._prefix = redis_prefix(namespace, self._digest, self.tenant)
         self._page_bytes = spec.page_bytes
         self._head = value_header(self._digest, spec.page_bytes)
         self._px = None if ttl is None else max(1, round(ttl * 1000))
@@ -268,7 +277,7 @@ class RedisTier:
         return out
 
     def redis_key(self, key: bytes) -> bytes:
-        """The Redis key of page ``key`` in this namespace and layout."""
+        """The Redis key of page ``key`` in this namespace, layout and tenant."""
         return self._prefix + key.hex().encode()
 
     async def _run(self, what: str, fn: Any, *args: Any) -> Any:
@@ -602,6 +611,15 @@ class RedisTier:
             return replies
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
+
+
+def redis_prefix(namespace: str, digest: bytes, tenant: str | None = None) -> bytes:
+    """What every page key of ``namespace``, the layout of ``digest`` and ``tenant`` starts
+    with: ``tkv:<namespace>:<FORMAT>.<digest, 8 hex>:`` then ``t:<tenant>:`` with a tenant.
+    Neither a namespace nor a tenant holds a ``:`` and a page's hex never does, so no key of
+    one tenant (or of none) matches another's ACL pattern ``~tkv:*:t:<tenant>:*``."""
+    prefix = f"tkv:{namespace}:{FORMAT}.{digest[:4].hex()}:"
+    return (prefix if tenant is None else f"{prefix}t:{tenant}:").encode()
 
 
 def _wrongtype(reply: Any) -> bool:

@@ -1,0 +1,150 @@
+"""RedisTier with tenants, against a private redis-server: every key a tenant's tier touches
+carries the tenant (no tenant: the keys of old, byte for byte), two tenants never read each
+other's pages, and a Redis ACL on the tenant's prefix confines a tenant's Redis user.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+redis = pytest.importorskip("redis")
+pytest.importorskip("xxhash")  # with redis: the `redis` extra
+
+sys.path.insert(0, str(Path(__file__).parent))
+from redis_server import RedisServer, skip_without_redis  # noqa: E402
+
+from tierkv.errors import InvalidTypeError, TenantError  # noqa: E402
+from tierkv.remote import RedisTier  # noqa: E402
+from tierkv.remote.sources.redis_value import FORMAT, spec_digest  # noqa: E402
+from tierkv.spec import KVSpec  # noqa: E402
+
+SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)
+PB = SPEC.page_bytes
+N = 5
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    skip_without_redis()
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def srv(server: RedisServer) -> Iterator[RedisServer]:
+    """The module's server, emptied, with no user but the default one."""
+    with redis.Redis.from_url(server.url) as r:
+        r.flushall()
+        for user in r.acl_users():
+            if user != "default":
+                r.acl_deluser(user)
+    yield server
+
+
+def tier(url: str, **kw: Any) -> RedisTier:
+    kw.setdefault("spec", SPEC)
+    kw.setdefault("namespace", "test-model")
+    kw.setdefault("timeout", 2.0)
+    t = RedisTier(url, **kw)
+    t.backoff_base, t.backoff_cap = 0.0, 0.0  # a refused call leaves the next one free to try
+    return t
+
+
+def keys_of(seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [rng.bytes(18) for _ in range(N)]
+
+
+def pages_of(seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    return np.random.default_rng(seed + 10_000).integers(0, 256, (N, PB), np.uint8)
+
+
+def acl_user(url: str, name: str, password: str) -> None:
+    """A Redis user that may run anything, but only on keys of tenant ``name``."""
+    with redis.Redis.from_url(url) as r:
+        r.execute_command(
+            "ACL", "SETUSER", name, "reset", "on", f">{password}", f"~tkv:*:t:{name}:*", "+@all"
+        )
+
+
+def test_keys_without_a_tenant_are_those_of_old_and_a_tenant_adds_its_part() -> None:
+    key = bytes(range(18))
+    old = f"tkv:test-model:{FORMAT}.{spec_digest(SPEC)[:4].hex()}:".encode()  # before tenants
+    plain, acme = tier("redis://127.0.0.1:1/0"), tier("redis://127.0.0.1:1/0", tenant="acme")
+    assert plain.tenant is None and acme.tenant == "acme"
+    assert plain.redis_key(key) == old + key.hex().encode()
+    assert acme.redis_key(key) == old + b"t:acme:" + key.hex().encode()
+
+
+@pytest.mark.parametrize("bad", ["", "a:b", "x" * 65, "-lead", "sp ace", b"acme", 7])
+def test_a_bad_tenant_is_a_typed_error(bad: Any) -> None:
+    with pytest.raises(TenantError) as err:
+        tier("redis://127.0.0.1:1/0", tenant=bad)
+    if not isinstance(bad, str):
+        assert isinstance(err.value, InvalidTypeError)
+
+
+async def test_tenants_never_read_each_others_pages(srv: RedisServer) -> None:
+    keys = keys_of(1)  # the same page keys for everyone: same prompt, same model
+    own = {name: pages_of(i) for i, name in enumerate(("acme", "beta", None))}
+    out = np.zeros((N, PB), np.uint8)
+    async with (
+        tier(srv.url, tenant="acme") as acme,
+        tier(srv.url, tenant="beta") as beta,
+        tier(srv.url) as plain,
+    ):
+        assert await acme.publish(keys, own["acme"], list(range(N))) == N
+        for other in (beta, plain):  # the same keys under another tenant (or none): misses
+            assert await other.lookup(keys) == 0
+            assert await other.load(keys, out, list(range(N))) == 0
+        assert await beta.publish(keys, own["beta"], list(range(N))) == N  # its own copies
+        assert await plain.publish(keys, own[None], list(range(N))) == N
+        for t in (acme, beta, plain):
+            assert await t.load(keys, out, list(range(N))) == N
+            assert (out == own[t.tenant]).all()
+            assert t.stats()["corrupt"] == t.stats()["errors"] == 0
+    with redis.Redis.from_url(srv.url) as r:
+        assert len(r.keys("*")) == 3 * N
+        assert len(r.keys("tkv:*:t:acme:*")) == len(r.keys("tkv:*:t:beta:*")) == N
+
+
+async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: RedisServer) -> None:
+    acl_user(srv.url, "acme", "pw-acme")
+    acl_user(srv.url, "beta", "pw-beta")
+    keys, out = keys_of(2), np.zeros((N, PB), np.uint8)
+    async with (
+        tier(srv.url, tenant="acme", username="acme", password="pw-acme") as acme,
+        tier(srv.url, tenant="beta", username="beta", password="pw-beta") as beta,
+        tier(srv.url) as plain,  # the default user: an operator's, no tenant
+    ):
+        assert await acme.publish(keys, pages_of(2), list(range(N))) == N  # allowed: its keys
+        assert await acme.load(keys, out, list(range(N))) == N and (out == pages_of(2)).all()
+        assert await beta.publish(keys, pages_of(3), list(range(N))) == N
+        assert await plain.publish(keys, pages_of(4), list(range(N))) == N
+        assert acme.stats()["errors"] == beta.stats()["errors"] == 0
+        # acme's user, with acme's password, asking for beta's pages: Redis refuses every key
+        async with tier(srv.url, tenant="beta", username="acme", password="pw-acme") as spy:
+            assert await spy.lookup(keys) == 0
+            assert await spy.load(keys, out, list(range(N))) == 0
+            assert await spy.publish(keys, pages_of(5), list(range(N))) == 0
+            assert spy.stats()["errors"] >= 3  # refused, counted, never raised
+        async with tier(srv.url, username="acme", password="pw-acme") as spy:  # no tenant
+            assert await spy.lookup(keys) == 0
+    with redis.Redis.from_url(srv.url, username="acme", password="pw-acme") as r:
+        for victim in (beta.redis_key(keys[0]), plain.redis_key(keys[0])):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                r.get(victim)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                r.exists(victim)  # not even whether it exists
+        assert r.get(acme.redis_key(keys[0])) is not None
+    with redis.Redis.from_url(srv.url) as r:  # nothing of beta's was overwritten by the spy
+        async with tier(srv.url, tenant="beta") as beta_again:
+            assert await beta_again.load(keys, out, list(range(N))) == N
+            assert (out == pages_of(3)).all()
+        assert len(r.keys("*")) == 3 * N
