@@ -35,7 +35,7 @@ from .errors import (
     TransferTimeoutError,
     TransportError,
 )
-from .fence import WriteGuard
+from .fence import ReadGuard, WriteGuard
 from .handle import BatchHandle
 from .regions import Capabilities, Notification, Region, RegionDescriptor, TransferOp, as_byte_view
 from .session import Limits, decode
@@ -81,6 +81,7 @@ class Transport(abc.ABC):
         self.notifications_dropped = 0
         self._inflight: set[BatchHandle] = set()
         self.write_guard: WriteGuard | None = None
+        self.read_guard: ReadGuard | None = None
         self._started = False
         self._closed = False
 
@@ -175,6 +176,13 @@ class Transport(abc.ABC):
         whose side receives the bytes can ask (tcp); the others ignore it (see
         `write_fence`)."""
         self.write_guard = guard
+
+    def guard_reads(self, guard: ReadGuard | None) -> None:
+        """Ask ``guard(agent, region id, offset, length)`` before a peer's read of our memory
+        is served; a refused read fails at the reader with RemoteAccessError. Only transports
+        whose side sends the bytes can ask (tcp); the others ignore it (a peer that maps our
+        memory, shm, reads it whole)."""
+        self.read_guard = guard
 
     def write_fence(self, agent: str | None) -> asyncio.Future[None] | None:
         """A future done once no write of ``agent`` (None: any peer) that was let into our

@@ -24,10 +24,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-__all__ = ["Landing", "WriteGuard"]
+__all__ = ["Landing", "ReadGuard", "WriteGuard"]
 
 #: (writer's agent name, region id, offset, length) -> whether its write may land there
 WriteGuard = Callable[[str, int, int, int], bool]
+#: (reader's agent name, region id, offset, length) -> whether it may read there (a server
+#: that serves several tenants from one region: only the slots a reader's tenant holds)
+ReadGuard = Callable[[str, int, int, int], bool]
 
 
 class Landing:

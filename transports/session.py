@@ -38,6 +38,7 @@ import hashlib
 import hmac
 import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ __all__ = [
     "TAG_BYTES",
     "Limits",
     "Seal",
+    "SecretOf",
     "SessionKeys",
     "StreamSession",
     "decode",
@@ -84,6 +86,12 @@ class Limits:
 
 
 HELLO_LIMITS = Limits(frame=HELLO_MAX, array=16, map=16, str=256, bin=64)
+
+#: a server's choice of secret from a client's auth frame (its ``tenant`` field, say); None
+#: for a client it does not know (refused like a bad proof)
+SecretOf = Callable[[dict[str, Any]], bytes | None]
+#: what a refused client's proof is checked against, so that refusing costs what checking does
+_NO_SECRET = secrets.token_bytes(32)
 
 
 def decode(data: bytes | memoryview, limits: Limits) -> Any:
@@ -253,15 +261,18 @@ class StreamSession:
 
     async def serve_handshake(
         self,
-        secret: bytes,
+        secret: bytes | SecretOf,
         role: str,
         ident: str,
         *,
         deadline: float = HELLO_DEADLINE,
         welcome: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Run the server side; returns the client's auth frame. Raises AuthError (bad
-        proof: an "err" frame was sent), ProtocolError, TransferTimeoutError, ConnectionError."""
+        """Run the server side; returns the client's auth frame. ``secret``: the shared
+        secret, or a `SecretOf` that picks it from the client's auth frame (a tenant's); one
+        that picks none is refused exactly as a bad proof is, after as much work. Raises
+        AuthError (bad proof: an "err" frame was sent), ProtocolError, TransferTimeoutError,
+        ConnectionError."""
         nonce = secrets.token_bytes(NONCE_BYTES)
         await self.send(
             {"op": "challenge", "v": VERSION, "role": role, "id": ident, "nonce": nonce}
@@ -279,15 +290,17 @@ class StreamSession:
         ):
             raise ProtocolError("malformed auth frame")
         t = transcript(nonce, peer_nonce, role, ident, peer_role, peer_id)
-        if not hmac.compare_digest(mac, proof(secret, "client", t)):
+        chosen = secret(auth) if callable(secret) else secret
+        key = chosen if chosen is not None else _NO_SECRET  # the same work either way
+        if not hmac.compare_digest(mac, proof(key, "client", t)) or chosen is None:
             with contextlib.suppress(ConnectionError, TimeoutError):
                 await asyncio.wait_for(
                     self.send({"op": "err", "err": "auth", "msg": "authentication failed"}),
                     deadline,
                 )
             raise AuthError(f"{peer_role} {peer_id!r} failed to authenticate")
-        await self.send({"op": "welcome", "mac": proof(secret, "server", t), **(welcome or {})})
-        self._tx, self._rx = seals(session_keys(secret, t), server=True)
+        await self.send({"op": "welcome", "mac": proof(chosen, "server", t), **(welcome or {})})
+        self._tx, self._rx = seals(session_keys(chosen, t), server=True)
         self.peer_role, self.peer_id = peer_role, peer_id
         return auth
 

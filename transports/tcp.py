@@ -325,6 +325,7 @@ class TcpTransport(Transport):
             deliver=self.deliver_notification,
             serve_view=self.serve_view,
             write_guard=lambda: self.write_guard,
+            read_guard=lambda: self.read_guard,
             hello_deadline=min(timeout, HELLO_DEADLINE),
         )
         self._server = TcpServer(self._serving, ssl=ssl_server, hold_s=min(timeout, HELLO_DEADLINE))

@@ -38,7 +38,7 @@ from typing import Any
 from .acceptor import Acceptor, listen
 from .checksum import Checksum, ChecksumThread, algorithms, checksum_function
 from .errors import ProtocolError, RemoteAccessError
-from .fence import Landing, WriteGuard
+from .fence import Landing, ReadGuard, WriteGuard
 from .guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, Gate
 from .session import NONCE_BYTES, proof, seals, session_keys, transcript
 from .tcp_wire import (
@@ -62,7 +62,8 @@ class ServerSide:
     security counters and the admission gate, the checksum thread, where notifications go
     (``deliver``: False when over its budget) and how a request's segment resolves
     (``serve_view``: raises RemoteAccessError), who may write where (``write_guard``: the
-    transport's `guard_writes`, read per write) and the writes landing now (``landing``), the
+    transport's `guard_writes`, read per write) and read where (``read_guard``: its
+    `guard_reads`, read per read), the writes landing now (``landing``), the
     hello deadline (``hello_deadline``: an unauthenticated connection is dropped after it),
     and the connections open now (closed with the transport)."""
 
@@ -76,6 +77,7 @@ class ServerSide:
     deliver: Callable[[str, bytes], bool]
     serve_view: Callable[[int, int, int], memoryview]
     write_guard: Callable[[], WriteGuard | None]
+    read_guard: Callable[[], ReadGuard | None]
     hello_deadline: float
     landing: Landing = field(default_factory=Landing)
     conns: set[ServerConnection] = field(default_factory=set)
@@ -170,15 +172,15 @@ class ServerConnection(FrameProtocol):
         self.owner.landing.started(self, self.peer)
         return self._views
 
-    def _guard(self, header: dict[str, Any]) -> None:
-        """Refuse (RemoteAccessError) a write the owner's guard does not let in."""
-        guard = self.owner.write_guard()
+    def _guard(self, header: dict[str, Any], what: str = "write") -> None:
+        """Refuse (RemoteAccessError) a write (a read) the owner's guard does not let in."""
+        guard = self.owner.write_guard() if what == "write" else self.owner.read_guard()
         if guard is None:
             return
         assert self.peer is not None
         for rid, off, n in parse_segs(header, MAX_SEGS):
             if not guard(self.peer, rid, off, n):
-                raise RemoteAccessError(f"[{off}, {off + n}) of region {rid} is not ours to write")
+                raise RemoteAccessError(f"[{off}, {off + n}) of region {rid} is not ours to {what}")
 
     def on_frame(self, header: dict[str, Any]) -> None:
         op = header["op"]
@@ -187,6 +189,7 @@ class ServerConnection(FrameProtocol):
         if op == "read":
             try:
                 views = self._resolve(header)
+                self._guard(header, "read")
             except RemoteAccessError as exc:
                 return self._reply(_Reply(_err(header, "access", exc)))
             reply = _Reply({"op": "data", "id": header.get("id"), "n": sum(map(len, views))}, views)

@@ -120,8 +120,8 @@ async def test_publish_of_an_expired_reservation_raises_a_typed_error(kind: str)
         assert d is not None
         real = d.reserve
 
-        def reserve_then_expire(keys, owner, sums=None, agent=None):  # type: ignore[no-untyped-def]
-            lease, slots = real(keys, owner, sums, agent)
+        def reserve_then_expire(keys, owner, sums=None, agent=None, tenant=None):  # type: ignore[no-untyped-def]
+            lease, slots = real(keys, owner, sums, agent, tenant)
             d.expire(lease)  # the ttl runs out right after the answer
             return lease, slots
 

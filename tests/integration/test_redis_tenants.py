@@ -30,29 +30,27 @@ N = 5
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[RedisServer]:
+def redis_url() -> Iterator[str]:
     skip_without_redis()
-    with RedisServer() as srv:
-        yield srv
+    with RedisServer() as running:
+        yield running.url
 
 
 @pytest.fixture
-def srv(server: RedisServer) -> Iterator[RedisServer]:
-    """The module's server, emptied, with no user but the default one."""
-    with redis.Redis.from_url(server.url) as r:
+def srv(redis_url: str) -> Iterator[str]:
+    """The module's server's URL, the server emptied, with no user but the default one."""
+    with redis.Redis.from_url(redis_url) as r:
         r.flushall()
         for user in r.acl_users():
             if user != "default":
                 r.acl_deluser(user)
-    yield server
+    yield redis_url
 
 
-def tier(url: str, **kw: Any) -> RedisTier:
-    kw.setdefault("spec", SPEC)
-    kw.setdefault("namespace", "test-model")
-    kw.setdefault("timeout", 2.0)
-    t = RedisTier(url, **kw)
-    t.backoff_base, t.backoff_cap = 0.0, 0.0  # a refused call leaves the next one free to try
+def tier(url: str, tenant: str | None = None, **options: Any) -> RedisTier:
+    """A tier of ``tenant`` whose failed calls leave the next one free to try (no backoff)."""
+    t = RedisTier(url, spec=SPEC, namespace="test-model", timeout=2.0, tenant=tenant, **options)
+    t.backoff_base = t.backoff_cap = 0.0
     return t
 
 
@@ -76,7 +74,7 @@ def acl_user(url: str, name: str, password: str) -> None:
 def test_keys_without_a_tenant_are_those_of_old_and_a_tenant_adds_its_part() -> None:
     key = bytes(range(18))
     old = f"tkv:test-model:{FORMAT}.{spec_digest(SPEC)[:4].hex()}:".encode()  # before tenants
-    plain, acme = tier("redis://127.0.0.1:1/0"), tier("redis://127.0.0.1:1/0", tenant="acme")
+    plain, acme = tier("redis://127.0.0.1:1/0"), tier("redis://127.0.0.1:1/0", "acme")
     assert plain.tenant is None and acme.tenant == "acme"
     assert plain.redis_key(key) == old + key.hex().encode()
     assert acme.redis_key(key) == old + b"t:acme:" + key.hex().encode()
@@ -90,14 +88,14 @@ def test_a_bad_tenant_is_a_typed_error(bad: Any) -> None:
         assert isinstance(err.value, InvalidTypeError)
 
 
-async def test_tenants_never_read_each_others_pages(srv: RedisServer) -> None:
+async def test_tenants_never_read_each_others_pages(srv: str) -> None:
     keys = keys_of(1)  # the same page keys for everyone: same prompt, same model
     own = {name: pages_of(i) for i, name in enumerate(("acme", "beta", None))}
     out = np.zeros((N, PB), np.uint8)
     async with (
-        tier(srv.url, tenant="acme") as acme,
-        tier(srv.url, tenant="beta") as beta,
-        tier(srv.url) as plain,
+        tier(srv, tenant="acme") as acme,
+        tier(srv, tenant="beta") as beta,
+        tier(srv) as plain,
     ):
         assert await acme.publish(keys, own["acme"], list(range(N))) == N
         for other in (beta, plain):  # the same keys under another tenant (or none): misses
@@ -109,19 +107,19 @@ async def test_tenants_never_read_each_others_pages(srv: RedisServer) -> None:
             assert await t.load(keys, out, list(range(N))) == N
             assert (out == own[t.tenant]).all()
             assert t.stats()["corrupt"] == t.stats()["errors"] == 0
-    with redis.Redis.from_url(srv.url) as r:
+    with redis.Redis.from_url(srv) as r:
         assert len(r.keys("*")) == 3 * N
         assert len(r.keys("tkv:*:t:acme:*")) == len(r.keys("tkv:*:t:beta:*")) == N
 
 
-async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: RedisServer) -> None:
-    acl_user(srv.url, "acme", "pw-acme")
-    acl_user(srv.url, "beta", "pw-beta")
+async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: str) -> None:
+    acl_user(srv, "acme", "pw-acme")
+    acl_user(srv, "beta", "pw-beta")
     keys, out = keys_of(2), np.zeros((N, PB), np.uint8)
     async with (
-        tier(srv.url, tenant="acme", username="acme", password="pw-acme") as acme,
-        tier(srv.url, tenant="beta", username="beta", password="pw-beta") as beta,
-        tier(srv.url) as plain,  # the default user: an operator's, no tenant
+        tier(srv, tenant="acme", username="acme", password="pw-acme") as acme,
+        tier(srv, tenant="beta", username="beta", password="pw-beta") as beta,
+        tier(srv) as plain,  # the default user: an operator's, no tenant
     ):
         assert await acme.publish(keys, pages_of(2), list(range(N))) == N  # allowed: its keys
         assert await acme.load(keys, out, list(range(N))) == N and (out == pages_of(2)).all()
@@ -129,22 +127,22 @@ async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: RedisSer
         assert await plain.publish(keys, pages_of(4), list(range(N))) == N
         assert acme.stats()["errors"] == beta.stats()["errors"] == 0
         # acme's user, with acme's password, asking for beta's pages: Redis refuses every key
-        async with tier(srv.url, tenant="beta", username="acme", password="pw-acme") as spy:
+        async with tier(srv, tenant="beta", username="acme", password="pw-acme") as spy:
             assert await spy.lookup(keys) == 0
             assert await spy.load(keys, out, list(range(N))) == 0
             assert await spy.publish(keys, pages_of(5), list(range(N))) == 0
             assert spy.stats()["errors"] >= 3  # refused, counted, never raised
-        async with tier(srv.url, username="acme", password="pw-acme") as spy:  # no tenant
+        async with tier(srv, username="acme", password="pw-acme") as spy:  # no tenant
             assert await spy.lookup(keys) == 0
-    with redis.Redis.from_url(srv.url, username="acme", password="pw-acme") as r:
+    with redis.Redis.from_url(srv, username="acme", password="pw-acme") as r:
         for victim in (beta.redis_key(keys[0]), plain.redis_key(keys[0])):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 r.get(victim)
             with pytest.raises(redis.exceptions.NoPermissionError):
                 r.exists(victim)  # not even whether it exists
         assert r.get(acme.redis_key(keys[0])) is not None
-    with redis.Redis.from_url(srv.url) as r:  # nothing of beta's was overwritten by the spy
-        async with tier(srv.url, tenant="beta") as beta_again:
+    with redis.Redis.from_url(srv) as r:  # nothing of beta's was overwritten by the spy
+        async with tier(srv, tenant="beta") as beta_again:
             assert await beta_again.load(keys, out, list(range(N))) == N
             assert (out == pages_of(3)).all()
         assert len(r.keys("*")) == 3 * N

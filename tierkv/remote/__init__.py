@@ -39,6 +39,7 @@ from tierkv.remote.errors import (
     RemoteProtocolError,
     RemoteRefusedError,
     RemoteTimeoutError,
+    TenantRefusedError,
 )
 from tierkv.remote.server.directory import Directory
 from tierkv.remote.server.hosting import share_host_arena
@@ -68,6 +69,7 @@ __all__ = [
     "RemoteTier",
     "RemoteTimeoutError",
     "StoreRemote",
+    "TenantRefusedError",
     "Watch",
     "import_prefix",
     "prefix_pages",

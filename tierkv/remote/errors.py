@@ -8,7 +8,9 @@
     ├── RemoteProtocolError       a malformed or unexpected control message
     ├── LeaseExpiredError         a write lease ended before its commit: nothing was stored
     ├── RemoteRefusedError        the server said no: bad auth, spec mismatch, unknown op
-    │    └── RemoteFullError      no room in the server's host tier (everything pinned)
+    │    ├── RemoteFullError      no room in the server's host tier (everything pinned)
+    │    └── TenantRefusedError   our tenant was refused: unknown to the server, or not the
+    │                             tenant of our secret (the server does not say which)
     └── DirectoryError            the cluster directory (Redis / Valkey) cannot be used
          ├── DirectoryURLError    a directory URL or option that does not parse (also a
          │                        ValueError, an InvalidInputError)
@@ -38,6 +40,7 @@ __all__ = [
     "RemoteProtocolError",
     "RemoteRefusedError",
     "RemoteTimeoutError",
+    "TenantRefusedError",
     "map_transport_error",
 ]
 
@@ -70,6 +73,12 @@ class RemoteRefusedError(RemoteError):
 
 class RemoteFullError(RemoteRefusedError):
     """The page server's host tier has no room for the pages to publish."""
+
+
+class TenantRefusedError(RemoteRefusedError):
+    """The page server refused the tenant we named at connect: it has no such tenant, or our
+    secret is not that tenant's. It answers both alike, so that a peer learns no tenant's
+    name from it."""
 
 
 class DirectoryError(RemoteError):

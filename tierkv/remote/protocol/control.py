@@ -30,7 +30,9 @@ from tierkv.remote.errors import (
     RemoteProtocolError,
     RemoteRefusedError,
     RemoteTimeoutError,
+    TenantRefusedError,
 )
+from tierkv.remote.protocol.tenancy import TENANT_FIELD
 from tierkv.remote.protocol.wire import CLIENT, PAGE_SERVER, REPLY_LIMITS, error_for
 from tierkv.transports import AuthError, ProtocolError, TransferTimeoutError, TransportError
 from tierkv.transports.session import StreamSession
@@ -50,7 +52,7 @@ def split_address(address: str) -> tuple[str, int]:
 
 class Control:
     """One authenticated control connection to a page server (inside TLS with ``ssl``, a
-    client context)."""
+    client context), as ``tenant`` (None: none; then ``secret`` is that tenant's)."""
 
     def __init__(
         self,
@@ -62,8 +64,9 @@ class Control:
         role: str = CLIENT,
         ident: str | None = None,
         ssl: SSLContext | None = None,
+        tenant: str | None = None,
     ) -> None:
-        self.ssl = ssl
+        self.ssl, self.tenant = ssl, tenant
         self.address = address
         self.host, self.port = split_address(address)
         self.secret, self.timeout = secret, timeout
@@ -79,7 +82,8 @@ class Control:
     async def open(self) -> dict[str, Any]:
         """Connect and run the mutual handshake; returns the server's hello. Raises
         PeerGoneError, RemoteTimeoutError, RemoteRefusedError (refused, or a server that cannot
-        prove the secret), RemoteProtocolError (the connection is closed then)."""
+        prove the secret; TenantRefusedError: our tenant refused), RemoteProtocolError (the
+        connection is closed then)."""
         what = f"no answer from {self.address}"
         try:
             reader, writer = await asyncio.wait_for(
@@ -89,13 +93,23 @@ class Control:
             self._session = StreamSession(reader, writer, REPLY_LIMITS)
             what = f"{self.address} silent for {self.timeout:g} s"  # connected, no handshake
             await self._session.client_handshake(
-                self.secret, self.role, self.ident, deadline=self.timeout, expect_role=PAGE_SERVER
+                self.secret,
+                self.role,
+                self.ident,
+                deadline=self.timeout,
+                expect_role=PAGE_SERVER,
+                extra=None if self.tenant is None else {TENANT_FIELD: self.tenant},
             )
         except (TimeoutError, TransferTimeoutError) as exc:
             await self.aclose()
             raise RemoteTimeoutError(what) from exc
         except AuthError as exc:
             await self.aclose()
+            if self.tenant is not None:
+                raise TenantRefusedError(
+                    f"auth: {self.address} refused tenant {self.tenant!r} (no such tenant, or "
+                    f"not its secret): {exc}"
+                ) from exc
             raise RemoteRefusedError(f"auth: {self.address}: {exc}") from exc
         except ProtocolError as exc:
             await self.aclose()

@@ -30,9 +30,9 @@ from tierkv.remote.protocol.wire import PAGE_SERVER, REQUEST_LIMITS
 from tierkv.transports import AuthError, ProtocolError, TransportError
 from tierkv.transports.acceptor import Acceptor, listen
 from tierkv.transports.guard import AUTH_REFUSED, BUDGET_HIT, PROTOCOL_ERROR, Audit, Gate
-from tierkv.transports.session import HELLO_DEADLINE, StreamSession
+from tierkv.transports.session import HELLO_DEADLINE, SecretOf, StreamSession
 
-__all__ = ["RCVBUF", "STREAM_LIMIT", "Answer", "ControlSocket"]
+__all__ = ["RCVBUF", "STREAM_LIMIT", "Answer", "ControlSocket", "Peer"]
 
 #: the control sockets' receive buffer: bounds what one read of a hostile peer's bytes costs
 #: (asyncio reads up to 256 KiB at once otherwise); control frames are small
@@ -41,14 +41,27 @@ RCVBUF = 1 << 15
 STREAM_LIMIT = 1 << 14
 
 #: answer(msg, owner, session, peer address) -> reply fields (an ``err`` field for a refusal)
-Answer = Callable[[dict[str, Any], object, StreamSession, str], dict[str, Any]]
+Answer = Callable[[dict[str, Any], "Peer", StreamSession, str], dict[str, Any]]
+
+
+class Peer:
+    """One authenticated connection (its requests' ``owner``): the tenant whose secret it
+    proved (None: the default secret)."""
+
+    __slots__ = ("tenant",)
+
+    def __init__(self) -> None:
+        self.tenant: str | None = None
 
 
 class ControlSocket:
     """Accept control connections on ``host:port`` and serve their requests with ``answer``.
 
     Args:
-        secret: of the handshake; ident: our id in it (called per connection: our address).
+        secret: of the handshake, or a `SecretOf` choosing it from the client's auth frame
+            (tenants); ident: our id in it (called per connection: our address).
+        tenant_of: the tenant a client's auth frame names, once it proved that tenant's
+            secret (None: the default).
         answer: a request's reply (raises RemoteProtocolError / ProtocolError to end the
             connection as malformed); closed: a connection (its ``owner`` token) ended.
         gate / audit: admission by address, and the security counters.
@@ -60,10 +73,11 @@ class ControlSocket:
     def __init__(
         self,
         *,
-        secret: bytes,
+        secret: bytes | SecretOf,
         ident: Callable[[], str],
         answer: Answer,
         closed: Callable[[object], None],
+        tenant_of: Callable[[dict[str, Any]], str | None] = lambda auth: None,
         gate: Gate,
         audit: Audit,
         timeout: float,
@@ -72,6 +86,7 @@ class ControlSocket:
         max_held: int = 256,
     ) -> None:
         self.secret, self._ident, self._answer, self._closed = secret, ident, answer, closed
+        self._tenant_of = tenant_of
         self.gate, self.audit, self.timeout, self.ssl = gate, audit, timeout, ssl
         self.hold_s, self.max_held = hold_s, max_held
         self.deadline = min(timeout, HELLO_DEADLINE)
@@ -146,11 +161,12 @@ class ControlSocket:
     async def _serve(self, session: StreamSession, addr: str, where: str) -> None:
         preauth = True
         self._sessions.add(session)
-        owner = object()
+        owner = Peer()
         try:
-            await session.serve_handshake(
+            auth = await session.serve_handshake(
                 self.secret, PAGE_SERVER, self._ident(), deadline=self.deadline
             )
+            owner.tenant = self._tenant_of(auth)
             self.gate.authenticated(addr)
             preauth = False
             while (msg := await session.recv()) is not None:

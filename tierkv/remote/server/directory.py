@@ -25,6 +25,13 @@ transport has revoked the writer's access and drained what it had let in (``revo
                fenced: keys free, slots quarantined -- late commit / abort (LeaseExpiredError)
                                                     -- revoke(agent) drained on every transport
                                                     -> slots free
+
+With tenants (docs/security.md, *Tenants*), every lease carries the tenant of the session that
+took it: a write lease's slots are writable only through that tenant's transports, and (when
+reads are guarded) a slot is readable only through the transports of a tenant that holds a
+live read lease on it. The keys themselves are the tenant's already (tenancy.py); the tenant
+of each published page is kept for its counters only (``tenant_of``). The file stays whole
+(~400 lines): one class whose leases, generations and guards share the same slots.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ class _Lease:
     gens: list[int]
     timer: asyncio.TimerHandle | None = field(default=None)
     agent: str | None = None  # the writer's transport agent (None: undeclared, any agent)
+    tenant: str | None = None  # the tenant of the session that took it (None: the default)
 
 
 #: revoke(agent) -> per transport, a future done once that writer's access is revoked and what
@@ -98,6 +106,10 @@ class Directory:
         self.quarantined = 0  # slots held by fenced leases
         self.fenced = 0  # write leases fenced so far
         self.late_commits = 0  # commits / aborts of fenced leases (the writer told)
+        self._reading: dict[tuple[int, str | None], int] = {}  # (slot, tenant) -> read leases
+        self.tenant_of: dict[bytes, str] = {}
+        """Pages published by a tenant's session -> the tenant, while in the host tier
+        (counters only: access goes by the tenant's keys)."""
 
     def _observe(self, slot: int, key: bytes | None) -> int:
         if self._seen[slot] != key:
@@ -120,16 +132,32 @@ class Directory:
         return self._readable(keys)
 
     def acquire(
-        self, keys: list[bytes], owner: object
+        self, keys: list[bytes], owner: object, tenant: str | None = None
     ) -> tuple[int, list[int], list[int], list[int]]:
-        """Pin the readable prefix of ``keys`` for a reader; returns (lease, slots, gens,
-        sums): the pages' checksums, what the reader checks its copy against."""
+        """Pin the readable prefix of ``keys`` for a reader (of ``tenant``); returns (lease,
+        slots, gens, sums): the pages' checksums, what the reader checks its copy against."""
         n = self._readable(keys)
         pinned = keys[:n]
         slots = self.tiers.glue.pin_host(pinned)
         gens = [self._observe(s, k) for s, k in zip(slots, pinned)]
         sums = self.tiers.glue.host_sums(pinned, slots)
-        return self._open(_Lease("read", owner, pinned, slots, gens)), slots, gens, sums
+        for s in slots:
+            self._reading[s, tenant] = self._reading.get((s, tenant), 0) + 1
+        lease = _Lease("read", owner, pinned, slots, gens, tenant=tenant)
+        return self._open(lease), slots, gens, sums
+
+    def may_read(self, tenant: str | None, first: int, last: int) -> bool:
+        """True when every slot in ``[first, last]`` is held by a live read lease of
+        ``tenant`` (the transports' read guard, on a server with tenants)."""
+        return all(self._reading.get((s, tenant)) for s in range(first, last + 1))
+
+    def _end_read(self, lease: _Lease) -> None:
+        """A read lease ends: its pins and its slots' read guard go."""
+        for s in lease.slots:
+            left = self._reading.pop((s, lease.tenant), 0) - 1
+            if left > 0:
+                self._reading[s, lease.tenant] = left
+        self.tiers.glue.unpin_host(lease.keys)
 
     def release(self, lease_id: int, owner: object) -> int:
         """End ``owner``'s read lease; returns how many leading pages are still the ones served
@@ -153,7 +181,7 @@ class Directory:
             if not ok:
                 break
             valid += 1
-        self.tiers.glue.unpin_host(lease.keys)
+        self._end_read(lease)
         return valid
 
     # -- writes --------------------------------------------------------------------------
@@ -163,9 +191,11 @@ class Directory:
         owner: object,
         sums: list[int] | None = None,
         agent: str | None = None,
+        tenant: str | None = None,
     ) -> tuple[int, list[int]]:
-        """Reserve host slots for pages a peer will write (only ``agent``'s writes may land
-        in them; None: any agent's); returns (lease, slot per key, -1 where the page is
+        """Reserve host slots for pages a peer (of ``tenant``) will write (only ``agent``'s
+        writes through ``tenant``'s transports may land in them; agent None: any agent's);
+        returns (lease, slot per key, -1 where the page is
         already held or was not admitted). ``sums``: the checksum the peer declares for each
         key (recorded for the reserved pages, checked at :meth:`verify`). Raises
         RemoteFullError (no room, or the slots being written and quarantined would pass
@@ -190,17 +220,19 @@ class Directory:
         for k, s in slot_of.items():
             self._seen[s] = None
             self._observe(s, k)
-        lease = _Lease("write", owner, new, list(alloc.slots), [], agent=agent)
+        lease = _Lease("write", owner, new, list(alloc.slots), [], agent=agent, tenant=tenant)
         for s in lease.slots:
             self._writer[s] = lease
         return self._open(lease), [slot_of.get(k, -1) for k in keys]
 
-    def may_write(self, agent: str, first: int, last: int) -> bool:
-        """True when every slot in ``[first, last]`` belongs to a live write lease that
-        ``agent`` may write (the transports' write guard)."""
+    def may_write(self, agent: str, first: int, last: int, tenant: str | None = None) -> bool:
+        """True when every slot in ``[first, last]`` belongs to a live write lease of
+        ``tenant`` that ``agent`` may write (the transports' write guard)."""
         for s in range(first, last + 1):
             lease = self._writer.get(s)
             if lease is None or (lease.agent is not None and lease.agent != agent):
+                return False
+            if lease.tenant != tenant:
                 return False
         return True
 
@@ -256,6 +288,8 @@ class Directory:
             self._writer.pop(s, None)
         if lease.keys:
             self.tiers.glue.commit_host(lease.keys, ok=ok)
+        if ok and lease.tenant is not None:
+            self.tenant_of.update(dict.fromkeys(lease.keys, lease.tenant))
         if not ok:
             for s in lease.slots:
                 self._observe(s, None)
@@ -317,7 +351,7 @@ class Directory:
         if lease.kind == "write":
             self._fence(lease_id, lease)
             return
-        self.tiers.glue.unpin_host(lease.keys)
+        self._end_read(lease)
         for s in lease.slots:
             self.gen[s] += 1  # unpinned: whoever still reads it may see the slot reused
 
@@ -346,6 +380,19 @@ class Directory:
         table = self.tiers.table
         keys = table.keys(HOST)
         return {k for k in keys if is_content(k) and table.state(k, HOST) == PageState.READABLE}
+
+    def left(self, keys: list[bytes]) -> None:
+        """Pages left the host tier: they are no tenant's any more."""
+        if self.tenant_of:
+            for k in keys:
+                self.tenant_of.pop(k, None)
+
+    def tenant_pages(self) -> dict[str, int]:
+        """Pages in the host tier per tenant that published them."""
+        out: dict[str, int] = {}
+        for tenant in self.tenant_of.values():
+            out[tenant] = out.get(tenant, 0) + 1
+        return out
 
     def entries(self) -> dict[bytes, tuple[int, int]]:
         """Every readable content page of the host tier -> (slot, generation)."""

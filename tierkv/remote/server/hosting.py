@@ -42,6 +42,11 @@ class SharedArena:
         self.region = region
         self._segment = segment
 
+    @property
+    def segment(self) -> SharedMemory | None:
+        """The shared-memory segment this module created for it (None: none, or closed)."""
+        return self._segment
+
     def close(self) -> None:
         """Release the segment we created, if any. Idempotent."""
         seg, self._segment = self._segment, None
@@ -101,9 +106,15 @@ def share_host_arena(store: KVStore, transport: transports.Transport) -> SharedA
     return shared
 
 
-def register_host_arena(store: KVStore, transport: transports.Transport) -> SharedArena:
-    """Register the store's host arena, as it is, with ``transport`` (tcp and the like)."""
+def register_host_arena(
+    store: KVStore, transport: transports.Transport, like: SharedArena | None = None
+) -> SharedArena:
+    """Register the store's host arena, as it is, with ``transport`` (tcp and the like); an
+    shm transport, the segment ``like`` holds (another shm transport's: a tenant's, for one;
+    the segment stays ``like``'s to unlink)."""
     try:
+        if transport.kind == "shm" and like is not None and like.segment is not None:
+            return SharedArena(transport.register_memory(like.segment))
         return SharedArena(transport.register_memory(store.tiers.glue.host_array))
     except transports.TransportError as exc:
         raise map_transport_error(exc, "registering the host arena") from exc

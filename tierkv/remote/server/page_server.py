@@ -25,11 +25,21 @@ connection runs the mutual handshake of `transports.session` (a hello of at most
 a deadline), then every frame is tagged and decoded within `REQUEST_LIMITS`. Refused
 authentication, protocol errors and budget hits are counted (``stats()``: ``*_total``) and
 logged (``tierkv.security``, rate limited).
+
+Tenants (``secrets``: a secret per tenant, besides the default one; tenants.py): a session
+proves one tenant's secret in its handshake and from then on names only that tenant's pages
+(its keys are mapped to the tenant's: tierkv.remote.protocol.tenancy), so another tenant's
+page looks exactly like one nobody holds. Each tenant has data transports of its own (its
+secret), whose write guard lets in only that tenant's write leases and whose read guard (tcp)
+only slots that tenant holds a read lease on; with tenants the default transports' reads are
+guarded too. The file stays whole (~450 lines): one class whose requests, transports and
+guards share the directory and the tenants' keys.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator, Mapping
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 
@@ -41,14 +51,15 @@ from tierkv.remote.errors import (
 )
 from tierkv.remote.protocol.exposure import is_loopback, resolve_secret
 from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, sums_of
-from tierkv.remote.server.control_socket import ControlSocket
+from tierkv.remote.server.control_socket import ControlSocket, Peer
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
+from tierkv.remote.server.tenants import ServerTenants
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
 from tierkv.tiers import HOST
 from tierkv.transports import Transport, TransportError, create
-from tierkv.transports.fence import WriteGuard
+from tierkv.transports.fence import ReadGuard, WriteGuard
 from tierkv.transports.guard import Audit, Gate
 from tierkv.transports.session import HELLO_DEADLINE, StreamSession
 
@@ -68,7 +79,11 @@ class PageServer:
         transports: transport names; shm (if named) goes first, as it needs the arena in a
             segment of its own.
         secret: shared secret of the control socket and of the transports (tcp, shm); default
-            ``$TIERKV_TRANSPORT_SECRET``. Empty: ValueError.
+            ``$TIERKV_TRANSPORT_SECRET``. Empty: ValueError. With ``secrets``, the secret of
+            sessions that name no tenant (their pages are nobody's but theirs too).
+        secrets: a secret per tenant (``{"acme": b"...", ...}``): a client that names a
+            tenant proves its secret and reads and publishes only its pages (docs/security.md,
+            *Tenants*). None: no tenants.
         insecure: serve without a secret (anyone who can connect may use the server); only
             on a loopback ``host`` (else ValueError).
         lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes). A
@@ -98,7 +113,9 @@ class PageServer:
             then reconnects that much slower.
         ssl: TLS context of the control socket (server side); docs/security.md.
 
-    Raises ValueError (no secret, empty secret, insecure off loopback), DirectoryURLError (a
+    Raises ValueError (no secret, empty secret, insecure off loopback, a tenant secret empty
+    or shared, tenants with a transport that proves no secret), TenantError (a bad tenant
+    name), DirectoryURLError (a
     directory URL that does not parse); from `start`: RemoteError when the arena cannot be
     shared or a transport fails, DirectoryAuthError (the directory refused our credentials),
     NodeIdTakenError (another live node registered our address).
@@ -112,6 +129,7 @@ class PageServer:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: bytes | None = None,
+        secrets: Mapping[str, bytes] | None = None,
         insecure: bool = False,
         lease_ttl: float = 10.0,
         max_writing: int | None = None,
@@ -138,6 +156,12 @@ class PageServer:
             raise InvalidInputError(
                 f"without a secret the page server stays on loopback, not {host!r}"
             )
+        self.tenants = ServerTenants(secrets, self.secret)
+        if self.tenants and not set(self.kinds) <= {"tcp", "shm"}:
+            raise InvalidInputError(
+                f"tenants need data transports that prove a secret (tcp, shm), not {self.kinds}"
+            )
+        self._tenanted: dict[tuple[str, str], tuple[Transport, SharedArena | None]] = {}
         self.lease_ttl, self.timeout, self.max_writing = lease_ttl, timeout, max_writing
         self._options = transport_options or {}
         self.transports: dict[str, Transport] = {}
@@ -159,7 +183,8 @@ class PageServer:
             failures=max_preauth_failures,
         )
         self.control = ControlSocket(
-            secret=self.secret,
+            secret=self.tenants.secret_of if self.tenants else self.secret,
+            tenant_of=self.tenants.tenant_of,
             ident=lambda: self.address,
             answer=self._answer,
             closed=self._closed,
@@ -182,17 +207,18 @@ class PageServer:
         RemoteError (a transport failed, the arena cannot be shared, the port is taken)."""
         try:
             for i, kind in enumerate(self.kinds):
-                opts: dict[str, Any] = {"timeout": self.timeout, **self._options.get(kind, {})}
-                if kind in ("tcp", "shm"):
-                    opts.setdefault("secret", self.secret)
-                if kind == "tcp":
-                    opts.setdefault("host", self.host)
-                t = create(kind, **opts)
-                self.transports[kind] = t
+                t = self.transports[kind] = create(kind, **self._transport_options(kind, None))
                 await t.start()
                 share = share_host_arena if i == 0 else register_host_arena
                 self.shared[kind] = share(self.store, t)
-                t.guard_writes(self._guard(self.shared[kind].region.region_id))
+                self._protect(t, self.shared[kind], None)
+                for tenant in self.tenants.secrets:
+                    tt = create(kind, **self._transport_options(kind, tenant))
+                    self._tenanted[tenant, kind] = (tt, None)
+                    await tt.start()
+                    shared = register_host_arena(self.store, tt, like=self.shared[kind])
+                    self._tenanted[tenant, kind] = (tt, shared)
+                    self._protect(tt, shared, tenant)
             self.directory = Directory(
                 self.store.tiers,
                 lease_ttl=self.lease_ttl,
@@ -230,11 +256,15 @@ class PageServer:
         await self.control.aclose()  # handlers end, their leases with them
         if self.directory is not None:
             self.directory.expire_all()
-        for t in self.transports.values():
+        for _, _, t in self._all_transports():
             await t.aclose()
         self.transports.clear()
         if self.directory is not None:
             self.directory.unfence_all()  # the transports are closed: nothing lands any more
+        for _, shared_t in self._tenanted.values():
+            if shared_t is not None:
+                shared_t.close()  # (registered the segment below: never unlinks it)
+        self._tenanted.clear()
         for shared in self.shared.values():
             shared.close()
 
@@ -244,29 +274,69 @@ class PageServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _hello(self) -> dict[str, Any]:
+    def _transport_options(self, kind: str, tenant: str | None) -> dict[str, Any]:
+        """The options of our ``kind`` transport (of ``tenant``: its secret, any port)."""
+        opts: dict[str, Any] = {"timeout": self.timeout, **self._options.get(kind, {})}
+        if kind in ("tcp", "shm"):
+            opts.setdefault("secret", self.secret)
+        if kind == "tcp":
+            opts.setdefault("host", self.host)
+        if tenant is not None:
+            opts["secret"] = self.tenants.secrets[tenant]
+            opts.pop("name", None)
+            opts.pop("port", None)
+        return opts
+
+    def _all_transports(self) -> Iterator[tuple[str | None, str, Transport]]:
+        """(tenant, kind, transport) of every data transport, the default ones first."""
+        for kind, t in self.transports.items():
+            yield None, kind, t
+        for (tenant, kind), (t, _) in self._tenanted.items():
+            yield tenant, kind, t
+
+    def _hello(self, tenant: str | None) -> dict[str, Any]:
+        if tenant is None:
+            ours = [(kind, t, self.shared[kind]) for kind, t in self.transports.items()]
+        else:
+            ours = [
+                (kind, t, s)
+                for (who, kind), (t, s) in self._tenanted.items()
+                if who == tenant and s is not None
+            ]
         return {
-            "name": next(iter(self.transports.values())).name,
+            "name": ours[0][1].name,
             "spec": spec_fields(self.store.spec),
             "lease_ttl": self.lease_ttl,
             "checks": "crc32c",  # page checksums (wire.py)
             "transports": {
-                kind: {"metadata": t.metadata(), "region": _packed(self.shared[kind])}
-                for kind, t in self.transports.items()
+                kind: {"metadata": t.metadata(), "region": _packed(s)} for kind, t, s in ours
             },
         }
 
     def _answer(
-        self, msg: dict[str, Any], owner: object, session: StreamSession, addr: str
+        self, msg: dict[str, Any], owner: Peer, session: StreamSession, addr: str
+    ) -> dict[str, Any]:
+        tenant = owner.tenant
+        reply = self._reply(msg, owner, session, tenant)
+        if tenant is not None and "err" in reply:
+            self.tenants.count(tenant, "refused_total")
+        return reply
+
+    def _reply(
+        self, msg: dict[str, Any], owner: Peer, session: StreamSession, tenant: str | None
     ) -> dict[str, Any]:
         d = self.directory
         assert d is not None
         op = msg.get("op")
+        pb = self.store.spec.page_bytes
         try:
             if op == "lookup":
-                return {"n": d.lookup(keys_of(msg))}
+                return {"n": d.lookup(self.tenants.keys(tenant, keys_of(msg)))}
             if op == "acquire":
-                lease, slots, gens, sums = d.acquire(keys_of(msg), owner)
+                keys = self.tenants.keys(tenant, keys_of(msg))
+                lease, slots, gens, sums = d.acquire(keys, owner, tenant)
+                self.tenants.count(tenant, "served_pages_total", len(slots))
+                self.tenants.count(tenant, "served_bytes_total", len(slots) * pb)
                 reply = {"lease": lease, "slots": slots, "gens": gens}
                 if len(sums) == len(slots):  # (none with checksums off: measurements only)
                     reply["sums"] = sums
@@ -274,28 +344,33 @@ class PageServer:
             if op == "release":
                 return {"valid": d.release(int_of(msg, "lease"), owner)}
             if op == "reserve":
-                keys = keys_of(msg)
-                lease, slots = d.reserve(keys, owner, sums_of(msg, len(keys)), agent_of(msg))
+                keys = self.tenants.keys(tenant, keys_of(msg))
+                declared = sums_of(msg, len(keys))
+                lease, slots = d.reserve(keys, owner, declared, agent_of(msg), tenant)
                 return {"lease": lease, "slots": slots}
             if op == "commit":
                 lease, ok = int_of(msg, "lease"), bool(msg.get("ok"))
                 # the peer's bytes, before they are served (its commit says its writes ended)
                 corrupt = d.verify(lease, owner) if ok else 0
                 stored = d.commit(lease, ok, owner)
+                self.tenants.count(tenant, "published_pages_total", stored)
+                self.tenants.count(tenant, "published_bytes_total", stored * pb)
                 if stored and self.agent is not None:
                     self.agent.changed()  # the directory hears of published pages at once
                 return {"stored": stored, "corrupt": corrupt}
             if op == "locate":
-                return {"nodes": self.locate(keys_of(msg))}
+                return {"nodes": self.locate(self.tenants.keys(tenant, keys_of(msg)))}
             if op == "watch":
-                return {"held": self.watches.watch(owner, session, keys_of(msg), self._holds)}
+                names = keys_of(msg)
+                keys = self.tenants.keys(tenant, names)
+                return {"held": self.watches.watch(owner, session, keys, self._holds, names)}
             if op == "unwatch":
-                self.watches.unwatch(owner, keys_of(msg))
+                self.watches.unwatch(owner, self.tenants.keys(tenant, keys_of(msg)))
                 return {}
             if op == "hello":
-                return self._hello()
+                return self._hello(tenant)
             if op == "stats":
-                return self.stats()
+                return self.stats(wire=True) if tenant is None else self.tenant_stats(tenant)
         except RemoteFullError as exc:
             return {"err": "full", "msg": str(exc)}
         except LeaseExpiredError as exc:
@@ -304,13 +379,17 @@ class PageServer:
             return {"err": "bad", "msg": f"{type(exc).__name__}: {exc}"}
         return {"err": "op", "msg": f"unknown op {op!r}"}
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, wire: bool = False) -> dict[str, Any]:
         """Pages served (readable content pages in the host tier), leases, expiries, peers,
-        watchers, and the security counters (``*_total``, ours and each transport's)."""
+        watchers, the security counters (``*_total``, ours and each transport's), and with
+        tenants ``tenants``: `tenant_stats` of each (not in the ``stats`` reply, ``wire``:
+        a reply's map is bounded)."""
         d = self.directory
         assert d is not None
         table = self.store.tiers.table
+        tenants = {} if wire or not self.tenants else {"tenants": self._tenants_stats()}
         return {
+            **tenants,
             "pages": len(d.entries()),
             "host_used": table.used("host"),
             "corrupt_pages_total": self.store.tiers.stats.corrupt.get("peer", 0),
@@ -330,33 +409,71 @@ class PageServer:
             **self._transport_security(),
         }
 
+    def tenant_stats(self, tenant: str) -> dict[str, Any]:
+        """One tenant's figures: its pages in the host tier (``pages``, ``bytes``) and its
+        counters (tenants.py); what a session of that tenant is told by ``stats``."""
+        assert self.directory is not None
+        pages = self.directory.tenant_pages().get(tenant, 0)
+        return {
+            "tenant": tenant,
+            "pages": pages,
+            "bytes": pages * self.store.spec.page_bytes,
+            **self.tenants.stats(tenant),
+        }
+
+    def _tenants_stats(self) -> dict[str, dict[str, Any]]:
+        return {t: self.tenant_stats(t) for t in self.tenants.secrets}
+
     def _transport_security(self) -> dict[str, int]:
-        """The data transports' security counters (``<kind>_<event>_total``)."""
+        """The data transports' security counters (``<kind>_<event>_total``; a tenant's
+        transports count in with the default ones of their kind)."""
         out: dict[str, int] = {}
-        for kind, t in self.transports.items():
+        for _, kind, t in self._all_transports():
             audit = getattr(t, "audit", None)
-            if isinstance(audit, Audit):
-                out.update({f"{kind}_{k}": v for k, v in audit.stats().items()})
-            out[f"{kind}_notifications_dropped_total"] = t.notifications_dropped
+            counts = audit.stats() if isinstance(audit, Audit) else {}
+            counts["notifications_dropped_total"] = t.notifications_dropped
+            for k, v in counts.items():
+                out[f"{kind}_{k}"] = out.get(f"{kind}_{k}", 0) + v
         return out
 
     # -- fencing peers' writes (directory.py, transports/fence.py) -------------------------
-    def _guard(self, region_id: int) -> WriteGuard:
-        """The write guard of one transport: a peer's write must fall in our host arena's
-        region, in slots of a live write lease its agent may write."""
+    def _protect(self, t: Transport, shared: SharedArena, tenant: str | None) -> None:
+        """Guard the writes (and with tenants, the reads) of a transport of ``tenant``."""
+        t.guard_writes(self._guard(shared.region.region_id, tenant))
+        if self.tenants:
+            t.guard_reads(self._read_guard(shared.region.region_id, tenant))
+
+    def _guard(self, region_id: int, tenant: str | None = None) -> WriteGuard:
+        """The write guard of one transport (of ``tenant``): a peer's write must fall in our
+        host arena's region, in slots of a live write lease of that tenant its agent may
+        write."""
         slot_bytes = self.store.tiers.slot_bytes(HOST)
 
         def may_write(agent: str, rid: int, offset: int, length: int) -> bool:
             d = self.directory
             if d is None or rid != region_id or length <= 0:
                 return False
-            return d.may_write(agent, offset // slot_bytes, (offset + length - 1) // slot_bytes)
+            last = (offset + length - 1) // slot_bytes
+            return d.may_write(agent, offset // slot_bytes, last, tenant)
 
         return may_write
 
+    def _read_guard(self, region_id: int, tenant: str | None) -> ReadGuard:
+        """The read guard of one transport of a server with tenants: a peer's read must fall
+        in our host arena's region, in slots ``tenant`` holds a live read lease on."""
+        slot_bytes = self.store.tiers.slot_bytes(HOST)
+
+        def may_read(agent: str, rid: int, offset: int, length: int) -> bool:
+            d = self.directory
+            if d is None or rid != region_id or length <= 0:
+                return False
+            return d.may_read(tenant, offset // slot_bytes, (offset + length - 1) // slot_bytes)
+
+        return may_read
+
     def _revoke(self, agent: str | None) -> list[asyncio.Future[None] | None]:
         """Revoke a fenced writer's access on every transport (futures: drained)."""
-        return [t.write_fence(agent) for t in self.transports.values()]
+        return [t.write_fence(agent) for _, _, t in self._all_transports()]
 
     # -- the directory shared with peers, and announcements --------------------------------
     def _closed(self, owner: object) -> None:
@@ -384,6 +501,8 @@ class PageServer:
         """Pages left our host tier: announce them now; the directory hears of it within
         the agent's linger."""
         self.watches.announce(keys)
+        if self.directory is not None:
+            self.directory.left(keys)
         if self.agent is not None:
             self.agent.changed()
 

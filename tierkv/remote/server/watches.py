@@ -26,11 +26,12 @@ CHUNK = 16384  # keys per announcement frame
 
 
 class _Watcher:
-    __slots__ = ("keys", "pending", "session", "task", "wake")
+    __slots__ = ("keys", "names", "pending", "session", "task", "wake")
 
     def __init__(self, session: StreamSession) -> None:
         self.session = session
         self.keys: set[bytes] = set()
+        self.names: dict[bytes, bytes] = {}  # key -> the key as the watcher named it
         self.pending: list[bytes] = []
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
@@ -62,9 +63,11 @@ class WatchHub:
         session: StreamSession,
         keys: list[bytes],
         held: Callable[[bytes], bool],
+        names: list[bytes] | None = None,
     ) -> list[bool]:
         """Watch ``keys`` for ``owner`` (a connection); returns, per key, whether it is held now
-        (keys not held are not watched: they are gone already)."""
+        (keys not held are not watched: they are gone already). ``names``: the keys as the
+        watcher knows them, announced in their place (a tenant's, tenancy.py)."""
         w = self._of.get(owner)
         if w is None:
             w = self._of[owner] = _Watcher(session)
@@ -76,6 +79,8 @@ class WatchHub:
             if here and k not in w.keys:
                 w.keys.add(k)
                 self._by_key.setdefault(k, set()).add(w)
+                if names is not None:
+                    w.names[k] = names[len(out) - 1]
         return out
 
     def unwatch(self, owner: object, keys: Iterable[bytes]) -> None:
@@ -87,6 +92,7 @@ class WatchHub:
 
     def _unlink(self, w: _Watcher, k: bytes) -> None:
         w.keys.discard(k)
+        w.names.pop(k, None)
         ws = self._by_key.get(k)
         if ws is not None:
             ws.discard(w)
@@ -103,7 +109,7 @@ class WatchHub:
                 continue
             for w in ws:
                 w.keys.discard(k)
-                w.pending.append(k)
+                w.pending.append(w.names.pop(k, k))
                 w.wake.set()
                 if len(w.pending) > self.max_pending:
                     self._drop(w)

@@ -58,6 +58,7 @@ from tierkv.remote.protocol.exposure import resolve_secret
 from tierkv.remote.protocol.wire import spec_fields
 from tierkv.remote.sources.watch import Watch
 from tierkv.spec import KVSpec
+from tierkv.tenant_names import check_tenant
 
 __all__ = ["ReadLease", "RemoteTier"]
 
@@ -99,7 +100,10 @@ class RemoteTier:
     Args:
         address: ``host:port`` of the page server's control socket.
         transport: the data transport to use (one the server offers: ``shm``, ``tcp``...).
-        secret: shared secret (default ``$TIERKV_TRANSPORT_SECRET``).
+        secret: shared secret (default ``$TIERKV_TRANSPORT_SECRET``); with ``tenant``, that
+            tenant's secret.
+        tenant: the tenant we are (docs/security.md, *Tenants*): the server proves us against
+            its secret, and we read and publish only its pages. None: no tenant.
         spec: our page layout; `connect` refuses a server whose layout differs.
         timeout: bound of every control reply, connect and transfer, in seconds.
         transport_options: extra keyword arguments for the local transport.
@@ -121,8 +125,10 @@ class RemoteTier:
         retry_after: float = 0.05,
         max_backoff: float = 2.0,
         ssl: SSLContext | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.ssl = ssl
+        self.tenant = None if tenant is None else check_tenant(tenant)
         self.host, self.port = split_address(address)
         self.retry_after, self.max_backoff = retry_after, max_backoff
         self._backoff = retry_after
@@ -154,7 +160,8 @@ class RemoteTier:
         """Connect, authenticate, check the page layout, reach the data transport.
 
         Raises PeerGoneError (unreachable), RemoteTimeoutError, RemoteRefusedError (bad
-        secret, other layout, transport not offered), RemoteProtocolError.
+        secret, other layout, transport not offered; TenantRefusedError: our tenant unknown
+        to the server or not our secret's), RemoteProtocolError.
         """
         try:
             await self._connect()
@@ -166,7 +173,11 @@ class RemoteTier:
 
     async def _connect(self) -> None:
         self._ctl = Control(
-            f"{self.host}:{self.port}", secret=self.secret, timeout=self.timeout, ssl=self.ssl
+            f"{self.host}:{self.port}",
+            secret=self.secret,
+            timeout=self.timeout,
+            ssl=self.ssl,
+            tenant=self.tenant,
         )
         hello = await self._ctl.open()
         spec = hello.get("spec")
@@ -292,6 +303,7 @@ class RemoteTier:
             callback=callback,
             max_batches=max_batches,
             ssl=self.ssl,
+            tenant=self.tenant,
         )
         await w.start()
         try:

@@ -33,8 +33,11 @@ from tierkv.errors import InvalidInputError, SpecError
 from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
 from tierkv.remote.errors import DirectoryError, PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.remote.protocol.exposure import resolve_secret
+from tierkv.remote.protocol.tenancy import TenantKeys
 from tierkv.remote.sources.client import RemoteTier
 from tierkv.spec import KVSpec
+from tierkv.tenant_names import check_tenant
 
 if TYPE_CHECKING:  # the directory needs the `redis` extra: imported when one is given
     from tierkv.remote.membership.redis_directory import RedisDirectory
@@ -50,8 +53,9 @@ class RemoteCluster:
             answers; without a directory, the cluster is these nodes).
         directory: the cluster directory: a URL (``redis://``, ``rediss://``, with a password
             or not) or a `RedisDirectory`. None: ask the seeds.
-        transport, secret, spec, timeout, transport_options, ssl: as for `RemoteTier`, for
-            every node.
+        transport, secret, spec, timeout, transport_options, ssl, tenant: as for
+            `RemoteTier`, for every node. A tenant's pages are in the directory under its own
+            keys (tierkv.remote.protocol.tenancy): we locate them there under those.
         retry_after: seconds a node that failed is left alone.
     """
 
@@ -67,6 +71,7 @@ class RemoteCluster:
         transport_options: dict[str, Any] | None = None,
         retry_after: float = 1.0,
         ssl: SSLContext | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds or [])
         if not self.seeds and directory is None:
@@ -86,7 +91,11 @@ class RemoteCluster:
             "timeout": timeout,
             "transport_options": transport_options,
             "ssl": ssl,
+            "tenant": None if tenant is None else check_tenant(tenant),
         }
+        self._keys = (
+            None if tenant is None else TenantKeys(tenant, resolve_secret(secret, insecure=True))
+        )
         self.retry_after = retry_after
         self._tiers: dict[str, RemoteTier] = {}
         self._down: dict[str, float] = {}
@@ -180,7 +189,7 @@ class RemoteCluster:
         if ready is None or (ready.done() and (ready.cancelled() or ready.exception())):
             ready = self._dir_ready = asyncio.ensure_future(self._connect_directory())
         await asyncio.shield(ready)
-        return await self.directory.locate(keys)
+        return await self.directory.locate(keys if self._keys is None else self._keys.keys(keys))
 
     async def _ask_seeds(self, keys: list[bytes]) -> list[str]:
         """No directory: at each position, the seed holding the longest run from there.

@@ -41,9 +41,10 @@ class Watch:
         callback: Callable[[list[bytes]], None] | None = None,
         max_batches: int = 256,
         ssl: SSLContext | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.address, self.secret, self.timeout = address, secret, timeout
-        self.ssl = ssl
+        self.ssl, self.tenant = ssl, tenant
         self._callback = callback
         self._queue: asyncio.Queue[list[bytes]] = asyncio.Queue(max_batches)
         self.keys: set[bytes] = set()
@@ -59,6 +60,7 @@ class Watch:
             timeout=self.timeout,
             on_event=self._event,
             ssl=self.ssl,
+            tenant=self.tenant,
         )
         await self._ctl.open()
         return self
