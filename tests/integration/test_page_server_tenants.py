@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -284,3 +287,38 @@ def test_tenant_keys_keep_length_and_kind_and_differ_per_tenant_and_secret() -> 
         assert len({k, a.key(k), b.key(k), a2.key(k)}) == 4
         assert a.key(k) == TenantKeys("acme", b"s1").key(k)  # stable (not Python's hash)
     assert a.key(content).hex() == TenantKeys("acme", b"s1").keys([content])[0].hex()
+
+
+async def test_a_tenants_cluster_finds_its_pages_in_the_directory_and_no_other_does() -> None:
+    pytest.importorskip("redis")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from redis_server import RedisServer, skip_without_redis
+
+    from tierkv.remote import RemoteCluster
+
+    skip_without_redis()
+    out = np.zeros((N, PAGE), np.uint8)
+
+    def cluster(url: str, tenant: str | None) -> RemoteCluster:
+        secret = DEFAULT if tenant is None else SECRETS[tenant]
+        return RemoteCluster(directory=url, secret=secret, spec=SPEC, tenant=tenant)
+
+    with RedisServer() as redis_server:
+        url = redis_server.url
+        async with (
+            page_server("tcp", directory=url, directory_ttl=2.0) as srv,
+            cluster(url, "acme") as acme,
+            cluster(url, "beta") as beta,
+            cluster(url, None) as plain,
+        ):
+            async with client(srv, "acme") as writer:
+                assert await writer.publish(KEYS, pages(1), list(range(N))) == N
+            deadline = time.monotonic() + 20
+            while await acme.lookup(KEYS) < N:  # the directory hears within the agent's linger
+                assert time.monotonic() < deadline, "acme's pages never reached the directory"
+                await asyncio.sleep(0.02)
+            assert await acme.locate(KEYS) == [srv.address] * N
+            assert await acme.load(KEYS, out, list(range(N))) == N and (out == pages(1)).all()
+            for other in (beta, plain):  # the same keys: not in the directory for them
+                assert await other.locate(KEYS) == []
+                assert await other.load(KEYS, out, list(range(N))) == 0

@@ -341,3 +341,67 @@ def test_serve_registers_in_the_directory_and_leaves_on_sigterm(tmp_path: Path) 
             assert any("DirectoryAuthError" in line for line in refused.stderr)
         finally:
             refused.stop()
+
+
+def _tenants_file(tmp_path: Path, text: str, mode: int = 0o600) -> str:
+    path = tmp_path / "tenants"
+    path.write_text(text)
+    path.chmod(mode)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "message"),
+    [
+        ("acme 0a0b\n", 0o644, "group or others may read it"),
+        ("acme\n", 0o600, "want 'NAME HEX'"),
+        ("acme 0a0b extra\n", 0o600, "want 'NAME HEX'"),
+        ("acme not-hex\n", 0o600, "the secret is not hex"),
+        ("a:b 0a0b\n", 0o600, "characters outside"),
+        ("acme 0a0b\nacme 0c0d\n", 0o600, "tenant 'acme' twice"),
+        ("acme 0a0b\nbeta 0a0b\n", 0o600, "another tenant (or the default) has too"),
+        (f"acme {SECRET}\n", 0o600, "another tenant (or the default) has too"),
+        ("acme \n", 0o600, "want 'NAME HEX'"),
+    ],
+)
+def test_bad_tenants_files_fail_before_serving(
+    text: str, mode: int, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[Any]
+) -> None:
+    tenants = _tenants_file(tmp_path, text, mode)
+    assert cli_main(["serve", "--secret", SECRET, "--tenants", tenants]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_tenants_file_fails_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[Any]
+) -> None:
+    missing = str(tmp_path / "none")
+    assert cli_main(["serve", "--secret", SECRET, "--tenants", missing]) == 2
+    assert "--tenants: cannot read" in capsys.readouterr().err
+
+
+def test_serve_with_tenants(tmp_path: Path) -> None:
+    """A tenant of the file reads its own pages; its secret claiming another is refused."""
+    from tierkv.remote import TenantRefusedError
+
+    text = "# name  secret (hex)\nacme 0a0b0c0d  # the first\nbeta 1a1b1c1d\n"
+    s = Serve(tmp_path / "t.json", ("--tenants", _tenants_file(tmp_path, text)))
+    try:
+        address = s.expect("serving ").split(" on ")[1].split()[0]
+
+        async def use() -> None:
+            toks = list(range(SPEC.page_tokens))
+            keys = [page_key(b, layer) for b in prefix_keys(toks, 16) for layer in range(2)]
+            local = np.ones((len(keys), SPEC.page_bytes), np.uint8)
+            acme = bytes.fromhex("0a0b0c0d")
+            async with RemoteTier(address, secret=acme, spec=SPEC, timeout=30, tenant="acme") as t:
+                assert await t.publish(keys, local, list(range(len(keys)))) == len(keys)
+                assert await t.lookup(keys) == len(keys)
+            async with RemoteTier(address, secret=bytes.fromhex(SECRET), spec=SPEC) as plain:
+                assert await plain.lookup(keys) == 0  # acme's pages: not the default's
+            with pytest.raises(TenantRefusedError):
+                await RemoteTier(address, secret=acme, spec=SPEC, tenant="beta").connect()
+
+        asyncio.run(asyncio.wait_for(use(), START_S))
+    finally:
+        s.stop()

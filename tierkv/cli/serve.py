@@ -30,9 +30,11 @@ from typing import Any
 from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote import PageServer, RemoteError
 from tierkv.remote.protocol.exposure import SECRET_ENV, is_loopback
+from tierkv.remote.protocol.tenancy import check_secrets
 from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
+from tierkv.tenant_names import check_tenant
 from tierkv.timeline import Timeline
 from tierkv.transports.shm import remove_stale_segments
 
@@ -71,6 +73,13 @@ def add_parser(sub: Any) -> None:
         default=[],
         metavar="UID",
         help="another user id admitted on the shm control socket (repeat; default: ours only)",
+    )
+    p.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="per-tenant secrets, one 'NAME HEX' a line ('#' comments; the file readable by "
+        "its owner only): a client that names a tenant proves its secret and reads and "
+        "publishes only that tenant's pages (docs/security.md, Tenants)",
     )
     p.add_argument("--host-mb", type=float, default=256.0, help="host tier size, MiB")
     p.add_argument("--layers", type=int, default=4, help="model layers (page layout)")
@@ -160,6 +169,40 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     return secret
 
 
+def read_tenants(path: str) -> dict[str, bytes]:
+    """The tenants' secrets of a ``--tenants`` file: ``NAME HEX`` a line, ``#`` comments.
+
+    Raises ValueError (InvalidInputError, TenantError): the file cannot be read, group or
+    others may read it, a line that is not a name and a hex secret, a name twice.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            if os.fstat(f.fileno()).st_mode & 0o077:
+                raise InvalidInputError(
+                    f"--tenants {path}: group or others may read it (chmod 600)"
+                )
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise InvalidInputError(f"--tenants: cannot read {path}: {exc.strerror}") from exc
+    out: dict[str, bytes] = {}
+    for n, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        if len(words) != 2:
+            raise InvalidInputError(
+                f"--tenants {path}:{n}: want 'NAME HEX', got {len(words)} words"
+            )
+        name = check_tenant(words[0])
+        if name in out:
+            raise InvalidInputError(f"--tenants {path}:{n}: tenant {name!r} twice")
+        try:
+            out[name] = bytes.fromhex(words[1])
+        except ValueError as exc:
+            raise InvalidInputError(f"--tenants {path}:{n}: the secret is not hex") from exc
+    return out
+
+
 def _check(args: argparse.Namespace) -> None:
     """Raise ValueError for arguments that cannot work, before anything is opened."""
     parse_address(args.listen, "--listen")
@@ -179,7 +222,9 @@ def _check(args: argparse.Namespace) -> None:
         from tierkv.remote.membership.redis_directory import check_url
 
         check_url(args.directory)  # DirectoryURLError (a ValueError) for one that does not parse
-    _secret(args)
+    secret = _secret(args)
+    if args.tenants:
+        check_secrets(read_tenants(args.tenants), secret or b"")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,6 +278,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 directory=args.directory,
                 directory_ttl=args.directory_ttl,
                 advertise=args.advertise,
+                secrets=read_tenants(args.tenants) if args.tenants else None,
             )
             async with server, _metrics_http(server, args.metrics):
                 pages = store.tiers.table.capacity("host")
