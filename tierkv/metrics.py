@@ -422,6 +422,22 @@ class PageServerCollector(_Families):
                 yield self._counter("page_server_" + key.removesuffix("_total"), doc, value)
             else:
                 yield self._gauge("page_server_" + key, doc, value)
+        yield from self._tenants(st.get("tenants"))
+
+    def _tenants(self, tenants: Any) -> Iterator[Metric]:
+        """Per tenant, each numeric figure of ``PageServer.tenant_stats``:
+        ``tierkv_page_server_tenant_<figure>{tenant=...}`` (a counter for ``*_total``)."""
+        if not isinstance(tenants, dict) or not tenants:
+            return
+        first = next(iter(tenants.values()))
+        for key in sorted(k for k, v in first.items() if type(v) is int):
+            values = {t: figures[key] for t, figures in tenants.items()}
+            doc = f"PageServer.tenant_stats(tenant)[{key!r}]"
+            if key.endswith("_total"):
+                name = "page_server_tenant_" + key.removesuffix("_total")
+                yield self._counter(name, doc, values, label="tenant")
+            else:
+                yield self._gauge("page_server_tenant_" + key, doc, values, label="tenant")
 
 
 _registries: weakref.WeakKeyDictionary[Any, CollectorRegistry] = weakref.WeakKeyDictionary()

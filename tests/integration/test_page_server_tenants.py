@@ -322,3 +322,25 @@ async def test_a_tenants_cluster_finds_its_pages_in_the_directory_and_no_other_d
             for other in (beta, plain):  # the same keys: not in the directory for them
                 assert await other.locate(KEYS) == []
                 assert await other.load(KEYS, out, list(range(N))) == 0
+
+
+async def test_per_tenant_figures_reach_prometheus() -> None:
+    pytest.importorskip("prometheus_client")
+    from tierkv.metrics import PageServerCollector
+
+    async with page_server("tcp") as srv:
+        async with client(srv, "acme") as acme:
+            assert await acme.publish(KEYS, pages(1), list(range(N))) == N
+        with pytest.raises(TenantRefusedError):
+            await client(srv, "beta", SECRETS["acme"]).connect()
+        samples = {
+            (s.name, s.labels.get("tenant")): s.value
+            for fam in PageServerCollector(srv).collect()
+            for s in fam.samples
+        }
+    assert samples["tierkv_page_server_tenant_pages", "acme"] == N
+    assert samples["tierkv_page_server_tenant_bytes", "acme"] == N * PAGE
+    assert samples["tierkv_page_server_tenant_published_pages_total", "acme"] == N
+    assert samples["tierkv_page_server_tenant_sessions_total", "acme"] == 1
+    assert samples["tierkv_page_server_tenant_auth_refused_total", "beta"] == 1
+    assert samples["tierkv_page_server_tenant_pages", "beta"] == 0

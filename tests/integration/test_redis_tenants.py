@@ -63,11 +63,16 @@ def pages_of(seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return np.random.default_rng(seed + 10_000).integers(0, 256, (N, PB), np.uint8)
 
 
+#: the ACL docs/security.md gives a tenant's Redis user (after ``~tkv:*:t:<tenant>:*``): no
+#: command that lists or counts keys regardless of its key pattern, none of the admin's
+ACL = ("+@all", "-@dangerous", "-scan", "-randomkey", "-dbsize")
+
+
 def acl_user(url: str, name: str, password: str) -> None:
-    """A Redis user that may run anything, but only on keys of tenant ``name``."""
+    """A Redis user confined to the keys of tenant ``name`` (docs/security.md, *Tenants*)."""
     with redis.Redis.from_url(url) as r:
         r.execute_command(
-            "ACL", "SETUSER", name, "reset", "on", f">{password}", f"~tkv:*:t:{name}:*", "+@all"
+            "ACL", "SETUSER", name, "reset", "on", f">{password}", f"~tkv:*:t:{name}:*", *ACL
         )
 
 
@@ -141,6 +146,9 @@ async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: str) -> 
             with pytest.raises(redis.exceptions.NoPermissionError):
                 r.exists(victim)  # not even whether it exists
         assert r.get(acme.redis_key(keys[0])) is not None
+        for listing in (r.keys, r.scan, r.randomkey, r.dbsize):  # names or counts of others'
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                listing()
     with redis.Redis.from_url(srv) as r:  # nothing of beta's was overwritten by the spy
         async with tier(srv, tenant="beta") as beta_again:
             assert await beta_again.load(keys, out, list(range(N))) == N
