@@ -99,6 +99,10 @@ async def test_each_tenant_reads_its_own_pages_and_misses_the_others(kind: str) 
             assert t["pages"] == N and t["bytes"] == N * PAGE
             assert t["published_pages_total"] == N and t["served_pages_total"] == N
             assert t["sessions_total"] == 1 and t["auth_refused_total"] == 0
+        async with client(srv, None) as operator:  # the default's reply stays within bounds
+            told = await operator.stats()
+            assert "tenants" not in told and told["unknown_tenant_refused_total"] == 0
+            assert len(told) <= 48  # REPLY_LIMITS: maps of at most 64
         # a tenant's session is told its own figures only
         told = await acme.stats()
         assert told["tenant"] == "acme" and told["pages"] == N and "tenants" not in told
@@ -150,6 +154,7 @@ async def test_a_secret_claiming_another_tenant_is_refused_like_an_unknown_tenan
         assert not isinstance(err.value, TenantRefusedError)
         st = srv.stats()
         assert st["auth_refused_total"] == len(hostile) + 1
+        assert st["unknown_tenant_refused_total"] == 2  # gamma, twice
         assert st["tenants"]["beta"]["auth_refused_total"] == 1
         assert st["tenants"]["acme"]["auth_refused_total"] == 1
         assert st["leases"] == 0

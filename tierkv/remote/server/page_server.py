@@ -387,7 +387,11 @@ class PageServer:
         d = self.directory
         assert d is not None
         table = self.store.tiers.table
-        tenants = {} if wire or not self.tenants else {"tenants": self._tenants_stats()}
+        tenants: dict[str, Any] = {}
+        if self.tenants:  # claims of tenants nobody configured: together, never by name
+            tenants["unknown_tenant_refused_total"] = self.tenants.unknown
+            if not wire:
+                tenants["tenants"] = self._tenants_stats()
         return {
             **tenants,
             "pages": len(d.entries()),
