@@ -72,6 +72,31 @@ async def test_refusals_keep_the_connection() -> None:
         assert bytes(mine.view[:4096]) == b"\x07" * 4096
 
 
+async def test_a_read_guard_refuses_what_it_does_not_let_in_and_keeps_the_connection() -> None:
+    async with TcpTransport("g1", secret=SECRET) as a, TcpTransport("g2", secret=SECRET) as b:
+        theirs = b.register_memory(bytearray(bytes(range(256)) * 32))  # 8 KiB
+        mine = a.allocate(8192)
+        await a.add_peer(b.metadata())
+        asked: list[tuple[str, int, int, int]] = []
+
+        def first_half(agent: str, rid: int, offset: int, length: int) -> bool:
+            asked.append((agent, rid, offset, length))
+            return offset + length <= 4096
+
+        b.guard_reads(first_half)
+        with pytest.raises(RemoteAccessError, match="not ours to read"):
+            await a.read([TransferOp(mine, 0, theirs.descriptor, 2048, 4096)])
+        assert not any(mine.view)  # nothing of the refused read was sent
+        await a.read([TransferOp(mine, 0, theirs.descriptor, 0, 4096)], checksums=True)
+        assert bytes(mine.view[:4096]) == bytes(theirs.view[:4096])
+        assert asked == [("g1", theirs.region_id, 2048, 4096), ("g1", theirs.region_id, 0, 4096)]
+        await a.write([TransferOp(mine, 0, theirs.descriptor, 4096, 4096)])  # writes: not asked
+        assert len(asked) == 2
+        b.guard_reads(None)
+        await a.read([TransferOp(mine, 4096, theirs.descriptor, 4096, 4096)])
+        assert bytes(mine.view) == bytes(theirs.view)
+
+
 async def test_wrong_secret_is_refused() -> None:
     async with TcpTransport("k1", secret=b"wrong") as a, TcpTransport("k2", secret=SECRET) as b:
         with pytest.raises(AuthError):
