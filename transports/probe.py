@@ -101,16 +101,17 @@ class Probe:
         self.sock.sendall(self.frame(obj) + payload)
 
     def handshake(
-        self, secret: bytes, role: str = "client", ident: str = "probe"
+        self, secret: bytes, role: str = "client", ident: str = "probe", **fields: Any
     ) -> dict[str, Any]:
-        """The client side of the session handshake; returns the welcome. Raises AuthError."""
+        """The client side of the session handshake (``fields`` added to the auth frame, e.g.
+        a page server's ``tenant``); returns the welcome. Raises AuthError."""
         ch = self.recv()
         if ch is None or ch.get("op") != "challenge":
             raise AuthError(f"no challenge: {ch!r}")
         nonce = secrets.token_bytes(16)
         t = transcript(ch["nonce"], nonce, ch["role"], ch["id"], role, ident)
         auth = {"op": "auth", "v": VERSION, "role": role, "id": ident, "nonce": nonce}
-        self.send({**auth, "mac": proof(secret, "client", t)})
+        self.send({**auth, "mac": proof(secret, "client", t), **fields})
         return self._welcome(secret, t)
 
     def tcp_handshake(self, secret: bytes, agent: str = "probe", **fields: Any) -> dict[str, Any]:

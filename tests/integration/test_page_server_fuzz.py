@@ -1,5 +1,6 @@
 """A live page server fuzzed (hypothesis): random, truncated, oversized and deeply nested frames
-before and after authentication. It never fails untyped, never leaks a lease, keeps serving."""
+before and after authentication. It never fails untyped, never leaks a lease, keeps serving;
+so does a server with tenants, fuzzed by a client authenticated as one of them."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ from tierkv.transports.session import HELLO_MAX, PREFIX
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="fp32", page_tokens=4)
 SECRET = b"fuzz"
+TENANTS = {"acme": b"fuzz-acme"}
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 class Server:
     """A page server on its own loop in a thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, tenant: str | None = None) -> None:
+        self.tenant = tenant
         self.loop = asyncio.new_event_loop()
         self.errors: list[dict[str, Any]] = []
         self.loop.set_exception_handler(lambda _, ctx: self.errors.append(ctx))
@@ -36,7 +39,13 @@ class Server:
         self.thread.start()
         self.store = KVStore(SPEC, device_bytes=SPEC.page_bytes, host_bytes=64 * SPEC.page_bytes)
         self.call(self.store.open())
-        self.srv = PageServer(self.store, secret=SECRET, timeout=2.0, max_preauth_per_peer=64)
+        self.srv = PageServer(
+            self.store,
+            secret=SECRET,
+            secrets=TENANTS if tenant else None,
+            timeout=2.0,
+            max_preauth_per_peer=64,
+        )
         self.call(self.srv.start())
 
     def call(self, coro: Any) -> Any:
@@ -50,7 +59,9 @@ class Server:
 
     def probe(self, authenticate: bool) -> Probe:
         p = Probe.connect(self.srv.host, self.srv.port)
-        if authenticate:
+        if authenticate and self.tenant is not None:
+            assert p.handshake(TENANTS[self.tenant], tenant=self.tenant)["op"] == "welcome"
+        elif authenticate:
             assert p.handshake(SECRET)["op"] == "welcome"
         return p
 
@@ -67,9 +78,9 @@ class Server:
         self.loop.close()
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    s = Server()
+@pytest.fixture(scope="module", params=[None, "acme"], ids=["no-tenants", "tenant"])
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    s = Server(request.param)
     yield s
     s.close()
 
@@ -121,6 +132,7 @@ fields = st.fixed_dictionaries(
         "mac": st.binary(max_size=40),
         "nonce": st.binary(max_size=20),
         "role": st.sampled_from(["client", "page-server", ""]),
+        "tenant": st.sampled_from(["acme", "beta", ""]) | ints | st.none(),
     },
 )
 
