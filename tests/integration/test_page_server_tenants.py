@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -292,6 +294,13 @@ def test_tenant_keys_keep_length_and_kind_and_differ_per_tenant_and_secret() -> 
         assert len({k, a.key(k), b.key(k), a2.key(k)}) == 4
         assert a.key(k) == TenantKeys("acme", b"s1").key(k)  # stable (not Python's hash)
     assert a.key(content).hex() == TenantKeys("acme", b"s1").keys([content])[0].hex()
+    # the formula of docs/security.md, computed here on its own: stable across processes
+    kdk = hmac.new(b"s1", b"tierkv-tenant-keys/v1acme", hashlib.sha256).digest()
+    for k in (content, private, bytes(range(16)), b"\x7f" * 64):
+        want = bytearray(hashlib.blake2b(k, digest_size=len(k), key=kdk).digest())
+        want[0] = (want[0] & 0x7F) | (k[0] & 0x80)
+        assert a.key(k) == bytes(want)
+    assert a.key(b"") == b"" and a.key(bytes(65)) == bytes(65)  # no page server takes these
 
 
 async def test_a_tenants_cluster_finds_its_pages_in_the_directory_and_no_other_does() -> None:
@@ -349,3 +358,20 @@ async def test_per_tenant_figures_reach_prometheus() -> None:
     assert samples["tierkv_page_server_tenant_sessions_total", "acme"] == 1
     assert samples["tierkv_page_server_tenant_auth_refused_total", "beta"] == 1
     assert samples["tierkv_page_server_tenant_pages", "beta"] == 0
+
+
+def test_the_servers_tenant_keys_are_the_clients_and_their_cache_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierkv.remote.server import tenants
+
+    monkeypatch.setattr(tenants, "CACHED_KEYS", 8)
+    server = tenants.ServerTenants(SECRETS, DEFAULT)
+    keys = [i.to_bytes(2, "big") * 9 for i in range(20)]
+    want = TenantKeys("acme", SECRETS["acme"]).keys(keys)
+    assert server.keys("acme", keys) == want  # derived now
+    assert server.cached("acme") == 8 and server.cached("beta") == 0
+    assert server.keys("acme", keys[-8:]) == want[-8:]  # remembered
+    assert server.keys("acme", keys[:3]) == want[:3]  # forgotten, derived again
+    assert server.cached("acme") == 8
+    assert server.keys(None, keys) is keys  # the default's keys are its own

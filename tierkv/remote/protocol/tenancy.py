@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping
+from typing import Any
 
 from tierkv.errors import InvalidInputError, TenantError
 from tierkv.tenant_names import check_tenant
@@ -35,21 +36,29 @@ _PRIVATE_BIT = 0x80  # tierkv.keys: set in a private key's first byte
 class TenantKeys:
     """The keys one tenant's pages live under on page servers (see the module docstring)."""
 
-    __slots__ = ("_key", "tenant")
+    __slots__ = ("_bases", "_key", "tenant")
 
     def __init__(self, tenant: str, secret: bytes) -> None:
         self.tenant = tenant
         self._key = hmac.new(secret, _LABEL + tenant.encode(), hashlib.sha256).digest()
+        self._bases: dict[int, Any] = {}  # digest size -> the keyed hash, copied per key
 
     def key(self, key: bytes) -> bytes:
         """The key page ``key`` of this tenant lives under (as long as ``key``, 1-64 bytes;
         a content key stays a content key, a private one private); a key of another length,
         which no page server takes, as it is."""
-        if not 1 <= len(key) <= 64:
+        n = len(key)
+        if not 1 <= n <= 64:
             return key
-        out = bytearray(hashlib.blake2b(key, digest_size=len(key), key=self._key).digest())
-        out[0] = (out[0] & ~_PRIVATE_BIT) | (key[0] & _PRIVATE_BIT)
-        return bytes(out)
+        base = self._bases.get(n)
+        if base is None:
+            base = self._bases[n] = hashlib.blake2b(digest_size=n, key=self._key)
+        h = base.copy()  # a third cheaper than keying a new one
+        h.update(key)
+        out = h.digest()
+        if (out[0] ^ key[0]) & _PRIVATE_BIT:  # keep the key's content / private bit
+            out = bytes((out[0] ^ _PRIVATE_BIT,)) + out[1:]
+        return out
 
     def keys(self, keys: list[bytes]) -> list[bytes]:
         """`key` of each."""

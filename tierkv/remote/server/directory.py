@@ -86,10 +86,12 @@ class Directory:
         lease_ttl: float,
         revoke: Revoke | None = None,
         max_writing: int | None = None,
+        guard_reads: bool = False,
     ) -> None:
         """``revoke``: see `Revoke` (None: fenced slots wait for the writer's word);
         ``max_writing``: slots that live write leases and the quarantine may hold together
-        (default: the whole host tier); past it `reserve` raises RemoteFullError."""
+        (default: the whole host tier); past it `reserve` raises RemoteFullError;
+        ``guard_reads``: keep which tenants read which slots, for `may_read` (tenants)."""
         self.tiers = tiers
         self.lease_ttl = lease_ttl
         slots = tiers.table.capacity(HOST)
@@ -107,6 +109,7 @@ class Directory:
         self.fenced = 0  # write leases fenced so far
         self.late_commits = 0  # commits / aborts of fenced leases (the writer told)
         self._reading: dict[tuple[int, str | None], int] = {}  # (slot, tenant) -> read leases
+        self._guard_reads = guard_reads
         self.tenant_of: dict[bytes, str] = {}
         """Pages published by a tenant's session -> the tenant, while in the host tier
         (counters only: access goes by the tenant's keys)."""
@@ -141,8 +144,9 @@ class Directory:
         slots = self.tiers.glue.pin_host(pinned)
         gens = [self._observe(s, k) for s, k in zip(slots, pinned)]
         sums = self.tiers.glue.host_sums(pinned, slots)
-        for s in slots:
-            self._reading[s, tenant] = self._reading.get((s, tenant), 0) + 1
+        if self._guard_reads:
+            for s in slots:
+                self._reading[s, tenant] = self._reading.get((s, tenant), 0) + 1
         lease = _Lease("read", owner, pinned, slots, gens, tenant=tenant)
         return self._open(lease), slots, gens, sums
 
@@ -153,7 +157,7 @@ class Directory:
 
     def _end_read(self, lease: _Lease) -> None:
         """A read lease ends: its pins and its slots' read guard go."""
-        for s in lease.slots:
+        for s in lease.slots if self._guard_reads else ():
             left = self._reading.pop((s, lease.tenant), 0) - 1
             if left > 0:
                 self._reading[s, lease.tenant] = left

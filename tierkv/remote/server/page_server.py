@@ -224,6 +224,7 @@ class PageServer:
                 lease_ttl=self.lease_ttl,
                 revoke=self._revoke,
                 max_writing=self.max_writing,
+                guard_reads=bool(self.tenants),
             )
             self.port = self.control.start(self.host, self.port)
         except (TransportError, ValueError, OSError) as exc:

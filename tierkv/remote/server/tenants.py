@@ -22,7 +22,11 @@ from typing import Any
 
 from tierkv.remote.protocol.tenancy import TENANT_FIELD, TenantKeys, check_secrets
 
-__all__ = ["COUNTERS", "ServerTenants"]
+__all__ = ["CACHED_KEYS", "COUNTERS", "ServerTenants"]
+
+#: tenant keys remembered per tenant (the newest; ~200 bytes each): a load's lookup and
+#: acquire, and the next loads of a prompt, derive each key once
+CACHED_KEYS = 1 << 14
 
 COUNTERS = (
     "sessions_total",
@@ -43,6 +47,7 @@ class ServerTenants:
         self.secrets = check_secrets(secrets, default)
         self.default = default
         self._keys = {t: TenantKeys(t, s) for t, s in self.secrets.items()}
+        self._cache: dict[str, dict[bytes, bytes]] = {t: {} for t in self.secrets}
         self._claims = dict.fromkeys(self.secrets, 0)
         self._counts = {t: dict.fromkeys(COUNTERS, 0) for t in self.secrets}
         self.unknown = 0
@@ -73,7 +78,22 @@ class ServerTenants:
 
     def keys(self, tenant: str | None, keys: list[bytes]) -> list[bytes]:
         """The keys ``tenant``'s pages live under (the default's: ``keys`` themselves)."""
-        return keys if tenant is None else self._keys[tenant].keys(keys)
+        if tenant is None:
+            return keys
+        cache, derive = self._cache[tenant], self._keys[tenant].key
+        out = []
+        for k in keys:
+            t = cache.get(k)
+            if t is None:
+                t = cache[k] = derive(k)
+                if len(cache) > CACHED_KEYS:
+                    del cache[next(iter(cache))]  # the oldest
+            out.append(t)
+        return out
+
+    def cached(self, tenant: str) -> int:
+        """Keys of ``tenant`` remembered now (at most CACHED_KEYS)."""
+        return len(self._cache[tenant])
 
     def count(self, tenant: str | None, what: str, n: int = 1) -> None:
         """Add ``n`` to ``tenant``'s counter ``what`` (one of COUNTERS; nothing for none)."""
