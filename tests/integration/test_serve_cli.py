@@ -387,7 +387,9 @@ def test_serve_with_tenants(tmp_path: Path) -> None:
     text = "# name  secret (hex)\nacme 0a0b0c0d  # the first\nbeta 1a1b1c1d\n"
     s = Serve(tmp_path / "t.json", ("--tenants", _tenants_file(tmp_path, text)))
     try:
-        address = s.expect("serving ").split(" on ")[1].split()[0]
+        line = s.expect("serving ")
+        assert line.endswith(" for tenants acme, beta")
+        address = line.split(" on ")[1].split()[0]
 
         async def use() -> None:
             toks = list(range(SPEC.page_tokens))

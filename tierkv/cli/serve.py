@@ -282,9 +282,10 @@ async def _serve(args: argparse.Namespace) -> int:
             )
             async with server, _metrics_http(server, args.metrics):
                 pages = store.tiers.table.capacity("host")
+                names = ", ".join(server.tenants.secrets)
                 print(
                     f"serving {pages} host pages ({spec.page_bytes} B each) on {server.address} "
-                    f"via {', '.join(server.kinds)}",
+                    f"via {', '.join(server.kinds)}" + (f" for tenants {names}" if names else ""),
                     flush=True,
                 )
                 started = True
