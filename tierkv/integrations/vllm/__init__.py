@@ -8,7 +8,8 @@ vLLM creates them from its tier config by module path, no patch to vLLM::
         "secondary_tiers": [{"type": "TierKVDiskTier", "module_path": "tierkv.integrations.vllm",
                              "path": "/nvme/kv", "disk_bytes": 68719476736}]}}'
 
-`TierKVDiskTier` keeps chunks in tierkv's disk medium, `TierKVRedisTier` in Redis / Valkey.
+`TierKVDiskTier` keeps chunks in tierkv's disk medium, `TierKVRedisTier` in Redis / Valkey,
+`TierKVPeerTier` on tierkv page servers (`tierkv serve`).
 This package imports without vLLM; its tiers then raise `VllmUnavailableError` when built.
 See docs/vllm.md.
 """
@@ -19,12 +20,14 @@ from tierkv.integrations.vllm._vllm import AVAILABLE, VllmUnavailableError, why_
 from tierkv.integrations.vllm.config import VllmTierConfigError, VllmTierTypeError
 from tierkv.integrations.vllm.disk import TierKVDiskTier
 from tierkv.integrations.vllm.keys import PageKeys, layout_digest, layout_fields
+from tierkv.integrations.vllm.peer import TierKVPeerTier
 from tierkv.integrations.vllm.redis import TierKVRedisTier
 
 __all__ = [
     "AVAILABLE",
     "PageKeys",
     "TierKVDiskTier",
+    "TierKVPeerTier",
     "TierKVRedisTier",
     "VllmTierConfigError",
     "VllmTierTypeError",
