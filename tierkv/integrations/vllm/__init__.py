@@ -9,7 +9,8 @@ vLLM creates them from its tier config by module path, no patch to vLLM::
                              "path": "/nvme/kv", "disk_bytes": 68719476736}]}}'
 
 `TierKVDiskTier` keeps chunks in tierkv's disk medium, `TierKVRedisTier` in Redis / Valkey,
-`TierKVPeerTier` on tierkv page servers (`tierkv serve`).
+`TierKVPeerTier` on tierkv page servers (`tierkv serve`), `TierKVColdTier` in a cold pool of
+host RAM encoded by a tierkv codec (lossless unless a lossy one is named).
 This package imports without vLLM; its tiers then raise `VllmUnavailableError` when built.
 See docs/vllm.md.
 """
@@ -17,6 +18,7 @@ See docs/vllm.md.
 from __future__ import annotations
 
 from tierkv.integrations.vllm._vllm import AVAILABLE, VllmUnavailableError, why_unavailable
+from tierkv.integrations.vllm.cold import TierKVColdTier
 from tierkv.integrations.vllm.config import VllmTierConfigError, VllmTierTypeError
 from tierkv.integrations.vllm.disk import TierKVDiskTier
 from tierkv.integrations.vllm.keys import PageKeys, layout_digest, layout_fields
@@ -26,6 +28,7 @@ from tierkv.integrations.vllm.redis import TierKVRedisTier
 __all__ = [
     "AVAILABLE",
     "PageKeys",
+    "TierKVColdTier",
     "TierKVDiskTier",
     "TierKVPeerTier",
     "TierKVRedisTier",
