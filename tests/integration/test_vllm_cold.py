@@ -26,7 +26,7 @@ from tierkv.integrations.vllm import TierKVColdTier, VllmTierConfigError, VllmTi
 from tierkv.integrations.vllm.cold import chunk_spec
 
 CHUNK = 512 << 10
-ENCODED = CHUNK + 128  # codec none: the header, padded to 128 bytes
+ENCODED = CHUNK  # codec none: the bytes as they are
 
 
 def cold_tier(chunks: int = 64, **kw: Any) -> dict[str, Any]:

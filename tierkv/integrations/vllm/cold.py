@@ -9,7 +9,8 @@ KV dtype (``float16``, ``bfloat16``, ``float32``), ``head_dim`` of them per row:
 per element whatever the layout. A chunk holding NaN or inf cannot be encoded by a lossy codec:
 its store fails (vLLM is told), nothing is kept.
 
-The pool is one preallocated ``[slots, encoded_bytes]`` array of ``cold_bytes``; a store
+The pool is one preallocated ``[slots, encoded_bytes]`` array of ``cold_bytes`` (``none``: the
+chunk's bytes, copied by numpy; a lossy codec: its header, scales and payload, by torch); a store
 evicts the least recently used chunks (never one a load is reading). Each slot keeps the
 CRC-32C of its encoded bytes, checked before it is decoded: a slot that fails is a miss,
 dropped, never served. Lookups answer HIT or MISS at once from the index; encodes and decodes
@@ -105,7 +106,12 @@ class TierKVColdTier(TierKVTierBase):
             ) from exc
         kv_dtype = str(self._offloading_spec.config.model.dtype).removeprefix("torch.")
         self.spec = chunk_spec(self.codec, self.block_size_bytes, kv_dtype, o["head_dim"])
-        self.encoded_bytes = self.codec.encoded_bytes(self.spec)
+        # ``none`` keeps the bytes as they are: copied row to slot by numpy, no header (torch's
+        # copies ran 10x slower on worker threads of a loaded 2-core machine)
+        self._raw = self.codec.name == "none"
+        self.encoded_bytes = (
+            self.block_size_bytes if self._raw else self.codec.encoded_bytes(self.spec)
+        )
         capacity = o["cold_bytes"] // self.encoded_bytes
         if capacity < 1:
             raise VllmTierConfigError(
@@ -183,9 +189,13 @@ class TierKVColdTier(TierKVTierBase):
         back (nothing kept) and raise."""
         keys = [k for k, _ in todo]
         try:
-            if todo:
+            if todo and self._raw:
+                for (_, r), slot in zip(todo, slots):
+                    self.pool[slot] = self._rows[r]
+            elif todo:
                 src = torch.from_numpy(self._rows[[r for _, r in todo]])
                 self.pool[slots] = self.codec.encode(src, self.spec).numpy()
+            if todo:
                 self._sums[slots] = page_sums.row_sums(self.pool, slots)
         except BaseException:
             with self._lock:
@@ -236,7 +246,10 @@ class TierKVColdTier(TierKVTierBase):
                 if bad:
                     n = bad[0]
                     self._drop([(tkeys[i], slots[i]) for i in bad])
-            if n:
+            if n and self._raw:
+                for slot, r in zip(slots[:n], rows):
+                    self._rows[r] = self.pool[slot]
+            elif n:
                 out = torch.empty((n, self.block_size_bytes), dtype=torch.uint8)
                 self.codec.decode(torch.from_numpy(self.pool[slots[:n]]), self.spec, out=out)
                 self._rows[rows[:n]] = out.numpy()
