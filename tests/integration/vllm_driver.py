@@ -60,6 +60,7 @@ def offloading_config(
     model: str = "org/model-a",
     dtype: str = "float16",
     engine: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> OffloadingConfig:
     """vLLM's normalized offloading config: one KV group, TP 1; a chunk of
     ``block_bytes * blocks_per_chunk`` bytes, ``cpu_chunks`` chunks in the primary tier."""
@@ -68,7 +69,11 @@ def offloading_config(
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
         worker_kv_bytes_per_block=block_bytes,
         enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": cpu_chunks * chunk, "secondary_tiers": tiers},
+        extra_config={
+            "cpu_bytes_to_use": cpu_chunks * chunk,
+            "secondary_tiers": tiers,
+            **(extra or {}),
+        },
         engine_id=engine or f"tierkv-test-{threading.get_native_id()}-{next(_ENGINES)}",
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),

@@ -11,6 +11,9 @@ vLLM creates them from its tier config by module path, no patch to vLLM::
 `TierKVDiskTier` keeps chunks in tierkv's disk medium, `TierKVRedisTier` in Redis / Valkey,
 `TierKVPeerTier` on tierkv page servers (`tierkv serve`), `TierKVColdTier` in a cold pool of
 host RAM encoded by a tierkv codec (lossless unless a lossy one is named).
+`TierKVAwarePolicy` (``tierkv.integrations.vllm.policy``) is tierkv's kvaware eviction policy as
+the cache policy of vLLM's CPU tier (``"eviction_policy": "TierKVAwarePolicy",
+"cache_policy_module_path": "tierkv.integrations.vllm.policy"``).
 This package imports without vLLM; its tiers then raise `VllmUnavailableError` when built.
 See docs/vllm.md.
 """
