@@ -14,8 +14,11 @@ What vLLM does not tell a policy is derived from what it does: a chunk's depth a
 the order in which its request's chunks reach the policy (``on_request_access``, head to
 tail), the request's leading hits from those already resident then, its length from the chunks
 it has shown by the time one is inserted (so a request stored in several steps looks shorter
-at first). vLLM cannot decline a store, so a chunk that kvaware's admission declines is kept
-on probation instead: first to be evicted, and a chunk of the policy once it is used again.
+at first). Admission judges a request's new chunks as one batch when they do not all fit
+(``on_store_miss``, before vLLM evicts for them); vLLM cannot decline a store, so a declined
+chunk is kept on probation instead: first to be evicted, and a chunk of the policy once it is
+used again. It still cost a victim when it came in, which tierkv's page table spares (the
+figures: benchmarks/vllm_policy.py, docs/vllm.md).
 A use is a chunk a request reused (``on_request_finished``'s reused keys); an insertion is not.
 """
 
@@ -69,6 +72,7 @@ class _Request:
     order: list[Any] = field(default_factory=list)
     hits: int = 0
     missed: bool = False
+    declined: set[Any] = field(default_factory=set)  # chunks admission declined
 
 
 class TierKVAwarePolicy(CachePolicy):
@@ -126,15 +130,13 @@ class TierKVAwarePolicy(CachePolicy):
         return self.chunks.get(key)
 
     def insert(self, key: Any, chunk: Any, req_context: Any) -> None:
-        """A chunk vLLM allocated: kvaware's when its admission takes it, else on probation."""
+        """A chunk vLLM allocated: kvaware's unless its admission declined it (then on
+        probation)."""
         hint = self._hint(key, req_context)
         self.chunks[key] = chunk
-        full = len(self.chunks) >= self.cache_capacity
-        if full and self.policy.admits:
-            kept = self.policy.admit_many([key], [hint])
-            if kept is not None and not kept[0]:
-                self._probation[key] = None
-                return
+        if key in self._request(req_context).declined:
+            self._probation[key] = None
+            return
         self._adopt(key, hint)
 
     def _adopt(self, key: Any, hint: PageHint | None) -> None:
@@ -173,8 +175,19 @@ class TierKVAwarePolicy(CachePolicy):
             self.policy.touch_slots(slots, held)
 
     def on_store_miss(self, keys: Iterable[Any], req_context: Any) -> None:
-        """Chunks a request asked for that are not resident (ghost feedback)."""
-        self.policy.miss(list(keys))
+        """Chunks a request will store (vLLM calls this once per request, before it evicts
+        for them): ghost feedback, and kvaware's admission judges them as one batch when they
+        do not all fit, as tierkv's page table asks it."""
+        keys = list(keys)
+        self.policy.miss(keys)
+        if not keys or not self.policy.admits:
+            return
+        if len(self.chunks) + len(keys) <= self.cache_capacity:
+            return
+        kept = self.policy.admit_many(keys, [self._hint(k, req_context) for k in keys])
+        if kept is not None:
+            declined = self._request(req_context).declined
+            declined.update(k for k, ok in zip(keys, kept) if not ok)
 
     def on_request_finished(
         self,
@@ -209,6 +222,7 @@ class TierKVAwarePolicy(CachePolicy):
         if len(out) + len(slots) < n:
             if slots:
                 self.policy.restore_slots(slots, keys, self.policy.evicted_state_slots(slots, keys))
+            self.policy.end_batch()  # the batch admission judged is not stored after all
             return None
         for k in out:
             del self._probation[k]
