@@ -20,8 +20,9 @@ compared: the mismatch count over many chunks (issue 27 asks 0 over 10^5).
 
 The same rounds run on tierkv's page-server tier (``peer``: a ``tierkv serve`` process on
 loopback, tcp, its page one chunk) and its cold pool (``cold``: host RAM, codec ``none``),
-each a tier of the same manager; their throughput is reported against the fs tier's too
-(``--also`` picks them).
+each a tier of the same manager; their throughput is reported against the fs tier's, and the
+page-server tier's against a `RemoteCluster` alone on the same server and chunks (the limit:
+what the server and its transport allow here), ``peer_raw`` (``--also`` picks them).
 
 Ratios: tierkv / fs throughput (target >= 1.0 for the disk tier), fs / tierkv lookup cost
 (target >= 1.0).
@@ -160,6 +161,8 @@ def measure(chunk: int, a: argparse.Namespace, root: Path, ids: Any) -> dict[str
         fs.on_request_finished(ctx)
         ours.on_request_finished(ctx)
         checked = check(ours, rows, a.check_chunks, chunk, ids) if chunk == MB else None
+        if "peer" in names:  # the limit: RemoteCluster alone, the same server and chunks
+            t["peer_raw"] = raw_peer(server.address, rows, a.rounds, chunk)
     finally:
         del rows
         manager.shutdown()
@@ -178,6 +181,41 @@ def measure(chunk: int, a: argparse.Namespace, root: Path, ids: Any) -> dict[str
     if checked is not None:
         out["check"] = checked
     return out
+
+
+def raw_peer(address: str, rows: Any, rounds: int, chunk: int) -> list[float]:
+    """Seconds to publish and load ``rounds`` batches of ``rows`` with a `RemoteCluster` of
+    its own (no vLLM, no tier): what the page server and its transport allow here."""
+    import asyncio
+
+    from page_server_proc import SECRET
+    from vllm_driver import key
+
+    from tierkv.integrations.vllm.keys import PageKeys
+
+    pk = PageKeys(b"raw-peer-%d" % chunk)
+    slots = list(range(len(rows)))
+
+    async def go() -> list[float]:
+        from tierkv.remote import RemoteCluster
+
+        c = RemoteCluster([address], secret=bytes.fromhex(SECRET), timeout=30.0)
+        spent = [0.0, 0.0]
+        try:
+            for r in range(rounds):
+                keys = pk.many(key(i, b"raw-%d" % r) for i in slots)
+                t0 = time.perf_counter()
+                await c.publish(keys, rows, slots)
+                t1 = time.perf_counter()
+                if await c.load(keys, rows, slots) != len(keys):
+                    raise RuntimeError("raw peer load came back short")
+                spent[0] += t1 - t0
+                spent[1] += time.perf_counter() - t1
+        finally:
+            await c.aclose()
+        return spent
+
+    return asyncio.run(go())
 
 
 def check(tier: Any, rows: Any, n: int, chunk: int, ids: Any) -> dict[str, int]:
@@ -232,9 +270,16 @@ def main() -> None:
                         f["store_gbps"][side] / f["store_gbps"]["fs"]
                     )
                     ratios[name][f"{side}_load_vs_fs"] = f["load_gbps"][side] / f["load_gbps"]["fs"]
+                    if side == "peer" and "peer_raw" in f["store_gbps"]:
+                        for way in ("store", "load"):
+                            ratios[name][f"peer_{way}_vs_remote_cluster"] = (
+                                f[f"{way}_gbps"]["peer"] / f[f"{way}_gbps"]["peer_raw"]
+                            )
+                    r = ratios[name]
                     peers.append([
-                        name, side, f["store_gbps"][side], ratios[name][f"{side}_store_vs_fs"],
-                        f["load_gbps"][side], ratios[name][f"{side}_load_vs_fs"],
+                        name, side, f["store_gbps"][side], r[f"{side}_store_vs_fs"],
+                        r.get(f"{side}_store_vs_remote_cluster", ""), f["load_gbps"][side],
+                        r[f"{side}_load_vs_fs"], r.get(f"{side}_load_vs_remote_cluster", ""),
                         f["mismatched_chunks"][side],
                     ])  # fmt: skip
             rows.append([
@@ -252,7 +297,8 @@ def main() -> None:
     ))  # fmt: skip
     if peers:
         print(table(
-            ["chunk", "tier", "store GB/s", "vs fs", "load GB/s", "vs fs", "mismatches"], peers,
+            ["chunk", "tier", "store GB/s", "vs fs", "vs RemoteCluster", "load GB/s", "vs fs",
+             "vs RemoteCluster", "mismatches"], peers,
         ))  # fmt: skip
     if "check" in figures.get("1024KB", {}):
         print("check:", figures["1024KB"]["check"])

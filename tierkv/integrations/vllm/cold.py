@@ -131,7 +131,7 @@ class TierKVColdTier(TierKVTierBase):
         self._doomed: set[int] = set()  # slots that failed their checksum, still pinned
         self._free = list(range(capacity - 1, -1, -1))
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(
+        self._workers = concurrent.futures.ThreadPoolExecutor(
             o["threads"], thread_name_prefix=f"tierkv_vllm_{self.tier_type}"
         )
         self.counters.update(dict.fromkeys(("stored", "evicted", "refused", "corrupt"), 0))
@@ -177,7 +177,7 @@ class TierKVColdTier(TierKVTierBase):
                     self.counters["refused"] += 1
                     raise TierFullError(f"no room for {len(todo)} chunks: the pool is pinned")
                 self._writing.update(k for k, _ in todo)
-            future = self._pool.submit(self._encode, todo, slots)
+            future = self._workers.submit(self._encode, todo, slots)
         except Exception as exc:
             self._fail_now(job_id, "store", exc)
             return
@@ -222,7 +222,7 @@ class TierKVColdTier(TierKVTierBase):
                         break
                     slots.append(slot)
                     self._pins[slot] += 1
-            future = self._pool.submit(self._decode, tkeys[: len(slots)], slots, rows)
+            future = self._workers.submit(self._decode, tkeys[: len(slots)], slots, rows)
         except Exception as exc:
             self._fail_now(job_id, "load", exc)
             return
@@ -287,6 +287,6 @@ class TierKVColdTier(TierKVTierBase):
     def shutdown(self) -> None:
         """Wait for the copies, stop the threads, drop the pool."""
         self.drain_jobs()
-        self._pool.shutdown(wait=True)
+        self._workers.shutdown(wait=True)
         self._release_rows()
         self.pool = np.empty((0, self.encoded_bytes), dtype=np.uint8)
