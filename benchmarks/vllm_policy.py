@@ -43,8 +43,10 @@ def args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_vllm(trace: list[list[int]], capacity: int, policy: str, module: str | None) -> int:
-    """Chunk hits of ``trace`` through vLLM's CPU manager with ``policy``."""
+def run_vllm(
+    trace: list[list[int]], capacity: int, policy: str, module: str | None
+) -> tuple[int, Any]:
+    """Chunk hits of ``trace`` through vLLM's CPU manager with ``policy``, and the policy."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
@@ -72,7 +74,7 @@ def run_vllm(trace: list[list[int]], capacity: int, policy: str, module: str | N
         if out.keys_to_store:
             m.complete_store(out.keys_to_store, ctx, True)
         m.on_request_finished(ctx)
-    return hits
+    return hits, m._policy
 
 
 def main() -> None:
@@ -91,8 +93,10 @@ def main() -> None:
     rows = []
     for label, policy, module in runs:
         t0 = time.perf_counter()
-        hits = run_vllm(trace, a.capacity, policy, module)
+        hits, used = run_vllm(trace, a.capacity, policy, module)
         figures[label] = {"hits": hits, "hit_rate": hits / blocks, "s": time.perf_counter() - t0}
+        if hasattr(used, "stats"):
+            figures[label]["policy_stats"] = used.stats()
         rows.append([label, hits, hits / blocks, figures[label]["s"]])
     own = replay(trace, a.capacity, "kvaware")
     figures["tierkv page table kvaware"] = own.to_dict()

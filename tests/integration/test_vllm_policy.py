@@ -96,7 +96,9 @@ def test_on_a_slice_of_the_mooncake_trace_it_beats_vllms_lru_and_arc() -> None:
     from tierkv.replay import load_trace
 
     trace = load_trace(TRACE, 2000)
-    lru = run_vllm(trace, 1000, "lru", None)
-    arc = run_vllm(trace, 1000, "arc", None)
-    ours = run_vllm(trace, 1000, "TierKVAwarePolicy", MODULE)
+    lru, _ = run_vllm(trace, 1000, "lru", None)
+    arc, _ = run_vllm(trace, 1000, "arc", None)
+    ours, policy = run_vllm(trace, 1000, "TierKVAwarePolicy", MODULE)
     assert ours > max(lru, arc) > 0, (ours, lru, arc)
+    assert isinstance(policy, TierKVAwarePolicy)
+    assert policy.stats()["declined"] > 0  # admission ran, and its declines went on probation

@@ -91,6 +91,7 @@ class TierKVAwarePolicy(CachePolicy):
         self._key_at: dict[int, Any] = {}
         self._probation: OrderedDict[Any, None] = OrderedDict()  # declined by admission
         self.policy: EvictionPolicy = create_policy(self.policy_name)
+        self.declined = 0  # chunks admission declined (kept on probation), since the reset
         self.policy.bind_slots(self.cache_capacity, self._slot_of)
 
     # -- per-request hints ---------------------------------------------------------------------
@@ -188,6 +189,7 @@ class TierKVAwarePolicy(CachePolicy):
         if kept is not None:
             declined = self._request(req_context).declined
             declined.update(k for k, ok in zip(keys, kept) if not ok)
+            self.declined += kept.count(False)
 
     def on_request_finished(
         self,
@@ -235,3 +237,7 @@ class TierKVAwarePolicy(CachePolicy):
         """Forget every chunk, the policy's history and the requests' state."""
         self._generation += 1
         self._reset()
+
+    def stats(self) -> dict[str, float]:
+        """kvaware's own counters and the chunks admission declined."""
+        return {**self.policy.stats(), "declined": self.declined}
