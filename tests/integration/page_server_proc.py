@@ -15,10 +15,13 @@ START_S = 120.0  # imports on a loaded machine take long; every wait is bounded
 
 
 class PageServerProc:
-    """``tierkv serve`` holding ``pages`` chunks of ``chunk_bytes`` each on loopback."""
+    """``tierkv serve`` holding ``pages`` chunks of ``chunk_bytes`` each on loopback (``extra``:
+    more arguments, e.g. ``--directory URL``)."""
 
-    def __init__(self, chunk_bytes: int, pages: int = 64, secret: str = SECRET) -> None:
-        self.chunk_bytes, self.pages, self.secret = chunk_bytes, pages, secret
+    def __init__(
+        self, chunk_bytes: int, pages: int = 64, secret: str = SECRET, extra: tuple[str, ...] = ()
+    ) -> None:
+        self.chunk_bytes, self.pages, self.secret, self.extra = chunk_bytes, pages, secret, extra
         self.port = 0
         self.address = ""
         self.proc: subprocess.Popen[str] | None = None
@@ -35,6 +38,7 @@ class PageServerProc:
                 *("--host-mb", f"{host_mb}", "--layers", "1", "--kv-heads", "1"),
                 *("--head-dim", str(self.chunk_bytes // 2), "--dtype", "fp8"),
                 *("--page-tokens", "1", "--every", "3600"),
+                *self.extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -6,9 +6,11 @@ not installed."""
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -128,3 +130,40 @@ def test_a_server_that_refuses_us_or_serves_another_page_size_is_a_startup_error
 
 def test_an_unreachable_server_is_no_startup_error() -> None:
     drv.check_unreachable(peer_tier("127.0.0.1:1", timeout=0.5))  # nothing listens there
+
+
+def test_a_directory_finds_chunks_another_node_holds() -> None:
+    """Two page servers registered in a Redis directory: an instance storing to node A, then
+    an instance whose only seed is node B finds the chunks through the directory and loads
+    them from A, bit-exact."""
+    redis_server = pytest.importorskip("redis_server")
+    redis_server.skip_without_redis()
+    with redis_server.RedisServer() as rs:
+        directory = ("--directory", rs.url, "--directory-ttl", "30")
+        with (
+            PageServerProc(CHUNK, 32, extra=directory) as a,
+            PageServerProc(CHUNK, 32, extra=directory) as b,
+        ):
+            keys = [key(1200 + i) for i in range(4)]
+            s = Script(build([peer_tier(a.address, directory=rs.url)], cpu_chunks=4))
+            try:
+                drv.stores(s, keys, "w")
+            finally:
+                s.close()
+            t = Script(build([peer_tier(b.address, directory=rs.url)], cpu_chunks=4))
+            try:
+                deadline = time.monotonic() + 30  # the directory hears of A's pages at once,
+                answers: list[str] = []  # bounded here anyway
+                for i in itertools.count():
+                    answers = t.lookup(f"r{i}", keys)
+                    t.end(f"r{i}")
+                    if answers == ["HIT"] * 4 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                assert answers == ["HIT"] * 4
+                assert t.mismatches == 0
+                st = t.manager.secondary_tiers[0].tierkv_stats()
+                assert st[f"peer_loaded_from_{a.address}"] == 4
+                t.settle()
+            finally:
+                t.close()
