@@ -1,4 +1,4 @@
-"""tierkv's disk tier for vLLM against vLLM's own ``fs`` tier, inside vLLM 0.33's manager.
+"""tierkv's tiers for vLLM against vLLM's own ``fs`` tier, inside vLLM 0.33's manager.
 
     python benchmarks/vllm_tier.py [--quick] [--dir DIR] [--json FILE] [--rounds 6]
                                    [--batch 32] [--fs-threads 16] [--io-threads 8]
@@ -18,7 +18,14 @@ step) before the answer, which this figure does not count.
 `--check-chunks N`: N more chunks (1 MB) stored and loaded through the tierkv tier, every byte
 compared: the mismatch count over many chunks (issue 27 asks 0 over 10^5).
 
-Ratios: tierkv / fs throughput (target >= 1.0), fs / tierkv lookup cost (target >= 1.0).
+The same rounds run on tierkv's page-server tier (``peer``: a ``tierkv serve`` process on
+loopback, tcp, its page one chunk) and its cold pool (``cold``: host RAM, codec ``none``),
+each a tier of the same manager; their throughput is reported against the fs tier's, and the
+page-server tier's against a `RemoteCluster` alone on the same server and chunks (the limit:
+what the server and its transport allow here), ``peer_raw`` (``--also`` picks them).
+
+Ratios: tierkv / fs throughput (target >= 1.0 for the disk tier), fs / tierkv lookup cost
+(target >= 1.0).
 """
 
 from __future__ import annotations
@@ -54,13 +61,17 @@ def args() -> argparse.Namespace:
         "--io-threads", type=int, default=8, help="tierkv disk I/O threads (its default)"
     )
     p.add_argument("--check-chunks", type=int, default=0)
+    p.add_argument("--also", default="peer,cold", help="tiers run beside disk and fs: peer, cold")
     a = p.parse_args()
     if a.quick:
         a.rounds, a.batch = 3, 16
     return a
 
 
-def setup(root: Path, chunk: int, batch: int, a: argparse.Namespace, disk_chunks: int) -> Any:
+def setup(
+    root: Path, chunk: int, batch: int, a: argparse.Namespace, disk_chunks: int, peer: str
+) -> Any:
+    from page_server_proc import SECRET
     from vllm_driver import TIERKV, build
 
     (root / "tierkv").mkdir(parents=True)
@@ -70,6 +81,9 @@ def setup(root: Path, chunk: int, batch: int, a: argparse.Namespace, disk_chunks
          "disk_bytes": disk_chunks * (chunk + 8192), "io_threads": a.io_threads},
         {"type": "fs", "root_dir": str(root / "fs"), "n_read_threads": a.fs_threads,
          "n_write_threads": a.fs_threads},
+        {"type": "TierKVPeerTier", "module_path": TIERKV, "peers": [peer], "secret": SECRET,
+         "timeout": 30.0},
+        {"type": "TierKVColdTier", "module_path": TIERKV, "cold_bytes": 2 * batch * chunk},
     ]  # fmt: skip
     block = chunk // 8
     return build(tiers, cpu_chunks=batch, block_bytes=block, blocks_per_chunk=8)
@@ -100,23 +114,26 @@ def timed(tier: Any, submit: Any, jb: Any) -> float:
 
 
 def measure(chunk: int, a: argparse.Namespace, root: Path, ids: Any) -> dict[str, Any]:
+    from page_server_proc import PageServerProc
     from vllm_driver import key
 
+    server = PageServerProc(chunk, pages=2 * a.batch)
     manager = setup(
-        root, chunk, a.batch, a, (a.rounds + 1) * a.batch + 64
+        root, chunk, a.batch, a, (a.rounds + 1) * a.batch + 64, server.address
     )  # check frees as it goes
-    ours, fs = manager.secondary_tiers
+    ours, fs, peer, cold = manager.secondary_tiers
+    tiers = {"ours": ours, "fs": fs, "peer": peer, "cold": cold}
+    names = ["ours", "fs", *(n for n in a.also.split(",") if n in ("peer", "cold"))]
     view = manager.primary_tier.get_kv_memoryview()
     rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)[: a.batch]
     rng = np.random.default_rng(chunk)
-    t = {"ours": [0.0, 0.0], "fs": [0.0, 0.0]}
-    mismatches = {"ours": 0, "fs": 0}
+    t = {n: [0.0, 0.0] for n in names}
+    mismatches = dict.fromkeys(names, 0)
     try:
         for r in range(a.rounds):
             data = rng.integers(0, 256, rows.shape, dtype=np.uint8)
-            sides = [("ours", ours), ("fs", fs)]
-            if r % 2:
-                sides.reverse()
+            turn = r % len(names)
+            sides = [(n, tiers[n]) for n in names[turn:] + names[:turn]]  # first by turns
             for name, tier in sides:
                 keys = [key(i, f"{chunk}-{r}-{name}".encode()) for i in range(a.batch)]
                 rows[:] = data
@@ -144,9 +161,12 @@ def measure(chunk: int, a: argparse.Namespace, root: Path, ids: Any) -> dict[str
         fs.on_request_finished(ctx)
         ours.on_request_finished(ctx)
         checked = check(ours, rows, a.check_chunks, chunk, ids) if chunk == MB else None
+        if "peer" in names:  # the limit: RemoteCluster alone, the same server and chunks
+            t["peer_raw"] = raw_peer(server.address, rows, a.rounds, chunk)
     finally:
         del rows
         manager.shutdown()
+        server.kill()
     total = a.rounds * a.batch * chunk / 1e9
     out = {
         "chunk_bytes": chunk,
@@ -154,12 +174,48 @@ def measure(chunk: int, a: argparse.Namespace, root: Path, ids: Any) -> dict[str
         "store_gbps": {k: total / v[0] for k, v in t.items()},
         "load_gbps": {k: total / v[1] for k, v in t.items()},
         "lookup_us_per_chunk": {"ours": lookup_ours * 1e6, "fs": lookup_fs * 1e6},
+        "peer_address": server.address,
         "mismatched_chunks": mismatches,
         "io_mode": ours.disk.io_mode if not ours.disk._closed else None,
     }
     if checked is not None:
         out["check"] = checked
     return out
+
+
+def raw_peer(address: str, rows: Any, rounds: int, chunk: int) -> list[float]:
+    """Seconds to publish and load ``rounds`` batches of ``rows`` with a `RemoteCluster` of
+    its own (no vLLM, no tier): what the page server and its transport allow here."""
+    import asyncio
+
+    from page_server_proc import SECRET
+    from vllm_driver import key
+
+    from tierkv.integrations.vllm.keys import PageKeys
+
+    pk = PageKeys(b"raw-peer-%d" % chunk)
+    slots = list(range(len(rows)))
+
+    async def go() -> list[float]:
+        from tierkv.remote import RemoteCluster
+
+        c = RemoteCluster([address], secret=bytes.fromhex(SECRET), timeout=30.0)
+        spent = [0.0, 0.0]
+        try:
+            for r in range(rounds):
+                keys = pk.many(key(i, b"raw-%d" % r) for i in slots)
+                t0 = time.perf_counter()
+                await c.publish(keys, rows, slots)
+                t1 = time.perf_counter()
+                if await c.load(keys, rows, slots) != len(keys):
+                    raise RuntimeError("raw peer load came back short")
+                spent[0] += t1 - t0
+                spent[1] += time.perf_counter() - t1
+        finally:
+            await c.aclose()
+        return spent
+
+    return asyncio.run(go())
 
 
 def check(tier: Any, rows: Any, n: int, chunk: int, ids: Any) -> dict[str, int]:
@@ -191,7 +247,8 @@ def main() -> None:
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="vllm-tier-", dir="/var/tmp"))
     figures: dict[str, Any] = {}
     ratios: dict[str, Any] = {}
-    rows = []
+    rows: list[list[Any]] = []
+    peers: list[list[Any]] = []
     try:
         for chunk in (MB // 2, MB, 2 * MB):
             root = base / f"c{chunk}"
@@ -207,6 +264,24 @@ def main() -> None:
                 "lookup_fs_over_ours": f["lookup_us_per_chunk"]["fs"]
                 / f["lookup_us_per_chunk"]["ours"],
             }
+            for side in ("peer", "cold"):
+                if side in f["store_gbps"]:
+                    ratios[name][f"{side}_store_vs_fs"] = (
+                        f["store_gbps"][side] / f["store_gbps"]["fs"]
+                    )
+                    ratios[name][f"{side}_load_vs_fs"] = f["load_gbps"][side] / f["load_gbps"]["fs"]
+                    if side == "peer" and "peer_raw" in f["store_gbps"]:
+                        for way in ("store", "load"):
+                            ratios[name][f"peer_{way}_vs_remote_cluster"] = (
+                                f[f"{way}_gbps"]["peer"] / f[f"{way}_gbps"]["peer_raw"]
+                            )
+                    r = ratios[name]
+                    peers.append([
+                        name, side, f["store_gbps"][side], r[f"{side}_store_vs_fs"],
+                        r.get(f"{side}_store_vs_remote_cluster", ""), f["load_gbps"][side],
+                        r[f"{side}_load_vs_fs"], r.get(f"{side}_load_vs_remote_cluster", ""),
+                        f["mismatched_chunks"][side],
+                    ])  # fmt: skip
             rows.append([
                 name, f["store_gbps"]["ours"], f["store_gbps"]["fs"], ratios[name]["store_vs_fs"],
                 f["load_gbps"]["ours"], f["load_gbps"]["fs"], ratios[name]["load_vs_fs"],
@@ -220,6 +295,11 @@ def main() -> None:
         ["chunk", "store GB/s tierkv", "fs", "ratio (>=1)", "load GB/s tierkv", "fs",
          "ratio (>=1)", "lookup us tierkv", "fs", "mismatches"], rows,
     ))  # fmt: skip
+    if peers:
+        print(table(
+            ["chunk", "tier", "store GB/s", "vs fs", "vs RemoteCluster", "load GB/s", "vs fs",
+             "vs RemoteCluster", "mismatches"], peers,
+        ))  # fmt: skip
     if "check" in figures.get("1024KB", {}):
         print("check:", figures["1024KB"]["check"])
     write_json(a.json, figures, ratios)

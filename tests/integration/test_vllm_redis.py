@@ -18,7 +18,17 @@ pytest.importorskip("redis")
 
 sys.path.insert(0, str(Path(__file__).parent))
 from redis_server import RedisServer, skip_without_redis
-from vllm_driver import TIERKV, Script, build, key, run_sequence, store_in_a_child
+from vllm_driver import (
+    TIERKV,
+    Script,
+    build,
+    check_gone_after_a_hit,
+    check_shared,
+    check_unreachable,
+    key,
+    side_by_side,
+    stores,
+)
 
 from tierkv.integrations.vllm import TierKVRedisTier, VllmTierTypeError
 
@@ -35,26 +45,8 @@ def redis_tier(url: str, **kw: Any) -> dict[str, Any]:
     return {"type": "TierKVRedisTier", "module_path": TIERKV, "url": url, "timeout": 0.5, **kw}
 
 
-def stores(s: Script, keys: list[bytes], tag: str) -> None:
-    for lo in range(0, len(keys), 4):
-        s.store(f"{tag}{lo}", keys[lo : lo + 4])
-        s.settle()
-        s.end(f"{tag}{lo}")
-    s.settle()
-
-
 def test_redis_tier_answers_as_vllms_fs_tier_bit_exact(tmp_path: Path, server: Any) -> None:
-    reference = Script(build([{"type": "fs", "root_dir": str(tmp_path)}]))
-    try:
-        run_sequence(reference)
-    finally:
-        reference.close()
-    ours = Script(build([redis_tier(server.url)]))
-    try:
-        run_sequence(ours)
-        stats = ours.manager.secondary_tiers[0].tierkv_stats()
-    finally:
-        ours.close()
+    reference, ours, stats = side_by_side(tmp_path, redis_tier(server.url))
     assert ours.log == reference.log
     assert reference.mismatches == ours.mismatches == 0
     assert stats["redis_stored"] == 24 and stats["redis_hits"] >= 24
@@ -98,37 +90,16 @@ def test_redis_stopped_and_restarted_mid_sequence(server: Any) -> None:
 
 
 def test_a_prefix_stored_by_one_process_is_a_hit_for_another(server: Any) -> None:
-    store_in_a_child({"type": "TierKVRedisTier", "module_path": TIERKV, "url": server.url})
-    s = Script(build([redis_tier(server.url)]))
-    try:
-        assert s.lookup("r", [key(i) for i in range(8)] + [key(8)]) == ["HIT"] * 8 + ["MISS"]
-        assert s.mismatches == 0
-        s.end("r")
-        s.settle()
-    finally:
-        s.close()
-    # another model on the same server shares nothing
-    other = Script(build([redis_tier(server.url)], model="org/model-b"))
-    try:
-        assert other.lookup("r", [key(0)]) == ["MISS"]
-        other.end("r")
-    finally:
-        other.close()
+    check_shared(
+        {"type": "TierKVRedisTier", "module_path": TIERKV, "url": server.url},
+        redis_tier(server.url),
+    )
 
 
 def test_redis_config_is_checked_and_an_unreachable_server_is_no_startup_error() -> None:
     with pytest.raises(VllmTierTypeError, match="timeout"):
         build([redis_tier("redis://127.0.0.1:1/0", timeout="1s")])
-    s = Script(build([redis_tier("redis://127.0.0.1:1/0")]))  # nothing listens there
-    try:
-        s.store("a", [key(0)])
-        s.settle()
-        s.end("a")
-        assert s.lookup("b", [key(1)]) == ["MISS"]
-        s.end("b")
-        s.settle()
-    finally:
-        s.close()
+    check_unreachable(redis_tier("redis://127.0.0.1:1/0"))  # nothing listens there
 
 
 def test_a_load_that_finds_the_value_gone_is_a_miss_not_a_livelock(server: Any) -> None:
@@ -137,18 +108,4 @@ def test_a_load_that_finds_the_value_gone_is_a_miss_not_a_livelock(server: Any) 
     of promoting the same key forever."""
     import redis
 
-    s = Script(build([redis_tier(server.url)], cpu_chunks=4))
-    a = [key(i) for i in range(4)]
-    try:
-        stores(s, a, "a")
-        stores(s, [key(10 + i) for i in range(4)], "b")  # a leaves the 4-chunk primary
-        assert s.lookup("r", a) == ["HIT"] * 4  # from Redis; cached for request r
-        stores(s, [key(20 + i) for i in range(4)], "c")  # a leaves the primary again
-        redis.Redis.from_url(server.url).flushall()
-        assert s.lookup("r", a) == ["MISS"] * 4
-        assert s.manager.secondary_tiers[0].tierkv_stats()["jobs_failed"] >= 1
-        assert s.mismatches == 0
-        s.end("r")
-        s.settle()
-    finally:
-        s.close()
+    check_gone_after_a_hit(redis_tier(server.url), redis.Redis.from_url(server.url).flushall)

@@ -16,11 +16,18 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
+
+pytest.importorskip(  # a test module that imports this one is skipped without vLLM
+    "vllm.v1.kv_offload.tiering.manager",
+    reason="vLLM 0.33 not installed (pip install --no-deps vllm==0.33.0: docs/vllm.md)",
+)
 from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
@@ -53,6 +60,7 @@ def offloading_config(
     model: str = "org/model-a",
     dtype: str = "float16",
     engine: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> OffloadingConfig:
     """vLLM's normalized offloading config: one KV group, TP 1; a chunk of
     ``block_bytes * blocks_per_chunk`` bytes, ``cpu_chunks`` chunks in the primary tier."""
@@ -61,7 +69,11 @@ def offloading_config(
         groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
         worker_kv_bytes_per_block=block_bytes,
         enable_kv_cache_events=False,
-        extra_config={"cpu_bytes_to_use": cpu_chunks * chunk, "secondary_tiers": tiers},
+        extra_config={
+            "cpu_bytes_to_use": cpu_chunks * chunk,
+            "secondary_tiers": tiers,
+            **(extra or {}),
+        },
         engine_id=engine or f"tierkv-test-{threading.get_native_id()}-{next(_ENGINES)}",
         model=OffloadingModelConfig(name=model, dtype=dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
@@ -104,6 +116,8 @@ class Script:
 
     manager: TieringOffloadingManager
     log: list[tuple[str, Any]] = field(default_factory=list)
+    make: Callable[[bytes, int], np.ndarray] = payload  # a chunk's bytes from its key
+    same: Callable[[bytes, np.ndarray], bool] | None = None  # a loaded row is right (None: equal)
     mismatches: int = 0
     _ctx: dict[str, ReqContext] = field(default_factory=dict)
     _new: list[str] = field(default_factory=list)
@@ -149,7 +163,7 @@ class Script:
             return
         rows = self.rows
         for k, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
-            rows[int(cid)] = payload(k, rows.shape[1])
+            rows[int(cid)] = self.make(k, rows.shape[1])
         if out.keys_to_store:
             with self.manager.lock:
                 self.manager.complete_store(out.keys_to_store, c, True)
@@ -177,7 +191,9 @@ class Script:
                 with self.manager.lock:
                     spec = self.manager.prepare_load([k], c)
                 row = self.rows[int(spec.chunk_ids[0])]
-                if not np.array_equal(row, payload(k, row.shape[0])):
+                if self.same is not None:
+                    self.mismatches += not self.same(k, row)
+                elif not np.array_equal(row, self.make(k, row.shape[0])):
                     self.mismatches += 1
                 with self.manager.lock:
                     self.manager.complete_load([k], c)
@@ -242,3 +258,87 @@ def store_in_a_child(config: dict[str, Any]) -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "stored" in out.stdout, out.stderr[-3000:]
+
+
+def stores(s: Script, keys: list[bytes], tag: str) -> None:
+    """Store ``keys`` in jobs of 4 (a request each), each job settled before the next."""
+    for lo in range(0, len(keys), 4):
+        s.store(f"{tag}{lo}", keys[lo : lo + 4])
+        s.settle()
+        s.end(f"{tag}{lo}")
+    s.settle()
+
+
+def side_by_side(root: Path, tier: dict[str, Any], salt: bytes = b"") -> tuple[Script, Script, Any]:
+    """`run_sequence` on vLLM's ``fs`` tier under ``root``, then on ``tier``: both scripts and
+    the tier's `tierkv_stats` (taken before it closes)."""
+    reference = Script(build([{"type": "fs", "root_dir": str(root)}]))
+    try:
+        run_sequence(reference, salt=salt)
+    finally:
+        reference.close()
+    ours = Script(build([tier]))
+    try:
+        run_sequence(ours, salt=salt)
+        stats = ours.manager.secondary_tiers[0].tierkv_stats()
+    finally:
+        ours.close()
+    return reference, ours, stats
+
+
+def check_shared(child: dict[str, Any], here: dict[str, Any]) -> None:
+    """A child process stores keys 0-7 through tier ``child`` (`store_in_a_child`); a manager
+    here on tier ``here`` finds them all (bit-exact) and misses key 8; a manager of another
+    model on the same tier finds none of them."""
+    store_in_a_child(child)
+    s = Script(build([here]))
+    try:
+        assert s.lookup("r", [key(i) for i in range(8)] + [key(8)]) == ["HIT"] * 8 + ["MISS"]
+        assert s.mismatches == 0
+        s.end("r")
+        s.settle()
+    finally:
+        s.close()
+    other = Script(build([here], model="org/model-b"))
+    try:
+        assert other.lookup("r", [key(0)]) == ["MISS"]
+        other.end("r")
+    finally:
+        other.close()
+
+
+def check_unreachable(tier: dict[str, Any]) -> None:
+    """A manager on ``tier``, whose server nothing answers for, starts; a store fails (vLLM is
+    told) and a lookup misses; nothing raises."""
+    s = Script(build([tier]))
+    try:
+        s.store("a", [key(0)])
+        s.settle()
+        s.end("a")
+        assert s.lookup("b", [key(1)]) == ["MISS"]
+        s.end("b")
+        s.settle()
+    finally:
+        s.close()
+    assert s.log[0] == ("stored", 1)
+
+
+def check_gone_after_a_hit(tier: dict[str, Any], gone: Callable[[], None]) -> None:
+    """A request's cached HIT whose chunks have since left the tier (``gone``: flushed, the
+    server killed): the load fails, the tier marks the keys a miss for the request, and its
+    next lookup answers MISS instead of promoting the same keys forever; nothing raises."""
+    s = Script(build([tier], cpu_chunks=4))
+    a = [key(600 + i) for i in range(4)]
+    try:
+        stores(s, a, "a")
+        stores(s, [key(610 + i) for i in range(4)], "b")  # a leaves the 4-chunk primary
+        assert s.lookup("r", a) == ["HIT"] * 4  # from the tier; cached for request r
+        stores(s, [key(620 + i) for i in range(4)], "c")  # a leaves the primary again
+        gone()
+        assert s.lookup("r", a) == ["MISS"] * 4
+        assert s.manager.secondary_tiers[0].tierkv_stats()["jobs_failed"] >= 1
+        assert s.mismatches == 0
+        s.end("r")
+        s.settle()
+    finally:
+        s.close()
