@@ -14,7 +14,9 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 true`` answers server-sent events ending with ``data: [DONE]``), ``GET /health``, ``GET /metrics``
 and ``GET /stats`` (the engine's and the store's figures as JSON). Request fields: ``model``,
 ``prompt`` (text, or token ids) or ``messages``, ``max_tokens``, ``temperature`` (0 = greedy;
-default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``.
+default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``,
+``cache_salt`` (as vLLM's: a string of 1-256 bytes; the request reuses and shares cached
+prefixes only with requests of the same salt, in every tier; docs/security.md, "Tenants").
 ``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
@@ -49,7 +51,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from tierkv import metrics
 from tierkv.demo.model import ModelConfig
-from tierkv.errors import TierKVError
+from tierkv.errors import TenantError, TierKVError
 from tierkv.serving import (
     Engine,
     EngineConfig,
@@ -61,6 +63,7 @@ from tierkv.serving import (
     http_status,
     load_model,
 )
+from tierkv.tenant_names import check_salt
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ class Job:
     params: SamplingParams
     stream: bool
     chat: bool
+    salt: bytes | None = None
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -210,6 +214,7 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
     top_p = float(_field(body, "top_p", (int, float), 1.0))
     seed = _field(body, "seed", int, None)
     stream = _field(body, "stream", bool, False)
+    salt = _salt(body)
     n = _field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
@@ -236,7 +241,23 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
         raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
     except TierKVError as exc:  # a bad sampling parameter (InvalidInputError: 400)
         raise ApiError.of(exc) from None
-    return Job(prompt, params, stream, chat)
+    return Job(prompt, params, stream, chat, salt)
+
+
+def _salt(body: dict[str, Any]) -> bytes | None:
+    """The request's ``cache_salt`` (a string, as vLLM takes it), checked. Raises ApiError
+    (400)."""
+    raw = body.get("cache_salt")
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ApiError(
+            400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type"
+        )
+    try:
+        return check_salt(raw)
+    except TenantError as exc:
+        raise ApiError(400, f"bad 'cache_salt': {exc}", param="cache_salt") from None
 
 
 async def _body(request: web.Request) -> Any:
@@ -265,7 +286,7 @@ async def run_job(served: Served, job: Job, res: Result, sm: _ServerMetrics) -> 
     engine, tok = served.engine, served.tokenizer
     text = StopText(tok.decode, job.params.stop)
     t0 = time.perf_counter()
-    agen = engine.generate(job.prompt, job.params)
+    agen = engine.generate(job.prompt, job.params, salt=job.salt)
     try:
         async for ev in agen:
             if res.ttft is None:

@@ -63,6 +63,7 @@ from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.step import StepPlan, check_tokens
+from tierkv.tenant_names import check_salt
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -418,14 +419,17 @@ class KVStore:
 
     # -- sequences -----------------------------------------------------------------------
     @boundary
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier).
+    def lookup(self, tokens: Sequence[int], *, salt: bytes | str | None = None) -> int:
+        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier)
+        under ``salt`` (see :meth:`add_sequence`).
 
         Hashes on the caller's thread: for long prompts prefer :meth:`fetch_prefix`, which
-        gives the loop a turn between slices. Raises InvalidTypeError, SpecError for bad ids.
+        gives the loop a turn between slices. Raises InvalidTypeError, SpecError for bad ids,
+        TenantError for a bad salt.
         """
+        raw = check_salt(salt)
         arr = validate.token_array(tokens)
-        keys = prefix_keys(arr, self.spec.page_tokens, self.namespace)
+        keys = prefix_keys(arr, self.spec.page_tokens, self.namespace, salt=raw)
         n = self._cached_blocks(keys)
         return (n + self._lower_blocks(keys[n:])) * self.spec.page_tokens
 
@@ -481,16 +485,26 @@ class KVStore:
         return n
 
     @async_boundary
-    async def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+    async def add_sequence(
+        self, seq_id: str, tokens: Sequence[int], *, salt: bytes | str | None = None
+    ) -> int:
         """Start a sequence with its prompt; returns the prompt tokens whose KV was reused.
 
         At least one prompt token is always left to compute (its logits start decoding).
         A long prompt is checked and hashed in slices with a loop turn between them
         (:mod:`tierkv.prompt`). With a remote tier, the blocks missing locally are imported
-        first (bounded). Raises SequenceError when the id is in use, StoreClosedError after
-        close, InvalidTypeError / SpecError for a bad id or token (nothing is changed then).
+        first (bounded).
+
+        ``salt``: a cache salt (vLLM's ``cache_salt``; str or bytes of 1-256 bytes) mixed into
+        the first block's content key, so the sequence shares pages only with sequences of
+        the same salt, in every tier (docs/security.md, "Tenants"); ``None``: unsalted keys.
+
+        Raises SequenceError when the id is in use, StoreClosedError after close,
+        InvalidTypeError / SpecError for a bad id or token, TenantError for a bad salt
+        (nothing is changed then).
         """
         seq_id = validate.seq_id(seq_id)
+        raw = check_salt(salt)
         tiers = self.tiers
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
@@ -501,7 +515,7 @@ class KVStore:
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
             t = self.spec.page_tokens
-            toks, keys = await prompt_keys(tokens, t, self.namespace)
+            toks, keys = await prompt_keys(tokens, t, self.namespace, salt=raw)
             keys = keys[: max(0, len(toks) - 1) // t]
             tiers = self.tiers  # a long prompt yielded: the store may have closed meanwhile
             if seq_id in self._seqs:
@@ -527,6 +541,7 @@ class KVStore:
                 self.namespace,
                 tokens=toks,
                 incarnation=self._incarnations,
+                salt=raw,
             )
             seq.set_blocks(keys[:n], shared=True)
             seq.set_all_kv_len(n * t)
@@ -568,11 +583,12 @@ class KVStore:
             self.turns.charge(time.perf_counter() - t0)
 
     @async_boundary
-    async def fetch_prefix(self, tokens: Sequence[int]) -> int:
+    async def fetch_prefix(self, tokens: Sequence[int], *, salt: bytes | str | None = None) -> int:
         """Like :meth:`lookup`, but first imports the blocks of ``tokens``' prefix that are
         missing locally from the remote tier (if any); hashes a long prompt in slices with a
-        loop turn between them. Returns the tokens now cached."""
-        _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace)
+        loop turn between them. Returns the tokens now cached under ``salt``."""
+        raw = check_salt(salt)
+        _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace, salt=raw)
         n = self._cached_blocks(keys)
         if self._chain is not None and n < len(keys):
             await self._fetch_lower(keys[n:])

@@ -53,6 +53,7 @@ from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
 from tierkv.serving.scheduler import Scheduler
 from tierkv.store import KVStore
+from tierkv.tenant_names import check_salt
 
 
 @dataclass(frozen=True)
@@ -231,21 +232,27 @@ class Engine:
             )
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | bytes | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Generate from token ids: yields one :class:`TokenEvent` per token, the last with its
         finish reason. Leaving the loop early (``break``, cancellation) ends the request and
-        frees its pages at the next step boundary.
+        frees its pages at the next step boundary. ``salt``: the request's cache salt (its
+        prompt reuses and shares cached pages only with requests of the same salt).
 
-        Raises RequestError (see :meth:`check`), EngineNotOpenError before open or after close,
-        StoreClosedError when the store closes under it, and the tierkv error of a step that
-        failed.
+        Raises RequestError (see :meth:`check`), TenantError (a bad salt), EngineNotOpenError
+        before open or after close, StoreClosedError when the store closes under it, and the
+        tierkv error of a step that failed.
         """
         params = params or SamplingParams()
+        raw = check_salt(salt)
         if self._closed or self._task is None:
             raise EngineNotOpenError("the engine is not open")
         self.check(prompt, params)
-        req = Request(f"r{next(self._ids)}", list(prompt), params, Sampler(params))
+        req = Request(f"r{next(self._ids)}", list(prompt), params, Sampler(params), salt=raw)
         self.counters.requests += 1
         self.scheduler.add(req)
         self._idle.clear()
@@ -264,12 +271,16 @@ class Engine:
                 self._wake.set()
 
     async def complete(
-        self, prompt: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | bytes | None = None,
     ) -> tuple[list[int], str]:
         """All generated tokens and the finish reason (see :meth:`generate`)."""
         out: list[int] = []
         reason = "length"
-        async for ev in self.generate(prompt, params):
+        async for ev in self.generate(prompt, params, salt=salt):
             if ev.token is not None:
                 out.append(ev.token)
             if ev.finish_reason is not None:
@@ -341,9 +352,9 @@ class Engine:
         store = self.store
         if self.config.prefix_reuse:
             await self._publish_shared(req)
-            req.reused = await store.add_sequence(req.rid, req.prompt)
+            req.reused = await store.add_sequence(req.rid, req.prompt, salt=req.salt)
         else:
-            await store.add_sequence(req.rid, [])
+            await store.add_sequence(req.rid, [], salt=req.salt)
             store.add_tokens(req.rid, req.prompt)
         req.in_store = True
         req.computed = req.reused
@@ -358,7 +369,7 @@ class Engine:
         # (a write-back of the last lease was in flight): publish them now, so they are reused.
         t = self.spec.page_tokens
         for r in self.scheduler.running:
-            if r is req or not r.in_store or r.prompt[:t] != req.prompt[:t]:
+            if r is req or not r.in_store or r.prompt[:t] != req.prompt[:t] or r.salt != req.salt:
                 continue
             seq = self.store.sequence(r.rid)
             if sum(seq.shared) < seq.length // t:

@@ -46,6 +46,7 @@ class Request:
     finished: str | None = None  # finish reason once done
     cancelled: bool = False
     in_store: bool = False
+    salt: bytes | None = None  # the cache salt (checked): shares pages with its salt only
 
     @property
     def prefilling(self) -> bool:
