@@ -76,7 +76,7 @@ class SequenceState:
         *,
         incarnation: int = 0,
         salt: bytes | None = None,
-        tenant: str | None = None,
+        tenant: int | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.num_layers = num_layers
@@ -91,7 +91,7 @@ class SequenceState:
         # a store-wide count: a reused id never meets its old private pages
         self.incarnation = incarnation
         self.salt = salt  # the checked cache salt its content keys are chained on (or None)
-        self.tenant = tenant  # the tenant charged for the pages it makes (or None)
+        self.tenant = tenant  # the store's index of the tenant charged for its pages, or None
 
     def __repr__(self) -> str:
         return (
