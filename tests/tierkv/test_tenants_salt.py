@@ -16,7 +16,7 @@ from tierkv.keys import page_key, root_key
 from tierkv.prompt import prompt_keys
 
 sys.path.insert(0, str(Path(__file__).parent))
-from store_kv import PAGE, SPEC, N, fill, kv, store, tokens  # noqa: E402
+from store_kv import PAGE, SPEC, N, fill, kv, store, tokens
 
 # prefix_keys(list(range(32)), 16) before salts existed (tests/tierkv/test_prompt.py too)
 UNSALTED = ["77e6dc863351cc8a13f8e4dfcd2529a4"]
