@@ -228,3 +228,37 @@ def test_tenant_indices_are_stable() -> None:
     t = Tenants({"x": Quota(), "y": Quota()}, {"host": 1}, {"host": 4})
     assert t.tenant("y") == 1 and t.tenant(None) is None
     asyncio.run(asyncio.sleep(0))
+
+
+async def test_the_tenant_metrics_equal_the_stats() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierkv import metrics
+
+    async with small(quiet=Quota(host_reserve=8 * PAGE), flood=Quota(host_limit=4 * PAGE)) as s:
+        await fill(s, "q1", 1, "quiet")
+        for i in range(3, 12):
+            await fill(s, f"f{i}", i, "flood")
+        await s.add_sequence("again", tokens(1), tenant="quiet")
+        await s.release("again")
+        got = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(metrics.render(s).decode())
+            for x in fam.samples
+            if x.name.startswith("tierkv_tenant_")
+        }
+        want: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for name, fig in s.stats()["tenants"].items():
+            for key in ("sequences", "prompt_tokens", "prefix_tokens_reused", "refusals"):
+                want[(f"tierkv_tenant_{key}_total", (("tenant", name),))] = fig[key]
+            want[("tierkv_tenant_evictions_caused_total", (("tenant", name),))] = fig[
+                "evictions_caused"
+            ]
+            for tier, t in fig["tiers"].items():
+                labels = (("tenant", name), ("tier", tier))
+                want[("tierkv_tenant_bytes", labels)] = t["bytes"]
+                want[("tierkv_tenant_evicted_total", labels)] = t["evicted"]
+        assert got == want
+        assert want[("tierkv_tenant_prefix_tokens_reused_total", (("tenant", "quiet"),))] == 8
+        assert want[("tierkv_tenant_evicted_total", (("tenant", "flood"), ("tier", "host")))] > 0
