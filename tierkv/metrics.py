@@ -277,11 +277,11 @@ class StoreCollector(_Families):
                 fam.add_metric([*const.values(), name], float(fig[key]))
             yield fam
         for key, kind, doc in _TENANT_TIERS:
-            fam = kind(PREFIX + "tenant_" + key, doc, labels=[*const, "tenant", "tier"])
+            per_tier = kind(PREFIX + "tenant_" + key, doc, labels=[*const, "tenant", "tier"])
             for name, fig in tenants.items():
                 for tier, t in fig["tiers"].items():
-                    fam.add_metric([*const.values(), name, tier], float(t[key]))
-            yield fam
+                    per_tier.add_metric([*const.values(), name, tier], float(t[key]))
+            yield per_tier
 
     def _disk(self, disk: Mapping[str, Any]) -> Iterator[Metric]:
         """The store's disk tier: hits, bytes, latency, corrupt pages, failed writes, I/O mode."""
