@@ -184,6 +184,8 @@ class PageTable:
         self._events: list[PageEvent] = []
         self.sums = PageSums({t: tiers[t] for t in encoded})
         self._acc = tenants
+        if tenants is not None:
+            tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
         self._blocked: set[str] = set()  # tiers whose last eviction the quotas cut short
 
     # -- introspection -------------------------------------------------------------------
@@ -509,10 +511,22 @@ class PageTable:
         :mod:`tierkv.tenants`), taken from the policy but not yet from the table; None (the
         policy's state put back) when there are fewer."""
         pins, state, key_of = t.pins, t.state, t.key_of
+        by = acc.maker(new)
+        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+
+            def free(s: int) -> bool:
+                return not pins[s] and state[s] == _READABLE and s not in keep
+
+            slots = t.policy.evict_slots(n, free if t.unevictable or keep else None)
+            keys = [key_of[s] for s in slots]
+            if len(slots) == n and acc.keeps_reserves(t.name, keys, by, counted=False):
+                self._blocked.discard(t.name)
+                return slots
+            if slots:  # it would take a tenant below its reservation: put back, pick by rule
+                t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
         passes: list[tuple[list[int], list[object]]] = []
         taken: Counter[int | None] = Counter()
         got_n = 0
-        by = acc.maker(new)
         for over in (True, False):
             while got_n < n:
                 ask = acc.room(t.name, n - got_n, over, taken, by)
@@ -630,7 +644,7 @@ class PageTable:
             else:
                 out = self._prepare_evict(t, n, keep, keep_order)
             if out and for_keys:
-                acc.caused(acc.maker(for_keys), len(out))
+                acc.caused_by(for_keys, len(out))
             return out
         return self._prepare_evict(t, n, keep, keep_order)
 
@@ -640,19 +654,21 @@ class PageTable:
         n: int,
         keep: Collection[Key] | None,
         keep_order: Sequence[Key] | None,
+        allow: Callable[[Key], bool] | None = None,
     ) -> list[tuple[Key, int]]:
-        """:meth:`prepare_evict` of ``n`` evictable pages, by policy and ``keep``."""
+        """:meth:`prepare_evict` of up to ``n`` pages, by policy and ``keep``, of those
+        ``allow`` allows (the tenants' quotas; None: any)."""
         if not keep or not n:
-            return self._pick(t, n, None)
+            return self._pick(t, n, None, None, allow)
         if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
             # every page is kept (checked in one C-speed pass): the policy's scan for pages
             # nobody keeps would walk them all and find none, so straight to the order
-            return self._pick(t, n, None, keep_order)
-        first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
+            return self._pick(t, n, None, keep_order, allow)
+        first = self._pick(t, n, keep, None, allow)  # pages nobody keeps first, then the rest
         if len(first) == n:
             return first
         try:
-            return first + self._pick(t, n - len(first), None, keep_order)
+            return first + self._pick(t, n - len(first), None, keep_order, allow)
         except TierKVError:  # a policy bug: the first pick goes back too
             self.complete_evict([k for k, _ in first], t.name, ok=False)
             raise
@@ -673,15 +689,21 @@ class PageTable:
         out: list[tuple[Key, int]] = []
         none: Counter[int | None] = Counter()  # (victims are counted as they go MOVING)
         by = acc.maker(for_keys) if for_keys else None
+        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+            out = self._prepare_evict(t, n, keep, keep_order)
+            if not acc.keeps_reserves(t.name, [key for key, _ in out], by, counted=True):
+                self.complete_evict([key for key, _ in out], t.name, ok=False)
+                out = []
+            elif len(out) == n:
+                self._blocked.discard(t.name)
+                return out
         for over in (True, False):
             while len(out) < n:
                 ask = acc.room(t.name, n - len(out), over, none, by)
                 if ask is None:
                     break
                 k, allow = ask
-                got = self._pick(t, k, keep, None, allow) if keep else []
-                if len(got) < k:
-                    got += self._pick(t, k - len(got), None, keep_order if keep else None, allow)
+                got = self._prepare_evict(t, k, keep, keep_order, allow)
                 out += got
                 if len(got) < k:
                     break
@@ -758,7 +780,7 @@ class PageTable:
         t.unevictable += len(out)
         t.moving += len(out)
         if self._acc is not None:  # MOVING pages are no tenant's any more (until put back)
-            self._acc.left(t.name, keys)
+            self._acc.left(t.name, keys, evicted=True)  # (undone if they are put back)
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow)
         return out
@@ -782,14 +804,12 @@ class PageTable:
                 unkey(s)
                 del undo[s]
             t.free.extend(slots)
-            if self._acc is not None:
-                self._acc.evicted(tier, keys)
             self._forget(keys)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
             if self._acc is not None:
-                self._acc.stored(tier, keys)
+                self._acc.stored(tier, keys, put_back=True)
             for s in slots:
                 t.state[s] = _READABLE
             # in the order they were chosen (``undo`` keeps it), so that each lands where it was
@@ -942,17 +962,14 @@ class PageTable:
         self._forget(keys)
 
     def _forget(self, keys: Iterable[Key]) -> None:
-        """Drop the checksums (and the tenants' charges) of the pages of ``keys`` that no
-        tier holds any more."""
-        sums, acc = self.sums, self._acc
-        if not len(sums) and acc is None:
+        """Drop the checksums of the pages of ``keys`` that no tier holds any more."""
+        sums = self.sums
+        if not len(sums):
             return
         tiers = [t.slot_of for t in self._tiers.values()]
-        gone = [k for k in keys if not any(k in held for held in tiers)]
-        if gone and len(sums):
-            sums.pop([k for k in gone if k in sums])
-        if gone and acc is not None:
-            acc.forget(gone)
+        gone = [k for k in keys if k in sums and not any(k in held for held in tiers)]
+        if gone:
+            sums.pop(gone)
 
 
 def _count(values: bytearray, slots: Sequence[int], want: int) -> int:

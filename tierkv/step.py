@@ -306,7 +306,7 @@ class StepPlan:
                 keys += seq.pages(layer)
                 made = [page_key(seq.block(b), layer) for b in range(have, need)]
                 if made and tenants is not None:  # its tenant pays for the pages it makes
-                    tenants.charge(made, seq.tenant)
+                    tenants.charge(made, seq.tenant, new=True)  # (its private pages)
                 new += made
                 full = range(start // t, (start + k) // t)
                 filled += [page_key(seq.block(b), layer) for b in full]

@@ -633,24 +633,19 @@ class KVStore:
 
     async def _import(self, keys: list[bytes], n: int, who: int | None) -> int:
         """Import the blocks of ``keys`` after the ``n`` cached ones from the disk, then the
-        remote tier; the pages are charged to tenant ``who`` (their maker here), and the
-        charges of those that did not come are dropped. Returns the blocks now cached."""
-        tenants = self.tenants
-        pages: list[bytes] = []
-        if tenants is not None and who is not None:
+        remote tier; the pages are charged to tenant ``who`` (their maker here; those that
+        do not come are pruned with the other stale charges). Returns the blocks now
+        cached."""
+        if self.tenants is not None and who is not None:
             layers = range(self.spec.num_layers)
             pages = [page_key(b, layer) for b in keys[n:] for layer in layers]
-            tenants.charge(pages, who)
-        try:
-            if self._chain is not None and n < len(keys):
-                await self._fetch_lower(keys[n:])
-                n = self._cached_blocks(keys)
-            if self.remote is not None and n < len(keys):
-                await self._fetch(keys[n:])
-                n = self._cached_blocks(keys)
-        finally:
-            if pages and tenants is not None and not self._closed:
-                tenants.drop(pages, self.tiers.table.held)
+            self.tenants.charge(pages, who, fresh=True)
+        if self._chain is not None and n < len(keys):
+            await self._fetch_lower(keys[n:])
+            n = self._cached_blocks(keys)
+        if self.remote is not None and n < len(keys):
+            await self._fetch(keys[n:])
+            n = self._cached_blocks(keys)
         return n
 
     async def _fetch(self, blocks: list[bytes]) -> int:
@@ -718,8 +713,6 @@ class KVStore:
                 else:
                     private += old
             tiers.ownership.forget(private)
-            if self.tenants is not None and seq.tenant is not None:
-                self.tenants.drop(private, tiers.table.held)  # (busy ones: when they go)
             for k in private:
                 self._last_use.pop(k, None)
                 self._parked.pop(k, None)

@@ -40,7 +40,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from itertools import repeat
+from typing import Any, cast
 
 from tierkv.errors import InvalidTypeError, QuotaConfigError, UnknownTenantError
 from tierkv.tenant_names import check_tenant
@@ -110,6 +111,19 @@ class TenantCounters:
 
 
 _NO_LIMIT = 1 << 62
+_PRUNE_MIN = 1 << 16  # charges kept before the first prune
+
+
+def _tally(got: list[int | None]) -> Iterable[tuple[int | None, int]]:
+    """``(tenant, pages)`` of a batch's charges: one C-level count when the batch is one
+    tenant's (the common case: a sequence's pages), else a ``Counter``."""
+    if not got:
+        return ()
+    first = got[0]
+    n = got.count(first)
+    if n == len(got):
+        return ((first, n),)
+    return Counter(got).items()
 
 
 class Tenants:
@@ -150,8 +164,11 @@ class Tenants:
                 continue
             size = slot_bytes[tier]
             self._reserve[tier] = [-(-quotas[n].reserve(tier) // size) for n in names]
-            self._limit[tier] = [
-                _NO_LIMIT if (lim := quotas[n].limit(tier)) is None else lim // size for n in names
+            self._limit[tier] = [  # (a limit the tier cannot reach is none: nothing to check)
+                _NO_LIMIT
+                if (lim := quotas[n].limit(tier)) is None or lim // size >= capacity[tier]
+                else lim // size
+                for n in names
             ]
             total = sum(self._reserve[tier])
             if total > capacity[tier]:
@@ -160,6 +177,8 @@ class Tenants:
                     f"holds {capacity[tier]}"
                 )
         self._of: dict[Key, int] = {}  # page key -> the tenant charged for it
+        self._prune_at = _PRUNE_MIN
+        self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
         self._used = {t: [0] * len(names) for t in self._reserve}  # pages, not counting MOVING
         self._evicted = {t: [0] * len(names) for t in self._reserve}  # suffered
         self._caused = [0] * len(names)
@@ -175,75 +194,108 @@ class Tenants:
         UnknownTenantError for one the store was not configured with."""
         if name is None:
             return None
-        i = self.index.get(check_tenant(name))
+        i = self.index.get(name) if isinstance(name, str) else None  # (configured: checked)
         if i is None:
+            check_tenant(name)
             raise UnknownTenantError(f"unknown tenant {name!r} (configured: {self.names})")
         return i
 
     # -- charges ---------------------------------------------------------------------------
-    def charge(self, keys: Iterable[Key], tenant: int | None) -> None:
+    def bind(self, held: Callable[[list[Any]], Iterable[Key]]) -> None:
+        """``held(keys)``: the keys some tier holds (the page table's), to prune the charges
+        of pages that left every tier."""
+        self._held = held
+
+    def charge(
+        self, keys: Iterable[Key], tenant: int | None, *, fresh: bool = False, new: bool = False
+    ) -> None:
         """Charge ``tenant`` for the pages of ``keys`` that nobody is charged for yet (the
-        first maker pays). Call before the pages are stored in any tier."""
+        first maker pays). Call before the pages are stored in any tier. ``fresh``: the
+        pages may have been held before (imports): a charge of one no tier holds now is
+        stale and goes to ``tenant``. ``new``: pages no other tenant can have made (a
+        sequence's new private pages): charged in one C-level update."""
         if tenant is None:
             return
         of = self._of
-        of.update(dict.fromkeys((k for k in keys if k not in of), tenant))
+        if new:
+            of.update(dict.fromkeys(keys, tenant))
+        elif fresh:
+            keys = list(keys)
+            held = set(self._held([k for k in keys if k in of]))
+            of.update(dict.fromkeys((k for k in keys if k not in held), tenant))
+        else:
+            of.update(dict.fromkeys((k for k in keys if k not in of), tenant))
+        if len(of) > self._prune_at:
+            self.prune()
+
+    def prune(self) -> None:
+        """Forget the charges of pages no tier holds (released private pages, pages evicted
+        from every tier): run when the charges double, so O(1) per page amortized, and no
+        eviction pays for it. A stale charge in between is harmless: counts move only with
+        pages that tiers hold, a rename overwrites it, an import replaces it (``fresh``)."""
+        of = self._of
+        keep = set(self._held(list(of)))
+        self._of = {k: i for k, i in of.items() if k in keep}
+        self._prune_at = max(_PRUNE_MIN, 2 * len(self._of))
 
     def charged(self, key: Key) -> str | None:
         """The tenant charged for ``key``, or None."""
         i = self._of.get(key)
         return None if i is None else self.names[i]
 
-    def drop(self, keys: Iterable[Key], held: Callable[[list[Any]], Iterable[Key]]) -> None:
-        """Forget the charges of ``keys`` that no tier holds (``held(keys)``: those some tier
-        holds): pages charged for a store that failed, or released private pages."""
-        of = self._of
-        mine = [k for k in keys if k in of]
-        if mine:
-            keep = set(held(mine))
-            for k in mine:
-                if k not in keep:
-                    del of[k]
-
-    def forget(self, keys: Iterable[Key]) -> None:
-        """Pages that left every tier: their charges go."""
-        pop = self._of.pop
-        for k in keys:
-            pop(k, None)
-
     def rename(self, old: Sequence[Key], new: Sequence[Key]) -> None:
         """Pages were renamed (a listener of :class:`~tierkv.ownership.Ownership`): their
         charges follow."""
         of = self._of
-        for o, n in zip(old, new):
-            i = of.pop(o, None)
-            if i is not None:
-                of[n] = i
+        got = list(map(of.pop, old, repeat(None)))  # (C-level passes)
+        if None in got:
+            of.update((n, i) for n, i in zip(new, got) if i is not None)
+        else:
+            of.update(zip(new, cast("list[int]", got)))
 
     # -- the page table's hooks --------------------------------------------------------------
-    def stored(self, tier: str, keys: Sequence[Key]) -> None:
-        """Pages of ``keys`` arrived in ``tier`` (or came back from MOVING)."""
+    def stored(self, tier: str, keys: Sequence[Key], *, put_back: bool = False) -> None:
+        """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
+        eviction that did not happen after all: no longer counted as one)."""
         used = self._used.get(tier)
         if used is None or not keys:
             return
-        for i, n in Counter(map(self._of.get, keys)).items():
+        ids = list(map(self._of.get, keys))
+        first = ids[0]
+        if ids.count(first) == len(ids) and not put_back:  # one tenant's batch: no tally
+            if first is not None:
+                used[first] += len(ids)
+            return
+        lost = self._evicted[tier]
+        for i, n in _tally(ids):
             if i is not None:
                 used[i] += n
+                if put_back:
+                    lost[i] -= n
 
     def left(
         self, tier: str, keys: Sequence[Key], *, evicted: bool = False, by: int | None = None
     ) -> None:
-        """Pages of ``keys`` left ``tier`` (or went MOVING); ``evicted``: by an eviction,
-        counted against their tenants (and as caused by ``by``)."""
+        """Pages of ``keys`` left ``tier`` (or went MOVING: chosen by an eviction);
+        ``evicted``: by an eviction, counted against their tenants (and as caused by
+        ``by``)."""
         used = self._used.get(tier)
         if used is None or not keys:
             return
         lost = self._evicted[tier]
-        for i, n in Counter(map(self._of.get, keys)).items():
-            if i is not None:
-                used[i] -= n
+        ids = list(map(self._of.get, keys))
+        first = ids[0]
+        if ids.count(first) == len(ids):  # one tenant's batch: no tally
+            if first is not None:
+                used[first] -= len(ids)
                 if evicted:
-                    lost[i] += n
+                    lost[first] += len(ids)
+        else:
+            for i, n in _tally(ids):
+                if i is not None:
+                    used[i] -= n
+                    if evicted:
+                        lost[i] += n
         if evicted:
             self.caused(by, len(keys))
 
@@ -260,14 +312,12 @@ class Tenants:
         else:
             self.counters[by].refusals += 1
 
-    def evicted(self, tier: str, keys: Sequence[Key]) -> None:
-        """MOVING pages of ``keys`` left ``tier`` for good (counted when they went MOVING)."""
-        lost = self._evicted.get(tier)
-        if lost is None:
-            return
-        for i, n in Counter(map(self._of.get, keys)).items():
-            if i is not None:
-                lost[i] += n
+    def caused_by(self, keys: Sequence[Key], n: int) -> None:
+        """``n`` evictions were made for the pages of ``keys`` (their maker's)."""
+        of = self._of
+        i = next((i for i in map(of.get, keys) if i is not None), None)
+        if i is not None:
+            self._caused[i] += n
 
     def maker(self, keys: Sequence[Key]) -> int | None:
         """The tenant charged for the first of ``keys`` that has one (the cause of the
@@ -316,9 +366,27 @@ class Tenants:
         k = min(n, min((s for s in spare if s > 0), default=n))
         return k, lambda key: of.get(key) not in low
 
+    def over_limit(self, tier: str) -> bool:
+        """Whether a tenant is over its limit in ``tier`` (rule 1 then picks the victims)."""
+        if not self._limited.get(tier, False):
+            return False
+        return any(u > lim for u, lim in zip(self._used[tier], self._limit[tier]))
+
+    def keeps_reserves(self, tier: str, keys: Sequence[Key], by: int | None, counted: bool) -> bool:
+        """Whether evicting the pages of ``keys`` from ``tier`` leaves every tenant with
+        victims among them (but ``by``, the tenant the room is for) at or above its
+        reservation; ``counted``: the victims are out of the counts already (MOVING)."""
+        if not self._guarded.get(tier, False) or not keys:
+            return True
+        used, res = self._used[tier], self._reserve[tier]
+        for i, n in _tally(list(map(self._of.get, keys))):
+            if i is not None and i != by and (used[i] if counted else used[i] - n) < res[i]:
+                return False
+        return True
+
     def tally(self, keys: Sequence[Key]) -> Counter[int | None]:
         """Victims per tenant (for :meth:`room`'s ``taken``)."""
-        return Counter(map(self._of.get, keys))
+        return Counter(dict(_tally(list(map(self._of.get, keys)))))
 
     # -- figures ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -188,7 +188,6 @@ class TenantTableMachine(RuleBasedStateMachine):
         before = self._used()
         alloc = self.table.prepare_store(keys, "host")
         if alloc is None:
-            self.tenants.drop(keys, self.table.held)
             return
         lost = {self.tenants.charged(k) for k in alloc.evicted} - {None}
         self._check_evictions(before, lost)  # type: ignore[arg-type]
@@ -262,3 +261,18 @@ async def test_the_tenant_metrics_equal_the_stats() -> None:
         assert got == want
         assert want[("tierkv_tenant_prefix_tokens_reused_total", (("tenant", "quiet"),))] == 8
         assert want[("tierkv_tenant_evicted_total", (("tenant", "flood"), ("tier", "host")))] > 0
+
+
+def test_charges_of_pages_no_tier_holds_are_pruned_and_imports_replace_them() -> None:
+    t = Tenants({"x": Quota(), "y": Quota()}, {"host": 1}, {"host": 8})
+    held = {b"k1"}
+    t.bind(lambda keys: [k for k in keys if k in held])
+    t.charge([b"k1", b"k2"], 0)
+    t.charge([b"k1", b"k2"], 1)  # the first maker pays
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", "x")
+    t.charge([b"k1", b"k2"], 1, fresh=True)  # an import: k2 is held nowhere, its charge stale
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", "y")
+    t.prune()
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", None)
+    t.rename([b"k1"], [b"c1"])
+    assert (t.charged(b"k1"), t.charged(b"c1")) == (None, "x")
