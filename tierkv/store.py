@@ -613,12 +613,8 @@ class KVStore:
         raw = check_salt(salt)
         _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace, salt=raw)
         n = self._cached_blocks(keys)
-        if self._chain is not None and n < len(keys):
-            await self._fetch_lower(keys[n:])
-            n = self._cached_blocks(keys)
-        if self.remote is not None and n < len(keys):
-            await self._fetch(keys[n:])
-            n = self._cached_blocks(keys)
+        if (self._chain is not None or self.remote is not None) and n < len(keys):
+            n = await self._import(keys, n, None)
         return n * self.spec.page_tokens
 
     def _tenant(self, name: object) -> int | None:

@@ -116,16 +116,9 @@ class SyncKVStore:
         """See :meth:`KVStore.lookup`."""
         return self.call(lambda: self.store.lookup(tokens, salt=salt))
 
-    def add_sequence(
-        self,
-        seq_id: str,
-        tokens: Sequence[int],
-        *,
-        salt: bytes | str | None = None,
-        tenant: str | None = None,
-    ) -> int:
-        """See :meth:`KVStore.add_sequence`."""
-        return self.run(self.store.add_sequence(seq_id, tokens, salt=salt, tenant=tenant))
+    def add_sequence(self, seq_id: str, tokens: Sequence[int], **options: Any) -> int:
+        """See :meth:`KVStore.add_sequence` (``options``: its ``salt=``, ``tenant=``)."""
+        return self.run(self.store.add_sequence(seq_id, tokens, **options))
 
     def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
         """See :meth:`KVStore.add_tokens`."""

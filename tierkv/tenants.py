@@ -123,7 +123,7 @@ def _tally(got: list[int | None]) -> Iterable[tuple[int | None, int]]:
     n = got.count(first)
     if n == len(got):
         return ((first, n),)
-    return Counter(got).items()
+    return [(i, got.count(i)) for i in set(got)]  # (few tenants: a C-level count each)
 
 
 class Tenants:
@@ -186,6 +186,7 @@ class Tenants:
         self.unattributed_refusals = 0  # refusals of room for pages no tenant is charged for
         # rule 2 is checked only where some tenant reserves pages in the tier
         self._guarded = {t: any(r) for t, r in self._reserve.items()}
+        self._guards = {t: [i for i, x in enumerate(r) if x] for t, r in self._reserve.items()}
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
 
     # -- entry -----------------------------------------------------------------------------
@@ -376,11 +377,13 @@ class Tenants:
         """Whether evicting the pages of ``keys`` from ``tier`` leaves every tenant with
         victims among them (but ``by``, the tenant the room is for) at or above its
         reservation; ``counted``: the victims are out of the counts already (MOVING)."""
-        if not self._guarded.get(tier, False) or not keys:
+        guards = self._guards.get(tier)
+        if not guards or not keys:
             return True
         used, res = self._used[tier], self._reserve[tier]
-        for i, n in _tally(list(map(self._of.get, keys))):
-            if i is not None and i != by and (used[i] if counted else used[i] - n) < res[i]:
+        ids = list(map(self._of.get, keys))
+        for i in guards:  # the tenants with a reservation here: a C-level count each
+            if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < res[i]:
                 return False
         return True
 

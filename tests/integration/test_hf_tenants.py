@@ -9,29 +9,26 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import sys
+from pathlib import Path
+
 import torch
-from transformers import LlamaConfig
 
 import tierkv
 from tierkv.errors import TenantError
-from tierkv.integrations.hf import TieredCache, kv_spec_for
+from tierkv.integrations.hf import TieredCache
 
-CFG = LlamaConfig(
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    hidden_size=64,
-    head_dim=16,
-    vocab_size=32,
-)
-SPEC = kv_spec_for(CFG, torch.float32, 4)
+sys.path.insert(0, str(Path(__file__).parent))
+from test_hf_store import CFG, SPEC
+
+LAYERS = CFG.num_hidden_layers
 PROMPT = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]]
 
 
 def _prefill(cache: TieredCache) -> int:
     reused = cache.set_prompt(PROMPT)
     n = len(PROMPT[0]) - reused
-    for layer in range(2):
+    for layer in range(LAYERS):
         k = torch.ones(1, 2, n, 16) * layer
         cache.layers[layer].update(k, k + 1)
     return reused
@@ -51,8 +48,8 @@ def test_salted_caches_share_only_with_their_salt_and_charge_their_tenant() -> N
         with TieredCache(store=store, salt="a", tenant="a") as again:
             assert _prefill(again) == 8  # two full blocks of its own salt
         tenants = store.call(lambda: store.store.stats()["tenants"])
-        assert tenants["a"]["tiers"]["device"]["pages"] == 4  # 2 blocks x 2 layers, cached
-        assert tenants["b"]["tiers"]["device"]["pages"] == 4
+        assert tenants["a"]["tiers"]["device"]["pages"] == 2 * LAYERS  # 2 blocks, cached
+        assert tenants["b"]["tiers"]["device"]["pages"] == 2 * LAYERS
         assert tenants["a"]["prefix_tokens_reused"] == 16  # the copy's 8 and the last 8
     with pytest.raises(TenantError):
         TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, salt=b"")

@@ -23,15 +23,12 @@ from tierkv.serving import http_status
 from tierkv.tenants import Tenants
 
 sys.path.insert(0, str(Path(__file__).parent))
+import store_kv
 from store_kv import PAGE, SPEC, N, kv, tokens
 
 
 async def fill(s: KVStore, sid: str, seed: int, tenant: str | None) -> None:
-    await s.add_sequence(sid, tokens(seed), tenant=tenant)
-    async with s.lease([sid]) as lease:
-        for layer in range(SPEC.num_layers):
-            await lease.append(sid, layer, *kv(N, seed * 10 + layer))
-    await s.release(sid)
+    await store_kv.fill(s, sid, seed, tenant=tenant)
     await s.drain()
 
 

@@ -16,7 +16,7 @@ from tierkv.keys import page_key, root_key
 from tierkv.prompt import prompt_keys
 
 sys.path.insert(0, str(Path(__file__).parent))
-from store_kv import PAGE, SPEC, N, fill, kv, store, tokens
+from store_kv import PAGE, SPEC, N, fill, store, tokens
 
 # prefix_keys(list(range(32)), 16) before salts existed (tests/tierkv/test_prompt.py too)
 UNSALTED = ["77e6dc863351cc8a13f8e4dfcd2529a4"]
@@ -66,11 +66,7 @@ async def test_a_bad_salt_changes_nothing_in_the_store() -> None:
 
 
 async def fill_salted(s: KVStore, sid: str, seed: int, salt: str | None) -> None:
-    await s.add_sequence(sid, tokens(seed), salt=salt)
-    async with s.lease([sid]) as lease:
-        for layer in range(SPEC.num_layers):
-            await lease.append(sid, layer, *kv(N, seed * 10 + layer))
-    await s.release(sid)
+    await fill(s, sid, seed, salt)
     await s.drain()
 
 
