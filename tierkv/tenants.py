@@ -33,6 +33,9 @@ and leaving (:meth:`Tenants.stored`, :meth:`Tenants.left`) and asks it which pag
 may take (:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages
 it names) with the per-page work in C (``map``, ``Counter``), and a store without tenants has
 none of it (the page table's hook is ``None``).
+
+This file stays whole (just over 400 lines): the charges, the counts and the two rules read
+and change the same per-tenant arrays, and each hook must see the others' bookkeeping.
 """
 
 from __future__ import annotations
