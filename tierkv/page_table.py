@@ -184,6 +184,8 @@ class PageTable:
         self._events: list[PageEvent] = []
         self.sums = PageSums({t: tiers[t] for t in encoded})
         self._acc = tenants
+        self._by: int | None = None  # during prepare_evict: the tenant the room is for
+        self._broke = False  # a pick of it left a tenant below its reservation
         if tenants is not None:
             tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
         self._blocked: set[str] = set()  # tiers whose last eviction the quotas cut short
@@ -639,13 +641,14 @@ class PageTable:
         n = min(n, evictable)
         acc = self._acc
         if acc is not None and n:
-            if acc.active(tier):
-                out = self._quota_evict(t, n, exact, keep, keep_order, acc, for_keys)
-            else:
-                out = self._prepare_evict(t, n, keep, keep_order)
-            if out and for_keys:
-                acc.caused_by(for_keys, len(out))
-            return out
+            # the tenant the room is for: its evictions' cause (read by _pick's count)
+            self._by = acc.maker(for_keys) if for_keys else None
+            try:
+                if acc.active(tier):
+                    return self._quota_evict(t, n, exact, keep, keep_order, acc)
+                return self._prepare_evict(t, n, keep, keep_order)
+            finally:
+                self._by = None
         return self._prepare_evict(t, n, keep, keep_order)
 
     def _prepare_evict(
@@ -681,17 +684,17 @@ class PageTable:
         keep: Collection[Key] | None,
         keep_order: Sequence[Key] | None,
         acc: Tenants,
-        for_keys: Sequence[Key],
     ) -> list[tuple[Key, int]]:
         """:meth:`prepare_evict` within the tenants' quotas: passes of rule 1, then rule 2
         (:meth:`Tenants.room`), each taking pages nobody keeps first; all or nothing with
         ``exact``."""
         out: list[tuple[Key, int]] = []
         none: Counter[int | None] = Counter()  # (victims are counted as they go MOVING)
-        by = acc.maker(for_keys) if for_keys else None
+        by = self._by
         if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+            self._broke = False
             out = self._prepare_evict(t, n, keep, keep_order)
-            if not acc.keeps_reserves(t.name, [key for key, _ in out], by, counted=True):
+            if self._broke:  # (counted as it went MOVING: _pick)
                 self.complete_evict([key for key, _ in out], t.name, ok=False)
                 out = []
             elif len(out) == n:
@@ -779,8 +782,10 @@ class PageTable:
             state[s] = _MOVING
         t.unevictable += len(out)
         t.moving += len(out)
-        if self._acc is not None:  # MOVING pages are no tenant's any more (until put back)
-            self._acc.left(t.name, keys, evicted=True)  # (undone if they are put back)
+        # MOVING pages are no tenant's any more (undone if put back); a reservation that
+        # this left broken is said in _broke
+        if self._acc is not None and self._acc.left(t.name, keys, evicted=True, by=self._by):
+            self._broke = True
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow)
         return out
@@ -809,7 +814,7 @@ class PageTable:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
             if self._acc is not None:
-                self._acc.stored(tier, keys, put_back=True)
+                self._acc.stored(tier, keys, put_back=True, by=self._by)
             for s in slots:
                 t.state[s] = _READABLE
             # in the order they were chosen (``undo`` keeps it), so that each lands where it was

@@ -258,9 +258,12 @@ class Tenants:
             of.update(zip(new, cast("list[int]", got)))
 
     # -- the page table's hooks --------------------------------------------------------------
-    def stored(self, tier: str, keys: Sequence[Key], *, put_back: bool = False) -> None:
+    def stored(
+        self, tier: str, keys: Sequence[Key], *, put_back: bool = False, by: int | None = None
+    ) -> None:
         """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
-        eviction that did not happen after all: no longer counted as one)."""
+        eviction that did not happen after all, made for ``by``'s pages: no longer counted
+        as one)."""
         used = self._used.get(tier)
         if used is None or not keys:
             return
@@ -276,32 +279,39 @@ class Tenants:
                 used[i] += n
                 if put_back:
                     lost[i] -= n
+        if put_back and by is not None:
+            self._caused[by] -= len(keys)
 
     def left(
         self, tier: str, keys: Sequence[Key], *, evicted: bool = False, by: int | None = None
-    ) -> None:
+    ) -> bool:
         """Pages of ``keys`` left ``tier`` (or went MOVING: chosen by an eviction);
         ``evicted``: by an eviction, counted against their tenants (and as caused by
-        ``by``)."""
+        ``by``). Returns True when an eviction left a tenant with pages among them (but
+        ``by``, whose own pages may go for its own) below its reservation: rule 2 broken,
+        the caller puts them back."""
         used = self._used.get(tier)
         if used is None or not keys:
-            return
-        lost = self._evicted[tier]
+            return False
         ids = list(map(self._of.get, keys))
         first = ids[0]
-        if ids.count(first) == len(ids):  # one tenant's batch: no tally
-            if first is not None:
-                used[first] -= len(ids)
-                if evicted:
-                    lost[first] += len(ids)
-        else:
-            for i, n in _tally(ids):
+        one = ids.count(first) == len(ids)
+        counts = ((first, len(ids)),) if one else _tally(ids)
+        broke = False
+        if evicted:
+            lost, res = self._evicted[tier], self._reserve[tier]
+            for i, n in counts:
                 if i is not None:
                     used[i] -= n
-                    if evicted:
-                        lost[i] += n
-        if evicted:
-            self.caused(by, len(keys))
+                    lost[i] += n
+                    broke = broke or (i != by and used[i] < res[i])
+            if by is not None:
+                self._caused[by] += len(keys)
+        else:
+            for i, n in counts:
+                if i is not None:
+                    used[i] -= n
+        return broke
 
     def caused(self, by: int | None, n: int) -> None:
         """``n`` evictions were made for tenant ``by``'s pages (None: nobody's)."""
@@ -315,13 +325,6 @@ class Tenants:
             self.unattributed_refusals += 1
         else:
             self.counters[by].refusals += 1
-
-    def caused_by(self, keys: Sequence[Key], n: int) -> None:
-        """``n`` evictions were made for the pages of ``keys`` (their maker's)."""
-        of = self._of
-        i = next((i for i in map(of.get, keys) if i is not None), None)
-        if i is not None:
-            self._caused[i] += n
 
     def maker(self, keys: Sequence[Key]) -> int | None:
         """The tenant charged for the first of ``keys`` that has one (the cause of the
