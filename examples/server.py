@@ -14,13 +14,18 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 true`` answers server-sent events ending with ``data: [DONE]``), ``GET /health``, ``GET /metrics``
 and ``GET /stats`` (the engine's and the store's figures as JSON). Request fields: ``model``,
 ``prompt`` (text, or token ids) or ``messages``, ``max_tokens``, ``temperature`` (0 = greedy;
-default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``.
+default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``stream``,
+``cache_salt`` (as vLLM's: a string of 1-256 bytes; the request reuses and shares cached
+prefixes only with requests of the same salt, in every tier; docs/security.md, "Tenants"),
+``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
+instead: ``Authorization: Bearer KEY``, 401 without a known key).
 ``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 body (not JSON, a wrong field, a prompt longer than the context or the device tier), 404 for an
-unknown model or route, 405, 413 for a body over ``--max-body-mb``, 503 when a request's step
-failed in the store; a streamed request that fails sends an ``error`` event and ends.
+unknown model or route, 405, 413 for a body over ``--max-body-mb``, 429 when the store has no
+room within the tenants' quotas, 503 when a request's step failed in the store; a streamed
+request that fails sends an ``error`` event and ends.
 
 The cold pool is off by default (``--codec none``): a cached prefix compressed with a lossy codec
 comes back approximately, and a warm request's tokens would then differ from a cold computation.
@@ -33,7 +38,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -49,7 +54,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from tierkv import metrics
 from tierkv.demo.model import ModelConfig
-from tierkv.errors import TierKVError
+from tierkv.errors import TenantError, TierKVError
 from tierkv.serving import (
     Engine,
     EngineConfig,
@@ -61,6 +66,8 @@ from tierkv.serving import (
     http_status,
     load_model,
 )
+from tierkv.tenant_names import check_salt
+from tierkv.tenants import Quota
 
 
 @dataclass(frozen=True)
@@ -68,8 +75,10 @@ class ServerConfig:
     """What the server is built from.
 
     ``model``: ``"smollm2"`` or ``"tiny"`` (``tiny`` sizes its random decoder by ``tiny``);
-    ``engine``: the :class:`~tierkv.serving.EngineConfig`; ``max_tokens``: the largest
-    ``max_tokens`` a request may ask (its default is 16, OpenAI's).
+    ``engine``: the :class:`~tierkv.serving.EngineConfig` (its ``tenants``: the store's
+    tenants and quotas); ``max_tokens``: the largest ``max_tokens`` a request may ask (its
+    default is 16, OpenAI's); ``api_keys``: API key -> tenant (given, every request needs a
+    known key, and the key names its tenant).
     """
 
     model: str = "tiny"
@@ -78,6 +87,7 @@ class ServerConfig:
     max_tokens: int = 1024
     max_body: int = 4 << 20
     trace: str | None = None
+    api_keys: Mapping[str, str] = field(default_factory=dict)
 
 
 class ApiError(Exception):
@@ -148,6 +158,8 @@ class Job:
     params: SamplingParams
     stream: bool
     chat: bool
+    salt: bytes | None = None
+    tenant: str | None = None
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any) -> Any:
@@ -210,6 +222,7 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
     top_p = float(_field(body, "top_p", (int, float), 1.0))
     seed = _field(body, "seed", int, None)
     stream = _field(body, "stream", bool, False)
+    salt = _salt(body)
     n = _field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, "only n = 1 is supported", param="n")
@@ -236,7 +249,43 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
         raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
     except TierKVError as exc:  # a bad sampling parameter (InvalidInputError: 400)
         raise ApiError.of(exc) from None
-    return Job(prompt, params, stream, chat)
+    return Job(prompt, params, stream, chat, salt)
+
+
+def _tenant(request: web.Request, body: dict[str, Any], served: Served) -> str | None:
+    """The request's tenant: its API key's (when the server has keys: 401 without a known
+    one), else its ``tenant`` field, checked against the store's tenants (400)."""
+    keys = served.cfg.api_keys
+    if keys:
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else ""
+        tenant = keys.get(key) if key else None
+        if tenant is None:
+            raise ApiError(401, "a known API key is required", code="invalid_api_key")
+        return tenant
+    raw = body.get("tenant")
+    if raw is None:
+        return None
+    tenants = served.engine.store.tenants
+    if not isinstance(raw, str) or tenants is None or raw not in tenants.index:
+        raise ApiError(400, f"unknown tenant {raw!r}", param="tenant", code="unknown_tenant")
+    return raw
+
+
+def _salt(body: dict[str, Any]) -> bytes | None:
+    """The request's ``cache_salt`` (a string, as vLLM takes it), checked. Raises ApiError
+    (400)."""
+    raw = body.get("cache_salt")
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ApiError(
+            400, "'cache_salt' must be a string", param="cache_salt", code="invalid_type"
+        )
+    try:
+        return check_salt(raw)
+    except TenantError as exc:
+        raise ApiError(400, f"bad 'cache_salt': {exc}", param="cache_salt") from None
 
 
 async def _body(request: web.Request) -> Any:
@@ -265,7 +314,7 @@ async def run_job(served: Served, job: Job, res: Result, sm: _ServerMetrics) -> 
     engine, tok = served.engine, served.tokenizer
     text = StopText(tok.decode, job.params.stop)
     t0 = time.perf_counter()
-    agen = engine.generate(job.prompt, job.params)
+    agen = engine.generate(job.prompt, job.params, salt=job.salt, tenant=job.tenant)
     try:
         async for ev in agen:
             if res.ttft is None:
@@ -317,7 +366,9 @@ def _choice(job: Job, text: str, finish: str | None, delta: bool) -> dict[str, A
 async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
     app = request.app
     served, sm = app[SERVED], app[SERVER_METRICS]
-    job = parse_job(await _body(request), served, chat)
+    body = await _body(request)
+    job = parse_job(body, served, chat)
+    job.tenant = _tenant(request, body, served)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "created": int(time.time()), "model": served.name}
@@ -561,11 +612,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
+    p.add_argument(
+        "--tenants",
+        metavar="FILE.json",
+        help='tenants: {"tenants": {name: {quota fields}}, "api_keys": {key: name}}',
+    )
     return p
 
 
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
+    quotas, keys = tenant_options(a.tenants)
     engine = replace(
         EngineConfig(),
         max_running=a.max_running,
@@ -576,6 +633,7 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         host_bytes=None if a.host_mb is None else int(a.host_mb * (1 << 20)),
         prefix_reuse=not a.no_prefix_reuse,
         codec=None if a.codec == "none" else a.codec,
+        tenants=quotas or None,
     )
     return ServerConfig(
         model=a.model,
@@ -583,7 +641,28 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         max_tokens=a.max_tokens,
         max_body=int(a.max_body_mb * (1 << 20)),
         trace=a.trace,
+        api_keys=keys,
     )
+
+
+def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
+    """The quotas and API keys of a ``--tenants`` file: ``{"tenants": {name:
+    {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
+    keys' tenants must be among the names). Raises SystemExit with the reason for a bad
+    file."""
+    if path is None:
+        return {}, {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        quotas = {name: Quota(**q) for name, q in doc.get("tenants", {}).items()}
+        keys = {str(k): str(v) for k, v in doc.get("api_keys", {}).items()}
+    except (OSError, ValueError, TypeError, AttributeError, TierKVError) as exc:
+        raise SystemExit(f"--tenants {path}: {exc}") from None
+    unknown = sorted(set(keys.values()) - set(quotas))
+    if unknown:
+        raise SystemExit(f"--tenants {path}: API keys name unknown tenants {unknown}")
+    return quotas, keys
 
 
 def main() -> None:

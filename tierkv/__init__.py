@@ -43,6 +43,9 @@ _LAZY = {
     "StoreClosedError": "tierkv.errors",
     "StoreTimeoutError": "tierkv.errors",
     "TenantError": "tierkv.errors",
+    "QuotaConfigError": "tierkv.errors",
+    "QuotaExceededError": "tierkv.errors",
+    "Quota": "tierkv.tenants",
     "TierConfigError": "tierkv.errors",
     "TierFullError": "tierkv.errors",
     "TierKVError": "tierkv.errors",
@@ -78,6 +81,8 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
         InvalidTypeError,
         PageStateError,
         PageTableError,
+        QuotaConfigError,
+        QuotaExceededError,
         SequenceError,
         SpecError,
         StoreClosedError,
@@ -107,6 +112,7 @@ if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
     from tierkv.spec import KVSpec
     from tierkv.store import KVStore
     from tierkv.sync import SyncKVStore
+    from tierkv.tenants import Quota
 
 # What a user of the store needs. The rest stays importable from its module: the key helpers
 # from tierkv.keys, the page table's events and allocations from tierkv.page_table, every error
@@ -133,6 +139,9 @@ __all__ = [
     "PageStateError",
     "PageTable",
     "PageTableError",
+    "Quota",
+    "QuotaConfigError",
+    "QuotaExceededError",
     "Remote",
     "SequenceError",
     "SpecError",

@@ -66,7 +66,7 @@ class DeviceLoads:
             keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
             if not keys:
                 return []
-            if not await self._evict.make_room(len(keys), deadline):
+            if not await self._evict.make_room(len(keys), deadline, keys):
                 return None
             keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
             alloc = table.prepare_store(keys, DEVICE)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from tierkv.core_context import CoreContext
-from tierkv.errors import StoreTimeoutError, TierFullError, TierKVError
+from tierkv.errors import QuotaExceededError, StoreTimeoutError, TierFullError, TierKVError
 from tierkv.eviction import DeviceEviction
 from tierkv.keys import PageKey
 from tierkv.page_table import PageState
@@ -68,6 +68,11 @@ class DeviceRoom:
         free = t.capacity(DEVICE) - t.used(DEVICE)
         pinned = t.used(DEVICE) - t.evictable(DEVICE)
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
+        if self._table.quota_blocked(DEVICE):
+            return QuotaExceededError(
+                f"{self._leased} tier: no room for {n} pages{after} without taking pages of a "
+                f"tenant at its reservation ({free} free, {pinned} pinned or in flight)"
+            )
         return TierFullError(
             f"{self._leased} tier full{after}: {n} pages needed, {free} free, {pinned} pinned "
             f"or in flight (capacity {t.capacity(DEVICE)} pages of {self._spec.page_bytes} B)"

@@ -26,8 +26,10 @@
      │    │    ├── TierOrderError               tiers out of order, twice, or a combination
      │    │    │                                the core cannot run (no tier for leases)
      │    │    ├── TierSizeError                a tier that holds no page (also a SpecError)
-     │    │    └── TierConflictError            ``tiers=`` and an old keyword argument of the
-     │    │                                     same tier (``host_bytes=``...) both given
+     │    │    ├── TierConflictError            ``tiers=`` and an old keyword argument of the
+     │    │    │                                same tier (``host_bytes=``...) both given
+     │    │    └── QuotaConfigError             tenants' quotas that do not add up (reservations
+     │    │                                     over a tier's capacity, reserve > limit)
      │    └── TenantError                       a bad tenant name or cache salt
      │         │                                (:mod:`tierkv.tenant_names`)
      │         └── UnknownTenantError           a tenant nobody configured (also an
@@ -37,6 +39,8 @@
      │    ├── PageStateError                    a page in the wrong state (double complete, ...)
      │    └── PinError                          unpinning a page that is not pinned
      ├── TierFullError                         no room: every page is pinned or moving
+     │    └── QuotaExceededError               no room without breaking a tenant's quota
+     │                                         (:mod:`tierkv.tenants`; HTTP 429)
      ├── StoreClosedError                      use of a store after close()
      ├── SequenceError (also KeyError)         an unknown or already released sequence
      ├── EngineError                           the runtime underneath failed (see __cause__)
@@ -143,8 +147,24 @@ class PinError(PageTableError):
     """A pin count would go negative: the page was not pinned."""
 
 
+class QuotaConfigError(TierConfigError):
+    """Tenants' quotas that cannot hold (:mod:`tierkv.tenants`): reservations summing over a
+    tier's capacity, a reservation above its limit, a quota for a tier the store lacks.
+    Raised at construction; nothing is allocated."""
+
+
 class TierFullError(TierKVError):
     """A tier has no room because every page in it is pinned or moving."""
+
+
+class QuotaExceededError(TierFullError):
+    """No room in a tier without taking a page of a tenant at or below its reservation
+    (:mod:`tierkv.tenants`): the admission refused. ``tenant``: the tenant whose pages were
+    refused, where one is known."""
+
+    def __init__(self, msg: str, *, tenant: str | None = None) -> None:
+        super().__init__(msg)
+        self.tenant = tenant
 
 
 class StoreClosedError(TierKVError):

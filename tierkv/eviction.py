@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import cast
 
 from tierkv.core_context import CoreContext
-from tierkv.errors import StoreTimeoutError, TierFullError
+from tierkv.errors import QuotaExceededError, StoreTimeoutError, TierFullError
 from tierkv.jobs import job_done, when_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
@@ -74,11 +74,12 @@ class DeviceEviction:
         """The keys (in order) that some lower tier holds readable."""
         return cast(list[PageKey], self._table.readable(keys, self._lower)) if keys else []
 
-    async def make_room(self, n: int, deadline: float) -> bool:
+    async def make_room(self, n: int, deadline: float, for_keys: Sequence[PageKey] = ()) -> bool:
         """Free ``n`` device slots: victims by policy, written back when needed, then dropped.
         Returns False when too few pages are evictable now (nothing changed) or some victims'
         host copies were busy (those stay; :attr:`lower_busy`): the caller waits for a change
-        outside the device lock, so a lease that holds pins can still append.
+        outside the device lock, so a lease that holds pins can still append. ``for_keys``:
+        the pages the room is for (their tenant's quotas; see :mod:`tierkv.tenants`).
         Raises StoreTimeoutError when a write-back does not end by ``deadline`` (loop time; the
         eviction then ends on its own when the copy does)."""
         table = self._table
@@ -93,7 +94,12 @@ class DeviceEviction:
         victims = cast(
             list[tuple[PageKey, int]],
             table.prepare_evict(
-                DEVICE, n - free, exact=True, keep=self.soon, keep_order=self.soon_order
+                DEVICE,
+                n - free,
+                exact=True,
+                keep=self.soon,
+                keep_order=self.soon_order,
+                for_keys=for_keys,
             ),
         )
         if not victims:
@@ -164,7 +170,7 @@ class DeviceEviction:
                 return []
             table.prepare_load(present, HOST)  # held for the copy: never a victim meanwhile
         try:
-            await self._host.make_room(len(keys) - len(present))
+            await self._host.make_room(len(keys) - len(present), for_keys=keys)
             return await self._copy_down(victims, present)
         finally:
             if present:
@@ -178,6 +184,11 @@ class DeviceEviction:
         table = self._table
         keys = [k for k, _ in victims]
         alloc = table.prepare_store(keys, HOST)
+        if alloc is None and table.quota_blocked(HOST):
+            raise QuotaExceededError(
+                f"host tier: no room to write {len(keys)} pages back without taking pages of "
+                "a tenant at its reservation"
+            )
         if alloc is None:
             raise TierFullError(
                 f"host tier full: {len(keys)} pages to write back, every host page is owned"

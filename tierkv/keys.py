@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv.errors import SpecError
+from tierkv.tenant_names import check_salt
 from tierkv.validate import TOKEN_ID_LIMIT
 
 KEY_BYTES = 16
@@ -44,6 +45,7 @@ _DOMAIN = b"tierkv/page-key/v1"
 _PERSON = b"tierkv-key-v1"
 _KEY_LEN = KEY_BYTES.to_bytes(8, "little")
 _NO_EXTRA = (0).to_bytes(8, "little")
+_SALT = b"salt"  # (a root with a salt hashes four parts, one without two: never the same)
 
 PageKey = bytes
 """A page key: exactly 16 bytes."""
@@ -82,13 +84,20 @@ def _digest(*parts: bytes) -> bytes:
     return bytes(out)
 
 
-def root_key(namespace: Any = None) -> PageKey:
-    """The parent key of a sequence's first block, derived from a namespace.
+def root_key(namespace: Any = None, salt: bytes | None = None) -> PageKey:
+    """The parent key of a sequence's first block, derived from a namespace and a salt.
 
     ``namespace`` is anything msgpack can encode (a model id string, a tuple of model and adapter
     ids...). Different namespaces never share pages.
+
+    ``salt``: a cache salt already checked (:func:`tierkv.tenant_names.check_salt`: bytes, or
+    None). It is mixed into the root, so into every block key chained on it: two salts (or a
+    salt and none) never share a page in any tier. ``None`` gives exactly the unsalted keys.
     """
-    return _digest(_DOMAIN, msgpack.packb(namespace, use_bin_type=True))
+    ns = msgpack.packb(namespace, use_bin_type=True)
+    if salt is None:
+        return _digest(_DOMAIN, ns)
+    return _digest(_DOMAIN, ns, _SALT, salt)
 
 
 def block_key(parent: PageKey, tokens: Any, extra: Any = None) -> PageKey:
@@ -108,6 +117,8 @@ def prefix_keys(
     page_tokens: int,
     namespace: Any = None,
     extras: Iterable[Any] | None = None,
+    *,
+    salt: bytes | str | None = None,
 ) -> list[PageKey]:
     """Content keys of every *full* block of ``tokens`` (a trailing partial block gets none).
 
@@ -116,18 +127,21 @@ def prefix_keys(
         page_tokens: tokens per block.
         namespace: see :func:`root_key`.
         extras: optional per-block extra keys (one item per full block).
+        salt: a cache salt (str or bytes, checked by
+            :func:`tierkv.tenant_names.check_salt`; see :func:`root_key`).
     """
+    root = root_key(namespace, check_salt(salt))
     if page_tokens <= 0:
         raise SpecError(f"page_tokens must be positive, got {page_tokens}")
     arr = _token_ids(tokens)
     n_full = len(arr) // page_tokens
     if extras is None:
-        return chain_keys(root_key(namespace), arr, page_tokens)
+        return chain_keys(root, arr, page_tokens)
     extra_list = list(extras)
     if len(extra_list) < n_full:
         raise SpecError(f"{len(extra_list)} extra keys for {n_full} full blocks")
     keys: list[PageKey] = []
-    parent = root_key(namespace)
+    parent = root
     for i in range(n_full):
         parent = block_key(parent, arr[i * page_tokens : (i + 1) * page_tokens], extra_list[i])
         keys.append(parent)
@@ -169,6 +183,7 @@ def unpublished_keys(
     shared: Sequence[int],
     block_tokens: Callable[[int], Any],
     full_blocks: int,
+    salt: bytes | None = None,
 ) -> Iterator[tuple[int, PageKey]]:
     """``(index, content key)`` of each of a live sequence's first ``full_blocks`` blocks that
     has no content key yet (``shared[index]`` false), in order, each chained on the content
@@ -178,9 +193,9 @@ def unpublished_keys(
     further block.
 
     ``block_tokens(i)``: the token ids of block ``i`` (an ``array('q')``, a list or a 1-D
-    integer array).
+    integer array). ``salt``: the sequence's checked salt (see :func:`root_key`).
     """
-    parent = root_key(namespace)
+    parent = root_key(namespace, salt)
     for i in range(min(len(shared), full_blocks)):
         if shared[i]:
             parent = blocks[i]

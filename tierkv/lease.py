@@ -350,6 +350,8 @@ class Lease:
             while seq.num_blocks < need:  # (extra private blocks left by a failure are harmless)
                 seq.append_block(seq.private_block(seq.num_blocks), shared=False)
             new = [page_key(seq.block(b), layer) for b in range(have, need)]
+            if new and store.tenants is not None:  # its tenant pays for the pages it makes
+                store.tenants.charge(new, seq.tenant, new=True)  # (its private pages)
             if new:
                 mine = len(self._pins)  # distinct: acquired once each, new pages are new
                 try:

@@ -10,6 +10,7 @@ from tierkv.admission import Admission
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
+from tierkv.tenants import Tenants
 from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import TurnBudget
@@ -25,6 +26,7 @@ class LeaseHost(Protocol):
     counters: StoreCounters
     timeline: Timeline
     turns: TurnBudget
+    tenants: Tenants | None  # charged for the pages sequences make (tierkv.tenants)
 
     @property
     def closed(self) -> bool:

@@ -174,18 +174,20 @@ class ColdStorage:
         n: int,
         keep: Collection[PageKey] | None = None,
         keep_order: Sequence[PageKey] | None = None,
+        for_keys: Sequence[PageKey] = (),
     ) -> None:
         """Free ``n`` host slots (the leased tier's in a store without a host tier): unowned
         victims are offered to the remote tier, then compressed into cold, or dropped. Fewer
         when too few are evictable (the reservation that follows reports the tier as full).
-        ``keep`` / ``keep_order``: pages taken last (``PageTable.prepare_evict``)."""
+        ``keep`` / ``keep_order``: pages taken last; ``for_keys``: the pages the room is for
+        (``PageTable.prepare_evict``)."""
         table, top = self._table, self._ctx.top
         free = table.capacity(top) - table.used(top)
         if free >= n:
             return
         victims = cast(
             list[tuple[PageKey, int]],
-            table.prepare_evict(top, n - free, keep=keep, keep_order=keep_order),
+            table.prepare_evict(top, n - free, keep=keep, keep_order=keep_order, for_keys=for_keys),
         )
         if not victims:
             return

@@ -263,6 +263,25 @@ class StoreCollector(_Families):
         disk = s.get("disk")
         if disk is not None:
             yield from self._disk(disk)
+        tenants = s.get("tenants")
+        if tenants is not None:
+            yield from self._tenants(tenants)
+
+    def _tenants(self, tenants: Mapping[str, Any]) -> Iterator[Metric]:
+        """Per tenant (label ``tenant``; ``tier`` too where per tier): hits, refusals,
+        evictions caused and suffered, bytes held, quotas (``stats()["tenants"]``)."""
+        const = self._labels
+        for key, doc in _TENANT_COUNTERS.items():
+            fam = CounterMetricFamily(PREFIX + "tenant_" + key, doc, labels=[*const, "tenant"])
+            for name, fig in tenants.items():
+                fam.add_metric([*const.values(), name], float(fig[key]))
+            yield fam
+        for key, kind, doc in _TENANT_TIERS:
+            per_tier = kind(PREFIX + "tenant_" + key, doc, labels=[*const, "tenant", "tier"])
+            for name, fig in tenants.items():
+                for tier, t in fig["tiers"].items():
+                    per_tier.add_metric([*const.values(), name, tier], float(t[key]))
+            yield per_tier
 
     def _disk(self, disk: Mapping[str, Any]) -> Iterator[Metric]:
         """The store's disk tier: hits, bytes, latency, corrupt pages, failed writes, I/O mode."""
@@ -441,6 +460,19 @@ class PageServerCollector(_Families):
 
 
 _registries: weakref.WeakKeyDictionary[Any, CollectorRegistry] = weakref.WeakKeyDictionary()
+
+
+_TENANT_COUNTERS = {
+    "sequences": "Sequences a tenant added",
+    "prompt_tokens": "Prompt tokens of a tenant's sequences",
+    "prefix_tokens_reused": "Prompt tokens of a tenant's sequences whose KV was cached (hits)",
+    "refusals": "Evictions for a tenant's pages that found too few pages within the quotas",
+    "evictions_caused": "Pages evicted to make room for a tenant's pages",
+}
+_TENANT_TIERS = (
+    ("bytes", GaugeMetricFamily, "Bytes of a tier's pages charged to a tenant"),
+    ("evicted", CounterMetricFamily, "A tenant's pages evicted from a tier (suffered)"),
+)
 
 
 def registry(source: KVStore | PageServer) -> CollectorRegistry:

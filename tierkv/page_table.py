@@ -37,12 +37,14 @@ of state, pins and slots is here, where :meth:`PageTable.check` can be read agai
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
 from itertools import compress
 from operator import itemgetter, not_
+from typing import TYPE_CHECKING
 
 from tierkv.errors import (
     InvalidInputError,
@@ -54,6 +56,9 @@ from tierkv.errors import (
 from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
+
+if TYPE_CHECKING:
+    from tierkv.tenants import Tenants
 
 
 class PageState(IntEnum):
@@ -145,6 +150,10 @@ class PageTable:
         record_events: keep stored/evicted events for :meth:`take_events`.
         encoded: tiers whose copies are encoded (cold): :attr:`sums` keeps a checksum of the
             payload in each of their slots.
+        tenants: the tenants' accounting (:class:`tierkv.tenants.Tenants`): told of every page
+            arriving and leaving, asked which pages each eviction may take (their quotas); an
+            eviction that cannot free its room within them takes nothing (see
+            :meth:`quota_blocked`).
 
     Pages' checksums (:attr:`sums`, a :class:`~tierkv.page_sums.PageSums`) are this table's: a
     page's goes when the page leaves its last tier, and follows it through :meth:`rekey`.
@@ -161,6 +170,7 @@ class PageTable:
         *,
         record_events: bool = True,
         encoded: Collection[str] = (),
+        tenants: Tenants | None = None,
     ) -> None:
         if not tiers:
             raise InvalidInputError("a page table needs at least one tier")
@@ -173,6 +183,12 @@ class PageTable:
         self._record = record_events
         self._events: list[PageEvent] = []
         self.sums = PageSums({t: tiers[t] for t in encoded})
+        self._acc = tenants
+        self._by: int | None = None  # during prepare_evict: the tenant the room is for
+        self._broke = False  # a pick of it left a tenant below its reservation
+        if tenants is not None:
+            tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
+        self._blocked: set[str] = set()  # tiers whose last eviction the quotas cut short
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -437,7 +453,12 @@ class PageTable:
                 return None
         evicted: list[Key] = []
         if need > 0:
-            evicted = self._evict(t, need, present)
+            got = self._evict(t, need, present, new)
+            if got is None:  # no room within the tenants' quotas: nothing changed
+                if t.admits:
+                    t.policy.end_batch()
+                return None
+            evicted = got
             if self._record:
                 self._events.append(PageEvent("evicted", tier, tuple(evicted)))
         cut = len(free) - len(new)
@@ -450,25 +471,101 @@ class PageTable:
             key_of[s] = k
         t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
+        if self._acc is not None:
+            self._acc.stored(tier, new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
 
-    def _evict(self, t: _Tier, n: int, present: list[Key]) -> list[Key]:
-        """Evict ``n`` pages by policy (never those of ``present``); their slots go free."""
+    def _evict(
+        self, t: _Tier, n: int, present: list[Key], new: Sequence[Key] = ()
+    ) -> list[Key] | None:
+        """Evict ``n`` pages by policy (never those of ``present``); their slots go free.
+        None (nothing changed) when the tenants' quotas leave fewer than ``n`` to take."""
         slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
         can_evict: CanEvictSlot | None = None  # None: nothing pinned, moving or protected
+        keep: set[int] = set()
         if present:
             keep = set(self._slots(t, present))
             can_evict = lambda s: not pins[s] and state[s] == _READABLE and s not in keep  # noqa: E731
         elif t.unevictable:
             can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
-        slots = t.policy.evict_slots(n, can_evict)
+        acc = self._acc
+        if acc is not None and acc.active(t.name):
+            got = self._quota_victims(t, n, keep, acc, new)
+            if got is None:
+                return None
+            slots = got
+        else:
+            slots = t.policy.evict_slots(n, can_evict)
         evicted = [key_of[s] for s in slots]
         self._check_victims(t, n, slots, evicted)
         for k in evicted:
             del slot_of[k]
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
+        if acc is not None:
+            acc.left(t.name, evicted, evicted=True, by=acc.maker(new))
         self._forget(evicted)
         return evicted
+
+    def _quota_victims(
+        self, t: _Tier, n: int, keep: set[int], acc: Tenants, new: Sequence[Key]
+    ) -> list[int] | None:
+        """``n`` victim slots by policy within the tenants' quotas (rule 1, then rule 2 of
+        :mod:`tierkv.tenants`), taken from the policy but not yet from the table; None (the
+        policy's state put back) when there are fewer."""
+        pins, state, key_of = t.pins, t.state, t.key_of
+        by = acc.maker(new)
+        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+
+            def free(s: int) -> bool:
+                return not pins[s] and state[s] == _READABLE and s not in keep
+
+            slots = t.policy.evict_slots(n, free if t.unevictable or keep else None)
+            keys = [key_of[s] for s in slots]
+            if len(slots) == n and acc.keeps_reserves(t.name, keys, by, counted=False):
+                self._blocked.discard(t.name)
+                return slots
+            if slots:  # it would take a tenant below its reservation: put back, pick by rule
+                t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
+        passes: list[tuple[list[int], list[object]]] = []
+        taken: Counter[int | None] = Counter()
+        got_n = 0
+        for over in (True, False):
+            while got_n < n:
+                ask = acc.room(t.name, n - got_n, over, taken, by)
+                if ask is None:
+                    break
+                k, allow = ask
+
+                def ok(s: int, allow: Callable[[Key], bool] | None = allow) -> bool:
+                    return (
+                        not pins[s]
+                        and state[s] == _READABLE
+                        and s not in keep
+                        and (allow is None or allow(key_of[s]))
+                    )
+
+                slots = t.policy.evict_slots(k, ok)
+                keys = [key_of[s] for s in slots]
+                passes.append((slots, t.policy.evicted_state_slots(slots, keys)))
+                taken.update(acc.tally(keys))
+                got_n += len(slots)
+                if len(slots) < k:
+                    break
+        if got_n < n:
+            for slots, states in reversed(passes):  # the policy's state as it was
+                if slots:
+                    t.policy.restore_slots(slots, [key_of[s] for s in slots], states)
+            self._blocked.add(t.name)
+            acc.blocked(by)
+            return None
+        self._blocked.discard(t.name)
+        return [s for slots, _ in passes for s in slots]
+
+    def quota_blocked(self, tier: str) -> bool:
+        """Whether the last eviction from ``tier`` that the tenants' quotas constrained found
+        too few pages within them (an admission then waits or refuses with
+        QuotaExceededError)."""
+        return tier in self._blocked
 
     @staticmethod
     def _check_victims(t: _Tier, n: int, slots: list[int], keys: list[Key]) -> None:
@@ -519,6 +616,7 @@ class PageTable:
         exact: bool = False,
         keep: Collection[Key] | None = None,
         keep_order: Sequence[Key] | None = None,
+        for_keys: Sequence[Key] = (),
     ) -> list[tuple[Key, int]]:
         """Choose up to ``n`` victims by policy and mark them MOVING; returns (key, slot) pairs.
 
@@ -527,7 +625,8 @@ class PageTable:
         ``keep``: pages to evict only when no other page can go (for example the pages of the
         steps a server announced: the schedule outranks the policy); the policy ranks them
         among themselves, unless ``keep_order`` lists them soonest needed first: then the
-        last of it goes first.
+        last of it goes first. ``for_keys``: the pages the room is for (their tenant is the
+        cause of the evictions and of a refusal, under tenants' quotas).
 
         Raises:
             InvalidInputError: ``n`` is negative (a ValueError).
@@ -540,20 +639,86 @@ class PageTable:
         if exact and n > evictable:
             return []
         n = min(n, evictable)
+        acc = self._acc
+        if acc is not None and n:
+            # the tenant the room is for: its evictions' cause (read by _pick's count)
+            self._by = acc.maker(for_keys) if for_keys else None
+            try:
+                if acc.active(tier):
+                    return self._quota_evict(t, n, exact, keep, keep_order, acc)
+                return self._prepare_evict(t, n, keep, keep_order)
+            finally:
+                self._by = None
+        return self._prepare_evict(t, n, keep, keep_order)
+
+    def _prepare_evict(
+        self,
+        t: _Tier,
+        n: int,
+        keep: Collection[Key] | None,
+        keep_order: Sequence[Key] | None,
+        allow: Callable[[Key], bool] | None = None,
+    ) -> list[tuple[Key, int]]:
+        """:meth:`prepare_evict` of up to ``n`` pages, by policy and ``keep``, of those
+        ``allow`` allows (the tenants' quotas; None: any)."""
         if not keep or not n:
-            return self._pick(t, n, None)
+            return self._pick(t, n, None, None, allow)
         if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
             # every page is kept (checked in one C-speed pass): the policy's scan for pages
             # nobody keeps would walk them all and find none, so straight to the order
-            return self._pick(t, n, None, keep_order)
-        first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
+            return self._pick(t, n, None, keep_order, allow)
+        first = self._pick(t, n, keep, None, allow)  # pages nobody keeps first, then the rest
         if len(first) == n:
             return first
         try:
-            return first + self._pick(t, n - len(first), None, keep_order)
+            return first + self._pick(t, n - len(first), None, keep_order, allow)
         except TierKVError:  # a policy bug: the first pick goes back too
-            self.complete_evict([k for k, _ in first], tier, ok=False)
+            self.complete_evict([k for k, _ in first], t.name, ok=False)
             raise
+
+    def _quota_evict(
+        self,
+        t: _Tier,
+        n: int,
+        exact: bool,
+        keep: Collection[Key] | None,
+        keep_order: Sequence[Key] | None,
+        acc: Tenants,
+    ) -> list[tuple[Key, int]]:
+        """:meth:`prepare_evict` within the tenants' quotas: passes of rule 1, then rule 2
+        (:meth:`Tenants.room`), each taking pages nobody keeps first; all or nothing with
+        ``exact``."""
+        out: list[tuple[Key, int]] = []
+        none: Counter[int | None] = Counter()  # (victims are counted as they go MOVING)
+        by = self._by
+        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+            self._broke = False
+            out = self._prepare_evict(t, n, keep, keep_order)
+            if self._broke:  # (counted as it went MOVING: _pick)
+                self.complete_evict([key for key, _ in out], t.name, ok=False)
+                out = []
+            elif len(out) == n:
+                self._blocked.discard(t.name)
+                return out
+        for over in (True, False):
+            while len(out) < n:
+                ask = acc.room(t.name, n - len(out), over, none, by)
+                if ask is None:
+                    break
+                k, allow = ask
+                got = self._prepare_evict(t, k, keep, keep_order, allow)
+                out += got
+                if len(got) < k:
+                    break
+        if len(out) < n:
+            self._blocked.add(t.name)
+            acc.blocked(by)
+            if exact and out:
+                self.complete_evict([key for key, _ in out], t.name, ok=False)
+                return []
+        else:
+            self._blocked.discard(t.name)
+        return out
 
     def _pick(
         self,
@@ -561,9 +726,11 @@ class PageTable:
         n: int,
         keep: Collection[Key] | None,
         order: Sequence[Key] | None = None,
+        allow: Callable[[Key], bool] | None = None,
     ) -> list[tuple[Key, int]]:
-        """Up to ``n`` victims not in ``keep`` (any, when ``keep`` is None), marked MOVING;
-        with ``order``, the evictable pages latest in it go first."""
+        """Up to ``n`` victims not in ``keep`` (any, when ``keep`` is None) and that ``allow``
+        allows (the tenants' quotas), marked MOVING; with ``order``, the evictable pages
+        latest in it go first."""
         if n <= 0:
             return []
         slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
@@ -572,7 +739,12 @@ class PageTable:
             late: dict[Key, None] = {}
             for k in reversed(order):
                 s = slot_of.get(k)
-                if s is not None and not pins[s] and state[s] == _READABLE:
+                if (
+                    s is not None
+                    and not pins[s]
+                    and state[s] == _READABLE
+                    and (allow is None or allow(k))
+                ):
                     late[k] = None
                     if len(late) >= n:
                         break
@@ -586,6 +758,14 @@ class PageTable:
         def can_evict_unkept(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE and key_of[s] not in kept
 
+        if allow is not None:
+            plain = can_evict_slot if keep is None else can_evict_unkept
+
+            def can_evict_slot(s: int) -> bool:
+                return plain(s) and allow(key_of[s])
+
+            can_evict_unkept = can_evict_slot
+
         pick: Callable[[int], bool]
         if only is not None:  # a set's own membership test: no Python frame per slot scanned
             pick, want = frozenset(slot_of[k] for k in only).__contains__, len(only)
@@ -595,15 +775,19 @@ class PageTable:
         keys = [k for k, _ in out]
         slots = [s for _, s in out]
         states = t.policy.evicted_state_slots(slots, keys)
-        if keep is None:  # every candidate it may take was evictable: the policy owes them all
-            self._check_victims(t, want, slots, keys)
+        if keep is None and allow is None:  # every candidate it may take was evictable: the
+            self._check_victims(t, want, slots, keys)  # policy owes them all
         t.undo.update(zip(slots, states))
         for s in slots:
             state[s] = _MOVING
         t.unevictable += len(out)
         t.moving += len(out)
+        # MOVING pages are no tenant's any more (undone if put back); a reservation that
+        # this left broken is said in _broke
+        if self._acc is not None and self._acc.left(t.name, keys, evicted=True, by=self._by):
+            self._broke = True
         if only is not None and len(out) < n:  # the rest by policy
-            out += self._pick(t, n - len(out), None)
+            out += self._pick(t, n - len(out), None, None, allow)
         return out
 
     def complete_evict(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
@@ -629,6 +813,8 @@ class PageTable:
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
         else:
+            if self._acc is not None:
+                self._acc.stored(tier, keys, put_back=True, by=self._by)
             for s in slots:
                 t.state[s] = _READABLE
             # in the order they were chosen (``undo`` keeps it), so that each lands where it was
@@ -776,6 +962,8 @@ class PageTable:
             del key_of[s]
         t.policy.remove_slots(slots, keys)
         t.free.extend(slots)
+        if self._acc is not None:
+            self._acc.left(t.name, keys)
         self._forget(keys)
 
     def _forget(self, keys: Iterable[Key]) -> None:

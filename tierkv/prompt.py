@@ -31,13 +31,19 @@ SLICE_TOKENS = 8192
 
 
 async def prompt_keys(
-    tokens: object, page_tokens: int, namespace: Any = None, what: str = "tokens"
+    tokens: object,
+    page_tokens: int,
+    namespace: Any = None,
+    what: str = "tokens",
+    *,
+    salt: bytes | None = None,
 ) -> tuple[array[int], list[PageKey]]:
     """``tokens`` as a flat ``array('q')`` of ids, and the content keys of its full blocks.
 
     Yields to the loop between slices of a long prompt. Raises InvalidTypeError or SpecError
     (see :func:`tierkv.validate.token_array`) before anything is hashed when the container is
-    wrong, or at the first bad slice.
+    wrong, or at the first bad slice. ``salt``: a checked cache salt
+    (:func:`tierkv.keys.root_key`).
     """
     if isinstance(tokens, torch.Tensor | np.ndarray):
         if tokens.ndim != 1:
@@ -51,8 +57,8 @@ async def prompt_keys(
     size = max(1, SLICE_TOKENS // page_tokens) * page_tokens
     if n <= size:
         arr = token_array(tokens, what)
-        return _ids(arr), chain_keys(root_key(namespace), arr, page_tokens)
-    parent = root_key(namespace)
+        return _ids(arr), chain_keys(root_key(namespace, salt), arr, page_tokens)
+    parent = root_key(namespace, salt)
     ids: array[int] = array("q")
     keys: list[PageKey] = []
     for start in range(0, n, size):

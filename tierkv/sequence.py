@@ -60,8 +60,10 @@ class SequenceState:
         "namespace",
         "num_layers",
         "page_tokens",
+        "salt",
         "seq_id",
         "shared",
+        "tenant",
     )
 
     def __init__(
@@ -73,6 +75,8 @@ class SequenceState:
         tokens: Iterable[int] = (),
         *,
         incarnation: int = 0,
+        salt: bytes | None = None,
+        tenant: int | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.num_layers = num_layers
@@ -86,6 +90,8 @@ class SequenceState:
         self.cached_tokens = 0
         # a store-wide count: a reused id never meets its old private pages
         self.incarnation = incarnation
+        self.salt = salt  # the checked cache salt its content keys are chained on (or None)
+        self.tenant = tenant  # the store's index of the tenant charged for its pages, or None
 
     def __repr__(self) -> str:
         return (
@@ -204,4 +210,5 @@ class SequenceState:
             self.shared,
             lambda i: self.token_slice(i * t, (i + 1) * t),
             min(self.length, self.num_tokens) // t,
+            self.salt,
         )

@@ -292,6 +292,7 @@ class StepPlan:
         tiers = store.tiers
         t = store.spec.page_tokens
         layers = self.layers[g * self.group : (g + 1) * self.group]
+        tenants = store.tenants
         keys: list[bytes] = []
         new: list[bytes] = []
         plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
@@ -303,7 +304,10 @@ class StepPlan:
                 start = seq.kv_len_of(layer)
                 have, need = -(-start // t), -(-(start + k) // t)
                 keys += seq.pages(layer)
-                new += [page_key(seq.block(b), layer) for b in range(have, need)]
+                made = [page_key(seq.block(b), layer) for b in range(have, need)]
+                if made and tenants is not None:  # its tenant pays for the pages it makes
+                    tenants.charge(made, seq.tenant, new=True)  # (its private pages)
+                new += made
                 full = range(start // t, (start + k) // t)
                 filled += [page_key(seq.block(b), layer) for b in full]
                 starts.append(start)

@@ -32,6 +32,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any, cast
 
@@ -44,10 +45,12 @@ from tierkv.codecs import CODECS, Codec
 from tierkv.errors import (
     InvalidInputError,
     InvalidTypeError,
+    QuotaConfigError,
     SequenceError,
     SpecError,
     StoreClosedError,
     TierConfigError,
+    UnknownTenantError,
 )
 from tierkv.failures import Background, FailureLog
 from tierkv.keys import page_key, prefix_keys
@@ -63,6 +66,8 @@ from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.step import StepPlan, check_tokens
+from tierkv.tenant_names import check_salt, check_tenant
+from tierkv.tenants import Quota, Tenants
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -128,6 +133,9 @@ class KVStore:
         tiers: the chain of tiers, fastest first (:mod:`tierkv.chain_config`): typed entries
             or dicts ``{"tier": "host", "bytes": ...}``. Given, the seven tier keywords above
             (``device_bytes`` ... ``remote``) must not be.
+        tenants: tenant name -> :class:`tierkv.Quota` (per tier, a reservation and a limit in
+            bytes; :mod:`tierkv.tenants`): sequences added with ``tenant=`` are charged for
+            the pages they make, and evictions keep to the quotas. None: no tenants.
 
     Raises:
         InvalidTypeError: an argument of the wrong type (``device_bytes="1G"``, a non-bool flag).
@@ -135,7 +143,8 @@ class KVStore:
         SpecError: a budget too small for one page per tier (TierSizeError with ``tiers``).
         TierConfigError: a bad chain (:mod:`tierkv.errors`: an unknown kind, a wrong type,
             a tier twice or out of order, ``tiers`` with an old tier keyword, compress_live on
-            a host-first chain).
+            a host-first chain); QuotaConfigError: quotas that do not add up (reservations
+            over a tier's capacity) or name a tier the store lacks.
         UnknownNameError: a policy, codec or backend name its registry does not know
             (:class:`~tierkv.errors.UnknownPolicyError`, also an InvalidInputError;
             :class:`~tierkv.codecs.UnknownCodecError`;
@@ -171,6 +180,7 @@ class KVStore:
         disk_path: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
         tiers: Sequence[TierEntry | Mapping[str, Any]] | None = None,
+        tenants: Mapping[str, Quota] | None = None,
     ) -> None:
         spec = validate.spec(spec)  # every argument is checked before anything is allocated
         if tiers is not None:
@@ -209,6 +219,8 @@ class KVStore:
                 "compress_live needs a device tier: in a host-first store a live sequence's "
                 "pages have one exact copy, in the host tier, and stay there"
             )
+        pages = {DEVICE: chain.lease_pages, HOST: chain.host_pages, COLD: chain.cold_pages}
+        self.tenants = None if tenants is None else _tenants(spec, chain, pages, tenants)
         self.chain = chain
         self._disk = chain.disk
         self.spec = spec
@@ -220,7 +232,7 @@ class KVStore:
         self.turns = TurnBudget(turn_budget)
         self.compress_live = compress_live
         self._codec = chain.codec
-        self._pages = {DEVICE: chain.lease_pages, HOST: chain.host_pages, COLD: chain.cold_pages}
+        self._pages = pages
         self._backend_name = backend
         # small cpu copies on the loop's thread (measured: benchmarks/step.py, issue 26);
         # TIERKV_INLINE_COPIES=0 turns it off
@@ -335,6 +347,7 @@ class KVStore:
             policy=self._policy,
             timeline=self.timeline,
             host_first=self.chain.host_first,
+            tenants=self.tenants,
         )
         self._admission = Admission(self._pages[DEVICE])
 
@@ -418,14 +431,17 @@ class KVStore:
 
     # -- sequences -----------------------------------------------------------------------
     @boundary
-    def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier).
+    def lookup(self, tokens: Sequence[int], *, salt: bytes | str | None = None) -> int:
+        """Tokens of ``tokens``' longest prefix whose KV is cached (all layers, any tier)
+        under ``salt`` (see :meth:`add_sequence`).
 
         Hashes on the caller's thread: for long prompts prefer :meth:`fetch_prefix`, which
-        gives the loop a turn between slices. Raises InvalidTypeError, SpecError for bad ids.
+        gives the loop a turn between slices. Raises InvalidTypeError, SpecError for bad ids,
+        TenantError for a bad salt.
         """
+        raw = check_salt(salt)
         arr = validate.token_array(tokens)
-        keys = prefix_keys(arr, self.spec.page_tokens, self.namespace)
+        keys = prefix_keys(arr, self.spec.page_tokens, self.namespace, salt=raw)
         n = self._cached_blocks(keys)
         return (n + self._lower_blocks(keys[n:])) * self.spec.page_tokens
 
@@ -481,16 +497,36 @@ class KVStore:
         return n
 
     @async_boundary
-    async def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
+    async def add_sequence(
+        self,
+        seq_id: str,
+        tokens: Sequence[int],
+        *,
+        salt: bytes | str | None = None,
+        tenant: str | None = None,
+    ) -> int:
         """Start a sequence with its prompt; returns the prompt tokens whose KV was reused.
 
         At least one prompt token is always left to compute (its logits start decoding).
         A long prompt is checked and hashed in slices with a loop turn between them
         (:mod:`tierkv.prompt`). With a remote tier, the blocks missing locally are imported
-        first (bounded). Raises SequenceError when the id is in use, StoreClosedError after
-        close, InvalidTypeError / SpecError for a bad id or token (nothing is changed then).
+        first (bounded).
+
+        ``salt``: a cache salt (vLLM's ``cache_salt``; str or bytes of 1-256 bytes) mixed into
+        the first block's content key, so the sequence shares pages only with sequences of
+        the same salt, in every tier (docs/security.md, "Tenants"); ``None``: unsalted keys.
+        ``tenant``: one of the store's ``tenants``, charged for the pages the sequence makes
+        (and for the blocks imported for it from the disk or a remote tier); its quotas
+        apply to them (:mod:`tierkv.tenants`).
+
+        Raises SequenceError when the id is in use, StoreClosedError after close,
+        InvalidTypeError / SpecError for a bad id or token, TenantError for a bad salt or
+        tenant name, UnknownTenantError for a tenant the store was not given (nothing is
+        changed then).
         """
         seq_id = validate.seq_id(seq_id)
+        raw = check_salt(salt)
+        who = self._tenant(tenant)
         tiers = self.tiers
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
@@ -501,20 +537,14 @@ class KVStore:
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
             t = self.spec.page_tokens
-            toks, keys = await prompt_keys(tokens, t, self.namespace)
+            toks, keys = await prompt_keys(tokens, t, self.namespace, salt=raw)
             keys = keys[: max(0, len(toks) - 1) // t]
             tiers = self.tiers  # a long prompt yielded: the store may have closed meanwhile
             if seq_id in self._seqs:
                 raise SequenceError(f"sequence {seq_id!r} already exists")
             n = self._cached_blocks(keys)
-            if self._chain is not None and n < len(keys):
-                await self._fetch_lower(keys[n:])
-                tiers = self.tiers  # raises if the store closed meanwhile
-                if seq_id in self._seqs:
-                    raise SequenceError(f"sequence {seq_id!r} already exists")
-                n = self._cached_blocks(keys)
-            if self.remote is not None and n < len(keys):
-                await self._fetch(keys[n:])
+            if (self._chain is not None or self.remote is not None) and n < len(keys):
+                n = await self._import(keys, n, who)
                 tiers = self.tiers  # raises if the store closed meanwhile
                 if seq_id in self._seqs:
                     raise SequenceError(f"sequence {seq_id!r} already exists")
@@ -527,6 +557,8 @@ class KVStore:
                 self.namespace,
                 tokens=toks,
                 incarnation=self._incarnations,
+                salt=raw,
+                tenant=who,
             )
             seq.set_blocks(keys[:n], shared=True)
             seq.set_all_kv_len(n * t)
@@ -563,24 +595,54 @@ class KVStore:
             self._seqs[seq_id] = seq
             self.counters.prefix_tokens_reused += n * t
             self.counters.prompt_tokens += len(toks)
+            if who is not None:
+                assert self.tenants is not None
+                c = self.tenants.counters[who]
+                c.sequences += 1
+                c.prompt_tokens += len(toks)
+                c.prefix_tokens_reused += n * t
             return n * t
         finally:
             self.turns.charge(time.perf_counter() - t0)
 
     @async_boundary
-    async def fetch_prefix(self, tokens: Sequence[int]) -> int:
+    async def fetch_prefix(self, tokens: Sequence[int], *, salt: bytes | str | None = None) -> int:
         """Like :meth:`lookup`, but first imports the blocks of ``tokens``' prefix that are
         missing locally from the remote tier (if any); hashes a long prompt in slices with a
-        loop turn between them. Returns the tokens now cached."""
-        _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace)
+        loop turn between them. Returns the tokens now cached under ``salt``."""
+        raw = check_salt(salt)
+        _, keys = await prompt_keys(tokens, self.spec.page_tokens, self.namespace, salt=raw)
         n = self._cached_blocks(keys)
+        if (self._chain is not None or self.remote is not None) and n < len(keys):
+            n = await self._import(keys, n, None)
+        return n * self.spec.page_tokens
+
+    def _tenant(self, name: object) -> int | None:
+        """The store's index of tenant ``name`` (None for None). Raises TenantError,
+        UnknownTenantError (a store without tenants knows none)."""
+        if name is None:
+            return None
+        if self.tenants is None:
+            check_tenant(name)
+            raise UnknownTenantError(f"unknown tenant {name!r}: this store has no tenants")
+        return self.tenants.tenant(name)
+
+    async def _import(self, keys: list[bytes], n: int, who: int | None) -> int:
+        """Import the blocks of ``keys`` after the ``n`` cached ones from the disk, then the
+        remote tier; the pages are charged to tenant ``who`` (their maker here; those that
+        do not come are pruned with the other stale charges). Returns the blocks now
+        cached."""
+        if self.tenants is not None and who is not None:
+            layers = range(self.spec.num_layers)
+            pages = [page_key(b, layer) for b in keys[n:] for layer in layers]
+            self.tenants.charge(pages, who, fresh=True)
         if self._chain is not None and n < len(keys):
             await self._fetch_lower(keys[n:])
             n = self._cached_blocks(keys)
         if self.remote is not None and n < len(keys):
             await self._fetch(keys[n:])
             n = self._cached_blocks(keys)
-        return n * self.spec.page_tokens
+        return n
 
     async def _fetch(self, blocks: list[bytes]) -> int:
         assert self.remote is not None
@@ -910,8 +972,48 @@ class KVStore:
                 for t, v in tiers.info().items()
             },
             **({"remote": self.remote.stats()} if self.remote is not None else {}),
+            **({"tenants": self._tenant_stats()} if self.tenants is not None else {}),
             **(self._chain.stats() if self._chain is not None else {}),
         }
+
+    def _tenant_stats(self) -> dict[str, Any]:
+        """Per tenant figures, tier names as the user sees them (a host-first store's leased
+        tier is ``host``)."""
+        assert self.tenants is not None
+        out = self.tenants.stats()
+        if self.chain.host_first:
+            for fig in out.values():
+                fig["tiers"] = {HOST if t == DEVICE else t: v for t, v in fig["tiers"].items()}
+        return out
+
+
+def _tenants(
+    spec: KVSpec, chain: Chain, pages: Mapping[str, int], quotas: Mapping[str, Quota]
+) -> Tenants:
+    """The tenants' accounting of a store with these tiers (checked: raises QuotaConfigError
+    for reservations over a tier, or a quota for a tier the store lacks). A host-first store's
+    leased tier is its host tier: the quotas' host fields apply to it."""
+    slot = {DEVICE: spec.page_bytes, HOST: spec.page_bytes}
+    if chain.codec is not None:
+        slot[COLD] = chain.codec.encoded_bytes(spec)
+    have = {t: b for t, b in slot.items() if pages[t] > 0}
+    if chain.host_first and isinstance(quotas, Mapping):
+        for name, q in quotas.items():
+            if isinstance(q, Quota) and (q.device_reserve or q.device_limit is not None):
+                raise QuotaConfigError(f"tenant {name!r}: a device quota, no device tier")
+        quotas = {
+            n: replace(
+                q,
+                device_reserve=q.host_reserve,
+                device_limit=q.host_limit,
+                host_reserve=0,
+                host_limit=None,
+            )
+            if isinstance(q, Quota)
+            else q
+            for n, q in quotas.items()
+        }
+    return Tenants(quotas, have, pages)
 
 
 def _keyword_chain(

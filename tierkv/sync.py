@@ -112,13 +112,13 @@ class SyncKVStore:
 
         return self.run(wrap())
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], *, salt: bytes | str | None = None) -> int:
         """See :meth:`KVStore.lookup`."""
-        return self.call(lambda: self.store.lookup(tokens))
+        return self.call(lambda: self.store.lookup(tokens, salt=salt))
 
-    def add_sequence(self, seq_id: str, tokens: Sequence[int]) -> int:
-        """See :meth:`KVStore.add_sequence`."""
-        return self.run(self.store.add_sequence(seq_id, tokens))
+    def add_sequence(self, seq_id: str, tokens: Sequence[int], **options: Any) -> int:
+        """See :meth:`KVStore.add_sequence` (``options``: its ``salt=``, ``tenant=``)."""
+        return self.run(self.store.add_sequence(seq_id, tokens, **options))
 
     def add_tokens(self, seq_id: str, tokens: Sequence[int]) -> None:
         """See :meth:`KVStore.add_tokens`."""

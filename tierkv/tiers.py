@@ -74,6 +74,7 @@ from tierkv.runtime import Arena, Backend, Priority, TransferEngine
 from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
 from tierkv.table_view import TableView
+from tierkv.tenants import Tenants
 from tierkv.tier import Moves, copy_move
 from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
@@ -100,6 +101,7 @@ class TierSet:
         policy: str,
         timeline: Timeline | None = None,
         host_first: bool = False,
+        tenants: Tenants | None = None,
     ) -> None:
         if host_pages <= 0 and cold_pages > 0 and not host_first:
             raise InvalidInputError("a cold tier under the device needs a host tier between")
@@ -125,7 +127,10 @@ class TierSet:
             arena.hand_over()
         self._arenas = arenas
         # (the store keeps counters; cold copies are encoded: a checksum per cold slot)
-        self._table = PageTable(tiers, policy, record_events=False, encoded=self._encoded(tiers))
+        self._table = PageTable(
+            tiers, policy, record_events=False, encoded=self._encoded(tiers), tenants=tenants
+        )
+        self._tenants = tenants  # the tenants' accounting (tierkv.tenants), or None
         self.table = TableView(self._table)
         self._lower = tuple(t for t in (HOST, COLD) if t in tiers)
         # the tier whose pages leave to the chain below and the remote tier: the host tier, or
@@ -162,6 +167,8 @@ class TierSet:
         self._evict = DeviceEviction(ctx, self.cold)
         self.ownership = Ownership(ctx, self._evict, self.cold)
         self.ownership.on_rename(self._evict.rename)  # the dirty set, the announced pages
+        if tenants is not None:
+            self.ownership.on_rename(tenants.rename)  # a page's charge follows it
         self.pages = LeasePages(ctx, self._evict)
         self.glue = RemoteGlue(ctx, self.cold)
         self.room = DeviceRoom(ctx, self._evict)
@@ -237,7 +244,7 @@ class TierSet:
             async with self._device_lock:
                 if self._table.present(keys, DEVICE):
                     raise PageStateError(f"{len(keys)} new pages: some are already on the device")
-                if await self._evict.make_room(len(keys), deadline):
+                if await self._evict.make_room(len(keys), deadline, keys):
                     alloc = self._table.prepare_store(keys, DEVICE)
                     if alloc is not None and not alloc.evicted:
                         self._loads.note_peak()
@@ -370,6 +377,10 @@ class TierSet:
         assert self._evict.write_behind_pinned >= 0, "write-behind pins went negative"
         for k in self._evict.dirty:
             assert table.present([k], DEVICE), f"dirty page {k.hex()} is not on the device"
+        if self._tenants is not None:
+            self._tenants.check(
+                lambda t: [k for k in table.keys(t) if table.state(k, t) != PageState.MOVING]
+            )
 
     def info(self) -> dict[str, Any]:
         """Pages per tier and capacities."""

@@ -36,8 +36,10 @@ def store(path: Path, **kw: object) -> KVStore:
     )  # type: ignore[arg-type]
 
 
-async def fill(s: KVStore, sid: str, seed: int) -> None:
-    await s.add_sequence(sid, tokens(seed))
+async def fill(
+    s: KVStore, sid: str, seed: int, salt: str | None = None, tenant: str | None = None
+) -> None:
+    await s.add_sequence(sid, tokens(seed), salt=salt, tenant=tenant)
     async with s.lease([sid]) as lease:
         for layer in range(SPEC.num_layers):
             await lease.append(sid, layer, *kv(N, seed * 10 + layer))

@@ -73,6 +73,7 @@ from tierkv.spec import KVSpec, parse_dtype
 from tierkv.step import LayerStep, StepPlan
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
+from tierkv.tenant_names import check_salt, check_tenant
 
 _cache_ids = itertools.count()
 
@@ -191,6 +192,10 @@ class TieredCache(Cache):
             host holds are attended there (``"auto"``: when they exceed the device's room or
             a transfer burst is on; :mod:`tierkv.attention.sparse`; the model's
             attention must be ``"tierkv"``: :func:`tierkv.attention.hf.route`). Off: None/False.
+        salt: the cache salt of every row (str or bytes; vLLM's ``cache_salt``): its prompts
+            share cached blocks only with caches of the same salt (:meth:`KVStore.add_sequence`).
+        tenant: the store's tenant charged for every row's pages (its quotas apply; give the
+            store's ``tenants=`` in ``store_kwargs``, or share a store that has them).
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
@@ -198,6 +203,7 @@ class TieredCache(Cache):
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
         InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` < 0.
+        TenantError: a salt that is not str or bytes of 1-256 bytes (before a store opens).
     """
 
     def __init__(
@@ -214,9 +220,14 @@ class TieredCache(Cache):
         sparse_topk: int | None = None,
         sparse_recent: int = 2,
         host_attention: bool | str = False,
+        salt: str | bytes | None = None,
+        tenant: str | None = None,
         **store_kwargs: Any,
     ) -> None:
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
+        raw_salt = check_salt(salt)
+        if tenant is not None:
+            check_tenant(tenant)
         sparse = SparseOptions(sparse_topk, sparse_recent, host=host_attention)
         driver: Driver
         if store is None:
@@ -232,12 +243,20 @@ class TieredCache(Cache):
             driver = ThreadStore(store)
             owner = None
         sparse = sparse_options(sparse, driver.store, owner.drop if owner is not None else None)
-        self._setup(driver, owner, prefetch_layers if prefetch else 0, sparse)
+        self._setup(driver, owner, prefetch_layers if prefetch else 0, sparse, raw_salt, tenant)
 
     def _setup(
-        self, driver: Driver, owner: StoreOwner | None, prefetch: int, sparse: SparseOptions
+        self,
+        driver: Driver,
+        owner: StoreOwner | None,
+        prefetch: int,
+        sparse: SparseOptions,
+        salt: bytes | None,
+        tenant: str | None,
     ) -> None:
         self.spec = driver.store.spec
+        self._salt = salt
+        self._tenant = tenant
         self._driver = driver
         self._owner = owner  # the store this cache (and its copies) opened, else None
         self.prefetch_layers = 0 if sparse.active else prefetch  # 0: no prefetch
@@ -292,7 +311,9 @@ class TieredCache(Cache):
     def _start(self, batch: int) -> None:
         ids = [f"{self._prefix}/{b}" for b in range(batch)]
         # No token ids reached this cache (no set_prompt): its blocks stay private.
-        self._driver.run(add_rows(self._driver.store, ids, [None] * batch))
+        self._driver.run(
+            add_rows(self._driver.store, ids, [None] * batch, self._salt, self._tenant)
+        )
         self._seq_ids = ids
 
     def set_prompt(self, input_ids: Any, attention_mask: Any = None) -> int:
@@ -322,7 +343,7 @@ class TieredCache(Cache):
             None if masks is not None and not all(masks[b]) else rows[b] for b in range(len(rows))
         ]
         ids = [f"{self._prefix}/{b}" for b in range(len(rows))]
-        reused = self._driver.run(add_rows(self._driver.store, ids, decl))
+        reused = self._driver.run(add_rows(self._driver.store, ids, decl, self._salt, self._tenant))
         self._seq_ids = ids
         for layer in self._layers:
             layer.length = reused
@@ -422,7 +443,14 @@ class TieredCache(Cache):
         new = TieredCache.__new__(TieredCache)
         if self._owner is not None:
             self._owner.refs += 1
-        new._setup(self._driver, self._owner, self.prefetch_layers, SparseOptions())
+        new._setup(
+            self._driver,
+            self._owner,
+            self.prefetch_layers,
+            SparseOptions(),
+            self._salt,
+            self._tenant,
+        )
         try:
             if self._seq_ids:
                 ids = [f"{new._prefix}/{b}" for b in range(len(self._seq_ids))]

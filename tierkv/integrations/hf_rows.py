@@ -23,8 +23,15 @@ from tierkv.errors import InvalidTypeError, SequenceError, SpecError
 from tierkv.store import KVStore
 
 
-async def add_rows(store: KVStore, ids: Sequence[str], rows: Sequence[Sequence[int] | None]) -> int:
+async def add_rows(
+    store: KVStore,
+    ids: Sequence[str],
+    rows: Sequence[Sequence[int] | None],
+    salt: bytes | None = None,
+    tenant: str | None = None,
+) -> int:
     """Start one sequence per row; returns the tokens of KV every row reuses (the same count).
+    ``salt``, ``tenant``: every row's cache salt and tenant (:meth:`KVStore.add_sequence`).
 
     A row of ``None`` declares no tokens (a padded row: its KV depends on the padding, so it
     shares nothing and the batch reuses nothing). At least one token of each row is left to
@@ -34,7 +41,7 @@ async def add_rows(store: KVStore, ids: Sequence[str], rows: Sequence[Sequence[i
     if any(r is None for r in rows):
         reuse = 0
     else:
-        reuse = min(store.lookup(r) for r in rows if r is not None)
+        reuse = min(store.lookup(r, salt=salt) for r in rows if r is not None)
         reuse = min(reuse, min((len(r) - 1) // t * t for r in rows if r is not None))
     while True:
         added: list[str] = []
@@ -42,11 +49,13 @@ async def add_rows(store: KVStore, ids: Sequence[str], rows: Sequence[Sequence[i
         try:
             for sid, row in zip(ids, rows):
                 if row is None:
-                    got.append(await store.add_sequence(sid, []))
+                    got.append(await store.add_sequence(sid, [], salt=salt, tenant=tenant))
                     added.append(sid)
                     continue
                 # reuse is capped at (len - 1) // t blocks: declare reuse + 1 tokens first
-                got.append(await store.add_sequence(sid, row[: reuse + 1]))
+                got.append(
+                    await store.add_sequence(sid, row[: reuse + 1], salt=salt, tenant=tenant)
+                )
                 added.append(sid)
                 store.add_tokens(sid, row[reuse + 1 :])
         except BaseException:
@@ -64,7 +73,8 @@ async def add_rows(store: KVStore, ids: Sequence[str], rows: Sequence[Sequence[i
 async def copy_rows(store: KVStore, src: Sequence[str], dst: Sequence[str]) -> None:
     """Start ``dst[i]`` holding ``src[i]``'s tokens and KV, independent of it from now on.
 
-    Full blocks with content keys are shared (immutable: reading them is the same as a copy);
+    Full blocks with content keys are shared (immutable: reading them is the same as a copy;
+    a copy keeps its source's salt and tenant);
     the rest is read from the source's pages and appended, one layer of all rows per lease.
     Raises SequenceError for an unknown source or a used destination id, TierKVError from the
     store (no room); on an error no destination is left added.
@@ -76,16 +86,21 @@ async def copy_rows(store: KVStore, src: Sequence[str], dst: Sequence[str]) -> N
     try:
         for s, d in zip(src, dst):
             seq = store.sequence(s)
+            tenant = (
+                None
+                if seq.tenant is None or store.tenants is None
+                else store.tenants.names[seq.tenant]
+            )
             length = seq.length
             if any(n != length for n in seq.kv_len):
                 raise SequenceError(f"sequence {s!r} is inside a forward (layers differ)")
             toks = list(seq.tokens)
             if toks and len(toks) > length:
-                n = await store.add_sequence(d, toks[: length + 1])
+                n = await store.add_sequence(d, toks[: length + 1], salt=seq.salt, tenant=tenant)
                 added.append(d)
                 store.add_tokens(d, toks[length + 1 :])
             else:
-                n = await store.add_sequence(d, toks)
+                n = await store.add_sequence(d, toks, salt=seq.salt, tenant=tenant)
                 added.append(d)
             lengths.append(length)
             reused.append(n)

@@ -39,13 +39,13 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, UnknownTenantError
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
@@ -53,6 +53,8 @@ from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
 from tierkv.serving.scheduler import Scheduler
 from tierkv.store import KVStore
+from tierkv.tenant_names import check_salt, check_tenant
+from tierkv.tenants import Quota
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,8 @@ class EngineConfig:
         prefetch: load the step's next layers while a layer computes (tierkv.step).
         codec: the store's cold-pool codec (None: none; a lossy one changes warm outputs).
         timeout: the store's bound on every wait, in seconds.
+        tenants: the store's tenants and their quotas (``KVStore(tenants=)``); requests name
+            theirs with ``generate(..., tenant=)``.
 
     Raises InvalidInputError (a ValueError) for a count below 1 or a negative size.
     """
@@ -85,6 +89,7 @@ class EngineConfig:
     prefetch: bool = True
     codec: str | None = None
     timeout: float = 60.0
+    tenants: Mapping[str, Quota] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_batch_tokens", "page_tokens"):
@@ -153,6 +158,7 @@ class Engine:
             host_bytes=self.host_bytes,
             codec=cfg.codec,
             timeout=cfg.timeout,
+            tenants=cfg.tenants,
         )
         if store is None:
             device_pages = self.device_bytes // self.spec.page_bytes
@@ -231,21 +237,33 @@ class Engine:
             )
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | bytes | None = None,
+        tenant: str | None = None,
     ) -> AsyncGenerator[TokenEvent, None]:
         """Generate from token ids: yields one :class:`TokenEvent` per token, the last with its
         finish reason. Leaving the loop early (``break``, cancellation) ends the request and
-        frees its pages at the next step boundary.
+        frees its pages at the next step boundary. ``salt``: the request's cache salt (its
+        prompt reuses and shares cached pages only with requests of the same salt);
+        ``tenant``: one of the store's tenants, charged for the request's pages (its quotas
+        apply: no room within them fails the request with QuotaExceededError).
 
-        Raises RequestError (see :meth:`check`), EngineNotOpenError before open or after close,
-        StoreClosedError when the store closes under it, and the tierkv error of a step that
-        failed.
+        Raises RequestError (see :meth:`check`), TenantError (a bad salt or tenant name),
+        UnknownTenantError, EngineNotOpenError before open or after close, StoreClosedError
+        when the store closes under it, and the tierkv error of a step that failed.
         """
         params = params or SamplingParams()
+        raw = check_salt(salt)
+        self._check_tenant(tenant)
         if self._closed or self._task is None:
             raise EngineNotOpenError("the engine is not open")
         self.check(prompt, params)
-        req = Request(f"r{next(self._ids)}", list(prompt), params, Sampler(params))
+        req = Request(
+            f"r{next(self._ids)}", list(prompt), params, Sampler(params), salt=raw, tenant=tenant
+        )
         self.counters.requests += 1
         self.scheduler.add(req)
         self._idle.clear()
@@ -264,17 +282,32 @@ class Engine:
                 self._wake.set()
 
     async def complete(
-        self, prompt: Sequence[int], params: SamplingParams | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        salt: str | bytes | None = None,
+        tenant: str | None = None,
     ) -> tuple[list[int], str]:
         """All generated tokens and the finish reason (see :meth:`generate`)."""
         out: list[int] = []
         reason = "length"
-        async for ev in self.generate(prompt, params):
+        async for ev in self.generate(prompt, params, salt=salt, tenant=tenant):
             if ev.token is not None:
                 out.append(ev.token)
             if ev.finish_reason is not None:
                 reason = ev.finish_reason
         return out, reason
+
+    def _check_tenant(self, tenant: object) -> None:
+        """Raise TenantError / UnknownTenantError unless ``tenant`` is None or one of the
+        store's tenants."""
+        if tenant is None:
+            return
+        name = check_tenant(tenant)
+        tenants = self.store.tenants
+        if tenants is None or name not in tenants.index:
+            raise UnknownTenantError(f"unknown tenant {name!r}")
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is waiting or running (raises TimeoutError)."""
@@ -341,9 +374,11 @@ class Engine:
         store = self.store
         if self.config.prefix_reuse:
             await self._publish_shared(req)
-            req.reused = await store.add_sequence(req.rid, req.prompt)
+            req.reused = await store.add_sequence(
+                req.rid, req.prompt, salt=req.salt, tenant=req.tenant
+            )
         else:
-            await store.add_sequence(req.rid, [])
+            await store.add_sequence(req.rid, [], salt=req.salt, tenant=req.tenant)
             store.add_tokens(req.rid, req.prompt)
         req.in_store = True
         req.computed = req.reused
@@ -358,7 +393,7 @@ class Engine:
         # (a write-back of the last lease was in flight): publish them now, so they are reused.
         t = self.spec.page_tokens
         for r in self.scheduler.running:
-            if r is req or not r.in_store or r.prompt[:t] != req.prompt[:t]:
+            if r is req or not r.in_store or r.prompt[:t] != req.prompt[:t] or r.salt != req.salt:
                 continue
             seq = self.store.sequence(r.rid)
             if sum(seq.shared) < seq.length // t:

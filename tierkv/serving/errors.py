@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from tierkv.errors import (
     InvalidInputError,
+    QuotaExceededError,
     StoreClosedError,
     StoreTimeoutError,
     TierFullError,
@@ -49,6 +50,7 @@ _STATUS: tuple[tuple[type[TierKVError], int], ...] = (
     (UnknownNameError, 400),  # an unknown codec or backend name is the caller's too
     (EngineNotOpenError, 503),
     (StoreClosedError, 503),
+    (QuotaExceededError, 429),  # no room within the tenant's quota: too many requests
     (TierFullError, 503),  # every device page is pinned: come back later
     (StoreTimeoutError, 504),
 )

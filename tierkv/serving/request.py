@@ -46,6 +46,8 @@ class Request:
     finished: str | None = None  # finish reason once done
     cancelled: bool = False
     in_store: bool = False
+    salt: bytes | None = None  # the cache salt (checked): shares pages with its salt only
+    tenant: str | None = None  # the store's tenant charged for its pages (and its quotas)
 
     @property
     def prefilling(self) -> bool:

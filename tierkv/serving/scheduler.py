@@ -83,13 +83,14 @@ class Scheduler:
         return out
 
     def prefix_in_prefill(self, req: Request) -> Request | None:
-        """A running request still prefilling a prompt whose first page is ``req``'s."""
+        """A running request still prefilling a prompt whose first page is ``req``'s, under
+        the same cache salt (another salt's pages are never shared: nothing to wait for)."""
         t = self.page_tokens
         if len(req.prompt) <= t:
             return None
         head = req.prompt[:t]
         for r in self.running:
-            if r.prefilling and len(r.prompt) > t and r.prompt[:t] == head:
+            if r.prefilling and len(r.prompt) > t and r.prompt[:t] == head and r.salt == req.salt:
                 return r
         return None
 

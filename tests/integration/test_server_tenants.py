@@ -1,0 +1,88 @@
+"""Tenants in the example server (issue 29): ``cache_salt`` as vLLM's OpenAI server takes it
+(a request reuses cached prefixes of its own salt only), bad salts are 400s."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from tierkv.serving import EngineConfig
+from tierkv.tenants import Quota
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_server import MODEL, one_thread, post, served, server  # noqa: F401
+
+
+async def test_cache_salt_separates_cached_prefixes(served: tuple[str, Any]) -> None:  # noqa: F811
+    url, session = served
+    rnd = random.Random(7)
+    system = [rnd.randrange(MODEL.vocab) for _ in range(40)]
+    req = {"max_tokens": 2, "temperature": 0}
+
+    async def cached(tail: int, salt: str | None) -> int:
+        body = {**req, "prompt": [*system, tail]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        status, got = await post(session, url, "/v1/completions", body)
+        assert status == 200, got
+        return int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached(1, "alice") == 0
+    assert await cached(2, "alice") == 40  # her own prefix
+    assert await cached(3, "bob") == 0  # the same prompt under another salt: no hit
+    assert await cached(4, None) == 0  # nor without one
+    assert await cached(5, "bob") == 40  # bob's own, computed above
+    for bad in ("", "x" * 300, 5, ["alice"]):
+        status, got = await post(
+            session, url, "/v1/completions", {**req, "prompt": system, "cache_salt": bad}
+        )
+        assert status == 400 and got["error"]["param"] == "cache_salt", (bad, got)
+
+
+PAGE = 1024  # the tiny model's page at 8 tokens (fp16 K/V, 2 KV heads of 8 dims, 2 layers)
+
+
+async def test_tenants_by_api_key_quotas_and_429() -> None:
+    engine = EngineConfig(
+        max_running=2,
+        page_tokens=8,
+        max_context=40,
+        device_bytes=10 * PAGE,
+        tenants={"owner": Quota(device_reserve=10 * PAGE), "other": Quota()},
+    )
+    cfg = server.ServerConfig(
+        model="tiny",
+        tiny=MODEL,
+        engine=engine,
+        max_tokens=8,
+        api_keys={"k-owner": "owner", "k-other": "other"},
+    )
+    runner, url = await server.start(cfg)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+            async def ask(key: str | None, prompt: list[int]) -> tuple[int, Any]:
+                head = {} if key is None else {"Authorization": f"Bearer {key}"}
+                body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+                async with session.post(f"{url}/v1/completions", json=body, headers=head) as r:
+                    return r.status, await r.json()
+
+            assert (await ask(None, [1, 2, 3]))[0] == 401
+            assert (await ask("k-nobody", [1, 2, 3]))[0] == 401
+            status, got = await ask("k-owner", list(range(1, 39)))
+            assert status == 200, got  # its 8 full-block pages stay cached on the device
+            status, got = await ask("k-other", list(range(100, 120)))
+            assert status == 429, got  # the device holds only the owner's reserved pages
+            assert got["error"]["type"] == "invalid_request_error"
+            async with session.get(f"{url}/stats") as r:
+                tenants = (await r.json())["store"]["tenants"]
+            assert tenants["other"]["refusals"] >= 1
+            assert tenants["owner"]["tiers"]["device"]["evicted"] == 0
+            status, got = await ask("k-owner", list(range(1, 39)))  # the owner still hits
+            assert status == 200 and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+    finally:
+        await runner.cleanup()

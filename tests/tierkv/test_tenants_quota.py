@@ -1,0 +1,275 @@
+"""Tenants and quotas (issue 29, tierkv/tenants.py): pages are charged to the tenant whose
+sequence made them, evictions take pages of tenants over their limit first and never a page of
+a tenant at its reservation, an admission that cannot keep both rules is refused with
+QuotaExceededError; bad configuration and unknown tenants are typed errors with nothing
+changed; the counts always equal the pages each tier holds (a state machine on the page table,
+derandomized in CI)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tierkv import KVStore, Quota, QuotaConfigError, QuotaExceededError, TierFullError
+from tierkv.errors import InvalidTypeError, TenantError, UnknownTenantError
+from tierkv.page_table import PageState, PageTable
+from tierkv.serving import http_status
+from tierkv.tenants import Tenants
+
+sys.path.insert(0, str(Path(__file__).parent))
+import store_kv
+from store_kv import PAGE, SPEC, N, kv, tokens
+
+
+async def fill(s: KVStore, sid: str, seed: int, tenant: str | None) -> None:
+    await store_kv.fill(s, sid, seed, tenant=tenant)
+    await s.drain()
+
+
+def small(**tenants: Quota) -> KVStore:
+    return KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=16 * PAGE, codec=None, tenants=tenants)
+
+
+# -- configuration --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("quota", "err"),
+    [
+        (lambda: Quota(host_reserve=-1), QuotaConfigError),
+        (lambda: Quota(host_reserve="1G"), InvalidTypeError),
+        (lambda: Quota(device_limit=True), InvalidTypeError),
+        (lambda: Quota(host_reserve=8, host_limit=4), QuotaConfigError),
+    ],
+)
+def test_bad_quotas_are_typed(quota: object, err: type[Exception]) -> None:
+    with pytest.raises(err):
+        quota()  # type: ignore[operator]
+
+
+def test_quotas_that_do_not_add_up_are_refused_before_anything_is_allocated() -> None:
+    with pytest.raises(QuotaConfigError, match="reservations add up to 17 pages"):
+        small(a=Quota(host_reserve=9 * PAGE), b=Quota(host_reserve=8 * PAGE))
+    with pytest.raises(QuotaConfigError, match="cold"):  # no cold pool in this store
+        small(a=Quota(cold_limit=PAGE))
+    with pytest.raises(TenantError):
+        small(**{"bad name!": Quota()})
+    with pytest.raises(InvalidTypeError):
+        KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=16 * PAGE, tenants={"a": 5})  # type: ignore[dict-item]
+    small(a=Quota(host_reserve=8 * PAGE), b=Quota(host_reserve=8 * PAGE))  # exactly the tier
+
+
+def test_reservations_round_up_and_limits_down_to_pages() -> None:
+    q = Quota(host_reserve=PAGE + 1, host_limit=3 * PAGE - 1)
+    t = Tenants({"a": q}, {"host": PAGE}, {"host": 8})
+    tier = t.stats()["a"]["tiers"]["host"]
+    assert (tier["reserve_pages"], tier["limit_pages"]) == (2, 2)
+
+
+async def test_unknown_and_bad_tenants_change_nothing() -> None:
+    async with small(a=Quota()) as s:
+        for bad, err in (("nobody", UnknownTenantError), ("", TenantError), (3, InvalidTypeError)):
+            with pytest.raises(err):
+                await s.add_sequence("x", tokens(1), tenant=bad)  # type: ignore[arg-type]
+        assert s.sequence_ids() == [] and s.stats()["tenants"]["a"]["sequences"] == 0
+        s.check()
+    async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=16 * PAGE) as plain:
+        with pytest.raises(UnknownTenantError, match="no tenants"):
+            await plain.add_sequence("x", tokens(1), tenant="a")
+        assert plain.sequence_ids() == []
+
+
+# -- the rules ------------------------------------------------------------------------------
+async def test_a_flood_never_evicts_a_tenant_at_its_reservation() -> None:
+    async with small(quiet=Quota(host_reserve=8 * PAGE), flood=Quota(host_limit=4 * PAGE)) as s:
+        await fill(s, "q1", 1, "quiet")
+        await fill(s, "q2", 2, "quiet")
+        for i in range(3, 40):  # 10x the flooder's limit and more
+            await fill(s, f"f{i}", i, "flood")
+            s.check()  # (the tenants' counts equal the pages each tier holds)
+        st_ = s.stats()["tenants"]
+        assert st_["quiet"]["tiers"]["host"]["evicted"] == 0
+        assert st_["quiet"]["tiers"]["host"]["pages"] == 8
+        assert st_["flood"]["tiers"]["host"]["evicted"] > 0
+        assert st_["flood"]["evictions_caused"] > 0
+        assert s.lookup(tokens(1)) == 8 and s.lookup(tokens(2)) == 8
+
+
+async def test_a_tenant_over_its_limit_evicts_its_own_pages_first() -> None:
+    async with small(calm=Quota(), greedy=Quota(host_limit=2 * PAGE)) as s:
+        await fill(s, "c1", 1, "calm")  # 4 pages, no reservation: only rule 1 keeps them
+        for i in range(3, 30):
+            await fill(s, f"g{i}", i, "greedy")
+        st_ = s.stats()["tenants"]
+        assert st_["calm"]["tiers"]["host"]["evicted"] == 0 and s.lookup(tokens(1)) == 8
+        assert st_["greedy"]["tiers"]["host"]["evicted"] > 0
+
+
+async def test_shared_prefix_pages_stay_charged_to_their_maker() -> None:
+    async with small(a=Quota(), b=Quota()) as s:
+        await fill(s, "a1", 1, "a")
+        assert await s.add_sequence("b1", tokens(1), tenant="b") == 8  # same prompt, no salt
+        await s.release("b1")
+        st_ = s.stats()["tenants"]
+        pages = {t: st_[n]["tiers"]["device"]["pages"] for n in ("a", "b") for t in [n]}
+        assert pages == {"a": 4, "b": 0}
+        assert st_["b"]["prefix_tokens_reused"] == 8 and st_["a"]["prefix_tokens_reused"] == 0
+
+
+async def test_no_room_within_the_quotas_is_a_quota_error_and_429() -> None:
+    store = KVStore(
+        SPEC,
+        device_bytes=6 * PAGE,
+        host_bytes=16 * PAGE,
+        codec=None,
+        tenants={"owner": Quota(device_reserve=6 * PAGE), "other": Quota()},
+    )
+    async with store as s:
+        await fill(s, "o1", 1, "owner")  # 4 cached pages on the device, all reserved
+        assert s.stats()["tenants"]["owner"]["tiers"]["device"]["pages"] == 4
+        await s.add_sequence("x", tokens(2), tenant="other")
+        with pytest.raises(QuotaExceededError) as info:
+            async with s.lease(["x"]) as lease:
+                await lease.append("x", 0, *kv(N, 20))
+        assert isinstance(info.value, TierFullError) and http_status(info.value) == 429
+        assert s.stats()["tenants"]["other"]["refusals"] >= 1
+        assert s.sequence("x").kv_len == [0, 0]  # nothing appended
+        assert s.stats()["tenants"]["owner"]["tiers"]["device"]["pages"] == 4
+        s.check()
+        await s.release("x")
+        await fill(s, "o2", 2, "owner")  # the owner's own pages may go for its own
+
+
+# -- the page table's accounting, as a state machine -----------------------------------------
+NAMES = ["a", "b", "c"]
+
+
+class TenantTableMachine(RuleBasedStateMachine):
+    """Random stores, evictions and put-backs on a two-tier page table with three tenants:
+    the counts equal the pages held (not MOVING), and no eviction takes a tenant below its
+    reservation (an eviction that would takes nothing)."""
+
+    @initialize(
+        reserve=st.lists(st.integers(0, 4), min_size=3, max_size=3),
+        limit=st.lists(st.one_of(st.none(), st.integers(4, 12)), min_size=3, max_size=3),
+    )
+    def setup(self, reserve: list[int], limit: list[int | None]) -> None:
+        quotas = {
+            n: Quota(host_reserve=r, host_limit=None if lim is None else max(lim, r))
+            for n, r, lim in zip(NAMES, reserve, limit)
+        }
+        self.cap = 12
+        self.tenants = Tenants(quotas, {"host": 1}, {"host": self.cap})
+        self.table = PageTable({"host": self.cap}, "lru", tenants=self.tenants)
+        self.reserve = dict(zip(NAMES, reserve))
+        self.next = 0
+        self.moving: list[bytes] = []
+
+    def _used(self) -> dict[str, int]:
+        return {n: v["tiers"]["host"]["pages"] for n, v in self.tenants.stats().items()}
+
+    def _check_evictions(self, before: dict[str, int], lost: set[str]) -> None:
+        after = self._used()
+        for n in lost:
+            assert after[n] >= min(before[n], self.reserve[n]), (n, before, after)
+
+    @rule(who=st.sampled_from([*NAMES, None]), n=st.integers(1, 5))
+    def store(self, who: str | None, n: int) -> None:
+        keys = [f"p{self.next + i}".encode() for i in range(n)]
+        self.next += n
+        self.tenants.charge(keys, None if who is None else self.tenants.index[who])
+        before = self._used()
+        alloc = self.table.prepare_store(keys, "host")
+        if alloc is None:
+            return
+        lost = {self.tenants.charged(k) for k in alloc.evicted} - {None}
+        self._check_evictions(before, lost)  # type: ignore[arg-type]
+        self.table.complete_store(alloc.keys, "host")
+
+    @rule(n=st.integers(1, 6), exact=st.booleans())
+    def evict(self, n: int, exact: bool) -> None:
+        before = self._used()
+        got = self.table.prepare_evict("host", n, exact=exact)
+        self._check_evictions(before, {self.tenants.charged(k) for k, _ in got} - {None})  # type: ignore[misc]
+        self.moving += [k for k, _ in got]
+
+    @rule(ok=st.booleans())
+    def finish(self, ok: bool) -> None:
+        if self.moving:
+            self.table.complete_evict(self.moving, "host", ok=ok)
+            self.moving = []
+
+    @invariant()
+    def counts(self) -> None:
+        if hasattr(self, "table"):
+            self.table.check()
+            self.tenants.check(
+                lambda t: [
+                    k for k in self.table.keys(t) if self.table.state(k, t) != PageState.MOVING
+                ]  # type: ignore[misc]
+            )
+
+
+TenantTableMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=30, deadline=None
+)
+TestTenantTable = TenantTableMachine.TestCase
+
+
+def test_tenant_indices_are_stable() -> None:
+    t = Tenants({"x": Quota(), "y": Quota()}, {"host": 1}, {"host": 4})
+    assert t.tenant("y") == 1 and t.tenant(None) is None
+    asyncio.run(asyncio.sleep(0))
+
+
+async def test_the_tenant_metrics_equal_the_stats() -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tierkv import metrics
+
+    async with small(quiet=Quota(host_reserve=8 * PAGE), flood=Quota(host_limit=4 * PAGE)) as s:
+        await fill(s, "q1", 1, "quiet")
+        for i in range(3, 12):
+            await fill(s, f"f{i}", i, "flood")
+        await s.add_sequence("again", tokens(1), tenant="quiet")
+        await s.release("again")
+        got = {
+            (x.name, tuple(sorted(x.labels.items()))): x.value
+            for fam in text_string_to_metric_families(metrics.render(s).decode())
+            for x in fam.samples
+            if x.name.startswith("tierkv_tenant_")
+        }
+        want: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for name, fig in s.stats()["tenants"].items():
+            for key in ("sequences", "prompt_tokens", "prefix_tokens_reused", "refusals"):
+                want[(f"tierkv_tenant_{key}_total", (("tenant", name),))] = fig[key]
+            want[("tierkv_tenant_evictions_caused_total", (("tenant", name),))] = fig[
+                "evictions_caused"
+            ]
+            for tier, t in fig["tiers"].items():
+                labels = (("tenant", name), ("tier", tier))
+                want[("tierkv_tenant_bytes", labels)] = t["bytes"]
+                want[("tierkv_tenant_evicted_total", labels)] = t["evicted"]
+        assert got == want
+        assert want[("tierkv_tenant_prefix_tokens_reused_total", (("tenant", "quiet"),))] == 8
+        assert want[("tierkv_tenant_evicted_total", (("tenant", "flood"), ("tier", "host")))] > 0
+
+
+def test_charges_of_pages_no_tier_holds_are_pruned_and_imports_replace_them() -> None:
+    t = Tenants({"x": Quota(), "y": Quota()}, {"host": 1}, {"host": 8})
+    held = {b"k1"}
+    t.bind(lambda keys: [k for k in keys if k in held])
+    t.charge([b"k1", b"k2"], 0)
+    t.charge([b"k1", b"k2"], 1)  # the first maker pays
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", "x")
+    t.charge([b"k1", b"k2"], 1, fresh=True)  # an import: k2 is held nowhere, its charge stale
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", "y")
+    t.prune()
+    assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", None)
+    t.rename([b"k1"], [b"c1"])
+    assert (t.charged(b"k1"), t.charged(b"c1")) == (None, "x")
