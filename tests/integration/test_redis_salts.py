@@ -66,3 +66,47 @@ async def test_a_salted_prefix_in_redis_is_imported_for_its_salt_only(server: Re
         assert b.stats()["remote"]["hits"] == 0
         assert await b.add_sequence("alice-again", tokens(1), salt="alice") == 48
         assert b.stats()["remote"]["hits"] == 3 * SPEC.num_layers
+
+
+async def test_prefix_helpers_key_by_salt_and_charge_the_importing_tenant(
+    server: RedisServer,
+) -> None:
+    """publish_prefix / import_prefix / prefix_pages take the salt the prompt was stored
+    under (they hashed without it: a salted prefix could not be moved explicitly), and
+    import_prefix charges the imported pages to the tenant named."""
+    from tierkv import Quota, TenantError, UnknownTenantError
+    from tierkv.remote import import_prefix, prefix_pages, publish_prefix, stage_prefix
+
+    toks = tokens(3)
+    async with RedisTier(server.url, spec=SPEC, namespace="m", timeout=2.0) as rt:
+        a = KVStore(SPEC, device_bytes=8 * PB, host_bytes=8 * PB, codec=None)
+        b = KVStore(
+            SPEC,
+            device_bytes=8 * PB,
+            host_bytes=8 * PB,
+            codec=None,
+            tenants={"acme": Quota(), "beta": Quota()},
+        )
+        async with a, b:
+            await fill(a, "x", 3, "s1")
+            assert await stage_prefix(a, toks, salt="s1") >= 0
+            assert await publish_prefix(a, rt, toks) == 0  # unsalted keys: nothing cached
+            assert await publish_prefix(a, rt, toks, salt="s2") == 0
+            assert await publish_prefix(a, rt, toks, salt="s1") == 3 * SPEC.num_layers
+            for bad in ("", 7):
+                with pytest.raises(TenantError):
+                    await import_prefix(b, rt, toks, salt=bad)  # type: ignore[arg-type]
+            with pytest.raises(UnknownTenantError):
+                await import_prefix(b, rt, toks, salt="s1", tenant="nobody")
+            with pytest.raises(UnknownTenantError):
+                await import_prefix(a, rt, toks, salt="s1", tenant="acme")  # a has no tenants
+            assert b.lookup(toks) == 0  # the refused calls changed nothing
+            assert await import_prefix(b, rt, toks, salt="s2", tenant="acme") == 0
+            assert await import_prefix(b, rt, toks, salt="s1", tenant="acme") == 48
+            assert b.tenants is not None
+            pages = prefix_pages(b, toks, salt="s1")
+            plain, other = prefix_pages(b, toks), prefix_pages(b, toks, salt=b"s2")
+            assert len(pages) == len(plain) == 3 * SPEC.num_layers
+            assert not (set(pages) & set(plain) or set(pages) & set(other))
+            assert {b.tenants.charged(k) for k in pages} == {"acme"}
+            assert await b.add_sequence("y", toks, salt="s1", tenant="beta") == 48
