@@ -32,9 +32,11 @@ Errors: a bad argument (an unknown or released sequence, a layer out of range or
 plan's order, a tensor of the wrong shape, dtype or device) raises the typed error before
 anything changes; a layer whose load failed raises at its wait. At exit (or error, or
 cancellation) nothing stays pinned or admitted, and the new pages of layers never appended
-to are dropped. A plan names pages by the keys they had at entry: a lease of the same
-sequences that ends inside the step (and publishes their full blocks) may make a later group's
-load fail with UnknownPageError.
+to are dropped. A group names its pages when it starts loading, and again when a lease of the
+same sequences ended during its wait and published their full blocks (pages renamed to content
+keys: :func:`tierkv.lease.acquire_current`); a sequence released before or during a group's
+load makes that layer raise SequenceError. The pages a group pinned cannot be renamed while
+pinned, and their use is recorded when the group lets go of them (by the names they have then).
 
 The core calls used (the tier core's surface this path depends on): ``TierSet.announce``,
 ``acquire_device``, ``unpin_device``, ``reserve_device``, ``zero_device``, ``commit_device``,
@@ -53,8 +55,8 @@ from functools import partial
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import SequenceError, SpecError
+from tierkv.lease import acquire_current
 from tierkv.lease_host import LeaseHost
-from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
 from tierkv.step_plan import arena_rows, layer_rows
@@ -64,6 +66,10 @@ __all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
 
 # loads the next step's first layers of some sequences, in the background
 NextStep = Callable[[list[str], list[int]], Awaitable[int]]
+# a group's pages: those its layers read, those its appends open, and per layer (first key,
+# first new key, KV lengths at entry, pages per sequence after the append, filled, written)
+_Plan = tuple[int, int, list[int], list[int], list[bytes], list[bytes]]
+_Named = tuple[list[bytes], list[bytes], list[_Plan]]
 
 
 class StepPlan:
@@ -95,7 +101,6 @@ class StepPlan:
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
         self._held: int | None = None
-        self._used: list[bytes] = []  # every page the step pinned (recency at exit)
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
         self._active = False
         tiers = store.tiers
@@ -187,10 +192,9 @@ class StepPlan:
             if self._held is not None and not store.closed:
                 store.admission.leave(self._held)
             self._held = None
-        used, self._used = self._used, []
         wrote, self._wrote = self._wrote, []
         live = [s for s in self.seqs if store.is_live(s)]
-        store.lease_ended(live, used)  # (full blocks get their content keys: names change)
+        store.lease_ended(live, ())  # (full blocks get their content keys: names change)
         if wrote and live:  # one write-behind for the step, the pages by their names now
             t = store.spec.page_tokens
             keys = []
@@ -285,13 +289,12 @@ class StepPlan:
         if self._tasks[g] is None:
             self._tasks[g] = asyncio.ensure_future(self._load(g))
 
-    async def _load(self, g: int) -> list[LayerStep]:
-        """Pin group ``g``'s pages (loading those not resident), open the pages its appends
-        need, build its layers' rows. On error nothing stays pinned or opened."""
-        store = self.store
-        tiers = store.tiers
-        t = store.spec.page_tokens
-        layers = self.layers[g * self.group : (g + 1) * self.group]
+    def _name(self, layers: tuple[int, ...]) -> _Named:
+        """Group pages by their current names: the pages its layers read, the new pages its
+        appends open, and per layer where those start and what the append fills and writes.
+        Raises SequenceError when a sequence of the plan was released."""
+        self._check_all()
+        t = self.store.spec.page_tokens
         keys: list[bytes] = []
         new: list[bytes] = []
         plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
@@ -309,7 +312,28 @@ class StepPlan:
                 starts.append(start)
                 counts.append(need)
             plans.append((at, at_new, starts, counts, filled, written))
-        loaded = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
+        return keys, new, plans
+
+    async def _load(self, g: int) -> list[LayerStep]:
+        """Pin group ``g``'s pages (loading those not resident), open the pages its appends
+        need, build its layers' rows. On error nothing stays pinned or opened.
+
+        The pages are named when the group starts and again when a wait let a lease's end
+        rename them (see :func:`tierkv.lease.acquire_current`); the new pages and those an
+        append fills are never full blocks before it, so no publish renames them."""
+        store = self.store
+        tiers = store.tiers
+        t = store.spec.page_tokens
+        layers = self.layers[g * self.group : (g + 1) * self.group]
+        named = [self._name(layers)]
+
+        def name() -> list[bytes]:
+            named[0] = self._name(layers)
+            return named[0][0]
+
+        deadline = tiers.changes.deadline(store.timeout)
+        keys, loaded = await acquire_current(tiers, named[0][0], name, self._check_all, deadline)
+        _, new, plans = named[0]
         opened = pinned = owned = False
         try:
             if new:
@@ -376,7 +400,12 @@ class StepPlan:
                 pins += step.keys
         if pins:
             tiers.unpin_device(pins)
-            self._used += pins
+            # their use, now: by the names they have now (a lease's end may rename them later)
+            self.store.lease_ended((), pins)
+
+    def _check_all(self) -> None:
+        for seq in self.seqs:
+            self._check_live(seq)
 
     def _check_live(self, seq: SequenceState) -> None:
         if not self.store.is_live(seq):
