@@ -4,6 +4,7 @@ The contract follows the two-phase moves of vLLM's offloading manager::
 
     lookup(keys, tier)            -> length of the longest resident (readable) prefix
     prepare_load(keys, tier)      -> slots; pins every page (pinned pages are never evicted)
+    pin_readable(keys, tier)      -> (pinned, rest): prepare_load of the readable ones
     complete_load(keys, tier)     unpins, records the use
     prepare_store(keys, tier)     -> StoreAllocation (evicting by policy), or None when there is
                                      no room because everything else is pinned / moving / writing
@@ -38,11 +39,12 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter, not_
+
+import numpy as np
 
 from tierkv.errors import (
     InvalidInputError,
@@ -51,9 +53,11 @@ from tierkv.errors import (
     TierKVError,
     UnknownPageError,
 )
+from tierkv.evict_order import OrderIndex
 from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
+from tierkv.slot_pins import add_pins, drop_pins
 
 
 class PageState(IntEnum):
@@ -108,6 +112,7 @@ class _Tier:
         "key_of",
         "moving",
         "name",
+        "order",
         "pins",
         "policy",
         "slot_of",
@@ -132,6 +137,7 @@ class _Tier:
         self.unevictable = 0  # pages that are pinned, WRITING or MOVING
         self.moving = 0  # MOVING pages (they have left the policy)
         self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
+        self.order: OrderIndex | None = None  # positions in the last order evictions followed
         policy.bind_slots(capacity, self.slot_of)
 
 
@@ -276,8 +282,15 @@ class PageTable:
             return [k for k in keys if (s := get(k)) is not None and state[s] == _READABLE]
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         found: set[Key] = set()
+        rest = keys
         for name in tiers:  # one C-speed pass per tier, no generator per key
-            found.update(self.readable(keys, name))
+            here = self.readable(rest, name)
+            if len(here) == len(keys):
+                return here  # all in the first tier (the common case): no merge
+            found.update(here)
+            rest = [k for k in rest if k not in found]
+            if not rest:
+                break
         return [k for k in keys if k in found]
 
     def idle(self, keys: Iterable[Key], tier: str) -> list[Key]:
@@ -314,14 +327,28 @@ class PageTable:
         state, pins = t.state, t.pins
         if _count(state, slots, _READABLE) != len(slots):
             self._raise_state(t, keys, slots, _READABLE)
-        newly = 0
-        for s in slots:
-            p = pins[s]
-            if not p:
-                newly += 1
-            pins[s] = p + 1
-        t.unevictable += newly
+        t.unevictable += add_pins(pins, slots)
         return slots
+
+    def pin_readable(self, keys: Sequence[Key], tier: str) -> tuple[list[Key], list[Key]]:
+        """:meth:`readable` and :meth:`prepare_load` of those in one pass: pins the pages of
+        ``keys`` readable in ``tier``; returns ``(pinned, rest)``, each in the order of
+        ``keys``. Raises UnknownPageError only for an unknown tier."""
+        t = self._tier(tier)
+        if not keys:
+            return [], []
+        slots = np.fromiter(map(t.slot_of.get, keys, repeat(-1)), np.intp, len(keys))
+        ok = slots >= 0
+        ok[ok] = np.frombuffer(t.state, dtype=np.uint8)[slots[ok]] == _READABLE
+        if ok.all():
+            pinned, rest = list(keys), []
+        else:
+            flags = ok.tolist()
+            pinned = list(compress(keys, flags))
+            rest = list(compress(keys, map(not_, flags)))
+            slots = slots[ok]
+        t.unevictable += add_pins(t.pins, slots.tolist())
+        return pinned, rest
 
     def complete_load(self, keys: Sequence[Key], tier: str) -> None:
         """Unpin pages pinned by :meth:`prepare_load` and record their use.
@@ -333,16 +360,9 @@ class PageTable:
         t = self._tier(tier)
         slots = self._slots(t, keys)
         state, pins = t.state, t.pins
-        freed = 0
-        for i, s in enumerate(slots):
-            p = pins[s]
-            if not p:
-                for done in slots[:i]:  # roll back: nothing changes on error
-                    pins[done] += 1
-                raise PinError(f"page {_show(keys[i])} in tier {tier!r} is not pinned")
-            pins[s] = p - 1
-            if p == 1 and state[s] == _READABLE:
-                freed += 1
+        bad, freed = drop_pins(pins, slots, state, _READABLE)
+        if bad is not None:
+            raise PinError(f"page {_show(keys[bad])} in tier {tier!r} is not pinned")
         t.unevictable -= freed
         t.policy.touch_slots(slots, keys)
 
@@ -448,6 +468,8 @@ class PageTable:
         for k, s in zip(new, slots):
             state[s] = _WRITING
             key_of[s] = k
+        if t.order is not None:
+            t.order.placed(slots, new)
         t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
@@ -466,9 +488,18 @@ class PageTable:
         self._check_victims(t, n, slots, evicted)
         for k in evicted:
             del slot_of[k]
+        if t.order is not None:
+            t.order.freed(slots)
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
         self._forget(evicted)
         return evicted
+
+    @staticmethod
+    def _order(t: _Tier, order: Sequence[Key]) -> OrderIndex:
+        """The places of ``t``'s pages in ``order`` (built when the order is new)."""
+        if t.order is None or t.order.order is not order:
+            t.order = OrderIndex(order, t.capacity, t.key_of)
+        return t.order
 
     @staticmethod
     def _check_victims(t: _Tier, n: int, slots: list[int], keys: list[Key]) -> None:
@@ -542,9 +573,10 @@ class PageTable:
         n = min(n, evictable)
         if not keep or not n:
             return self._pick(t, n, None)
-        if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
-            # every page is kept (checked in one C-speed pass): the policy's scan for pages
-            # nobody keeps would walk them all and find none, so straight to the order
+        if keep_order and self._order(t, keep_order).held() == len(t.slot_of):
+            # every page is kept (``keep_order`` lists ``keep``; counted in numpy): the
+            # policy's scan for pages nobody keeps would walk them all and find none, so
+            # straight to the order
             return self._pick(t, n, None, keep_order)
         first = self._pick(t, n, keep)  # pages nobody asked to keep first, then the rest
         if len(first) == n:
@@ -566,17 +598,10 @@ class PageTable:
         with ``order``, the evictable pages latest in it go first."""
         if n <= 0:
             return []
-        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
-        only: set[Key] | None = None
-        if order:
-            late: dict[Key, None] = {}
-            for k in reversed(order):
-                s = slot_of.get(k)
-                if s is not None and not pins[s] and state[s] == _READABLE:
-                    late[k] = None
-                    if len(late) >= n:
-                        break
-            only = set(late)
+        state, pins, key_of = t.state, t.pins, t.key_of
+        only: list[int] | None = None
+        if order:  # the slots' places in the order, kept as pages come and go (numpy)
+            only = self._order(t, order).latest(n, state, pins, _READABLE)
 
         def can_evict_slot(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE
@@ -588,7 +613,7 @@ class PageTable:
 
         pick: Callable[[int], bool]
         if only is not None:  # a set's own membership test: no Python frame per slot scanned
-            pick, want = frozenset(slot_of[k] for k in only).__contains__, len(only)
+            pick, want = frozenset(only).__contains__, len(only)
         else:
             pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
         out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
@@ -625,6 +650,8 @@ class PageTable:
                 unkey(s)
                 del undo[s]
             t.free.extend(slots)
+            if t.order is not None:
+                t.order.freed(slots)
             self._forget(keys)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
@@ -678,6 +705,8 @@ class PageTable:
             del t.slot_of[k_old]
             t.slot_of[k_new] = s
             t.key_of[s] = k_new
+            if t.order is not None:
+                t.order.placed((s,), (k_new,))
             if t.state[s] != _MOVING:  # MOVING pages already left the policy
                 policy.remove_slots((s,), (k_old,))  # to the recent end, as a remove and an
                 policy.insert_slots((s,), (k_new,), None)  # insert would
@@ -724,6 +753,8 @@ class PageTable:
             assert len(used) - in_policy == t.moving, f"{t.name} moving count"
             moving = {s for s in used if t.state[s] == _MOVING}
             assert set(t.undo) == moving, f"{t.name} undo records"
+            if t.order is not None:
+                t.order.check(t.key_of)
         held = [t.slot_of for t in self._tiers.values()]
         for k in self.sums.known():
             assert any(k in h for h in held), f"checksum of {_show(k)}, in no tier"
@@ -776,6 +807,8 @@ class PageTable:
             del key_of[s]
         t.policy.remove_slots(slots, keys)
         t.free.extend(slots)
+        if t.order is not None:
+            t.order.freed(slots)
         self._forget(keys)
 
     def _forget(self, keys: Iterable[Key]) -> None:
@@ -783,8 +816,11 @@ class PageTable:
         sums = self.sums
         if not len(sums):
             return
-        tiers = [t.slot_of for t in self._tiers.values()]
-        gone = [k for k in keys if k in sums and not any(k in held for held in tiers)]
+        gone = sums.known_of(keys)
+        for t in self._tiers.values():  # one C-speed pass per tier, no generator per key
+            if gone:
+                held = t.slot_of
+                gone = [k for k in gone if k not in held]
         if gone:
             sums.pop(gone)
 

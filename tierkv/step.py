@@ -242,11 +242,13 @@ class StepPlan:
                 await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
         task = self._tasks[g]
         assert task is not None  # started above or before
-        if at == 0 and not task.done():  # compute waits for these loads: late
-            steps = await task
-            late = sum(s.loaded for s in steps)
-            self.store.counters.late_fetches += late
-            self.waited_pages += late
+        if at == 0 and not task.done():  # compute waits for this group: its loads are late
+            asked = time.perf_counter()  # when their copies ended after it asked (not when the
+            steps = await task  # loop, idle between layers under TieredCache, next ran)
+            if steps and steps[0].landed > asked:
+                late = steps[0].loaded
+                self.store.counters.late_fetches += late
+                self.waited_pages += late
         steps = await task
         step = steps[at]
         self._next = i + 1
@@ -333,6 +335,7 @@ class StepPlan:
 
         deadline = tiers.changes.deadline(store.timeout)
         keys, loaded = await acquire_current(tiers, named[0][0], name, self._check_all, deadline)
+        landed = tiers.stats.loads_landed_at if loaded else 0.0  # (its copies' end)
         _, new, plans = named[0]
         opened = pinned = owned = False
         try:
@@ -376,6 +379,7 @@ class StepPlan:
         c.device_hits += len(keys) - loaded
         if steps:
             steps[0].loaded = loaded
+            steps[0].landed = landed
         store.lease_began(keys)
         return steps
 
