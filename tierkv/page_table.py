@@ -38,6 +38,7 @@ of state, pins and slots is here, where :meth:`PageTable.check` can be read agai
 from __future__ import annotations
 
 from array import array
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
@@ -57,7 +58,7 @@ from tierkv.evict_order import OrderIndex
 from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
-from tierkv.slot_pins import add_pins, drop_pins
+from tierkv.slot_pins import add_pins, drop_pins, set_states
 
 
 class PageState(IntEnum):
@@ -464,10 +465,8 @@ class PageTable:
         slots = free[cut:].tolist()
         del free[cut:]
         slot_of.update(zip(new, slots))
-        key_of = t.key_of
-        for k, s in zip(new, slots):
-            state[s] = _WRITING
-            key_of[s] = k
+        t.key_of.update(zip(slots, new))
+        set_states(state, slots, _WRITING)
         if t.order is not None:
             t.order.placed(slots, new)
         t.policy.insert_slots(slots, new, new_hints)
@@ -616,15 +615,14 @@ class PageTable:
             pick, want = frozenset(only).__contains__, len(only)
         else:
             pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
-        out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
-        keys = [k for k, _ in out]
-        slots = [s for _, s in out]
+        slots = t.policy.evict_slots(want, pick)
+        keys = list(map(key_of.__getitem__, slots))
+        out = list(zip(keys, slots))
         states = t.policy.evicted_state_slots(slots, keys)
         if keep is None:  # every candidate it may take was evictable: the policy owes them all
             self._check_victims(t, want, slots, keys)
         t.undo.update(zip(slots, states))
-        for s in slots:
-            state[s] = _MOVING
+        set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
         if only is not None and len(out) < n:  # the rest by policy
@@ -644,11 +642,9 @@ class PageTable:
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
         if ok:
-            pop, unkey = t.slot_of.pop, t.key_of.pop
-            for k, s in zip(keys, slots):
-                pop(k)
-                unkey(s)
-                del undo[s]
+            deque(map(t.slot_of.__delitem__, keys), 0)  # C-speed passes, no Python per page
+            deque(map(t.key_of.__delitem__, slots), 0)
+            deque(map(undo.__delitem__, slots), 0)
             t.free.extend(slots)
             if t.order is not None:
                 t.order.freed(slots)

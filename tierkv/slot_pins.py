@@ -1,6 +1,6 @@
-"""Pin counts of many slots at once (:mod:`tierkv.page_table`): a step pins and unpins a few
-thousand pages per layer group, and a Python loop per slot cost it ~1 ms a call. Below
-``SMALL`` slots the loop is cheaper than numpy's setup and stays.
+"""Pin counts (and states) of many slots at once (:mod:`tierkv.page_table`): a step pins and
+unpins a few thousand pages per layer group, and a Python loop per slot cost it ~1 ms a call.
+Below ``SMALL`` slots the loop is cheaper than numpy's setup and stays.
 
 Pins live in an ``array('l')`` and states in a ``bytearray`` (untracked by the collector);
 numpy reads and writes them in place through ``np.frombuffer``.
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["SMALL", "add_pins", "drop_pins"]
+__all__ = ["SMALL", "add_pins", "drop_pins", "set_states"]
 
 SMALL = 64
 
@@ -71,3 +71,12 @@ def drop_pins(
     free = left == 0
     free &= np.frombuffer(state, dtype=np.uint8)[uniq] == readable
     return None, int(np.count_nonzero(free))
+
+
+def set_states(state: bytearray, slots: Sequence[int], value: int) -> None:
+    """``state[s] = value`` for each of ``slots``."""
+    if len(slots) < SMALL:
+        for s in slots:
+            state[s] = value
+    else:
+        np.frombuffer(state, dtype=np.uint8)[np.asarray(slots, dtype=np.intp)] = value

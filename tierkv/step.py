@@ -20,8 +20,14 @@ new pages its appends need and builds each layer's row indices (:mod:`tierkv.ste
 :meth:`StepPlan.layer`, at a group's first layer, lets go of the group before (its pins),
 starts the next group's loads and waits for its own (none when they landed);
 :meth:`StepPlan.layer_now` serves the other layers of a landed group with no event loop at
-all. At exit the pages used get their recency, full blocks their content keys, the pages the
-step wrote go down in one write-behind, and the next step's first group is prefetched.
+all. At exit full blocks get their content keys, the pages the step wrote go down in one
+write-behind, and the next step's first group is prefetched.
+
+Late fetches (``stats()["late_fetches"]``): a group's loads are late when the layer that needs
+them asked before their copies ended (the copies' own end, ``TierStats.loads_landed_at``),
+that is when compute waited on a fetch. A layer whose group's task had not run since its
+copies ended (under ``TieredCache`` the loop runs only when a group starts) waits a loop turn,
+not for a fetch: not late.
 
 The announced order makes evictions take, among the step's pages, the one read last: in the
 cyclic walk over layers a steady set of layers stays resident and the rest stream through the
@@ -59,17 +65,13 @@ from tierkv.lease import acquire_current
 from tierkv.lease_host import LeaseHost
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
-from tierkv.step_plan import arena_rows, layer_rows
+from tierkv.step_plan import GroupPages, arena_rows, group_pages, layer_rows, written_keys
 from tierkv.tier_names import DEVICE
 
 __all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
 
 # loads the next step's first layers of some sequences, in the background
 NextStep = Callable[[list[str], list[int]], Awaitable[int]]
-# a group's pages: those its layers read, those its appends open, and per layer (first key,
-# first new key, KV lengths at entry, pages per sequence after the append, filled, written)
-_Plan = tuple[int, int, list[int], list[int], list[bytes], list[bytes]]
-_Named = tuple[list[bytes], list[bytes], list[_Plan]]
 
 
 class StepPlan:
@@ -159,7 +161,7 @@ class StepPlan:
         # each layer's pages just before the next step reads them). The pages the step writes
         # come first (evicted last): each goes down once, by one write-behind at the end of
         # the step, not by an eviction's wait half way through.
-        written = [k for layer in self.layers for k in self._written_keys(layer)]
+        written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
         first = set(written)
         rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
         tiers.announce(written + [k for k in rest if k not in first])
@@ -277,44 +279,9 @@ class StepPlan:
         if step is not self._current:
             raise SequenceError(f"layer {step.layer} is no longer current in this step")
 
-    def _written_keys(self, layer: int) -> list[bytes]:
-        t = self.store.spec.page_tokens
-        out = []
-        for seq, k in zip(self.seqs, self.tokens):
-            if k:
-                start = seq.kv_len_of(layer)
-                blocks = range(start // t, -(-(start + k) // t))
-                out += [page_key(seq.block(b), layer) for b in blocks]
-        return out
-
     def _start(self, g: int) -> None:
         if self._tasks[g] is None:
             self._tasks[g] = asyncio.ensure_future(self._load(g))
-
-    def _name(self, layers: tuple[int, ...]) -> _Named:
-        """Group pages by their current names: the pages its layers read, the new pages its
-        appends open, and per layer where those start and what the append fills and writes.
-        Raises SequenceError when a sequence of the plan was released."""
-        self._check_all()
-        t = self.store.spec.page_tokens
-        keys: list[bytes] = []
-        new: list[bytes] = []
-        plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
-        for layer in layers:
-            starts, counts, filled = [], [], []
-            written = self._written_keys(layer)
-            at, at_new = len(keys), len(new)
-            for seq, k in zip(self.seqs, self.tokens):
-                start = seq.kv_len_of(layer)
-                have, need = -(-start // t), -(-(start + k) // t)
-                keys += seq.pages(layer)
-                new += [page_key(seq.block(b), layer) for b in range(have, need)]
-                full = range(start // t, (start + k) // t)
-                filled += [page_key(seq.block(b), layer) for b in full]
-                starts.append(start)
-                counts.append(need)
-            plans.append((at, at_new, starts, counts, filled, written))
-        return keys, new, plans
 
     async def _load(self, g: int) -> list[LayerStep]:
         """Pin group ``g``'s pages (loading those not resident), open the pages its appends
@@ -329,7 +296,7 @@ class StepPlan:
         layers = self.layers[g * self.group : (g + 1) * self.group]
         named = [self._name(layers)]
 
-        def name() -> list[bytes]:
+        def name() -> list[bytes]:  # again, by the pages' names now
             named[0] = self._name(layers)
             return named[0][0]
 
@@ -406,6 +373,12 @@ class StepPlan:
             tiers.unpin_device(pins)
             # their use, now: by the names they have now (a lease's end may rename them later)
             self.store.lease_ended((), pins)
+
+    def _name(self, layers: tuple[int, ...]) -> GroupPages:
+        """A group's pages by their current names (:func:`tierkv.step_plan.group_pages`).
+        Raises SequenceError when a sequence of the plan was released."""
+        self._check_all()
+        return group_pages(self.seqs, self.tokens, layers, self.store.spec.page_tokens)
 
     def _check_all(self) -> None:
         for seq in self.seqs:

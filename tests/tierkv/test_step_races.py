@@ -28,15 +28,8 @@ H, D = SPEC.num_kv_heads, SPEC.head_dim
 def _store() -> KVStore:
     """No write-behind: the only device pins are the leases', the step's and the junk's. A
     codec (the store keeps an idle clock only with one), nothing compressed in these tests."""
-    return KVStore(
-        SPEC,
-        device_bytes=12 * PAGE,
-        host_bytes=64 * PAGE,
-        codec="int8",
-        compress_after=1000,
-        write_behind=False,
-        timeout=5,
-    )
+    room = {"device_bytes": 12 * PAGE, "host_bytes": 64 * PAGE}
+    return KVStore(SPEC, **room, codec="int8", compress_after=1000, write_behind=False, timeout=5)
 
 
 async def _block_zero_on_host(st: KVStore) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -195,4 +188,20 @@ async def test_loads_a_layer_asked_for_before_they_started_are_late() -> None:
         loads = after["page_loads"] - before["page_loads"]
         assert loads == 2 * SPEC.num_layers
         assert after["late_fetches"] - before["late_fetches"] == loads
+        await idle(st)
+
+
+async def test_a_lease_whose_sequence_is_released_while_it_waits_raises_sequence_error() -> None:
+    # the lease's entry shares the group's acquire (tierkv.lease.acquire_current)
+    async with _store() as st:
+        await _on_host(st)
+        junk = await _pin_free_slots(st)
+        entering = asyncio.ensure_future(st.lease(["a"], [1]).__aenter__())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not entering.done()  # waiting for room
+        await st.release("a")
+        _unpin(st, junk)
+        with pytest.raises(SequenceError, match="released"):
+            await entering  # unfixed: it pinned the released sequence's cached pages
         await idle(st)
