@@ -58,7 +58,7 @@ from tierkv.evict_order import OrderIndex
 from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
-from tierkv.slot_pins import add_pins, drop_pins, set_states
+from tierkv.slot_pins import SMALL, add_pins, drop_pins, set_states
 
 
 class PageState(IntEnum):
@@ -336,8 +336,16 @@ class PageTable:
         ``keys`` readable in ``tier``; returns ``(pinned, rest)``, each in the order of
         ``keys``. Raises UnknownPageError only for an unknown tier."""
         t = self._tier(tier)
-        if not keys:
-            return [], []
+        if len(keys) < SMALL:  # a few pages: numpy's setup costs more than the loop
+            get, state = t.slot_of.get, t.state
+            pinned = [k for k in keys if (s := get(k)) is not None and state[s] == _READABLE]
+            if len(pinned) < len(keys):
+                ready = set(pinned)
+                rest = [k for k in keys if k not in ready]
+            else:
+                rest = []
+            t.unevictable += add_pins(t.pins, [t.slot_of[k] for k in pinned])
+            return pinned, rest
         slots = np.fromiter(map(t.slot_of.get, keys, repeat(-1)), np.intp, len(keys))
         ok = slots >= 0
         ok[ok] = np.frombuffer(t.state, dtype=np.uint8)[slots[ok]] == _READABLE

@@ -127,3 +127,21 @@ def test_a_page_unpinned_too_often_raises_pin_error_and_changes_nothing() -> Non
         table.complete_load(keys + keys[:1], "d")
     table.complete_load(keys, "d")  # each still pinned once: nothing changed above
     table.check()
+
+
+@pytest.mark.parametrize("n", [SMALL - 1, SMALL, 600])
+def test_pin_readable_pins_what_readable_names(n: int) -> None:
+    rng = random.Random(n)
+    table = PageTable({"d": 1000})
+    keys = [bytes([9, i % 256, i // 256]) * 4 for i in range(900)]
+    table.complete_store(table.prepare_store(keys[:500], "d").keys, "d")  # type: ignore[union-attr]
+    table.prepare_store(keys[500:600], "d")  # WRITING: not readable
+    table.prepare_evict("d", 50)  # MOVING: not readable
+    asked = rng.sample(keys, n)  # some absent (the last 300 were never stored)
+    want = table.readable(asked, "d")
+    got, rest = table.pin_readable(asked, "d")
+    assert got == want and rest == [k for k in asked if k not in set(want)]
+    t = table._tiers["d"]
+    assert all(t.pins[t.slot_of[k]] == 1 for k in got)
+    table.complete_load(got, "d")
+    table.check()
