@@ -11,6 +11,7 @@ copies end. Part of the tier core (:class:`tierkv.tiers.TierSet`, which places p
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import cast
@@ -59,16 +60,37 @@ class DeviceLoads:
     ) -> list[PageKey] | None:
         """Load pages that have a readable lower copy into new device slots and pin them for
         the caller; returns the pages loaded (and pinned), or None when the device has no room
-        now. The copies are owned by a task of this class: a cancelled caller never frees a slot
-        a copy still writes, and pins that the load took for it are given back."""
+        now. ``keys``: pages absent from the device with a readable lower copy, as the caller
+        found them with no suspension since (named again here only when the call waited for
+        the device lock). The copies are owned by a task of this class: a cancelled caller
+        never frees a slot a copy still writes, and pins that the load took for it are given
+        back."""
         table = self._table
+        checked = not self._device_lock.locked()  # (a free lock is taken with no suspension)
         async with self._device_lock:
-            keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
+            if not checked:  # it waited for the lock: what the caller saw may have changed
+                keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
             if not keys:
                 return []
             if not await self._evict.make_room(len(keys), deadline, keys):
                 return None
-            keys = self._evict.with_lower(cast(list[PageKey], table.absent(keys, DEVICE)))
+            # each page's source: the first lower tier that holds it readable (one pass per
+            # tier over what is left; the make_room above may have waited)
+            keys = cast(list[PageKey], table.absent(keys, DEVICE))
+            found: dict[str, list[PageKey]] = {}
+            rest = keys
+            for tier in self._ctx.lower:
+                ks = cast(list[PageKey], table.readable(rest, tier))
+                if ks:
+                    found[tier] = ks
+                if len(ks) == len(rest):
+                    rest = []
+                    break
+                here = set(ks)
+                rest = [k for k in rest if k not in here]
+            if rest:  # no lower copy any more: not loaded here
+                gone = set(rest)
+                keys = [k for k in keys if k not in gone]
             alloc = table.prepare_store(keys, DEVICE)
             if alloc is None or alloc.evicted:  # room was made under the lock
                 if alloc is not None:
@@ -77,14 +99,11 @@ class DeviceLoads:
             self.note_peak()
             self._prefaulter.ahead(alloc.slots)
             new = cast(list[PageKey], alloc.keys)
-            # sources are chosen and pinned now, with no await since the check above
-            src: dict[str, tuple[list[PageKey], list[int]]] = {}
-            taken: set[PageKey] = set()
-            for tier in self._ctx.lower:
-                ks = cast(list[PageKey], table.readable([k for k in new if k not in taken], tier))
-                if ks:
-                    src[tier] = (ks, table.prepare_load(ks, tier))
-                    taken.update(ks)
+            if len(new) < len(keys):  # the policy's admission kept some only
+                kept = set(new)
+                found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
+            # sources are pinned now, with no await since they were chosen
+            src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
         slot_of = dict(zip(new, alloc.slots))
         # submit now, before any await: the copies run while the caller computes
         work: list[tuple[str, int, TransferHandle]] = []
@@ -123,12 +142,14 @@ class DeviceLoads:
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled: commits
         the pages pinned for the caller (or rolls them back) and wakes the waiters."""
+        landed = 0.0
         for tier, n, handle in work:
             try:
                 res = await job_done(handle)  # the slots are the copy's until it has ended
             except BaseException as exc:  # roll back: the slots are free again
                 error = error or exc
                 continue
+            landed = max(landed, handle.stats.finished_at or time.perf_counter())
             if tier == HOST:
                 self._ctx.copied("load", "stream host->device", res, n)
                 self._ctx.stats.bytes_h2d += n * self._ctx.spec.page_bytes
@@ -138,6 +159,7 @@ class DeviceLoads:
         error = self._cold.corrupt(error)  # a cold copy failed its checksum: dropped, typed
         self._table.complete_store(keys, DEVICE, ok=error is None)
         if error is None:
+            self._ctx.stats.loads_landed_at = landed
             self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
             if self._ctx.top == DEVICE:  # no host tier: the owners pin the leased copy
                 self._ctx.owners.pin_owned(keys, DEVICE)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 import torch
@@ -24,9 +24,45 @@ from tierkv.errors import PageStateError, SequenceError, SpecError, UnknownPageE
 from tierkv.lease_host import LeaseHost
 from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
-from tierkv.tiers import DEVICE
+from tierkv.tiers import DEVICE, TierSet
 
-__all__ = ["Lease", "LeaseHost"]
+__all__ = ["Lease", "LeaseHost", "acquire_current"]
+
+
+async def acquire_current(
+    tiers: TierSet,
+    keys: list[bytes],
+    name: Callable[[], list[bytes]],
+    check: Callable[[], None],
+    deadline: float,
+) -> tuple[list[bytes], int]:
+    """Pin ``keys`` on the device (:meth:`TierSet.acquire_device`, by ``deadline``, loop
+    time); returns the keys pinned and the pages waited for. ``name()`` names the pages again
+    (by their current keys) and ``check()`` raises SequenceError when a sequence was released.
+
+    A wait for room or for copies pins nothing of a block yet to come, so another lease's end
+    may publish it meanwhile (its pages renamed to content keys): then the pages are named
+    again and pinned under their new names; only a page in no tier under its current name is
+    an UnknownPageError, and a sequence released meanwhile (before or during the wait) is a
+    SequenceError with nothing left pinned.
+    """
+    while True:
+        left = max(0.0, deadline - asyncio.get_running_loop().time())
+        try:
+            waited = await tiers.acquire_device(keys, Priority.DEMAND, timeout=left)
+        except UnknownPageError:
+            check()
+            now = name()
+            if now == keys:
+                raise
+            keys = now
+            continue
+        try:
+            check()
+        except BaseException:
+            tiers.unpin_device(keys)
+            raise
+        return keys, waited
 
 
 class Lease:
@@ -120,19 +156,11 @@ class Lease:
         renamed meanwhile (another lease's end published a full block under its content key):
         only a page that is in no tier under its current name is an error, and a sequence
         released meanwhile is a SequenceError, not a missing page."""
-        store = self._store
-        tiers = store.tiers
-        while True:
-            left = max(0.0, deadline - asyncio.get_running_loop().time())
-            try:
-                return keys, await tiers.acquire_device(keys, Priority.DEMAND, timeout=left)
-            except UnknownPageError:
-                for seq in self._seqs:
-                    self._check_live(seq)
-                now = self._keys()
-                if now == keys:
-                    raise
-                keys = now
+        return await acquire_current(self._store.tiers, keys, self._keys, self._check, deadline)
+
+    def _check(self) -> None:
+        for seq in self._seqs:
+            self._check_live(seq)
 
     def _keys(self) -> list[bytes]:
         """The leased pages by their current names."""

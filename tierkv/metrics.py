@@ -129,7 +129,8 @@ class StoreCollector(_Families):
         )
         yield self._counter(
             "late_fetches",
-            "Leased pages compute had to wait for (not prefetched in time)",
+            "Loaded pages compute waited on: a lease's at entry, a step layer's when their "
+            "copies ended after it asked (not prefetched in time)",
             s["late_fetches"],
         )
         yield self._counter("prefetched_pages", "Pages loaded by prefetch", s["prefetched"])

@@ -4,6 +4,7 @@ The contract follows the two-phase moves of vLLM's offloading manager::
 
     lookup(keys, tier)            -> length of the longest resident (readable) prefix
     prepare_load(keys, tier)      -> slots; pins every page (pinned pages are never evicted)
+    pin_readable(keys, tier)      -> (pinned, rest): prepare_load of the readable ones
     complete_load(keys, tier)     unpins, records the use
     prepare_store(keys, tier)     -> StoreAllocation (evicting by policy), or None when there is
                                      no room because everything else is pinned / moving / writing
@@ -37,14 +38,15 @@ of state, pins and slots is here, where :meth:`PageTable.check` can be read agai
 from __future__ import annotations
 
 from array import array
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import IntEnum
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter, not_
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from tierkv.errors import (
     InvalidInputError,
@@ -53,9 +55,11 @@ from tierkv.errors import (
     TierKVError,
     UnknownPageError,
 )
+from tierkv.evict_order import OrderIndex
 from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
+from tierkv.slot_pins import SMALL, add_pins, drop_pins, set_states
 
 if TYPE_CHECKING:
     from tierkv.tenants import Tenants
@@ -113,6 +117,7 @@ class _Tier:
         "key_of",
         "moving",
         "name",
+        "order",
         "pins",
         "policy",
         "slot_of",
@@ -137,6 +142,7 @@ class _Tier:
         self.unevictable = 0  # pages that are pinned, WRITING or MOVING
         self.moving = 0  # MOVING pages (they have left the policy)
         self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
+        self.order: OrderIndex | None = None  # positions in the last order evictions followed
         policy.bind_slots(capacity, self.slot_of)
 
 
@@ -292,8 +298,15 @@ class PageTable:
             return [k for k in keys if (s := get(k)) is not None and state[s] == _READABLE]
         keys = keys if isinstance(keys, (list, tuple)) else list(keys)
         found: set[Key] = set()
+        rest = keys
         for name in tiers:  # one C-speed pass per tier, no generator per key
-            found.update(self.readable(keys, name))
+            here = self.readable(rest, name)
+            if len(here) == len(keys):
+                return here  # all in the first tier (the common case): no merge
+            found.update(here)
+            rest = [k for k in rest if k not in found]
+            if not rest:
+                break
         return [k for k in keys if k in found]
 
     def idle(self, keys: Iterable[Key], tier: str) -> list[Key]:
@@ -330,14 +343,36 @@ class PageTable:
         state, pins = t.state, t.pins
         if _count(state, slots, _READABLE) != len(slots):
             self._raise_state(t, keys, slots, _READABLE)
-        newly = 0
-        for s in slots:
-            p = pins[s]
-            if not p:
-                newly += 1
-            pins[s] = p + 1
-        t.unevictable += newly
+        t.unevictable += add_pins(pins, slots)
         return slots
+
+    def pin_readable(self, keys: Sequence[Key], tier: str) -> tuple[list[Key], list[Key]]:
+        """:meth:`readable` and :meth:`prepare_load` of those in one pass: pins the pages of
+        ``keys`` readable in ``tier``; returns ``(pinned, rest)``, each in the order of
+        ``keys``. Raises UnknownPageError only for an unknown tier."""
+        t = self._tier(tier)
+        if len(keys) < SMALL:  # a few pages: numpy's setup costs more than the loop
+            get, state = t.slot_of.get, t.state
+            pinned = [k for k in keys if (s := get(k)) is not None and state[s] == _READABLE]
+            if len(pinned) < len(keys):
+                ready = set(pinned)
+                rest = [k for k in keys if k not in ready]
+            else:
+                rest = []
+            t.unevictable += add_pins(t.pins, [t.slot_of[k] for k in pinned])
+            return pinned, rest
+        slots = np.fromiter(map(t.slot_of.get, keys, repeat(-1)), np.intp, len(keys))
+        ok = slots >= 0
+        ok[ok] = np.frombuffer(t.state, dtype=np.uint8)[slots[ok]] == _READABLE
+        if ok.all():
+            pinned, rest = list(keys), []
+        else:
+            flags = ok.tolist()
+            pinned = list(compress(keys, flags))
+            rest = list(compress(keys, map(not_, flags)))
+            slots = slots[ok]
+        t.unevictable += add_pins(t.pins, slots.tolist())
+        return pinned, rest
 
     def complete_load(self, keys: Sequence[Key], tier: str) -> None:
         """Unpin pages pinned by :meth:`prepare_load` and record their use.
@@ -349,16 +384,9 @@ class PageTable:
         t = self._tier(tier)
         slots = self._slots(t, keys)
         state, pins = t.state, t.pins
-        freed = 0
-        for i, s in enumerate(slots):
-            p = pins[s]
-            if not p:
-                for done in slots[:i]:  # roll back: nothing changes on error
-                    pins[done] += 1
-                raise PinError(f"page {_show(keys[i])} in tier {tier!r} is not pinned")
-            pins[s] = p - 1
-            if p == 1 and state[s] == _READABLE:
-                freed += 1
+        bad, freed = drop_pins(pins, slots, state, _READABLE)
+        if bad is not None:
+            raise PinError(f"page {_show(keys[bad])} in tier {tier!r} is not pinned")
         t.unevictable -= freed
         t.policy.touch_slots(slots, keys)
 
@@ -465,10 +493,10 @@ class PageTable:
         slots = free[cut:].tolist()
         del free[cut:]
         slot_of.update(zip(new, slots))
-        key_of = t.key_of
-        for k, s in zip(new, slots):
-            state[s] = _WRITING
-            key_of[s] = k
+        t.key_of.update(zip(slots, new))
+        set_states(state, slots, _WRITING)
+        if t.order is not None:
+            t.order.placed(slots, new)
         t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
         if self._acc is not None:
@@ -500,6 +528,8 @@ class PageTable:
         self._check_victims(t, n, slots, evicted)
         for k in evicted:
             del slot_of[k]
+        if t.order is not None:
+            t.order.freed(slots)
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
         if acc is not None:
             acc.left(t.name, evicted, evicted=True, by=acc.maker(new))
@@ -566,6 +596,13 @@ class PageTable:
         too few pages within them (an admission then waits or refuses with
         QuotaExceededError)."""
         return tier in self._blocked
+
+    @staticmethod
+    def _order(t: _Tier, order: Sequence[Key]) -> OrderIndex:
+        """The places of ``t``'s pages in ``order`` (built when the order is new)."""
+        if t.order is None or t.order.order is not order:
+            t.order = OrderIndex(order, t.capacity, t.key_of)
+        return t.order
 
     @staticmethod
     def _check_victims(t: _Tier, n: int, slots: list[int], keys: list[Key]) -> None:
@@ -663,9 +700,10 @@ class PageTable:
         ``allow`` allows (the tenants' quotas; None: any)."""
         if not keep or not n:
             return self._pick(t, n, None, None, allow)
-        if keep_order and isinstance(keep, AbstractSet) and t.slot_of.keys() <= keep:
-            # every page is kept (checked in one C-speed pass): the policy's scan for pages
-            # nobody keeps would walk them all and find none, so straight to the order
+        if keep_order and self._order(t, keep_order).held() == len(t.slot_of):
+            # every page is kept (``keep_order`` lists ``keep``; counted in numpy): the
+            # policy's scan for pages nobody keeps would walk them all and find none, so
+            # straight to the order
             return self._pick(t, n, None, keep_order, allow)
         first = self._pick(t, n, keep, None, allow)  # pages nobody keeps first, then the rest
         if len(first) == n:
@@ -733,22 +771,20 @@ class PageTable:
         latest in it go first."""
         if n <= 0:
             return []
-        slot_of, state, pins, key_of = t.slot_of, t.state, t.pins, t.key_of
-        only: set[Key] | None = None
-        if order:
-            late: dict[Key, None] = {}
+        state, pins, key_of = t.state, t.pins, t.key_of
+        only: list[int] | None = None
+        if order and allow is None:  # the slots' places in the order, kept as pages come
+            only = self._order(t, order).latest(n, state, pins, _READABLE)  # and go (numpy)
+        elif order and allow is not None:  # the tenants' quotas allow some only: the latest
+            slot_of = t.slot_of
+            late: dict[int, None] = {}
             for k in reversed(order):
                 s = slot_of.get(k)
-                if (
-                    s is not None
-                    and not pins[s]
-                    and state[s] == _READABLE
-                    and (allow is None or allow(k))
-                ):
-                    late[k] = None
+                if s is not None and not pins[s] and state[s] == _READABLE and allow(k):
+                    late[s] = None
                     if len(late) >= n:
                         break
-            only = set(late)
+            only = list(late)
 
         def can_evict_slot(s: int) -> bool:
             return not pins[s] and state[s] == _READABLE
@@ -768,18 +804,17 @@ class PageTable:
 
         pick: Callable[[int], bool]
         if only is not None:  # a set's own membership test: no Python frame per slot scanned
-            pick, want = frozenset(slot_of[k] for k in only).__contains__, len(only)
+            pick, want = frozenset(only).__contains__, len(only)
         else:
             pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
-        out = [(key_of[s], s) for s in t.policy.evict_slots(want, pick)]
-        keys = [k for k, _ in out]
-        slots = [s for _, s in out]
+        slots = t.policy.evict_slots(want, pick)
+        keys = list(map(key_of.__getitem__, slots))
+        out = list(zip(keys, slots))
         states = t.policy.evicted_state_slots(slots, keys)
         if keep is None and allow is None:  # every candidate it may take was evictable: the
             self._check_victims(t, want, slots, keys)  # policy owes them all
         t.undo.update(zip(slots, states))
-        for s in slots:
-            state[s] = _MOVING
+        set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
         # MOVING pages are no tenant's any more (undone if put back); a reservation that
@@ -803,12 +838,12 @@ class PageTable:
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
         if ok:
-            pop, unkey = t.slot_of.pop, t.key_of.pop
-            for k, s in zip(keys, slots):
-                pop(k)
-                unkey(s)
-                del undo[s]
+            deque(map(t.slot_of.__delitem__, keys), 0)  # C-speed passes, no Python per page
+            deque(map(t.key_of.__delitem__, slots), 0)
+            deque(map(undo.__delitem__, slots), 0)
             t.free.extend(slots)
+            if t.order is not None:
+                t.order.freed(slots)
             self._forget(keys)
             if self._record and slots:
                 self._events.append(PageEvent("evicted", tier, tuple(keys)))
@@ -864,6 +899,8 @@ class PageTable:
             del t.slot_of[k_old]
             t.slot_of[k_new] = s
             t.key_of[s] = k_new
+            if t.order is not None:
+                t.order.placed((s,), (k_new,))
             if t.state[s] != _MOVING:  # MOVING pages already left the policy
                 policy.remove_slots((s,), (k_old,))  # to the recent end, as a remove and an
                 policy.insert_slots((s,), (k_new,), None)  # insert would
@@ -910,6 +947,8 @@ class PageTable:
             assert len(used) - in_policy == t.moving, f"{t.name} moving count"
             moving = {s for s in used if t.state[s] == _MOVING}
             assert set(t.undo) == moving, f"{t.name} undo records"
+            if t.order is not None:
+                t.order.check(t.key_of)
         held = [t.slot_of for t in self._tiers.values()]
         for k in self.sums.known():
             assert any(k in h for h in held), f"checksum of {_show(k)}, in no tier"
@@ -964,6 +1003,8 @@ class PageTable:
         t.free.extend(slots)
         if self._acc is not None:
             self._acc.left(t.name, keys)
+        if t.order is not None:
+            t.order.freed(slots)
         self._forget(keys)
 
     def _forget(self, keys: Iterable[Key]) -> None:
@@ -971,8 +1012,11 @@ class PageTable:
         sums = self.sums
         if not len(sums):
             return
-        tiers = [t.slot_of for t in self._tiers.values()]
-        gone = [k for k in keys if k in sums and not any(k in held for held in tiers)]
+        gone = sums.known_of(keys)
+        for t in self._tiers.values():  # one C-speed pass per tier, no generator per key
+            if gone:
+                held = t.slot_of
+                gone = [k for k in gone if k not in held]
         if gone:
             sums.pop(gone)
 

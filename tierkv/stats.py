@@ -38,6 +38,9 @@ class TierStats:
     decode_s: float = 0.0
     encode_s: float = 0.0
     peak_device_pages: int = 0
+    # time.perf_counter() when the copies of the last device load to complete had all ended
+    # (their own end, not when the loop next ran): a step tells a late fetch by it
+    loads_landed_at: float = 0.0
     # pages whose bytes failed their checksum, by where they were read from (``cold``,
     # ``peer``, ``redis``): each a miss, the page dropped
     corrupt: dict[str, int] = field(default_factory=dict)

@@ -20,8 +20,14 @@ new pages its appends need and builds each layer's row indices (:mod:`tierkv.ste
 :meth:`StepPlan.layer`, at a group's first layer, lets go of the group before (its pins),
 starts the next group's loads and waits for its own (none when they landed);
 :meth:`StepPlan.layer_now` serves the other layers of a landed group with no event loop at
-all. At exit the pages used get their recency, full blocks their content keys, the pages the
-step wrote go down in one write-behind, and the next step's first group is prefetched.
+all. At exit full blocks get their content keys, the pages the step wrote go down in one
+write-behind, and the next step's first group is prefetched.
+
+Late fetches (``stats()["late_fetches"]``): a group's loads are late when the layer that needs
+them asked before their copies ended (the copies' own end, ``TierStats.loads_landed_at``),
+that is when compute waited on a fetch. A layer whose group's task had not run since its
+copies ended (under ``TieredCache`` the loop runs only when a group starts) waits a loop turn,
+not for a fetch: not late.
 
 The announced order makes evictions take, among the step's pages, the one read last: in the
 cyclic walk over layers a steady set of layers stays resident and the rest stream through the
@@ -32,9 +38,11 @@ Errors: a bad argument (an unknown or released sequence, a layer out of range or
 plan's order, a tensor of the wrong shape, dtype or device) raises the typed error before
 anything changes; a layer whose load failed raises at its wait. At exit (or error, or
 cancellation) nothing stays pinned or admitted, and the new pages of layers never appended
-to are dropped. A plan names pages by the keys they had at entry: a lease of the same
-sequences that ends inside the step (and publishes their full blocks) may make a later group's
-load fail with UnknownPageError.
+to are dropped. A group names its pages when it starts loading, and again when a lease of the
+same sequences ended during its wait and published their full blocks (pages renamed to content
+keys: :func:`tierkv.lease.acquire_current`); a sequence released before or during a group's
+load makes that layer raise SequenceError. The pages a group pinned cannot be renamed while
+pinned, and their use is recorded when the group lets go of them (by the names they have then).
 
 The core calls used (the tier core's surface this path depends on): ``TierSet.announce``,
 ``acquire_device``, ``unpin_device``, ``reserve_device``, ``zero_device``, ``commit_device``,
@@ -53,11 +61,11 @@ from functools import partial
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
 from tierkv.errors import SequenceError, SpecError
+from tierkv.lease import acquire_current
 from tierkv.lease_host import LeaseHost
-from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
-from tierkv.step_plan import arena_rows, layer_rows
+from tierkv.step_plan import GroupPages, arena_rows, group_pages, layer_rows, written_keys
 from tierkv.tier_names import DEVICE
 
 __all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
@@ -95,7 +103,6 @@ class StepPlan:
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
         self._held: int | None = None
-        self._used: list[bytes] = []  # every page the step pinned (recency at exit)
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
         self._active = False
         tiers = store.tiers
@@ -154,7 +161,7 @@ class StepPlan:
         # each layer's pages just before the next step reads them). The pages the step writes
         # come first (evicted last): each goes down once, by one write-behind at the end of
         # the step, not by an eviction's wait half way through.
-        written = [k for layer in self.layers for k in self._written_keys(layer)]
+        written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
         first = set(written)
         rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
         tiers.announce(written + [k for k in rest if k not in first])
@@ -187,10 +194,9 @@ class StepPlan:
             if self._held is not None and not store.closed:
                 store.admission.leave(self._held)
             self._held = None
-        used, self._used = self._used, []
         wrote, self._wrote = self._wrote, []
         live = [s for s in self.seqs if store.is_live(s)]
-        store.lease_ended(live, used)  # (full blocks get their content keys: names change)
+        store.lease_ended(live, ())  # (full blocks get their content keys: names change)
         if wrote and live:  # one write-behind for the step, the pages by their names now
             t = store.spec.page_tokens
             keys = []
@@ -238,11 +244,13 @@ class StepPlan:
                 await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
         task = self._tasks[g]
         assert task is not None  # started above or before
-        if at == 0 and not task.done():  # compute waits for these loads: late
-            steps = await task
-            late = sum(s.loaded for s in steps)
-            self.store.counters.late_fetches += late
-            self.waited_pages += late
+        if at == 0 and not task.done():  # compute waits for this group: its loads are late
+            asked = time.perf_counter()  # when their copies ended after it asked (not when the
+            steps = await task  # loop, idle between layers under TieredCache, next ran)
+            if steps and steps[0].landed > asked:
+                late = steps[0].loaded
+                self.store.counters.late_fetches += late
+                self.waited_pages += late
         steps = await task
         step = steps[at]
         self._next = i + 1
@@ -271,49 +279,31 @@ class StepPlan:
         if step is not self._current:
             raise SequenceError(f"layer {step.layer} is no longer current in this step")
 
-    def _written_keys(self, layer: int) -> list[bytes]:
-        t = self.store.spec.page_tokens
-        out = []
-        for seq, k in zip(self.seqs, self.tokens):
-            if k:
-                start = seq.kv_len_of(layer)
-                blocks = range(start // t, -(-(start + k) // t))
-                out += [page_key(seq.block(b), layer) for b in blocks]
-        return out
-
     def _start(self, g: int) -> None:
         if self._tasks[g] is None:
             self._tasks[g] = asyncio.ensure_future(self._load(g))
 
     async def _load(self, g: int) -> list[LayerStep]:
         """Pin group ``g``'s pages (loading those not resident), open the pages its appends
-        need, build its layers' rows. On error nothing stays pinned or opened."""
+        need, build its layers' rows. On error nothing stays pinned or opened.
+
+        The pages are named when the group starts and again when a wait let a lease's end
+        rename them (see :func:`tierkv.lease.acquire_current`); the new pages and those an
+        append fills are never full blocks before it, so no publish renames them."""
         store = self.store
         tiers = store.tiers
         t = store.spec.page_tokens
         layers = self.layers[g * self.group : (g + 1) * self.group]
-        tenants = store.tenants
-        keys: list[bytes] = []
-        new: list[bytes] = []
-        plans = []  # per layer: (first key, first new key, starts, page counts, filled, written)
-        for layer in layers:
-            starts, counts, filled = [], [], []
-            written = self._written_keys(layer)
-            at, at_new = len(keys), len(new)
-            for seq, k in zip(self.seqs, self.tokens):
-                start = seq.kv_len_of(layer)
-                have, need = -(-start // t), -(-(start + k) // t)
-                keys += seq.pages(layer)
-                made = [page_key(seq.block(b), layer) for b in range(have, need)]
-                if made and tenants is not None:  # its tenant pays for the pages it makes
-                    tenants.charge(made, seq.tenant, new=True)  # (its private pages)
-                new += made
-                full = range(start // t, (start + k) // t)
-                filled += [page_key(seq.block(b), layer) for b in full]
-                starts.append(start)
-                counts.append(need)
-            plans.append((at, at_new, starts, counts, filled, written))
-        loaded = await tiers.acquire_device(keys, Priority.DEMAND, timeout=store.timeout)
+        named = [self._name(layers)]
+
+        def name() -> list[bytes]:  # again, by the pages' names now
+            named[0] = self._name(layers)
+            return named[0][0]
+
+        deadline = tiers.changes.deadline(store.timeout)
+        keys, loaded = await acquire_current(tiers, named[0][0], name, self._check_all, deadline)
+        landed = tiers.stats.loads_landed_at if loaded else 0.0  # (its copies' end)
+        _, new, plans = named[0]
         opened = pinned = owned = False
         try:
             if new:
@@ -356,6 +346,7 @@ class StepPlan:
         c.device_hits += len(keys) - loaded
         if steps:
             steps[0].loaded = loaded
+            steps[0].landed = landed
         store.lease_began(keys)
         return steps
 
@@ -380,7 +371,20 @@ class StepPlan:
                 pins += step.keys
         if pins:
             tiers.unpin_device(pins)
-            self._used += pins
+            # their use, now: by the names they have now (a lease's end may rename them later)
+            self.store.lease_ended((), pins)
+
+    def _name(self, layers: tuple[int, ...]) -> GroupPages:
+        """A group's pages by their current names (:func:`tierkv.step_plan.group_pages`).
+        Raises SequenceError when a sequence of the plan was released."""
+        self._check_all()
+        return group_pages(
+            self.seqs, self.tokens, layers, self.store.spec.page_tokens, self.store.tenants
+        )
+
+    def _check_all(self) -> None:
+        for seq in self.seqs:
+            self._check_live(seq)
 
     def _check_live(self, seq: SequenceState) -> None:
         if not self.store.is_live(seq):

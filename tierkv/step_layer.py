@@ -43,6 +43,7 @@ class LayerStep:
         "appended",
         "filled",
         "keys",
+        "landed",
         "layer",
         "loaded",
         "new",
@@ -71,6 +72,7 @@ class LayerStep:
         self._rows = rows
         self.appended = not any(rows.n_new)
         self.loaded = 0  # pages its group loaded (on the group's first layer)
+        self.landed = 0.0  # when their copies ended (time.perf_counter; 0.0: none loaded)
 
     @boundary
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:

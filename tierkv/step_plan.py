@@ -1,6 +1,6 @@
-"""The index math of a step (:mod:`tierkv.step`): device pages as rows, and per layer the rows
-an append writes and the rows attention reads, as int64 tensors built with a few torch ops
-(no Python per page or per token).
+"""The index math of a step (:mod:`tierkv.step`): a group's pages by their names, device pages
+as rows, and per layer the rows an append writes and the rows attention reads, as int64
+tensors built with a few numpy ops (no Python per page or per token).
 
 The device arena is ``[slots, 2, H, T, D]`` (a page per slot, K then V); seen as rows of ``D``
 elements, the row of (slot, kv, head, token) is ``slot * R + (kv * H + head) * T + token``
@@ -20,9 +20,64 @@ import numpy.typing as npt
 import torch
 
 from tierkv.errors import SpecError
+from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
+from tierkv.tenants import Tenants
 
-__all__ = ["LayerRows", "arena_rows", "layer_rows"]
+__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "layer_rows", "written_keys"]
+
+
+# a group's pages: those its layers read, those its appends open, and per layer (first key,
+# first new key, KV lengths at entry, pages per sequence after the append, filled, written)
+LayerPages = tuple[int, int, list[int], list[int], list[bytes], list[bytes]]
+GroupPages = tuple[list[bytes], list[bytes], list[LayerPages]]
+
+
+def written_keys(seqs: Sequence[SequenceState], tokens: Sequence[int], layer: int) -> list[bytes]:
+    """The pages of ``layer`` that appending ``tokens[b]`` tokens to each ``seqs[b]`` writes
+    (the partly filled page and the new ones), by their current names."""
+    out: list[bytes] = []
+    for seq, k in zip(seqs, tokens):
+        if k:
+            t = seq.page_tokens
+            start = seq.kv_len_of(layer)
+            blocks = range(start // t, -(-(start + k) // t))
+            out += [page_key(seq.block(b), layer) for b in blocks]
+    return out
+
+
+def group_pages(
+    seqs: Sequence[SequenceState],
+    tokens: Sequence[int],
+    layers: Sequence[int],
+    t: int,
+    tenants: Tenants | None = None,
+) -> GroupPages:
+    """A group of layers' pages by their current names (pages of ``t`` tokens): the pages its
+    layers read, the new pages its appends open, and per layer where those start and what
+    its append fills and writes. With ``tenants``, each sequence's tenant is charged for the
+    new pages its append opens (its private pages: charging again is harmless)."""
+    keys: list[bytes] = []
+    new: list[bytes] = []
+    plans: list[LayerPages] = []
+    for layer in layers:
+        starts, counts, filled = [], [], []
+        written = written_keys(seqs, tokens, layer)
+        at, at_new = len(keys), len(new)
+        for seq, k in zip(seqs, tokens):
+            start = seq.kv_len_of(layer)
+            have, need = -(-start // t), -(-(start + k) // t)
+            keys += seq.pages(layer)
+            made = [page_key(seq.block(b), layer) for b in range(have, need)]
+            if made and tenants is not None:
+                tenants.charge(made, seq.tenant, new=True)
+            new += made
+            full = range(start // t, (start + k) // t)
+            filled += [page_key(seq.block(b), layer) for b in full]
+            starts.append(start)
+            counts.append(need)
+        plans.append((at, at_new, starts, counts, filled, written))
+    return keys, new, plans
 
 
 def arena_rows(pages: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, int]:

@@ -318,12 +318,10 @@ class TierSet:
         waited = -1
         try:
             while True:
-                ready = cast(list[PageKey], table.readable(todo, DEVICE))
-                if ready:
-                    table.prepare_load(ready, DEVICE)
-                    pinned += ready
-                    done = set(ready)
-                    todo = [k for k in todo if k not in done]
+                ready, todo = cast(
+                    tuple[list[PageKey], list[PageKey]], table.pin_readable(todo, DEVICE)
+                )
+                pinned += ready
                 if waited < 0:
                     waited = len(todo)
                 if not todo:

@@ -45,9 +45,10 @@ async def test_a_schedule_made_during_a_lease_protects_the_block_its_end_publish
 
 async def test_a_rename_reaches_every_per_page_record() -> None:
     """Pages prefetched, announced, dirty and on the idle clock, renamed through the core's one
-    entry: each record holds the new keys and none of the old."""
+    entry: each record holds the new keys and none of the old. (A codec: without one the
+    store keeps no idle clock.)"""
     async with KVStore(
-        SPEC, device_bytes=8 * PAGE, host_bytes=40 * PAGE, codec=None, write_behind=False
+        SPEC, device_bytes=8 * PAGE, host_bytes=40 * PAGE, codec="int8", write_behind=False
     ) as store:
         await fill(store, "a", 1, n=8)  # two full blocks: 4 pages, published
         old = store.sequence("a").all_pages()
