@@ -45,7 +45,8 @@ def tiny() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _cache(model: Any, pages: int, **kw: Any) -> TieredCache:
     spec = kv_spec_for(model.config, model.dtype)
-    return TieredCache(model.config, device_bytes=pages * spec.page_bytes, host_bytes=8 << 20, **kw)
+    kw.setdefault("host_bytes", 8 << 20)
+    return TieredCache(model.config, device_bytes=pages * spec.page_bytes, **kw)
 
 
 def _run(model: Any, ids: torch.Tensor, cache: TieredCache) -> torch.Tensor:
@@ -84,6 +85,25 @@ def test_host_attention_moves_no_page_to_the_device(tiny: Any) -> None:
     with _cache(model, 8) as c:  # the same run without it loads those pages
         _run(model, ids, c)
         assert c.stats()["page_loads"] > 0
+
+
+def test_host_attention_decodes_cold_pages_on_the_host(tiny: Any) -> None:
+    """Pages only the cold tier holds are decoded in host memory and attended there: none is
+    loaded to the device, and the tokens are those of the same store loading them."""
+    model, ids, _, _ = tiny
+    page = kv_spec_for(model.config, model.dtype).page_bytes
+    small = {"host_bytes": 40 * page, "codec": "int8", "cold_fraction": 0.5}
+    small.update(compress_after=1, compress_live=True)  # idle live pages go cold
+    with _cache(model, 8, host_attention=True, **small) as c:
+        got = _run(model, ids, c)
+        st = c.stats()
+    sp = st["sparse"]
+    assert sp["cold_pages"] > 0 and sp["cold_bytes"] > 0 and sp["host_pages"] > sp["cold_pages"]
+    assert st["page_loads"] == 0 and st["bytes_h2d"] == 0
+    with _cache(model, 8, **small) as c:  # the same store decoding them onto the device
+        want = _run(model, ids, c)
+        assert c.stats()["page_loads"] > 0
+    assert torch.equal(got, want)
 
 
 def test_small_topk_reads_fewer_pages(tiny: Any) -> None:
