@@ -5,7 +5,7 @@ only appends the new tokens (leasing no page but the one it writes) and the mode
 (the ``"tierkv"`` attention function, :mod:`tierkv.attention.hf`) asks this class for the
 layer's attention with the query in hand::
 
-    update(k, v)      lease(blocks=[]) -> append -> summaries.append(k)        (no history read)
+    update(k, v)      lease(blocks=[]) -> append -> store.summaries.append(k)  (no history read)
     attend(q, mask)   decode (one query token) and sparse_topk: page_scores(q, summaries)
                         -> select_pages: sink + top-k + recent          (else: every page)
                       host_attention: the chosen pages the host holds and the device does not,
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tierkv import validate
 from tierkv.attention.host import cold_only, host_only, read_cold_tokens, read_host_tokens
 from tierkv.attention.partial import finish, merge, partial_attention
-from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
+from tierkv.attention.summaries import KeySummaries, page_scores, select_pages
 from tierkv.errors import InvalidInputError, SpecError, TierKVError
 from tierkv.spec import KVSpec
 from tierkv.tier_names import COLD, DEVICE
@@ -152,7 +152,7 @@ class SparseLayers:
         self._store = store
         self.spec = spec
         self.options = options
-        self.summaries = PageSummaries(spec.page_tokens, spec.num_kv_heads, spec.head_dim)
+        self.summaries: KeySummaries = store.summaries  # the store's: per page key
         self.counters = SparseCounters()
 
     def update(
@@ -185,7 +185,7 @@ class SparseLayers:
             for b, sid in enumerate(ids):
                 await lease.append(sid, layer, k[b], v[b])
         for b, sid in enumerate(ids):
-            self.summaries.append(sid, layer, k[b], start=starts[b])
+            self.summaries.append(store.sequence(sid).pages(layer), k[b], starts[b], t)
         if last:
             store.step()
 
@@ -220,7 +220,8 @@ class SparseLayers:
         topk = self.options.topk
         if topk is None or q.shape[2] != 1 or layer < self.options.dense_layers:
             return list(range(pages))
-        scores = page_scores(q[0, :, 0], self.summaries.table(sid, layer)[:pages], scale)
+        keys = self._store.sequence(sid).pages(layer)[:pages]
+        scores = page_scores(q[0, :, 0], self.summaries.table(keys), scale)
         return select_pages(scores, topk, self.options.sink, self.options.recent)
 
     async def _attend_row(

@@ -389,8 +389,6 @@ class TieredCache(Cache):
         store = self._driver.store
         for sid in ids:
             self._driver.run(store.release(sid))
-            if self._sparse is not None:  # (its summaries go with it)
-                self._sparse.summaries.drop(sid)
 
     def close(self) -> None:
         """Release the store's sequences (and close the store if the cache opened it and no

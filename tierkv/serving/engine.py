@@ -182,6 +182,7 @@ class Engine:
             None
             if cfg.sparse_topk is None
             else ServingSparse(
+                self.store,
                 self.spec,
                 cfg.sparse_topk,
                 cfg.sparse_recent,
@@ -400,8 +401,6 @@ class Engine:
                 self.counters.last_error = self._failures.report("request release", exc)
 
     async def _release(self, req: Request) -> None:
-        if self.sparse is not None:
-            self.sparse.drop(req.rid)
         if not req.in_store:
             return
         req.in_store = False

@@ -1,17 +1,19 @@
 """Top-k pages at decode in the serving engine: ``EngineConfig(sparse_topk=k)``.
 
-The engine appends every request's new keys to a :class:`~tierkv.attention.summaries.PageSummaries`
-table (per-channel min and max of K per page and KV head, by request and layer) and, for a
-request's decode row (one query token), attends only the first page, the ``sparse_recent`` last
-and the ``k`` pages whose summaries bound the query's scores highest (Quest's criterion,
-:func:`~tierkv.attention.summaries.page_scores`). Prompt chunks attend every page, and so does
-a decode row whose pages those already cover: then the result is the dense one exactly.
+The engine folds every request's new keys into its store's page summaries
+(:class:`~tierkv.attention.summaries.KeySummaries`: per-channel min and max of K per page key
+and KV head) and, for a request's decode row (one query token), attends only the first page,
+the ``sparse_recent`` last and the ``k`` pages whose summaries bound the query's scores
+highest (Quest's criterion, :func:`~tierkv.attention.summaries.page_scores`). Prompt chunks
+attend every page, and so does a decode row whose pages those already cover: then the result
+is the dense one exactly.
 
 What it saves is attention work and the K/V read by it: the engine's step plan loads a layer's
 pages before the layer's queries exist (:mod:`tierkv.step` prefetches ahead), so the pages
 loaded per step are not cut here (``TieredCache(sparse_topk=...)`` chooses before it loads).
-Pages a request took from the prefix cache were never summarised in this table: they are
-*unknown* and always attended.
+Pages a request took from the prefix cache carry the summaries their first writer left (keyed by
+page key, they followed the publish's rename); pages the store never summarised (imported from
+a peer) are *unknown* and always attended.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from tierkv.attention.sparse import SparseCounters, SparseOptions
-from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
+from tierkv.attention.summaries import page_scores, select_pages
 from tierkv.serving.model import ServingModel
 from tierkv.spec import KVSpec
+from tierkv.store import KVStore
 
 __all__ = ["ServingSparse"]
 
@@ -30,6 +33,7 @@ class ServingSparse:
     """The engine's page summaries and decode-time page choice (module docstring).
 
     Args:
+        store: the engine's store (its page summaries and sequences).
         spec: the engine's page layout.
         topk: pages chosen by score besides the first and the recent ones.
         recent: the last pages always attended.
@@ -38,21 +42,22 @@ class ServingSparse:
     Raises InvalidInputError for ``topk`` below 1 or above ``max_pages``, ``recent`` below 0.
     """
 
-    def __init__(self, spec: KVSpec, topk: int, recent: int, max_pages: int) -> None:
+    def __init__(
+        self, store: KVStore, spec: KVSpec, topk: int, recent: int, max_pages: int
+    ) -> None:
         self.options = SparseOptions(topk, recent, max_pages=max_pages)
         self.topk = topk
         self.page_tokens = spec.page_tokens
         self.scale = spec.head_dim**-0.5
-        self.summaries = PageSummaries(spec.page_tokens, spec.num_kv_heads, spec.head_dim)
+        self._store = store
+        self.summaries = store.summaries
         self.counters = SparseCounters()
 
     def append(self, rid: str, layer: int, k: torch.Tensor, start: int) -> None:
-        """Fold in the request's keys ``k`` ``[Hkv, n, D]`` of tokens ``start...``."""
-        self.summaries.append(rid, layer, k, start=start)
-
-    def drop(self, rid: str) -> None:
-        """Forget the request's summaries (it was released)."""
-        self.summaries.drop(rid)
+        """Fold in the request's keys ``k`` ``[Hkv, n, D]`` of tokens ``start...`` (appended to
+        the store already)."""
+        pages = self._store.sequence(rid).pages(layer)
+        self.summaries.append(pages, k, start, self.page_tokens)
 
     def attend(
         self,
@@ -70,7 +75,7 @@ class ServingSparse:
             return model.attend(layer, q, k, v, past)
         t, total = self.page_tokens, k.shape[1]
         pages = -(-total // t)
-        table = self.summaries.table(rid, layer)[:pages]
+        table = self.summaries.table(self._store.sequence(rid).pages(layer)[:pages])
         chosen = select_pages(
             page_scores(q[:, 0], table, self.scale),
             self.topk,
