@@ -106,6 +106,19 @@ def test_host_attention_decodes_cold_pages_on_the_host(tiny: Any) -> None:
     assert torch.equal(got, want)
 
 
+def test_dense_first_layers_attend_every_page(tiny: Any) -> None:
+    model, ids, _, greedy = tiny
+    with _cache(model, 16, sparse_topk=1, sparse_recent=1, sparse_dense_layers=2) as c:
+        assert torch.equal(_run(model, ids, c), greedy)  # both layers dense: full attention
+        assert c.stats()["sparse"]["decode_page_share"] == 1.0
+    with _cache(model, 16, sparse_topk=1, sparse_recent=1, sparse_dense_layers=1) as c:
+        _run(model, ids, c)
+        share = c.stats()["sparse"]["decode_page_share"]
+    assert 0.5 < share < 1.0  # layer 0 every page, layer 1 three of 6-7
+    with pytest.raises(InvalidInputError):
+        _cache(model, 16, sparse_topk=1, sparse_dense_layers=-1)
+
+
 def test_small_topk_reads_fewer_pages(tiny: Any) -> None:
     model, ids, _, _ = tiny
     with _cache(model, 8) as c:

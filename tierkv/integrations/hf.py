@@ -191,13 +191,16 @@ class TieredCache(Cache):
             host holds are attended there (``"auto"``: when they exceed the device's room or
             a transfer burst is on; :mod:`tierkv.attention.sparse`; the model's
             attention must be ``"tierkv"``: :func:`tierkv.attention.hf.route`). Off: None/False.
+        sparse_dense_layers: with ``sparse_topk``, the first layers attend every page (the
+            first layers of a decoder spread their attention: Quest keeps 2 dense).
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
         SpecError: no config and no store, a config without attention fields, budgets that hold
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
-        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` < 0.
+        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` or
+            ``sparse_dense_layers`` < 0.
     """
 
     def __init__(
@@ -213,11 +216,14 @@ class TieredCache(Cache):
         prefetch_layers: int = 2,
         sparse_topk: int | None = None,
         sparse_recent: int = 2,
+        sparse_dense_layers: int = 0,
         host_attention: bool | str = False,
         **store_kwargs: Any,
     ) -> None:
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
-        sparse = SparseOptions(sparse_topk, sparse_recent, host=host_attention)
+        sparse = SparseOptions(
+            sparse_topk, sparse_recent, host=host_attention, dense_layers=sparse_dense_layers
+        )
         driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
