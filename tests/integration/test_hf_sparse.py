@@ -75,9 +75,10 @@ def test_topk_covering_every_page_is_full_attention(tiny: Any) -> None:
     assert sp["decode_page_share"] == 1.0 and sp["decode_attends"] == 2 * (NEW - 1)
 
 
-def test_host_attention_moves_no_page_to_the_device(tiny: Any) -> None:
+@pytest.mark.parametrize("codec", ["int8", None])  # None: no cold tier (its size unknown)
+def test_host_attention_moves_no_page_to_the_device(tiny: Any, codec: str | None) -> None:
     model, ids, _, greedy = tiny
-    with _cache(model, 8, host_attention=True) as c:  # a layer's history overflows the device
+    with _cache(model, 8, host_attention=True, codec=codec) as c:  # history overflows the device
         assert torch.equal(_run(model, ids, c), greedy)
         st = c.stats()
     assert st["sparse"]["host_pages"] > 0 and st["sparse"]["host_bytes"] > 0

@@ -62,9 +62,9 @@ class SparseOptions:
             evictable slots) or more than ``queue_bound`` transfer batches are in
             flight (a burst); False never.
         queue_bound: the transfer batches in flight above which ``"auto"`` attends on the host.
-        dense_layers: the first layers attend every page even with ``topk`` (Quest's choice;
-            0 by default: on SmolLM2 and the language reference, 2 dense layers gave a worse
-            perplexity ratio over 3 windows, 1.069 against 1.059, for 17% more pages).
+        dense_layers: the first layers attend every page even with ``topk`` (Quest keeps 2;
+            on SmolLM2 and the language reference the replay in docs/benchmarks.md gained
+            0.004 to 0.019 of greedy agreement per dense layer for 0.024 more of the pages).
         max_pages: the most pages a sequence's layer can have (the store's room): ``topk``
             above it is an error.
     """
@@ -288,8 +288,9 @@ class SparseLayers:
             ps.append(kpos)
         c.host_pages += len(on_host) + len(on_cold)
         c.host_bytes += (len(on_host) + len(on_cold)) * spec.page_bytes
-        c.cold_pages += len(on_cold)
-        c.cold_bytes += len(on_cold) * tiers.slot_bytes(COLD)
+        if on_cold:  # (a store without a cold tier has no cold slot size)
+            c.cold_pages += len(on_cold)
+            c.cold_bytes += len(on_cold) * tiers.slot_bytes(COLD)
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ps)
 
 
