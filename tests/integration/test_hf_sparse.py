@@ -45,7 +45,8 @@ def tiny() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _cache(model: Any, pages: int, **kw: Any) -> TieredCache:
     spec = kv_spec_for(model.config, model.dtype)
-    return TieredCache(model.config, device_bytes=pages * spec.page_bytes, host_bytes=8 << 20, **kw)
+    kw.setdefault("host_bytes", 8 << 20)
+    return TieredCache(model.config, device_bytes=pages * spec.page_bytes, **kw)
 
 
 def _run(model: Any, ids: torch.Tensor, cache: TieredCache) -> torch.Tensor:
@@ -74,9 +75,10 @@ def test_topk_covering_every_page_is_full_attention(tiny: Any) -> None:
     assert sp["decode_page_share"] == 1.0 and sp["decode_attends"] == 2 * (NEW - 1)
 
 
-def test_host_attention_moves_no_page_to_the_device(tiny: Any) -> None:
+@pytest.mark.parametrize("codec", ["int8", None])  # None: no cold tier (its size unknown)
+def test_host_attention_moves_no_page_to_the_device(tiny: Any, codec: str | None) -> None:
     model, ids, _, greedy = tiny
-    with _cache(model, 8, host_attention=True) as c:  # a layer's history overflows the device
+    with _cache(model, 8, host_attention=True, codec=codec) as c:  # history overflows the device
         assert torch.equal(_run(model, ids, c), greedy)
         st = c.stats()
     assert st["sparse"]["host_pages"] > 0 and st["sparse"]["host_bytes"] > 0
@@ -84,6 +86,38 @@ def test_host_attention_moves_no_page_to_the_device(tiny: Any) -> None:
     with _cache(model, 8) as c:  # the same run without it loads those pages
         _run(model, ids, c)
         assert c.stats()["page_loads"] > 0
+
+
+def test_host_attention_decodes_cold_pages_on_the_host(tiny: Any) -> None:
+    """Pages only the cold tier holds are decoded in host memory and attended there: none is
+    loaded to the device, and the tokens are those of the same store loading them."""
+    model, ids, _, _ = tiny
+    page = kv_spec_for(model.config, model.dtype).page_bytes
+    small = {"host_bytes": 40 * page, "codec": "int8", "cold_fraction": 0.5}
+    small.update(compress_after=1, compress_live=True)  # idle live pages go cold
+    with _cache(model, 8, host_attention=True, **small) as c:
+        got = _run(model, ids, c)
+        st = c.stats()
+    sp = st["sparse"]
+    assert sp["cold_pages"] > 0 and sp["cold_bytes"] > 0 and sp["host_pages"] > sp["cold_pages"]
+    assert st["page_loads"] == 0 and st["bytes_h2d"] == 0
+    with _cache(model, 8, **small) as c:  # the same store decoding them onto the device
+        want = _run(model, ids, c)
+        assert c.stats()["page_loads"] > 0
+    assert torch.equal(got, want)
+
+
+def test_dense_first_layers_attend_every_page(tiny: Any) -> None:
+    model, ids, _, greedy = tiny
+    with _cache(model, 16, sparse_topk=1, sparse_recent=1, sparse_dense_layers=2) as c:
+        assert torch.equal(_run(model, ids, c), greedy)  # both layers dense: full attention
+        assert c.stats()["sparse"]["decode_page_share"] == 1.0
+    with _cache(model, 16, sparse_topk=1, sparse_recent=1, sparse_dense_layers=1) as c:
+        _run(model, ids, c)
+        share = c.stats()["sparse"]["decode_page_share"]
+    assert 0.5 < share < 1.0  # layer 0 every page, layer 1 three of 6-7
+    with pytest.raises(InvalidInputError):
+        _cache(model, 16, sparse_topk=1, sparse_dense_layers=-1)
 
 
 def test_small_topk_reads_fewer_pages(tiny: Any) -> None:

@@ -223,9 +223,8 @@ async def test_a_writer_that_declares_no_checksums_stores_nothing() -> None:
 
 
 # -- the cold pool ------------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", ["none", "int8"])
-async def test_a_flipped_cold_payload_is_never_decoded(codec: str) -> None:
-    store = KVStore(
+def _cold_store(codec: str) -> KVStore:
+    return KVStore(
         SPEC,
         device_bytes=8 * PAGE,
         host_bytes=12 * PAGE,
@@ -233,18 +232,30 @@ async def test_a_flipped_cold_payload_is_never_decoded(codec: str) -> None:
         cold_fraction=0.5,
         timeout=TIMEOUT,
     )
+
+
+async def _cold_only(store: KVStore, prompt: list[int]) -> list[bytes]:
+    """The 4 content pages of ``prompt`` (9 tokens: 2 full blocks), released and moved to
+    the cold tier alone."""
+    await store.add_sequence("s", prompt)
+    async with store.lease(["s"]) as lease:
+        for layer in range(2):
+            await lease.append("s", layer, *kv(9, layer))
+    await store.release("s")
+    await stage_prefix(store, prompt)
+    keys = [page_key(b, layer) for b in prefix_keys(prompt[:8], 4) for layer in range(2)]
+    store.tiers.cold.forget_in(DEVICE, keys)
+    assert await store.tiers.cold.compress_idle(keys) == 4
+    return keys
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_a_flipped_cold_payload_is_never_decoded(codec: str) -> None:
+    store = _cold_store(codec)
     async with store:
-        prompt = list(range(9))  # 2 full blocks: 4 content pages once released
-        await store.add_sequence("s", prompt)
-        async with store.lease(["s"]) as lease:
-            for layer in range(2):
-                await lease.append("s", layer, *kv(9, layer))
-        await store.release("s")
-        await stage_prefix(store, prompt)
+        prompt = list(range(9))
+        keys = await _cold_only(store, prompt)
         tiers = store.tiers
-        keys = [page_key(b, layer) for b in prefix_keys(prompt[:8], 4) for layer in range(2)]
-        tiers.cold.forget_in(DEVICE, keys)
-        assert await tiers.cold.compress_idle(keys) == 4
         cold = tiers._arenas[COLD].array
         cold[tiers.table.slot(keys[2], COLD), 40] ^= 0x04
         await store.add_sequence("t", prompt)
@@ -255,3 +266,27 @@ async def test_a_flipped_cold_payload_is_never_decoded(codec: str) -> None:
         await store.release("t")
         assert not tiers.table.held([keys[2]])  # dropped once unowned: a miss from now on
         tiers.check()
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_cold_pages_decoded_on_the_host_are_checked_first(codec: str) -> None:
+    """Host attention's read of cold pages (``ColdStorage.decode_on_host``): the codec's
+    decode of the cold bytes, no pin left; a flipped payload is never decoded, counted and
+    dropped once unowned, like a load's."""
+    store = _cold_store(codec)
+    async with store:
+        keys = await _cold_only(store, list(range(9)))
+        tiers = store.tiers
+        slots = [tiers.table.slot(k, COLD) for k in keys]
+        raw = tiers._arenas[COLD].tensor[torch.tensor(slots)]
+        want = tiers.cold.codec.decode(raw, SPEC)  # type: ignore[union-attr]
+        got = tiers.cold.decode_on_host(keys)
+        assert torch.equal(got, want.reshape(4, -1).view(torch.uint8))
+        assert store.stats()["page_loads"] == 0
+        tiers._arenas[COLD].array[slots[1], 40] ^= 0x04
+        with pytest.raises(CorruptPageError):
+            tiers.cold.decode_on_host(keys)
+        assert store.stats()["corrupt_pages"]["cold"] == 1
+        assert not tiers.table.held([keys[1]])  # unowned: dropped at once
+        assert tiers.table.held([keys[0]])
+        tiers.check()  # no pin left behind

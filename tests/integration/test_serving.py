@@ -263,3 +263,35 @@ async def test_requests_arriving_together_compute_a_shared_prompt_once() -> None
         assert [c for c, _ in got] == [0, 5 * PAGE, 5 * PAGE, 5 * PAGE, 0]
         assert e.counters.peak_running >= 2
     assert [t for _, t in got] == want
+
+
+async def test_sparse_topk_covering_every_page_gives_the_dense_tokens() -> None:
+    ps = prompts(4, seed=5, lo=20, hi=60)
+    params = SamplingParams(max_tokens=8)
+    async with engine(max_running=4) as e:
+        want = await asyncio.gather(*(e.complete(p, params) for p in ps))
+    async with engine(max_running=4, sparse_topk=32) as e:  # 256 / 8 = 32 pages: all
+        got = await asyncio.gather(*(e.complete(p, params) for p in ps))
+        assert e.sparse is not None
+        sp = e.sparse.counters.as_dict()
+        assert sp["decode_attends"] == 4 * 7 * MODEL.layers and sp["decode_page_share"] == 1.0
+        assert e.sparse.summaries is e.store.summaries  # the store's table, by page key
+    assert [g[0] for g in got] == [w[0] for w in want]
+
+
+async def test_a_small_sparse_topk_attends_fewer_pages() -> None:
+    ps = prompts(2, seed=6, lo=120, hi=160)  # 15-20 pages of 8 tokens
+    async with engine(max_running=2, sparse_topk=2, sparse_recent=1) as e:
+        got = await asyncio.gather(*(e.complete(p, SamplingParams(max_tokens=6)) for p in ps))
+        assert e.sparse is not None
+        share = e.sparse.counters.as_dict()["decode_page_share"]
+    assert all(len(g[0]) == 6 for g in got)
+    assert share < 0.3  # 4 pages (first, 2 chosen, last) of 15-21
+
+
+def test_bad_sparse_options_are_typed_errors_at_entry() -> None:
+    from tierkv.errors import InvalidInputError
+
+    for kw in ({"sparse_topk": 0}, {"sparse_topk": 33}, {"sparse_topk": 4, "sparse_recent": -1}):
+        with pytest.raises(InvalidInputError):
+            engine(**kw)

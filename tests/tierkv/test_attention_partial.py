@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.attention.partial import attend, finish, merge, partial_attention
-from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
-from tierkv.errors import InvalidInputError, SequenceError, SpecError
+from tierkv.attention.summaries import KeySummaries, page_scores, select_pages
+from tierkv.errors import InvalidInputError, SpecError
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None):
@@ -88,14 +88,17 @@ def test_bad_shapes_are_spec_errors() -> None:
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.lists(st.integers(1, 40), min_size=1, max_size=5))
 def test_summary_bound_is_never_below_a_score(seed: int, tokens: list[int]) -> None:
     gen = torch.Generator().manual_seed(seed)
-    table = PageSummaries(page_tokens=8, num_kv_heads=2, head_dim=4)
+    table = KeySummaries(num_kv_heads=2, head_dim=4)
     keys = [torch.randn(2, n, 4, generator=gen) for n in tokens]
-    for k in keys:
-        table.append("s", 0, k)
+    total = sum(tokens)
+    pages = [b"page%d" % p for p in range(-(-total // 8))]
+    start = 0
+    for k in keys:  # appends in pieces: partly filled pages are widened by the next
+        table.append(pages, k, start, 8)
+        start += k.shape[1]
     allk = torch.cat(keys, dim=1)
-    total = allk.shape[1]
-    assert table.tokens("s", 0) == total and table.pages("s", 0) == -(-total // 8)
-    summ = table.table("s", 0)
+    assert len(table) == len(pages)
+    summ = table.table(pages)
     for p in range(summ.shape[0]):
         page = allk[:, p * 8 : (p + 1) * 8]
         assert torch.equal(summ[p, 0], page.amin(dim=1)) and torch.equal(
@@ -125,16 +128,22 @@ def test_selection_rules() -> None:
 
 
 def test_unknown_pages_rank_first_and_summaries_errors() -> None:
-    table = PageSummaries(page_tokens=4, num_kv_heads=1, head_dim=2)
-    table.append("s", 0, torch.ones(1, 4, 2), start=8)  # pages 0, 1 never seen (a reused prefix)
-    assert table.tokens("s", 0) == 12
-    scores = page_scores(torch.ones(1, 2), table.table("s", 0), 1.0)
+    table = KeySummaries(num_kv_heads=1, head_dim=2)
+    pages = [b"a", b"b", b"c"]
+    table.append(pages, torch.ones(1, 4, 2), 8, 4)  # pages a, b never seen (a reused prefix)
+    scores = page_scores(torch.ones(1, 2), table.table(pages), 1.0)
     assert torch.isinf(scores[:2]).all() and bool(torch.isfinite(scores[2]))
     assert select_pages(torch.cat([scores, torch.zeros(4)]), 2, sink=0, recent=0) == [0, 1]
-    with pytest.raises(InvalidInputError):
-        table.append("s", 0, torch.ones(1, 1, 2), start=3)
+    table.append([b"d", b"e"], torch.ones(1, 4, 2), 2, 4)  # d first seen in mid-page: unknown
+    assert bool(table.table([b"d"]).isnan().all()) and bool(table.table([b"e"]).isfinite().all())
+    table.append([b"d", b"e"], torch.zeros(1, 1, 2), 4, 4)  # e's first token again: set anew
+    assert torch.equal(table.table([b"e"])[0], torch.zeros(2, 1, 2))
     with pytest.raises(SpecError):
-        table.append("s", 0, torch.ones(2, 1, 2))
-    table.drop("s")
-    with pytest.raises(SequenceError):
-        table.table("s", 0)
+        table.fold([b"a"], torch.ones(2, 1, 2), torch.ones(2, 1, 2), True)
+    table.rename([b"c"], [b"content-c"])
+    assert b"c" not in table and torch.equal(table.table([b"content-c"])[0, 1], torch.ones(1, 2))
+    assert table.prune(lambda key: key == b"content-c") == 2 and len(table) == 1
+    table.limit = 1
+    assert not table.due()
+    table.append([b"f"], torch.ones(1, 1, 2), 0, 4)
+    assert table.due()

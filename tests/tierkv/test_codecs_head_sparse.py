@@ -62,9 +62,43 @@ def test_sizes_and_what_the_ranking_keeps() -> None:
     rank = HeadRanking(tuple((0.5, 0.2, 0.1) for _ in range(30)), 64)
     codec = HeadSparseCodec(rank, keep=1)
     fp16_page = spec.page_bytes // 2
-    assert codec.encoded_bytes(spec) == 8832  # 0.72 of an fp16 page at T=16
+    # issue 28's bound: <= 0.7 of fp16 at 16-token pages (a scale per V channel made it 0.72):
+    # 32 header + 8 layer and order + 2 * (64 K channels + 16 V tokens) * 2 + 8,192 payload
+    assert codec.encoded_bytes(spec) == 8576
+    assert codec.encoded_bytes(spec) / fp16_page <= 0.7
     assert codec.encoded_bytes(KVSpec(30, 3, 64, torch.float32, 32)) / (2 * fp16_page) < 0.7
     assert RANK.order(0) == [1, 2, 0] and RANK.order(2) == [2, 0, 1]
+
+
+def test_scales_per_key_channel_and_per_value_token() -> None:
+    """K's int8 heads scale per channel (over tokens), V's per token (over channels): a large
+    V token or K channel does not coarsen the others' steps."""
+    spec = _spec(torch.float32, t=4)
+    codec = HeadSparseCodec(RANK, keep=1)
+    x = torch.full((1, *spec.page_shape), 0.01)
+    x[0, 0, :, :, 3] = 100.0  # one K channel large in every token
+    x[0, 1, :, 2, :] = 100.0  # one V token large in every channel
+    back = codec.decode(codec.encode(x, spec, layers=[0]), spec)
+    bound = codec.error_bound(x, spec, layers=[0])
+    assert bool(((back - x).abs() <= bound).all())
+    small = torch.ones_like(x, dtype=torch.bool)
+    small[0, 0, :, :, 3] = False
+    small[0, 1, :, 2, :] = False
+    # the small elements' steps are their own (0.01 / 127), not the large ones' (100 / 127)
+    assert float(bound[small].max()) < 1e-4
+    assert float((back - x)[small].abs().max()) < 1e-4
+
+
+def test_the_earlier_layout_is_refused() -> None:
+    spec = _spec()
+    codec = HeadSparseCodec(RANK)
+    blob = codec.encode(torch.randn(1, *spec.page_shape), spec, layers=[0])
+    old = blob.clone()
+    old[0, 5] = 5  # codec id 5: the layout with a scale per V channel
+    with pytest.raises(CorruptEncodingError, match="earlier head-sparse layout"):
+        codec_for(old)
+    with pytest.raises(CorruptEncodingError, match="header"):
+        codec.decode(old, spec)
 
 
 def test_typed_errors() -> None:

@@ -48,6 +48,7 @@ CLASSES: dict[str, Callable[[], Any]] = {
     "RemoteCluster": _optional("tierkv.remote.sources.cluster", "RemoteCluster"),
     "RedisTier": _optional("tierkv.remote.sources.redis_tier", "RedisTier"),
     "TieredCache": _optional("tierkv.integrations.hf", "TieredCache"),
+    "EngineConfig": _optional("tierkv.serving", "EngineConfig"),
     "Timeline": lambda: Timeline,
     "Device": lambda: tierkv.Device,
     "Host": lambda: tierkv.Host,

@@ -5,10 +5,11 @@ only appends the new tokens (leasing no page but the one it writes) and the mode
 (the ``"tierkv"`` attention function, :mod:`tierkv.attention.hf`) asks this class for the
 layer's attention with the query in hand::
 
-    update(k, v)      lease(blocks=[]) -> append -> summaries.append(k)        (no history read)
+    update(k, v)      lease(blocks=[]) -> append -> store.summaries.append(k)  (no history read)
     attend(q, mask)   decode (one query token) and sparse_topk: page_scores(q, summaries)
                         -> select_pages: sink + top-k + recent          (else: every page)
-                      host_attention: the chosen pages the host holds and the device does not
+                      host_attention: the chosen pages the host holds and the device does not,
+                        and those only the cold tier holds (decoded on the host)
                         -> read on the host, partial attention there   (never sent down)
                       the rest: lease(blocks=those) -> kv_blocks -> partial attention
                       merge (log-sum-exp, exact) -> output
@@ -28,12 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from tierkv import validate
-from tierkv.attention.host import host_only, read_host_tokens
-from tierkv.attention.partial import Partial, finish, merge, partial_attention
-from tierkv.attention.summaries import PageSummaries, page_scores, select_pages
+from tierkv.attention.host import cold_only, host_only, read_cold_tokens, read_host_tokens
+from tierkv.attention.partial import finish, merge, partial_attention
+from tierkv.attention.summaries import KeySummaries, page_scores, select_pages
 from tierkv.errors import InvalidInputError, SpecError, TierKVError
 from tierkv.spec import KVSpec
-from tierkv.tier_names import DEVICE
+from tierkv.tier_names import COLD, DEVICE
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -55,14 +56,15 @@ class SparseOptions:
             recent pages); None: every page.
         recent: the last pages always attended.
         sink: the first pages always attended (the attention sink).
-        host: attend on the host the chosen pages the host tier holds and the device does not:
-            True always; ``"auto"`` only when they are more than the device tier has room for
-            (free or evictable slots) or more than ``queue_bound`` transfer batches are in
+        host: attend on the host the chosen pages the host tier holds and the device does not,
+            and those only the cold tier holds (decoded in host memory): True always;
+            ``"auto"`` only when they are more than the device tier has room for (free or
+            evictable slots) or more than ``queue_bound`` transfer batches are in
             flight (a burst); False never.
         queue_bound: the transfer batches in flight above which ``"auto"`` attends on the host.
-        dense_layers: the first layers attend every page even with ``topk`` (Quest's choice;
-            0 by default: on SmolLM2 and the language reference, 2 dense layers gave a worse
-            perplexity ratio over 3 windows, 1.069 against 1.059, for 17% more pages).
+        dense_layers: the first layers attend every page even with ``topk`` (Quest keeps 2;
+            on SmolLM2 and the language reference the replay in docs/benchmarks.md gained
+            0.004 to 0.019 of greedy agreement per dense layer for 0.024 more of the pages).
         max_pages: the most pages a sequence's layer can have (the store's room): ``topk``
             above it is an error.
     """
@@ -128,8 +130,10 @@ class SparseCounters:
     decode_attends: int = 0  # (row, layer) attentions of one query token
     decode_pages: int = 0  # pages those had
     decode_chosen: int = 0  # pages they attended
-    host_pages: int = 0  # pages attended on the host
+    host_pages: int = 0  # pages attended on the host (from the host or the cold tier)
     host_bytes: int = 0  # their page bytes (read on the host, never sent to the device)
+    cold_pages: int = 0  # of those, pages only the cold tier held (decoded on the host)
+    cold_bytes: int = 0  # their encoded bytes (read in the cold tier)
     partial_bytes: int = 0  # the host partials' state (what goes to the device instead)
     device_pages: int = 0  # pages attended from the device tier
     append_loads: int = 0  # partly filled last pages brought back to the device to append to
@@ -148,7 +152,7 @@ class SparseLayers:
         self._store = store
         self.spec = spec
         self.options = options
-        self.summaries = PageSummaries(spec.page_tokens, spec.num_kv_heads, spec.head_dim)
+        self.summaries: KeySummaries = store.summaries  # the store's: per page key
         self.counters = SparseCounters()
 
     def update(
@@ -181,7 +185,7 @@ class SparseLayers:
             for b, sid in enumerate(ids):
                 await lease.append(sid, layer, k[b], v[b])
         for b, sid in enumerate(ids):
-            self.summaries.append(sid, layer, k[b], start=starts[b])
+            self.summaries.append(store.sequence(sid).pages(layer), k[b], starts[b], t)
         if last:
             store.step()
 
@@ -204,9 +208,7 @@ class SparseLayers:
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
-    def _count(
-        self, on_device: list[int], on_host: list[int], pages: int, chosen: int, n: int
-    ) -> None:
+    def _count(self, on_device: list[int], pages: int, chosen: int, n: int) -> None:
         c = self.counters
         c.device_pages += len(on_device)
         if n == 1:
@@ -218,7 +220,8 @@ class SparseLayers:
         topk = self.options.topk
         if topk is None or q.shape[2] != 1 or layer < self.options.dense_layers:
             return list(range(pages))
-        scores = page_scores(q[0, :, 0], self.summaries.table(sid, layer)[:pages], scale)
+        keys = self._store.sequence(sid).pages(layer)[:pages]
+        scores = page_scores(q[0, :, 0], self.summaries.table(keys), scale)
         return select_pages(scores, topk, self.options.sink, self.options.recent)
 
     async def _attend_row(
@@ -232,38 +235,63 @@ class SparseLayers:
             raise SpecError(f"mask covers {mask.shape[-1]} keys, the sequence has {total}")
         pages = seq.pages(layer)
         chosen = self._choose(sid, layer, q, len(pages), scale)
-        host: set[int] = set()
-        if self.options.host:
-            off = host_only(store.tiers, [pages[b] for b in chosen])
-            if self.options.host_wanted(len(off), *_pressure(store)):
-                host = {b for b in chosen if pages[b] in off}
-        on_device = [b for b in chosen if b not in host]
-        on_host = [b for b in chosen if b in host]
+        on_host, on_cold = self._host_blocks(pages, chosen)
+        elsewhere = {*on_host, *on_cold}
+        on_device = [b for b in chosen if b not in elsewhere]
         qpos = torch.arange(total - n, total)
-        parts: list[Partial] = []  # (the device part, then the host part)
+        # the pages attended on the host are read first (their copies in host memory): the
+        # device lease below may make room by moving host pages down the tiers
+        host_kv = self._read_host(pages, on_host, on_cold, total) if elsewhere else None
         async with store.lease([sid], [layer], blocks={sid: on_device}) as lease:
             self.counters.attend_loads += lease.waited_pages
             k, v = lease.kv_blocks(sid, layer, on_device)
             k, v = k.unsqueeze(0).to(q.device), v.unsqueeze(0).to(q.device)
         kpos = _positions(on_device, t, total)
         bias = _bias(mask, qpos, kpos, q.device)
-        if not on_host:  # one part: plain attention (SDPA), no merge to do
-            self._count(on_device, on_host, len(pages), len(chosen), n)
+        self._count(on_device, len(pages), len(chosen), n)
+        if host_kv is None:  # one part: plain attention (SDPA), no merge to do
             return _sdpa(q, k, v, scale, bias)
-        parts.append(partial_attention(q, k, v, scale, bias))
-        kv = read_host_tokens(store.tiers, spec, [pages[b] for b in on_host])
-        kpos = _positions(on_host, t, total)
+        parts = [partial_attention(q, k, v, scale, bias)]  # (the device part, then the host's)
+        hk, hv, kpos = host_kv
         bias = _bias(mask, qpos, kpos, torch.device("cpu"))
-        keep = kpos.numel()
-        k, v = kv[0, :, :keep].unsqueeze(0), kv[1, :, :keep].unsqueeze(0)
-        part = partial_attention(q.cpu(), k, v, scale, bias)
-        c = self.counters
-        c.host_pages += len(on_host)
-        c.host_bytes += len(on_host) * spec.page_bytes
-        c.partial_bytes += part.nbytes
+        part = partial_attention(q.cpu(), hk.unsqueeze(0), hv.unsqueeze(0), scale, bias)
+        self.counters.partial_bytes += part.nbytes
         parts.append(part.to(q.device))
-        self._count(on_device, on_host, len(pages), len(chosen), n)
         return finish(merge(parts), q.dtype)
+
+    def _host_blocks(self, pages: Sequence[bytes], chosen: list[int]) -> tuple[list[int], ...]:
+        """Of the ``chosen`` blocks, those attended on the host: the ones only the host tier
+        holds, and the ones only the cold tier holds (when the option says so)."""
+        if not self.options.host:
+            return [], []
+        tiers = self._store.tiers
+        keys = [pages[b] for b in chosen]
+        host, cold = host_only(tiers, keys), cold_only(tiers, keys)
+        if not self.options.host_wanted(len(host) + len(cold), *_pressure(self._store)):
+            return [], []
+        return [b for b in chosen if pages[b] in host], [b for b in chosen if pages[b] in cold]
+
+    def _read_host(
+        self, pages: Sequence[bytes], on_host: list[int], on_cold: list[int], total: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V ``[H, S, D]`` and the positions of the blocks read on the host (host pages
+        gathered, cold pages decoded there), the last page cut at ``total`` tokens."""
+        spec, tiers, c = self.spec, self._store.tiers, self.counters
+        ks, vs, ps = [], [], []
+        for blocks, read in ((on_host, read_host_tokens), (on_cold, read_cold_tokens)):
+            if not blocks:
+                continue
+            kv = read(tiers, spec, [pages[b] for b in blocks])
+            kpos = _positions(blocks, spec.page_tokens, total)
+            ks.append(kv[0, :, : kpos.numel()])
+            vs.append(kv[1, :, : kpos.numel()])
+            ps.append(kpos)
+        c.host_pages += len(on_host) + len(on_cold)
+        c.host_bytes += (len(on_host) + len(on_cold)) * spec.page_bytes
+        if on_cold:  # (a store without a cold tier has no cold slot size)
+            c.cold_pages += len(on_cold)
+            c.cold_bytes += len(on_cold) * tiers.slot_bytes(COLD)
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ps)
 
 
 class AttentionNotRoutedError(TierKVError, NotImplementedError):

@@ -9,114 +9,44 @@ has one vote of equal size, spread over the pages it may attend. The top ``k`` p
 score are attended, always with the first page (the attention sink) and the ``recent`` last
 pages; when those cover every page the selection is every page and attention is exact.
 
-:class:`PageSummaries` is the one owner of the summaries: a side table keyed by
-``(sequence, layer)``, each a ``[P, 2, Hkv, D]`` tensor (min then max) growing with the
-sequence, kept in host memory beside the pages whatever tier holds them. A page appended
-to only partly is summarised over its tokens so far and widened by later appends.
+:class:`KeySummaries` is the one owner of the summaries: the store's table
+(``KVStore.summaries``) keyed by page key, a ``[2, Hkv, D]`` tensor (min then max) per page,
+kept in host memory beside the page table whatever tier holds the page. It follows the pages'
+renames (a published block's private key becomes its content key) and serves every sequence
+that shares a page; a page appended to only partly is summarised over its tokens so far and
+widened by later appends.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from tierkv import validate
-from tierkv.errors import InvalidInputError, SequenceError, SpecError
+from tierkv.errors import InvalidInputError, SpecError
 
-__all__ = ["PageSummaries", "page_scores", "select_pages"]
+__all__ = ["KeySummaries", "page_bounds", "page_scores", "select_pages"]
 
 
-class PageSummaries:
-    """Min/max of K per page and KV head, by ``(sequence id, layer)`` (module docstring).
-
-    Args:
-        page_tokens: tokens per page.
-        num_kv_heads, head_dim: the KV layout.
-    """
-
-    def __init__(self, page_tokens: int, num_kv_heads: int, head_dim: int) -> None:
-        self.page_tokens = validate.count("page_tokens", page_tokens, 1)
-        self.num_kv_heads = validate.count("num_kv_heads", num_kv_heads, 1)
-        self.head_dim = validate.count("head_dim", head_dim, 1)
-        self._rows: dict[tuple[str, int], torch.Tensor] = {}
-        self._tokens: dict[tuple[str, int], int] = {}
-
-    def tokens(self, seq_id: str, layer: int) -> int:
-        """Tokens summarised for ``(seq_id, layer)`` (0 when none)."""
-        return self._tokens.get((seq_id, layer), 0)
-
-    def pages(self, seq_id: str, layer: int) -> int:
-        """Pages summarised for ``(seq_id, layer)``."""
-        return -(-self.tokens(seq_id, layer) // self.page_tokens)
-
-    def append(self, seq_id: str, layer: int, k: torch.Tensor, start: int | None = None) -> None:
-        """Fold in the keys ``k`` ``[Hkv, n, D]`` of the sequence's tokens from ``start`` on
-        (default: after the last summarised). Tokens skipped (a reused prefix the table never
-        saw) leave their pages unknown (NaN): :func:`page_scores` ranks them first.
-
-        Raises SpecError for a shape that is not the layout's, InvalidInputError for a
-        ``start`` before the tokens already summarised.
-        """
-        if k.dim() != 3 or (k.shape[0], k.shape[2]) != (self.num_kv_heads, self.head_dim):
-            raise SpecError(
-                f"keys must be [{self.num_kv_heads}, n, {self.head_dim}], got {list(k.shape)}"
-            )
-        n = k.shape[1]
-        if n == 0:
-            return
-        key = (seq_id, layer)
-        have = self._tokens.get(key, 0)
-        start = have if start is None else start
-        if start < have:
-            raise InvalidInputError(f"keys from token {start}: {have} are summarised already")
-        end = start + n
-        t = self.page_tokens
-        need = -(-end // t)
-        rows = self._rows.get(key)
-        if rows is None or rows.shape[0] < need:
-            rows = self._rows[key] = self._grow(rows, need)
-        if start > have:  # a gap: its pages are unknown for good
-            rows[have // t : -(-start // t)] = float("nan")
-        k = k.detach().to("cpu", torch.float32)
-        first = start // t
-        pad = start - first * t  # tokens of the first page before this append
-        span = need - first
-        padded = torch.empty((self.num_kv_heads, span * t, self.head_dim))
-        # pad with the keys' own first token: min/max unchanged, one reduction for all pages
-        padded[:, :pad] = k[:, :1]
-        padded[:, pad : pad + n] = k
-        padded[:, pad + n :] = k[:, -1:]
-        pages = padded.view(self.num_kv_heads, span, t, self.head_dim)
-        lo, hi = pages.amin(dim=2).transpose(0, 1), pages.amax(dim=2).transpose(0, 1)
-        torch.minimum(rows[first:need, 0], lo, out=rows[first:need, 0])
-        torch.maximum(rows[first:need, 1], hi, out=rows[first:need, 1])
-        self._tokens[key] = end
-
-    def _grow(self, rows: torch.Tensor | None, need: int) -> torch.Tensor:
-        grown = torch.empty((need, 2, self.num_kv_heads, self.head_dim))
-        grown[:, 0].fill_(float("inf"))
-        grown[:, 1].fill_(float("-inf"))
-        if rows is not None:
-            grown[: rows.shape[0]] = rows
-        return grown
-
-    def table(self, seq_id: str, layer: int) -> torch.Tensor:
-        """The ``[P, 2, Hkv, D]`` float32 summaries (min, max) of ``(seq_id, layer)``.
-
-        Raises SequenceError when nothing was summarised for it."""
-        got = self._rows.get((seq_id, layer))
-        if got is None:
-            raise SequenceError(f"no page summaries for sequence {seq_id!r} layer {layer}")
-        return got
-
-    def drop(self, seq_id: str) -> None:
-        """Forget every layer of ``seq_id`` (its pages were released)."""
-        for key in [key for key in self._rows if key[0] == seq_id]:
-            del self._rows[key]
-            del self._tokens[key]
-
-    def nbytes(self) -> int:
-        """Bytes the table holds."""
-        return sum(t.numel() * t.element_size() for t in self._rows.values())
+def page_bounds(
+    k: torch.Tensor, start: int, page_tokens: int
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Of keys ``k`` ``[Hkv, n, D]`` of tokens ``start...``: the first page they touch and the
+    min and max of each touched page over those keys, ``[pages, Hkv, D]`` float32 each."""
+    h, n, d = k.shape
+    k = k.detach().to("cpu", torch.float32)
+    t = page_tokens
+    first = start // t
+    pad = start - first * t  # tokens of the first page before these
+    span = -(-(start + n) // t) - first
+    padded = torch.empty((h, span * t, d))
+    # pad with the keys' own first token: min/max unchanged, one reduction for all pages
+    padded[:, :pad] = k[:, :1]
+    padded[:, pad : pad + n] = k
+    padded[:, pad + n :] = k[:, -1:]
+    pages = padded.view(h, span, t, d)
+    return first, pages.amin(dim=2).transpose(0, 1), pages.amax(dim=2).transpose(0, 1)
 
 
 def page_scores(q: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
@@ -157,3 +87,104 @@ def select_pages(scores: torch.Tensor, topk: int, sink: int = 1, recent: int = 2
         return list(range(p))
     middle = torch.topk(scores[lo:hi], topk).indices.add_(lo).tolist()
     return sorted([*range(lo), *middle, *range(hi, p)])
+
+
+class KeySummaries:
+    """Min/max of K per page key and KV head (``[2, Hkv, D]`` float32 each): the store's one
+    table of page summaries (``KVStore.summaries``).
+
+    Keyed by page key, a summary goes wherever its page goes (every tier: it lives in host
+    memory beside the page table), follows the page's renames (the store calls
+    :meth:`rename` from its rename listeners: a published block's private key becomes its
+    content key) and serves every sequence that shares the page (a reused prefix is known, not
+    re-summarised). A page's first append sets its summary, later appends widen it; a page
+    first seen in mid-page (tokens before it never summarised) is *unknown* (NaN) for good.
+    Entries of pages no tier holds any more are pruned once the table passes ``limit``
+    entries (:meth:`prune`, from the store's step).
+
+    Args:
+        num_kv_heads, head_dim: the KV layout.
+        limit: entries above which :meth:`due` says a prune is due (0: never).
+    """
+
+    def __init__(self, num_kv_heads: int, head_dim: int, limit: int = 0) -> None:
+        self.num_kv_heads = validate.count("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = validate.count("head_dim", head_dim, 1)
+        self.limit = validate.count("limit", limit, 0)
+        self._rows: dict[bytes, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._rows
+
+    def fold(
+        self, keys: Sequence[bytes], lo: torch.Tensor, hi: torch.Tensor, first_fresh: bool
+    ) -> None:
+        """Fold per-page bounds ``lo``, ``hi`` ``[len(keys), Hkv, D]`` into the pages ``keys``:
+        every page but the first starts fresh here (its summary is set); the first is set when
+        ``first_fresh`` (the append began at its first token), else widened (unknown when the
+        table never saw it). Raises SpecError for shapes that do not fit."""
+        want = (len(keys), self.num_kv_heads, self.head_dim)
+        if tuple(lo.shape) != want or tuple(hi.shape) != want:
+            raise SpecError(f"bounds must be {list(want)}, got {list(lo.shape)} {list(hi.shape)}")
+        rows = self._rows
+        for i, key in enumerate(keys):
+            got = rows.get(key)
+            if i == 0 and not first_fresh:
+                if got is None:
+                    rows[key] = torch.full((2, *want[1:]), float("nan"))
+                else:
+                    torch.minimum(got[0], lo[i], out=got[0])
+                    torch.maximum(got[1], hi[i], out=got[1])
+                continue
+            rows[key] = torch.stack([lo[i], hi[i]])
+
+    def append(self, pages: Sequence[bytes], k: torch.Tensor, start: int, page_tokens: int) -> None:
+        """Fold in keys ``k`` ``[Hkv, n, D]`` of tokens ``start...`` of a sequence's layer whose
+        page keys are ``pages`` (all of them, in order, these tokens' included)."""
+        if k.shape[1] == 0:
+            return
+        first, lo, hi = page_bounds(k, start, page_tokens)
+        self.fold(pages[first : first + lo.shape[0]], lo, hi, start % page_tokens == 0)
+
+    def table(self, keys: Sequence[bytes]) -> torch.Tensor:
+        """``[len(keys), 2, Hkv, D]``: the pages' summaries in order, NaN where unknown."""
+        rows = self._rows
+        unknown = None
+        got = []
+        for key in keys:
+            row = rows.get(key)
+            if row is None:
+                if unknown is None:
+                    unknown = torch.full((2, self.num_kv_heads, self.head_dim), float("nan"))
+                row = unknown
+            got.append(row)
+        if not got:
+            return torch.empty((0, 2, self.num_kv_heads, self.head_dim))
+        return torch.stack(got)
+
+    def rename(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
+        """Pages were renamed (pairwise): their summaries follow."""
+        rows = self._rows
+        for o, n in zip(old, new):
+            row = rows.pop(o, None)
+            if row is not None:
+                rows[n] = row
+
+    def due(self) -> bool:
+        """Whether the table is past its ``limit`` (a prune is due)."""
+        return 0 < self.limit < len(self._rows)
+
+    def prune(self, held: Callable[[bytes], bool]) -> int:
+        """Drop the summaries of pages for which ``held(key)`` is False (no tier holds them);
+        returns how many went."""
+        gone = [key for key in self._rows if not held(key)]
+        for key in gone:
+            del self._rows[key]
+        return len(gone)
+
+    def nbytes(self) -> int:
+        """Bytes the table holds."""
+        return len(self._rows) * 2 * self.num_kv_heads * self.head_dim * 4

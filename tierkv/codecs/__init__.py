@@ -118,6 +118,8 @@ def codec_for(data: torch.Tensor) -> Codec:
         CorruptEncodingError: shorter than a header, bad magic or version.
         UnknownCodecError: a codec id that no codec here has.
         CalibrationError: a head-sparse page (it needs its model's ranking).
+        CorruptEncodingError: a page of head-sparse's earlier layout (codec id 5), which no
+            codec here decodes.
     """
     row = data if data.dim() == 1 else data[0]
     if row.dtype != torch.uint8 or row.numel() < HEADER_BYTES:
@@ -128,6 +130,11 @@ def codec_for(data: torch.Tensor) -> Codec:
             f"not an encoded page: magic {h['magic']!r} version {h['version']}"
         )
     cid = h["codec_id"]
+    if cid in HeadSparseCodec.old_codec_ids:
+        raise CorruptEncodingError(
+            f"codec id {cid}: an earlier head-sparse layout (a scale per channel of V), no "
+            "longer decoded: re-encode the pages"
+        )
     if cid == HeadSparseCodec.codec_id:
         raise CalibrationError(
             "head-sparse pages decode with their model's ranking: create_codec('head-sparse', "

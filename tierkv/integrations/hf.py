@@ -196,13 +196,16 @@ class TieredCache(Cache):
             share cached blocks only with caches of the same salt (:meth:`KVStore.add_sequence`).
         tenant: the store's tenant charged for every row's pages (its quotas apply; give the
             store's ``tenants=`` in ``store_kwargs``, or share a store that has them).
+        sparse_dense_layers: with ``sparse_topk``, the first layers attend every page (the
+            first layers of a decoder spread their attention: Quest keeps 2 dense).
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
         SpecError: no config and no store, a config without attention fields, budgets that hold
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
-        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` < 0.
+        InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` or
+            ``sparse_dense_layers`` < 0.
         TenantError: a salt that is not str or bytes of 1-256 bytes (before a store opens).
     """
 
@@ -219,6 +222,7 @@ class TieredCache(Cache):
         prefetch_layers: int = 2,
         sparse_topk: int | None = None,
         sparse_recent: int = 2,
+        sparse_dense_layers: int = 0,
         host_attention: bool | str = False,
         salt: str | bytes | None = None,
         tenant: str | None = None,
@@ -228,7 +232,9 @@ class TieredCache(Cache):
         raw_salt = check_salt(salt)
         if tenant is not None:
             check_tenant(tenant)
-        sparse = SparseOptions(sparse_topk, sparse_recent, host=host_attention)
+        sparse = SparseOptions(
+            sparse_topk, sparse_recent, host=host_attention, dense_layers=sparse_dense_layers
+        )
         driver: Driver
         if store is None:
             if config is None or device_bytes is None or host_bytes is None:
@@ -410,8 +416,6 @@ class TieredCache(Cache):
         store = self._driver.store
         for sid in ids:
             self._driver.run(store.release(sid))
-            if self._sparse is not None:  # (its summaries go with it)
-                self._sparse.summaries.drop(sid)
 
     def close(self) -> None:
         """Release the store's sequences (and close the store if the cache opened it and no

@@ -52,6 +52,7 @@ from tierkv.serving.model import ServingModel
 from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
 from tierkv.serving.scheduler import Scheduler
+from tierkv.serving.sparse import ServingSparse
 from tierkv.store import KVStore
 from tierkv.tenant_names import check_salt, check_tenant
 from tierkv.tenants import Quota
@@ -75,8 +76,13 @@ class EngineConfig:
         timeout: the store's bound on every wait, in seconds.
         tenants: the store's tenants and their quotas (``KVStore(tenants=)``); requests name
             theirs with ``generate(..., tenant=)``.
+        sparse_topk: a decode row attends its first page, the ``sparse_recent`` last and
+            this many chosen by per-page key summaries (Quest; :mod:`tierkv.serving.sparse`);
+            None: every page.
+        sparse_recent: the last pages always attended with ``sparse_topk``.
 
-    Raises InvalidInputError (a ValueError) for a count below 1 or a negative size.
+    Raises InvalidInputError (a ValueError) for a count below 1 or a negative size;
+    :class:`Engine` for a ``sparse_topk`` above a request's pages.
     """
 
     max_running: int = 8
@@ -90,6 +96,8 @@ class EngineConfig:
     codec: str | None = None
     timeout: float = 60.0
     tenants: Mapping[str, Quota] | None = None
+    sparse_topk: int | None = None
+    sparse_recent: int = 2
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_batch_tokens", "page_tokens"):
@@ -176,6 +184,17 @@ class Engine:
         )
         self._announced: list[str] = []
         self.counters = EngineCounters()
+        self.sparse = (  # top-k pages at decode (None: off)
+            None
+            if cfg.sparse_topk is None
+            else ServingSparse(
+                self.store,
+                self.spec,
+                cfg.sparse_topk,
+                cfg.sparse_recent,
+                -(-self.max_context // cfg.page_tokens),
+            )
+        )
         self._failures = FailureLog("tierkv.serving")
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -438,7 +457,7 @@ class Engine:
 
     async def _step(self, step: list[tuple[Request, list[int]]]) -> None:
         t0 = time.perf_counter()
-        model, store, cfg = self.model, self.store, self.config
+        model, store, cfg, sp = self.model, self.store, self.config, self.sparse
         ids = [req.rid for req, _ in step]
         if ids != self._announced:  # a request joined or left: announce the coming steps
             self._announced = ids
@@ -464,9 +483,14 @@ class Engine:
                     q, k, v = model.qkv(layer, x, pos)
                     h = plan.layer_now(layer) or await plan.layer(layer)
                     h.append(k, v)  # [H, N, D]: the requests' tokens one after another
+                    if sp is not None:
+                        for req, a, b, past in rows:
+                            sp.append(req.rid, layer, k[:, a:b], past)
                     parts = [
                         model.attend(layer, q[:, a:b], kk, vv, past)
-                        for (_, a, b, past), (kk, vv) in zip(rows, h.kv_list())
+                        if sp is None
+                        else sp.attend(model, layer, req.rid, q[:, a:b], kk, vv, past)
+                        for (req, a, b, past), (kk, vv) in zip(rows, h.kv_list())
                     ]
                     x = model.finish(layer, x, torch.cat(parts))
             sample = [(req, b - 1) for req, a, b, past in rows if b - a + past >= len(req.prompt)]
