@@ -31,7 +31,7 @@ from tierkv.keys import PageKey
 from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
 from tierkv.table_view import TableView
-from tierkv.tier import MoveHandler, Moves, Tier
+from tierkv.tier import Batch, MoveHandler, Moves, Tier
 from tierkv.tier_names import DEVICE, HOST
 from tierkv.tiers import TierSet
 
@@ -126,9 +126,8 @@ class LowerChain:
                     if not keys:
                         continue
                 tier.make_room(len(keys))
-                handle = core.moves.get(HOST, tier.medium)(
-                    core.engine, tier, keys, core.glue.host_arena, slots
-                )
+                batch = Batch(keys, core.glue.host_arena, slots)
+                handle = core.moves.get(HOST, tier.medium)(core.engine, tier, batch)
             except TierKVError as exc:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
@@ -228,7 +227,7 @@ class LowerChain:
     def _read_job(
         core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
     ) -> TransferHandle:
-        return move(core.engine, tier, new, core.glue.host_arena, slots)
+        return move(core.engine, tier, Batch(new, core.glue.host_arena, slots))
 
     def stats(self) -> dict[str, Any]:
         """Per lower tier: its medium's counters and the chain's."""

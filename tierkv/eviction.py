@@ -25,7 +25,7 @@ from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.page_table import PageState
 from tierkv.runtime import Priority
-from tierkv.tier import Target
+from tierkv.tier import Batch, Target
 from tierkv.tier_names import COLD, DEVICE, HOST
 
 __all__ = ["DeviceEviction"]
@@ -199,9 +199,8 @@ class DeviceEviction:
             Priority.WRITEBACK,
             (written,) if written is not None else (),
         )
-        handle = self._ctx.moves.get(DEVICE, HOST)(
-            self._engine, target, keys, self._arenas[DEVICE], [s for _, s in victims]
-        )
+        batch = Batch(keys, self._arenas[DEVICE], [s for _, s in victims])
+        handle = self._ctx.moves.get(DEVICE, HOST)(self._engine, target, batch)
         try:
             st = await job_done(handle)  # the slots are the copy's until it has ended
         except BaseException:
