@@ -77,6 +77,7 @@ class LowerChain:
         (``core.moves``); pages leaving its host come here."""
         self._register(core.moves)
         self._core = core
+        core.chain.extend(self.tiers)
         core.glue.set_spill(self.spill)
 
     def detach(self) -> None:
@@ -127,7 +128,9 @@ class LowerChain:
                         continue
                 tier.make_room(len(keys))
                 batch = Batch(keys, core.glue.host_arena, slots)
-                handle = core.moves.get(HOST, tier.medium)(core.engine, tier, batch)
+                handle = core.moves.get(core.glue.host_medium, tier.medium)(
+                    core.engine, tier, batch
+                )
             except TierKVError as exc:
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
@@ -208,7 +211,8 @@ class LowerChain:
             if not want:
                 continue
             c = self.counters[tier.medium]
-            job = partial(self._read_job, core, tier, core.moves.get(tier.medium, HOST))
+            move = core.moves.get(tier.medium, core.glue.host_medium)
+            job = partial(self._read_job, core, tier, move)
             try:
                 n = await core.glue.import_host(
                     want, job=job, timeout=self.timeout, tier=tier.medium, keep=frozenset(pages)

@@ -92,7 +92,8 @@ class DeviceLoads:
             for tier, (ks, src_slots) in src.items():
                 dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
                 batch = Batch(ks, self._arenas[tier], src_slots)
-                h = self._ctx.moves.get(tier, DEVICE)(self._ctx.engine, dst, batch)
+                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
+                h = move(self._ctx.engine, dst, batch)
                 work.append((tier, len(ks), h))
         except BaseException as exc:  # the copies already submitted finish before the rollback
             task = asyncio.ensure_future(self._finish(new, src, work, exc))

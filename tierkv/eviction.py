@@ -200,7 +200,8 @@ class DeviceEviction:
             (written,) if written is not None else (),
         )
         batch = Batch(keys, self._arenas[DEVICE], [s for _, s in victims])
-        handle = self._ctx.moves.get(DEVICE, HOST)(self._engine, target, batch)
+        move = self._ctx.moves.get(self._ctx.medium(DEVICE), self._ctx.medium(HOST))
+        handle = move(self._engine, target, batch)
         try:
             st = await job_done(handle)  # the slots are the copy's until it has ended
         except BaseException:

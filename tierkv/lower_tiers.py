@@ -39,7 +39,7 @@ from tierkv.keys import PageKey
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.runtime import Priority, TransferEngine, TransferHandle
 from tierkv.tier import Batch, Moves, Target
-from tierkv.tier_names import COLD, DEVICE, HOST
+from tierkv.tier_names import COLD, DEVICE
 
 __all__ = ["ColdStorage"]
 
@@ -72,9 +72,10 @@ class ColdStorage:
         without a host tier) and cold -> device / host (decode). Nothing without a codec (no
         cold tier)."""
         if self.codec is not None:
-            moves.register(self._ctx.top, COLD, self._encode_move)
-            moves.register(COLD, DEVICE, self._decode_move)
-            moves.register(COLD, HOST, self._decode_move)
+            ctx = self._ctx
+            moves.register(ctx.medium(ctx.top), COLD, self._encode_move)
+            for medium in dict.fromkeys(ctx.medium(t) for t in ctx.arenas if t != COLD):
+                moves.register(COLD, medium, self._decode_move)
 
     def _decode_move(self, engine: TransferEngine, target: Target, batch: Batch) -> TransferHandle:
         """Decode cold pages (the batch: keys, the cold arena, its slots) into the target's
@@ -217,7 +218,7 @@ class ColdStorage:
         try:
             top = self._ctx.top
             batch = Batch([k for k, _ in todo], self._arenas[top], [s for _, s in todo])
-            handle = self._ctx.moves.get(top, COLD)(self._engine, target, batch)
+            handle = self._ctx.moves.get(self._ctx.medium(top), COLD)(self._engine, target, batch)
         except BaseException:  # nothing queued (the engine closed): the cold slots go back
             table.complete_store(alloc.keys, COLD, ok=False)
             raise

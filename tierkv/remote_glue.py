@@ -120,6 +120,12 @@ class RemoteGlue:
         return self._arenas[self._top].array
 
     @property
+    def host_medium(self) -> str:
+        """The medium of the host tier (the leased tier's of a host-first store: host memory
+        too), the key of the moves between it and the tiers below or the remote tier."""
+        return self._ctx.medium(self._top)
+
+    @property
     def host_arena(self) -> Arena:
         """The host tier's arena (its size and backend; its slots belong to this core)."""
         return self._arenas[self._top]

@@ -344,7 +344,7 @@ class PageServer:
     def _guard(self, region_id: int) -> WriteGuard:
         """The write guard of one transport: a peer's write must fall in our host arena's
         region, in slots of a live write lease its agent may write."""
-        slot_bytes = self.store.tiers.slot_bytes(HOST)
+        slot_bytes = self.store.tiers.glue.host_arena.slot_bytes
 
         def may_write(agent: str, rid: int, offset: int, length: int) -> bool:
             d = self.directory
