@@ -47,7 +47,7 @@ from tierkv.errors import (
 )
 from tierkv.page_source import PageSource
 from tierkv.spec import KVSpec
-from tierkv.tier_names import COLD, DEVICE, DISK, HOST
+from tierkv.tier_names import COLD, DEVICE, DISK, HOST, REMOTE
 
 __all__ = [
     "UNSET",
@@ -64,7 +64,6 @@ __all__ = [
     "shorthand",
 ]
 
-REMOTE = "remote"
 ORDER = (DEVICE, HOST, COLD, DISK, REMOTE)  # fastest to slowest
 
 
