@@ -104,3 +104,20 @@ async def test_an_arena_tier_moves_its_slots_by_registered_moves_only() -> None:
         assert host.make_room(8) == 0  # their host copies are the only ones left
         assert host.free(keys) == 3 and host.lookup(keys) == [False] * 3
         core.check()
+
+
+def test_the_page_server_names_the_host_tier_through_the_core() -> None:
+    """Regression: the page server's directory and server named the host column ``HOST``
+    (eight places) while the core's glue, the chain and the remote tier use ``tiers.top``;
+    only the refusal of a store without a host tier (hosting.py) compares with the name."""
+    import ast
+
+    server = Path(__file__).resolve().parents[2] / "tierkv" / "remote" / "server"
+    named = []
+    for path in sorted(server.glob("*.py")):
+        if path.name == "hosting.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id == "HOST":
+                named.append(f"{path.name}:{node.lineno}")
+    assert named == []

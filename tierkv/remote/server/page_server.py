@@ -46,7 +46,6 @@ from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
-from tierkv.tiers import HOST
 from tierkv.transports import Transport, TransportError, create
 from tierkv.transports.fence import WriteGuard
 from tierkv.transports.guard import Audit, Gate
@@ -366,7 +365,8 @@ class PageServer:
         self.watches.close(owner)
 
     def _holds(self, key: bytes) -> bool:
-        return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))
+        tiers = self.store.tiers
+        return is_content(key) and bool(tiers.table.lookup([key], tiers.top))
 
     def _held(self) -> set[bytes]:
         assert self.directory is not None
