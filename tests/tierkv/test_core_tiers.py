@@ -121,3 +121,33 @@ def test_the_page_server_names_the_host_tier_through_the_core() -> None:
             if isinstance(node, ast.Name) and node.id == "HOST":
                 named.append(f"{path.name}:{node.lineno}")
     assert named == []
+
+
+async def test_room_is_made_past_victims_whose_host_copies_are_busy() -> None:
+    """Regression (issue 25's follow-up: a TierFullError after a device-room wait with most
+    device pages evictable). The eviction put back victims whose host copies were busy (a
+    copy reading or writing them: pinned only transiently) and then waited for a change,
+    retrying the same victims each time, although clean pages with idle host copies could go
+    at once: with a holder that outlives the wait, the wait ran out with the device full of
+    evictable pages. Now the eviction passes over them and takes the next victims."""
+    async with KVStore(
+        SPEC, device_bytes=8 * PAGE, host_bytes=16 * PAGE, codec=None, policy="lru"
+    ) as s:
+        core = s.tiers
+        keys = [page_key(block(i), 0) for i in range(8)]
+        for k in keys:  # one at a time: the first ones are the least recently used
+            await core.reserve_device([k])
+            core.commit_device([k])
+        assert await core.pages.write_behind(keys) == 8  # clean, each with a host copy
+        old = keys[:2]
+        core.pages.mark_dirty(old)  # written again: newer than their host copies ...
+        core.glue.pin_host(old)  # ... which something else reads now (a push, an export)
+        try:
+            new = [page_key(block(100 + i), 0) for i in range(2)]
+            await core.reserve_device(new, timeout=0.5)  # TierFullError on the old code
+            core.commit_device(new)
+            assert core.table.present(old, DEVICE) == old  # the busy ones stayed, dirty
+            assert len(core.table.present(keys[2:], DEVICE)) == 4  # two clean ones went
+        finally:
+            core.glue.unpin_host(old)
+        s.check()
