@@ -14,12 +14,13 @@ column (the core's ``device``) is in pinned host memory, so its medium is ``host
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Sequence
+from functools import partial
 from typing import Any, cast
 
 from tierkv.core_context import CoreContext
 from tierkv.keys import PageKey
-from tierkv.page_table import PageTable, StoreAllocation
+from tierkv.page_table import StoreAllocation
 from tierkv.runtime import Arena
 from tierkv.tier import Holds
 from tierkv.tier_names import COLD, DEVICE, HOST
@@ -29,37 +30,26 @@ __all__ = ["ArenaTier", "core_tiers"]
 
 class ArenaTier:
     """One arena of the tier core as a `Tier`: column ``name`` of the page table, medium
-    ``medium``. Any page may be held (`Holds.ANY`).
+    ``ctx.medium(name)``. Any page may be held (`Holds.ANY`).
 
     Args:
+        ctx: the core's context: its arenas by column (read at each use: the page server may
+            put the host column on shared memory), the page table, the media, the departures
+            (told of pages leaving the host tier).
         name: the page table's column (``device``, ``host``, ``cold``).
-        medium: where the arena lives, the key of its moves.
-        arenas: the core's arenas by column (read at each use: the page server may put the
-            host column on shared memory), their slots handed over to the page table.
-        table: the core's page table.
         spare: of some of the column's pages, those whose copy here may be dropped with no
             byte lost (another exact copy holds them, and this one is not newer): what
             `make_room` frees.
-        left: called with the keys that left the column (the host's departures).
     """
 
     holds = Holds.ANY
 
     def __init__(
-        self,
-        name: str,
-        medium: str,
-        arenas: Mapping[str, Arena],
-        table: PageTable,
-        spare: Callable[[list[PageKey]], list[PageKey]],
-        left: Callable[[list[PageKey]], None] | None = None,
+        self, ctx: CoreContext, name: str, spare: Callable[[list[PageKey]], list[PageKey]]
     ) -> None:
-        self.name = name
-        self.medium = medium
-        self._arenas = arenas
-        self._table = table
-        self._spare = spare
-        self._left = left
+        self.name, self.medium = name, ctx.medium(name)
+        self._arenas, self._table, self._spare = ctx.arenas, ctx.table, spare
+        self._left = ctx.departures.left if name == ctx.top else None
 
     @property
     def arena(self) -> Arena:
@@ -163,10 +153,4 @@ def core_tiers(ctx: CoreContext, dirty: Container[PageKey]) -> list[ArenaTier]:
         got = cast(list[PageKey], table.readable(keys, others)) if others and keys else []
         return [k for k in got if k not in dirty] if name == DEVICE else got
 
-    def tier(name: str) -> ArenaTier:
-        left = ctx.departures.left if name == ctx.top else None
-        return ArenaTier(
-            name, ctx.media[name], ctx.arenas, table, lambda keys: spare(name, keys), left
-        )
-
-    return [tier(t) for t in (DEVICE, HOST, COLD) if t in ctx.arenas]
+    return [ArenaTier(ctx, t, partial(spare, t)) for t in (DEVICE, HOST, COLD) if t in ctx.arenas]
