@@ -310,7 +310,7 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         disk = (os.fspath(d.path), int(d.bytes), d.seen_twice)
     remote = list(by[REMOTE].sources) if REMOTE in by else None
     name = codec.name if codec is not None else None
-    plugins = tuple(e for e in entries if e.kind in PLUGINS)
+    plugins = tuple(e for e in entries if isinstance(e, PluginEntry) and e.kind in PLUGINS)
     for p in plugins:
         p.check(spec)
     return Chain(names, lease, host, cold, name, codec, disk, remote, plugins)
