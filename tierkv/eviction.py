@@ -96,10 +96,11 @@ class DeviceEviction:
         busy: frozenset[PageKey] = frozenset()
         while free < n:
             # all or nothing: a partial pick put back would still churn the policy's queues
+            keep = self.soon | busy if busy else self.soon  # (no copy of the schedule)
             victims = cast(
                 list[tuple[PageKey, int]],
                 table.prepare_evict(
-                    DEVICE, n - free, exact=True, keep=self.soon | busy, keep_order=self.soon_order
+                    DEVICE, n - free, exact=True, keep=keep, keep_order=self.soon_order
                 ),
             )
             if not victims:
@@ -109,7 +110,8 @@ class DeviceEviction:
             wb = [(k, s) for k, s in victims if k in self.dirty or k not in safe]
             if not wb:  # clean pages with a lower copy: drop them, no wait
                 table.complete_evict(keys, DEVICE, ok=True)
-                return True
+                free = table.capacity(DEVICE) - table.used(DEVICE)
+                continue
             task = asyncio.ensure_future(self._write_back(wb))
             try:
                 await within(deadline, asyncio.shield(task), partial(_late, len(wb)))
