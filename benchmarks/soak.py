@@ -36,6 +36,7 @@ import torch
 
 from benchmarks._common import parser, table, write_json
 from tierkv import KVSpec, TierKVError
+from tierkv.arena_tier import ArenaTier
 from tierkv.keys import KeyKind, key_kind
 from tierkv.page_table import PageState
 from tierkv.runtime import new_event_loop
@@ -186,8 +187,8 @@ class Soak:
 
 def tier_bytes(store: KVStore, high: dict[str, int]) -> int:
     """Bytes of the most slots each tier has used so far (what its arena has committed)."""
-    tiers = store.tiers
-    return sum(n * tiers.slot_bytes(t) for t, n in high.items())
+    slot = {t.name: t.arena.slot_bytes for t in store.tiers.chain if isinstance(t, ArenaTier)}
+    return sum(n * slot[t] for t, n in high.items())
 
 
 def leftovers(store: KVStore) -> dict[str, int]:

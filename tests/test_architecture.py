@@ -293,6 +293,7 @@ CORE_CLASSES = {
     "tierkv.departures": "Departures",  # who hears of pages leaving the host
     "tierkv.chain": "LowerChain",  # the tiers below the host
     "tierkv.prefetch": "Prefetcher",  # prefetch and schedule
+    "tierkv.arena_tier": "ArenaTier",  # one arena of the core as a Tier
 }
 ORCHESTRATION = "tierkv.tiers"  # the file holding the chain's orchestration
 ORCHESTRATION_LINES = 400

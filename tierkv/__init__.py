@@ -29,6 +29,7 @@ _LAZY = {
     "Disk": "tierkv.chain_config",
     "Host": "tierkv.chain_config",
     "Remote": "tierkv.chain_config",
+    "register_tier": "tierkv.chain_plugins",
     "restore_collector": "tierkv.collector",
     "settle_collector": "tierkv.collector",
     "AllocationError": "tierkv.errors",
@@ -72,6 +73,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # the same names, eagerly, for type checkers and editors
     from tierkv.chain_config import Cold, Device, Disk, Host, Remote
+    from tierkv.chain_plugins import register_tier
     from tierkv.collector import restore_collector, settle_collector
     from tierkv.errors import (
         AllocationError,
@@ -161,6 +163,7 @@ __all__ = [
     "create_policy",
     "make_policy",
     "prefix_keys",
+    "register_tier",
     "restore_collector",
     "settle_collector",
 ]

@@ -70,8 +70,10 @@ class Admission:
             async with asyncio.timeout_at(deadline):
                 await fut
         except BaseException as exc:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                # admitted as we were cancelled: give it back
+            admitted = fut.done() and not fut.cancelled() and fut.exception() is None
+            if admitted and isinstance(exc, TimeoutError):
+                return pages  # admitted in the turn the deadline passed: room came in time
+            if admitted:  # admitted as we were cancelled: give it back
                 self.leave(pages)
             else:
                 if waiter in self._queue:  # (a cancelled head may have been dropped already)

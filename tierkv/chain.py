@@ -24,18 +24,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from tierkv.chain_config import Chain
 from tierkv.errors import StoreTimeoutError, TierKVError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.page_table import PageState
 from tierkv.runtime import TransferHandle
+from tierkv.spec import KVSpec
 from tierkv.table_view import TableView
-from tierkv.tier import MoveHandler, Moves, Tier
-from tierkv.tier_names import DEVICE, HOST
+from tierkv.tier import Batch, MoveHandler, Moves, Tier
+from tierkv.tier_names import DEVICE, DISK, HOST
 from tierkv.tiers import TierSet
 
-__all__ = ["ChainCounters", "LowerChain"]
+__all__ = ["ChainCounters", "LowerChain", "open_lower"]
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class LowerChain:
         (``core.moves``); pages leaving its host come here."""
         self._register(core.moves)
         self._core = core
+        core.chain.extend(self.tiers)
         core.glue.set_spill(self.spill)
 
     def detach(self) -> None:
@@ -126,8 +129,9 @@ class LowerChain:
                     if not keys:
                         continue
                 tier.make_room(len(keys))
-                handle = core.moves.get(HOST, tier.medium)(
-                    core.engine, tier, keys, core.glue.host_arena, slots
+                batch = Batch(keys, core.glue.host_arena, slots)
+                handle = core.moves.get(core.glue.host_medium, tier.medium)(
+                    core.engine, tier, batch
                 )
             except TierKVError as exc:
                 c.write_failed += len(keys)
@@ -209,7 +213,8 @@ class LowerChain:
             if not want:
                 continue
             c = self.counters[tier.medium]
-            job = partial(self._read_job, core, tier, core.moves.get(tier.medium, HOST))
+            move = core.moves.get(tier.medium, core.glue.host_medium)
+            job = partial(self._read_job, core, tier, move)
             try:
                 n = await core.glue.import_host(
                     want, job=job, timeout=self.timeout, tier=tier.medium, keep=frozenset(pages)
@@ -228,7 +233,7 @@ class LowerChain:
     def _read_job(
         core: TierSet, tier: Tier, move: MoveHandler, new: list[PageKey], slots: list[int]
     ) -> TransferHandle:
-        return move(core.engine, tier, new, core.glue.host_arena, slots)
+        return move(core.engine, tier, Batch(new, core.glue.host_arena, slots))
 
     def stats(self) -> dict[str, Any]:
         """Per lower tier: its medium's counters and the chain's."""
@@ -246,6 +251,43 @@ class LowerChain:
                 "chain_last_error": c.last_error,
             }
         return out
+
+
+def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
+    """Open the media of a checked chain's tiers below the host, in the listed order (the disk
+    and the plug-in tiers), as one `LowerChain` (their moves join the core's registry when it
+    attaches); None when the chain has none. Raises what a medium's open raises, the media
+    opened before it closed again."""
+    opened: list[Tier] = []
+    movers: list[Callable[[Moves], None]] = []
+    plugins = {p.kind: p for p in chain.plugins}
+    try:
+        for kind in chain.names:
+            if kind == DISK and chain.disk is not None:
+                from tierkv.disk.tier import DiskTier, register_moves  # only a store with a disk
+
+                path, size, seen_twice = chain.disk
+                opened.append(
+                    DiskTier.open(
+                        path, page_bytes=spec.page_bytes, disk_bytes=size, seen_twice=seen_twice
+                    )
+                )
+                movers.append(register_moves)
+            elif kind in plugins:
+                opened.append(plugins[kind].open(spec))
+                movers.append(plugins[kind].register_moves)
+        if not opened:
+            return None
+
+        def register(moves: Moves) -> None:
+            for r in movers:
+                r(moves)
+
+        return LowerChain(opened, register, timeout)
+    except BaseException:
+        for t in opened:
+            t.close()
+        raise
 
 
 def _readable(table: TableView, key: PageKey, top: str) -> bool:

@@ -23,6 +23,9 @@ host memory, their victims go to cold, disk and remote directly). The old keywor
 Everything is checked here, before anything is allocated: typed errors of
 :class:`~tierkv.errors.TierConfigError` (unknown kinds, wrong types, duplicates, wrong order,
 budgets under one page, ``tiers=`` together with an old keyword of a tier).
+
+Plug-in tiers (:mod:`tierkv.chain_plugins`, ``register_tier``) are kinds here too, below
+the host with the disk.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from tierkv import validate
+from tierkv.chain_plugins import PLUGINS, PluginEntry, register_tier, unregister_tier
 from tierkv.codecs import CODECS, Codec, create_codec
 from tierkv.errors import (
     InvalidInputError,
@@ -47,7 +51,7 @@ from tierkv.errors import (
 )
 from tierkv.page_source import PageSource
 from tierkv.spec import KVSpec
-from tierkv.tier_names import COLD, DEVICE, DISK, HOST
+from tierkv.tier_names import COLD, DEVICE, DISK, HOST, REMOTE
 
 __all__ = [
     "UNSET",
@@ -56,15 +60,17 @@ __all__ = [
     "Device",
     "Disk",
     "Host",
+    "PluginEntry",
     "Remote",
     "TierEntry",
     "Unset",
     "build_chain",
     "conflicts",
+    "register_tier",
     "shorthand",
+    "unregister_tier",
 ]
 
-REMOTE = "remote"
 ORDER = (DEVICE, HOST, COLD, DISK, REMOTE)  # fastest to slowest
 
 
@@ -186,28 +192,37 @@ class Remote:
                 )
 
 
-TierEntry = Device | Host | Cold | Disk | Remote
-_KINDS: dict[str, type[Any]] = {c.kind: c for c in (Device, Host, Cold, Disk, Remote)}
+TierEntry = Device | Host | Cold | Disk | Remote | PluginEntry
+_BUILT_IN: dict[str, type[Any]] = {c.kind: c for c in (Device, Host, Cold, Disk, Remote)}
+_LOWER = ORDER.index(DISK)  # plug-in tiers rank with the disk: below host and cold, above remote
+
+
+def _kinds() -> dict[str, type[Any]]:
+    return _BUILT_IN | PLUGINS
+
+
+def _rank(kind: str) -> int:
+    return ORDER.index(kind) if kind in ORDER else _LOWER
 
 
 def _entry(x: object) -> TierEntry:
     """One chain entry as a typed spec (a dict ``{"tier": kind, field: value...}`` too)."""
-    if isinstance(x, Device | Host | Cold | Disk | Remote):
-        return x
+    if isinstance(x, tuple(_kinds().values())):
+        return x  # type: ignore[return-value]
     if not isinstance(x, Mapping):
         hint = (
             ' (a tier needs its size: {"tier": "host", "bytes": ...})' if isinstance(x, str) else ""
         )
         raise TierTypeError(
-            f"a tier is tierkv.Device / Host / Cold / Disk / Remote or a dict, got "
-            f"{type(x).__name__} {x!r}{hint}"
+            f"a tier is tierkv.Device / Host / Cold / Disk / Remote, a registered tier's entry "
+            f"or a dict, got {type(x).__name__} {x!r}{hint}"
         )
     kind = x.get("tier")
     if not isinstance(kind, str):
         raise TierTypeError(f'a tier dict names its kind as "tier": one of {ORDER}, got {x!r}')
-    cls = _KINDS.get(kind)
+    cls = _kinds().get(kind)
     if cls is None:
-        raise UnknownTierError(f"unknown tier {kind!r}: known are {', '.join(ORDER)}")
+        raise UnknownTierError(f"unknown tier {kind!r}: known are {', '.join(_kinds())}")
     known = {f.name for f in fields(cls)}
     extra = sorted(str(k) for k in x if k != "tier" and k not in known)
     if extra:
@@ -235,6 +250,7 @@ class Chain:
     codec: Codec | None = field(compare=False)  # (made from codec_name)
     disk: tuple[str, int, bool] | None  # path, bytes, seen_twice
     remote: list[PageSource] | None
+    plugins: tuple[Any, ...] = ()  # plug-in tiers' entries (PluginEntry), in the listed order
 
     @property
     def host_first(self) -> bool:
@@ -260,10 +276,10 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
     for e in entries:
         if e.kind in by:
             raise TierOrderError(f"tiers: {e.kind} is listed twice")
-        if by and ORDER.index(e.kind) < max(ORDER.index(k) for k in by):
+        if by and _rank(e.kind) < max(_rank(k) for k in by):
             raise TierOrderError(
                 f"tiers: {e.kind} listed after a slower tier; the order is fastest to "
-                f"slowest: {' > '.join(ORDER)}"
+                f"slowest: {' > '.join(ORDER)} (plug-in tiers with disk)"
             )
         by[e.kind] = e
     names = tuple(by)
@@ -294,7 +310,10 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         disk = (os.fspath(d.path), int(d.bytes), d.seen_twice)
     remote = list(by[REMOTE].sources) if REMOTE in by else None
     name = codec.name if codec is not None else None
-    return Chain(names, lease, host, cold, name, codec, disk, remote)
+    plugins = tuple(e for e in entries if isinstance(e, PluginEntry) and e.kind in PLUGINS)
+    for p in plugins:
+        p.check(spec)
+    return Chain(names, lease, host, cold, name, codec, disk, remote, plugins)
 
 
 def _codec(codec: str | Codec) -> Codec:

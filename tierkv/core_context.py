@@ -3,8 +3,8 @@ record instead of a dozen positional arguments, built once when the core opens."
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from tierkv.departures import Departures
 from tierkv.owners import Owners
@@ -32,7 +32,9 @@ class CoreContext:
     ``top`` the tier whose pages leave to the remote tier and the chain below (the host tier;
     with none, the leased tier itself: a host-first store's, or a device alone); ``leased``
     the leased tier's name as the user sees it (``host`` in a host-first store, whose leased
-    pages the core keeps in its ``device`` column, in pinned host memory).
+    pages the core keeps in its ``device`` column, in pinned host memory); ``media`` each
+    column's medium, where its arena lives and the key of its moves in ``moves`` (a host-first
+    store's ``device`` column is in host memory: its medium is ``host``).
     """
 
     spec: KVSpec
@@ -49,6 +51,12 @@ class CoreContext:
     lower: tuple[str, ...]
     top: str = HOST
     leased: str = DEVICE
+    media: Mapping[str, str] = field(default_factory=lambda: {DEVICE: DEVICE, HOST: HOST})
+
+    def medium(self, column: str) -> str:
+        """The medium of a column of the page table (the column's own name but for a
+        host-first store's leased column)."""
+        return self.media.get(column, column)
 
     def copied(self, what: str, stream: str, st: TransferStats, pages: int) -> None:
         """Count a page copy that ended: its seconds in the stats, its span on the timeline."""

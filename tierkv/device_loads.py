@@ -24,7 +24,7 @@ from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.prefault import Prefaulter
 from tierkv.runtime import Priority, TransferHandle
-from tierkv.tier import Target
+from tierkv.tier import Batch, Target
 from tierkv.tier_names import DEVICE, HOST
 
 __all__ = ["DeviceLoads"]
@@ -110,9 +110,9 @@ class DeviceLoads:
         try:
             for tier, (ks, src_slots) in src.items():
                 dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
-                h = self._ctx.moves.get(tier, DEVICE)(
-                    self._ctx.engine, dst, ks, self._arenas[tier], src_slots
-                )
+                batch = Batch(ks, self._arenas[tier], src_slots)
+                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
+                h = move(self._ctx.engine, dst, batch)
                 work.append((tier, len(ks), h))
         except BaseException as exc:  # the copies already submitted finish before the rollback
             task = asyncio.ensure_future(self._finish(new, src, work, exc))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import cast
 
 from tierkv.core_context import CoreContext
@@ -25,7 +26,7 @@ from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.page_table import PageState
 from tierkv.runtime import Priority
-from tierkv.tier import Target
+from tierkv.tier import Batch, Target
 from tierkv.tier_names import COLD, DEVICE, HOST
 
 __all__ = ["DeviceEviction"]
@@ -90,43 +91,55 @@ class DeviceEviction:
         if HOST not in self._lower:  # no host tier: its victims leave as the host's do
             await self._host.make_room(n, self.soon, self.soon_order)
             return table.capacity(DEVICE) - table.used(DEVICE) >= n
-        # all or nothing: a partial pick put back would still churn the policy's queues
-        victims = cast(
-            list[tuple[PageKey, int]],
-            table.prepare_evict(
-                DEVICE,
-                n - free,
-                exact=True,
-                keep=self.soon,
-                keep_order=self.soon_order,
-                for_keys=for_keys,
-            ),
-        )
-        if not victims:
-            return False
-        keys = [k for k, _ in victims]
-        safe = set(self.with_lower(keys))
-        wb = [(k, s) for k, s in victims if k in self.dirty or k not in safe]
-        if not wb:  # clean pages with a lower copy: drop them, no wait
-            table.complete_evict(keys, DEVICE, ok=True)
-            return True
-        task = asyncio.ensure_future(self._write_back(wb))
-        try:
-            await within(deadline, asyncio.shield(task), lambda: _late(len(wb)))
-        except BaseException:
-            if not task.done():  # cancelled caller: the task finishes the eviction on its own
-                task.add_done_callback(lambda t: self._end_evict(keys, wb, t))
+        # victims put back because their host copies were busy (a copy reads or writes them:
+        # pinned only for a while) are taken last on the next pick, so that clean pages go
+        # now instead of a wait for those copies (which may outlast the caller's deadline)
+        busy: frozenset[PageKey] = frozenset()
+        while free < n:
+            # all or nothing: a partial pick put back would still churn the policy's queues
+            keep = self.soon | busy if busy else self.soon  # (no copy of the schedule)
+            victims = cast(
+                list[tuple[PageKey, int]],
+                table.prepare_evict(
+                    DEVICE,
+                    n - free,
+                    exact=True,
+                    keep=keep,
+                    keep_order=self.soon_order,
+                    for_keys=for_keys,
+                ),
+            )
+            if not victims:
+                return False
+            keys = [k for k, _ in victims]
+            safe = set(self.with_lower(keys))
+            wb = [(k, s) for k, s in victims if k in self.dirty or k not in safe]
+            if not wb:  # clean pages with a lower copy: drop them, no wait
+                table.complete_evict(keys, DEVICE, ok=True)
+                free = table.capacity(DEVICE) - table.used(DEVICE)
+                continue
+            task = asyncio.ensure_future(self._write_back(wb))
+            try:
+                await within(deadline, asyncio.shield(task), partial(_late, len(wb)))
+            except BaseException:
+                if not task.done():  # cancelled caller: the task ends the eviction on its own
+                    task.add_done_callback(partial(self._end_evict, keys, wb))
+                    raise
+                self._end_evict(keys, wb, task)
                 raise
-            self._end_evict(keys, wb, task)
-            raise
-        return self._end_evict(keys, wb, task)
+            back = self._end_evict(keys, wb, task)
+            if back and (not self.lower_busy or busy.issuperset(back)):
+                return False  # failed, or only busy victims are left: wait for a change
+            busy |= frozenset(back)
+            free = table.capacity(DEVICE) - table.used(DEVICE)
+        return True
 
     def _end_evict(
         self, keys: list[PageKey], wb: list[tuple[PageKey, int]], task: asyncio.Task[list[PageKey]]
-    ) -> bool:
+    ) -> list[PageKey]:
         """End an eviction: the victims written back (or clean with a lower copy) leave, the
         rest are put back (a failed write-back, or a host copy busy that could not be
-        overwritten: see :meth:`_write_back`). True when every victim left."""
+        overwritten: see :meth:`_write_back`). Returns those put back."""
         ok = not task.cancelled() and task.exception() is None
         written = set(task.result()) if ok else set()
         back = [k for k, _ in wb if k not in written]
@@ -138,7 +151,7 @@ class DeviceEviction:
             self._table.complete_evict(gone, DEVICE, ok=True)
             self.clean(gone)
         self._ctx.progress()
-        return not back
+        return back
 
     async def _write_back(self, victims: list[tuple[PageKey, int]]) -> list[PageKey]:
         """Copy device pages (key, device slot) to the host; returns the keys written.
@@ -210,9 +223,9 @@ class DeviceEviction:
             Priority.WRITEBACK,
             (written,) if written is not None else (),
         )
-        handle = self._ctx.moves.get(DEVICE, HOST)(
-            self._engine, target, keys, self._arenas[DEVICE], [s for _, s in victims]
-        )
+        batch = Batch(keys, self._arenas[DEVICE], [s for _, s in victims])
+        move = self._ctx.moves.get(self._ctx.medium(DEVICE), self._ctx.medium(HOST))
+        handle = move(self._engine, target, batch)
         try:
             st = await job_done(handle)  # the slots are the copy's until it has ended
         except BaseException:

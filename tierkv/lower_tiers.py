@@ -38,8 +38,8 @@ from tierkv.jobs import job_done, when_done
 from tierkv.keys import PageKey
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.runtime import Arena, Priority, TransferEngine, TransferHandle
-from tierkv.tier import Moves, Target
-from tierkv.tier_names import COLD, DEVICE, HOST
+from tierkv.tier import Batch, Moves, Target
+from tierkv.tier_names import COLD, DEVICE
 
 __all__ = ["ColdStorage"]
 
@@ -72,24 +72,19 @@ class ColdStorage:
         without a host tier) and cold -> device / host (decode). Nothing without a codec (no
         cold tier)."""
         if self.codec is not None:
-            moves.register(self._ctx.top, COLD, self._encode_move)
-            moves.register(COLD, DEVICE, self._decode_move)
-            moves.register(COLD, HOST, self._decode_move)
+            ctx = self._ctx
+            moves.register(ctx.medium(ctx.top), COLD, self._encode_move)
+            for medium in dict.fromkeys(ctx.medium(t) for t in ctx.arenas if t != COLD):
+                moves.register(COLD, medium, self._decode_move)
 
-    def _decode_move(
-        self,
-        engine: TransferEngine,
-        target: Target,
-        keys: Sequence[bytes],
-        cold: Arena,
-        cold_slots: Sequence[int],
-    ) -> TransferHandle:
-        """Decode cold pages (``keys``) into the target's slots (device or host): a job of the
-        transfer engine (queued now). Each payload is checked against its checksum first: the
-        job fails with CorruptPageError (nothing decoded) when one differs."""
+    def _decode_move(self, engine: TransferEngine, target: Target, batch: Batch) -> TransferHandle:
+        """Decode cold pages (the batch: keys, the cold arena, its slots) into the target's
+        slots (device or host): a job of the transfer engine (queued now). Each payload is
+        checked against its checksum first: the job fails with CorruptPageError (nothing
+        decoded) when one differs."""
         stats = self._ctx.stats
         dst, dst_slots = target.arena, list(target.slots)
-        src_slots = list(cold_slots)
+        cold, keys, src_slots = batch.arena, batch.keys, list(batch.slots)
 
         def work() -> None:
             t0 = time.perf_counter()
@@ -154,20 +149,14 @@ class ColdStorage:
             raise
         return out
 
-    def _encode_move(
-        self,
-        engine: TransferEngine,
-        target: Target,
-        keys: Sequence[bytes],
-        host: Arena,
-        src: Sequence[int],
-    ) -> TransferHandle:
-        """Encode host pages into the target's cold slots, their payloads' checksums recorded:
-        a job of the transfer engine whose result is the seconds the encode took."""
+    def _encode_move(self, engine: TransferEngine, target: Target, batch: Batch) -> TransferHandle:
+        """Encode host pages (the batch) into the target's cold slots, their payloads'
+        checksums recorded: a job of the transfer engine whose result is the seconds the encode
+        took."""
         codec, spec, table = self.codec, self._ctx.spec, self._table
         assert codec is not None
         cold, dst = target.arena, list(target.slots)
-        src = list(src)
+        keys, host, src = batch.keys, batch.arena, list(batch.slots)
         # (head-sparse needs each page's layer: the page key's last 2 bytes)
         layers = [int.from_bytes(k[-2:], "little") for k in keys] if codec.needs_layers else None
 
@@ -266,9 +255,8 @@ class ColdStorage:
         target = Target(self._arenas[COLD], [cold_of[k] for k, _ in todo], Priority.WRITEBACK)
         try:
             top = self._ctx.top
-            handle = self._ctx.moves.get(top, COLD)(
-                self._engine, target, [k for k, _ in todo], self._arenas[top], [s for _, s in todo]
-            )
+            batch = Batch([k for k, _ in todo], self._arenas[top], [s for _, s in todo])
+            handle = self._ctx.moves.get(self._ctx.medium(top), COLD)(self._engine, target, batch)
         except BaseException:  # nothing queued (the engine closed): the cold slots go back
             table.complete_store(alloc.keys, COLD, ok=False)
             raise

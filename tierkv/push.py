@@ -13,10 +13,14 @@ the buffer is free again: a remote slower than the evictions costs them one wait
 
 Failures (remote down, full, slow) are counted, never raised into the eviction.
 
-Attached to a store (:meth:`Pusher.start` with the tier core's
-:class:`~tierkv.remote_glue.RemoteGlue`), each staging gather and each publish call runs as a
-job of the store's transfer engine (``copy_host_out`` / ``run_remote``); on its own (no glue)
-they run inline.
+The staging buffer is the remote tier's medium on this side: its rows are reserved for the
+pages of an offer (:meth:`Pusher.reserve`), written by the move registered from the host to the
+remote (:func:`push_move`: one gather, a host-function job of the transfer engine, that commits
+the rows with the pages' checksums once it has ended, or returns them), and published by the
+background task. Attached to a store (:meth:`Pusher.start` with the tier core's
+:class:`~tierkv.remote_glue.RemoteGlue`), the gather is that move (``RemoteGlue.move_out``)
+and each publish call a job of the store's transfer engine (``run_remote``); on its own (no
+glue) both run inline.
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ import numpy.typing as npt
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.failures import FailureLog
+from tierkv.jobs import when_done
 from tierkv.page_source import PageSource, publish_checked
 from tierkv.remote_glue import RemoteGlue
+from tierkv.runtime import Priority, TransferEngine, TransferHandle
+from tierkv.tier import Batch
+from tierkv.tier_names import REMOTE
 
-__all__ = ["PushCounters", "Pusher"]
+__all__ = ["PushCounters", "Pusher", "Staged", "push_move"]
 
 
 @dataclass(slots=True)
@@ -160,35 +168,85 @@ class Pusher:
             # free again (one wait per backlog, not one per eviction)
             self._shedding = len(self._free) < len(todo)
             todo = [(k, s) for k, s in todo if k not in self._staged]  # staged meanwhile
-        fit = todo[: len(self._free)]
-        self.counters.dropped += len(todo) - len(fit)
-        if not fit:
+        reserved = self.reserve([k for k, _ in todo])
+        self.counters.dropped += len(todo) - len(reserved)
+        if not reserved:
             return 0
-        dst = self._free[len(self._free) - len(fit) :]
+        slot_of = dict(todo)
+        src = [slot_of[k] for k, _ in reserved]
+        declared = dict(zip(keys, sums)) if len(sums) == len(keys) else {}
+        batch_sums = [declared[k] for k, _ in reserved] if declared else []
+        staged = Staged(self, reserved)
+        if self._glue is not None:  # the move (host, remote): its job commits the rows
+            batch = Batch([k for k, _ in reserved], self._glue.host_arena, src, batch_sums)
+            await self._glue.move_out(REMOTE, staged, batch)
+        else:
+            self.staging[[r for _, r in reserved]] = array[src]
+            self.commit(reserved, [True] * len(reserved), batch_sums)
+        return len(reserved)
+
+    def reserve(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Reserve a staging row for each key not staged yet, as many as are free (the first
+        keys); returns (key, row) pairs. A reserved key counts as staged (a second offer of it
+        skips it) until :meth:`commit` or :meth:`abort`."""
+        todo = [k for k in dict.fromkeys(keys) if k not in self._staged]
+        fit = todo[: len(self._free)]
+        if not fit:
+            return []
+        rows = self._free[len(self._free) - len(fit) :]
         del self._free[len(self._free) - len(fit) :]
-        src = [s for _, s in fit]
+        self._staged.update(fit)
+        return list(zip(fit, rows, strict=True))
 
-        def gather() -> None:  # one gather, before the source slots go
-            self.staging[dst] = array[src]
+    def commit(
+        self, reserved: Sequence[tuple[bytes, int]], ok: Sequence[bool], sums: Sequence[int] = ()
+    ) -> None:
+        """Queue the reserved rows whose page was written (``ok``) for publishing, with their
+        checksums (``sums``, one per reservation, declared to the source; empty: computed from
+        the staged bytes); return the others' rows."""
+        sums = list(sums) if len(sums) == len(reserved) else []
+        back = [(k, r) for (k, r), o in zip(reserved, ok, strict=True) if not o]
+        for i, ((k, r), o) in enumerate(zip(reserved, ok, strict=True)):
+            if o:
+                self._pending.append((k, r))
+                if sums:
+                    self._sums[k] = sums[i]
+        self.counters.staged += len(reserved) - len(back)
+        if back:
+            self.abort(back)
+        if len(back) < len(reserved):
+            self._work.set()
 
-        try:
-            if self._glue is not None:
-                await self._glue.copy_host_out(src, gather)
-            else:
-                gather()
-        except BaseException:
-            self._free.extend(dst)  # the copier returns only once nothing writes the rows
+    def abort(self, reserved: Sequence[tuple[bytes, int]]) -> None:
+        """Return reserved rows unused."""
+        for k, r in reserved:
+            self._staged.discard(k)
+            self._free.append(r)
+        if reserved:
             self._room.set()
-            raise
-        if len(sums) == len(keys):
-            declared = dict(zip(keys, sums))
-            self._sums.update((k, declared[k]) for k, _ in fit)
-        for (k, _), d in zip(fit, dst):
-            self._pending.append((k, d))
-            self._staged.add(k)
-        self.counters.staged += len(fit)
-        self._work.set()
-        return len(fit)
+
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is staged here (reserved, or waiting to be published)."""
+        return [k in self._staged for k in keys]
+
+    def drop(self, keys: Sequence[bytes]) -> int:
+        """Drop staged pages still waiting to be published (not the batch being published);
+        returns how many went (counted as dropped)."""
+        gone = set(keys)
+        keep = [(k, r) for k, r in self._pending if k not in gone]
+        out = [(k, r) for k, r in self._pending if k in gone]
+        self._pending = keep
+        for k, _ in out:
+            self._sums.pop(k, None)
+        self.counters.dropped += len(out)
+        self.abort(out)
+        return len(out)
+
+    def shed(self, n: int) -> int:
+        """Drop the oldest pages waiting to be published until ``n`` rows are free; returns
+        the pages dropped."""
+        short = n - len(self._free)
+        return self.drop([k for k, _ in self._pending[: max(0, short)]]) if short > 0 else 0
 
     async def _run(self) -> None:
         while True:
@@ -229,3 +287,42 @@ class Pusher:
             if self._shedding and len(self._free) * 2 >= self._capacity:
                 self._shedding = False
             self._room.set()
+
+
+@dataclass(frozen=True, slots=True)
+class Staged:
+    """The remote end of a push: the pusher and the staging rows it reserved, one per key of
+    the batch, in order."""
+
+    pusher: Pusher
+    reserved: list[tuple[bytes, int]]
+
+
+def push_move(engine: TransferEngine, end: Staged, batch: Batch) -> TransferHandle:
+    """The move host -> remote: one gather of the batch's host slots into the staging rows of
+    ``end`` (a host-function job; the host slots are the job's until it ends), whose rows are
+    committed with the batch's checksums (``batch.sums``, declared to the source at publish)
+    once it ended, or returned when it failed or was cancelled. The job's result: True per
+    page staged (published later, in the background)."""
+    rows = [r for _, r in end.reserved]
+    src, arena, staging = list(batch.slots), batch.arena, end.pusher.staging
+    if len(rows) != len(src):
+        end.pusher.abort(end.reserved)
+        raise InvalidInputError(f"{len(src)} pages for {len(rows)} staging rows")
+
+    def gather() -> list[bool]:
+        staging[rows] = arena.array[src]
+        return [True] * len(rows)
+
+    try:
+        handle = engine.submit_call(arena, src, arena, [], gather, priority=Priority.WRITEBACK)
+    except BaseException:  # nothing queued: the rows go back
+        end.pusher.abort(end.reserved)
+        raise
+
+    def settle() -> None:
+        ok = handle.state == "done" and handle.exception() is None
+        end.pusher.commit(end.reserved, [ok] * len(rows), batch.sums)
+
+    when_done(handle, settle)
+    return handle

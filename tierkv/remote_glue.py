@@ -2,8 +2,9 @@
 lower chain see it.
 
 Imports into host slots (a peer's load, a lower tier's read move: two-phase, each page
-committed only once it arrived verified), exports of pinned host pages, the remote push's
-staging copies and calls (:class:`~tierkv.push.Pusher` imports this class and calls it: no
+committed only once it arrived verified), exports of pinned host pages, the moves out of the
+host tier (``move_out``: the remote push's staging gather, a handler of the core's `Moves`)
+and the push's publish calls (:class:`~tierkv.push.Pusher` imports this class and calls it: no
 callables threaded through), reservations and pins of host slots for the page server, the
 listeners and offers of pages leaving the host (:class:`~tierkv.departures.Departures`), and
 the checksums of pages crossing the process boundary. Every byte moved is a job of the
@@ -32,6 +33,7 @@ from tierkv.lower_tiers import ColdStorage
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.page_table import StoreAllocation
 from tierkv.runtime import Arena, Priority, TransferError, TransferHandle
+from tierkv.tier import Batch
 from tierkv.tier_names import HOST
 
 __all__ = ["HostJob", "HostLoad", "RemoteGlue"]
@@ -118,6 +120,12 @@ class RemoteGlue:
     def host_array(self) -> npt.NDArray[np.uint8]:
         """The host arena's bytes, ``[slots, page_bytes]`` (what transports register)."""
         return self._arenas[self._top].array
+
+    @property
+    def host_medium(self) -> str:
+        """The medium of the host tier (the leased tier's of a host-first store: host memory
+        too), the key of the moves between it and the tiers below or the remote tier."""
+        return self._ctx.medium(self._top)
 
     @property
     def host_arena(self) -> Arena:
@@ -272,13 +280,13 @@ class RemoteGlue:
         settle()
         return sum(_hits(handle.result(), len(new)))
 
-    async def copy_host_out(self, slots: Sequence[int], copy: Callable[[], None]) -> None:
-        """Run ``copy``, which reads host ``slots`` into a buffer of the caller's (the remote
-        push's staging), as a host-function job of the transfer engine, and wait until it has
-        run: also when the caller is cancelled, so that the caller's buffer rows and the host
-        slots are never reused while it reads or writes them. Raises what ``copy`` raised."""
-        host = self._arenas[self._top]
-        handle = self._engine.submit_call(host, slots, host, [], copy, priority=Priority.WRITEBACK)
+    async def move_out(self, dest: str, end: object, batch: Batch) -> object:
+        """Run the move from the host tier to medium ``dest`` (the handler registered for the
+        pair: one engine job reading the batch's host slots, such as the remote push's
+        staging gather) and wait until it has ended: also when the caller is cancelled, so
+        that the other end's buffers and the host slots are never reused while the job reads
+        or writes them. Returns the job's result; raises what it raised (unwrapped)."""
+        handle = self._ctx.moves.get(self.host_medium, dest)(self._engine, end, batch)
         waiter = asyncio.ensure_future(job_done(handle))
         try:
             await asyncio.shield(waiter)
@@ -289,6 +297,7 @@ class RemoteGlue:
             raise
         except TransferError as exc:
             raise (exc.__cause__ or exc) from None
+        return handle.result()
 
     async def run_remote(self, call: Callable[[], Awaitable[int]]) -> int:
         """Run a remote call that touches no host slot (it reads a buffer of the caller's: the

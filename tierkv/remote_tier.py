@@ -3,8 +3,17 @@
 ::
 
     KVStore(remote=src)     eviction: host victims (content pages) --offer--> Pusher --> src[0]
+                               moves[host, remote]: gather into staging rows, published later
                             add_sequence / fetch_prefix: blocks missing locally
-                               src.lookup -> reserve host slots -> src.load -> commit
+                               src.lookup -> reserve host slots -> moves[remote, host] -> commit
+
+The remote tier is a `Tier` of the chain (`StoreRemote`: medium ``remote``, content pages
+only), its moves handlers of the core's `Moves` registered when it attaches
+(:func:`register_moves`): host -> remote (:func:`tierkv.push.push_move`: the batch's checksums
+go with the staged pages to the source) and remote -> host (:func:`import_move`: a source's
+read as an async engine job, filling the batch's `PageCheck` with the checksums it verified).
+Its slots on this side are the push's staging rows (reserve / commit / abort / free); what a
+source holds needs I/O to learn (`PageSource.lookup`), asked by :meth:`StoreRemote.fetch`.
 
 Part of the core: it knows a remote tier only by the `PageSource` protocol
 (:mod:`tierkv.page_source`), never the clients or the page server of :mod:`tierkv.remote`, so
@@ -20,8 +29,9 @@ malformed answer included) is a counted miss.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,10 +42,36 @@ from tierkv.failures import FailureLog
 from tierkv.keys import is_content
 from tierkv.page_source import PageSource, load_checked, tier_label
 from tierkv.page_sums import PageCheck
-from tierkv.push import Pusher
+from tierkv.push import Pusher, push_move
+from tierkv.runtime import Priority, TransferEngine, TransferHandle
+from tierkv.tier import Batch, Holds, Moves
+from tierkv.tier_names import HOST, REMOTE
 from tierkv.tiers import TierSet
 
-__all__ = ["RemoteCounters", "StoreRemote"]
+__all__ = ["Reader", "RemoteCounters", "StoreRemote", "import_move", "register_moves"]
+
+#: The remote end of an import: one source's read of ``keys`` into host rows ``slots`` of the
+#: array, reporting the checksums it verified in the `PageCheck`; returns the pages delivered.
+Reader = Callable[[list[bytes], npt.NDArray[np.uint8], list[int], PageCheck], Awaitable[int]]
+
+
+def import_move(engine: TransferEngine, read: Reader, batch: Batch) -> TransferHandle:
+    """The move remote -> host: ``read`` of the batch's pages into its host slots, as an async
+    job of the engine (the slots are the job's until it ends); the job's result is the pages
+    delivered (the first ones), their verified checksums in ``batch.check``."""
+    keys, arena, slots = list(batch.keys), batch.arena, [int(s) for s in batch.slots]
+    check = batch.check if batch.check is not None else PageCheck()
+
+    def start() -> Awaitable[int]:
+        return read(keys, arena.array, slots, check)
+
+    return engine.submit_async(arena, [], arena, slots, start, priority=Priority.PREFETCH)
+
+
+def register_moves(moves: Moves) -> None:
+    """Register the host -> remote push (staging) and the remote -> host import."""
+    moves.register(HOST, REMOTE, push_move)
+    moves.register(REMOTE, HOST, import_move)
 
 
 @dataclass(slots=True)
@@ -51,7 +87,8 @@ class RemoteCounters:
 
 
 class StoreRemote:
-    """The remote side of one store: a pusher to the first source, reads from all of them.
+    """The remote side of one store, a `Tier` of its chain: a pusher to the first source,
+    reads from all of them.
 
     Args:
         sources: page sources, consulted in order for reads; pushes go to the first.
@@ -96,8 +133,14 @@ class StoreRemote:
         self._tiers: TierSet | None = None
         self._failures = FailureLog("tierkv.remote")
 
+    medium = REMOTE
+    holds = Holds.CONTENT
+
     def attach(self, tiers: TierSet) -> None:
-        """Hook into an opened store's tiers (evictions offer their pages)."""
+        """Hook into an opened store's tiers: the remote's moves join the core's registry, the
+        tier joins its chain, evictions offer their pages."""
+        register_moves(tiers.moves)
+        tiers.chain.append(self)
         self._tiers = tiers
         if self.pusher is not None:
             self.pusher.start(tiers.glue)  # each gather and publish: a job of the engine
@@ -113,6 +156,46 @@ class StoreRemote:
     async def flush(self, timeout: float) -> bool:
         """Wait (bounded) until the pages staged for the remote went out; True if none left."""
         return True if self.pusher is None else await self.pusher.flush(timeout)
+
+    # -- the Tier interface: this side's slots are the push's staging rows -----------------
+    def accepts(self, key: bytes) -> bool:
+        """Content pages only (a private page means nothing to another process)."""
+        return self.holds.accepts(key)
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is staged here for a push (no I/O: what the sources hold is
+        asked by `fetch`, one lookup call per source)."""
+        return self.pusher.held(keys) if self.pusher is not None else [False] * len(keys)
+
+    def admit(self, keys: Sequence[bytes]) -> list[bool]:
+        """Every page offered (no admission filter)."""
+        return [True] * len(keys)
+
+    def reserve(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Staging rows for a push (none for a read-only remote): `Pusher.reserve`."""
+        return self.pusher.reserve(keys) if self.pusher is not None else []
+
+    def commit(self, reserved: Sequence[Any], ok: Sequence[bool]) -> None:
+        """Queue the rows written for publishing, return the others: `Pusher.commit`."""
+        if self.pusher is not None:
+            self.pusher.commit(reserved, ok)
+
+    def abort(self, reserved: Sequence[Any]) -> None:
+        """Return reserved staging rows unused."""
+        if self.pusher is not None:
+            self.pusher.abort(reserved)
+
+    def free(self, keys: Sequence[bytes]) -> int:
+        """Drop staged pages not yet published (a source's pages are its own)."""
+        return self.pusher.drop(keys) if self.pusher is not None else 0
+
+    def make_room(self, n: int) -> int:
+        """Drop the oldest staged pages until ``n`` staging rows are free."""
+        return self.pusher.shed(n) if self.pusher is not None else 0
+
+    def close(self) -> None:
+        """Nothing to release here: the sources are the caller's, the pusher stops at
+        `aclose` (idempotent)."""
 
     async def _offer(self, victims: list[tuple[bytes, int]]) -> None:
         assert self._tiers is not None and self.pusher is not None
@@ -161,27 +244,46 @@ class StoreRemote:
             have = table.lookup(pages) // layers * layers
         return got
 
+    async def _read(
+        self,
+        source: PageSource,
+        new: list[bytes],
+        host: npt.NDArray[np.uint8],
+        slots: list[int],
+        check: PageCheck,
+    ) -> int:
+        """One source's read into host rows, bounded by the store's timeout: a `Reader` (the
+        remote end of `import_move`). A failing source is a counted miss, whatever it raised."""
+        try:
+            read = load_checked(source, new, host, slots, check)
+            ok = await asyncio.wait_for(read, self.timeout)
+            if type(ok) is not int:
+                raise InvalidInputError(f"load answered {type(ok).__name__}, not an int")
+        except Exception as exc:  # a source's failure is a miss, whatever its type
+            self._fail("remote load", exc, new)
+            ok = 0
+        got = max(0, min(ok, len(new)))
+        self.counters.misses += len(new) - got
+        return got
+
     async def _import(
         self, tiers: TierSet, source: PageSource, keys: list[bytes], keep: frozenset[bytes]
     ) -> int:
         check = PageCheck()  # the source's verdict on the pages' checksums
+        move = tiers.moves.get(REMOTE, tiers.glue.host_medium)
+        read = partial(self._read, source)
 
-        async def load(new: list[bytes], host: npt.NDArray[np.uint8], slots: list[int]) -> int:
-            try:
-                read = load_checked(source, new, host, slots, check)
-                ok = await asyncio.wait_for(read, self.timeout)
-                if type(ok) is not int:
-                    raise InvalidInputError(f"load answered {type(ok).__name__}, not an int")
-            except Exception as exc:  # a source's failure is a miss, whatever its type
-                self._fail("remote load", exc, new)
-                ok = 0
-            got = max(0, min(ok, len(new)))
-            self.counters.misses += len(new) - got
-            return got
+        def job(new: list[bytes], slots: list[int]) -> TransferHandle:
+            return move(tiers.engine, read, Batch(new, tiers.glue.host_arena, slots, check=check))
 
         # victims compressed / pushed for room, not just dropped; nothing stays WRITING
         ok = await tiers.glue.import_host(
-            keys, load, timeout=self.timeout + 1.0, check=check, tier=tier_label(source), keep=keep
+            keys,
+            job=job,
+            timeout=self.timeout + 1.0,
+            check=check,
+            tier=tier_label(source),
+            keep=keep,
         )
         self.counters.hits += ok
         self.counters.bytes_in += ok * self.page_bytes

@@ -42,7 +42,7 @@ from tierkv import validate
 from tierkv.admission import Admission
 from tierkv.attention.summaries import KeySummaries
 from tierkv.boundary import async_boundary, boundary
-from tierkv.chain import LowerChain
+from tierkv.chain import LowerChain, open_lower
 from tierkv.chain_config import UNSET, Chain, TierEntry, Unset, build_chain, conflicts, shorthand
 from tierkv.codecs import CODECS, Codec
 from tierkv.errors import (
@@ -225,7 +225,6 @@ class KVStore:
         pages = {DEVICE: chain.lease_pages, HOST: chain.host_pages, COLD: chain.cold_pages}
         self.tenants = None if tenants is None else _tenants(spec, chain, pages, tenants)
         self.chain = chain
-        self._disk = chain.disk
         self.spec = spec
         self.namespace = namespace
         self.timeout = timeout
@@ -322,20 +321,9 @@ class KVStore:
         return self
 
     def _open_chain(self) -> LowerChain | None:
-        """The tiers below the host, their media opened (none without ``disk_path``)."""
-        if self._disk is None:
-            return None
-        from tierkv.disk.tier import DiskTier, register_moves  # only a store with a disk
-
-        path, size, seen_twice = self._disk
-        disk = DiskTier.open(
-            path, page_bytes=self.spec.page_bytes, disk_bytes=size, seen_twice=seen_twice
-        )
-        try:  # (its moves go into the core's registry when the chain attaches)
-            return LowerChain([disk], register_moves, self.timeout)
-        except BaseException:
-            disk.close()
-            raise
+        """The tiers below the host, their media opened in the listed order (the disk, the
+        plug-in tiers: `tierkv.chain_config.register_tier`); None without any."""
+        return open_lower(self.spec, self.chain, self.timeout)
 
     def _open_core(self) -> None:
         backend = create_backend(self._backend_name)

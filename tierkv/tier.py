@@ -4,14 +4,20 @@ A tier owns its medium and its slots; the core moves pages between two tiers by 
 handler registered for the pair of media, never by naming a tier::
 
     moves = Moves()
-    moves.register(HOST, DISK, save)          # save(engine, tier, keys, arena, slots) -> handle
-    handle = moves.get(HOST, tier.medium)(engine, tier, keys, host_arena, slots)
+    moves.register(HOST, DISK, save)          # save(engine, tier, batch) -> handle
+    handle = moves.get(HOST, tier.medium)(engine, tier, Batch(keys, host_arena, slots))
 
 A handler queues its move as one job of the :class:`~tierkv.runtime.TransferEngine` and
-returns the job's handle at once. Its result is a list, one item per key: for a write into a
-tier, a status whose ``held`` is True when the page is on that tier afterwards (the disk's
-``StoreStatus``); for a read into the host, True for a verified hit. What a tier may hold
-(`Holds`) is the tier's own rule: the core asks `Tier.accepts` before it moves a page there.
+returns the job's handle at once. What it moves is one `Batch`: the pages' keys, the arena and
+slots of the core's end of the move, and what crosses with the bytes: the checksums the page
+table knows of pages going out (``sums``: a page source declares them to its peer) and, for
+pages coming in, a `~tierkv.page_sums.PageCheck` the move fills with the checksums it verified
+and the pages that failed (``check``: the core records the first, counts the second). The
+job's result is a list, one item per key: for a write into a tier, a status whose ``held`` is
+True when the page is on that tier afterwards (the disk's ``StoreStatus``); for a read into the
+host, True for a verified hit (or a count: the first pages delivered, as a page source says).
+What a tier may hold (`Holds`) is the tier's own rule: the core asks `Tier.accepts` before it
+moves a page there.
 
 The tier core's own moves are handlers of the same registry: device <-> host (`copy_move`, one
 engine copy), host -> cold (encode) and cold -> device / host (decode, registered by
@@ -30,9 +36,19 @@ from typing import Any, Protocol, runtime_checkable
 
 from tierkv.errors import InvalidInputError, InvalidTypeError, UnknownNameError
 from tierkv.keys import is_content
+from tierkv.page_sums import PageCheck
 from tierkv.runtime import Arena, Event, Priority, TransferEngine, TransferHandle
 
-__all__ = ["Holds", "MoveHandler", "Moves", "Target", "Tier", "UnknownMoveError", "copy_move"]
+__all__ = [
+    "Batch",
+    "Holds",
+    "MoveHandler",
+    "Moves",
+    "Target",
+    "Tier",
+    "UnknownMoveError",
+    "copy_move",
+]
 
 
 class Holds(enum.Enum):
@@ -110,11 +126,28 @@ class Tier(Protocol):
         ...
 
 
-#: A move: (engine, the other end, page keys, an arena, its slots) -> the handle of the one engine
-#: job it queued. Between two arenas of the tier core the other end is the destination's `Target`
-#: and the arena the source's; for a lower `Tier` it is the tier, and the arena the host's (the
-#: source of a write into the tier, the destination of a read from it).
-MoveHandler = Callable[[TransferEngine, Any, Sequence[bytes], Arena, Sequence[int]], TransferHandle]
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """The pages of one move, as its handler gets them: ``keys``, one per page; ``arena`` and
+    ``slots`` (one per key, in order) the core's end of the move (the source of a write into a
+    tier, the destination of a read from one; between two arenas of the core, the source);
+    ``sums``: the pages' checksums as the page table knows them, for a move that declares them
+    to the other end (empty: none known, or checksums off); ``check``: for a read, the record
+    the move fills with the checksums of the pages it verified and the pages that failed (None:
+    the move's medium verifies by itself, or nothing to report)."""
+
+    keys: Sequence[bytes]
+    arena: Arena
+    slots: Sequence[int]
+    sums: Sequence[int] = ()
+    check: PageCheck | None = None
+
+
+#: A move: (engine, the other end, the batch) -> the handle of the one engine job it queued.
+#: Between two arenas of the tier core the other end is the destination's `Target` and the
+#: batch's arena the source's; for a lower `Tier` (or the remote tier) it is the tier, and the
+#: batch's arena the host's (the source of a write into the tier, the destination of a read).
+MoveHandler = Callable[[TransferEngine, Any, Batch], TransferHandle]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,17 +162,16 @@ class Target:
     after: Sequence[Event | TransferHandle] = ()
 
 
-def copy_move(
-    engine: TransferEngine,
-    target: Target,
-    keys: Sequence[bytes],
-    arena: Arena,
-    slots: Sequence[int],
-) -> TransferHandle:
+def copy_move(engine: TransferEngine, target: Target, batch: Batch) -> TransferHandle:
     """The move between two arenas of one slot size (device <-> host): one engine copy of
-    ``arena[slots]`` into ``target.arena[target.slots]``, bit-identical."""
+    ``batch.arena[batch.slots]`` into ``target.arena[target.slots]``, bit-identical."""
     return engine.submit(
-        arena, slots, target.arena, target.slots, priority=target.priority, after=target.after
+        batch.arena,
+        batch.slots,
+        target.arena,
+        target.slots,
+        priority=target.priority,
+        after=target.after,
     )
 
 

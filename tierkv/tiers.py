@@ -51,6 +51,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, cast
 
+from tierkv.arena_tier import core_tiers
 from tierkv.codecs import Codec
 from tierkv.core_context import CoreContext
 from tierkv.departures import Departures
@@ -75,7 +76,7 @@ from tierkv.spec import KVSpec
 from tierkv.stats import TierStats
 from tierkv.table_view import TableView
 from tierkv.tenants import Tenants
-from tierkv.tier import Moves, copy_move
+from tierkv.tier import Moves, Tier, copy_move
 from tierkv.tier_names import COLD, DEVICE, HOST
 from tierkv.timeline import Timeline
 from tierkv.waits import Changes
@@ -142,10 +143,13 @@ class TierSet:
         # every change that may free device room or land a page in flight wakes the waiters:
         # in flight is the page state (WRITING / MOVING) alone, pins the page table's alone
         self.changes = Changes()
-        # every move between two arenas of the core, looked up by (source, destination) medium
+        # every move between two arenas of the core, looked up by (source, destination) medium;
+        # a host-first store's leased column is in host memory: its medium is host
+        media = {t: HOST if host_first and t == DEVICE else t for t in arenas}
         self.moves = Moves()
-        self.moves.register(HOST, DEVICE, copy_move)
-        self.moves.register(DEVICE, HOST, copy_move)
+        if HOST in arenas:
+            self.moves.register(HOST, DEVICE, copy_move)
+            self.moves.register(DEVICE, HOST, copy_move)
         ctx = CoreContext(
             spec=spec,
             table=self._table,
@@ -161,6 +165,7 @@ class TierSet:
             lower=self._lower,
             top=self.top,
             leased=self.leased,
+            media=media,
         )
         self._timeline = ctx.timeline
         self.cold = ColdStorage(ctx, codec)  # registers the codec's moves
@@ -176,16 +181,15 @@ class TierSet:
         self._reap_due = False  # a reap is scheduled for the next loop turn
         self._prefaulter = Prefaulter(arenas[DEVICE])
         self._loads = DeviceLoads(ctx, self._evict, self.cold, self._prefaulter, self._device_lock)
+        # the chain, fastest first, as Tier objects: the core's arenas, then the tiers attached
+        # below (the lower chain's, the remote tier)
+        self.chain: list[Tier] = list(core_tiers(ctx, self._evict.dirty))
 
     @staticmethod
     def _encoded(tiers: Mapping[str, int]) -> list[str]:
         return [COLD] if COLD in tiers else []
 
     # -- read-only state -------------------------------------------------------------------
-    def slot_bytes(self, tier: str) -> int:
-        """Bytes of one slot of ``tier`` (a page, or an encoded page in cold)."""
-        return self._arenas[tier].slot_bytes
-
     def holds(self, key: PageKey) -> bool:
         """True when some tier holds ``key`` (readable, or in flight to readable)."""
         return bool(self._table.tiers_of(key))

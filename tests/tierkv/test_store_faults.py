@@ -426,3 +426,22 @@ async def test_closing_the_store_fails_waiting_leases_at_once() -> None:
     with pytest.raises(StoreClosedError):
         await asyncio.wait_for(waiter, 5)  # not after the 60 s timeout
     await holder.__aexit__(None, None, None)
+
+
+async def test_admission_at_its_deadline_is_an_admission_not_a_timeout() -> None:
+    """Family of the device-room TierFullError (issue 25's follow-up): a waiter admitted in the
+    loop turn its deadline passed gave the admission back and raised TierFullError, although
+    room had come in time; `Changes.wait` already counts a wake at the deadline as a wake."""
+    adm = Admission(4)
+    loop = asyncio.get_running_loop()
+
+    def err() -> TierFullError:
+        return TierFullError("no room")
+
+    held = await adm.enter(4, loop.time() + 5.0, err)
+    deadline = loop.time() + 0.05
+    loop.call_at(deadline, adm.leave, held)  # room comes at the very deadline (queued first)
+    assert await adm.enter(2, deadline, err) == 2
+    assert adm.active == 1 and adm.committed == 2
+    adm.leave(2)
+    adm.check()

@@ -26,7 +26,7 @@ from tierkv.keys import page_key
 from tierkv.lease import Lease
 from tierkv.runtime import Priority
 from tierkv.store import KVStore
-from tierkv.tier import Target
+from tierkv.tier import Batch, Target
 from tierkv.tiers import COLD, DEVICE, HOST
 
 from .test_store import PAGE, SPEC, kv, no_pins_left, tokens
@@ -326,7 +326,7 @@ async def test_an_empty_encode_or_decode_batch_is_no_error() -> None:
         arenas = tiers._arenas
         for src, dst in ((COLD, DEVICE), (HOST, COLD)):  # a decode, an encode of no page
             move = tiers.moves.get(src, dst)
-            await job_done(move(tiers.engine, Target(arenas[dst], []), [], arenas[src], []))
+            await job_done(move(tiers.engine, Target(arenas[dst], []), Batch([], arenas[src], [])))
         store.check()
 
 

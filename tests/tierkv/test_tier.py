@@ -14,7 +14,7 @@ from tierkv.disk.tier import DiskTier, register_moves
 from tierkv.errors import InvalidInputError, InvalidTypeError, UnknownNameError
 from tierkv.keys import KEY_BYTES, page_key, private_key
 from tierkv.runtime import TransferEngine, create_backend
-from tierkv.tier import Holds, Moves, Tier, UnknownMoveError
+from tierkv.tier import Batch, Holds, Moves, Tier, UnknownMoveError
 from tierkv.tier_names import DISK, HOST
 
 PAGE = 8192
@@ -85,12 +85,12 @@ async def test_the_disk_tier_moves_pages_as_engine_jobs_through_the_registry(
     try:
         assert isinstance(tier, Tier) and tier.medium == DISK
         async with TransferEngine(backend) as engine:
-            saved = moves.get(HOST, tier.medium)(engine, tier, keys, host, ids[:3])
+            saved = moves.get(HOST, tier.medium)(engine, tier, Batch(keys, host, ids[:3]))
             assert host.is_busy(ids[:3])  # pinned while the job runs
             await saved
             assert saved.result() == [StoreStatus.STORED] * 3
             assert tier.lookup([*keys, page_key(block(9), 0)]) == [True] * 3 + [False]
-            loaded = moves.get(tier.medium, HOST)(engine, tier, keys, host, ids[3:6])
+            loaded = moves.get(tier.medium, HOST)(engine, tier, Batch(keys, host, ids[3:6]))
             await loaded
             assert loaded.result() == [True] * 3
             for p, i in zip(pages, ids[3:6], strict=True):
@@ -176,9 +176,8 @@ async def test_the_core_moves_are_handlers_looked_up_by_media() -> None:
         try:
             for dst, slots in ((HOST, alloc.slots), (DEVICE, dev)):
                 move = tiers.moves.get(COLD, dst)
-                await job_done(
-                    move(tiers.engine, Target(arenas[dst], slots), [key], arenas[COLD], [cold_slot])
-                )
+                batch = Batch([key], arenas[COLD], [cold_slot])
+                await job_done(move(tiers.engine, Target(arenas[dst], slots), batch))
             assert torch.equal(
                 arenas[HOST].tensor[alloc.slots[0]], arenas[DEVICE].tensor[dev[0]].cpu()
             )

@@ -10,10 +10,11 @@ tested through every API: leases, eviction to disk / cold / remote, restarts on 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ import torch
 import tierkv
 from tierkv import Cold, Device, Disk, Host, Remote
 from tierkv import errors as e
+from tierkv.chain_config import build_chain
+from tierkv.chain_plugins import PluginEntry, unregister_tier
 from tierkv.codecs import UnknownCodecError, create_codec
 from tierkv.store import KVStore
 from tierkv.tier_names import COLD, DEVICE, HOST
@@ -479,3 +482,77 @@ async def test_host_first_has_no_host_only_pages(tmp_path: Path) -> None:
         await fill(s, "s0", 0)  # released: its pages stay cached in the leased tier
         pages = list(s.tiers.table.keys(DEVICE))
         assert pages and host_only(s.tiers, pages) == set()
+
+
+# -- plug-in tiers: the registration path (tierkv.chain_plugins) -----------------------------
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Plug:
+    """A plug-in entry for the registration checks (opened by no store here)."""
+
+    kind: ClassVar[str] = "plug"
+    pages: int
+
+    def check(self, spec: tierkv.KVSpec) -> None:
+        if self.pages < 1:
+            raise e.TierSizeError("plug budget holds no page")
+
+    def open(self, spec: tierkv.KVSpec) -> Any:
+        raise AssertionError("not opened here")
+
+    def register_moves(self, moves: Any) -> None:
+        raise AssertionError("not registered here")
+
+
+@pytest.fixture
+def plug() -> Any:
+    tierkv.register_tier(_Plug)
+    yield _Plug
+    unregister_tier("plug")
+
+
+def test_a_registered_tier_is_a_kind_of_the_chain(plug: Any) -> None:
+    chain = build_chain(SPEC, [Host(bytes=8 * PAGE), {"tier": "plug", "pages": 3}])
+    assert chain.names == (HOST, "plug") and chain.plugins == (_Plug(pages=3),)
+    assert isinstance(chain.plugins[0], PluginEntry)
+    # with the disk, in the order listed; below cold, above remote
+    below = [Host(bytes=8 * PAGE), Disk(path="/x", bytes=64 * SLOT), _Plug(pages=1)]
+    assert build_chain(SPEC, below).names == (HOST, "disk", "plug")
+    assert build_chain(SPEC, [below[0], below[2], below[1]]).names == (HOST, "plug", "disk")
+    with pytest.raises(e.TierOrderError):
+        build_chain(SPEC, [Host(bytes=8 * PAGE), _Plug(pages=1), Cold(bytes=12 * NONE_PAGE)])
+    with pytest.raises(e.TierOrderError):  # a lower tier under a device needs a host between
+        build_chain(SPEC, [Device(bytes=6 * PAGE), _Plug(pages=1)])
+    with pytest.raises(e.TierSizeError):  # the entry's own check, before anything is opened
+        build_chain(SPEC, [Host(bytes=8 * PAGE), _Plug(pages=0)])
+    with pytest.raises(e.TierConfigError, match="unknown field"):
+        build_chain(SPEC, [Host(bytes=8 * PAGE), {"tier": "plug", "pages": 1, "x": 2}])
+
+
+def test_bad_registrations_are_typed_errors(plug: Any) -> None:
+    with pytest.raises(e.TierConfigError, match="registered already"):
+        tierkv.register_tier(_Plug)
+
+    @dataclasses.dataclass(frozen=True)
+    class Disk2(_Plug):
+        kind: ClassVar[str] = "disk"
+
+    with pytest.raises(e.TierConfigError, match="registered already"):
+        tierkv.register_tier(Disk2)  # a built-in kind
+
+    class NotData:
+        kind = "nd"
+
+    with pytest.raises(e.TierTypeError):
+        tierkv.register_tier(NotData)
+
+    @dataclasses.dataclass
+    class NoOpen:
+        kind: ClassVar[str] = "no-open"
+
+        def check(self, spec: object) -> None: ...
+
+    with pytest.raises(e.TierTypeError, match="open, register_moves"):
+        tierkv.register_tier(NoOpen)
+    unregister_tier("plug")
+    with pytest.raises(e.UnknownTierError):
+        build_chain(SPEC, [Host(bytes=8 * PAGE), {"tier": "plug", "pages": 1}])

@@ -4,8 +4,9 @@
     moves = Moves()
     register_moves(moves)                                  # (host, disk) and (disk, host)
     tier = DiskTier.open(path, page_bytes=..., disk_bytes=...)
-    handle = moves.get(HOST, DISK)(engine, tier, keys, host_arena, slots)   # a StoreStatus each
-    handle = moves.get(DISK, HOST)(engine, tier, keys, host_arena, slots)   # a verified hit each
+    batch = Batch(keys, host_arena, slots)
+    handle = moves.get(HOST, DISK)(engine, tier, batch)    # a StoreStatus each
+    handle = moves.get(DISK, HOST)(engine, tier, batch)    # a verified hit each
 
 The store's page keys (`tierkv.keys`: 18 bytes) are written zero-padded to the medium's 32-byte
 keys; content keys stay content keys (the private bit is in the first byte), so a restarted
@@ -20,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierkv.errors import InvalidInputError
-from tierkv.runtime import Arena, TransferEngine, TransferHandle
-from tierkv.tier import Holds, Moves
+from tierkv.runtime import TransferEngine, TransferHandle
+from tierkv.tier import Batch, Holds, Moves
 from tierkv.tier_names import DISK, HOST
 
 from . import jobs
@@ -133,24 +134,15 @@ class DiskTier:
         self.pages.close()
 
 
-def _save(
-    engine: TransferEngine,
-    tier: DiskTier,
-    keys: Sequence[bytes],
-    arena: Arena,
-    slots: Sequence[int],
-) -> TransferHandle:
-    return jobs.submit_save(engine, tier.pages, tier.disk_keys(keys), arena, slots)
+def _save(engine: TransferEngine, tier: DiskTier, batch: Batch) -> TransferHandle:
+    # (the medium keeps a CRC32C of its own per page: the batch's sums are not needed)
+    keys = tier.disk_keys(batch.keys)
+    return jobs.submit_save(engine, tier.pages, keys, batch.arena, batch.slots)
 
 
-def _load(
-    engine: TransferEngine,
-    tier: DiskTier,
-    keys: Sequence[bytes],
-    arena: Arena,
-    slots: Sequence[int],
-) -> TransferHandle:
-    return jobs.submit_load(engine, tier.pages, tier.disk_keys(keys), arena, slots)
+def _load(engine: TransferEngine, tier: DiskTier, batch: Batch) -> TransferHandle:
+    keys = tier.disk_keys(batch.keys)
+    return jobs.submit_load(engine, tier.pages, keys, batch.arena, batch.slots)
 
 
 def register_moves(moves: Moves) -> None:

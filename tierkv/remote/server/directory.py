@@ -47,7 +47,7 @@ from tierkv.keys import KEY_BYTES, is_content
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageState
 from tierkv.remote.errors import LeaseExpiredError, RemoteFullError, RemoteProtocolError
-from tierkv.tiers import HOST, TierSet
+from tierkv.tiers import TierSet
 
 __all__ = ["Directory", "is_content"]
 
@@ -94,7 +94,7 @@ class Directory:
         ``guard_reads``: keep which tenants read which slots, for `may_read` (tenants)."""
         self.tiers = tiers
         self.lease_ttl = lease_ttl
-        slots = tiers.table.capacity(HOST)
+        slots = tiers.table.capacity(tiers.top)  # the host tier's column
         self.gen = [0] * slots
         self._seen: list[bytes | None] = [None] * slots
         self._leases: dict[int, _Lease] = {}
@@ -124,7 +124,7 @@ class Directory:
         table = self.tiers.table
         n = 0
         for k in keys:
-            if not is_content(k) or not table.lookup([k], HOST):
+            if not is_content(k) or not table.lookup([k], self.tiers.top):
                 break
             n += 1
         return n
@@ -173,13 +173,13 @@ class Directory:
             return 0
         del self._leases[lease_id]
         self._cancel_timer(lease)
-        table = self.tiers.table
+        table, host = self.tiers.table, self.tiers.top
         valid = 0
         for k, s, g in zip(lease.keys, lease.slots, lease.gens):
             ok = (
-                table.present([k], HOST)
-                and table.slot(k, HOST) == s
-                and table.state(k, HOST) == PageState.READABLE
+                table.present([k], host)
+                and table.slot(k, host) == s
+                and table.state(k, host) == PageState.READABLE
                 and self.gen[s] == g
             )
             if not ok:
@@ -381,9 +381,9 @@ class Directory:
 
     def held(self) -> set[bytes]:
         """Every readable content page of the host tier (what the peers are told)."""
-        table = self.tiers.table
-        keys = table.keys(HOST)
-        return {k for k in keys if is_content(k) and table.state(k, HOST) == PageState.READABLE}
+        table, host = self.tiers.table, self.tiers.top
+        keys = table.keys(host)
+        return {k for k in keys if is_content(k) and table.state(k, host) == PageState.READABLE}
 
     def left(self, keys: list[bytes]) -> None:
         """Pages left the host tier: they are no tenant's any more."""
@@ -400,10 +400,10 @@ class Directory:
 
     def entries(self) -> dict[bytes, tuple[int, int]]:
         """Every readable content page of the host tier -> (slot, generation)."""
-        table = self.tiers.table
+        table, host = self.tiers.table, self.tiers.top
         out: dict[bytes, tuple[int, int]] = {}
-        for k in table.keys(HOST):
-            if is_content(k) and table.state(k, HOST) == PageState.READABLE:
-                s = table.slot(k, HOST)
+        for k in table.keys(host):
+            if is_content(k) and table.state(k, host) == PageState.READABLE:
+                s = table.slot(k, host)
                 out[k] = (s, self._observe(s, k))
         return out

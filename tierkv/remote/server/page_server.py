@@ -57,7 +57,6 @@ from tierkv.remote.server.hosting import SharedArena, register_host_arena, share
 from tierkv.remote.server.tenants import ServerTenants
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
-from tierkv.tiers import HOST
 from tierkv.transports import Transport, TransportError, create
 from tierkv.transports.fence import ReadGuard, WriteGuard
 from tierkv.transports.guard import Audit, Gate
@@ -452,7 +451,7 @@ class PageServer:
         """The write guard of one transport (of ``tenant``): a peer's write must fall in our
         host arena's region, in slots of a live write lease of that tenant its agent may
         write."""
-        slot_bytes = self.store.tiers.slot_bytes(HOST)
+        slot_bytes = self.store.tiers.glue.host_arena.slot_bytes
 
         def may_write(agent: str, rid: int, offset: int, length: int) -> bool:
             d = self.directory
@@ -466,7 +465,7 @@ class PageServer:
     def _read_guard(self, region_id: int, tenant: str | None) -> ReadGuard:
         """The read guard of one transport of a server with tenants: a peer's read must fall
         in our host arena's region, in slots ``tenant`` holds a live read lease on."""
-        slot_bytes = self.store.tiers.slot_bytes(HOST)
+        slot_bytes = self.store.tiers.glue.host_arena.slot_bytes
 
         def may_read(agent: str, rid: int, offset: int, length: int) -> bool:
             d = self.directory
@@ -488,7 +487,8 @@ class PageServer:
         self.watches.close(owner)
 
     def _holds(self, key: bytes) -> bool:
-        return is_content(key) and bool(self.store.tiers.table.lookup([key], HOST))
+        tiers = self.store.tiers
+        return is_content(key) and bool(tiers.table.lookup([key], tiers.top))
 
     def _held(self) -> set[bytes]:
         assert self.directory is not None
