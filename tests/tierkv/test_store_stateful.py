@@ -22,6 +22,8 @@ replays each race deterministically.
 Issue 25 added a disk tier (a temporary directory of a dozen slots) in half the runs, and a
 ``restart`` rule: every sequence released, the store closed and a new one opened on the same
 directory; prompts then reuse the prefixes the disk kept, every KV read bit-exact or a miss.
+The host-first machine also chains the mmap tier (a plug-in, tierkv.mmap_tier) in half its runs:
+scratch, its pages are misses after a restart, its reads bit-exact or a (verified) miss.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tierkv import Cold, Disk, Host, KVSpec, Remote, SequenceError, TierFullError
 from tierkv.keys import KeyKind, key_kind
+from tierkv.mmap_tier import Mmap
 from tierkv.page_table import PageState
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE
@@ -485,14 +488,17 @@ class HostFirstMachine(StoreMachine):
     no device tier; leases pin pages in host memory, the owners pin the pages of live
     sequences there (their one exact copy), cached prefixes leave to cold, disk and remote."""
 
+    map_dir: str | None = None
+
     @initialize(
         host=st.integers(20, 30),
         cold=st.booleans(),
         remote=st.booleans(),
         disk=st.booleans(),
+        mapped=st.booleans(),
     )
     def open_store(  # type: ignore[override]
-        self, host: int, cold: bool, remote: bool, disk: bool
+        self, host: int, cold: bool, remote: bool, disk: bool, mapped: bool
     ) -> None:
         tiers: list[Any] = [Host(bytes=host * PAGE)]
         if cold:
@@ -500,6 +506,9 @@ class HostFirstMachine(StoreMachine):
         if disk:
             self.disk_dir = tempfile.mkdtemp(prefix="tierkv-stateful-")
             tiers.append(Disk(path=self.disk_dir, bytes=DISK_SLOTS * DISK_SLOT))
+        if mapped:  # the plug-in tier (tierkv.mmap_tier): scratch, a miss after a restart
+            self.map_dir = tempfile.mkdtemp(prefix="tierkv-stateful-map-")
+            tiers.append(Mmap(path=Path(self.map_dir, "kv.map"), bytes=DISK_SLOTS * PAGE))
         if remote:
             tiers.append(Remote(sources=[DictSource()]))
         self.config = dict(
@@ -508,6 +517,13 @@ class HostFirstMachine(StoreMachine):
             timeout=5.0,
         )
         self.store = self.run(KVStore(SPEC, **self.config).open())
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            if self.map_dir is not None:
+                shutil.rmtree(self.map_dir, ignore_errors=True)
 
 
 StoreMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
