@@ -301,7 +301,7 @@ async def drive(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
                 t = time.perf_counter()
                 got = await d.locate(keys)
                 lat.append((time.perf_counter() - t) * 1000)
-                wrong += sum(g != [f"127.0.0.1:{17000 + i}"] for g, (i, _) in zip(got, pick))
+                wrong += sum(g != (f"127.0.0.1:{17000 + i}",) for g, (i, _) in zip(got, pick))
             figures["locate_1000_p50_ms"] = round(pct(lat, 0.5), 3)
             figures["locate_1000_p99_ms"] = round(pct(lat, 0.99), 3)
             figures["locate_wrong_answers"] = wrong

@@ -52,8 +52,8 @@ async def _served(d: RedisDirectory, n: int = 300) -> list[bytes]:
     return keys
 
 
-def _want(keys: list[bytes]) -> list[list[str]]:
-    return [["a:1", "b:2"] if i % 3 == 0 else ["a:1"] for i in range(len(keys))]
+def _want(keys: list[bytes]) -> list[tuple[str, ...]]:
+    return [("a:1", "b:2") if i % 3 == 0 else ("a:1",) for i in range(len(keys))]
 
 
 async def test_locate_through_a_password_a_db_and_a_unix_socket(tmp_path: Path) -> None:
@@ -73,11 +73,11 @@ async def test_locate_through_a_password_a_db_and_a_unix_socket(tmp_path: Path) 
             d = await RedisDirectory(url, ttl=5.0).connect()
             try:
                 keys = await _served(d)
-                assert await d.locate(keys + keys_of(5, seed=99)) == _want(keys) + [[]] * 5
+                assert await d.locate(keys + keys_of(5, seed=99)) == _want(keys) + [()] * 5
                 clients = await d.client.client_list()
                 assert any(c["cmd"] == "hget" for c in clients), clients
                 numbers, live = await d.holders(keys[:2])
-                assert [[live[n] for n in ns] for ns in numbers] == _want(keys)[:2]
+                assert [tuple(live[n] for n in ns) for ns in numbers] == _want(keys)[:2]
             finally:
                 await d.aclose()
         other = await RedisDirectory(f"{base}/3").connect()  # db 3 holds what the first wrote

@@ -102,16 +102,16 @@ _Reply = tuple[list[int] | None, bytes, bytes]
 T = TypeVar("T")
 
 
-def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> list[list[T]]:
+def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> list[tuple[T, ...]]:
     """Per key the names of its live holders (``name``: None for a number not live) from the
     replies of LOCATE: the counts (uint16 LE) and holders (uint32 LE) unpacked by one C call
-    each, one Python step per key (the common case, one holder each: one list per key)."""
-    out: list[list[T]] = [] if all(r[0] is None for r in replies) else [[] for _ in range(n)]
+    each, one Python step per key (the common case, one holder each: one tuple per key)."""
+    out: list[tuple[T, ...]] = [] if all(r[0] is None for r in replies) else [()] * n
     for order, counts, held in replies:
         k = len(counts) // 2
-        per_key: Iterable[list[T]]
+        per_key: Iterable[tuple[T, ...]]
         if counts == b"\x01\x00" * k:
-            per_key = [[a] if a is not None else [] for a in map(name, _u32(held))]
+            per_key = [(a,) if a is not None else () for a in map(name, _u32(held))]
         else:
             per_key = _split(struct.unpack(f"<{k}H", counts), _u32(held), name)
         if order is None:
@@ -125,11 +125,11 @@ def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> 
 _ODD = object()
 
 
-def _by_value(values: list[Any], names: Mapping[int, T]) -> list[list[T]]:
+def _by_value(values: list[Any], names: Mapping[int, T]) -> list[tuple[T, ...]]:
     """Per key the names of its live holders from its HGET reply (uint32 LE numbers end to
-    end; None: no entry): one C map through a table of the live numbers' 4-byte values (a key
-    held by one live node, the common case), a Python step only for the other keys (several
-    holders, or a number not live)."""
+    end; None: no entry): one C map through a table of the live numbers' 4-byte values to
+    one shared tuple each (a key held by one live node, the common case), a Python step only
+    for the other keys (several holders, or a number not live)."""
     one: dict[Any, tuple[T, ...]] = {n.to_bytes(4, "little"): (a,) for n, a in names.items()}
     one[None] = ()
     got: list[Any] = list(map(one.get, values, repeat(_ODD)))
@@ -139,9 +139,9 @@ def _by_value(values: list[Any], names: Mapping[int, T]) -> list[list[T]]:
                 if isinstance(v, Exception):
                     raise v
                 if not isinstance(v, bytes) or len(v) % 4:
-                    raise InvalidResponse(f"a directory entry of {len(v)} bytes: {v!r:.80}")
+                    raise InvalidResponse(f"not a directory entry: {v!r:.80}")
                 got[i] = tuple(a for h in _u32(v) if (a := names.get(h)) is not None)
-    return list(map(list, got))
+    return got
 
 
 def _u32(held: bytes) -> tuple[int, ...]:
@@ -150,10 +150,10 @@ def _u32(held: bytes) -> tuple[int, ...]:
 
 def _split(
     counts: Sequence[int], numbers: Sequence[int], name: Callable[[int], T | None]
-) -> Iterator[list[T]]:
+) -> Iterator[tuple[T, ...]]:
     at = 0
     for c in counts:
-        yield [a for h in numbers[at : at + c] if (a := name(h)) is not None]
+        yield tuple(a for h in numbers[at : at + c] if (a := name(h)) is not None)
         at += c
 
 
@@ -418,7 +418,7 @@ class RedisDirectory:
             added += sum(int(n) for n in await self._pipeline(build))
         return added
 
-    async def holders(self, keys: Sequence[bytes]) -> tuple[list[list[int]], dict[int, str]]:
+    async def holders(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, ...]], dict[int, str]]:
         """Per key the live numbers holding it, and the live nodes (number -> address): one
         round trip (the live set, then one HGET per key; on a Cluster one script per shard and
         `LOCATE_BATCH` keys)."""
@@ -428,8 +428,9 @@ class RedisDirectory:
         live, replies = await self._locate(keys)
         return _answers(len(keys), replies, {n: n for n in live}.get), live
 
-    async def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
-        """Per key, the addresses of the live nodes holding it (empty: none known)."""
+    async def locate(self, keys: Sequence[bytes]) -> list[tuple[str, ...]]:
+        """Per key, the addresses of the live nodes holding it (empty: none known); tuples,
+        one shared by every key of a node (no object made per key)."""
         if self._links is not None:
             live, values = await self._hgets(keys)
             return _by_value(values, live)
