@@ -396,9 +396,10 @@ def test_the_page_server_and_cluster_need_redis_only_with_a_directory() -> None:
 
 @pytest.mark.parametrize(("buckets", "shards"), [(1 << 16, 1), (1 << 10, 1), (1 << 16, 16)])
 def test_locate_requests_name_each_keys_bucket(buckets: int, shards: int) -> None:
-    """Layout.records (C slices per byte column) names the same bucket as bucket_of, for every
-    mask and shard, keys of one length or mixed; pack refuses what check_keys refuses."""
-    from tierkv.remote.membership.layout import Layout, blob, pack
+    """Layout.records and Layout.hgets (C slices per byte column) name the same bucket as
+    bucket_of, for every mask and shard, keys of one length or mixed; pack refuses what
+    check_keys refuses."""
+    from tierkv.remote.membership.layout import Layout, blob, pack, resp
 
     lay = Layout("t:ns", buckets, shards)
     same, mixed = keys_of(300, seed=4), keys_of(5, seed=5) + [k + b"\x01\x00" for k in keys_of(5)]
@@ -415,6 +416,8 @@ def test_locate_requests_name_each_keys_bucket(buckets: int, shards: int) -> Non
             for k in keys
         )
         assert got == want
+        hgets = b"".join(resp(b"HGET", lay.bucket_of(k), k) for k in keys)
+        assert bytes(lay.hgets(joined, fixed, keys)) == hgets  # (a standalone server's)
     private = bytes([0x80]) + same[0][1:]
     for bad in ([*same[:3], private], [bytearray(same[0])], [same[0][:15]], [b"\x00" * 256]):
         with pytest.raises(InvalidInputError):
