@@ -72,17 +72,17 @@ async def test_publish_locate_withdraw(fresh: str) -> None:
         assert await d.publish(a, keys[:10]) == 0  # idempotent
         assert await d.publish(b, keys[:10]) == 10
         got = await d.locate(keys + keys_of(5, seed=9))
-        assert got[:10] == [["a:1", "b:2"]] * 10
-        assert got[10:3000] == [["a:1"]] * 2990 and got[3000:] == [[]] * 5
+        assert got[:10] == [("a:1", "b:2")] * 10
+        assert got[10:3000] == [("a:1",)] * 2990 and got[3000:] == [()] * 5
         await d.publish(a, [], keys[:20])  # pages leave a
         got = await d.locate(keys[:30])
-        assert got == [["b:2"]] * 10 + [[]] * 10 + [["a:1"]] * 10
+        assert got == [("b:2",)] * 10 + [()] * 10 + [("a:1",)] * 10
         pages = [k + bytes((layer, 0)) for k in keys_of(20, seed=4) for layer in range(2)]
         mixed = keys_of(20, seed=5) + pages  # 16- and 18-byte keys in one call
         assert await d.publish(b, mixed, keys[:5]) == 60
         got = await d.locate(mixed + keys[:6])
-        assert got == [["b:2"]] * 60 + [[]] * 5 + [["b:2"]]
-        assert await d.locate(pages) == [["b:2"]] * 40  # 18 bytes alone (end to end)
+        assert got == [("b:2",)] * 60 + [()] * 5 + [("b:2",)]
+        assert await d.locate(pages) == [("b:2",)] * 40  # 18 bytes alone (end to end)
         with pytest.raises(InvalidInputError):
             await d.publish(a, [b"\x80" * 16])  # a private key
         with pytest.raises(InvalidInputError):
@@ -99,9 +99,9 @@ async def test_a_node_that_leaves_or_lapses_is_never_answered_and_is_swept(fresh
         await d.publish(a, keys)
         await d.publish(b, keys[:100])
         await d.leave(a, "a:1")
-        assert await d.locate(keys[:101]) == [["b:2"]] * 100 + [[]]
+        assert await d.locate(keys[:101]) == [("b:2",)] * 100 + [()]
         await asyncio.sleep(TTL + 0.1)  # b stops refreshing: it lapses
-        assert await d.locate(keys[:100]) == [[]] * 100
+        assert await d.locate(keys[:100]) == [()] * 100
         assert await d.live() == {}
         assert not await d.refresh(b, "b:2")  # lapsed: register again (a new number)
         assert await d.sweep() == 600  # a's (it left) and b's (lapsed: found by the refresh)
@@ -121,9 +121,9 @@ async def test_a_restarted_node_never_answers_its_former_entries(fresh: str) -> 
         # the process dies (no leave) and starts again: it waits out its former self
         new = await d.register("a:1")
         assert new != old
-        assert await d.locate(keys) == [[]] * 50  # the former entries: not answered
+        assert await d.locate(keys) == [()] * 50  # the former entries: not answered
         await d.publish(new, keys[:5])
-        assert await d.locate(keys[:6]) == [["a:1"]] * 5 + [[]]
+        assert await d.locate(keys[:6]) == [("a:1",)] * 5 + [()]
         assert not await d.refresh(old, "a:1")  # the former self, if it still ran: replaced
     finally:
         await d.aclose()
@@ -190,15 +190,15 @@ async def test_agent_publishes_changes_and_leaves(fresh: str) -> None:
     try:
         await agent.start()
         agent.changed()
-        await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 100)
+        await until(lambda: reader.locate(sorted(held)), [("a:1",)] * 100)
         gone = sorted(held)[:30]
         held.difference_update(gone)
         agent.changed()
-        await until(lambda: reader.locate(gone), [[]] * 30)
+        await until(lambda: reader.locate(gone), [()] * 30)
         await asyncio.sleep(TTL * 2)  # refreshed meanwhile: still live
-        assert await reader.locate(sorted(held)) == [["a:1"]] * 70
+        assert await reader.locate(sorted(held)) == [("a:1",)] * 70
         await agent.aclose()
-        assert await reader.locate(sorted(held)) == [[]] * 70  # left: at once
+        assert await reader.locate(sorted(held)) == [()] * 70  # left: at once
     finally:
         await agent.aclose()
         await reader.aclose()
@@ -215,7 +215,7 @@ async def test_agent_rides_out_redis_down_and_republishes_in_full(
     try:
         agent.changed()
         reader = await directory(fresh)
-        await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 200)
+        await until(lambda: reader.locate(sorted(held)), [("a:1",)] * 200)
         await reader.aclose()
         with caplog.at_level(logging.WARNING, logger="tierkv.remote.directory"):
             server.kill()  # everything Redis had is gone (nothing saved)
@@ -225,7 +225,7 @@ async def test_agent_rides_out_redis_down_and_republishes_in_full(
             server.restart()
             reader = await directory(fresh)
             try:  # back: registered again under a new number, the full set published
-                await until(lambda: reader.locate(sorted(held)), [["a:1"]] * 210)
+                await until(lambda: reader.locate(sorted(held)), [("a:1",)] * 210)
             finally:
                 await reader.aclose()
         assert agent.number and agent.registrations >= 2  # (numbers restart at the clock)
@@ -328,10 +328,10 @@ async def test_cluster_mode_spreads_shards_and_answers_the_same() -> None:
             assert await d.publish(b, keys[:7]) == 7
             await d.publish(a, [], keys[:3])
             got = await d.locate(keys)
-            assert got[:3] == [["b:2"]] * 3 and got[3:7] == [["a:1", "b:2"]] * 4
-            assert got[7:] == [["a:1"]] * 1993
+            assert got[:3] == [("b:2",)] * 3 and got[3:7] == [("a:1", "b:2")] * 4
+            assert got[7:] == [("a:1",)] * 1993
             await d.leave(a, "a:1")
-            assert await d.locate(keys[:8]) == [["b:2"]] * 7 + [[]]
+            assert await d.locate(keys[:8]) == [("b:2",)] * 7 + [()]
             assert await d.sweep() == 1997
             owners = {
                 cluster.owner(s).port for s in {_slot(d.layout.shard_prefix(i)) for i in range(16)}
@@ -374,7 +374,7 @@ async def test_a_publish_whose_reply_is_lost_is_set_right(fresh: str) -> None:
         gone = sorted(held)[:10]
         held.difference_update(gone)  # left while their publish was uncertain
         agent.changed()
-        await until(lambda: reader.locate(gone + sorted(held)), [[]] * 10 + [["a:1"]] * 30)
+        await until(lambda: reader.locate(gone + sorted(held)), [()] * 10 + [("a:1",)] * 30)
         assert agent.number == number and agent.errors == 1 and not agent.uncertain
     finally:
         await agent.aclose()
@@ -396,9 +396,10 @@ def test_the_page_server_and_cluster_need_redis_only_with_a_directory() -> None:
 
 @pytest.mark.parametrize(("buckets", "shards"), [(1 << 16, 1), (1 << 10, 1), (1 << 16, 16)])
 def test_locate_requests_name_each_keys_bucket(buckets: int, shards: int) -> None:
-    """Layout.records (C slices per byte column) names the same bucket as bucket_of, for every
-    mask and shard, keys of one length or mixed; pack refuses what check_keys refuses."""
-    from tierkv.remote.membership.layout import Layout, blob, pack
+    """Layout.records and Layout.hgets (C slices per byte column) name the same bucket as
+    bucket_of, for every mask and shard, keys of one length or mixed; pack refuses what
+    check_keys refuses."""
+    from tierkv.remote.membership.layout import Layout, blob, pack, resp
 
     lay = Layout("t:ns", buckets, shards)
     same, mixed = keys_of(300, seed=4), keys_of(5, seed=5) + [k + b"\x01\x00" for k in keys_of(5)]
@@ -415,6 +416,8 @@ def test_locate_requests_name_each_keys_bucket(buckets: int, shards: int) -> Non
             for k in keys
         )
         assert got == want
+        hgets = b"".join(resp(b"HGET", lay.bucket_of(k), k) for k in keys)
+        assert bytes(lay.hgets(joined, fixed, keys)) == hgets  # (a standalone server's)
     private = bytes([0x80]) + same[0][1:]
     for bad in ([*same[:3], private], [bytearray(same[0])], [same[0][:15]], [b"\x00" * 256]):
         with pytest.raises(InvalidInputError):
@@ -430,11 +433,11 @@ async def test_locate_on_a_small_layout_in_several_scripts(fresh: str) -> None:
         await d.publish(a, keys[:2000])
         await d.publish(b, keys[1000:])
         got = await d.locate(keys)
-        assert got == [["a:1"]] * 1000 + [["a:1", "b:2"]] * 1000 + [["b:2"]] * 500
+        assert got == [("a:1",)] * 1000 + [("a:1", "b:2")] * 1000 + [("b:2",)] * 500
         await d.leave(a, "a:1")
-        assert await d.locate(keys[900:1100]) == [[]] * 100 + [["b:2"]] * 100
+        assert await d.locate(keys[900:1100]) == [()] * 100 + [("b:2",)] * 100
         numbers, live = await d.holders(keys[1999:2001])
-        assert (numbers, live) == ([[b], [b]], {b: "b:2"})
+        assert (numbers, live) == ([(b,), (b,)], {b: "b:2"})
     finally:
         await d.aclose()
 

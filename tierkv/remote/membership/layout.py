@@ -27,6 +27,8 @@ Requests carry keys as one blob (no per-key argument): the keys end to end when 
 length (``fixed``: 16 or 18), else records ``len (1 byte) | key``::
 
     locate(names and keys)    -> per key its holder count (uint16), the holders end to end
+                                 (a Cluster; a standalone server gets `Layout.hgets`: plain
+                                 HGET commands, wire.py)
     publish(idx, add, drop)   -> adds (HSETNX first: one call for a new key), drops
     sweep(first, last, dead)  -> buckets first..last rid of the dead numbers
     register / refresh / leave / lapsed: the {m} keys
@@ -52,6 +54,7 @@ __all__ = [
     "check_keys",
     "fixed_length",
     "pack",
+    "resp",
 ]
 
 
@@ -94,15 +97,42 @@ class Layout:
         prefix = self.shard_prefix(shard).encode()
         if not fixed:
             return b"".join(prefix + bytes((k[8], k[9] & self.mask, len(k))) + k for k in keys)
-        n, name = len(keys_blob) // fixed, len(prefix) + 2
-        width = name + fixed
-        out = bytearray((prefix + bytes(width - len(prefix))) * n)
-        out[name - 2 :: width] = keys_blob[8::fixed]
+        return bytes(self._columns(prefix, b"", b"", keys_blob, fixed))
+
+    def hgets(self, keys_blob: bytes, fixed: int, keys: Sequence[bytes]) -> bytes | bytearray:
+        """One ``HGET bucket key`` per key in RESP, end to end (a standalone server's locate:
+        wire.py). Keys of one length on one shard are laid out by C slices (`records`), any
+        other request by a step per key."""
+        if not fixed or self.shards != 1:
+            return b"".join(resp(b"HGET", self.bucket_of(k), k) for k in keys)
+        prefix = self.shard_prefix(0).encode()
+        head = b"*3\r\n$4\r\nHGET\r\n$%d\r\n%s" % (len(prefix) + 2, prefix)
+        return self._columns(head, b"\r\n$%d\r\n" % fixed, b"\r\n", keys_blob, fixed)
+
+    def _columns(
+        self, head: bytes, mid: bytes, tail: bytes, keys_blob: bytes, fixed: int
+    ) -> bytearray:
+        """Per key ``head``, its bucket's two bytes, ``mid``, the key, ``tail``: records of one
+        width filled by one C slice assignment per byte column."""
+        n, at = len(keys_blob) // fixed, len(head)
+        first = at + 2 + len(mid)
+        width = first + fixed + len(tail)
+        out = bytearray((head + bytes(2) + mid + bytes(fixed) + tail) * n)
+        out[at::width] = keys_blob[8::fixed]
         ninth = keys_blob[9::fixed]
-        out[name - 1 :: width] = ninth if self.mask == 255 else ninth.translate(self._masked)
+        out[at + 1 :: width] = ninth if self.mask == 255 else ninth.translate(self._masked)
         for j in range(fixed):
-            out[name + j :: width] = keys_blob[j::fixed]
-        return bytes(out)
+            out[first + j :: width] = keys_blob[j::fixed]
+        return out
+
+
+def resp(*args: bytes | str | int) -> bytes:
+    """One command in RESP: an array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(parts)
 
 
 def fixed_length(*groups: Sequence[bytes]) -> int:

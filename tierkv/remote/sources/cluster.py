@@ -173,7 +173,8 @@ class RemoteCluster:
         out: list[str] = []
         now = time.monotonic()
         for nodes in holders:
-            nodes = [n for n in nodes if self._down.get(n, 0.0) <= now]
+            if self._down:
+                nodes = tuple(n for n in nodes if self._down.get(n, 0.0) <= now)
             if not nodes:
                 break
             out.append(out[-1] if out and out[-1] in nodes else nodes[0])  # runs stay whole
@@ -183,7 +184,7 @@ class RemoteCluster:
         assert self.directory is not None
         await self.directory.connect()
 
-    async def _holders(self, keys: list[bytes]) -> list[list[str]]:
+    async def _holders(self, keys: list[bytes]) -> list[tuple[str, ...]]:
         assert self.directory is not None
         ready = self._dir_ready
         if ready is None or (ready.done() and (ready.cancelled() or ready.exception())):
