@@ -58,6 +58,12 @@ class ColdStorage:
         # `drop_bad` once unowned (until then every load of them fails, typed)
         self.bad: set[PageKey] = set()
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one cold slot (an encoded page's room); 0 without a cold tier."""
+        arena = self._arenas.get(COLD)
+        return 0 if arena is None else arena.slot_bytes
+
     def forget_in(self, tier: str, keys: Sequence[PageKey]) -> None:
         """Remove readable, unpinned pages from one tier."""
         table = self._table

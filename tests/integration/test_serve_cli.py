@@ -329,7 +329,7 @@ def test_serve_registers_in_the_directory_and_leaves_on_sigterm(tmp_path: Path) 
             async def gone() -> None:
                 async with RedisDirectory(url) as d:
                     assert await d.live() == {}
-                    assert await d.locate(keys) == [[]] * 4
+                    assert await d.locate(keys) == [()] * 4
 
             asyncio.run(gone())
         finally:

@@ -34,7 +34,7 @@ from tierkv.attention.partial import finish, merge, partial_attention
 from tierkv.attention.summaries import KeySummaries, page_scores, select_pages
 from tierkv.errors import InvalidInputError, SpecError, TierKVError
 from tierkv.spec import KVSpec
-from tierkv.tier_names import COLD, DEVICE
+from tierkv.tier_names import DEVICE
 
 __all__ = [
     "AttentionNotRoutedError",
@@ -290,7 +290,7 @@ class SparseLayers:
         c.host_bytes += (len(on_host) + len(on_cold)) * spec.page_bytes
         if on_cold:  # (a store without a cold tier has no cold slot size)
             c.cold_pages += len(on_cold)
-            c.cold_bytes += len(on_cold) * tiers.slot_bytes(COLD)
+            c.cold_bytes += len(on_cold) * tiers.cold.slot_bytes
         return torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(ps)
 
 
