@@ -53,7 +53,6 @@ from tierkv.errors import (
     SpecError,
     StoreClosedError,
     TierConfigError,
-    UnknownTenantError,
 )
 from tierkv.failures import Background, FailureLog
 from tierkv.keys import page_key, prefix_keys
@@ -69,8 +68,8 @@ from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.step import StepPlan, check_tokens
-from tierkv.tenant_names import check_salt, check_tenant
-from tierkv.tenants import Quota, Tenants
+from tierkv.tenant_names import check_salt
+from tierkv.tenants import Quota, Tenants, tenant_index
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
 from tierkv.timeline import Timeline
 from tierkv.turns import DEFAULT_BUDGET as DEFAULT_TURN_BUDGET
@@ -523,7 +522,7 @@ class KVStore:
         """
         seq_id = validate.seq_id(seq_id)
         raw = check_salt(salt)
-        who = self._tenant(tenant)
+        who = tenant_index(self.tenants, tenant)
         tiers = self.tiers
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
@@ -613,16 +612,6 @@ class KVStore:
         if (self._chain is not None or self.remote is not None) and n < len(keys):
             n = await self._import(keys, n, None)
         return n * self.spec.page_tokens
-
-    def _tenant(self, name: object) -> int | None:
-        """The store's index of tenant ``name`` (None for None). Raises TenantError,
-        UnknownTenantError (a store without tenants knows none)."""
-        if name is None:
-            return None
-        if self.tenants is None:
-            check_tenant(name)
-            raise UnknownTenantError(f"unknown tenant {name!r}: this store has no tenants")
-        return self.tenants.tenant(name)
 
     async def _import(self, keys: list[bytes], n: int, who: int | None) -> int:
         """Import the blocks of ``keys`` after the ``n`` cached ones from the disk, then the

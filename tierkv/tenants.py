@@ -117,6 +117,18 @@ _NO_LIMIT = 1 << 62
 _PRUNE_MIN = 1 << 16  # charges kept before the first prune
 
 
+def tenant_index(tenants: Tenants | None, name: object) -> int | None:
+    """The index of tenant ``name`` in ``tenants`` (a store's; None for a store without
+    tenants), None for None. Raises TenantError for a bad name, UnknownTenantError for one
+    not configured (any name, for a store without tenants)."""
+    if name is None:
+        return None
+    if tenants is None:
+        check_tenant(name)
+        raise UnknownTenantError(f"unknown tenant {name!r}: this store has no tenants")
+    return tenants.tenant(name)
+
+
 def _tally(got: list[int | None]) -> Iterable[tuple[int | None, int]]:
     """``(tenant, pages)`` of a batch's charges: one C-level count when the batch is one
     tenant's (the common case: a sequence's pages), else a ``Counter``."""

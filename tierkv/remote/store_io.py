@@ -16,14 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from tierkv import validate
-from tierkv.errors import UnknownTenantError
 from tierkv.keys import page_key, prefix_keys
 from tierkv.page_source import PageSource, load_checked, publish_checked, tier_label
 from tierkv.page_sums import PageCheck
 from tierkv.prompt import prompt_keys
 from tierkv.runtime import TransferError
 from tierkv.store import KVStore
-from tierkv.tenant_names import check_salt, check_tenant
+from tierkv.tenant_names import check_salt
+from tierkv.tenants import tenant_index
 
 __all__ = ["import_prefix", "prefix_pages", "publish_prefix", "stage_prefix"]
 
@@ -95,7 +95,7 @@ async def import_prefix(
     """
     tiers = store.tiers
     table = tiers.table
-    who = _tenant_index(store, tenant)
+    who = tenant_index(store.tenants, tenant)
     every, n = await _prefix_pages(store, tokens, salt)
     pages = every[:n]
     layers = store.spec.num_layers
@@ -154,13 +154,3 @@ async def publish_prefix(
         return await tiers.glue.export_host(pages[:n], send, timeout=store.timeout)
     except TransferError as exc:  # the peer's own error, as it raised it
         raise (exc.__cause__ or exc) from None
-
-
-def _tenant_index(store: KVStore, tenant: object) -> int | None:
-    """The store's index of ``tenant`` (None for None). Raises TenantError, UnknownTenantError."""
-    if tenant is None:
-        return None
-    name = check_tenant(tenant)
-    if store.tenants is None:
-        raise UnknownTenantError(f"unknown tenant {name!r}: this store has no tenants")
-    return store.tenants.tenant(name)

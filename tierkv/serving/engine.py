@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tierkv.errors import InvalidInputError, UnknownTenantError
+from tierkv.errors import InvalidInputError
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
@@ -54,8 +54,8 @@ from tierkv.serving.sampling import Sampler, SamplingParams
 from tierkv.serving.scheduler import Scheduler
 from tierkv.serving.sparse import ServingSparse
 from tierkv.store import KVStore
-from tierkv.tenant_names import check_salt, check_tenant
-from tierkv.tenants import Quota
+from tierkv.tenant_names import check_salt
+from tierkv.tenants import Quota, tenant_index
 
 
 @dataclass(frozen=True)
@@ -276,7 +276,7 @@ class Engine:
         """
         params = params or SamplingParams()
         raw = check_salt(salt)
-        self._check_tenant(tenant)
+        tenant_index(self.store.tenants, tenant)
         if self._closed or self._task is None:
             raise EngineNotOpenError("the engine is not open")
         self.check(prompt, params)
@@ -317,16 +317,6 @@ class Engine:
             if ev.finish_reason is not None:
                 reason = ev.finish_reason
         return out, reason
-
-    def _check_tenant(self, tenant: object) -> None:
-        """Raise TenantError / UnknownTenantError unless ``tenant`` is None or one of the
-        store's tenants."""
-        if tenant is None:
-            return
-        name = check_tenant(tenant)
-        tenants = self.store.tenants
-        if tenants is None or name not in tenants.index:
-            raise UnknownTenantError(f"unknown tenant {name!r}")
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
         """Wait until no request is waiting or running (raises TimeoutError)."""
