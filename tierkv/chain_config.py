@@ -64,6 +64,7 @@ __all__ = [
     "Remote",
     "TierEntry",
     "Unset",
+    "budget_bytes",
     "build_chain",
     "conflicts",
     "register_tier",
@@ -87,7 +88,9 @@ class Unset(enum.Enum):
 UNSET = Unset.UNSET
 
 
-def _size(kind: str, x: object) -> int:
+def budget_bytes(kind: str, x: object) -> int:
+    """A tier entry's ``bytes``: an int >= 0 (numpy ints too, never a bool). Raises
+    TierTypeError, TierSizeError (negative)."""
     try:
         return validate.byte_size(f"{kind} bytes", x)
     except InvalidTypeError as exc:
@@ -104,7 +107,7 @@ class _Budget:
     bytes: int
 
     def __post_init__(self) -> None:
-        _size(self.kind, self.bytes)
+        budget_bytes(self.kind, self.bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -137,7 +140,7 @@ class Cold:
     bytes: int
 
     def __post_init__(self) -> None:
-        _size(self.kind, self.bytes)
+        budget_bytes(self.kind, self.bytes)
         if isinstance(self.codec, Codec):
             return
         try:
@@ -163,7 +166,7 @@ class Disk:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise TierTypeError(f"disk path must be a str or path, got {type(self.path).__name__}")
-        _size(self.kind, self.bytes)
+        budget_bytes(self.kind, self.bytes)
         if not isinstance(self.seen_twice, bool):
             raise TierTypeError(
                 f"disk seen_twice must be a bool, got {type(self.seen_twice).__name__}"

@@ -32,6 +32,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import stat
 import threading
 import zlib
 from collections import OrderedDict
@@ -43,6 +44,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.chain_config import budget_bytes
 from tierkv.chain_plugins import register_tier
 from tierkv.errors import TierConfigError, TierSizeError, TierTypeError
 from tierkv.jobs import when_done
@@ -67,6 +69,14 @@ class Written:
     """A page's status after a write into the map: ``held`` when it is there afterwards."""
 
     held: bool
+
+
+def _checked_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a str; TierConfigError for a NUL in it (the OS could not open it)."""
+    where = os.fspath(path)
+    if "\0" in where:
+        raise TierConfigError(f"mmap tier: the path {where!r} holds a NUL byte")
+    return where
 
 
 def _crcs(rows: npt.NDArray[np.uint8], slots: Sequence[int]) -> list[int]:
@@ -103,22 +113,26 @@ class MmapTier:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, page_bytes: int, nbytes: int) -> MmapTier:
-        """Create (or take over) the file at ``path``, allocate ``nbytes`` (whole pages) and
-        map it. Raises TierSizeError (not one page), TierConfigError (the directory is
-        missing or not writable, no space), MmapInUseError (another store holds the file);
-        nothing is left behind then."""
+        """Create (or take over) the regular file at ``path``, allocate ``nbytes`` (whole
+        pages) and map it. Raises TierSizeError (not one page), TierConfigError (the directory
+        is missing or not writable, no space; a path with a NUL, or one that is a symbolic
+        link or not a regular file: refused before anything is written through it),
+        MmapInUseError (another store holds the file); nothing is left behind then."""
         pages = int(nbytes) // page_bytes
         if pages < 1:
             raise TierSizeError(f"mmap budget holds no page: {nbytes} bytes, pages of {page_bytes}")
-        where = Path(os.fspath(path))
+        where = Path(_checked_path(path))
         if not where.parent.is_dir():
             raise TierConfigError(f"mmap tier: {where.parent} is not a directory")
         created = not where.exists()
-        try:
-            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:  # never through a link: the file is truncated and, at close, removed
+            fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as exc:
-            raise TierConfigError(f"mmap tier: cannot open {where}: {exc.strerror}") from None
+            why = "a symbolic link" if where.is_symlink() else exc.strerror
+            raise TierConfigError(f"mmap tier: cannot open {where}: {why}") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TierConfigError(f"mmap tier: {where} is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -372,12 +386,12 @@ class Mmap:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise TierTypeError(f"mmap path must be a str or path, got {type(self.path).__name__}")
-        if isinstance(self.bytes, bool) or not isinstance(self.bytes, int):
-            raise TierTypeError(f"mmap bytes must be an int, got {type(self.bytes).__name__}")
+        _checked_path(self.path)
+        budget_bytes(self.kind, self.bytes)  # the built-in entries' rule
 
     def check(self, spec: KVSpec) -> None:
         """The budget holds a page (TierSizeError)."""
-        if self.bytes < spec.page_bytes:
+        if int(self.bytes) < spec.page_bytes:
             raise TierSizeError(
                 f"mmap budget holds no page: {self.bytes} bytes, pages are {spec.page_bytes}"
             )

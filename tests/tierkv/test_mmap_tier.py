@@ -4,9 +4,11 @@ damaged page a counted miss, bad configurations typed errors with nothing left b
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tierkv import Device, Host
@@ -126,3 +128,36 @@ def test_the_tiers_slots_are_two_phase() -> None:
             assert tier.stats()["free"] == 3 and tier.free(keys) == 0
         finally:
             tier.close()
+
+
+def test_a_path_that_is_not_a_plain_file_of_ours_is_refused_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    """The map's file is truncated at open and removed at close: a symbolic link (in a shared
+    /dev/shm, anyone's) or a device or FIFO is refused before anything is written through it,
+    and a NUL in the path is a typed error, not the OS's ValueError."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "link").symlink_to(victim)
+    os.mkfifo(tmp_path / "fifo")
+    for path in (tmp_path / "link", tmp_path / "fifo", "/dev/null"):
+        with pytest.raises(e.TierConfigError, match=r"symbolic link|not a regular file"):
+            MmapTier.open(path, page_bytes=PAGE, nbytes=4 * PAGE)
+    assert victim.read_bytes() == b"precious"  # the old open truncated it through the link
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "fifo").exists()
+    with pytest.raises(e.TierConfigError, match="NUL"):
+        MmapTier.open(f"{tmp_path}/a\0b", page_bytes=PAGE, nbytes=4 * PAGE)
+    with pytest.raises(e.TierConfigError, match="NUL"):
+        Mmap(path=f"{tmp_path}/a\0b", bytes=4 * PAGE)
+
+
+def test_the_budget_follows_the_built_in_entries_rule() -> None:
+    """An int >= 0, numpy ints too (as Host takes them), never a bool or a float."""
+    assert Mmap(path="m", bytes=np.int64(4 * PAGE)).bytes == 4 * PAGE
+    for bad, error in (
+        (True, e.TierTypeError),
+        (4.0 * PAGE, e.TierTypeError),
+        (-1, e.TierSizeError),
+    ):
+        with pytest.raises(error):
+            Mmap(path="m", bytes=bad)  # type: ignore[arg-type]

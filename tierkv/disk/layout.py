@@ -189,13 +189,20 @@ def read_layout(path: str) -> dict[str, int] | None:
         return None
     except OSError as exc:
         raise DiskLayoutError(f"cannot read {name}: {exc}") from exc
-    try:
+    try:  # (hostile bytes: Infinity, 10^400 or deep nesting raise more than ValueError)
         data = json.loads(raw)
-        keys = ("format", "page_bytes", "key_bytes", "slot_bytes", "slots_per_segment")
-        out = {k: int(data[k]) for k in keys}
-    except (ValueError, TypeError, KeyError) as exc:
-        raise DiskLayoutError(f"{name} is not a tierkv disk layout: {exc!r}") from exc
-    return out
+    except (ValueError, RecursionError) as exc:
+        raise DiskLayoutError(f"{name} is not a tierkv disk layout: {exc!r:.200}") from None
+    keys = ("format", "page_bytes", "key_bytes", "slot_bytes", "slots_per_segment")
+    if not isinstance(data, dict) or not all(_whole(data.get(k)) for k in keys):
+        raise DiskLayoutError(
+            f"{name} is not a tierkv disk layout: want ints {', '.join(keys)}, got {data!r:.200}"
+        )
+    return {k: data[k] for k in keys}
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_layout(path: str, recorded: dict[str, int], geometry: Geometry) -> None:

@@ -16,6 +16,10 @@ from .errors import DiskConfigError, DiskInUseError, DiskSpaceError
 from .io import choose_mode
 from .layout import LOCK_FILE, Geometry, check_layout, read_layout, segment_name, write_layout
 
+_OPEN = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+"""Every file of PATH is opened as itself, never through a symbolic link: the lock and the
+segments are truncated, preallocated and written (a link would aim that at another file)."""
+
 
 @dataclass(slots=True)
 class Opened:
@@ -84,7 +88,7 @@ def _lock(opened: Opened) -> None:
     name = os.path.join(opened.path, LOCK_FILE)
     existed = os.path.exists(name)
     try:
-        opened.lock_fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        opened.lock_fd = os.open(name, _OPEN | os.O_CREAT, 0o644)
     except OSError as exc:
         raise DiskConfigError(
             f"cannot create files in disk path {opened.path!r}: {exc.strerror} "
@@ -112,7 +116,7 @@ def _segment(opened: Opened, geometry: Geometry, seg: int) -> int:
     want = geometry.segment_slots(seg) * geometry.slot_bytes
     existed = os.path.exists(name)
     try:
-        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(name, _OPEN | os.O_CREAT, 0o644)
     except OSError as exc:
         raise DiskConfigError(f"cannot open segment {name}: {exc.strerror}") from exc
     if not existed:
@@ -135,5 +139,5 @@ def _segment(opened: Opened, geometry: Geometry, seg: int) -> int:
 def _reopen_direct(opened: Opened, geometry: Geometry) -> None:
     for seg, fd in enumerate(opened.fds):
         name = os.path.join(opened.path, segment_name(seg))
-        opened.fds[seg] = os.open(name, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+        opened.fds[seg] = os.open(name, _OPEN | os.O_DIRECT)
         os.close(fd)

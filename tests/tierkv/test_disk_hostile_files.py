@@ -1,0 +1,55 @@
+"""A disk path whose files were damaged or planted between runs (docs/disk.md): a layout.json
+of hostile JSON is a DiskLayoutError (never OverflowError or RecursionError), and a lock or
+segment that is a symbolic link is refused with the file it points at left as it was (the
+open truncates, preallocates and writes both)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierkv.disk import DiskConfigError, DiskLayoutError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from disk_util import key, open_disk, write_sync
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        '{"format": Infinity, "page_bytes": 1, "key_bytes": 32, "slot_bytes": 1, '
+        '"slots_per_segment": 1}',
+        '{"format": 1e400, "page_bytes": 1, "key_bytes": 32, "slot_bytes": 1, '
+        '"slots_per_segment": 1}',
+        "[" * 3000,  # nesting past the recursion limit
+        '{"format": 1.0, "page_bytes": 4096.5, "key_bytes": 32, "slot_bytes": 8192, '
+        '"slots_per_segment": 8}',  # floats were truncated to ints
+        '{"format": true, "page_bytes": 1, "key_bytes": 32, "slot_bytes": 1, '
+        '"slots_per_segment": 1}',
+        "[1, 2]",
+        "null",
+    ],
+    ids=["infinity", "1e400", "nested", "floats", "bool", "list", "null"],
+)
+def test_a_hostile_layout_file_is_a_layout_error(tmp_path: Path, layout: str) -> None:
+    with open_disk(tmp_path) as disk:
+        write_sync(disk, [key(0)])
+    (tmp_path / "layout.json").write_text(layout)
+    with pytest.raises(DiskLayoutError, match="not a tierkv disk layout"):
+        open_disk(tmp_path)
+    assert (tmp_path / "layout.json").read_text() == layout  # kept for its owner to look at
+
+
+@pytest.mark.parametrize("name", ["lock", "segment-00000.tkvd"])
+def test_a_planted_link_is_refused_and_its_target_untouched(tmp_path: Path, name: str) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    disk_dir = tmp_path / "kv"
+    disk_dir.mkdir()
+    (disk_dir / name).symlink_to(victim)
+    with pytest.raises(DiskConfigError):
+        open_disk(disk_dir)
+    assert victim.read_bytes() == b"precious"
+    assert (disk_dir / name).is_symlink()
