@@ -73,6 +73,7 @@ from tierkv.remote.membership.layout import (
     pack,
     resp,
 )
+from tierkv.remote.membership.replies import live_set, script_reply
 from tierkv.remote.membership.wire import Links, where
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
@@ -132,7 +133,10 @@ def _by_value(values: list[Any], names: Mapping[int, T]) -> list[tuple[T, ...]]:
     for the other keys (several holders, or a number not live)."""
     one: dict[Any, tuple[T, ...]] = {n.to_bytes(4, "little"): (a,) for n, a in names.items()}
     one[None] = ()
-    got: list[Any] = list(map(one.get, values, repeat(_ODD)))
+    try:
+        got: list[Any] = list(map(one.get, values, repeat(_ODD)))
+    except TypeError:  # an unhashable reply (an array): not an entry, raised below
+        got = [_ODD] * len(values)
     if got.count(_ODD):
         for i, v in enumerate(values):
             if got[i] is _ODD:
@@ -366,8 +370,7 @@ class RedisDirectory:
 
     async def live(self) -> dict[int, str]:
         """The live nodes: number -> address."""
-        flat = await self._meta(LIVE)
-        return {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        return live_set(await self._meta(LIVE))
 
     # -- holdings ------------------------------------------------------------------------
     def _by_shard(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
@@ -445,10 +448,7 @@ class RedisDirectory:
         keys_blob, fixed = pack(keys)
         request = self.layout.hgets(keys_blob, fixed, keys)
         replies = await self._links.trip(self._live + request, len(keys) + 1)
-        flat = replies[0]
-        if isinstance(flat, Exception):
-            raise flat
-        live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
+        live = live_set(replies[0])
         del replies[0]  # (a memmove of 1,000 pointers)
         return live, replies
 
@@ -483,9 +483,10 @@ class RedisDirectory:
                 pipe.evalsha(_SHA[LOCATE], 1, prefix, len(prefix.encode()) + 2, fixed, records)
 
         replies = await self._pipeline(build)
-        flat = replies[0]
-        live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-        return live, [(order, r[0], r[1]) for (_, _, order), r in zip(calls, replies[1:])]
+        live = live_set(replies[0])
+        if len(replies) != len(calls) + 1:
+            raise InvalidResponse(f"{len(replies)} replies to {len(calls) + 1} commands")
+        return live, [(order, *script_reply(r)) for (_, _, order), r in zip(calls, replies[1:])]
 
     # -- sweeping ------------------------------------------------------------------------
     async def sweep(self, *, max_dead: int = 4096) -> int:

@@ -16,8 +16,11 @@ provider, a Cluster) gets no `Links` (`where` answers None) and locates by scrip
     replies = await links.trip(request, n)       # n replies, in order (errors as objects)
     await links.aclose()
 
-Every trip is bounded by ``timeout`` (connect included); a connection that failed, timed out
-or was cancelled mid-trip is closed (what it would read next is unknown), never reused.
+Every trip is bounded by ``timeout`` (connect included) and its replies' bytes by
+`reply_bytes`; an aggregate reply announcing more than ``replies.MAX_ELEMENTS`` elements is
+refused before hiredis allocates them (a hostile server's ``*4294967295`` asked 32 GiB). A
+connection that failed, timed out, was cut off or cancelled mid-trip is closed (what it would
+read next is unknown), never reused.
 Errors: OSError (refused, reset), ``redis.exceptions.ConnectionError`` (closed by the server),
 ``ResponseError`` (AUTH / SELECT refused), ``InvalidResponse`` (not RESP), TimeoutError.
 """
@@ -37,16 +40,27 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, ResponseError
 
 from tierkv.remote.membership.layout import resp
+from tierkv.remote.membership.replies import AggregateGuard, suspect
 
 if sys.version_info >= (3, 11):
     _deadline: Callable[[float], Any] = asyncio.timeout
 else:  # pragma: no cover - redis-py requires async-timeout before 3.11
     from async_timeout import timeout as _deadline
 
-__all__ = ["KEEP", "Links", "Where", "where"]
+__all__ = ["KEEP", "REPLY_BYTES", "TRIP_BYTES", "Links", "Where", "reply_bytes", "where"]
 
 KEEP = 4
 """Idle connections kept for the next locates (more are opened while more run at once)."""
+
+TRIP_BYTES = 4 << 20
+REPLY_BYTES = 4 << 10
+"""A trip's replies may take ``TRIP_BYTES`` and ``REPLY_BYTES`` per command in all (the live
+set and entries of ~1,000 holders each); a server that sends more is cut off."""
+
+
+def reply_bytes(n: int) -> int:
+    """The most bytes the replies to ``n`` commands may take."""
+    return TRIP_BYTES + n * REPLY_BYTES
 
 
 @dataclass(frozen=True)
@@ -91,10 +105,25 @@ class _Link:
         self.writer.write(request)
         await self.writer.drain()
         out: list[Any] = []
+        limit, got, tail = reply_bytes(n), 0, b""
+        seen: list[bytes] = []  # the trip's bytes, walked by a guard if one is needed
+        guard: AggregateGuard | None = None
         while len(out) < n:
             data = await self.reader.read(1 << 20)
             if not data:
                 raise RedisConnectionError("the directory's server closed the connection")
+            got += len(data)
+            if got > limit:
+                raise InvalidResponse(f"more than {limit} bytes of replies to {n} commands")
+            if guard is None:
+                seen.append(data)
+                if suspect(tail + data[:8]) or suspect(data):
+                    guard = AggregateGuard()
+                    for chunk in seen:
+                        guard.feed(chunk)  # InvalidResponse before hiredis allocates
+                tail = data[-8:]
+            else:
+                guard.feed(data)
             self.parser.feed(data)
             out += iter(self.parser.gets, False)  # every complete reply: a C loop
         if len(out) > n:

@@ -1,0 +1,200 @@
+"""A hostile server behind the directory's URL (membership/wire.py, replies.py): whatever it
+answers, a locate's trip ends with a RedisError (InvalidResponse: the type the directory's
+callers count and ride out) within its bytes and its time, its connection closed; hostile
+shapes of the live set and of the entries are InvalidResponse too, never a TypeError,
+IndexError, struct.error or MemoryError."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+pytest.importorskip("redis")
+pytest.importorskip("hiredis")
+from redis.exceptions import InvalidResponse, ResponseError
+
+from tierkv.remote.membership.layout import resp
+from tierkv.remote.membership.redis_directory import _answers, _by_value
+from tierkv.remote.membership.replies import (
+    MAX_ELEMENTS,
+    AggregateGuard,
+    live_set,
+    script_reply,
+    suspect,
+)
+from tierkv.remote.membership.wire import Links, Where, reply_bytes
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[tuple[Callable[[Handler], Awaitable[Where]], list[str]]]:
+    """A TCP server answering as the handler says (not Redis); ``ended`` lists how each
+    connection ended on the server's side."""
+    servers: list[asyncio.Server] = []
+    ended: list[str] = []
+
+    async def start(handler: Handler) -> Where:
+        async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await handler(reader, writer)
+                await reader.read()  # until the client closes
+                ended.append("closed")
+            except (ConnectionError, OSError):
+                ended.append("reset")
+            finally:
+                writer.close()
+
+        srv = await asyncio.start_server(run, "127.0.0.1", 0)
+        servers.append(srv)
+        return Where(host="127.0.0.1", port=srv.sockets[0].getsockname()[1])
+
+    yield start, ended
+    for srv in servers:
+        srv.close()
+
+
+def answering(answer: bytes, then: bytes = b"") -> Handler:
+    """Send ``answer`` after the request, then ``then`` over and over (b"": nothing more)."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        writer.write(answer)
+        await writer.drain()
+        while then:
+            writer.write(then)
+            await writer.drain()
+
+    return handler
+
+
+async def _closed(ended: list[str], n: int = 1) -> None:
+    for _ in range(200):
+        if len(ended) >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the server saw {ended}: the client kept its connection")
+
+
+HUGE = [
+    b"*4294967295\r\n:1\r\n",  # hiredis asked 32 GiB for it: MemoryError
+    b"*2147483647\r\n" * 7 + b":1\r\n",  # nested, 16 GiB a level
+    b"+OK\r\n*1000001\r\n",  # the second reply (an HGET's place)
+    b"$8\r\n*9999999\r\n*2000000\r\n",  # a payload that looks like one, then a real one
+    b"%2000000\r\n",
+    b"~2000000\r\n",
+    b">2000000\r\n",
+]
+
+
+@pytest.mark.parametrize("answer", HUGE, ids=range(len(HUGE)))
+async def test_a_huge_aggregate_is_refused_before_it_is_allocated(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], answer: bytes
+) -> None:
+    start, ended = fake
+    links = Links(await start(answering(answer)), timeout=10.0)
+    with pytest.raises(InvalidResponse, match="aggregate"):
+        await links.trip(resp("PING") * 2, 2)
+    await _closed(ended)
+    await links.aclose()
+
+
+@pytest.mark.parametrize(
+    ("answer", "then"),
+    [
+        (b"$1099511627776\r\n", b"x" * (1 << 16)),  # a bulk that never ends
+        (b"+" + b"y" * 100, b"y" * (1 << 16)),  # a line that never ends
+        (b"*999999\r\n", b"$1000\r\n" + b"z" * 1000 + b"\r\n"),  # an array of big elements
+    ],
+    ids=["bulk", "line", "elements"],
+)
+async def test_a_reply_past_its_bytes_is_cut_off(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], answer: bytes, then: bytes
+) -> None:
+    """The server sends without end: the trip stops at its bound of bytes (not its 30 s
+    deadline) and closes the connection."""
+    start, ended = fake
+    links = Links(await start(answering(answer, then)), timeout=30.0)
+    with pytest.raises(InvalidResponse, match="bytes of replies"):
+        await links.trip(resp("PING"), 1)
+    await _closed(ended)
+    await links.aclose()
+
+
+@pytest.mark.parametrize(
+    "answer", [b"$-5\r\n", b"*-5\r\n", b"*99999999999999999999\r\n", b"$abc\r\n", b":1x\r\n"]
+)
+async def test_bad_lengths_are_invalid_responses(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], answer: bytes
+) -> None:
+    start, ended = fake
+    links = Links(await start(answering(answer)), timeout=10.0)
+    with pytest.raises(InvalidResponse):
+        await links.trip(resp("PING"), 1)
+    await _closed(ended)
+
+
+def test_the_bounds_let_a_real_locate_through() -> None:
+    """1,000 keys each held by 16 nodes, and a live set of 10,000 nodes, fit the bytes; a
+    payload with an aggregate's look is walked past, not refused."""
+    entry = b"$64\r\n" + bytes(64) + b"\r\n"
+    live = b"*20000\r\n" + b"$5\r\n12345\r\n$15\r\n10.0.0.1:760000\r\n" * 10_000
+    assert len(live) + 1000 * len(entry) <= reply_bytes(1001)
+    stream = live + b"$8\r\n*1234567\r\n" + entry * 999
+    assert suspect(stream)
+    guard = AggregateGuard()
+    for at in range(0, len(stream), 7):  # in pieces that split headers and payloads
+        guard.feed(stream[at : at + 7])
+    assert MAX_ELEMENTS >= 20_000
+
+
+@pytest.mark.parametrize(
+    "flat",
+    [
+        5,
+        b"x",
+        [b"1"],
+        [b"1", b"a", b"2"],
+        [b"one", b"a"],
+        [[b"1"], b"a"],
+        [b"1", 7],
+        [b"1", b"\xff\xfe"],
+        [b"4294967296", b"a"],
+        [b"-1", b"a"],
+    ],
+)
+def test_a_hostile_live_set_is_an_invalid_response(flat: object) -> None:
+    with pytest.raises(InvalidResponse):
+        live_set(flat)
+
+
+def test_the_live_set_and_an_error_reply() -> None:
+    assert live_set([b"1", b"a:1", b"2", b"b:2"]) == {1: "a:1", 2: "b:2"}
+    with pytest.raises(ResponseError):
+        live_set(ResponseError("NOSCRIPT"))
+
+
+@pytest.mark.parametrize("value", [[b"\x01\x00\x00\x00"], 5, b"\x01\x00\x00", "str"])
+def test_a_hostile_entry_is_an_invalid_response(value: object) -> None:
+    with pytest.raises(InvalidResponse):
+        _by_value([b"\x01\x00\x00\x00", value], {1: "a:1"})
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        5,
+        [b"\x01\x00"],
+        [b"\x01", b"\x01\x00\x00\x00"],  # half a count
+        [b"\x01\x00", b"\x01\x00\x00"],  # three bytes of a holder
+        [b"\x02\x00", b"\x01\x00\x00\x00"],  # two holders counted, one sent
+        [[b"\x01\x00"], b"\x01\x00\x00\x00"],
+    ],
+)
+def test_a_hostile_script_reply_is_an_invalid_response(reply: object) -> None:
+    with pytest.raises(InvalidResponse):
+        script_reply(reply)
+    good = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3])
+    assert _answers(2, [(None, *good)], {1: "a"}.get) == [("a",), ("a", "a")]
