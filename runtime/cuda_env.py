@@ -12,7 +12,7 @@ from .errors import BackendUnavailableError
 
 __all__ = ["cuda_available", "import_cupy", "unavailable_reason"]
 
-_INSTALL_HINT = "pip install 'tierkv[cuda]' (cupy-cuda12x)"
+_INSTALL_HINT = "pip install 'tierkv-cache[cuda]' (cupy-cuda12x)"
 
 
 def unavailable_reason() -> str | None:

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from tierkv.cli import demo, plan, replay, serve
+from tierkv.errors import TierKVError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,11 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
+    """Run the command line; returns the exit status (2: bad arguments, with a message and
+    no traceback; a typed error no subcommand caught is printed alike)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except TierKVError as exc:  # typed: its message is for the user (no traceback)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

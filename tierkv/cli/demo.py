@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from dataclasses import replace
 from typing import Any
 
 import torch
 
+from tierkv import validate
+from tierkv.codecs import CODECS
 from tierkv.demo import timing
 from tierkv.demo.model import ModelConfig
 from tierkv.demo.report import lossy_row, print_rows, store_figures, store_rows
@@ -27,8 +31,8 @@ from tierkv.demo.runner import (
     lossy_agreement,
     run,
 )
-from tierkv.errors import InvalidInputError
-from tierkv.runtime import new_event_loop
+from tierkv.errors import InvalidInputError, TierKVError
+from tierkv.runtime import BACKENDS, new_event_loop
 
 TINY_GENERATE = 64  # DemoConfig's 256: 15 passes of 2,560 tokens, minutes on two shared cores
 
@@ -124,8 +128,44 @@ def config_from(args: argparse.Namespace) -> DemoConfig:
     )
 
 
+_AT_LEAST_1 = ("sequences", "batch", "prompt", "generate", "repeat", "turn", "page_tokens")
+_SHAPE = ("layers", "dim", "heads", "kv_heads", "disk_bytes")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse arguments that cannot run, before a model is loaded or anything is written:
+    InvalidInputError naming the flag (counts under 1, a device fraction outside (0, 1], a
+    model shape that does not divide, an unknown codec or backend, a --json / --trace file in
+    a folder that is missing or not writable)."""
+    for name in (*_AT_LEAST_1, *_SHAPE):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.compress_after < 0:
+        raise InvalidInputError(f"--compress-after must be >= 0, got {args.compress_after}")
+    if not (math.isfinite(args.device_fraction) and 0 < args.device_fraction <= 1):
+        raise InvalidInputError(f"--device-fraction must be in (0, 1], got {args.device_fraction}")
+    if args.dim % args.heads or (args.dim // args.heads) % 2 or args.heads % args.kv_heads:
+        raise InvalidInputError(
+            f"--dim {args.dim} / --heads {args.heads} / --kv-heads {args.kv_heads}: the heads "
+            "must divide the dim into even head sizes and the KV heads the heads"
+        )
+    validate.registered("--codec", args.codec, CODECS, "none")
+    validate.registered("--backend", args.backend, BACKENDS, "auto")
+    for flag, path in (("--json", args.json), ("--trace", args.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise InvalidInputError(f"{flag} {path}: cannot write into {folder}")
+
+
 def main(args: argparse.Namespace) -> int:
-    """Run the demo and print its table. Exit status 1 when the tokens differ."""
+    """Run the demo and print its table. Exit status 1 when the tokens differ, 2 for
+    arguments that cannot run (`check_args`)."""
+    try:
+        check_args(args)
+    except TierKVError as exc:  # (an unknown codec or backend: its registry's error)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.model == "smollm2":
         from tierkv.demo import hf_demo
 
@@ -135,8 +175,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = config_from(args)
         check_fits(cfg, device_budget(cfg))
-        if args.repeat < 1:
-            raise InvalidInputError("--repeat must be at least 1")
     except (ValueError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

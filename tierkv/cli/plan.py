@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import Any, TypeVar
 
 from tierkv.plan.model import plan
 from tierkv.plan.presets import GPUS, MODELS, GpuPreset, ModelPreset
+
+T = TypeVar("T")
 
 
 def add_parser(sub: Any) -> None:
@@ -44,21 +46,28 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=main)
 
 
+def _given(override: T | None, preset: T) -> T:
+    """An override given on the command line (0 too: refused by the planner, never the
+    preset in its place), else the preset's."""
+    return preset if override is None else override
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the planner and print its table."""
     m = MODELS[args.model]
     model = ModelPreset(
         m.name,
-        layers=args.layers or m.layers,
-        kv_heads=args.kv_heads or m.kv_heads,
-        head_dim=args.head_dim or m.head_dim,
-        params_b=args.params_b or m.params_b,
+        layers=_given(args.layers, m.layers),
+        kv_heads=_given(args.kv_heads, m.kv_heads),
+        head_dim=_given(args.head_dim, m.head_dim),
+        params_b=_given(args.params_b, m.params_b),
     )
     g = GPUS[args.gpu]
-    gpu = GpuPreset(
-        g.name, args.gpu_memory_gb or g.memory_gb, g.hbm_gbps, g.pcie_gbps, g.nvlink_gbps, g.tflops
-    )
-    link = args.link_gbps or (gpu.nvlink_gbps if args.nvlink else None)
+    memory = _given(args.gpu_memory_gb, g.memory_gb)
+    gpu = GpuPreset(g.name, memory, g.hbm_gbps, g.pcie_gbps, g.nvlink_gbps, g.tflops)
+    link = args.link_gbps
+    if link is None and args.nvlink:
+        link = gpu.nvlink_gbps
     try:
         r = plan(
             model,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -64,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
     if args.capacity_tokens < args.block_tokens or args.block_tokens <= 0:
         print("error: --capacity-tokens must hold at least one block", file=sys.stderr)
         return 2
+    why = _bad_args(args)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
     try:
         trace = load_trace(args.trace, args.limit)
     except (OSError, ValueError) as exc:
@@ -106,6 +112,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(trace, cap, policies, inf, args.plot, show)
     return 0
+
+
+def _bad_args(args: argparse.Namespace) -> str:
+    """Why the options cannot run ("" when they can): checked before the trace is read."""
+    if args.limit is not None and args.limit < 1:
+        return f"--limit must be at least 1, got {args.limit}"
+    if args.disk_tokens is not None and args.disk_tokens < args.block_tokens:
+        return f"--disk-tokens must hold at least one block ({args.block_tokens} tokens)"
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            return "--plot needs matplotlib (pip install 'tierkv-cache[plot]')"
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            return f"--plot {args.plot}: cannot write into {folder}"
+    return ""
 
 
 def _as_json(
@@ -196,7 +217,7 @@ def _plot(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("error: --plot needs matplotlib (pip install 'tierkv[plot]')", file=sys.stderr)
+        print("error: --plot needs matplotlib (pip install 'tierkv-cache[plot]')", file=sys.stderr)
         return
     caps = sorted({max(1, int(cap * f)) for f in (0.25, 0.5, 1.0, 2.0, 4.0)})
     data = sweep(trace, caps, policies, progress=show)

@@ -316,7 +316,8 @@ async def _metrics_http(server: PageServer, address: str | None) -> AsyncIterato
         from tierkv import metrics
     except ImportError as exc:
         raise ImportError(
-            f"--metrics needs prometheus-client and aiohttp: pip install 'tierkv[server]' ({exc})"
+            "--metrics needs prometheus-client and aiohttp: "
+            f"pip install 'tierkv-cache[server]' ({exc})"
         ) from exc
 
     host, port = parse_address(address, "--metrics")

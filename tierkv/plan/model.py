@@ -15,6 +15,7 @@ the rest waits in host RAM, and each step moves the next batch's share over the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,6 +53,47 @@ class Plan:
         return asdict(self)
 
 
+def _positive(name: str, x: float, *, most: float = math.inf) -> None:
+    if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x <= most:
+        bound = "" if most == math.inf else f" and at most {most}"
+        raise InvalidInputError(f"{name} must be a number > 0{bound}, got {x!r}")
+    if not math.isfinite(x):
+        raise InvalidInputError(f"{name} must be finite, got {x!r}")
+
+
+def _check(
+    model: ModelPreset,
+    gpu: GpuPreset,
+    tp: int,
+    host_gb: float,
+    context: int,
+    concurrency: int,
+    reserve: float,
+    resident_fraction: float,
+) -> None:
+    for name, n in (
+        ("layers", model.layers),
+        ("kv_heads", model.kv_heads),
+        ("head_dim", model.head_dim),
+        ("tp", tp),
+        ("context", context),
+        ("concurrency", concurrency),
+    ):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidInputError(f"{name} must be an int >= 1, got {n!r}")
+    for name, x in (
+        ("params_b", model.params_b),
+        ("gpu memory_gb", gpu.memory_gb),
+        ("gpu hbm_gbps", gpu.hbm_gbps),
+        ("gpu pcie_gbps", gpu.pcie_gbps),
+        ("gpu tflops", gpu.tflops),
+    ):
+        _positive(name, x)
+    _positive("host_gb", host_gb + 1)  # (0: no host RAM for KV)
+    _positive("resident_fraction", resident_fraction, most=1.0)
+    _positive("1 - reserve", 1 - reserve, most=1.0)
+
+
 def plan(
     model: ModelPreset,
     gpu: GpuPreset,
@@ -66,7 +108,16 @@ def plan(
     link_gbps: float | None = None,
     mfu: float = 0.5,
 ) -> Plan:
-    """Answer: how far do context and concurrency go with and without tiering on this setup?"""
+    """Answer: how far do context and concurrency go with and without tiering on this setup?
+
+    Raises InvalidInputError for inputs no setup has (a count under 1, a size or bandwidth
+    that is not a positive finite number, fractions outside their range) and for weights
+    that do not fit the GPU."""
+    _check(model, gpu, tp, host_gb, context, concurrency, reserve, resident_fraction)
+    _positive("prompt_tokens", prompt_tokens + 1)  # (0 tokens: no prefill)
+    _positive("mfu", mfu, most=1.0)
+    if link_gbps is not None:
+        _positive("link_gbps", link_gbps)
     kv_tok = model.kv_bytes_per_token / tp  # per GPU
     weights = model.weights_gb * GB / tp
     budget = gpu.memory_gb * GB * (1 - reserve) - weights
