@@ -19,12 +19,13 @@ Every page's CRC-32C is recorded when it is written and checked when it is read:
 bytes changed (another writer of the file, a bad page of memory) is a counted miss, its slot
 freed, and the bytes are never reported as a hit (the store rolls the host slot back).
 
-It is a plug-in in the sense of issue 25: this module is all of it. The entry registers
-itself (`tierkv.chain_plugins.register_tier`), its moves host <-> mmap are handlers of the
-core's `Moves` (one host-function job of the transfer engine each: the copy runs on the
-engine's stream thread, the host slots the job's until it ends), and the core, the lower chain
-and the store run it through the `Tier` interface alone. Content pages only; eviction by least
-recent use.
+It is a plug-in in the sense of issue 25: this module is all of it (so it stays whole, ~400
+lines: a plug-in tier is one file). The entry registers itself
+(`tierkv.chain_plugins.register_tier`), its moves host <-> mmap are handlers of the core's
+`Moves` (one host-function job of the transfer engine each: the copy runs on the engine's
+stream thread, the host slots the job's until it ends), and the core, the lower chain and the
+store run it through the `Tier` interface alone. Content pages only; eviction by least recent
+use.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tierkv.cli.tenants_file import read_tenants
 from tierkv.errors import InvalidInputError, TierKVError
 from tierkv.remote import PageServer, RemoteError
 from tierkv.remote.protocol.exposure import SECRET_ENV, is_loopback
@@ -34,7 +36,6 @@ from tierkv.remote.protocol.tenancy import check_secrets
 from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec, parse_dtype
 from tierkv.store import KVStore
-from tierkv.tenant_names import check_tenant
 from tierkv.timeline import Timeline
 from tierkv.transports.shm import remove_stale_segments
 
@@ -153,7 +154,10 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     if args.secret is not None:
         if not args.secret:
             raise InvalidInputError("--secret is empty: an empty secret is not a secret")
-        secret: bytes | None = bytes.fromhex(args.secret)  # ValueError names the bad character
+        try:
+            secret: bytes | None = bytes.fromhex(args.secret)
+        except ValueError as exc:  # (it names the bad character's place)
+            raise InvalidInputError(f"--secret is not hex: {exc}") from None
     else:
         env = os.environ.get(SECRET_ENV)
         if env is not None and not env:
@@ -169,48 +173,18 @@ def _secret(args: argparse.Namespace) -> bytes | None:
     return secret
 
 
-def read_tenants(path: str) -> dict[str, bytes]:
-    """The tenants' secrets of a ``--tenants`` file: ``NAME HEX`` a line, ``#`` comments.
-
-    Raises ValueError (InvalidInputError, TenantError): the file cannot be read, group or
-    others may read it, a line that is not a name and a hex secret, a name twice.
-    """
-    try:
-        with open(path, encoding="utf-8") as f:
-            if os.fstat(f.fileno()).st_mode & 0o077:
-                raise InvalidInputError(
-                    f"--tenants {path}: group or others may read it (chmod 600)"
-                )
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise InvalidInputError(f"--tenants: cannot read {path}: {exc.strerror}") from exc
-    out: dict[str, bytes] = {}
-    for n, line in enumerate(lines, 1):
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        if len(words) != 2:
-            raise InvalidInputError(
-                f"--tenants {path}:{n}: want 'NAME HEX', got {len(words)} words"
-            )
-        name = check_tenant(words[0])
-        if name in out:
-            raise InvalidInputError(f"--tenants {path}:{n}: tenant {name!r} twice")
-        try:
-            out[name] = bytes.fromhex(words[1])
-        except ValueError as exc:
-            raise InvalidInputError(f"--tenants {path}:{n}: the secret is not hex") from exc
-    return out
-
-
 def _check(args: argparse.Namespace) -> None:
     """Raise ValueError for arguments that cannot work, before anything is opened."""
     parse_address(args.listen, "--listen")
     if args.metrics:
         parse_address(args.metrics, "--metrics")
     for name in ("host_mb", "lease_ttl", "every", "sample_every", "directory_ttl"):
-        if not getattr(args, name) > 0:
-            raise InvalidInputError(f"--{name.replace('_', '-')} must be > 0")
+        if not 0 < getattr(args, name) < math.inf:  # (NaN and inf too)
+            raise InvalidInputError(f"--{name.replace('_', '-')} must be > 0 and finite")
+    if any(uid < 0 for uid in args.allow_uid):
+        raise InvalidInputError(f"--allow-uid must be a user id >= 0, got {args.allow_uid}")
+    if args.tenants is not None and not args.tenants:
+        raise InvalidInputError("--tenants is empty: give the file of the tenants' secrets")
     for name in ("layers", "kv_heads", "head_dim", "page_tokens", "trace_events"):
         if getattr(args, name) < 1:
             raise InvalidInputError(f"--{name.replace('_', '-')} must be >= 1")
@@ -223,7 +197,7 @@ def _check(args: argparse.Namespace) -> None:
 
         check_url(args.directory)  # DirectoryURLError (a ValueError) for one that does not parse
     secret = _secret(args)
-    if args.tenants:
+    if args.tenants is not None:
         check_secrets(read_tenants(args.tenants), secret or b"")
 
 
@@ -278,7 +252,7 @@ async def _serve(args: argparse.Namespace) -> int:
                 directory=args.directory,
                 directory_ttl=args.directory_ttl,
                 advertise=args.advertise,
-                secrets=read_tenants(args.tenants) if args.tenants else None,
+                secrets=read_tenants(args.tenants) if args.tenants is not None else None,
             )
             async with server, _metrics_http(server, args.metrics):
                 pages = store.tiers.table.capacity("host")

@@ -82,15 +82,19 @@ def live_set(flat: Any) -> dict[int, str]:
     Raises it when it is an error reply, InvalidResponse when it is anything else."""
     if isinstance(flat, Exception):
         raise flat
+    if not isinstance(flat, list) or len(flat) % 2:
+        raise _not_live(flat)
     try:
-        if not isinstance(flat, list) or len(flat) % 2:
-            raise ValueError
         live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
     except (ValueError, TypeError, AttributeError):  # (UnicodeDecodeError: a ValueError)
-        raise InvalidResponse(f"not the directory's live set: {flat!r:.80}") from None
+        raise _not_live(flat) from None
     if not all(0 <= n < 1 << 32 for n in live):
         raise InvalidResponse(f"a live node number out of range: {sorted(live)!r:.80}")
     return live
+
+
+def _not_live(flat: Any) -> InvalidResponse:
+    return InvalidResponse(f"not the directory's live set: {flat!r:.80}")
 
 
 def script_reply(r: Any) -> tuple[bytes, bytes]:
