@@ -155,6 +155,8 @@ def test_a_slot_that_fails_its_checksum_is_a_miss_never_served() -> None:
         ({"colour": "blue"}, {}, VllmTierConfigError, "unknown config field"),
         ({"cold_bytes": "16GB"}, {}, VllmTierTypeError, "cold_bytes"),
         ({"cold_bytes": 1024}, {}, VllmTierConfigError, "holds no chunk"),
+        ({"cold_bytes": 1 << 62}, {}, VllmTierConfigError, "cannot be allocated"),  # MemoryError
+        ({"drain_timeout": float("nan")}, {}, VllmTierConfigError, "drain_timeout"),  # taken
         ({"codec": "zip"}, {}, VllmTierConfigError, "zip"),
         ({"codec": "int8-group", "codec_options": {"group_size": 48}}, {}, VllmTierConfigError,
          "group"),

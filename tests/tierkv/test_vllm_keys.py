@@ -113,6 +113,9 @@ def test_check_options_fills_defaults_and_takes_ints_for_floats() -> None:
         ({"path": "/x", "size": 0}, tv.VllmTierConfigError, "'size' must be >= 1"),
         ({"path": "/x", "flag": 1}, tv.VllmTierTypeError, "'flag' must be bool"),
         ({"path": "/x", "ttl": "5"}, tv.VllmTierTypeError, "'ttl' must be float or None"),
+        ({"path": "/x", "ttl": float("nan")}, tv.VllmTierConfigError, "'ttl' must be a finite"),
+        ({"path": "/x", "ratio": float("inf")}, tv.VllmTierConfigError, "'ratio' must be a fin"),
+        ({"path": "/x", "ratio": -float("inf")}, tv.VllmTierConfigError, "'ratio' must be a fi"),
     ],
 )
 def test_bad_options_are_typed_errors(

@@ -123,7 +123,13 @@ class TierKVColdTier(TierKVTierBase):
                 "tierkv tier %s: lossy codec %r (chunks come back within its error bound, "
                 "docs/codecs.md)", self.tier_type, self.codec.name,
             )  # fmt: skip
-        self.pool = np.empty((capacity, self.encoded_bytes), dtype=np.uint8)
+        try:
+            self.pool = np.empty((capacity, self.encoded_bytes), dtype=np.uint8)
+        except (MemoryError, ValueError) as exc:  # (numpy: "array is too big" past its sizes)
+            raise VllmTierConfigError(
+                f"TierKVColdTier tier {self.tier_type!r}: cold_bytes {o['cold_bytes']} cannot "
+                f"be allocated: {exc}"
+            ) from None
         self._sums = np.zeros(capacity, dtype=np.int64)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # readable, LRU first
         self._writing: set[bytes] = set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,10 @@ def check_options(
             raise VllmTierTypeError(
                 f"{tier}: config field {name!r} must be {want}, got {type(value).__name__} "
                 f"{value!r}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):  # (NaN passed any minimum)
+            raise VllmTierConfigError(
+                f"{tier}: config field {name!r} must be a finite number, got {value!r}"
             )
         if spec.minimum is not None and value is not None and value < spec.minimum:
             raise VllmTierConfigError(
