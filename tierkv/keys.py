@@ -195,12 +195,12 @@ def unpublished_keys(
     ``block_tokens(i)``: the token ids of block ``i`` (an ``array('q')``, a list or a 1-D
     integer array). ``salt``: the sequence's checked salt (see :func:`root_key`).
     """
-    parent = root_key(namespace, salt)
+    parent = b""  # (the root: hashed only when block 0 is unpublished, as it seldom is)
     for i in range(min(len(shared), full_blocks)):
         if shared[i]:
             parent = blocks[i]
             continue
-        parent = block_key(parent, block_tokens(i))
+        parent = block_key(parent if i else root_key(namespace, salt), block_tokens(i))
         yield i, parent
 
 

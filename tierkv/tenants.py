@@ -29,10 +29,11 @@ a tenant may use free room above it, and its pages above the limit are the first
 as anyone needs room.
 
 :class:`Tenants` is the one owner of this accounting: the page table tells it of pages arriving
-and leaving (:meth:`Tenants.stored`, :meth:`Tenants.left`) and asks it which pages an eviction
-may take (:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages
-it names) with the per-page work in C (``map``, ``Counter``), and a store without tenants has
-none of it (the page table's hook is ``None``).
+and leaving (:meth:`Tenants.replaced`, :meth:`Tenants.evicted`, :meth:`Tenants.stored`,
+:meth:`Tenants.left`: one call per batch) and asks it which pages an eviction may take
+(:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages it names)
+with the per-page work in C (``map``, ``list.count``), and a store without tenants has none of
+it (the page table's hook is ``None``).
 
 This file stays whole (just over 400 lines): the charges, the counts and the two rules read
 and change the same per-tenant arrays, and each hook must see the others' bookkeeping.
@@ -203,6 +204,8 @@ class Tenants:
         self._guarded = {t: any(r) for t, r in self._reserve.items()}
         self._guards = {t: [i for i, x in enumerate(r) if x] for t, r in self._reserve.items()}
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
+        #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
+        self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
 
     # -- entry -----------------------------------------------------------------------------
     def tenant(self, name: object) -> int | None:
@@ -223,7 +226,7 @@ class Tenants:
         self._held = held
 
     def charge(
-        self, keys: Iterable[Key], tenant: int | None, *, fresh: bool = False, new: bool = False
+        self, keys: Sequence[Key], tenant: int | None, *, fresh: bool = False, new: bool = False
     ) -> None:
         """Charge ``tenant`` for the pages of ``keys`` that nobody is charged for yet (the
         first maker pays). Call before the pages are stored in any tier. ``fresh``: the
@@ -234,9 +237,11 @@ class Tenants:
             return
         of = self._of
         if new:
-            of.update(dict.fromkeys(keys, tenant))
+            if len(keys) == 1:  # (an append's one page: no dict)
+                of[keys[0]] = tenant
+            else:
+                of.update(dict.fromkeys(keys, tenant))
         elif fresh:
-            keys = list(keys)
             held = set(self._held([k for k in keys if k in of]))
             of.update(dict.fromkeys((k for k in keys if k not in held), tenant))
         else:
@@ -294,35 +299,73 @@ class Tenants:
         if put_back and by is not None:
             self._caused[by] -= len(keys)
 
-    def left(
-        self, tier: str, keys: Sequence[Key], *, evicted: bool = False, by: int | None = None
-    ) -> bool:
-        """Pages of ``keys`` left ``tier`` (or went MOVING: chosen by an eviction);
-        ``evicted``: by an eviction, counted against their tenants (and as caused by
-        ``by``). Returns True when an eviction left a tenant with pages among them (but
+    def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
+        """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them
+        (a page table's store: one call for both; the tenant of ``new``'s first charged page
+        is the cause of the evictions)."""
+        used = self._used.get(tier)
+        if used is None or not new:  # (nothing is evicted for no new page)
+            return
+        ids = list(map(self._of.get, new))
+        by = ids[0]
+        if ids.count(by) == len(ids):  # one tenant's pages (most stores): no tally
+            if by is not None:
+                used[by] += len(ids)
+        else:
+            for i, n in _tally(ids):
+                if i is not None:
+                    used[i] += n
+            by = next((i for i in ids if i is not None), None)
+        if out:
+            self._out(tier, used, out, by)
+
+    def left(self, tier: str, keys: Sequence[Key]) -> None:
+        """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
+        used = self._used.get(tier)
+        if used is None or not keys:
+            return
+        ids = list(map(self._of.get, keys))
+        first = ids[0]
+        if ids.count(first) == len(ids):
+            if first is not None:
+                used[first] -= len(ids)
+            return
+        for i, n in _tally(ids):
+            if i is not None:
+                used[i] -= n
+
+    def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> bool:
+        """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
+        MOVING page is no tenant's until put back), counted against their tenants and as
+        caused by ``by``. Returns True when this left a tenant with pages among them (but
         ``by``, whose own pages may go for its own) below its reservation: rule 2 broken,
         the caller puts them back."""
         used = self._used.get(tier)
         if used is None or not keys:
             return False
+        return self._out(tier, used, keys, by)
+
+    def _out(self, tier: str, used: list[int], keys: Sequence[Key], by: int | None) -> bool:
+        """:meth:`evicted`'s counts (``used``: the tier's)."""
         ids = list(map(self._of.get, keys))
-        first = ids[0]
-        one = ids.count(first) == len(ids)
-        counts = ((first, len(ids)),) if one else _tally(ids)
+        first, n = ids[0], len(ids)
+        if by is not None:
+            self._caused[by] += n
+        if ids.count(first) == n:  # one tenant's pages (most evictions): no tally
+            if first is None:
+                return False
+            used[first] -= n
+            self._evicted[tier][first] += n
+            return first != by and used[first] < self._reserve[tier][first]
+        lost, res = self._evicted[tier], self._reserve[tier]
         broke = False
-        if evicted:
-            lost, res = self._evicted[tier], self._reserve[tier]
-            for i, n in counts:
-                if i is not None:
-                    used[i] -= n
-                    lost[i] += n
-                    broke = broke or (i != by and used[i] < res[i])
-            if by is not None:
-                self._caused[by] += len(keys)
-        else:
-            for i, n in counts:
-                if i is not None:
-                    used[i] -= n
+        for i in set(ids):  # (a few tenants: a C-level count each)
+            if i is not None:
+                m = ids.count(i)
+                used[i] -= m
+                lost[i] += m
+                if i != by and used[i] < res[i]:
+                    broke = True
         return broke
 
     def caused(self, by: int | None, n: int) -> None:
@@ -340,9 +383,13 @@ class Tenants:
 
     def maker(self, keys: Sequence[Key]) -> int | None:
         """The tenant charged for the first of ``keys`` that has one (the cause of the
-        evictions storing them makes)."""
+        evictions storing them makes); None for none."""
         of = self._of
-        return next((i for i in map(of.get, keys) if i is not None), None)
+        for k in keys:  # (the first key has one but for unowned pages: no generator)
+            i = of.get(k)
+            if i is not None:
+                return i
+        return None
 
     def active(self, tier: str) -> bool:
         """Whether evictions from ``tier`` must ask :meth:`room`."""
@@ -384,6 +431,19 @@ class Tenants:
         low = frozenset(i for i, s in enumerate(spare) if s <= 0)
         k = min(n, min((s for s in spare if s > 0), default=n))
         return k, lambda key: of.get(key) not in low
+
+    def any_pick(self, tier: str, n: int) -> bool:
+        """Whether any ``n`` victims in ``tier`` keep the quotas: nobody is over a limit there
+        (rule 1 has nothing to say) and each tenant with a reservation there has ``n`` pages
+        above it (rule 2 holds whichever pages go), so the policy's own pick stands
+        unchecked (most evictions, where the quotas do not bind)."""
+        if self._limited[tier] and self.over_limit(tier):
+            return False
+        used, res = self._used[tier], self._reserve[tier]
+        for i in self._guards[tier]:
+            if used[i] - res[i] < n:
+                return False
+        return True
 
     def over_limit(self, tier: str) -> bool:
         """Whether a tenant is over its limit in ``tier`` (rule 1 then picks the victims)."""
