@@ -193,10 +193,10 @@ class PageTable:
         self.sums = PageSums({t: tiers[t] for t in encoded})
         self._acc = tenants
         self._by: int | None = None  # during prepare_evict: the tenant the room is for
-        self._broke = False  # a pick of it left a tenant below its reservation
         if tenants is not None:
             tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
-        self._blocked: set[str] = set()  # tiers whose last eviction the quotas cut short
+        # tiers whose last eviction the quotas cut short -> the tenant it was for (or None)
+        self._blocked: dict[str, int | None] = {}
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -527,7 +527,7 @@ class PageTable:
         else:
             slots = t.policy.evict_slots(n, can_evict)
             if acc is not None:
-                self._blocked.discard(t.name)
+                self._blocked.pop(t.name, None)
         evicted = [key_of[s] for s in slots]
         self._check_victims(t, n, slots, evicted)
         for k in evicted:
@@ -553,7 +553,7 @@ class PageTable:
             slots = t.policy.evict_slots(n, free if t.unevictable or keep else None)
             keys = [key_of[s] for s in slots]
             if len(slots) == n and acc.keeps_reserves(t.name, keys, by, counted=False):
-                self._blocked.discard(t.name)
+                self._blocked.pop(t.name, None)
                 return slots
             if slots:  # it would take a tenant below its reservation: put back, pick by rule
                 t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
@@ -586,10 +586,10 @@ class PageTable:
             for slots, states in reversed(passes):  # the policy's state as it was
                 if slots:
                     t.policy.restore_slots(slots, [key_of[s] for s in slots], states)
-            self._blocked.add(t.name)
+            self._blocked[t.name] = by
             acc.blocked(by)
             return None
-        self._blocked.discard(t.name)
+        self._blocked.pop(t.name, None)
         return [s for slots, _ in passes for s in slots]
 
     def quota_blocked(self, tier: str) -> bool:
@@ -597,6 +597,12 @@ class PageTable:
         too few pages within them (an admission then waits or refuses with
         QuotaExceededError)."""
         return tier in self._blocked
+
+    def quota_refused(self, tier: str) -> str | None:
+        """The tenant whose pages the last eviction from ``tier`` cut short by the quotas was
+        for (:meth:`quota_blocked`), or None (no such eviction, or pages of nobody's)."""
+        by = self._blocked.get(tier)
+        return None if by is None or self._acc is None else self._acc.names[by]
 
     @staticmethod
     def _order(t: _Tier, order: Sequence[Key]) -> OrderIndex:
@@ -685,7 +691,7 @@ class PageTable:
         try:
             if tier in acc.active_tiers and not acc.any_pick(tier, n):
                 return self._quota_evict(t, n, exact, keep, keep_order, acc)
-            self._blocked.discard(tier)
+            self._blocked.pop(tier, None)
             return self._prepare_evict(t, n, keep, keep_order)
         finally:
             self._by = None
@@ -732,13 +738,13 @@ class PageTable:
         none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)
         by = self._by
         if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
-            self._broke = False
             out = self._prepare_evict(t, n, keep, keep_order)
-            if self._broke:  # (counted as it went MOVING: _pick)
-                self.complete_evict([key for key, _ in out], t.name, ok=False)
+            keys = [key for key, _ in out]
+            if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
+                self.complete_evict(keys, t.name, ok=False)
                 out = []
             elif len(out) == n:
-                self._blocked.discard(t.name)
+                self._blocked.pop(t.name, None)
                 return out
         for over in (True, False):
             while len(out) < n:
@@ -751,13 +757,13 @@ class PageTable:
                 if len(got) < k:
                     break
         if len(out) < n:
-            self._blocked.add(t.name)
+            self._blocked[t.name] = by
             acc.blocked(by)
             if exact and out:
                 self.complete_evict([key for key, _ in out], t.name, ok=False)
                 return []
         else:
-            self._blocked.discard(t.name)
+            self._blocked.pop(t.name, None)
         return out
 
     def _pick(
@@ -819,10 +825,8 @@ class PageTable:
         set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
-        # MOVING pages are no tenant's any more (undone if put back); a reservation that
-        # this left broken is said in _broke
-        if self._acc is not None and self._acc.evicted(t.name, keys, self._by):
-            self._broke = True
+        if self._acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
+            self._acc.evicted(t.name, keys, self._by)
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow)
         return out

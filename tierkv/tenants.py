@@ -35,13 +35,13 @@ and leaving (:meth:`Tenants.replaced`, :meth:`Tenants.evicted`, :meth:`Tenants.s
 with the per-page work in C (``map``, ``list.count``), and a store without tenants has none of
 it (the page table's hook is ``None``).
 
-This file stays whole (just over 400 lines): the charges, the counts and the two rules read
-and change the same per-tenant arrays, and each hook must see the others' bookkeeping.
+This file stays whole (over 400 lines): the charges, the counts and the two rules read and
+change the same per-tenant counts, and each hook must see the others' bookkeeping.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, _count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import repeat
@@ -195,8 +195,13 @@ class Tenants:
         self._of: dict[Key, int] = {}  # page key -> the tenant charged for it
         self._prune_at = _PRUNE_MIN
         self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
-        self._used = {t: [0] * len(names) for t in self._reserve}  # pages, not counting MOVING
-        self._evicted = {t: [0] * len(names) for t in self._reserve}  # suffered
+        # per tier, pages per tenant index (None: nobody's) counted in C as they come and go
+        # (_count_elements: one pass, no Python per page): held = came - went, not counting
+        # MOVING; evicted (suffered) = lost - back (put back)
+        self._came: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
+        self._went: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
+        self._lost: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
+        self._back: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
         self._caused = [0] * len(names)
         self.counters = [TenantCounters() for _ in names]
         self.unattributed_refusals = 0  # refusals of room for pages no tenant is charged for
@@ -281,92 +286,58 @@ class Tenants:
         """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
         eviction that did not happen after all, made for ``by``'s pages: no longer counted
         as one)."""
-        used = self._used.get(tier)
-        if used is None or not keys:
+        came = self._came.get(tier)
+        if came is None or not keys:
+            return
+        if not put_back:
+            _count_elements(came, map(self._of.get, keys))
             return
         ids = list(map(self._of.get, keys))
-        first = ids[0]
-        if ids.count(first) == len(ids) and not put_back:  # one tenant's batch: no tally
-            if first is not None:
-                used[first] += len(ids)
-            return
-        lost = self._evicted[tier]
-        for i, n in _tally(ids):
-            if i is not None:
-                used[i] += n
-                if put_back:
-                    lost[i] -= n
-        if put_back and by is not None:
-            self._caused[by] -= len(keys)
+        _count_elements(came, ids)
+        _count_elements(self._back[tier], ids)
+        if by is not None:
+            self._caused[by] -= len(ids)
 
     def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
         """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them
         (a page table's store: one call for both; the tenant of ``new``'s first charged page
         is the cause of the evictions)."""
-        used = self._used.get(tier)
-        if used is None or not new:  # (nothing is evicted for no new page)
+        came = self._came.get(tier)
+        if came is None or not new:  # (nothing is evicted for no new page)
+            return
+        if not out:
+            _count_elements(came, map(self._of.get, new))
             return
         ids = list(map(self._of.get, new))
+        _count_elements(came, ids)
         by = ids[0]
-        if ids.count(by) == len(ids):  # one tenant's pages (most stores): no tally
-            if by is not None:
-                used[by] += len(ids)
-        else:
-            for i, n in _tally(ids):
-                if i is not None:
-                    used[i] += n
+        if by is None:
             by = next((i for i in ids if i is not None), None)
-        if out:
-            self._out(tier, used, out, by)
+        self.evicted(tier, out, by)
 
     def left(self, tier: str, keys: Sequence[Key]) -> None:
         """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
-        used = self._used.get(tier)
-        if used is None or not keys:
-            return
-        ids = list(map(self._of.get, keys))
-        first = ids[0]
-        if ids.count(first) == len(ids):
-            if first is not None:
-                used[first] -= len(ids)
-            return
-        for i, n in _tally(ids):
-            if i is not None:
-                used[i] -= n
+        went = self._went.get(tier)
+        if went is not None:
+            _count_elements(went, map(self._of.get, keys))
 
-    def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> bool:
+    def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
         """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
         MOVING page is no tenant's until put back), counted against their tenants and as
-        caused by ``by``. Returns True when this left a tenant with pages among them (but
-        ``by``, whose own pages may go for its own) below its reservation: rule 2 broken,
-        the caller puts them back."""
-        used = self._used.get(tier)
-        if used is None or not keys:
-            return False
-        return self._out(tier, used, keys, by)
-
-    def _out(self, tier: str, used: list[int], keys: Sequence[Key], by: int | None) -> bool:
-        """:meth:`evicted`'s counts (``used``: the tier's)."""
+        caused by ``by`` (whether that kept the reservations: :meth:`keeps_reserves`)."""
+        went = self._went.get(tier)
+        if went is None or not keys:
+            return
         ids = list(map(self._of.get, keys))
-        first, n = ids[0], len(ids)
+        _count_elements(went, ids)
+        _count_elements(self._lost[tier], ids)
         if by is not None:
-            self._caused[by] += n
-        if ids.count(first) == n:  # one tenant's pages (most evictions): no tally
-            if first is None:
-                return False
-            used[first] -= n
-            self._evicted[tier][first] += n
-            return first != by and used[first] < self._reserve[tier][first]
-        lost, res = self._evicted[tier], self._reserve[tier]
-        broke = False
-        for i in set(ids):  # (a few tenants: a C-level count each)
-            if i is not None:
-                m = ids.count(i)
-                used[i] -= m
-                lost[i] += m
-                if i != by and used[i] < res[i]:
-                    broke = True
-        return broke
+            self._caused[by] += len(ids)
+
+    def _pages(self, tier: str) -> list[int]:
+        """Pages per tenant in ``tier`` (not counting MOVING)."""
+        came, went = self._came[tier], self._went[tier]
+        return [came.get(i, 0) - went.get(i, 0) for i in range(len(self.names))]
 
     def caused(self, by: int | None, n: int) -> None:
         """``n`` evictions were made for tenant ``by``'s pages (None: nobody's)."""
@@ -411,7 +382,7 @@ class Tenants:
         ``taken``: victims already chosen but not yet counted, per tenant; ``by``: the tenant
         the room is for, whose own pages rule 2 lets go (its new pages replace them). The
         caller asks again for the rest until a pass finds none."""
-        used = self._used[tier]
+        used = self._pages(tier)
         of = self._of
         if over:
             lim = self._limit[tier]
@@ -439,9 +410,9 @@ class Tenants:
         unchecked (most evictions, where the quotas do not bind)."""
         if self._limited[tier] and self.over_limit(tier):
             return False
-        used, res = self._used[tier], self._reserve[tier]
-        for i in self._guards[tier]:
-            if used[i] - res[i] < n:
+        came, went, res = self._came[tier], self._went[tier], self._reserve[tier]
+        for i in self._guards[tier]:  # noqa: SIM110 - a loop: no generator per eviction
+            if came.get(i, 0) - went.get(i, 0) - res[i] < n:
                 return False
         return True
 
@@ -449,7 +420,7 @@ class Tenants:
         """Whether a tenant is over its limit in ``tier`` (rule 1 then picks the victims)."""
         if not self._limited.get(tier, False):
             return False
-        return any(u > lim for u, lim in zip(self._used[tier], self._limit[tier]))
+        return any(u > lim for u, lim in zip(self._pages(tier), self._limit[tier]))
 
     def keeps_reserves(self, tier: str, keys: Sequence[Key], by: int | None, counted: bool) -> bool:
         """Whether evicting the pages of ``keys`` from ``tier`` leaves every tenant with
@@ -458,12 +429,34 @@ class Tenants:
         guards = self._guards.get(tier)
         if not guards or not keys:
             return True
-        used, res = self._used[tier], self._reserve[tier]
+        used, res = self._pages(tier), self._reserve[tier]
         ids = list(map(self._of.get, keys))
         for i in guards:  # the tenants with a reservation here: a C-level count each
             if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < res[i]:
                 return False
         return True
+
+    def parts(self, tier: str, keys: Sequence[Key]) -> list[list[Key]]:
+        """``keys`` split by the tenant charged for each, in the order their room should be
+        asked for in ``tier``: the tenant furthest below its reservation there first, pages
+        of nobody's last (one part when they are one tenant's, as most batches are). A batch
+        of several tenants' new pages asks room for each part on its own: the evictions each
+        makes are that tenant's (rule 2 lets only its own pages go), and a refusal names it."""
+        ids = list(map(self._of.get, keys))
+        if not ids or ids.count(ids[0]) == len(ids):
+            return [list(keys)]
+        of: dict[int | None, list[Key]] = {}
+        for k, i in zip(keys, ids):
+            of.setdefault(i, []).append(k)
+        used = self._pages(tier) if tier in self._came else None
+        res = self._reserve.get(tier)
+
+        def owed(i: int | None) -> int:
+            if i is None:
+                return -_NO_LIMIT
+            return 0 if res is None or used is None else res[i] - used[i]
+
+        return [of[i] for i in sorted(of, key=owed, reverse=True)]
 
     def tally(self, keys: Sequence[Key]) -> Counter[int | None]:
         """Victims per tenant (for :meth:`room`'s ``taken``)."""
@@ -474,6 +467,11 @@ class Tenants:
         """Per tenant: sequences, prompt tokens, reused tokens, refusals, and per tier the
         pages and bytes it is charged for, the evictions it suffered; evictions it caused."""
         out: dict[str, Any] = {}
+        held = {t: self._pages(t) for t in self._came}
+        lost = {
+            t: [self._lost[t].get(i, 0) - self._back[t].get(i, 0) for i in range(len(self.names))]
+            for t in self._came
+        }
         for i, name in enumerate(self.names):
             c = self.counters[i]
             out[name] = {
@@ -484,15 +482,15 @@ class Tenants:
                 "evictions_caused": self._caused[i],
                 "tiers": {
                     t: {
-                        "pages": self._used[t][i],
-                        "bytes": self._used[t][i] * self.slot_bytes[t],
-                        "evicted": self._evicted[t][i],
+                        "pages": held[t][i],
+                        "bytes": held[t][i] * self.slot_bytes[t],
+                        "evicted": lost[t][i],
                         "reserve_pages": self._reserve[t][i],
                         "limit_pages": None
                         if self._limit[t][i] == _NO_LIMIT
                         else self._limit[t][i],
                     }
-                    for t in self._used
+                    for t in self._came
                 },
             }
         return out
@@ -500,7 +498,8 @@ class Tenants:
     def check(self, held: Callable[[str], Iterable[Key]]) -> None:
         """Assert the counts equal the charged pages each tier holds, not MOVING
         (``held(tier)``). Raises AssertionError."""
-        for t, used in self._used.items():
+        for t in self._came:
+            used = self._pages(t)
             want = [0] * len(used)
             for i, n in Counter(map(self._of.get, held(t))).items():
                 if i is not None:
