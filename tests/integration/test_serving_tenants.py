@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tierkv import QuotaExceededError
+from tierkv import QuotaExceededError, TenantError
 from tierkv.demo.model import ModelConfig
 from tierkv.serving import Engine, EngineConfig, SamplingParams, TinyModel
 from tierkv.step import StepPlan
@@ -117,3 +117,16 @@ async def test_a_refusal_half_way_through_a_step_goes_on_from_that_layer(
         assert owner[0] == want
         await released(e)
         e.store.check()
+
+
+async def test_a_bad_or_unknown_tenant_or_salt_is_refused_before_the_request_queues() -> None:
+    params = SamplingParams(max_tokens=1, temperature=0)
+    async with engine() as e:
+        for bad in ("Owner", "nobody", "owner:x", "", 3):
+            with pytest.raises(TenantError):  # (UnknownTenantError for the well-formed)
+                await e.complete(OWNER, params, tenant=bad)  # type: ignore[arg-type]
+        for salt in ("", "x" * 300, 5, bytearray(b"s")):
+            with pytest.raises(TenantError):
+                await e.complete(OWNER, params, salt=salt, tenant="owner")  # type: ignore[arg-type]
+        assert e.waiting == e.running == 0 and e.store.sequence_ids() == []
+        assert e.counters.failed == 0
