@@ -526,7 +526,7 @@ class PageTable:
             slots = got
         else:
             slots = t.policy.evict_slots(n, can_evict)
-            if acc is not None:
+            if self._blocked:
                 self._blocked.pop(t.name, None)
         evicted = [key_of[s] for s in slots]
         self._check_victims(t, n, slots, evicted)
@@ -689,9 +689,10 @@ class PageTable:
         # the tenant the room is for: its evictions' cause (read by _pick's count)
         self._by = acc.maker(for_keys)
         try:
-            if tier in acc.active_tiers and not acc.any_pick(tier, n):
-                return self._quota_evict(t, n, exact, keep, keep_order, acc)
-            self._blocked.pop(tier, None)
+            if tier in acc.active_tiers:
+                if not acc.any_pick(tier, n):
+                    return self._quota_evict(t, n, exact, keep, keep_order, acc)
+                self._blocked.pop(tier, None)
             return self._prepare_evict(t, n, keep, keep_order)
         finally:
             self._by = None

@@ -195,22 +195,31 @@ class Tenants:
         self._of: dict[Key, int] = {}  # page key -> the tenant charged for it
         self._prune_at = _PRUNE_MIN
         self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
-        # per tier, pages per tenant index (None: nobody's) counted in C as they come and go
-        # (_count_elements: one pass, no Python per page): held = came - went, not counting
-        # MOVING; evicted (suffered) = lost - back (put back)
-        self._came: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
-        self._went: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
-        self._lost: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
-        self._back: dict[str, dict[int | None, int]] = {t: {} for t in self._reserve}
+        # per tier, pages per tenant index (None: nobody's), each count only growing, by one
+        # C-level pass per batch (_count_elements, no Python per page): stored (came), put
+        # back (back), evicted (lost), dropped (gone); held = came + back - lost - gone (not
+        # counting MOVING), evicted (suffered) = lost - back
+        zero: dict[int | None, int] = dict.fromkeys([*range(len(names)), None], 0)
+        self._came = {t: dict(zero) for t in self._reserve}  # (every index there: no .get)
+        self._back = {t: dict(zero) for t in self._reserve}
+        self._lost = {t: dict(zero) for t in self._reserve}
+        self._gone = {t: dict(zero) for t in self._reserve}
+        self._counts = (self._came, self._back, self._lost, self._gone)
         self._caused = [0] * len(names)
         self.counters = [TenantCounters() for _ in names]
         self.unattributed_refusals = 0  # refusals of room for pages no tenant is charged for
         # rule 2 is checked only where some tenant reserves pages in the tier
         self._guarded = {t: any(r) for t, r in self._reserve.items()}
-        self._guards = {t: [i for i, x in enumerate(r) if x] for t, r in self._reserve.items()}
+        self._guards = {  # (tenant, reservation) of those with one in the tier
+            t: [(i, x) for i, x in enumerate(r) if x] for t, r in self._reserve.items()
+        }
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
         #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
         self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
+        self._picks = {  # what any_pick reads, per tier in one lookup
+            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))
+            for t in self._reserve
+        }
 
     # -- entry -----------------------------------------------------------------------------
     def tenant(self, name: object) -> int | None:
@@ -289,14 +298,9 @@ class Tenants:
         came = self._came.get(tier)
         if came is None or not keys:
             return
-        if not put_back:
-            _count_elements(came, map(self._of.get, keys))
-            return
-        ids = list(map(self._of.get, keys))
-        _count_elements(came, ids)
-        _count_elements(self._back[tier], ids)
-        if by is not None:
-            self._caused[by] -= len(ids)
+        _count_elements(self._back[tier] if put_back else came, map(self._of.get, keys))
+        if put_back and by is not None:
+            self._caused[by] -= len(keys)
 
     def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
         """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them
@@ -317,27 +321,25 @@ class Tenants:
 
     def left(self, tier: str, keys: Sequence[Key]) -> None:
         """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
-        went = self._went.get(tier)
-        if went is not None:
-            _count_elements(went, map(self._of.get, keys))
+        gone = self._gone.get(tier)
+        if gone is not None:
+            _count_elements(gone, map(self._of.get, keys))
 
     def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
         """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
         MOVING page is no tenant's until put back), counted against their tenants and as
         caused by ``by`` (whether that kept the reservations: :meth:`keeps_reserves`)."""
-        went = self._went.get(tier)
-        if went is None or not keys:
+        lost = self._lost.get(tier)
+        if lost is None or not keys:
             return
-        ids = list(map(self._of.get, keys))
-        _count_elements(went, ids)
-        _count_elements(self._lost[tier], ids)
+        _count_elements(lost, map(self._of.get, keys))
         if by is not None:
-            self._caused[by] += len(ids)
+            self._caused[by] += len(keys)
 
     def _pages(self, tier: str) -> list[int]:
         """Pages per tenant in ``tier`` (not counting MOVING)."""
-        came, went = self._came[tier], self._went[tier]
-        return [came.get(i, 0) - went.get(i, 0) for i in range(len(self.names))]
+        came, back, lost, gone = (c[tier] for c in self._counts)
+        return [came[i] + back[i] - lost[i] - gone[i] for i in range(len(self.names))]
 
     def caused(self, by: int | None, n: int) -> None:
         """``n`` evictions were made for tenant ``by``'s pages (None: nobody's)."""
@@ -408,11 +410,11 @@ class Tenants:
         (rule 1 has nothing to say) and each tenant with a reservation there has ``n`` pages
         above it (rule 2 holds whichever pages go), so the policy's own pick stands
         unchecked (most evictions, where the quotas do not bind)."""
-        if self._limited[tier] and self.over_limit(tier):
+        limited, guards, came, back, lost, gone = self._picks[tier]
+        if limited and self.over_limit(tier):
             return False
-        came, went, res = self._came[tier], self._went[tier], self._reserve[tier]
-        for i in self._guards[tier]:  # noqa: SIM110 - a loop: no generator per eviction
-            if came.get(i, 0) - went.get(i, 0) - res[i] < n:
+        for i, r in guards:  # noqa: SIM110 - a loop: no generator per eviction
+            if came[i] + back[i] - lost[i] - gone[i] - r < n:
                 return False
         return True
 
@@ -429,10 +431,10 @@ class Tenants:
         guards = self._guards.get(tier)
         if not guards or not keys:
             return True
-        used, res = self._pages(tier), self._reserve[tier]
+        used = self._pages(tier)
         ids = list(map(self._of.get, keys))
-        for i in guards:  # the tenants with a reservation here: a C-level count each
-            if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < res[i]:
+        for i, r in guards:  # the tenants with a reservation here: a C-level count each
+            if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < r:
                 return False
         return True
 
@@ -469,7 +471,7 @@ class Tenants:
         out: dict[str, Any] = {}
         held = {t: self._pages(t) for t in self._came}
         lost = {
-            t: [self._lost[t].get(i, 0) - self._back[t].get(i, 0) for i in range(len(self.names))]
+            t: [self._lost[t][i] - self._back[t][i] for i in range(len(self.names))]
             for t in self._came
         }
         for i, name in enumerate(self.names):

@@ -234,15 +234,20 @@ class TierSet:
 
     # -- device allocation ---------------------------------------------------------------
     async def reserve_device(
-        self, keys: Sequence[PageKey], *, mine: int = 0, timeout: float | None = None
+        self,
+        keys: Sequence[PageKey],
+        *,
+        mine: int = 0,
+        timeout: float | None = None,
+        tenants: bool = False,
     ) -> list[int]:
         """Reserve device slots for new pages (WRITING) and return them; the caller writes the
         bytes and calls :meth:`commit_device` (or :meth:`abort_device`). When other holders'
         pins fill the device it waits for them to go, at most ``timeout`` seconds (default the
         engine's); ``mine``: device pages the caller itself holds pinned (they never go).
-        New pages of several tenants (a batched step's) ask for room one tenant at a time
-        (:meth:`tierkv.tenants.Tenants.parts`): each tenant's evictions keep the quotas on
-        their own, and a refusal names its tenant; all or nothing.
+        ``tenants``: the pages may be several tenants' (a batched step's): each tenant's ask
+        for room on their own (:meth:`tierkv.tenants.Tenants.parts`), so that each tenant's
+        evictions keep the quotas and a refusal names its tenant; all or nothing.
 
         Raises:
             TierFullError: the pages never fit, or no room came before the deadline
@@ -250,7 +255,9 @@ class TierSet:
             PageStateError: a key is already on the device (nothing is reserved).
         """
         self.room.ensure_fits(len(keys))
-        parts = [keys] if self._tenants is None else self._tenants.parts(DEVICE, keys)
+        parts = (
+            [keys] if self._tenants is None or not tenants else self._tenants.parts(DEVICE, keys)
+        )
         if len(parts) == 1:
             return await self._reserve_device(keys, mine, timeout)
         slot_of: dict[PageKey, int] = {}
