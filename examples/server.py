@@ -36,6 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import stat
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -66,7 +68,7 @@ from tierkv.serving import (
     http_status,
     load_model,
 )
-from tierkv.tenant_names import check_salt
+from tierkv.tenant_names import check_salt, check_tenant
 from tierkv.tenants import Quota
 
 
@@ -654,19 +656,43 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
     )
 
 
+#: the largest ``--tenants`` file read (bytes)
+MAX_TENANTS_FILE = 1 << 20
+
+
+def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a name twice is an error (not the last one silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        twice = sorted({k for k, _ in pairs if sum(1 for j, _ in pairs if j == k) > 1})
+        raise ValueError(f"{twice} given twice")
+    return out
+
+
 def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     """The quotas and API keys of a ``--tenants`` file: ``{"tenants": {name:
     {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
     keys' tenants must be among the names). Raises SystemExit with the reason for a bad
-    file."""
+    file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key
+    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string."""
     if path is None:
         return {}, {}
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        quotas = {name: Quota(**q) for name, q in doc.get("tenants", {}).items()}
-        keys = {str(k): str(v) for k, v in doc.get("api_keys", {}).items()}
-    except (OSError, ValueError, TypeError, AttributeError, TierKVError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: no wait for a writer)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError("not a regular file")
+            raw = f.read(MAX_TENANTS_FILE + 1)
+        if len(raw) > MAX_TENANTS_FILE:
+            raise ValueError(f"over {MAX_TENANTS_FILE} bytes")
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_twice)
+        if not isinstance(doc, dict):
+            raise ValueError("want a JSON object")
+        quotas = {check_tenant(name): Quota(**q) for name, q in doc.get("tenants", {}).items()}
+        keys = doc.get("api_keys", {})
+        if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()):
+            raise ValueError("api_keys: want non-empty string keys and tenant names")
+    except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
         raise SystemExit(f"--tenants {path}: {exc}") from None
     unknown = sorted(set(keys.values()) - set(quotas))
     if unknown:

@@ -69,9 +69,12 @@ class DeviceRoom:
         pinned = t.used(DEVICE) - t.evictable(DEVICE)
         after = f" after waiting {waited:.3g} s" if waited is not None else ""
         if self._table.quota_blocked(DEVICE):
+            who = self._table.quota_refused(DEVICE)
             return QuotaExceededError(
-                f"{self._leased} tier: no room for {n} pages{after} without taking pages of a "
-                f"tenant at its reservation ({free} free, {pinned} pinned or in flight)"
+                f"{self._leased} tier: no room for {n} pages{after} "
+                f"{'' if who is None else f'of tenant {who!r} '}without taking pages of a "
+                f"tenant at its reservation ({free} free, {pinned} pinned or in flight)",
+                tenant=who,
             )
         return TierFullError(
             f"{self._leased} tier full{after}: {n} pages needed, {free} free, {pinned} pinned "

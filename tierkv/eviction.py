@@ -198,9 +198,12 @@ class DeviceEviction:
         keys = [k for k, _ in victims]
         alloc = table.prepare_store(keys, HOST)
         if alloc is None and table.quota_blocked(HOST):
+            who = table.quota_refused(HOST)
             raise QuotaExceededError(
-                f"host tier: no room to write {len(keys)} pages back without taking pages of "
-                "a tenant at its reservation"
+                f"host tier: no room to write {len(keys)} pages back "
+                f"{'' if who is None else f'of tenant {who!r} '}without taking pages of a "
+                "tenant at its reservation",
+                tenant=who,
             )
         if alloc is None:
             raise TierFullError(

@@ -84,6 +84,10 @@ def _digest(*parts: bytes) -> bytes:
     return bytes(out)
 
 
+_ROOTS_KEPT = 4096  # root keys remembered (by packed namespace and salt; then forgotten)
+_roots: dict[tuple[bytes, bytes | None], PageKey] = {}
+
+
 def root_key(namespace: Any = None, salt: bytes | None = None) -> PageKey:
     """The parent key of a sequence's first block, derived from a namespace and a salt.
 
@@ -95,9 +99,13 @@ def root_key(namespace: Any = None, salt: bytes | None = None) -> PageKey:
     salt and none) never share a page in any tier. ``None`` gives exactly the unsalted keys.
     """
     ns = msgpack.packb(namespace, use_bin_type=True)
-    if salt is None:
-        return _digest(_DOMAIN, ns)
-    return _digest(_DOMAIN, ns, _SALT, salt)
+    root = _roots.get((ns, salt))  # (every prompt asks: a few namespaces and salts, hashed once)
+    if root is None:
+        root = _digest(_DOMAIN, ns) if salt is None else _digest(_DOMAIN, ns, _SALT, salt)
+        if len(_roots) >= _ROOTS_KEPT:
+            _roots.clear()
+        _roots[ns, salt] = root
+    return root
 
 
 def block_key(parent: PageKey, tokens: Any, extra: Any = None) -> PageKey:
@@ -195,12 +203,12 @@ def unpublished_keys(
     ``block_tokens(i)``: the token ids of block ``i`` (an ``array('q')``, a list or a 1-D
     integer array). ``salt``: the sequence's checked salt (see :func:`root_key`).
     """
-    parent = root_key(namespace, salt)
+    parent = b""  # (the root: hashed only when block 0 is unpublished, as it seldom is)
     for i in range(min(len(shared), full_blocks)):
         if shared[i]:
             parent = blocks[i]
             continue
-        parent = block_key(parent, block_tokens(i))
+        parent = block_key(parent if i else root_key(namespace, salt), block_tokens(i))
         yield i, parent
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from itertools import compress, repeat
 from operator import itemgetter, not_
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -74,6 +75,7 @@ class PageState(IntEnum):
 
 
 _WRITING, _READABLE, _MOVING = (int(s) for s in PageState)
+_NONE_TAKEN: Mapping[object, int] = MappingProxyType({})  # (no victims taken yet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,10 +193,10 @@ class PageTable:
         self.sums = PageSums({t: tiers[t] for t in encoded})
         self._acc = tenants
         self._by: int | None = None  # during prepare_evict: the tenant the room is for
-        self._broke = False  # a pick of it left a tenant below its reservation
         if tenants is not None:
             tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
-        self._blocked: set[str] = set()  # tiers whose last eviction the quotas cut short
+        # tiers whose last eviction the quotas cut short -> the tenant it was for (or None)
+        self._blocked: dict[str, int | None] = {}
 
     # -- introspection -------------------------------------------------------------------
     @property
@@ -499,8 +501,8 @@ class PageTable:
             t.order.placed(slots, new)
         t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
-        if self._acc is not None:
-            self._acc.stored(tier, new)
+        if self._acc is not None:  # one call: the victims out (caused by new's maker), new in
+            self._acc.replaced(tier, evicted, new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
 
     def _evict(
@@ -517,13 +519,15 @@ class PageTable:
         elif t.unevictable:
             can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
         acc = self._acc
-        if acc is not None and acc.active(t.name):
-            got = self._quota_victims(t, n, keep, acc, new)
+        if acc is not None and t.name in acc.active_tiers and not acc.any_pick(t.name, n):
+            got = self._quota_victims(t, n, keep, acc, acc.maker(new))
             if got is None:
                 return None
             slots = got
         else:
             slots = t.policy.evict_slots(n, can_evict)
+            if self._blocked:
+                self._blocked.pop(t.name, None)
         evicted = [key_of[s] for s in slots]
         self._check_victims(t, n, slots, evicted)
         for k in evicted:
@@ -531,19 +535,16 @@ class PageTable:
         if t.order is not None:
             t.order.freed(slots)
         t.free.extend(slots)  # the caller takes every free slot at once: no key_of reset
-        if acc is not None:
-            acc.left(t.name, evicted, evicted=True, by=acc.maker(new))
-        self._forget(evicted)
+        self._forget(evicted)  # (the tenants are told with the pages stored: replaced)
         return evicted
 
     def _quota_victims(
-        self, t: _Tier, n: int, keep: set[int], acc: Tenants, new: Sequence[Key]
+        self, t: _Tier, n: int, keep: set[int], acc: Tenants, by: int | None
     ) -> list[int] | None:
         """``n`` victim slots by policy within the tenants' quotas (rule 1, then rule 2 of
-        :mod:`tierkv.tenants`), taken from the policy but not yet from the table; None (the
-        policy's state put back) when there are fewer."""
+        :mod:`tierkv.tenants`) for tenant ``by``'s pages, taken from the policy but not yet
+        from the table; None (the policy's state put back) when there are fewer."""
         pins, state, key_of = t.pins, t.state, t.key_of
-        by = acc.maker(new)
         if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
 
             def free(s: int) -> bool:
@@ -552,7 +553,7 @@ class PageTable:
             slots = t.policy.evict_slots(n, free if t.unevictable or keep else None)
             keys = [key_of[s] for s in slots]
             if len(slots) == n and acc.keeps_reserves(t.name, keys, by, counted=False):
-                self._blocked.discard(t.name)
+                self._blocked.pop(t.name, None)
                 return slots
             if slots:  # it would take a tenant below its reservation: put back, pick by rule
                 t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
@@ -585,10 +586,10 @@ class PageTable:
             for slots, states in reversed(passes):  # the policy's state as it was
                 if slots:
                     t.policy.restore_slots(slots, [key_of[s] for s in slots], states)
-            self._blocked.add(t.name)
+            self._blocked[t.name] = by
             acc.blocked(by)
             return None
-        self._blocked.discard(t.name)
+        self._blocked.pop(t.name, None)
         return [s for slots, _ in passes for s in slots]
 
     def quota_blocked(self, tier: str) -> bool:
@@ -596,6 +597,12 @@ class PageTable:
         too few pages within them (an admission then waits or refuses with
         QuotaExceededError)."""
         return tier in self._blocked
+
+    def quota_refused(self, tier: str) -> str | None:
+        """The tenant whose pages the last eviction from ``tier`` cut short by the quotas was
+        for (:meth:`quota_blocked`), or None (no such eviction, or pages of nobody's)."""
+        by = self._blocked.get(tier)
+        return None if by is None or self._acc is None else self._acc.names[by]
 
     @staticmethod
     def _order(t: _Tier, order: Sequence[Key]) -> OrderIndex:
@@ -677,16 +684,18 @@ class PageTable:
             return []
         n = min(n, evictable)
         acc = self._acc
-        if acc is not None and n:
-            # the tenant the room is for: its evictions' cause (read by _pick's count)
-            self._by = acc.maker(for_keys) if for_keys else None
-            try:
-                if acc.active(tier):
+        if acc is None or not n:
+            return self._prepare_evict(t, n, keep, keep_order)
+        # the tenant the room is for: its evictions' cause (read by _pick's count)
+        self._by = acc.maker(for_keys)
+        try:
+            if tier in acc.active_tiers:
+                if not acc.any_pick(tier, n):
                     return self._quota_evict(t, n, exact, keep, keep_order, acc)
-                return self._prepare_evict(t, n, keep, keep_order)
-            finally:
-                self._by = None
-        return self._prepare_evict(t, n, keep, keep_order)
+                self._blocked.pop(tier, None)
+            return self._prepare_evict(t, n, keep, keep_order)
+        finally:
+            self._by = None
 
     def _prepare_evict(
         self,
@@ -727,16 +736,16 @@ class PageTable:
         (:meth:`Tenants.room`), each taking pages nobody keeps first; all or nothing with
         ``exact``."""
         out: list[tuple[Key, int]] = []
-        none: Counter[int | None] = Counter()  # (victims are counted as they go MOVING)
+        none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)
         by = self._by
         if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
-            self._broke = False
             out = self._prepare_evict(t, n, keep, keep_order)
-            if self._broke:  # (counted as it went MOVING: _pick)
-                self.complete_evict([key for key, _ in out], t.name, ok=False)
+            keys = [key for key, _ in out]
+            if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
+                self.complete_evict(keys, t.name, ok=False)
                 out = []
             elif len(out) == n:
-                self._blocked.discard(t.name)
+                self._blocked.pop(t.name, None)
                 return out
         for over in (True, False):
             while len(out) < n:
@@ -749,13 +758,13 @@ class PageTable:
                 if len(got) < k:
                     break
         if len(out) < n:
-            self._blocked.add(t.name)
+            self._blocked[t.name] = by
             acc.blocked(by)
             if exact and out:
                 self.complete_evict([key for key, _ in out], t.name, ok=False)
                 return []
         else:
-            self._blocked.discard(t.name)
+            self._blocked.pop(t.name, None)
         return out
 
     def _pick(
@@ -817,10 +826,8 @@ class PageTable:
         set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
-        # MOVING pages are no tenant's any more (undone if put back); a reservation that
-        # this left broken is said in _broke
-        if self._acc is not None and self._acc.left(t.name, keys, evicted=True, by=self._by):
-            self._broke = True
+        if self._acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
+            self._acc.evicted(t.name, keys, self._by)
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow)
         return out

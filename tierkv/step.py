@@ -107,6 +107,8 @@ class StepPlan:
         self._active = False
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
+        # the sequences are several tenants': their new pages ask for room tenant by tenant
+        self._tenants = len({s.tenant for s in seqs}) > 1
         self.waited_pages = 0
 
     @property
@@ -307,7 +309,9 @@ class StepPlan:
         opened = pinned = owned = False
         try:
             if new:
-                slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
+                slots = await tiers.reserve_device(
+                    new, mine=len(keys), timeout=store.timeout, tenants=self._tenants
+                )
                 opened = True
                 tiers.pages.zero_device(slots)  # a reused slot holds another page's bytes
                 tiers.commit_device(new)

@@ -82,6 +82,11 @@ class TableView:
         """The checksum (CRC-32C of the raw page) of each key; ``NO_SUM`` (-1) where none."""
         return self._table.sums.get(keys)
 
+    def quota_refusal(self, tier: str) -> tuple[bool, str | None]:
+        """Whether the last eviction from ``tier`` that the tenants' quotas constrained found
+        too few pages within them, and the tenant it was for (None: nobody's pages)."""
+        return self._table.quota_blocked(tier), self._table.quota_refused(tier)
+
     def check(self) -> None:
         """The page table's invariants. Raises AssertionError."""
         self._table.check()

@@ -29,18 +29,19 @@ a tenant may use free room above it, and its pages above the limit are the first
 as anyone needs room.
 
 :class:`Tenants` is the one owner of this accounting: the page table tells it of pages arriving
-and leaving (:meth:`Tenants.stored`, :meth:`Tenants.left`) and asks it which pages an eviction
-may take (:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages
-it names) with the per-page work in C (``map``, ``Counter``), and a store without tenants has
-none of it (the page table's hook is ``None``).
+and leaving (:meth:`Tenants.replaced`, :meth:`Tenants.evicted`, :meth:`Tenants.stored`,
+:meth:`Tenants.left`: one call per batch) and asks it which pages an eviction may take
+(:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages it names)
+with the per-page work in C (``map``, ``list.count``), and a store without tenants has none of
+it (the page table's hook is ``None``).
 
-This file stays whole (just over 400 lines): the charges, the counts and the two rules read
-and change the same per-tenant arrays, and each hook must see the others' bookkeeping.
+This file stays whole (over 400 lines): the charges, the counts and the two rules read and
+change the same per-tenant counts, and each hook must see the others' bookkeeping.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, _count_elements  # type: ignore[attr-defined]
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import repeat
@@ -194,15 +195,31 @@ class Tenants:
         self._of: dict[Key, int] = {}  # page key -> the tenant charged for it
         self._prune_at = _PRUNE_MIN
         self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
-        self._used = {t: [0] * len(names) for t in self._reserve}  # pages, not counting MOVING
-        self._evicted = {t: [0] * len(names) for t in self._reserve}  # suffered
+        # per tier, pages per tenant index (None: nobody's), each count only growing, by one
+        # C-level pass per batch (_count_elements, no Python per page): stored (came), put
+        # back (back), evicted (lost), dropped (gone); held = came + back - lost - gone (not
+        # counting MOVING), evicted (suffered) = lost - back
+        zero: dict[int | None, int] = dict.fromkeys([*range(len(names)), None], 0)
+        self._came = {t: dict(zero) for t in self._reserve}  # (every index there: no .get)
+        self._back = {t: dict(zero) for t in self._reserve}
+        self._lost = {t: dict(zero) for t in self._reserve}
+        self._gone = {t: dict(zero) for t in self._reserve}
+        self._counts = (self._came, self._back, self._lost, self._gone)
         self._caused = [0] * len(names)
         self.counters = [TenantCounters() for _ in names]
         self.unattributed_refusals = 0  # refusals of room for pages no tenant is charged for
         # rule 2 is checked only where some tenant reserves pages in the tier
         self._guarded = {t: any(r) for t, r in self._reserve.items()}
-        self._guards = {t: [i for i, x in enumerate(r) if x] for t, r in self._reserve.items()}
+        self._guards = {  # (tenant, reservation) of those with one in the tier
+            t: [(i, x) for i, x in enumerate(r) if x] for t, r in self._reserve.items()
+        }
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
+        #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
+        self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
+        self._picks = {  # what any_pick reads, per tier in one lookup
+            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))
+            for t in self._reserve
+        }
 
     # -- entry -----------------------------------------------------------------------------
     def tenant(self, name: object) -> int | None:
@@ -223,7 +240,7 @@ class Tenants:
         self._held = held
 
     def charge(
-        self, keys: Iterable[Key], tenant: int | None, *, fresh: bool = False, new: bool = False
+        self, keys: Sequence[Key], tenant: int | None, *, fresh: bool = False, new: bool = False
     ) -> None:
         """Charge ``tenant`` for the pages of ``keys`` that nobody is charged for yet (the
         first maker pays). Call before the pages are stored in any tier. ``fresh``: the
@@ -234,9 +251,11 @@ class Tenants:
             return
         of = self._of
         if new:
-            of.update(dict.fromkeys(keys, tenant))
+            if len(keys) == 1:  # (an append's one page: no dict)
+                of[keys[0]] = tenant
+            else:
+                of.update(dict.fromkeys(keys, tenant))
         elif fresh:
-            keys = list(keys)
             held = set(self._held([k for k in keys if k in of]))
             of.update(dict.fromkeys((k for k in keys if k not in held), tenant))
         else:
@@ -276,54 +295,51 @@ class Tenants:
         """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
         eviction that did not happen after all, made for ``by``'s pages: no longer counted
         as one)."""
-        used = self._used.get(tier)
-        if used is None or not keys:
+        came = self._came.get(tier)
+        if came is None or not keys:
             return
-        ids = list(map(self._of.get, keys))
-        first = ids[0]
-        if ids.count(first) == len(ids) and not put_back:  # one tenant's batch: no tally
-            if first is not None:
-                used[first] += len(ids)
-            return
-        lost = self._evicted[tier]
-        for i, n in _tally(ids):
-            if i is not None:
-                used[i] += n
-                if put_back:
-                    lost[i] -= n
+        _count_elements(self._back[tier] if put_back else came, map(self._of.get, keys))
         if put_back and by is not None:
             self._caused[by] -= len(keys)
 
-    def left(
-        self, tier: str, keys: Sequence[Key], *, evicted: bool = False, by: int | None = None
-    ) -> bool:
-        """Pages of ``keys`` left ``tier`` (or went MOVING: chosen by an eviction);
-        ``evicted``: by an eviction, counted against their tenants (and as caused by
-        ``by``). Returns True when an eviction left a tenant with pages among them (but
-        ``by``, whose own pages may go for its own) below its reservation: rule 2 broken,
-        the caller puts them back."""
-        used = self._used.get(tier)
-        if used is None or not keys:
-            return False
-        ids = list(map(self._of.get, keys))
-        first = ids[0]
-        one = ids.count(first) == len(ids)
-        counts = ((first, len(ids)),) if one else _tally(ids)
-        broke = False
-        if evicted:
-            lost, res = self._evicted[tier], self._reserve[tier]
-            for i, n in counts:
-                if i is not None:
-                    used[i] -= n
-                    lost[i] += n
-                    broke = broke or (i != by and used[i] < res[i])
-            if by is not None:
-                self._caused[by] += len(keys)
-        else:
-            for i, n in counts:
-                if i is not None:
-                    used[i] -= n
-        return broke
+    def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
+        """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them
+        (a page table's store: one call for both; the tenant of ``new``'s first charged page
+        is the cause of the evictions)."""
+        came = self._came.get(tier)
+        if came is None or not new:  # (nothing is evicted for no new page)
+            return
+        if not out:
+            _count_elements(came, map(self._of.get, new))
+            return
+        ids = list(map(self._of.get, new))
+        _count_elements(came, ids)
+        by = ids[0]
+        if by is None:
+            by = next((i for i in ids if i is not None), None)
+        self.evicted(tier, out, by)
+
+    def left(self, tier: str, keys: Sequence[Key]) -> None:
+        """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
+        gone = self._gone.get(tier)
+        if gone is not None:
+            _count_elements(gone, map(self._of.get, keys))
+
+    def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
+        """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
+        MOVING page is no tenant's until put back), counted against their tenants and as
+        caused by ``by`` (whether that kept the reservations: :meth:`keeps_reserves`)."""
+        lost = self._lost.get(tier)
+        if lost is None or not keys:
+            return
+        _count_elements(lost, map(self._of.get, keys))
+        if by is not None:
+            self._caused[by] += len(keys)
+
+    def _pages(self, tier: str) -> list[int]:
+        """Pages per tenant in ``tier`` (not counting MOVING)."""
+        came, back, lost, gone = (c[tier] for c in self._counts)
+        return [came[i] + back[i] - lost[i] - gone[i] for i in range(len(self.names))]
 
     def caused(self, by: int | None, n: int) -> None:
         """``n`` evictions were made for tenant ``by``'s pages (None: nobody's)."""
@@ -340,9 +356,13 @@ class Tenants:
 
     def maker(self, keys: Sequence[Key]) -> int | None:
         """The tenant charged for the first of ``keys`` that has one (the cause of the
-        evictions storing them makes)."""
+        evictions storing them makes); None for none."""
         of = self._of
-        return next((i for i in map(of.get, keys) if i is not None), None)
+        for k in keys:  # (the first key has one but for unowned pages: no generator)
+            i = of.get(k)
+            if i is not None:
+                return i
+        return None
 
     def active(self, tier: str) -> bool:
         """Whether evictions from ``tier`` must ask :meth:`room`."""
@@ -364,7 +384,7 @@ class Tenants:
         ``taken``: victims already chosen but not yet counted, per tenant; ``by``: the tenant
         the room is for, whose own pages rule 2 lets go (its new pages replace them). The
         caller asks again for the rest until a pass finds none."""
-        used = self._used[tier]
+        used = self._pages(tier)
         of = self._of
         if over:
             lim = self._limit[tier]
@@ -385,11 +405,24 @@ class Tenants:
         k = min(n, min((s for s in spare if s > 0), default=n))
         return k, lambda key: of.get(key) not in low
 
+    def any_pick(self, tier: str, n: int) -> bool:
+        """Whether any ``n`` victims in ``tier`` keep the quotas: nobody is over a limit there
+        (rule 1 has nothing to say) and each tenant with a reservation there has ``n`` pages
+        above it (rule 2 holds whichever pages go), so the policy's own pick stands
+        unchecked (most evictions, where the quotas do not bind)."""
+        limited, guards, came, back, lost, gone = self._picks[tier]
+        if limited and self.over_limit(tier):
+            return False
+        for i, r in guards:  # noqa: SIM110 - a loop: no generator per eviction
+            if came[i] + back[i] - lost[i] - gone[i] - r < n:
+                return False
+        return True
+
     def over_limit(self, tier: str) -> bool:
         """Whether a tenant is over its limit in ``tier`` (rule 1 then picks the victims)."""
         if not self._limited.get(tier, False):
             return False
-        return any(u > lim for u, lim in zip(self._used[tier], self._limit[tier]))
+        return any(u > lim for u, lim in zip(self._pages(tier), self._limit[tier]))
 
     def keeps_reserves(self, tier: str, keys: Sequence[Key], by: int | None, counted: bool) -> bool:
         """Whether evicting the pages of ``keys`` from ``tier`` leaves every tenant with
@@ -398,12 +431,34 @@ class Tenants:
         guards = self._guards.get(tier)
         if not guards or not keys:
             return True
-        used, res = self._used[tier], self._reserve[tier]
+        used = self._pages(tier)
         ids = list(map(self._of.get, keys))
-        for i in guards:  # the tenants with a reservation here: a C-level count each
-            if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < res[i]:
+        for i, r in guards:  # the tenants with a reservation here: a C-level count each
+            if i != by and (n := ids.count(i)) and (used[i] if counted else used[i] - n) < r:
                 return False
         return True
+
+    def parts(self, tier: str, keys: Sequence[Key]) -> list[list[Key]]:
+        """``keys`` split by the tenant charged for each, in the order their room should be
+        asked for in ``tier``: the tenant furthest below its reservation there first, pages
+        of nobody's last (one part when they are one tenant's, as most batches are). A batch
+        of several tenants' new pages asks room for each part on its own: the evictions each
+        makes are that tenant's (rule 2 lets only its own pages go), and a refusal names it."""
+        ids = list(map(self._of.get, keys))
+        if not ids or ids.count(ids[0]) == len(ids):
+            return [list(keys)]
+        of: dict[int | None, list[Key]] = {}
+        for k, i in zip(keys, ids):
+            of.setdefault(i, []).append(k)
+        used = self._pages(tier) if tier in self._came else None
+        res = self._reserve.get(tier)
+
+        def owed(i: int | None) -> int:
+            if i is None:
+                return -_NO_LIMIT
+            return 0 if res is None or used is None else res[i] - used[i]
+
+        return [of[i] for i in sorted(of, key=owed, reverse=True)]
 
     def tally(self, keys: Sequence[Key]) -> Counter[int | None]:
         """Victims per tenant (for :meth:`room`'s ``taken``)."""
@@ -414,6 +469,11 @@ class Tenants:
         """Per tenant: sequences, prompt tokens, reused tokens, refusals, and per tier the
         pages and bytes it is charged for, the evictions it suffered; evictions it caused."""
         out: dict[str, Any] = {}
+        held = {t: self._pages(t) for t in self._came}
+        lost = {
+            t: [self._lost[t][i] - self._back[t][i] for i in range(len(self.names))]
+            for t in self._came
+        }
         for i, name in enumerate(self.names):
             c = self.counters[i]
             out[name] = {
@@ -424,15 +484,15 @@ class Tenants:
                 "evictions_caused": self._caused[i],
                 "tiers": {
                     t: {
-                        "pages": self._used[t][i],
-                        "bytes": self._used[t][i] * self.slot_bytes[t],
-                        "evicted": self._evicted[t][i],
+                        "pages": held[t][i],
+                        "bytes": held[t][i] * self.slot_bytes[t],
+                        "evicted": lost[t][i],
                         "reserve_pages": self._reserve[t][i],
                         "limit_pages": None
                         if self._limit[t][i] == _NO_LIMIT
                         else self._limit[t][i],
                     }
-                    for t in self._used
+                    for t in self._came
                 },
             }
         return out
@@ -440,7 +500,8 @@ class Tenants:
     def check(self, held: Callable[[str], Iterable[Key]]) -> None:
         """Assert the counts equal the charged pages each tier holds, not MOVING
         (``held(tier)``). Raises AssertionError."""
-        for t, used in self._used.items():
+        for t in self._came:
+            used = self._pages(t)
             want = [0] * len(used)
             for i, n in Counter(map(self._of.get, held(t))).items():
                 if i is not None:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from types import TracebackType
+from urllib.parse import quote
 
 __all__ = ["RedisServer", "RedisServerError", "free_port", "redis_binary", "skip_without_redis"]
 
@@ -59,12 +60,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(host: str, port: int, timeout: float) -> bool:
+def _ping(host: str, port: int, timeout: float, password: str | None = None) -> bool:
+    """Whether ``PING`` answers ``PONG`` (after ``AUTH password`` when given)."""
+    want = b"+PONG"
+    ask = b"PING\r\n"
+    if password is not None:  # (RESP: the password as a bulk string, any bytes in it)
+        pw = password.encode()
+        ask = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw) + ask
+        want = b"+OK\r\n+PONG"
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            s.sendall(ask)
+            got = b""
+            while len(got) < len(want) and (part := s.recv(64)):
+                got += part
+            return got.startswith(want)
     except OSError:
         return False
 
@@ -83,6 +94,7 @@ class RedisServer:
         host: the loopback address to bind.
         binary: the server binary (default: `redis_binary()`).
         start_timeout: seconds to wait for the first ``PONG``.
+        password: the default user's password (``--requirepass``); `url` carries it.
 
     Raises RedisServerError from `start` when no server answers in time.
     """
@@ -95,8 +107,10 @@ class RedisServer:
         host: str = "127.0.0.1",
         binary: str | None = None,
         start_timeout: float = 15.0,
+        password: str | None = None,
     ) -> None:
         self.host = host
+        self.password = password
         self.port = port or 0
         self._pick_port = port is None
         self.args = list(args)
@@ -108,8 +122,9 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """``redis://host:port/0``."""
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://host:port/0`` (``redis://:password@host:port/0`` with a password)."""
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def running(self) -> bool:
@@ -132,6 +147,7 @@ class RedisServer:
             "--protected-mode", "no",
             "--dir", self.dir,
             "--daemonize", "no",
+            *([] if self.password is None else ["--requirepass", self.password]),
             *self.args,
         ]  # fmt: skip
 
@@ -159,7 +175,7 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
-            if _ping(self.host, self.port, 0.5):
+            if _ping(self.host, self.port, 0.5, self.password):
                 return True
             time.sleep(0.02)
         self._terminate(signal.SIGKILL)
@@ -175,7 +191,7 @@ class RedisServer:
 
     def ping(self, timeout: float = 1.0) -> bool:
         """Whether the server answers ``PING`` within ``timeout`` seconds."""
-        return _ping(self.host, self.port, timeout)
+        return _ping(self.host, self.port, timeout, self.password)
 
     def _terminate(self, sig: int, timeout: float = 10.0) -> None:
         proc = self.proc

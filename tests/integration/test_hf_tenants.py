@@ -4,6 +4,7 @@ of its salt only, its pages are charged to its tenant, a copy keeps both."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 
@@ -53,3 +54,18 @@ def test_salted_caches_share_only_with_their_salt_and_charge_their_tenant() -> N
         assert tenants["a"]["prefix_tokens_reused"] == 16  # the copy's 8 and the last 8
     with pytest.raises(TenantError):
         TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, salt=b"")
+
+
+def test_a_tenant_the_store_lacks_is_refused_at_construction() -> None:
+    quotas = {"a": tierkv.Quota()}
+    with tierkv.SyncKVStore(
+        SPEC, device_bytes=32 * SPEC.page_bytes, host_bytes=1 << 20, tenants=quotas
+    ) as store:
+        for bad in ("A", "b", "a "):  # another spelling, another tenant, a bad name
+            with pytest.raises(TenantError):  # (UnknownTenantError is one)
+                TieredCache(store=store, tenant=bad)
+        assert store.call(lambda: store.store.sequence_ids()) == []
+    threads = threading.active_count()
+    with pytest.raises(tierkv.UnknownTenantError):  # a store without tenants knows none
+        TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, tenant="a")
+    assert threading.active_count() == threads  # the store that cache opened was closed

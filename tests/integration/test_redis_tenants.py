@@ -154,3 +154,21 @@ async def test_an_acl_on_the_tenant_prefix_confines_its_redis_user(srv: str) -> 
             assert await beta_again.load(keys, out, list(range(N))) == N
             assert (out == pages_of(3)).all()
         assert len(r.keys("*")) == 3 * N
+
+
+async def test_a_password_protected_server_serves_a_tenants_tier() -> None:
+    # (the test helper starts redis-server with --requirepass; its url carries the password)
+    skip_without_redis()
+    keys, out = keys_of(4), np.zeros((N, PB), np.uint8)
+    with RedisServer(password="pw: a/b@c") as running:
+        assert running.url.startswith("redis://:pw%3A%20a%2Fb%40c@")
+        async with tier(running.url, tenant="acme") as acme:
+            assert await acme.publish(keys, pages_of(4), list(range(N))) == N
+            assert await acme.load(keys, out, list(range(N))) == N
+            assert (out == pages_of(4)).all()
+        bare = running.url.replace(":pw%3A%20a%2Fb%40c@", "")
+        async with tier(bare, tenant="acme") as nopass:  # no password: refused, counted
+            assert await nopass.lookup(keys) == 0
+            assert nopass.stats()["errors"] >= 1
+        with redis.Redis.from_url(running.url) as r:
+            assert len(r.keys("tkv:*:t:acme:*")) == N

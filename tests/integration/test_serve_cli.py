@@ -372,6 +372,32 @@ def test_bad_tenants_files_fail_before_serving(
     assert message in capsys.readouterr().err
 
 
+def test_odd_tenants_files_fail_before_serving(
+    tmp_path: Path, capsys: pytest.CaptureFixture[Any]
+) -> None:
+    from tierkv.cli.tenants_file import MAX_BYTES as MAX_TENANTS_FILE
+
+    huge = tmp_path / "huge"
+    with open(huge, "wb") as f:  # sparse: over the bound without writing it
+        f.truncate(MAX_TENANTS_FILE + 1)
+    huge.chmod(0o600)
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"acme \xff\xfe\n")
+    binary.chmod(0o600)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)  # no writer: reading would wait for one forever
+    json_file = _tenants_file(tmp_path, '{"acme": "0a0b"}')  # JSON is not the format
+    for path, message in (
+        (huge, f"larger than {MAX_TENANTS_FILE} bytes"),
+        (binary, "not UTF-8"),
+        (fifo, "not a regular file"),
+        (json_file, "tenants:1: tenant name '{\"acme\":' has characters outside"),
+        (tmp_path, "not a regular file"),
+    ):
+        assert cli_main(["serve", "--secret", SECRET, "--tenants", str(path)]) == 2
+        assert message in capsys.readouterr().err, path
+
+
 def test_a_missing_tenants_file_fails_before_serving(
     tmp_path: Path, capsys: pytest.CaptureFixture[Any]
 ) -> None:

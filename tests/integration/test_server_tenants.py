@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tierkv.serving import EngineConfig
 from tierkv.tenants import Quota
@@ -86,3 +87,41 @@ async def test_tenants_by_api_key_quotas_and_429() -> None:
             assert status == 200 and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
     finally:
         await runner.cleanup()
+
+
+def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
+    import os
+
+    def file(name: str, data: bytes | str) -> str:
+        p = tmp_path / name
+        p.write_bytes(data.encode() if isinstance(data, str) else data)
+        return str(p)
+
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(server.MAX_TENANTS_FILE + 1)
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo, 0o600)  # no writer: reading would wait for one forever
+    cases = {
+        file("broken.json", '{"tenants": {"a": {}'): "Expecting",
+        file("list.json", "[1, 2]"): "want a JSON object",
+        file("deep.json", "[" * 100_000 + "]" * 100_000): "recursion",
+        file("twice.json", '{"tenants": {"a": {}, "a": {"host_limit": 1}}}'): "given twice",
+        file("name.json", '{"tenants": {"a:b": {}}}'): "characters outside",
+        file("case.json", '{"tenants": {"a": {}}, "api_keys": {"k": "A"}}'): "unknown tenants",
+        file("nan.json", '{"tenants": {"a": {"host_limit": NaN}}}'): "must be an int",
+        file("neg.json", '{"tenants": {"a": {"host_reserve": -1}}}'): "must be >= 0",
+        file("field.json", '{"tenants": {"a": {"disk_limit": 1}}}'): "unexpected keyword",
+        file("key.json", '{"tenants": {"a": {}}, "api_keys": {"": "a"}}'): "non-empty string",
+        file("bin.json", b"\xff\xfe{}"): "utf-8",
+        str(huge): "over",
+        str(fifo): "not a regular file",
+        str(tmp_path / "missing.json"): "No such file",
+    }
+    for path, reason in cases.items():
+        with pytest.raises(SystemExit) as got:
+            server.tenant_options(path)
+        assert reason in str(got.value), (path, got.value)
+    good = file("good.json", '{"tenants": {"a": {"host_limit": 8}}, "api_keys": {"k": "a"}}')
+    quotas, keys = server.tenant_options(good)
+    assert quotas == {"a": Quota(host_limit=8)} and keys == {"k": "a"}

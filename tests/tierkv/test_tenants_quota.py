@@ -44,6 +44,12 @@ def small(**tenants: Quota) -> KVStore:
         (lambda: Quota(host_reserve="1G"), InvalidTypeError),
         (lambda: Quota(device_limit=True), InvalidTypeError),
         (lambda: Quota(host_reserve=8, host_limit=4), QuotaConfigError),
+        (lambda: Quota(host_limit=float("nan")), InvalidTypeError),
+        (lambda: Quota(host_limit=float("inf")), InvalidTypeError),
+        (lambda: Quota(device_reserve=1.0), InvalidTypeError),
+        (lambda: Quota(cold_reserve=False), InvalidTypeError),
+        (lambda: Quota(host_reserve=None), InvalidTypeError),  # (only a limit may be None)
+        (lambda: Quota(host_limit=-(1 << 70)), QuotaConfigError),
     ],
 )
 def test_bad_quotas_are_typed(quota: object, err: type[Exception]) -> None:
@@ -76,6 +82,19 @@ async def test_unknown_and_bad_tenants_change_nothing() -> None:
             with pytest.raises(err):
                 await s.add_sequence("x", tokens(1), tenant=bad)  # type: ignore[arg-type]
         assert s.sequence_ids() == [] and s.stats()["tenants"]["a"]["sequences"] == 0
+        s.check()
+    async with small(acme=Quota()) as s:  # names match exactly: no other spelling is acme
+        for bad in ("Acme", "ACME", " acme", "acme ", "acme\x00", "acme:x", "t:acme", "acme\n"):
+            with pytest.raises(TenantError):  # (UnknownTenantError for the well-formed ones)
+                await s.add_sequence("x", tokens(1), tenant=bad)
+        for salt in (bytearray(b"s"), memoryview(b"s"), 5, "", b"", "x" * 257, ["s"]):
+            with pytest.raises(TenantError):
+                await s.add_sequence("x", tokens(1), salt=salt, tenant="acme")  # type: ignore[arg-type]
+            with pytest.raises(TenantError):
+                s.lookup(tokens(1), salt=salt)  # type: ignore[arg-type]
+            with pytest.raises(TenantError):
+                await s.fetch_prefix(tokens(1), salt=salt)  # type: ignore[arg-type]
+        assert s.sequence_ids() == [] and s.stats()["tenants"]["acme"]["sequences"] == 0
         s.check()
     async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=16 * PAGE) as plain:
         with pytest.raises(UnknownTenantError, match="no tenants"):

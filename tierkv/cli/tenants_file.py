@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import stat
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, TenantError
 from tierkv.tenant_names import check_tenant
 
 __all__ = ["MAX_BYTES", "read_tenants"]
@@ -56,7 +56,10 @@ def read_tenants(path: str) -> dict[str, bytes]:
             raise InvalidInputError(
                 f"--tenants {path}:{n}: want 'NAME HEX', got {len(words)} words"
             )
-        name = check_tenant(words[0])
+        try:
+            name = check_tenant(words[0])
+        except TenantError as exc:  # the line that holds it
+            raise TenantError(f"--tenants {path}:{n}: {exc}") from exc
         if name in out:
             raise InvalidInputError(f"--tenants {path}:{n}: tenant {name!r} twice")
         try:

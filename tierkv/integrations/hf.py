@@ -74,6 +74,7 @@ from tierkv.step import LayerStep, StepPlan
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 from tierkv.tenant_names import check_salt, check_tenant
+from tierkv.tenants import tenant_index
 
 _cache_ids = itertools.count()
 
@@ -248,6 +249,12 @@ class TieredCache(Cache):
         else:
             driver = ThreadStore(store)
             owner = None
+        try:  # a tenant the store lacks: refused here, not at the first forward
+            tenant_index(driver.store.tenants, tenant)
+        except TierKVError:
+            if owner is not None:
+                owner.drop()  # (the store this cache opened closes again)
+            raise
         sparse = sparse_options(sparse, driver.store, owner.drop if owner is not None else None)
         self._setup(driver, owner, prefetch_layers if prefetch else 0, sparse, raw_salt, tenant)
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, QuotaExceededError
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
@@ -56,6 +56,20 @@ from tierkv.serving.sparse import ServingSparse
 from tierkv.store import KVStore
 from tierkv.tenant_names import check_salt
 from tierkv.tenants import Quota, tenant_index
+
+Row = tuple[Request, int, int, int]
+"""A request's rows in a step: the request, its first row, its end row, its tokens before."""
+
+
+@dataclass
+class _Layers:
+    """A step's progress through the layers: the hidden states entering layer ``next``, their
+    positions, and the requests' rows (fewer after a tenant's refusal)."""
+
+    x: torch.Tensor
+    pos: torch.Tensor
+    rows: list[Row]
+    next: int = 0
 
 
 @dataclass(frozen=True)
@@ -447,7 +461,7 @@ class Engine:
 
     async def _step(self, step: list[tuple[Request, list[int]]]) -> None:
         t0 = time.perf_counter()
-        model, store, cfg, sp = self.model, self.store, self.config, self.sparse
+        model, store = self.model, self.store
         ids = [req.rid for req, _ in step]
         if ids != self._announced:  # a request joined or left: announce the coming steps
             self._announced = ids
@@ -455,7 +469,7 @@ class Engine:
             store.schedule([ids, ids + later])
         tokens: list[int] = []
         positions: list[int] = []
-        rows: list[tuple[Request, int, int, int]] = []  # request, first row, end row, past
+        rows: list[Row] = []  # request, first row, end row, past
         for req, toks in step:
             past = req.computed if req.prefilling else len(req.prompt) + len(req.output) - 1
             a = len(tokens)
@@ -464,25 +478,13 @@ class Engine:
             rows.append((req, a, len(tokens), past))
         self._count_live()
         with torch.inference_mode():
-            x = model.embed(torch.tensor(tokens))
-            pos = torch.tensor(positions)
-            counts = [b - a for _, a, b, _ in rows]
-            ahead = 2 if cfg.prefetch else 0
-            async with store.step_plan(ids, tokens=counts, ahead=ahead) as plan:
-                for layer in range(model.num_layers):
-                    q, k, v = model.qkv(layer, x, pos)
-                    h = plan.layer_now(layer) or await plan.layer(layer)
-                    h.append(k, v)  # [H, N, D]: the requests' tokens one after another
-                    if sp is not None:
-                        for req, a, b, past in rows:
-                            sp.append(req.rid, layer, k[:, a:b], past)
-                    parts = [
-                        model.attend(layer, q[:, a:b], kk, vv, past)
-                        if sp is None
-                        else sp.attend(model, layer, req.rid, q[:, a:b], kk, vv, past)
-                        for (req, a, b, past), (kk, vv) in zip(rows, h.kv_list())
-                    ]
-                    x = model.finish(layer, x, torch.cat(parts))
+            state = _Layers(model.embed(torch.tensor(tokens)), torch.tensor(positions), rows)
+            while state.next < model.num_layers:
+                try:
+                    await self._layers(state)
+                except QuotaExceededError as exc:  # one tenant's refusal: its requests fail,
+                    self._refuse(state, exc)  # the others go on from the layer it stopped
+            rows, x = state.rows, state.x
             sample = [(req, b - 1) for req, a, b, past in rows if b - a + past >= len(req.prompt)]
             logits = model.logits(x[[r for _, r in sample]]) if sample else None
         now = time.perf_counter()
@@ -495,8 +497,54 @@ class Engine:
         store.step()
         c = self.counters
         c.steps += 1
-        c.step_tokens += len(tokens)
+        c.step_tokens += sum(b - a for _, a, b, _ in rows)
         c.step_seconds += now - t0
+
+    async def _layers(self, state: _Layers) -> None:
+        """Run the step's rows through layers ``state.next`` on, ``state`` following each
+        layer done (its hidden states, the next layer), so that a failure leaves it at the
+        layer to run again."""
+        model, cfg, sp, rows = self.model, self.config, self.sparse, state.rows
+        ids = [req.rid for req, _, _, _ in rows]
+        counts = [b - a for _, a, b, _ in rows]
+        layers = list(range(state.next, model.num_layers))
+        ahead = 2 if cfg.prefetch else 0
+        async with self.store.step_plan(ids, layers, tokens=counts, ahead=ahead) as plan:
+            for layer in layers:
+                x = state.x
+                q, k, v = model.qkv(layer, x, state.pos)
+                h = plan.layer_now(layer) or await plan.layer(layer)
+                h.append(k, v)  # [H, N, D]: the requests' tokens one after another
+                if sp is not None:
+                    for req, a, b, past in rows:
+                        sp.append(req.rid, layer, k[:, a:b], past)
+                parts = [
+                    model.attend(layer, q[:, a:b], kk, vv, past)
+                    if sp is None
+                    else sp.attend(model, layer, req.rid, q[:, a:b], kk, vv, past)
+                    for (req, a, b, past), (kk, vv) in zip(rows, h.kv_list())
+                ]
+                state.x = model.finish(layer, x, torch.cat(parts))
+                state.next = layer + 1
+
+    def _refuse(self, state: _Layers, exc: QuotaExceededError) -> None:
+        """Fail the requests of the tenant ``exc`` refused and drop their rows from
+        ``state``; re-raise when that would leave none or names no tenant of the step (then
+        the step's requests all fail, as for any other error)."""
+        rows = state.rows
+        keep = [r for r in rows if r[0].tenant != exc.tenant]
+        if exc.tenant is None or not keep or len(keep) == len(rows):
+            raise exc
+        for req, _, _, _ in rows:
+            if req.tenant == exc.tenant:
+                self._fail(req, exc)
+        index = torch.cat([torch.arange(a, b) for _, a, b, _ in keep])
+        state.x, state.pos = state.x[index], state.pos[index]
+        state.rows = []
+        at = 0
+        for req, a, b, past in keep:
+            state.rows.append((req, at, at + b - a, past))
+            at += b - a
 
     def _emit(self, req: Request, tok: int, now: float) -> None:
         if req.cancelled or req.finished:

@@ -47,6 +47,7 @@ from tierkv.keys import KEY_BYTES, is_content
 from tierkv.page_sums import NO_SUM, row_sums
 from tierkv.page_table import PageState
 from tierkv.remote.errors import LeaseExpiredError, RemoteFullError, RemoteProtocolError
+from tierkv.tenants import Tenants
 from tierkv.tiers import TierSet
 
 __all__ = ["Directory", "is_content"]
@@ -87,12 +88,16 @@ class Directory:
         revoke: Revoke | None = None,
         max_writing: int | None = None,
         guard_reads: bool = False,
+        quotas: Tenants | None = None,
     ) -> None:
         """``revoke``: see `Revoke` (None: fenced slots wait for the writer's word);
         ``max_writing``: slots that live write leases and the quarantine may hold together
         (default: the whole host tier); past it `reserve` raises RemoteFullError;
-        ``guard_reads``: keep which tenants read which slots, for `may_read` (tenants)."""
+        ``guard_reads``: keep which tenants read which slots, for `may_read` (tenants);
+        ``quotas``: the store's tenants (:mod:`tierkv.tenants`): the pages a session of one
+        of them reserves are charged to it, and its quotas decide the room they get."""
         self.tiers = tiers
+        self.quotas = quotas
         self.lease_ttl = lease_ttl
         slots = tiers.table.capacity(tiers.top)  # the host tier's column
         self.gen = [0] * slots
@@ -213,8 +218,17 @@ class Directory:
                 f"{self.quarantined} quarantined behind writes not known to have ended "
                 f"(at most {self.max_writing})"
             )
+        who = None if self.quotas is None or tenant is None else self.quotas.index.get(tenant)
+        if who is not None and self.quotas is not None:  # (its maker: charged before stored)
+            self.quotas.charge(keys, who, fresh=True)
         alloc = self.tiers.glue.reserve_host(keys)  # pages evicted for room are announced
         if alloc is None:
+            blocked, refused = self.tiers.table.quota_refusal(self.tiers.top)
+            if blocked:
+                raise RemoteFullError(
+                    f"no room for {len(keys)} pages within the tenants' quotas (for "
+                    f"{refused or 'nobody'}: no page of a tenant at its reservation goes)"
+                )
             raise RemoteFullError(f"no room for {len(keys)} pages: the host tier is pinned")
         new = cast(list[bytes], alloc.keys)
         if sums is not None and new:  # (a reserved page is WRITING: it holds no checksum yet)
@@ -307,6 +321,8 @@ class Directory:
             return
         qkeys = [_quarantine_key(next(self._qids)) for _ in lease.keys]
         self.tiers.glue.rename_reserved_host(lease.keys, qkeys)
+        if self.quotas is not None:  # the tenant charged stays charged till they go
+            self.quotas.rename(lease.keys, qkeys)
         for s in lease.slots:
             self._observe(s, None)
         lease.keys = qkeys

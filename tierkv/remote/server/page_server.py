@@ -82,7 +82,9 @@ class PageServer:
             sessions that name no tenant (their pages are nobody's but theirs too).
         secrets: a secret per tenant (``{"acme": b"...", ...}``): a client that names a
             tenant proves its secret and reads and publishes only its pages (docs/security.md,
-            *Tenants*). None: no tenants.
+            *Tenants*). None: no tenants. With a store of tenants (``KVStore(tenants=)``) each
+            must be one of the store's: the pages its sessions publish are charged to it and
+            its quotas decide their room (a reserve past them answers "full").
         insecure: serve without a secret (anyone who can connect may use the server); only
             on a loopback ``host`` (else ValueError).
         lease_ttl: seconds a peer may hold pages pinned (reads) or slots reserved (writes). A
@@ -114,7 +116,7 @@ class PageServer:
 
     Raises ValueError (no secret, empty secret, insecure off loopback, a tenant secret empty
     or shared, tenants with a transport that proves no secret), TenantError (a bad tenant
-    name), DirectoryURLError (a
+    name), UnknownTenantError (a tenant the store's tenants lack), DirectoryURLError (a
     directory URL that does not parse); from `start`: RemoteError when the arena cannot be
     shared or a transport fails, DirectoryAuthError (the directory refused our credentials),
     NodeIdTakenError (another live node registered our address).
@@ -156,6 +158,10 @@ class PageServer:
                 f"without a secret the page server stays on loopback, not {host!r}"
             )
         self.tenants = ServerTenants(secrets, self.secret)
+        quotas = store.tenants
+        if quotas is not None:  # a session's tenant is charged for what it publishes
+            for name in self.tenants.secrets:
+                quotas.tenant(name)  # (UnknownTenantError: a secret for no tenant of the store)
         if self.tenants and not set(self.kinds) <= {"tcp", "shm"}:
             raise InvalidInputError(
                 f"tenants need data transports that prove a secret (tcp, shm), not {self.kinds}"
@@ -224,6 +230,7 @@ class PageServer:
                 revoke=self._revoke,
                 max_writing=self.max_writing,
                 guard_reads=bool(self.tenants),
+                quotas=self.store.tenants,
             )
             self.port = self.control.start(self.host, self.port)
         except (TransportError, ValueError, OSError) as exc:
