@@ -25,13 +25,18 @@ def _text(path: str) -> str:
         raise InvalidInputError(f"--tenants: cannot read {path}: {exc.strerror}") from exc
     except ValueError as exc:  # a NUL in the path
         raise InvalidInputError(f"--tenants: cannot read {path!r}: {exc}") from None
-    with os.fdopen(fd, "rb") as f:
+    try:  # checked before a file object is made (fdopen refuses a directory itself)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InvalidInputError(f"--tenants {path}: not a regular file")
         if st.st_mode & 0o077:
             raise InvalidInputError(f"--tenants {path}: group or others may read it (chmod 600)")
-        raw = f.read(MAX_BYTES + 1)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise InvalidInputError(f"--tenants: cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
     if len(raw) > MAX_BYTES:
         raise InvalidInputError(f"--tenants {path}: larger than {MAX_BYTES} bytes")
     try:
