@@ -811,12 +811,12 @@ class PageTable:
 
             can_evict_unkept = can_evict_slot
 
-        pick: Callable[[int], bool]
-        if only is not None:  # a set's own membership test: no Python frame per slot scanned
-            pick, want = frozenset(only).__contains__, len(only)
+        if only is not None:  # the order chose them (evictable): no scan for them
+            want = len(only)
+            slots = t.policy.evict_chosen(only)
         else:
-            pick, want = (can_evict_slot if keep is None else can_evict_unkept), n
-        slots = t.policy.evict_slots(want, pick)
+            want = n
+            slots = t.policy.evict_slots(want, can_evict_slot if keep is None else can_evict_unkept)
         keys = list(map(key_of.__getitem__, slots))
         out = list(zip(keys, slots))
         states = t.policy.evicted_state_slots(slots, keys)

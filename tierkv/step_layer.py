@@ -161,6 +161,46 @@ class LayerStep:
         return out[:, 0], out[:, 1]
 
     @boundary
+    def kv_padded(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every sequence padded to the longest, ``[B, H, S_max, D]`` each (views
+        of one gathered copy: one ``index_select``), for attention that masks each sequence's
+        positions from ``lengths`` on; a padding position repeats the sequence's last token
+        (finite values). ``out``: a contiguous tensor in the spec's dtype on the device
+        tier's device, of at least ``B * 2 * H * S_max * D`` elements, to gather into (then
+        nothing is allocated; the views are of ``out`` and the next gather into it overwrites
+        them). Raises SequenceError (not appended yet; the layer no longer current),
+        InvalidTypeError / SpecError (a bad ``out``)."""
+        rows = self._rows
+        flat = self._plan.flat
+        spec = self._plan.store.spec
+        h, d = spec.num_kv_heads, spec.head_dim
+        s = max(rows.lengths, default=0)
+        need = rows.batch * 2 * h * s
+        if out is not None:
+            if not isinstance(out, torch.Tensor):
+                raise InvalidTypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+            if out.dtype != flat.dtype or out.device != flat.device:
+                raise SpecError(f"out: expected a {flat.dtype} tensor on {flat.device}")
+            if not out.is_contiguous() or out.numel() < need * d:
+                raise SpecError(f"out: expected a contiguous tensor of >= {need * d} elements")
+        self._plan.check_current(self)
+        if not self.appended:
+            raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
+        index = rows.padded()
+        if out is None:
+            got = flat.index_select(0, index)
+        else:
+            got = out.view(-1)[: need * d].view(need, d)
+            torch.index_select(flat, 0, index, out=got)
+        kv = got.view(rows.batch, 2, h, s, d)
+        return kv[:, 0], kv[:, 1]
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each sequence's K/V length after the append (the plan's order)."""
+        return self._rows.lengths
+
+    @boundary
     def kv_list(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """K and V of each sequence, ``[H, S_b, D]`` each (views of one gathered copy)."""
         spec = self._plan.store.spec

@@ -109,6 +109,9 @@ class LayerRows:
         "_head",
         "_k",
         "_kv_off",
+        "_padded",
+        "_pairs",
+        "_read",
         "_tok",
         "batch",
         "lengths",
@@ -120,6 +123,7 @@ class LayerRows:
     def __init__(
         self,
         read: torch.Tensor,
+        read_np: npt.NDArray[np.int64],
         tok: npt.NDArray[np.int64],
         lengths: list[int],
         n_new: list[int],
@@ -127,6 +131,8 @@ class LayerRows:
         device: torch.device,
     ) -> None:
         self.read = read
+        self._read = read_np  # (the same rows in numpy: padded() indexes them)
+        self._padded: torch.Tensor | None = None
         self._tok = tok  # the row of (kv=0, head=0) of each new token, sequence after sequence
         self._device = device
         self.lengths = lengths
@@ -135,8 +141,35 @@ class LayerRows:
         h, t = spec.num_kv_heads, spec.page_tokens
         self.sizes = [2 * h * s for s in lengths]
         self._head = _heads(h, t)
+        self._pairs = 2 * h  # (kv, head) pairs: the rows of one token
         self._kv_off = h * t
         self._k: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def padded(self) -> torch.Tensor:
+        """The rows of every sequence's K/V after the append, each padded to the longest:
+        ``[B, 2, H, S_max]`` flattened, a padding row repeating the sequence's last token of
+        that head (real, finite values, for a mask to hide). ``read`` itself when every
+        sequence has the same length. Built once (a few numpy operations)."""
+        got = self._padded
+        if got is None:
+            lengths = np.array(self.lengths, dtype=np.int64)
+            if len(set(self.lengths)) <= 1:
+                got = self.read
+            else:
+                heads = self._pairs
+                smax = int(lengths.max())
+                off = np.zeros(len(lengths), dtype=np.int64)
+                np.cumsum(heads * lengths[:-1], out=off[1:])
+                last = np.maximum(lengths - 1, 0).reshape(-1, 1, 1)
+                at = np.minimum(np.arange(smax, dtype=np.int64).reshape(1, 1, -1), last)
+                col = np.arange(heads, dtype=np.int64).reshape(1, -1, 1)
+                pos = off.reshape(-1, 1, 1) + col * lengths.reshape(-1, 1, 1) + at
+                np.minimum(pos, len(self._read) - 1, out=pos)  # (a sequence of no tokens)
+                got = torch.from_numpy(self._read[pos.reshape(-1)])
+                if self._device.type != "cpu":
+                    got = got.to(self._device, non_blocking=True)
+            self._padded = got
+        return got
 
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""
@@ -218,4 +251,4 @@ def layer_rows(
     r = torch.from_numpy(read)
     if device.type != "cpu":
         r = r.to(device, non_blocking=True)
-    return LayerRows(r, tok, ends, list(n_new), spec, device)
+    return LayerRows(r, read, tok, ends, list(n_new), spec, device)

@@ -15,6 +15,7 @@ import torch
 from tierkv import KVStore, SequenceError
 from tierkv.demo.model import ModelConfig
 from tierkv.serving import Engine, EngineConfig, RequestError, SamplingParams, TinyModel
+from tierkv.serving.model import Mask
 
 MODEL = ModelConfig(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seed=3)
 PAGE = 8
@@ -295,3 +296,55 @@ def test_bad_sparse_options_are_typed_errors_at_entry() -> None:
     for kw in ({"sparse_topk": 0}, {"sparse_topk": 33}, {"sparse_topk": 4, "sparse_recent": -1}):
         with pytest.raises(InvalidInputError):
             engine(**kw)
+
+
+class Recording(TinyModel):
+    """The tiny model, recording every step's logits."""
+
+    def __init__(self, kv_dtype: str) -> None:
+        super().__init__(MODEL, kv_dtype)
+        self.seen: list[torch.Tensor] = []
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().logits(x)
+        self.seen.append(out)
+        return out
+
+
+class PerRequestModel(Recording):
+    """The engine's attention before the padded gather: each decode row on its own, over its
+    sequence's K/V unpadded (``causal_attention``)."""
+
+    def attend_decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
+    ) -> torch.Tensor:
+        lengths = [k.shape[2]] * len(q) if mask is None else mask.sum(1).tolist()
+        return torch.cat(
+            [
+                self.attend(layer, q[b][:, None], k[b, :, :s], v[b, :, :s], s - 1)
+                for b, s in enumerate(lengths)
+            ]
+        )
+
+
+@pytest.mark.parametrize(("kv_dtype", "tol"), [("fp32", 1e-6), ("fp16", 1e-5)])
+async def test_batched_decode_attention_gives_the_per_request_logits(
+    kv_dtype: str, tol: float
+) -> None:
+    # one gather and one attention call for the decode rows against one call per request
+    # over its own K/V: the same tokens; logits within 1e-6 of their scale with fp32 K/V
+    # (fp16 K/V: a ~3e-7 difference in attention can round a later token's K to the next
+    # fp16 value, so 1e-5); ragged lengths, prompt chunks in the same steps
+    ps = prompts(6, seed=5)
+    params = SamplingParams(max_tokens=12)
+    out = []
+    for model in (PerRequestModel(kv_dtype), Recording(kv_dtype)):
+        cfg = EngineConfig(page_tokens=PAGE, max_context=256, max_running=6, max_batch_tokens=20)
+        async with Engine(model, cfg) as e:
+            got = await asyncio.gather(*(e.complete(p, params) for p in ps))
+        out.append(([g[0] for g in got], model.seen))
+    (want_tokens, want_logits), (got_tokens, got_logits) = out
+    assert got_tokens == want_tokens
+    assert len(got_logits) == len(want_logits) > 12
+    for a, b in zip(got_logits, want_logits):
+        assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())

@@ -502,7 +502,8 @@ def test_kvaware_matches_its_key_reference_on_an_op_stream(loops: Loops) -> None
 def test_kvaware_c_loops_equal_the_python_loops(seed: int, capacity: int) -> None:
     """The C loops (policies/_kvaware.c) against their Python reference (kvaware_loops.py) on
     a random op stream: conversations off a shared prompt, hits pinned while misses are
-    stored, evictions whose write-back fails (victims restored), rekeys and removes. After
+    stored, evictions whose write-back fails (victims restored), evictions an announced order
+    chooses (``evict_chosen``: the loop without a scan), rekeys and removes. After
     every request both tables hold the same pages, rank every page the same as the next
     victims and keep the same history and counters."""
     policies = {
@@ -521,11 +522,18 @@ def test_kvaware_c_loops_equal_the_python_loops(seed: int, capacity: int) -> Non
         length[c] += grow
         ids = list(range(3)) + [base[c] + j for j in range(length[c])]
         roll, evict, written = rng.random(), rng.randint(1, 4), rng.random() < 0.5
+        shuffle, share = rng.random(), rng.random()
         fresh += 2
         out = []
         for t in tables:
             if roll < 0.1:  # an eviction whose write-back may fail (restored)
                 victims = t.prepare_evict("t", evict)
+                t.complete_evict([k for k, _ in victims], "t", written)
+            elif 0.2 <= roll < 0.3:  # victims an announced order chose (evict_chosen)
+                order = sorted(t.keys("t"))
+                random.Random(shuffle).shuffle(order)
+                order = order[: max(1, int(share * 1.5 * len(order)))]  # all of them, or some
+                victims = t.prepare_evict("t", evict, keep=set(order), keep_order=order)
                 t.complete_evict([k for k, _ in victims], "t", written)
             elif roll < 0.15:
                 old = t.present(ids, "t")[:2]

@@ -97,3 +97,29 @@ def test_engine_config_is_checked() -> None:
     ):
         with pytest.raises(ValueError):
             EngineConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
+def test_batched_decode_attention_matches_attention_per_sequence(kv_dtype: str) -> None:
+    # the engine's one call for its decode rows against the per-request call it replaced,
+    # over K/V padded with finite rows that the mask hides
+    import torch
+
+    from tierkv.serving.model import causal_attention, decode_attention
+    from tierkv.spec import parse_dtype
+
+    g = torch.Generator().manual_seed(7)
+    lengths = [1, 9, 64, 33, 2]
+    smax, hq, hkv, d = max(lengths), 6, 2, 16
+    q = torch.randn(len(lengths), hq, d, generator=g)
+    k = torch.randn(len(lengths), hkv, smax, d, generator=g).to(parse_dtype(kv_dtype))
+    v = torch.randn(len(lengths), hkv, smax, d, generator=g).to(parse_dtype(kv_dtype))
+    mask = torch.arange(smax)[None, :] < torch.tensor(lengths)[:, None]
+    got = decode_attention(q, k, v, mask)
+    for b, s in enumerate(lengths):
+        want = causal_attention(q[b][:, None], k[b, :, :s], v[b, :, :s], s - 1)
+        assert (got[b] - want[0]).abs().max().item() <= 1e-6
+    same = decode_attention(q, k, v, None)  # no padding: no mask, every position
+    for b in range(len(lengths)):
+        want = causal_attention(q[b][:, None], k[b], v[b], smax - 1)
+        assert (same[b] - want[0]).abs().max().item() <= 1e-6

@@ -28,7 +28,7 @@
 #define ORPHAN (-1)
 #define UNLINKED (-1)
 #define DECAY 0.999 /* kvaware_admission.SCAN_DECAY (checked at import by kvaware_loops) */
-#define ABI 2       /* kvaware_loops.ABI: raise both when a function's arguments change */
+#define ABI 3       /* kvaware_loops.ABI: raise both when a function's arguments change */
 
 static const int64_t VALUE[16] = {0, 2, 5, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32};
 
@@ -535,6 +535,19 @@ static int skips_set(Skips *k, int64_t prio, int64_t left) {
     return 0;
 }
 
+/* On an error: the history trimmed and written back on the way out, as the Python does (the
+ * current exception kept). */
+static void unwind(State *st, double limit) {
+    if (PyErr_Occurred()) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (hist_trim(st, limit) < 0)
+            PyErr_Clear();
+        PyErr_Restore(et, ev, tb);
+    }
+    state_store_on_error(st);
+}
+
 /* -- evict ------------------------------------------------------------------------------------ */
 
 /* evict(st, n, can_evict, limit, floor, left, used, seen)
@@ -698,14 +711,7 @@ static PyObject *evict(PyObject *module, PyObject *const *args, Py_ssize_t nargs
     result = Py_BuildValue("(NLddn)", victims, floor, left, used, seen);
     goto done;
 error:
-    if (PyErr_Occurred()) { /* trimmed and written back on the way out, as the Python does */
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb);
-        if (hist_trim(&st, limit) < 0)
-            PyErr_Clear();
-        PyErr_Restore(et, ev, tb);
-    }
-    state_store_on_error(&st);
+    unwind(&st, limit);
     result = NULL;
 done:
     PyMem_Free(out.v);
@@ -714,6 +720,77 @@ done:
     PyMem_Free(merged.v);
     PyMem_Free(skips.prio);
     PyMem_Free(skips.left);
+    state_release(&st);
+    return result;
+}
+
+/* -- evict_given ------------------------------------------------------------------------------ */
+
+/* evict_given(st, slots, limit, left, used, seen) -> (left, used, seen); see
+ * kvaware_loops.evict_given: the victims a caller chose, each taken as evict() takes one. */
+static PyObject *evict_given(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "evict_given() takes 6 arguments");
+        return NULL;
+    }
+    double limit = PyFloat_AsDouble(args[2]);
+    double left = PyFloat_AsDouble(args[3]);
+    double used = PyFloat_AsDouble(args[4]);
+    Py_ssize_t seen = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    PyObject *slots = PySequence_Fast(args[1], "evict_given: slots must be a sequence");
+    if (slots == NULL)
+        return NULL;
+    State st;
+    if (state_load(&st, args[0]) < 0) {
+        Py_DECREF(slots);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Vec fresh = {0};
+    int64_t *prv = st.prv, *code = st.code, *back = st.back;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(slots);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(slots, i));
+        if (s == -1 && PyErr_Occurred())
+            goto error;
+        if (check_slot(&st, s) < 0)
+            goto error;
+        if (back[s] >= 0) {
+            left = left * DECAY + 1.0;
+            used = used * DECAY + (code[s] != back[s]);
+            seen++;
+        }
+        if (prv[s] == UNLINKED) { /* stranded by an earlier victim of this call */
+            Py_ssize_t j = 0;
+            while (j < fresh.n && fresh.v[j] != s)
+                j++;
+            if (j == fresh.n) { /* not held: the caller broke the contract (del fresh[s]) */
+                PyErr_Format(PyExc_KeyError, "kvaware: slot %zd is not held", s);
+                goto error;
+            }
+            memmove(fresh.v + j, fresh.v + j + 1, (size_t)(fresh.n - j - 1) * sizeof(int64_t));
+            fresh.n--;
+        } else {
+            unlink_slot(&st, s);
+        }
+        if (leave(&st, s, 0, PyDict_GET_SIZE(st.kids) > 0, &fresh) < 0)
+            goto error;
+    }
+    if (fresh.n)
+        extend_slots(&st, ORPHANS, fresh.v, fresh.n);
+    if (hist_trim(&st, limit) < 0 || state_store(&st) < 0)
+        goto error;
+    result = Py_BuildValue("(ddn)", left, used, seen);
+    goto done;
+error:
+    unwind(&st, limit);
+    result = NULL;
+done:
+    PyMem_Free(fresh.v);
+    Py_DECREF(slots);
     state_release(&st);
     return result;
 }
@@ -1210,6 +1287,9 @@ static PyMethodDef methods[] = {
     {"evict", (PyCFunction)(void (*)(void))evict, METH_FASTCALL,
      "evict(state, n, can_evict, limit, floor, left, used, seen) -> (victims, floor, left, "
      "used, seen): kvaware's eviction loop (kvaware_loops.evict)."},
+    {"evict_given", (PyCFunction)(void (*)(void))evict_given, METH_FASTCALL,
+     "evict_given(state, slots, limit, left, used, seen) -> (left, used, seen): the victims a "
+     "caller chose, taken as evict() takes one (kvaware_loops.evict_given)."},
     {"admit_chain", (PyCFunction)(void (*)(void))admit_chain, METH_FASTCALL,
      "admit_chain(keys, first, parent, hits, blocks, head, step, gate_open, gone, run, pending, "
      "small, slot_of, limit, fanout_max, short, judge) -> (verdicts, every, judged, admitted, "

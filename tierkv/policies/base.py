@@ -175,6 +175,13 @@ class EvictionPolicy(ABC):
         """Choose and forget up to ``n`` victim slots, best first (fewer only when no more may
         be evicted). ``can_evict`` says which slots may go; ``None``: every one may."""
 
+    def evict_chosen(self, slots: Sequence[int]) -> list[int]:
+        """Forget ``slots`` as victims the caller chose (each held and evictable, for example
+        the pages an announced order reads last), as :meth:`evict_slots` takes victims;
+        returns them in the order they went. Default: :meth:`evict_slots` limited to them (a
+        scan of the policy's queues); kvaware takes them without a scan."""
+        return self.evict_slots(len(slots), frozenset(slots).__contains__)
+
     @abstractmethod
     def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         """The slots :meth:`evict_slots` would return now, without changing anything."""

@@ -317,6 +317,18 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._n -= len(out)
         return out
 
+    def evict_chosen(self, slots: Sequence[int]) -> list[int]:
+        """The victims a caller chose, taken as :meth:`evict_slots` takes one (the loop:
+        ``kvaware_loops.evict_given``) without scanning the buckets for them: a batch-32 step
+        (2,800 victims an eviction call, 28,000 pages queued) spent ~4 ms a call on that scan.
+        The floor (``L``) stays."""
+        out = list(slots)
+        self._back_left, self._back_used, self._back_seen = self._loops.evict_given(
+            self._state, out, self._limit, self._back_left, self._back_used, self._back_seen
+        )
+        self._n -= len(out)
+        return out
+
     # -- undoing an eviction, and looking ahead -------------------------------------------
     def restore_slots(
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]

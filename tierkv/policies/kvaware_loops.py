@@ -10,6 +10,9 @@ through one tuple (:data:`State`, built by ``KVAwarePolicy.bind_slots``)::
      pending, small)
 
 See ``kvaware.py`` for what each holds.
+
+The file stays whole (over 400 lines): it is the reference of one C file, loop for loop
+(insert, evict, evict_given, touch), and the test of the two reads them side by side.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ Evict = Callable[
     [State, int, CanEvictSlot | None, float, int, float, float, int],
     tuple[list[int], int, float, float, int],
 ]
+EvictGiven = Callable[[State, Sequence[int], float, float, float, int], tuple[float, float, int]]
 Insert = Callable[
     [State, Sequence[int], Sequence[Key], Sequence[Key | None], Sequence[bool], bool, int], None
 ]
@@ -323,24 +327,75 @@ def evict(
     return out, floor, left, used, seen
 
 
+def evict_given(
+    st: State, slots: Sequence[int], limit: float, left: float, used: float, seen: int
+) -> tuple[float, float, int]:
+    """Evict ``slots`` (``KVAwarePolicy.evict_chosen``: held, chosen by the caller), in order,
+    each as :func:`evict` takes a victim: out of its queue, out of its parent's children, its
+    own children stranded (to the orphan queue), remembered; the scan gate's measure updated
+    (returned). No scan, and the floor stays (no bucket was walked). A slot stranded by an
+    earlier one of ``slots`` leaves the stranded ones."""
+    links, gone, kids, slot_of, where, code, _, key_of, parent_of, back = st[:10]
+    prv = links.prev
+    fresh: dict[int, None] = {}  # stranded, not yet queued (in order)
+    none, orphan, decay = _NONE, ORPHAN, SCAN_DECAY
+    try:
+        for s in slots:
+            cd = code[s]
+            if back[s] >= 0:
+                left = left * decay + 1.0
+                used = used * decay + (cd != back[s])
+                seen += 1
+            if prv[s] == UNLINKED:  # stranded by an earlier victim of this call
+                del fresh[s]
+            else:
+                links.unlink(s)
+            key = key_of[s]
+            parent = parent_of.get(s)  # kept: restore_slots reads it
+            if parent is not None:
+                drop_child(kids, parent, key)
+            mine = kids.get(key, none) if kids else none
+            if mine is not none:  # its children, stranded
+                for child in children(mine):
+                    c = slot_of[child]
+                    if where[c] != orphan:
+                        links.unlink(c)
+                        where[c] = orphan
+                        fresh[c] = None
+            gone.put(key, cd & 15)  # remembered, trimmed at the end
+        if fresh:
+            links.extend(ORPHANS, fresh)
+    finally:
+        if len(gone.value) > limit:
+            gone.trim(limit)
+    return left, used, seen
+
+
 class Loops:
     """The loops kvaware runs: the C twins where the extension was built, else these (and
     ``kvaware_admission.admit_chain``, the admission of a ChainHint's run)."""
 
-    __slots__ = ("admit", "evict", "insert", "native", "touch")
+    __slots__ = ("admit", "evict", "evict_given", "insert", "native", "touch")
 
     def __init__(
-        self, evict: Evict, insert: Insert, admit: ChainLoop, touch: Touch, native: bool
+        self,
+        evict: Evict,
+        insert: Insert,
+        admit: ChainLoop,
+        touch: Touch,
+        native: bool,
+        given: EvictGiven,
     ) -> None:
         self.evict, self.insert, self.admit, self.touch = evict, insert, admit, touch
+        self.evict_given = given
         self.native = native
 
 
-PYTHON = Loops(evict, insert, admit_chain, touch, False)
+PYTHON = Loops(evict, insert, admit_chain, touch, False, evict_given)
 """The pure-Python loops (the reference)."""
 
 
-ABI = 2
+ABI = 3
 """The interface of the C loops this module calls (``_kvaware.c``'s ``ABI``): an extension
 built from another source is not used."""
 
@@ -360,6 +415,7 @@ def _native() -> Loops | None:
         cast(ChainLoop, module.admit_chain),
         cast(Touch, module.touch),
         True,
+        cast(EvictGiven, module.evict_given),
     )
 
 

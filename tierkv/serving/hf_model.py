@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tierkv.errors import InvalidInputError
-from tierkv.serving.model import causal_attention
+from tierkv.serving.model import Mask, causal_attention, decode_attention
 from tierkv.serving.tiny import chat_message
 from tierkv.spec import KVSpec, parse_dtype
 
@@ -83,6 +83,13 @@ class HFModel:
     ) -> torch.Tensor:
         """Causal attention ``[n, Hq * D]`` (scale ``D ** -0.5``, as the model's)."""
         return causal_attention(q, k, v, past)
+
+    @torch.inference_mode()
+    def attend_decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
+    ) -> torch.Tensor:
+        """One query per sequence over padded K/V, batched (:func:`decode_attention`)."""
+        return decode_attention(q, k, v, mask)
 
     @torch.inference_mode()
     def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:

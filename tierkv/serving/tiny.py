@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tierkv.demo.model import ModelConfig, TinyLlama
 from tierkv.errors import InvalidInputError
-from tierkv.serving.model import causal_attention
+from tierkv.serving.model import Mask, causal_attention, decode_attention
 from tierkv.spec import KVSpec, parse_dtype
 
 
@@ -58,6 +58,12 @@ class TinyModel:
     ) -> torch.Tensor:
         """Causal attention ``[n, H * D]`` over the sequence's K/V."""
         return causal_attention(q, k, v, past)
+
+    def attend_decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask
+    ) -> torch.Tensor:
+        """One query per sequence over padded K/V, batched (:func:`decode_attention`)."""
+        return decode_attention(q, k, v, mask)
 
     def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
         """Output projection, residual and the SwiGLU MLP."""
