@@ -295,10 +295,10 @@ class KVStore:
         Raises AllocationError when a tier's memory cannot be reserved, EngineError when the
         backend cannot run here.
         """
+        if self._closed:  # (first: a closed store keeps its tiers, and opened nothing here)
+            raise StoreClosedError("store was closed")
         if self._tiers is not None:
             return self
-        if self._closed:
-            raise StoreClosedError("store was closed")
         chain = self._open_chain()  # first: a bad path fails before anything is allocated
         try:
             self._open_core()

@@ -198,3 +198,43 @@ def test_a_hostile_script_reply_is_an_invalid_response(reply: object) -> None:
         script_reply(reply)
     good = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3])
     assert _answers(2, [(None, *good)], {1: "a"}.get) == [("a",), ("a", "a")]
+
+
+@pytest.mark.parametrize(
+    "conf",
+    [
+        {"buckets": "many", "shards": "1"},  # ValueError
+        {"buckets": "0", "shards": "1"},  # ZeroDivisionError at the first locate
+        {"buckets": "16", "shards": "0"},
+        {"buckets": str(1 << 40), "shards": "1"},
+        {"shards": "1", "other": "x"},  # buckets missing: set again by hsetnx, taken
+    ],
+)
+async def test_a_layout_tierkv_never_writes_is_a_directory_error(conf: dict[str, str]) -> None:
+    """The conf hash of the namespace (written by whoever shares the Redis) is checked
+    against the constructor's bounds: a DirectoryError at connect, not a ValueError or a
+    ZeroDivisionError later."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from redis.asyncio import Redis
+    from redis_server import RedisServer, skip_without_redis
+
+    from tierkv.remote.errors import DirectoryError
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    skip_without_redis()
+    with RedisServer() as srv:
+        d = RedisDirectory(srv.url, ttl=5.0)
+        raw = await Redis.from_url(srv.url)
+        try:
+            await raw.hset(d.layout.conf, mapping=conf)
+            if "buckets" not in conf:  # (hsetnx fills a missing field: a usable layout)
+                await (await d.connect()).locate([bytes(16)])
+                return
+            with pytest.raises(DirectoryError, match="layout"):
+                await d.connect()
+        finally:
+            await d.aclose()
+            await raw.aclose()

@@ -185,6 +185,11 @@ async def test_bad_inputs_raise_typed_errors_and_change_nothing() -> None:
         store.lookup([1, 2, 3])
     with pytest.raises(StoreClosedError):
         await store.add_sequence("z", [1])
+    with pytest.raises(StoreClosedError):  # (it returned the closed store as if opened)
+        await store.open()
+    with pytest.raises(StoreClosedError):
+        async with store:
+            pass
 
 
 async def test_concurrent_leases_on_a_small_device_keep_every_byte() -> None:

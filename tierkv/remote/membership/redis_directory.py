@@ -298,7 +298,16 @@ class RedisDirectory:
         await c.hsetnx(conf, "buckets", buckets)
         await c.hsetnx(conf, "shards", shards)
         got = await c.hgetall(conf)
-        self.layout = Layout(self.namespace, int(got[b"buckets"]), int(got[b"shards"]))
+        try:
+            buckets, shards = int(got[b"buckets"]), int(got[b"shards"])
+        except (KeyError, ValueError, TypeError):
+            buckets = shards = 0
+        if not (1 <= buckets <= 1 << 24 and 1 <= shards <= 1024):  # the constructor's bounds
+            raise DirectoryError(
+                f"the directory at {self._where()} holds a layout ({conf}) tierkv never "
+                f"writes: {got!r:.120}"
+            )
+        self.layout = Layout(self.namespace, buckets, shards)
 
     async def _open_links(self) -> None:
         """Our own connections for locate on a standalone server whose URL they can follow

@@ -180,6 +180,7 @@ class PageServer:
             directory = RedisDirectory(directory, ttl=directory_ttl)
         self._redis_directory = directory
         self.agent: DirectoryAgent | None = None
+        self._started = False
         self.audit = Audit("page-server")
         self.gate = Gate(
             per_peer=max_conns_per_peer,
@@ -209,7 +210,11 @@ class PageServer:
 
     async def start(self) -> PageServer:
         """Share the host arena, start the transports and the control socket. Raises
-        RemoteError (a transport failed, the arena cannot be shared, the port is taken)."""
+        RemoteError (a transport failed, the arena cannot be shared, the port is taken; a
+        server started before: a second start would replace its transports, then close it)."""
+        if self._started:
+            raise RemoteError("the page server was started already (a server starts once)")
+        self._started = True
         try:
             for i, kind in enumerate(self.kinds):
                 t = self.transports[kind] = create(kind, **self._transport_options(kind, None))

@@ -161,8 +161,11 @@ class RemoteTier:
 
         Raises PeerGoneError (unreachable), RemoteTimeoutError, RemoteRefusedError (bad
         secret, other layout, transport not offered; TenantRefusedError: our tenant unknown
-        to the server or not our secret's), RemoteProtocolError.
+        to the server or not our secret's), RemoteProtocolError. Connected already: returns
+        at once (a second connection replaced the first without closing it).
         """
+        if self._opened:
+            return self
         try:
             await self._connect()
         except BaseException:

@@ -52,9 +52,12 @@ class Watch:
         self._closed_by_us = False
 
     async def start(self) -> Watch:
-        """Open the watch connection. Raises PeerGoneError, RemoteTimeoutError,
+        """Open the watch connection (open already: returns at once; a second connection
+        replaced the first without closing it). Raises PeerGoneError, RemoteTimeoutError,
         RemoteRefusedError."""
-        self._ctl = Control(
+        if self._ctl is not None and not self._closed_by_us:
+            return self
+        ctl = Control(
             self.address,
             secret=self.secret,
             timeout=self.timeout,
@@ -62,7 +65,8 @@ class Watch:
             ssl=self.ssl,
             tenant=self.tenant,
         )
-        await self._ctl.open()
+        await ctl.open()
+        self._ctl, self._closed_by_us = ctl, False
         return self
 
     async def _event(self, msg: dict[str, Any]) -> None:
