@@ -12,6 +12,7 @@ tests that must send exactly the bytes they mean (hostile ones included).
 
 from __future__ import annotations
 
+import hmac
 import secrets
 import socket
 from typing import Any
@@ -130,7 +131,8 @@ class Probe:
         welcome = self.recv()
         if welcome is None or welcome.get("op") != "welcome":
             return welcome or {}
-        if welcome.get("mac") != proof(secret, "server", t):
+        mac = welcome.get("mac")
+        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, proof(secret, "server", t)):
             raise AuthError("the server did not prove the secret")
         self.tx, self.rx = seals(session_keys(secret, t), server=False)
         return welcome

@@ -122,6 +122,17 @@ async def test_a_request_to_an_engine_not_open_is_typed() -> None:
             pass
 
 
+async def test_an_engine_closed_does_not_open_again() -> None:
+    """open() after close() returned the closed engine as if open (its next request then said
+    'not open'): the reopen itself is refused, typed."""
+    engine = Engine(TinyModel(), EngineConfig(max_running=1, max_context=64))
+    await engine.open()
+    await engine.close()
+    with pytest.raises(EngineNotOpenError, match="closed"):
+        await engine.open()
+    await engine.close()  # a second close is still a no-op
+
+
 @pytest.mark.parametrize(
     ("exc", "status"),
     [

@@ -222,7 +222,12 @@ class Engine:
 
     # -- life cycle ----------------------------------------------------------------------
     async def open(self) -> Engine:
-        """Open the store (when the engine owns it) and start the step loop. Returns self."""
+        """Open the store (when the engine owns it) and start the step loop. Returns self.
+
+        Raises EngineNotOpenError on an engine that was closed (an engine opens once: make a
+        new one)."""
+        if self._closed:
+            raise EngineNotOpenError("the engine was closed: an engine opens once, make a new one")
         if self._task is None:
             if self._own_store:
                 await self.store.open()
