@@ -11,10 +11,12 @@ window (never scored).
 
 - top-k: ``TieredCache(sparse_topk=k)`` with ``k`` = 25% of the prompt's pages, plus the first
   and the ``--topk-recent`` last, the first ``--topk-dense`` layers dense, on pages of
-  ``--topk-page-tokens`` tokens (8, 4 and 1 by default: chosen on an offline replay of the
-  same windows, docs/benchmarks.md), against full attention (DynamicCache, SDPA) on the same
-  tokens: perplexity ratio, agreement of the greedy (argmax) token at every scored step, pages
-  attended per decode step and layer over the pages there are (dense layers included).
+  ``--topk-page-tokens`` tokens, pages scored with ``sparse_mean_weight=--topk-mean-weight``
+  (8, 12, 1 and 0.5 by default: chosen on an offline replay of the same windows,
+  ``benchmarks/sparse_replay.py``, docs/benchmarks.md), against full attention (DynamicCache,
+  SDPA) on the same tokens: perplexity ratio, agreement of the greedy (argmax) token at every
+  scored step, pages attended per decode step and layer over the pages there are (dense layers
+  included).
 - head-sparse: every page of the prompt but the 2 last passed through the codec (as if all were
   cold: the worst case), perplexity against the lossless cache; encoded bytes over fp16 bytes.
 - host attention: a decode with the device tier holding 2 layers' pages, so the history lies in
@@ -46,7 +48,7 @@ from tierkv.spec import KVSpec
 
 PROMPT = 1500
 RECENT = 2  # the head-sparse run's pages kept lossless at the end
-TOPK_PAGE, TOPK_RECENT, TOPK_DENSE = 8, 4, 1  # top-k's pages: see the module docstring
+TOPK_PAGE, TOPK_RECENT, TOPK_DENSE, TOPK_MEAN = 8, 12, 1, 0.5  # top-k's: module docstring
 
 
 # -- text and model ------------------------------------------------------------------------
@@ -91,7 +93,13 @@ def ppl(nll: list[float]) -> float:
 
 # -- top-k pages ---------------------------------------------------------------------------
 def topk_figures(
-    model: Any, wins: list[torch.Tensor], evals: int, page_tokens: int, recent: int, dense: int
+    model: Any,
+    wins: list[torch.Tensor],
+    evals: int,
+    page_tokens: int,
+    recent: int,
+    dense: int,
+    mean_weight: float,
 ) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -119,6 +127,7 @@ def topk_figures(
                 sparse_topk=k,
                 sparse_recent=recent,
                 sparse_dense_layers=dense,
+                sparse_mean_weight=mean_weight,
             ) as c:
                 a, b = score(model, c, w, evals)
                 st = c.stats()["sparse"]
@@ -135,6 +144,9 @@ def topk_figures(
         "k": k,
         "recent": recent,
         "dense_layers": dense,
+        "mean_weight": mean_weight,
+        "page_bytes_per_layer": spec.page_bytes,
+        "summary_bytes_per_page": 3 * spec.num_kv_heads * spec.head_dim * 4,
         "pages_at_prompt": pages,
         "windows": len(wins),
         "scored_tokens": len(full_nll),
@@ -386,6 +398,9 @@ def main() -> None:
     p.add_argument("--topk-page-tokens", type=int, default=TOPK_PAGE, help="top-k's page tokens")
     p.add_argument("--topk-recent", type=int, default=TOPK_RECENT, help="top-k's recent pages")
     p.add_argument("--topk-dense", type=int, default=TOPK_DENSE, help="top-k's dense layers")
+    p.add_argument(
+        "--topk-mean-weight", type=float, default=TOPK_MEAN, help="top-k's sparse_mean_weight"
+    )
     args = p.parse_args()
     torch.set_num_threads(1)  # two shared cores: torch's spinning workers only slow it
     n = args.windows or (2 if args.quick else 20)
@@ -412,7 +427,13 @@ def main() -> None:
         )
     if args.only in (None, "topk"):
         t = figures["topk"] = topk_figures(
-            model, wins, evals, args.topk_page_tokens, args.topk_recent, args.topk_dense
+            model,
+            wins,
+            evals,
+            args.topk_page_tokens,
+            args.topk_recent,
+            args.topk_dense,
+            args.topk_mean_weight,
         )
         ratios["topk_ppl / full (<= 1.05)"] = t["ppl_ratio"]
         ratios["topk_greedy_agreement (>= 0.95)"] = t["greedy_agreement"]

@@ -11,11 +11,18 @@ windows as benchmarks/sparse.py (1,500 tokens of context, 16 scored tokens each,
 forcing). A rule is a dict: ``page_tokens`` (16), ``k`` (25% of the prompt's pages),
 ``sink`` (1), ``recent`` (2), ``dense`` (first layers dense, 0), ``score`` (``"bound"``: Quest's
 bound, each query head's page softmax summed over heads, as tierkv.attention.summaries;
-``"oracle"``: the pages' real attention mass summed over heads), ``select`` (``"sum"``; ``"max"``:
-the largest head's share; ``"per_kv_head"``: each KV head its own pages, head-pages counted),
+``"oracle"``: the pages' real attention mass summed over heads; ``"mean"``: the page's mean key
+in place of the bound; ``"mix"``: ``alpha`` (0.5) times the bound plus the rest times the mean
+key's score, as ``sparse_mean_weight = 1 - alpha``), ``temp`` (1: the softmax's temperature
+factor), ``select`` (``"sum"``; ``"max"``: the largest head's share; ``"per_kv_head"``: each KV
+head its own pages, head-pages counted; ``"union"``: the KV heads' (head, page) scores ranked
+together and pages taken until ``k`` distinct, all heads attending them, or with ``mask_own``
+each head only the pages it picked),
 ``previous`` (true: add to each page's score the real attention it got at the previous decode
 step of the same layer, summed over heads: no page is read for it that was not attended).
-With the defaults it gives benchmarks/sparse.py's figures at 16-token pages. It prints per
+With the defaults it gives benchmarks/sparse.py's figures at 16-token pages. ``--first W``
+replays windows ``W...`` of the same cut (past the 20 of benchmarks/sparse.py: held out; window
+20 holds the head ranking's calibration text). It prints per
 rule the greedy agreement with full attention, the perplexity ratio and the share of pages
 attended per decode step and layer.
 """
@@ -68,7 +75,12 @@ def _page_mass(q: torch.Tensor, k: torch.Tensor, scale: float, t: int) -> torch.
     kk = torch.cat([k, k[:, -1:].expand(hkv, p * t - s, d)], 1).float().view(hkv, p, t, d)
     lo, hi = kk.amin(2), kk.amax(2)
     bound = qg.clamp(min=0) @ hi.transpose(1, 2) + qg.clamp(max=0) @ lo.transpose(1, 2)
-    return torch.softmax(bound.reshape(hq, p) * scale, -1)
+    how = _RULE.get("score", "bound")
+    if how in ("mean", "mix"):
+        mean = qg @ kk.mean(2).transpose(1, 2)
+        a = _RULE.get("alpha", 0.5) if how == "mix" else 0.0
+        bound = a * bound + (1 - a) * mean
+    return torch.softmax(bound.reshape(hq, p) * scale * _RULE.get("temp", 1.0), -1)
 
 
 def _choose(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> list[list[int]]:
@@ -89,6 +101,12 @@ def _choose(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> list[
         _COUNT["chosen"] += sum(len(x) for x in per) / hkv
         _COUNT["total"] += p
         return per
+    if how == "union":
+        per_head = mass.view(hkv, -1, p).sum(1)
+        pages, own = _union(per_head, topk, sink, recent)
+        _COUNT["chosen"] += len(pages)
+        _COUNT["total"] += p
+        return own if r.get("mask_own") else [pages] * hkv
     score = mass.amax(0) if how == "max" else mass.sum(0)
     prev = _PREVIOUS.get(layer)
     if r.get("previous") and prev is not None:
@@ -97,6 +115,27 @@ def _choose(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> list[
     _COUNT["chosen"] += len(pages)
     _COUNT["total"] += p
     return [pages] * hkv
+
+
+def _union(
+    per_head: torch.Tensor, topk: int, sink: int, recent: int
+) -> tuple[list[int], list[list[int]]]:
+    """KV heads' (head, page) scores ranked together; pages taken until ``topk`` distinct."""
+    hkv, p = per_head.shape
+    lo, hi = min(sink, p), max(min(sink, p), p - recent)
+    fixed = [*range(lo), *range(hi, p)]
+    if hi - lo <= topk:
+        return list(range(p)), [list(range(p))] * hkv
+    order = per_head[:, lo:hi].flatten().argsort(descending=True).tolist()
+    taken: set[int] = set()
+    own: list[set[int]] = [set() for _ in range(hkv)]
+    for i in order:
+        h, page = divmod(i, hi - lo)
+        taken.add(page + lo)
+        own[h].add(page + lo)
+        if len(taken) == topk:
+            break
+    return sorted([*fixed, *taken]), [sorted([*fixed, *o]) for o in own]
 
 
 def replay_attention(
@@ -166,7 +205,7 @@ def main() -> None:
     AttentionMaskInterface.register("replay", sdpa_mask)
     model, _, ids = load()
     model.set_attn_implementation("replay")
-    wins = windows(ids, 20, EVALS)[args.first : args.first + args.windows]
+    wins = windows(ids, args.first + args.windows, EVALS)[args.first :]
     ref_nll: list[float] = []
     ref_top: list[int] = []
     got = [_Tally() for _ in rules]

@@ -60,16 +60,20 @@ def _run(model: Any, ids: torch.Tensor, cache: TieredCache) -> torch.Tensor:
         model.set_attn_implementation("sdpa")
 
 
-def test_topk_covering_every_page_is_full_attention(tiny: Any) -> None:
+@pytest.mark.parametrize("weight", [0.0, 0.5])  # Quest's bound; halfway to the mean key
+def test_topk_covering_every_page_is_full_attention(tiny: Any, weight: float) -> None:
     model, ids, logits, greedy = tiny
     route(model)
     try:
-        with _cache(model, 16, sparse_topk=64) as c, torch.inference_mode():
+        with (
+            _cache(model, 16, sparse_topk=64, sparse_mean_weight=weight) as c,
+            torch.inference_mode(),
+        ):
             got = model(ids, cache=c).logits
             assert float((got - logits).abs().max() / logits.abs().max()) < 1e-5
     finally:
         model.set_attn_implementation("sdpa")
-    with _cache(model, 16, sparse_topk=64) as c:
+    with _cache(model, 16, sparse_topk=64, sparse_mean_weight=weight) as c:
         assert torch.equal(_run(model, ids, c), greedy)
         sp = c.stats()["sparse"]
     assert sp["decode_page_share"] == 1.0 and sp["decode_attends"] == 2 * (NEW - 1)
@@ -120,12 +124,13 @@ def test_dense_first_layers_attend_every_page(tiny: Any) -> None:
         _cache(model, 16, sparse_topk=1, sparse_dense_layers=-1)
 
 
-def test_small_topk_reads_fewer_pages(tiny: Any) -> None:
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_small_topk_reads_fewer_pages(tiny: Any, weight: float) -> None:
     model, ids, _, _ = tiny
     with _cache(model, 8) as c:
         _run(model, ids, c)
         full = c.stats()["bytes_h2d"]
-    with _cache(model, 8, sparse_topk=1, sparse_recent=1) as c:
+    with _cache(model, 8, sparse_topk=1, sparse_recent=1, sparse_mean_weight=weight) as c:
         out = _run(model, ids, c)
         st = c.stats()
     assert out.shape[1] == ids.shape[1] + NEW
@@ -144,6 +149,11 @@ def test_bad_options_are_typed_errors_at_entry(tiny: Any) -> None:
         _cache(model, 8, sparse_recent=-1, sparse_topk=2)
     with pytest.raises(InvalidInputError, match="above"):
         _cache(model, 8, sparse_topk=10**6)  # more pages than the store holds
+    for weight in (-0.1, 1.0):
+        with pytest.raises(InvalidInputError, match="sparse_mean_weight"):
+            _cache(model, 8, sparse_topk=2, sparse_mean_weight=weight)
+    with pytest.raises(InvalidTypeError):
+        _cache(model, 8, sparse_topk=2, sparse_mean_weight="half")
 
 
 def test_a_model_not_routed_to_tierkv_attention_is_an_error(tiny: Any) -> None:

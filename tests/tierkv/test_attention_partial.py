@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.attention.partial import attend, finish, merge, partial_attention
-from tierkv.attention.summaries import KeySummaries, page_scores, select_pages
+from tierkv.attention.summaries import KeySummaries, page_bounds, page_scores, select_pages
 from tierkv.errors import InvalidInputError, SpecError
 
 
@@ -104,6 +104,7 @@ def test_summary_bound_is_never_below_a_score(seed: int, tokens: list[int]) -> N
         assert torch.equal(summ[p, 0], page.amin(dim=1)) and torch.equal(
             summ[p, 1], page.amax(dim=1)
         )
+        assert torch.allclose(summ[p, 2], page.mean(dim=1), atol=1e-6)  # weighted over pieces
     q = torch.randn(6, 4, generator=gen)  # 3 query heads per KV head
     qg = q.view(2, 3, 4)
     lo, hi = summ[:, 0], summ[:, 1]
@@ -115,6 +116,27 @@ def test_summary_bound_is_never_below_a_score(seed: int, tokens: list[int]) -> N
         assert bool((bound[:, :, p] >= real - 1e-5).all())
     scores = page_scores(q, summ, 0.5)
     assert scores.shape == (summ.shape[0],) and abs(float(scores.sum()) - 6.0) < 1e-4
+
+
+def test_mean_weight_scores_halfway_to_the_mean_key() -> None:
+    gen = torch.Generator().manual_seed(3)
+    table = KeySummaries(num_kv_heads=2, head_dim=4)
+    pages = [b"p%d" % i for i in range(5)]
+    keys = torch.randn(2, 37, 4, generator=gen)
+    table.append(pages, keys, 0, 8)
+    summ = table.table(pages)
+    q = torch.randn(4, 4, generator=gen)
+    qg = q.view(2, 2, 4)
+    lo, hi, mean = (summ[:, i].transpose(0, 1) for i in range(3))  # [Hkv, P, D]
+    bound = qg.clamp(min=0) @ hi.transpose(1, 2) + qg.clamp(max=0) @ lo.transpose(1, 2)
+    est = 0.7 * bound + 0.3 * (qg @ mean.transpose(1, 2))
+    want = torch.softmax(est * 0.5, dim=-1).sum(dim=(0, 1))
+    assert torch.allclose(page_scores(q, summ, 0.5, mean_weight=0.3), want, atol=1e-6)
+    plain = page_scores(q, summ[:, :2], 0.5)  # weight 0: min and max alone, the bound
+    assert torch.allclose(page_scores(q, summ, 0.5), plain)
+    assert not torch.allclose(page_scores(q, summ, 0.5, mean_weight=0.3), plain)
+    with pytest.raises(SpecError):
+        page_scores(q, summ[:, :2], 0.5, mean_weight=0.3)  # no means to weigh
 
 
 def test_selection_rules() -> None:
@@ -137,9 +159,10 @@ def test_unknown_pages_rank_first_and_summaries_errors() -> None:
     table.append([b"d", b"e"], torch.ones(1, 4, 2), 2, 4)  # d first seen in mid-page: unknown
     assert bool(table.table([b"d"]).isnan().all()) and bool(table.table([b"e"]).isfinite().all())
     table.append([b"d", b"e"], torch.zeros(1, 1, 2), 4, 4)  # e's first token again: set anew
-    assert torch.equal(table.table([b"e"])[0], torch.zeros(2, 1, 2))
+    assert torch.equal(table.table([b"e"])[0], torch.zeros(3, 1, 2))
+    bad = page_bounds(torch.ones(2, 1, 2), 0, 4)  # two KV heads: not this table's
     with pytest.raises(SpecError):
-        table.fold([b"a"], torch.ones(2, 1, 2), torch.ones(2, 1, 2), True)
+        table.fold([b"a"], bad, 0)
     table.rename([b"c"], [b"content-c"])
     assert b"c" not in table and torch.equal(table.table([b"content-c"])[0, 1], torch.ones(1, 2))
     assert table.prune(lambda key: key == b"content-c") == 2 and len(table) == 1

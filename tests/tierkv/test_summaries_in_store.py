@@ -37,6 +37,7 @@ async def test_a_reused_block_carries_its_summary() -> None:
             want = ks[layer][:, :8].reshape(2, 2, 4, 8)
             assert torch.equal(got[:, 0], want.amin(dim=2).transpose(0, 1))
             assert torch.equal(got[:, 1], want.amax(dim=2).transpose(0, 1))
+            assert torch.allclose(got[:, 2], want.mean(dim=2).transpose(0, 1), atol=1e-6)
         await store.release("b")
 
 

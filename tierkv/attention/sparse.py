@@ -6,7 +6,8 @@ only appends the new tokens (leasing no page but the one it writes) and the mode
 layer's attention with the query in hand::
 
     update(k, v)      lease(blocks=[]) -> append -> store.summaries.append(k)  (no history read)
-    attend(q, mask)   decode (one query token) and sparse_topk: page_scores(q, summaries)
+    attend(q, mask)   decode (one query token) and sparse_topk: page_scores(q, summaries,
+                        mean_weight)
                         -> select_pages: sink + top-k + recent          (else: every page)
                       host_attention: the chosen pages the host holds and the device does not,
                         and those only the cold tier holds (decoded on the host)
@@ -67,6 +68,9 @@ class SparseOptions:
             0.004 to 0.019 of greedy agreement per dense layer for 0.024 more of the pages).
         max_pages: the most pages a sequence's layer can have (the store's room): ``topk``
             above it is an error.
+        mean_weight: the weight in ``[0, 1)`` of a page's mean key in its score against the
+            query, the rest Quest's upper bound (0: the bound alone;
+            :func:`~tierkv.attention.summaries.page_scores`).
     """
 
     topk: int | None = None
@@ -76,6 +80,7 @@ class SparseOptions:
     max_pages: int | None = None
     queue_bound: int = 4
     dense_layers: int = 0
+    mean_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.topk is not None:
@@ -90,6 +95,7 @@ class SparseOptions:
             validate.flag("host_attention", self.host)
         validate.count("queue_bound", self.queue_bound, 0)
         validate.count("dense_layers", self.dense_layers, 0)
+        validate.fraction("sparse_mean_weight", self.mean_weight)
 
     @property
     def active(self) -> bool:
@@ -221,7 +227,8 @@ class SparseLayers:
         if topk is None or q.shape[2] != 1 or layer < self.options.dense_layers:
             return list(range(pages))
         keys = self._store.sequence(sid).pages(layer)[:pages]
-        scores = page_scores(q[0, :, 0], self.summaries.table(keys), scale)
+        table = self.summaries.table(keys)
+        scores = page_scores(q[0, :, 0], table, scale, self.options.mean_weight)
         return select_pages(scores, topk, self.options.sink, self.options.recent)
 
     async def _attend_row(

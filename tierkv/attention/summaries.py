@@ -1,39 +1,55 @@
 """Per-page key summaries and top-k page selection at decode (Quest's criterion).
 
-For every page and KV head the table keeps the per-channel minimum and maximum of the page's
-keys. A query ``q`` bounds its score against any key of the page from above by
-``sum_d max(q_d * kmin_d, q_d * kmax_d) = kmax . relu(q) + kmin . min(q, 0)``. Pages are whole
-(every head of a page loads together), so each query head's bounds are turned into weights
-over the pages by a softmax (``scale * bound``) and the weights summed over heads: every head
+For every page and KV head the table keeps the per-channel minimum, maximum and mean of the
+page's keys. A query ``q`` bounds its score against any key of the page from above by
+``sum_d max(q_d * kmin_d, q_d * kmax_d) = kmax . relu(q) + kmin . min(q, 0)``; with a
+``mean_weight`` ``w`` the estimate moves towards the page's mean key,
+``(1 - w) * bound + w * q . kmean`` (the bound alone ranks a page with one outlying key per
+channel as high as a page of such keys). Pages are whole (every head of a page loads together),
+so each query head's estimates are turned into weights over the pages by a softmax
+(``scale * estimate``) and the weights summed over heads: every head
 has one vote of equal size, spread over the pages it may attend. The top ``k`` pages by that
 score are attended, always with the first page (the attention sink) and the ``recent`` last
 pages; when those cover every page the selection is every page and attention is exact.
 
 :class:`KeySummaries` is the one owner of the summaries: the store's table
-(``KVStore.summaries``) keyed by page key, a ``[2, Hkv, D]`` tensor (min then max) per page,
+(``KVStore.summaries``) keyed by page key, a ``[3, Hkv, D]`` tensor (min, max, mean) per page,
 kept in host memory beside the page table whatever tier holds the page. It follows the pages'
 renames (a published block's private key becomes its content key) and serves every sequence
 that shares a page; a page appended to only partly is summarised over its tokens so far and
-widened by later appends.
+widened by later appends (the mean weighted by the tokens on each side).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from tierkv import validate
 from tierkv.errors import InvalidInputError, SpecError
 
-__all__ = ["KeySummaries", "page_bounds", "page_scores", "select_pages"]
+__all__ = ["KeySummaries", "PageBounds", "page_bounds", "page_scores", "select_pages"]
 
 
-def page_bounds(
-    k: torch.Tensor, start: int, page_tokens: int
-) -> tuple[int, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class PageBounds:
+    """Of some keys of a sequence's layer: the first page they touch (``first``), and of each
+    touched page over those keys the per-channel ``lo`` (min), ``hi`` (max) and ``sums``
+    (``[pages, Hkv, D]`` float32 each) and how many of them fall in it (``counts``
+    ``[pages]``)."""
+
+    first: int
+    lo: torch.Tensor
+    hi: torch.Tensor
+    sums: torch.Tensor
+    counts: torch.Tensor
+
+
+def page_bounds(k: torch.Tensor, start: int, page_tokens: int) -> PageBounds:
     """Of keys ``k`` ``[Hkv, n, D]`` of tokens ``start...``: the first page they touch and the
-    min and max of each touched page over those keys, ``[pages, Hkv, D]`` float32 each."""
+    min, max, sum and count of each touched page over those keys."""
     h, n, d = k.shape
     k = k.detach().to("cpu", torch.float32)
     t = page_tokens
@@ -46,13 +62,31 @@ def page_bounds(
     padded[:, pad : pad + n] = k
     padded[:, pad + n :] = k[:, -1:]
     pages = padded.view(h, span, t, d)
-    return first, pages.amin(dim=2).transpose(0, 1), pages.amax(dim=2).transpose(0, 1)
+    lo, hi = pages.amin(dim=2).transpose(0, 1), pages.amax(dim=2).transpose(0, 1)
+    padded[:, :pad] = 0.0  # the same buffer zero-padded: sums over these keys only
+    padded[:, pad + n :] = 0.0
+    sums = pages.sum(dim=2).transpose(0, 1)
+    ends = torch.arange(1, span + 1) * t
+    counts = ends.clamp(max=pad + n) - (ends - t).clamp(min=pad)
+    return PageBounds(first, lo, hi, sums, counts)
 
 
-def page_scores(q: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Tensor:
+def page_scores(
+    q: torch.Tensor, table: torch.Tensor, scale: float, mean_weight: float = 0.0
+) -> torch.Tensor:
     """Page scores ``[P]`` of a decode query ``q`` ``[Hq, D]`` against summaries ``table``
-    ``[P, 2, Hkv, D]`` (module docstring). Raises SpecError for shapes that do not fit."""
-    if q.dim() != 2 or table.dim() != 4 or table.shape[1] != 2 or q.shape[1] != table.shape[3]:
+    ``[P, 3, Hkv, D]`` (min, max, mean; module docstring): each query head's softmax over the
+    pages of ``scale * ((1 - mean_weight) * bound + mean_weight * q . mean)``, summed over the
+    heads (``mean_weight`` 0: Quest's bound alone, and a ``[P, 2, Hkv, D]`` table of min and
+    max serves). Unknown (NaN) pages score ``inf``. Raises SpecError for shapes that do not fit
+    or a table without means for a ``mean_weight`` above 0."""
+    rows = 2 if not mean_weight else 3
+    if (
+        q.dim() != 2
+        or table.dim() != 4
+        or not rows <= table.shape[1] <= 3
+        or q.shape[1] != table.shape[3]
+    ):
         raise SpecError(f"q {list(q.shape)} and summaries {list(table.shape)} do not fit")
     hq, d = q.shape
     p, _, hkv, _ = table.shape
@@ -66,6 +100,9 @@ def page_scores(q: torch.Tensor, table: torch.Tensor, scale: float) -> torch.Ten
     bound = torch.matmul(qg.clamp(min=0), hi.transpose(1, 2)) + torch.matmul(
         qg.clamp(max=0), lo.transpose(1, 2)
     )
+    if mean_weight:  # halfway towards the page's mean key: a tighter estimate of its mass
+        mean = torch.matmul(qg, table[:, 2].transpose(0, 1).transpose(1, 2))
+        bound = bound.mul_(1.0 - mean_weight).add_(mean, alpha=mean_weight)
     bound = bound.mul_(scale).masked_fill_(unknown, float("-inf"))
     scores = torch.softmax(bound, dim=-1).nan_to_num_(0.0).sum(dim=(0, 1))
     return scores.masked_fill_(unknown, float("inf"))
@@ -90,8 +127,8 @@ def select_pages(scores: torch.Tensor, topk: int, sink: int = 1, recent: int = 2
 
 
 class KeySummaries:
-    """Min/max of K per page key and KV head (``[2, Hkv, D]`` float32 each): the store's one
-    table of page summaries (``KVStore.summaries``).
+    """Min, max and mean of K per page key and KV head (``[3, Hkv, D]`` float32 each): the
+    store's one table of page summaries (``KVStore.summaries``).
 
     Keyed by page key, a summary goes wherever its page goes (every tier: it lives in host
     memory beside the page table), follows the page's renames (the store calls
@@ -119,38 +156,41 @@ class KeySummaries:
     def __contains__(self, key: object) -> bool:
         return key in self._rows
 
-    def fold(
-        self, keys: Sequence[bytes], lo: torch.Tensor, hi: torch.Tensor, first_fresh: bool
-    ) -> None:
-        """Fold per-page bounds ``lo``, ``hi`` ``[len(keys), Hkv, D]`` into the pages ``keys``:
-        every page but the first starts fresh here (its summary is set); the first is set when
-        ``first_fresh`` (the append began at its first token), else widened (unknown when the
-        table never saw it). Raises SpecError for shapes that do not fit."""
+    def fold(self, keys: Sequence[bytes], b: PageBounds, before: int) -> None:
+        """Fold per-page bounds ``b`` (:func:`page_bounds`) into the pages ``keys``: every page
+        but the first starts fresh here (its summary is set); the first is set when ``before``
+        (its tokens ahead of these) is 0, else widened, its mean weighted by the counts
+        (unknown when the table never saw it). Raises SpecError for shapes that do not fit."""
         want = (len(keys), self.num_kv_heads, self.head_dim)
-        if tuple(lo.shape) != want or tuple(hi.shape) != want:
-            raise SpecError(f"bounds must be {list(want)}, got {list(lo.shape)} {list(hi.shape)}")
+        if any(tuple(x.shape) != want for x in (b.lo, b.hi, b.sums)) or b.counts.shape != (
+            len(keys),
+        ):
+            raise SpecError(f"bounds must be {list(want)}, got {list(b.lo.shape)}")
         rows = self._rows
         for i, key in enumerate(keys):
-            got = rows.get(key)
-            if i == 0 and not first_fresh:
+            n = float(b.counts[i])
+            if i == 0 and before:
+                got = rows.get(key)
                 if got is None:
-                    rows[key] = torch.full((2, *want[1:]), float("nan"))
+                    rows[key] = torch.full((3, *want[1:]), float("nan"))
                 else:
-                    torch.minimum(got[0], lo[i], out=got[0])
-                    torch.maximum(got[1], hi[i], out=got[1])
+                    torch.minimum(got[0], b.lo[i], out=got[0])
+                    torch.maximum(got[1], b.hi[i], out=got[1])
+                    got[2].mul_(before).add_(b.sums[i]).div_(before + n)
                 continue
-            rows[key] = torch.stack([lo[i], hi[i]])
+            rows[key] = torch.stack([b.lo[i], b.hi[i], b.sums[i] / n])
 
     def append(self, pages: Sequence[bytes], k: torch.Tensor, start: int, page_tokens: int) -> None:
         """Fold in keys ``k`` ``[Hkv, n, D]`` of tokens ``start...`` of a sequence's layer whose
         page keys are ``pages`` (all of them, in order, these tokens' included)."""
         if k.shape[1] == 0:
             return
-        first, lo, hi = page_bounds(k, start, page_tokens)
-        self.fold(pages[first : first + lo.shape[0]], lo, hi, start % page_tokens == 0)
+        b = page_bounds(k, start, page_tokens)
+        self.fold(pages[b.first : b.first + b.lo.shape[0]], b, start % page_tokens)
 
     def table(self, keys: Sequence[bytes]) -> torch.Tensor:
-        """``[len(keys), 2, Hkv, D]``: the pages' summaries in order, NaN where unknown."""
+        """``[len(keys), 3, Hkv, D]``: the pages' summaries (min, max, mean) in order, NaN
+        where unknown."""
         rows = self._rows
         unknown = None
         got = []
@@ -158,11 +198,11 @@ class KeySummaries:
             row = rows.get(key)
             if row is None:
                 if unknown is None:
-                    unknown = torch.full((2, self.num_kv_heads, self.head_dim), float("nan"))
+                    unknown = torch.full((3, self.num_kv_heads, self.head_dim), float("nan"))
                 row = unknown
             got.append(row)
         if not got:
-            return torch.empty((0, 2, self.num_kv_heads, self.head_dim))
+            return torch.empty((0, 3, self.num_kv_heads, self.head_dim))
         return torch.stack(got)
 
     def rename(self, old: Sequence[bytes], new: Sequence[bytes]) -> None:
@@ -187,4 +227,4 @@ class KeySummaries:
 
     def nbytes(self) -> int:
         """Bytes the table holds."""
-        return len(self._rows) * 2 * self.num_kv_heads * self.head_dim * 4
+        return len(self._rows) * 3 * self.num_kv_heads * self.head_dim * 4

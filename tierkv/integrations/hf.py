@@ -199,6 +199,9 @@ class TieredCache(Cache):
             store's ``tenants=`` in ``store_kwargs``, or share a store that has them).
         sparse_dense_layers: with ``sparse_topk``, the first layers attend every page (the
             first layers of a decoder spread their attention: Quest keeps 2 dense).
+        sparse_mean_weight: with ``sparse_topk``, the weight in ``[0, 1)`` of a page's mean
+            key in its score, the rest Quest's bound (0: the bound alone;
+            :func:`tierkv.attention.summaries.page_scores`).
 
     Raises:
         UnsupportedCacheOperation: a config with sliding-window (or other) attention layers.
@@ -206,7 +209,7 @@ class TieredCache(Cache):
             no page, or (at an update) K/V whose head count, head dim or dtype differ from the
             spec.
         InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` or
-            ``sparse_dense_layers`` < 0.
+            ``sparse_dense_layers`` < 0, ``sparse_mean_weight`` outside ``[0, 1)``.
         TenantError: a salt that is not str or bytes of 1-256 bytes (before a store opens).
     """
 
@@ -224,6 +227,7 @@ class TieredCache(Cache):
         sparse_topk: int | None = None,
         sparse_recent: int = 2,
         sparse_dense_layers: int = 0,
+        sparse_mean_weight: float = 0.0,
         host_attention: bool | str = False,
         salt: str | bytes | None = None,
         tenant: str | None = None,
@@ -234,7 +238,11 @@ class TieredCache(Cache):
         if tenant is not None:
             check_tenant(tenant)
         sparse = SparseOptions(
-            sparse_topk, sparse_recent, host=host_attention, dense_layers=sparse_dense_layers
+            sparse_topk,
+            sparse_recent,
+            host=host_attention,
+            dense_layers=sparse_dense_layers,
+            mean_weight=sparse_mean_weight,
         )
         driver: Driver
         if store is None:
