@@ -618,6 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
         "by key summaries (off without it)",
     )
     p.add_argument("--sparse-recent", type=int, default=d.sparse_recent, help="with --sparse-topk")
+    p.add_argument(
+        "--sparse-mean-weight",
+        type=float,
+        default=d.sparse_mean_weight,
+        help="with --sparse-topk: weight in [0, 1) of a page's mean key in its score",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
@@ -645,6 +651,7 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         tenants=quotas or None,
         sparse_topk=a.sparse_topk,
         sparse_recent=a.sparse_recent,
+        sparse_mean_weight=a.sparse_mean_weight,
     )
     return ServerConfig(
         model=a.model,

@@ -291,11 +291,50 @@ async def test_a_small_sparse_topk_attends_fewer_pages() -> None:
 
 
 def test_bad_sparse_options_are_typed_errors_at_entry() -> None:
-    from tierkv.errors import InvalidInputError
+    from tierkv.errors import InvalidInputError, InvalidTypeError
 
-    for kw in ({"sparse_topk": 0}, {"sparse_topk": 33}, {"sparse_topk": 4, "sparse_recent": -1}):
+    for kw in (
+        {"sparse_topk": 0},
+        {"sparse_topk": 33},
+        {"sparse_topk": 4, "sparse_recent": -1},
+        {"sparse_topk": 4, "sparse_mean_weight": 1.0},
+        {"sparse_topk": 4, "sparse_mean_weight": -0.1},
+        {"sparse_topk": 4, "sparse_mean_weight": float("nan")},
+    ):
         with pytest.raises(InvalidInputError):
             engine(**kw)
+    with pytest.raises(InvalidTypeError):
+        engine(sparse_topk=4, sparse_mean_weight="0.5")
+
+
+async def test_sparse_mean_weight_scores_the_engine_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's decode rows score pages with the configured mean weight (the store's
+    summaries keep each page's mean key), and a k covering every page stays dense-exact."""
+    import tierkv.serving.sparse as serving_sparse
+
+    weights: list[float] = []
+    real = serving_sparse.page_scores
+
+    def spy(q: torch.Tensor, table: torch.Tensor, scale: float, w: float = 0.0) -> torch.Tensor:
+        weights.append(w)
+        return real(q, table, scale, w)
+
+    monkeypatch.setattr(serving_sparse, "page_scores", spy)
+    ps = prompts(3, seed=5, lo=20, hi=60)
+    params = SamplingParams(max_tokens=6)
+    async with engine(max_running=3) as e:
+        want = await asyncio.gather(*(e.complete(p, params) for p in ps))
+    async with engine(max_running=3, sparse_topk=32, sparse_mean_weight=0.5) as e:
+        got = await asyncio.gather(*(e.complete(p, params) for p in ps))
+    assert weights and set(weights) == {0.5}
+    assert [g[0] for g in got] == [w[0] for w in want]
+    weights.clear()
+    async with engine(max_running=2, sparse_topk=2, sparse_recent=1, sparse_mean_weight=0.5) as e:
+        ps = prompts(2, seed=6, lo=120, hi=160)
+        got = await asyncio.gather(*(e.complete(p, SamplingParams(max_tokens=4)) for p in ps))
+        assert e.sparse is not None
+        assert e.sparse.counters.as_dict()["decode_page_share"] < 0.3
+    assert set(weights) == {0.5} and all(len(g[0]) == 4 for g in got)
 
 
 class Recording(TinyModel):

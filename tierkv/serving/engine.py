@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from tierkv import validate
 from tierkv.errors import InvalidInputError, QuotaExceededError
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import EngineNotOpenError, RequestError
@@ -96,8 +97,12 @@ class EngineConfig:
             this many chosen by per-page key summaries (Quest; :mod:`tierkv.serving.sparse`);
             None: every page.
         sparse_recent: the last pages always attended with ``sparse_topk``.
+        sparse_mean_weight: with ``sparse_topk``, the weight in ``[0, 1)`` of a page's mean
+            key in its score (``(1 - w) * bound + w * q . mean``); 0: Quest's bound alone
+            (docs/attention.md measures 0.5 on SmolLM2).
 
-    Raises InvalidInputError (a ValueError) for a count below 1 or a negative size;
+    Raises InvalidInputError (a ValueError) for a count below 1, a negative size or a
+    ``sparse_mean_weight`` outside ``[0, 1)``;
     :class:`Engine` for a ``sparse_topk`` above a request's pages.
     """
 
@@ -114,6 +119,7 @@ class EngineConfig:
     tenants: Mapping[str, Quota] | None = None
     sparse_topk: int | None = None
     sparse_recent: int = 2
+    sparse_mean_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "max_batch_tokens", "page_tokens"):
@@ -124,6 +130,7 @@ class EngineConfig:
         for name in ("device_bytes", "host_bytes"):
             if (getattr(self, name) or 0) < 0:
                 raise InvalidInputError(f"{name} must be >= 0, got {getattr(self, name)}")
+        validate.fraction("sparse_mean_weight", self.sparse_mean_weight)
 
 
 @dataclass
@@ -210,6 +217,7 @@ class Engine:
                 cfg.sparse_topk,
                 cfg.sparse_recent,
                 -(-self.max_context // cfg.page_tokens),
+                cfg.sparse_mean_weight,
             )
         )
         self._failures = FailureLog("tierkv.serving")

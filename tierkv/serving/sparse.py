@@ -4,7 +4,8 @@ The engine folds every request's new keys into its store's page summaries
 (:class:`~tierkv.attention.summaries.KeySummaries`: per-channel min and max of K per page key
 and KV head) and, for a request's decode row (one query token), attends only the first page,
 the ``sparse_recent`` last and the ``k`` pages whose summaries bound the query's scores
-highest (Quest's criterion, :func:`~tierkv.attention.summaries.page_scores`). Prompt chunks
+highest (Quest's criterion, :func:`~tierkv.attention.summaries.page_scores`; ``sparse_mean_weight``
+moves the score toward the page's mean key). Prompt chunks
 attend every page, and so does a decode row whose pages those already cover: then the result
 is the dense one exactly.
 
@@ -38,14 +39,22 @@ class ServingSparse:
         topk: pages chosen by score besides the first and the recent ones.
         recent: the last pages always attended.
         max_pages: the most pages a request's layer can have: ``topk`` above it is an error.
+        mean_weight: the weight of a page's mean key in its score (0: Quest's bound alone).
 
-    Raises InvalidInputError for ``topk`` below 1 or above ``max_pages``, ``recent`` below 0.
+    Raises InvalidInputError for ``topk`` below 1 or above ``max_pages``, ``recent`` below 0,
+    ``mean_weight`` outside ``[0, 1)``.
     """
 
     def __init__(
-        self, store: KVStore, spec: KVSpec, topk: int, recent: int, max_pages: int
+        self,
+        store: KVStore,
+        spec: KVSpec,
+        topk: int,
+        recent: int,
+        max_pages: int,
+        mean_weight: float = 0.0,
     ) -> None:
-        self.options = SparseOptions(topk, recent, max_pages=max_pages)
+        self.options = SparseOptions(topk, recent, max_pages=max_pages, mean_weight=mean_weight)
         self.topk = topk
         self.page_tokens = spec.page_tokens
         self.scale = spec.head_dim**-0.5
@@ -77,7 +86,7 @@ class ServingSparse:
         pages = -(-total // t)
         table = self.summaries.table(self._store.sequence(rid).pages(layer)[:pages])
         chosen = select_pages(
-            page_scores(q[:, 0], table, self.scale),
+            page_scores(q[:, 0], table, self.scale, self.options.mean_weight),
             self.topk,
             self.options.sink,
             self.options.recent,
