@@ -58,6 +58,8 @@ TIERS = ("device", "host", "cold")
 Key = Hashable
 """A page key (bytes in a store; any hashable in a bare page table)."""
 Allow = Callable[[Key], bool]
+Counts = dict[int | None, int]
+_Pick = tuple[bool, list[tuple[int, int]], Counts, Counts, Counts, Counts]
 
 
 @dataclass(frozen=True)
@@ -216,8 +218,8 @@ class Tenants:
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
         #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
         self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
-        self._picks = {  # what any_pick reads, per tier in one lookup
-            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))
+        self._picks: dict[str, _Pick] = {  # what any_pick reads, per tier in one lookup
+            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))  # type: ignore[misc]
             for t in self._reserve
         }
 

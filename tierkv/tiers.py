@@ -255,9 +255,9 @@ class TierSet:
             PageStateError: a key is already on the device (nothing is reserved).
         """
         self.room.ensure_fits(len(keys))
-        parts = (
-            [keys] if self._tenants is None or not tenants else self._tenants.parts(DEVICE, keys)
-        )
+        parts: list[Sequence[PageKey]] = [keys]
+        if self._tenants is not None and tenants:
+            parts = cast(list[Sequence[PageKey]], self._tenants.parts(DEVICE, keys))
         if len(parts) == 1:
             return await self._reserve_device(keys, mine, timeout)
         slot_of: dict[PageKey, int] = {}
