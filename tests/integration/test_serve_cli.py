@@ -375,7 +375,7 @@ def test_bad_tenants_files_fail_before_serving(
 def test_odd_tenants_files_fail_before_serving(
     tmp_path: Path, capsys: pytest.CaptureFixture[Any]
 ) -> None:
-    from tierkv.cli.serve import MAX_TENANTS_FILE
+    from tierkv.cli.tenants_file import MAX_TENANTS_FILE
 
     huge = tmp_path / "huge"
     with open(huge, "wb") as f:  # sparse: over the bound without writing it
