@@ -75,7 +75,7 @@ class PageState(IntEnum):
 
 
 _WRITING, _READABLE, _MOVING = (int(s) for s in PageState)
-_NONE_TAKEN: Mapping[object, int] = MappingProxyType({})  # (no victims taken yet)
+_NONE_TAKEN: Mapping[int | None, int] = MappingProxyType({})  # (no victims taken yet)
 
 
 @dataclass(frozen=True, slots=True)

@@ -66,6 +66,7 @@ from tierkv.lease_host import LeaseHost
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
 from tierkv.step_plan import GroupPages, arena_rows, group_pages, layer_rows, written_keys
+from tierkv.tenant_room import reserve_by_tenant
 from tierkv.tier_names import DEVICE
 
 __all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
@@ -108,7 +109,7 @@ class StepPlan:
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
-        self._tenants = len({s.tenant for s in seqs}) > 1
+        self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
         self.waited_pages = 0
 
     @property
@@ -309,9 +310,12 @@ class StepPlan:
         opened = pinned = owned = False
         try:
             if new:
-                slots = await tiers.reserve_device(
-                    new, mine=len(keys), timeout=store.timeout, tenants=self._tenants
-                )
+                if self._tenants is not None:  # several tenants' pages: room tenant by tenant
+                    slots = await reserve_by_tenant(
+                        tiers, self._tenants, new, mine=len(keys), timeout=store.timeout
+                    )
+                else:
+                    slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
                 opened = True
                 tiers.pages.zero_device(slots)  # a reused slot holds another page's bytes
                 tiers.commit_device(new)

@@ -41,7 +41,7 @@ change the same per-tenant counts, and each hook must see the others' bookkeepin
 
 from __future__ import annotations
 
-from collections import Counter, _count_elements  # type: ignore[attr-defined]
+from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import repeat
@@ -58,6 +58,8 @@ TIERS = ("device", "host", "cold")
 Key = Hashable
 """A page key (bytes in a store; any hashable in a bare page table)."""
 Allow = Callable[[Key], bool]
+Counts = Counter[int | None]
+_Pick = tuple[bool, list[tuple[int, int]], Counts, Counts, Counts, Counts]
 
 
 @dataclass(frozen=True)
@@ -196,14 +198,14 @@ class Tenants:
         self._prune_at = _PRUNE_MIN
         self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
         # per tier, pages per tenant index (None: nobody's), each count only growing, by one
-        # C-level pass per batch (_count_elements, no Python per page): stored (came), put
+        # C-level pass per batch (Counter.update, no Python per page): stored (came), put
         # back (back), evicted (lost), dropped (gone); held = came + back - lost - gone (not
         # counting MOVING), evicted (suffered) = lost - back
-        zero: dict[int | None, int] = dict.fromkeys([*range(len(names)), None], 0)
-        self._came = {t: dict(zero) for t in self._reserve}  # (every index there: no .get)
-        self._back = {t: dict(zero) for t in self._reserve}
-        self._lost = {t: dict(zero) for t in self._reserve}
-        self._gone = {t: dict(zero) for t in self._reserve}
+        zero = dict.fromkeys([*range(len(names)), None], 0)
+        self._came = {t: Counter(zero) for t in self._reserve}  # (every index there)
+        self._back = {t: Counter(zero) for t in self._reserve}
+        self._lost = {t: Counter(zero) for t in self._reserve}
+        self._gone = {t: Counter(zero) for t in self._reserve}
         self._counts = (self._came, self._back, self._lost, self._gone)
         self._caused = [0] * len(names)
         self.counters = [TenantCounters() for _ in names]
@@ -216,8 +218,8 @@ class Tenants:
         self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
         #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
         self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
-        self._picks = {  # what any_pick reads, per tier in one lookup
-            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))
+        self._picks: dict[str, _Pick] = {  # what any_pick reads, per tier in one lookup
+            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))  # type: ignore[misc]
             for t in self._reserve
         }
 
@@ -298,7 +300,7 @@ class Tenants:
         came = self._came.get(tier)
         if came is None or not keys:
             return
-        _count_elements(self._back[tier] if put_back else came, map(self._of.get, keys))
+        (self._back[tier] if put_back else came).update(map(self._of.get, keys))
         if put_back and by is not None:
             self._caused[by] -= len(keys)
 
@@ -310,10 +312,10 @@ class Tenants:
         if came is None or not new:  # (nothing is evicted for no new page)
             return
         if not out:
-            _count_elements(came, map(self._of.get, new))
+            came.update(map(self._of.get, new))
             return
         ids = list(map(self._of.get, new))
-        _count_elements(came, ids)
+        came.update(ids)
         by = ids[0]
         if by is None:
             by = next((i for i in ids if i is not None), None)
@@ -323,7 +325,7 @@ class Tenants:
         """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
         gone = self._gone.get(tier)
         if gone is not None:
-            _count_elements(gone, map(self._of.get, keys))
+            gone.update(map(self._of.get, keys))
 
     def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
         """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
@@ -332,7 +334,7 @@ class Tenants:
         lost = self._lost.get(tier)
         if lost is None or not keys:
             return
-        _count_elements(lost, map(self._of.get, keys))
+        lost.update(map(self._of.get, keys))
         if by is not None:
             self._caused[by] += len(keys)
 

@@ -42,9 +42,6 @@ concern, each from one :class:`~tierkv.core_context.CoreContext`:
 Everything else (leases, prefetch, the remote tier, the page server, metrics) uses those
 public methods and reads through :attr:`TierSet.table`, a read-only view; every transition is
 checked by :meth:`TierSet.check`.
-
-This file stays whole (just over 400 lines): it is that one owner's surface, each method a
-short composition of the parts above.
 """
 
 from __future__ import annotations
@@ -234,48 +231,18 @@ class TierSet:
 
     # -- device allocation ---------------------------------------------------------------
     async def reserve_device(
-        self,
-        keys: Sequence[PageKey],
-        *,
-        mine: int = 0,
-        timeout: float | None = None,
-        tenants: bool = False,
+        self, keys: Sequence[PageKey], *, mine: int = 0, timeout: float | None = None
     ) -> list[int]:
         """Reserve device slots for new pages (WRITING) and return them; the caller writes the
         bytes and calls :meth:`commit_device` (or :meth:`abort_device`). When other holders'
         pins fill the device it waits for them to go, at most ``timeout`` seconds (default the
         engine's); ``mine``: device pages the caller itself holds pinned (they never go).
-        ``tenants``: the pages may be several tenants' (a batched step's): each tenant's ask
-        for room on their own (:meth:`tierkv.tenants.Tenants.parts`), so that each tenant's
-        evictions keep the quotas and a refusal names its tenant; all or nothing.
 
         Raises:
-            TierFullError: the pages never fit, or no room came before the deadline
-                (QuotaExceededError: not within the tenants' quotas).
+            TierFullError: the pages never fit, or no room came before the deadline.
             PageStateError: a key is already on the device (nothing is reserved).
         """
         self.room.ensure_fits(len(keys))
-        parts = (
-            [keys] if self._tenants is None or not tenants else self._tenants.parts(DEVICE, keys)
-        )
-        if len(parts) == 1:
-            return await self._reserve_device(keys, mine, timeout)
-        slot_of: dict[PageKey, int] = {}
-        done: list[PageKey] = []
-        try:
-            for part in parts:  # (the pages reserved so far are the caller's: never waited on)
-                slots = await self._reserve_device(part, mine + len(done), timeout)
-                slot_of.update(zip(part, slots))
-                done += part
-        except BaseException:
-            if done:
-                self.abort_device(done, pinned=False, owned=False)
-            raise
-        return [slot_of[k] for k in keys]
-
-    async def _reserve_device(
-        self, keys: Sequence[PageKey], mine: int, timeout: float | None
-    ) -> list[int]:
         deadline = self._deadline(timeout)
         while True:
             async with self._device_lock:

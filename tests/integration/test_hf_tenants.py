@@ -4,7 +4,6 @@ of its salt only, its pages are charged to its tenant, a copy keeps both."""
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 
@@ -18,6 +17,7 @@ import torch
 import tierkv
 from tierkv.errors import TenantError
 from tierkv.integrations.hf import TieredCache
+from tierkv.integrations.hf_store import StoreOwner
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hf_store import CFG, SPEC
@@ -56,7 +56,9 @@ def test_salted_caches_share_only_with_their_salt_and_charge_their_tenant() -> N
         TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, salt=b"")
 
 
-def test_a_tenant_the_store_lacks_is_refused_at_construction() -> None:
+def test_a_tenant_the_store_lacks_is_refused_at_construction(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     quotas = {"a": tierkv.Quota()}
     with tierkv.SyncKVStore(
         SPEC, device_bytes=32 * SPEC.page_bytes, host_bytes=1 << 20, tenants=quotas
@@ -65,7 +67,14 @@ def test_a_tenant_the_store_lacks_is_refused_at_construction() -> None:
             with pytest.raises(TenantError):  # (UnknownTenantError is one)
                 TieredCache(store=store, tenant=bad)
         assert store.call(lambda: store.store.sequence_ids()) == []
-    threads = threading.active_count()
+    closed: list[object] = []
+    real = StoreOwner.drop
+
+    def drop(self: StoreOwner) -> None:
+        closed.append(self)
+        real(self)
+
+    monkeypatch.setattr(StoreOwner, "drop", drop)
     with pytest.raises(tierkv.UnknownTenantError):  # a store without tenants knows none
         TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, tenant="a")
-    assert threading.active_count() == threads  # the store that cache opened was closed
+    assert len(closed) == 1  # the store that cache opened was closed again

@@ -5,28 +5,21 @@ tokens they would have had alone."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 from tierkv import QuotaExceededError, TenantError
-from tierkv.demo.model import ModelConfig
 from tierkv.serving import Engine, EngineConfig, SamplingParams, TinyModel
 from tierkv.step import StepPlan
 from tierkv.tenants import Quota
 
-MODEL = ModelConfig(vocab=512, dim=64, layers=2, heads=4, kv_heads=2, ffn=128, seed=3)
+sys.path.insert(0, str(Path(__file__).parent))
+from test_serving import MODEL, one_thread  # noqa: F401 - one torch thread: the box is shared
+
 PAGE_TOKENS = 8
 PAGE = 1024  # bytes of one page: K and V, 2 KV heads of 16 dims, 8 tokens, fp16
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def engine(**kw: object) -> Engine:

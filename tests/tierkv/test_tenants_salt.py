@@ -54,7 +54,7 @@ def test_bad_salts_are_typed_errors(salt: object) -> None:
 
 async def test_a_bad_salt_changes_nothing_in_the_store() -> None:
     async with KVStore(SPEC, device_bytes=8 * PAGE, host_bytes=8 * PAGE, codec=None) as s:
-        for bad in (b"", 3, "x" * 300):
+        for bad in (b"", 3, "x" * 300, bytearray(b"s"), memoryview(b"s"), ["s"]):
             with pytest.raises(TenantError):
                 await s.add_sequence("a", tokens(1), salt=bad)  # type: ignore[arg-type]
             with pytest.raises(TenantError):
