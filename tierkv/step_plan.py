@@ -156,7 +156,7 @@ class LayerRows:
         self._read: torch.Tensor | None = None
         self._page_index: torch.Tensor | None = None
         self._tok: npt.NDArray[np.int64] | None = None
-        self._k: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._k: dict[bool, torch.Tensor] = {}
 
     @property
     def read(self) -> torch.Tensor:
@@ -177,25 +177,29 @@ class LayerRows:
 
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""
-        return self._rows(by_seq)[0]
+        kv = self.kv_rows(by_seq)
+        return kv[: len(kv) // 2]
 
     def v_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' V (those of K, one K block further)."""
-        return self._rows(by_seq)[1]
+        kv = self.kv_rows(by_seq)
+        return kv[len(kv) // 2 :]
 
-    def _rows(self, by_seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_rows(self, by_seq: bool) -> torch.Tensor:
+        """:meth:`k_rows` then :meth:`v_rows`, in one tensor (the rows of
+        ``torch.stack((k, v))``'s elements): one index tensor, one ``index_copy_``."""
         got = self._k.get(by_seq)
         if got is None:
             h, t = self._spec.num_kv_heads, self._spec.page_tokens
             if sum(self.n_new) * h <= _PY_ROWS:
                 k = self._py_k_rows(by_seq)
-                pair = _index(k, self._device), _index([x + h * t for x in k], self._device)
+                got = _index(k + [x + h * t for x in k], self._device)
             else:
                 kr = self._k_rows(by_seq)
-                pair = torch.from_numpy(kr), torch.from_numpy(kr + h * t)
+                got = torch.from_numpy(np.concatenate((kr, kr + h * t)))
                 if self._device.type != "cpu":
-                    pair = pair[0].to(self._device), pair[1].to(self._device)
-            got = self._k[by_seq] = pair
+                    got = got.to(self._device)
+            self._k[by_seq] = got
         return got
 
     def _py_k_rows(self, by_seq: bool) -> list[int]:
