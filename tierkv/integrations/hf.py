@@ -297,9 +297,9 @@ class TieredCache(Cache):
             self._end_plan()
             plan = None
         # a layer of a group that has landed waits for nothing: no loop run (tierkv.step); at
-        # a group's first layer the next group's loads start, and the loop runs one turn to
-        # submit them. Only where this thread drives the store (a shared store's state is its
-        # loop's)
+        # a group's first layer the next group's task starts, and the loop runs a few turns
+        # (no wait) to submit its loads. Only where this thread drives the store (a shared
+        # store's state is its loop's)
         driver = self._driver
         local = isinstance(driver, LocalStore)
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
