@@ -73,8 +73,13 @@ MERGE_MAX_BYTES = 4 << 20
 
 #: What a store's engine passes as ``inline_bytes``: on the cpu backend a copy this small,
 #: submitted while the engine is idle, runs on the submitting thread (no stream thread woken,
-#: no completion handed back across threads). An engine's default is 0: off.
-INLINE_MAX_BYTES = 256 << 10
+#: no completion handed back across threads). An engine's default is 0: off. Measured on the
+#: shared 2-core box (issue 26; 24 KiB pages, submit and await): inline costs the process
+#: 0.36-0.72x the CPU of a stream thread's copy at 24 KiB-3 MiB, and the caller's thread
+#: 0.6-1.0x up to 384 KiB, 1.4x at 768 KiB, 1.7x at 1.5 MiB; 1 MiB takes a SmolLM2 step's
+#: write-behind (30 pages, 720 KiB) inline. A copy that large is worth a thread only where a
+#: free core overlaps it with compute.
+INLINE_MAX_BYTES = 1 << 20
 
 
 class TransferHandle:

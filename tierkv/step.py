@@ -19,15 +19,16 @@ group pins its pages (loading those not resident: one acquire, one engine batch)
 new pages its appends need and builds each layer's row indices (:mod:`tierkv.step_plan`).
 :meth:`StepPlan.layer`, at a group's first layer, lets go of the group before (its pins),
 starts the next group's loads and waits for its own (none when they landed);
-:meth:`StepPlan.layer_now` serves the other layers of a landed group with no event loop at
-all. At exit full blocks get their content keys, the pages the step wrote go down in one
-write-behind, and the next step's first group is prefetched.
+:meth:`StepPlan.layer_now` serves the layers of a landed group with no event loop run (a
+group's first too, for a caller that runs the loop). At exit full blocks get content keys,
+written pages go down in one write-behind, and the next step's first group is prefetched.
+The file stays whole: entry checks, group loads and exit are one plan's life cycle, sharing
+its state (the rows and indices live in :mod:`tierkv.step_plan`, the layer handle in
+:mod:`tierkv.step_layer`).
 
 Late fetches (``stats()["late_fetches"]``): a group's loads are late when the layer that needs
-them asked before their copies ended (the copies' own end, ``TierStats.loads_landed_at``),
-that is when compute waited on a fetch. A layer whose group's task had not run since its
-copies ended (under ``TieredCache`` the loop runs only when a group starts) waits a loop turn,
-not for a fetch: not late.
+them asked before their copies ended (``TierStats.loads_landed_at``): compute waited on a
+fetch. A group whose task had not run since its copies ended waits a loop turn: not late.
 
 The announced order makes evictions take, among the step's pages, the one read last: in the
 cyclic walk over layers a steady set of layers stays resident and the rest stream through the
@@ -44,11 +45,10 @@ keys: :func:`tierkv.lease.acquire_current`); a sequence released before or durin
 load makes that layer raise SequenceError. The pages a group pinned cannot be renamed while
 pinned, and their use is recorded when the group lets go of them (by the names they have then).
 
-The core calls used (the tier core's surface this path depends on): ``TierSet.announce``,
-``acquire_device``, ``unpin_device``, ``reserve_device``, ``zero_device``, ``commit_device``,
-``pin_device``, ``own``, ``abort_device``, ``device_slots``, ``mark_dirty``, ``seal``,
-``ensure_fits``, ``deadline``, ``full_error``, ``table`` (capacity), ``device_pages`` (new) and
-``device``.
+The tier core's surface it uses: ``TierSet.announce``, ``acquire_device``, ``unpin_device``,
+``reserve_device``, ``zero_device``, ``commit_device``, ``pin_device``, ``own``,
+``abort_device``, ``device_slots``, ``mark_dirty``, ``seal``, ``ensure_fits``, ``deadline``,
+``full_error``, ``table`` (capacity), ``device_pages`` (new), ``all_pages`` and ``device``.
 """
 
 from __future__ import annotations
@@ -106,10 +106,13 @@ class StepPlan:
         self._held: int | None = None
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
         self._active = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
+        self.starting: asyncio.Future[list[LayerStep]] | None = None  # (see layer_now)
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
         self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
+        self.by_page = tiers.pages.all_pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
         self.waited_pages = 0
 
     @property
@@ -160,10 +163,9 @@ class StepPlan:
                 seq.append_block(seq.private_block(seq.num_blocks), shared=False)
         # The step's pages in the order it reads them: evictions take pages outside the step
         # first, then the one read last (a cyclic walk over the layers then keeps a steady set
-        # of layers resident and streams the rest through the window, instead of evicting
-        # each layer's pages just before the next step reads them). The pages the step writes
-        # come first (evicted last): each goes down once, by one write-behind at the end of
-        # the step, not by an eviction's wait half way through.
+        # of layers resident and streams the rest, instead of evicting each layer's pages just
+        # before the next step reads them). The pages it writes come first (evicted last):
+        # each goes down once, by the step's write-behind, not by an eviction's wait.
         written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
         first = set(written)
         rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
@@ -172,6 +174,7 @@ class StepPlan:
         self._held = await store.admission.enter(
             footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
         )
+        self._loop = asyncio.get_running_loop()
         self._active = True
         for g in range(min(groups, 2 if self.ahead else 0)):
             self._start(g)
@@ -261,17 +264,25 @@ class StepPlan:
         return step
 
     @boundary
-    def layer_now(self, layer: int) -> LayerStep | None:
-        """:meth:`layer` without an event loop, where it has nothing to wait for or start:
-        a layer inside a group that has landed (not a group's first layer). None otherwise
-        (then call :meth:`layer`). Raises what :meth:`layer` raises for bad arguments."""
+    def layer_now(self, layer: int, *, enter: bool = False) -> LayerStep | None:
+        """:meth:`layer` with no loop run, for a landed group's layer (else None). A group's
+        first only with ``enter``: as :meth:`layer`, it lets go of the group before and starts
+        the next (:attr:`starting`: the caller runs its loop a few turns to submit its loads)."""
         i = self._index.get(layer) if type(layer) is int else None
         if i is None or not self._active or i != self._next:
             return None
         g, at = divmod(i, self.group)
         task = self._tasks[g]
-        if at == 0 or task is None or not task.done():
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
             return None
+        if at == 0:
+            if not enter or self._loop is None:
+                return None
+            if g:
+                self._release(g - 1)
+            if self.ahead and g + 1 < len(self._tasks) and self._tasks[g + 1] is None:
+                self._start(g + 1)
+                self.starting = self._tasks[g + 1]
         step = task.result()[at]
         self._next = i + 1
         self._current = step
@@ -284,7 +295,8 @@ class StepPlan:
 
     def _start(self, g: int) -> None:
         if self._tasks[g] is None:
-            self._tasks[g] = asyncio.ensure_future(self._load(g))
+            coro, loop = self._load(g), self._loop
+            self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
 
     async def _load(self, g: int) -> list[LayerStep]:
         """Pin group ``g``'s pages (loading those not resident), open the pages its appends

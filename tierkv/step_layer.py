@@ -25,6 +25,7 @@ class StepView(Protocol):
     store: LeaseHost
     seqs: tuple[SequenceState, ...]
     flat: torch.Tensor  # the device pages as rows of head_dim elements
+    by_page: torch.Tensor  # the device pages as [2, H, slots, T, D] (a view)
 
     def check_current(self, step: LayerStep) -> None:
         """Raise SequenceError unless ``step`` is the step's current layer."""
@@ -86,7 +87,7 @@ class LayerStep:
         """
         plan = self._plan
         rows = self._rows
-        by_seq = self._check_kv(k, v)
+        by_seq = self._fits(k, v) or self._check_kv(k, v)
         plan.check_current(self)
         if self.appended:
             raise SequenceError(f"layer {self.layer}: this step appended to it already")
@@ -104,8 +105,7 @@ class LayerStep:
             k, v = k.detach(), v.detach()
         if k.device != dev:
             k, v = k.to(dev), v.to(dev)
-        flat.index_copy_(0, rows.k_rows(by_seq), k.reshape(-1, d))
-        flat.index_copy_(0, rows.v_rows(by_seq), v.reshape(-1, d))
+        flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
         tiers = plan.store.tiers
         tiers.pages.mark_dirty(self.written)
         if self.filled:
@@ -113,6 +113,29 @@ class LayerStep:
         for seq, end in zip(seqs, rows.lengths):
             seq.set_kv_len(layer, end)
         self.appended = True
+
+    def _fits(self, k: object, v: object) -> bool:
+        """Whether ``k`` and ``v`` are ``[B, H, n, D]`` tensors in the spec's dtype on the
+        device tier's device: the common case, checked in a few attribute reads (anything
+        else goes through :meth:`_check_kv`, which accepts or raises)."""
+        if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return False
+        rows = self._rows
+        plan = self._plan
+        spec = plan.store.spec
+        return (
+            rows.uniform
+            and k.shape == v.shape
+            and k.shape == (rows.batch, spec.num_kv_heads, rows.n_new[0], spec.head_dim)
+            and k.dtype == spec.dtype
+            and v.dtype == spec.dtype
+            and k.device == plan.flat.device
+            and v.device == plan.flat.device
+            and k.layout == torch.strided
+            and v.layout == torch.strided
+            and not k.is_nested
+            and not v.is_nested
+        )
 
     def _check_kv(self, k: object, v: object) -> bool:
         """Check new KV; True for ``[B, H, n, D]``, False for ``[H, N, D]``."""
@@ -141,10 +164,13 @@ class LayerStep:
             raise SpecError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
         return k.dim() == 4
 
-    def _gather(self) -> torch.Tensor:
+    def _check_read(self) -> None:
         self._plan.check_current(self)
         if not self.appended:
             raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
+
+    def _gather(self) -> torch.Tensor:
+        self._check_read()
         return self._plan.flat.index_select(0, self._rows.read)
 
     @boundary
@@ -156,8 +182,18 @@ class LayerStep:
         if len(set(rows.lengths)) > 1:
             raise SequenceError("the step's sequences differ in length: use kv_list()")
         spec = self._plan.store.spec
+        h, d = spec.num_kv_heads, spec.head_dim
         s = rows.lengths[0] if rows.lengths else 0
-        out = self._gather().view(rows.batch, 2, spec.num_kv_heads, s, spec.head_dim)
+        if rows.uniform:  # whole pages, by slot: one index_select over a handful of indices
+            self._check_read()
+            m = rows.pages * spec.page_tokens
+            got = self._plan.by_page.index_select(2, rows.page_index())
+            if rows.batch == 1:  # (fewer view ops: each costs microseconds inside a forward)
+                k1, v1 = got.view(2, 1, h, m, d)[:, :, :, :s].unbind(0)
+                return k1, v1
+            kb, vb = got.view(2, h, rows.batch, m, d)[:, :, :, :s].transpose(1, 2).unbind(0)
+            return kb, vb
+        out = self._gather().view(rows.batch, 2, h, s, d)
         return out[:, 0], out[:, 1]
 
     @boundary

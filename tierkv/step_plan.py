@@ -13,6 +13,7 @@ where ``R`` is the rows one slot spans (its padding included)::
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -102,48 +103,72 @@ class LayerRows:
     ``read``: the rows of every sequence's K/V after the append, sequence by sequence, each
     ``(kv, head, token)``; ``sizes``: the rows of each sequence; ``k_rows(by_seq)`` /
     ``v_rows(by_seq)``: where the new tokens' K (V) go, for new KV laid out ``[B, H, n, D]``
-    (``by_seq``) or ``[H, N, D]`` (the sequences' new tokens one after another)."""
+    (``by_seq``) or ``[H, N, D]`` (the sequences' new tokens one after another).
+
+    ``uniform``: every sequence has as many pages, tokens before and new tokens (a transformers
+    batch always does); its K/V can then be gathered by whole pages (:meth:`page_index`).
+    Everything is built on first use: a decode layer of a few sequences builds its few append
+    rows in Python and gathers by pages, never building ``read``."""
 
     __slots__ = (
         "_device",
-        "_head",
         "_k",
-        "_kv_off",
         "_padded",
-        "_pairs",
+        "_page_index",
+        "_per_slot",
         "_read",
+        "_read_np",
+        "_slots",
+        "_spec",
+        "_starts",
         "_tok",
         "batch",
         "lengths",
         "n_new",
-        "read",
+        "pages",
         "sizes",
+        "uniform",
     )
 
     def __init__(
         self,
-        read: torch.Tensor,
-        read_np: npt.NDArray[np.int64],
-        tok: npt.NDArray[np.int64],
-        lengths: list[int],
-        n_new: list[int],
+        slots: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        n_new: Sequence[int],
+        per_slot: int,
         spec: KVSpec,
         device: torch.device,
     ) -> None:
-        self.read = read
-        self._read = read_np  # (the same rows in numpy: padded() indexes them)
-        self._padded: torch.Tensor | None = None
-        self._tok = tok  # the row of (kv=0, head=0) of each new token, sequence after sequence
+        self._slots = slots
+        self._starts = list(starts)
+        self._per_slot = per_slot
+        self._spec = spec
         self._device = device
-        self.lengths = lengths
-        self.n_new = n_new
-        self.batch = len(lengths)
-        h, t = spec.num_kv_heads, spec.page_tokens
-        self.sizes = [2 * h * s for s in lengths]
-        self._head = _heads(h, t)
-        self._pairs = 2 * h  # (kv, head) pairs: the rows of one token
-        self._kv_off = h * t
-        self._k: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.n_new = list(n_new)
+        self.lengths = [s + n for s, n in zip(starts, n_new)]
+        self.batch = len(self.lengths)
+        self.sizes = [2 * spec.num_kv_heads * s for s in self.lengths]
+        self.pages = len(slots[0]) if slots else 0  # per sequence, when uniform
+        self.uniform = (
+            bool(slots)
+            and all(len(s) == self.pages for s in slots)
+            and len(set(self._starts)) == 1
+            and len(set(self.n_new)) == 1
+        )
+        self._read: torch.Tensor | None = None
+        self._read_np: npt.NDArray[np.int64] | None = None  # (the same rows: padded() indexes)
+        self._padded: torch.Tensor | None = None
+        self._page_index: torch.Tensor | None = None
+        self._tok: npt.NDArray[np.int64] | None = None
+        self._k: dict[bool, torch.Tensor] = {}
+
+    @property
+    def read(self) -> torch.Tensor:
+        """The rows attention reads (built on first use)."""
+        if self._read is None:
+            self._build()
+        assert self._read is not None
+        return self._read
 
     def padded(self) -> torch.Tensor:
         """The rows of every sequence's K/V after the append, each padded to the longest:
@@ -152,11 +177,15 @@ class LayerRows:
         sequence has the same length. Built once (a few numpy operations)."""
         got = self._padded
         if got is None:
-            lengths = np.array(self.lengths, dtype=np.int64)
             if len(set(self.lengths)) <= 1:
                 got = self.read
             else:
-                heads = self._pairs
+                if self._read_np is None:
+                    self._build()
+                rows = self._read_np
+                assert rows is not None
+                lengths = np.array(self.lengths, dtype=np.int64)
+                heads = 2 * self._spec.num_kv_heads  # (kv, head) pairs: the rows of one token
                 smax = int(lengths.max())
                 off = np.zeros(len(lengths), dtype=np.int64)
                 np.cumsum(heads * lengths[:-1], out=off[1:])
@@ -164,37 +193,112 @@ class LayerRows:
                 at = np.minimum(np.arange(smax, dtype=np.int64).reshape(1, 1, -1), last)
                 col = np.arange(heads, dtype=np.int64).reshape(1, -1, 1)
                 pos = off.reshape(-1, 1, 1) + col * lengths.reshape(-1, 1, 1) + at
-                np.minimum(pos, len(self._read) - 1, out=pos)  # (a sequence of no tokens)
-                got = torch.from_numpy(self._read[pos.reshape(-1)])
+                np.minimum(pos, len(rows) - 1, out=pos)  # (a sequence of no tokens)
+                got = torch.from_numpy(rows[pos.reshape(-1)])
                 if self._device.type != "cpu":
                     got = got.to(self._device, non_blocking=True)
             self._padded = got
         return got
 
+    def page_index(self) -> torch.Tensor:
+        """The device slots of every sequence's pages, sequence after sequence (uniform
+        layers: ``batch * pages`` slots)."""
+        got = self._page_index
+        if got is None:
+            got = _index([int(x) for s in self._slots for x in s], self._device)
+            self._page_index = got
+        return got
+
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""
-        return self._rows(by_seq)[0]
+        kv = self.kv_rows(by_seq)
+        return kv[: len(kv) // 2]
 
     def v_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' V (those of K, one K block further)."""
-        return self._rows(by_seq)[1]
+        kv = self.kv_rows(by_seq)
+        return kv[len(kv) // 2 :]
 
-    def _rows(self, by_seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_rows(self, by_seq: bool) -> torch.Tensor:
+        """:meth:`k_rows` then :meth:`v_rows`, in one tensor (the rows of
+        ``torch.stack((k, v))``'s elements): one index tensor, one ``index_copy_``."""
         got = self._k.get(by_seq)
         if got is None:
-            k = self._k_rows(by_seq)
-            pair = torch.from_numpy(k), torch.from_numpy(k + self._kv_off)
-            if self._device.type != "cpu":
-                pair = pair[0].to(self._device), pair[1].to(self._device)
-            got = self._k[by_seq] = pair
+            h, t = self._spec.num_kv_heads, self._spec.page_tokens
+            if sum(self.n_new) * h <= _PY_ROWS:
+                k = self._py_k_rows(by_seq)
+                got = _index(k + [x + h * t for x in k], self._device)
+            else:
+                kr = self._k_rows(by_seq)
+                got = torch.from_numpy(np.concatenate((kr, kr + h * t)))
+                if self._device.type != "cpu":
+                    got = got.to(self._device)
+            self._k[by_seq] = got
         return got
 
+    def _py_k_rows(self, by_seq: bool) -> list[int]:
+        """:meth:`_k_rows` in plain Python (a few new tokens: cheaper than numpy's setup)."""
+        h, t, r = self._spec.num_kv_heads, self._spec.page_tokens, self._per_slot
+        toks = [
+            [int(s[p // t]) * r + p % t for p in range(start, end)]
+            for s, start, end in zip(self._slots, self._starts, self.lengths)
+        ]
+        if by_seq:  # [B, H, n, D]: (b, head, j)
+            return [x + i * t for tok in toks for i in range(h) for x in tok]
+        return [x + i * t for i in range(h) for tok in toks for x in tok]  # [H, N, D]
+
     def _k_rows(self, by_seq: bool) -> npt.NDArray[np.int64]:
-        h = self._head
+        if self._tok is None:
+            self._build()
+        assert self._tok is not None
+        h = _heads(self._spec.num_kv_heads, self._spec.page_tokens)
         if by_seq:  # [B, H, n, D]: (b, head, j)
             n = self.n_new[0] if self.n_new else 0
             return (self._tok.reshape(self.batch, 1, n) + h.reshape(1, -1, 1)).reshape(-1)
         return (h.reshape(-1, 1) + self._tok.reshape(1, -1)).reshape(-1)  # [H, N, D]: (head, j)
+
+    def _build(self) -> None:
+        """``read`` and the new tokens' rows: a few numpy operations in all (one batch of
+        them for a uniform layer, else a few per sequence)."""
+        spec, per_slot = self._spec, self._per_slot
+        h, t = spec.num_kv_heads, spec.page_tokens
+        slots, starts, ends = self._slots, self._starts, self.lengths
+        inner = _inner(h, t)
+        read: npt.NDArray[np.int64]
+        tok: npt.NDArray[np.int64]
+        if self.uniform and len(set(ends)) == 1:
+            b, m, end, start = len(slots), self.pages, ends[0], starts[0]
+            base = np.array(slots, dtype=np.int64).reshape(b, 1, 1, m, 1) * per_slot
+            read = (base + inner).reshape(b, 2, h, m * t)[..., :end].reshape(-1)
+            pos = np.arange(start, end, dtype=np.int64)
+            tok = (base.reshape(b, m)[:, pos // t] + pos % t).reshape(-1)
+        else:
+            reads, toks = [], []
+            for s, start, end in zip(slots, starts, ends):
+                base = np.array(s, dtype=np.int64).reshape(1, 1, -1, 1) * per_slot
+                reads.append((base + inner).reshape(2, h, -1)[..., :end].reshape(-1))
+                pos = np.arange(start, end, dtype=np.int64)
+                toks.append(base.reshape(-1)[pos // t] + pos % t)
+            read = np.concatenate(reads) if reads else np.empty(0, dtype=np.int64)
+            tok = np.concatenate(toks) if toks else np.empty(0, dtype=np.int64)
+        r = torch.from_numpy(read)
+        if self._device.type != "cpu":
+            r = r.to(self._device, non_blocking=True)
+        self._read, self._read_np, self._tok = r, read, tok
+
+
+# new tokens x heads up to which the append's rows are built in Python (numpy's fixed cost
+# is larger there: a decode step of a few sequences)
+_PY_ROWS = 256
+
+
+def _index(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 index tensor of ``values`` (from a buffer: a third of torch.tensor's time)."""
+    idx = torch.frombuffer(array("q", values), dtype=torch.int64) if values else _EMPTY
+    return idx if device.type == "cpu" else idx.to(device)
+
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=16)
@@ -225,30 +329,5 @@ def layer_rows(
 ) -> LayerRows:
     """The rows of one layer: ``slots[b]``, the device slots of sequence ``b``'s pages in block
     order (its new pages included); ``starts[b]``, its KV length before the append;
-    ``n_new[b]``, the tokens it appends. A few numpy operations in all (one batch of them when
-    every sequence has as many pages and tokens, else a few per sequence)."""
-    h, t = spec.num_kv_heads, spec.page_tokens
-    ends = [s + n for s, n in zip(starts, n_new)]
-    inner = _inner(h, t)
-    pages = [len(s) for s in slots]
-    read: npt.NDArray[np.int64]
-    tok: npt.NDArray[np.int64]
-    if slots and len(set(pages)) == 1 and len(set(ends)) == 1 and len(set(starts)) == 1:
-        b, m, end, start = len(slots), pages[0], ends[0], starts[0]
-        base = np.array(slots, dtype=np.int64).reshape(b, 1, 1, m, 1) * per_slot
-        read = (base + inner).reshape(b, 2, h, m * t)[..., :end].reshape(-1)
-        pos = np.arange(start, end, dtype=np.int64)
-        tok = (base.reshape(b, m)[:, pos // t] + pos % t).reshape(-1)
-    else:
-        reads, toks = [], []
-        for s, start, end in zip(slots, starts, ends):
-            base = np.array(s, dtype=np.int64).reshape(1, 1, -1, 1) * per_slot
-            reads.append((base + inner).reshape(2, h, -1)[..., :end].reshape(-1))
-            pos = np.arange(start, end, dtype=np.int64)
-            toks.append(base.reshape(-1)[pos // t] + pos % t)
-        read = np.concatenate(reads) if reads else np.empty(0, dtype=np.int64)
-        tok = np.concatenate(toks) if toks else np.empty(0, dtype=np.int64)
-    r = torch.from_numpy(read)
-    if device.type != "cpu":
-        r = r.to(device, non_blocking=True)
-    return LayerRows(r, read, tok, ends, list(n_new), spec, device)
+    ``n_new[b]``, the tokens it appends. Built on first use (:class:`LayerRows`)."""
+    return LayerRows(slots, starts, n_new, per_slot, spec, device)

@@ -145,3 +145,24 @@ def test_pin_readable_pins_what_readable_names(n: int) -> None:
     assert all(t.pins[t.slot_of[k]] == 1 for k in got)
     table.complete_load(got, "d")
     table.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_small_tier_python_pass_picks_what_numpy_picks(seed: int) -> None:
+    # issue 26 (tierkv demo): tiers of a few hundred slots take a Python pass; both agree
+    from tierkv.evict_order import SMALL, OrderIndex
+
+    rng = random.Random(seed)
+    cap = rng.choice([8, 67, SMALL, SMALL + 40])
+    universe = [bytes([seed, i % 256, i // 256]) for i in range(3 * cap)]
+    order = rng.sample(universe, rng.randint(1, 2 * cap))
+    used = rng.sample(range(cap), rng.randint(0, cap))
+    key_of = dict(zip(used, rng.sample(universe, len(used))))
+    index = OrderIndex(order, cap, key_of)
+    state = bytearray(rng.choice([READABLE, READABLE, 0]) for _ in range(cap))
+    pins = array("i", (rng.choice([0, 0, 0, 2]) for _ in range(cap)))
+    for n in (1, 3, cap // 2, cap, 2 * cap):
+        want = index.latest_np(n, state, pins, READABLE)
+        assert index.latest_py(n, state, pins, READABLE) == want
+        assert index.latest(n, state, pins, READABLE) == want
+    assert index.held() == sum(1 for k in key_of.values() if k in set(order))

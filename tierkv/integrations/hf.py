@@ -311,12 +311,19 @@ class TieredCache(Cache):
         if idx == 0 and plan is not None:  # a forward that stopped half way: its plan
             self._end_plan()
             plan = None
-        # inside a group of layers that has landed, nothing waits: no loop run (tierkv.step);
-        # only where this thread drives the store (a shared store's state is its loop's)
-        local = isinstance(self._driver, LocalStore)
-        step = plan.layer_now(idx) if plan is not None and local else None
+        # a layer of a group that has landed waits for nothing: no loop run (tierkv.step); at
+        # a group's first layer the next group's task starts, and the loop runs a few turns
+        # (no wait) to submit its loads. Only where this thread drives the store (a shared
+        # store's state is its loop's)
+        driver = self._driver
+        local = isinstance(driver, LocalStore)
+        step = plan.layer_now(idx, enter=True) if plan is not None and local else None
         if step is not None and idx != self.spec.num_layers - 1:
+            assert plan is not None and isinstance(driver, LocalStore)
             try:
+                started, plan.starting = plan.starting, None
+                if started is not None:
+                    driver.turn(started)
                 step.append(k, v)
                 keys, values = step.kv()
             except BaseException:

@@ -89,6 +89,29 @@ class LocalStore:
             )
         return self._loop.run_until_complete(_bounded(coro, self.store.timeout * 2))
 
+    def turn(self, until: asyncio.Future[Any] | None = None, turns: int = 8) -> None:
+        """Run the store's loop in this thread for at most ``turns`` passes over its ready
+        callbacks, stopping early once ``until`` is done; never waits (a pass that finds
+        nothing ready polls for I/O with a zero timeout). A step group's task started just
+        before takes its steps: its loads are submitted, and where its copies ran inline
+        (cpu backend) it completes here, so its first layer needs no loop run.
+
+        Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does."""
+        if self._closed:
+            raise StoreClosedError("store is closed")
+        if _loop_running():
+            raise LoopInUseError("this thread already runs an event loop")
+        loop = self._loop
+
+        def again(n: int) -> None:
+            if n <= 1 or until is None or until.done():
+                loop.stop()
+            else:
+                loop.call_soon(again, n - 1)
+
+        loop.call_soon(again, turns)
+        loop.run_forever()
+
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the store (the store is single-threaded: this thread owns it)."""
         if self._closed:
