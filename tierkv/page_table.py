@@ -63,6 +63,7 @@ from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page
 from tierkv.slot_pins import SMALL, add_pins, drop_pins, set_states
 
 if TYPE_CHECKING:
+    from tierkv.tenant_counts import TierCounts
     from tierkv.tenants import Tenants
 
 
@@ -113,6 +114,7 @@ class _Tier:
     the table allocates no object per page (which also keeps the garbage collector idle)."""
 
     __slots__ = (
+        "acc",
         "admits",
         "capacity",
         "free",
@@ -122,6 +124,7 @@ class _Tier:
         "order",
         "pins",
         "policy",
+        "quota",
         "slot_of",
         "state",
         "undo",
@@ -145,6 +148,8 @@ class _Tier:
         self.moving = 0  # MOVING pages (they have left the policy)
         self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
         self.order: OrderIndex | None = None  # positions in the last order evictions followed
+        self.acc: TierCounts | None = None  # the tenants' counts of this tier (None: none)
+        self.quota = False  # whether evictions here must keep the tenants' quotas
         policy.bind_slots(capacity, self.slot_of)
 
 
@@ -192,9 +197,11 @@ class PageTable:
         self._events: list[PageEvent] = []
         self.sums = PageSums({t: tiers[t] for t in encoded})
         self._acc = tenants
-        self._by: int | None = None  # during prepare_evict: the tenant the room is for
         if tenants is not None:
             tenants.bind(self.held)  # (it prunes the charges of pages no tier holds)
+            for t in self._tiers.values():
+                t.acc = tenants.counts(t.name)
+                t.quota = t.name in tenants.active_tiers
         # tiers whose last eviction the quotas cut short -> the tenant it was for (or None)
         self._blocked: dict[str, int | None] = {}
 
@@ -501,8 +508,8 @@ class PageTable:
             t.order.placed(slots, new)
         t.policy.insert_slots(slots, new, new_hints)
         t.unevictable += len(new)
-        if self._acc is not None:  # one call: the victims out (caused by new's maker), new in
-            self._acc.replaced(tier, evicted, new)
+        if t.acc is not None:  # one call: the victims out (caused by new's maker), new in
+            t.acc.replaced(evicted, new)
         return StoreAllocation(tier, new, slots, evicted, present, rejected)
 
     def _evict(
@@ -518,9 +525,9 @@ class PageTable:
             can_evict = lambda s: not pins[s] and state[s] == _READABLE and s not in keep  # noqa: E731
         elif t.unevictable:
             can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
-        acc = self._acc
-        if acc is not None and t.name in acc.active_tiers and not acc.any_pick(t.name, n):
-            got = self._quota_victims(t, n, keep, acc, acc.maker(new))
+        acc, counts = self._acc, t.acc
+        if t.quota and acc is not None and counts is not None and not counts.any_pick(n):
+            got = self._quota_victims(t, n, keep, acc, new)
             if got is None:
                 return None
             slots = got
@@ -539,13 +546,18 @@ class PageTable:
         return evicted
 
     def _quota_victims(
-        self, t: _Tier, n: int, keep: set[int], acc: Tenants, by: int | None
+        self, t: _Tier, n: int, keep: set[int], acc: Tenants, new: Sequence[Key]
     ) -> list[int] | None:
         """``n`` victim slots by policy within the tenants' quotas (rule 1, then rule 2 of
-        :mod:`tierkv.tenants`) for tenant ``by``'s pages, taken from the policy but not yet
-        from the table; None (the policy's state put back) when there are fewer."""
+        :mod:`tierkv.tenants`) for the pages of ``new``, taken from the policy but not yet
+        from the table; None (the policy's state put back) when there are fewer. Pages of
+        several tenants: each tenant's share of the evictions is asked for on its own
+        (:meth:`Tenants.shares`), so that rule 2 lets each tenant's pages go only for its
+        own new pages."""
+        shares = acc.shares(t.name, new, n)  # (t.acc's: the caller checked it)
         pins, state, key_of = t.pins, t.state, t.key_of
-        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
+        if len(shares) == 1 and not acc.over_limit(t.name):  # the policy's own pick first:
+            by = shares[0][0]  # most keep the quotas
 
             def free(s: int) -> bool:
                 return not pins[s] and state[s] == _READABLE and s not in keep
@@ -559,6 +571,31 @@ class PageTable:
                 t.policy.restore_slots(slots, keys, t.policy.evicted_state_slots(slots, keys))
         passes: list[tuple[list[int], list[object]]] = []
         taken: Counter[int | None] = Counter()
+        for by, want in shares:
+            if self._rule_victims(t, want, keep, acc, by, taken, passes) < want:
+                for slots, states in reversed(passes):  # the policy's state as it was
+                    if slots:
+                        t.policy.restore_slots(slots, [key_of[s] for s in slots], states)
+                self._blocked[t.name] = by
+                acc.blocked(by)
+                return None
+        self._blocked.pop(t.name, None)
+        return [s for slots, _ in passes for s in slots]
+
+    def _rule_victims(
+        self,
+        t: _Tier,
+        n: int,
+        keep: set[int],
+        acc: Tenants,
+        by: int | None,
+        taken: Counter[int | None],
+        passes: list[tuple[list[int], list[object]]],
+    ) -> int:
+        """Up to ``n`` victim slots for tenant ``by``'s pages by the quotas' rules, taken
+        from the policy (appended to ``passes`` with their states, counted in ``taken``);
+        returns how many."""
+        pins, state, key_of = t.pins, t.state, t.key_of
         got_n = 0
         for over in (True, False):
             while got_n < n:
@@ -582,15 +619,7 @@ class PageTable:
                 got_n += len(slots)
                 if len(slots) < k:
                     break
-        if got_n < n:
-            for slots, states in reversed(passes):  # the policy's state as it was
-                if slots:
-                    t.policy.restore_slots(slots, [key_of[s] for s in slots], states)
-            self._blocked[t.name] = by
-            acc.blocked(by)
-            return None
-        self._blocked.pop(t.name, None)
-        return [s for slots, _ in passes for s in slots]
+        return got_n
 
     def quota_blocked(self, tier: str) -> bool:
         """Whether the last eviction from ``tier`` that the tenants' quotas constrained found
@@ -683,19 +712,21 @@ class PageTable:
         if exact and n > evictable:
             return []
         n = min(n, evictable)
-        acc = self._acc
-        if acc is None or not n:
+        acc, counts = self._acc, t.acc
+        if acc is None or counts is None or not n:
             return self._prepare_evict(t, n, keep, keep_order)
-        # the tenant the room is for: its evictions' cause (read by _pick's count)
-        self._by = acc.maker(for_keys)
-        try:
-            if tier in acc.active_tiers:
-                if not acc.any_pick(tier, n):
-                    return self._quota_evict(t, n, exact, keep, keep_order, acc)
+        shares = counts.shares(for_keys, n)  # the tenants the room is for: their evictions
+        if t.quota:
+            if not counts.any_pick(n):
+                return self._quota_evict(t, n, exact, keep, keep_order, acc, shares)
+            if self._blocked:
                 self._blocked.pop(tier, None)
-            return self._prepare_evict(t, n, keep, keep_order)
-        finally:
-            self._by = None
+        if len(shares) == 1:
+            return self._prepare_evict(t, n, keep, keep_order, None, shares[0][0])
+        out: list[tuple[Key, int]] = []
+        for by, want in shares:
+            out += self._prepare_evict(t, want, keep, keep_order, None, by)
+        return out
 
     def _prepare_evict(
         self,
@@ -704,23 +735,24 @@ class PageTable:
         keep: Collection[Key] | None,
         keep_order: Sequence[Key] | None,
         allow: Callable[[Key], bool] | None = None,
+        by: int | None = None,
     ) -> list[tuple[Key, int]]:
         """:meth:`prepare_evict` of up to ``n`` pages, by policy and ``keep``, of those
-        ``allow`` allows (the tenants' quotas; None: any)."""
+        ``allow`` allows (the tenants' quotas; None: any), for tenant ``by``'s pages."""
         if not keep or not n:
-            return self._pick(t, n, None, None, allow)
+            return self._pick(t, n, None, None, allow, by)
         if keep_order and self._order(t, keep_order).held() == len(t.slot_of):
             # every page is kept (``keep_order`` lists ``keep``; counted in numpy): the
             # policy's scan for pages nobody keeps would walk them all and find none, so
             # straight to the order
-            return self._pick(t, n, None, keep_order, allow)
-        first = self._pick(t, n, keep, None, allow)  # pages nobody keeps first, then the rest
+            return self._pick(t, n, None, keep_order, allow, by)
+        first = self._pick(t, n, keep, None, allow, by)  # pages nobody keeps first, then the rest
         if len(first) == n:
             return first
         try:
-            return first + self._pick(t, n - len(first), None, keep_order, allow)
+            return first + self._pick(t, n - len(first), None, keep_order, allow, by)
         except TierKVError:  # a policy bug: the first pick goes back too
-            self.complete_evict([k for k, _ in first], t.name, ok=False)
+            self._put_back(t, [k for k, _ in first], by)
             raise
 
     def _quota_evict(
@@ -731,37 +763,50 @@ class PageTable:
         keep: Collection[Key] | None,
         keep_order: Sequence[Key] | None,
         acc: Tenants,
+        shares: list[tuple[int | None, int]],
     ) -> list[tuple[Key, int]]:
         """:meth:`prepare_evict` within the tenants' quotas: passes of rule 1, then rule 2
-        (:meth:`Tenants.room`), each taking pages nobody keeps first; all or nothing with
-        ``exact``."""
+        (:meth:`Tenants.room`), each taking pages nobody keeps first, for each tenant's share
+        of the room (``shares``: :meth:`Tenants.shares`; several when a batch loads or writes
+        back pages of several tenants); all or nothing with ``exact``."""
         out: list[tuple[Key, int]] = []
         none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)
-        by = self._by
-        if not acc.over_limit(t.name):  # first the policy's own pick: most keep the quotas
-            out = self._prepare_evict(t, n, keep, keep_order)
+        short: list[int | None] = []  # the tenants whose share found too few
+        if len(shares) == 1 and not acc.over_limit(t.name):  # the policy's own pick first:
+            by = shares[0][0]  # most keep the quotas
+            out = self._prepare_evict(t, n, keep, keep_order, by=by)
             keys = [key for key, _ in out]
             if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
-                self.complete_evict(keys, t.name, ok=False)
+                self._put_back(t, keys, by)
                 out = []
             elif len(out) == n:
                 self._blocked.pop(t.name, None)
                 return out
-        for over in (True, False):
-            while len(out) < n:
-                ask = acc.room(t.name, n - len(out), over, none, by)
-                if ask is None:
-                    break
-                k, allow = ask
-                got = self._prepare_evict(t, k, keep, keep_order, allow)
-                out += got
-                if len(got) < k:
-                    break
-        if len(out) < n:
-            self._blocked[t.name] = by
-            acc.blocked(by)
+        taken: list[tuple[list[Key], int | None]] = []  # each share's victims, its tenant
+        for by, want in shares:
+            got = len(out) if len(shares) == 1 else 0  # (the policy's pick that kept them)
+            for over in (True, False):
+                while got < want:
+                    ask = acc.room(t.name, want - got, over, none, by)
+                    if ask is None:
+                        break
+                    k, allow = ask
+                    picked = self._prepare_evict(t, k, keep, keep_order, allow, by)
+                    out += picked
+                    taken.append(([key for key, _ in picked], by))
+                    got += len(picked)
+                    if len(picked) < k:
+                        break
+            if got < want:
+                short.append(by)
+        if short:
+            self._blocked[t.name] = short[0]
+            acc.blocked(short[0])
             if exact and out:
-                self.complete_evict([key for key, _ in out], t.name, ok=False)
+                if len(shares) == 1:  # (the policy's own pick, kept, is the first share's)
+                    taken = [([key for key, _ in out], shares[0][0])]
+                for keys, by in taken:
+                    self._put_back(t, keys, by)
                 return []
         else:
             self._blocked.pop(t.name, None)
@@ -774,10 +819,11 @@ class PageTable:
         keep: Collection[Key] | None,
         order: Sequence[Key] | None = None,
         allow: Callable[[Key], bool] | None = None,
+        by: int | None = None,
     ) -> list[tuple[Key, int]]:
         """Up to ``n`` victims not in ``keep`` (any, when ``keep`` is None) and that ``allow``
-        allows (the tenants' quotas), marked MOVING; with ``order``, the evictable pages
-        latest in it go first."""
+        allows (the tenants' quotas), marked MOVING, counted as caused by tenant ``by``; with
+        ``order``, the evictable pages latest in it go first."""
         if n <= 0:
             return []
         state, pins, key_of = t.state, t.pins, t.key_of
@@ -826,10 +872,10 @@ class PageTable:
         set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
-        if self._acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
-            self._acc.evicted(t.name, keys, self._by)
+        if t.acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
+            t.acc.evicted(keys, by)
         if only is not None and len(out) < n:  # the rest by policy
-            out += self._pick(t, n - len(out), None, None, allow)
+            out += self._pick(t, n - len(out), None, None, allow, by)
         return out
 
     def complete_evict(self, keys: Sequence[Key], tier: str, ok: bool = True) -> None:
@@ -842,29 +888,38 @@ class PageTable:
             UnknownPageError / PageStateError: a key is not MOVING in the tier.
         """
         t = self._tier(tier)
+        if not ok:
+            self._put_back(t, keys, None)
+            return
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
-        if ok:
-            deque(map(t.slot_of.__delitem__, keys), 0)  # C-speed passes, no Python per page
-            deque(map(t.key_of.__delitem__, slots), 0)
-            deque(map(undo.__delitem__, slots), 0)
-            t.free.extend(slots)
-            if t.order is not None:
-                t.order.freed(slots)
-            self._forget(keys)
-            if self._record and slots:
-                self._events.append(PageEvent("evicted", tier, tuple(keys)))
-        else:
-            if self._acc is not None:
-                self._acc.stored(tier, keys, put_back=True, by=self._by)
-            for s in slots:
-                t.state[s] = _READABLE
-            # in the order they were chosen (``undo`` keeps it), so that each lands where it was
-            back = set(slots)
-            vs = [s for s in undo if s in back] if len(slots) > 1 else list(slots)
-            key_of = t.key_of
-            if vs:
-                t.policy.restore_slots(vs, [key_of[s] for s in vs], [undo.pop(s) for s in vs])
+        deque(map(t.slot_of.__delitem__, keys), 0)  # C-speed passes, no Python per page
+        deque(map(t.key_of.__delitem__, slots), 0)
+        deque(map(undo.__delitem__, slots), 0)
+        t.free.extend(slots)
+        if t.order is not None:
+            t.order.freed(slots)
+        self._forget(keys)
+        if self._record and slots:
+            self._events.append(PageEvent("evicted", tier, tuple(keys)))
+        t.unevictable -= len(slots)
+        t.moving -= len(slots)
+
+    def _put_back(self, t: _Tier, keys: Sequence[Key], by: int | None) -> None:
+        """MOVING pages of ``keys`` made readable again, where the policy had them (an
+        eviction for tenant ``by``'s pages, None: unknown, undone)."""
+        slots = self._state_slots(t, keys, _MOVING)
+        undo = t.undo
+        if t.acc is not None:
+            t.acc.put_back(keys, by)
+        for s in slots:
+            t.state[s] = _READABLE
+        # in the order they were chosen (``undo`` keeps it), so that each lands where it was
+        back = set(slots)
+        vs = [s for s in undo if s in back] if len(slots) > 1 else list(slots)
+        key_of = t.key_of
+        if vs:
+            t.policy.restore_slots(vs, [key_of[s] for s in vs], [undo.pop(s) for s in vs])
         t.unevictable -= len(slots)
         t.moving -= len(slots)
 
@@ -1008,8 +1063,8 @@ class PageTable:
             del key_of[s]
         t.policy.remove_slots(slots, keys)
         t.free.extend(slots)
-        if self._acc is not None:
-            self._acc.left(t.name, keys)
+        if t.acc is not None:
+            t.acc.left(keys)
         if t.order is not None:
             t.order.freed(slots)
         self._forget(keys)

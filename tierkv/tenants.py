@@ -48,6 +48,8 @@ from itertools import repeat
 from typing import Any, cast
 
 from tierkv.errors import InvalidTypeError, QuotaConfigError, UnknownTenantError
+from tierkv.tenant_counts import NO_LIMIT as _NO_LIMIT
+from tierkv.tenant_counts import TierCounts
 from tierkv.tenant_names import check_tenant
 
 __all__ = ["TIERS", "Quota", "Tenants"]
@@ -58,8 +60,6 @@ TIERS = ("device", "host", "cold")
 Key = Hashable
 """A page key (bytes in a store; any hashable in a bare page table)."""
 Allow = Callable[[Key], bool]
-Counts = Counter[int | None]
-_Pick = tuple[bool, list[tuple[int, int]], Counts, Counts, Counts, Counts]
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,6 @@ class TenantCounters:
     refusals: int = 0
 
 
-_NO_LIMIT = 1 << 62
 _PRUNE_MIN = 1 << 16  # charges kept before the first prune
 
 
@@ -130,18 +129,6 @@ def tenant_index(tenants: Tenants | None, name: object) -> int | None:
         check_tenant(name)
         raise UnknownTenantError(f"unknown tenant {name!r}: this store has no tenants")
     return tenants.tenant(name)
-
-
-def _tally(got: list[int | None]) -> Iterable[tuple[int | None, int]]:
-    """``(tenant, pages)`` of a batch's charges: one C-level count when the batch is one
-    tenant's (the common case: a sequence's pages), else a ``Counter``."""
-    if not got:
-        return ()
-    first = got[0]
-    n = got.count(first)
-    if n == len(got):
-        return ((first, n),)
-    return [(i, got.count(i)) for i in set(got)]  # (few tenants: a C-level count each)
 
 
 class Tenants:
@@ -197,31 +184,19 @@ class Tenants:
         self._of: dict[Key, int] = {}  # page key -> the tenant charged for it
         self._prune_at = _PRUNE_MIN
         self._held: Callable[[list[Any]], Iterable[Key]] = lambda keys: keys  # (see bind)
-        # per tier, pages per tenant index (None: nobody's), each count only growing, by one
-        # C-level pass per batch (Counter.update, no Python per page): stored (came), put
-        # back (back), evicted (lost), dropped (gone); held = came + back - lost - gone (not
-        # counting MOVING), evicted (suffered) = lost - back
-        zero = dict.fromkeys([*range(len(names)), None], 0)
-        self._came = {t: Counter(zero) for t in self._reserve}  # (every index there)
-        self._back = {t: Counter(zero) for t in self._reserve}
-        self._lost = {t: Counter(zero) for t in self._reserve}
-        self._gone = {t: Counter(zero) for t in self._reserve}
-        self._counts = (self._came, self._back, self._lost, self._gone)
         self._caused = [0] * len(names)
+        # per tier, the pages per tenant (held, evicted), moved by the page table's hooks
+        self._tiers = {
+            t: TierCounts(self._of, self._caused, self._reserve[t], self._limit[t])
+            for t in self._reserve
+        }
         self.counters = [TenantCounters() for _ in names]
         self.unattributed_refusals = 0  # refusals of room for pages no tenant is charged for
-        # rule 2 is checked only where some tenant reserves pages in the tier
-        self._guarded = {t: any(r) for t, r in self._reserve.items()}
         self._guards = {  # (tenant, reservation) of those with one in the tier
             t: [(i, x) for i, x in enumerate(r) if x] for t, r in self._reserve.items()
         }
-        self._limited = {t: any(x < _NO_LIMIT for x in lim) for t, lim in self._limit.items()}
-        #: the tiers whose evictions must ask :meth:`room` (:meth:`active`), read per eviction
-        self.active_tiers = frozenset(t for t in self._reserve if self.active(t))
-        self._picks: dict[str, _Pick] = {  # what any_pick reads, per tier in one lookup
-            t: (self._limited[t], self._guards[t], *(c[t] for c in self._counts))  # type: ignore[misc]
-            for t in self._reserve
-        }
+        #: the tiers whose evictions must ask :meth:`room` (:meth:`active`)
+        self.active_tiers = frozenset(t for t, c in self._tiers.items() if c.active)
 
     # -- entry -----------------------------------------------------------------------------
     def tenant(self, name: object) -> int | None:
@@ -272,8 +247,10 @@ class Tenants:
         pages that tiers hold, a rename overwrites it, an import replaces it (``fresh``)."""
         of = self._of
         keep = set(self._held(list(of)))
-        self._of = {k: i for k, i in of.items() if k in keep}
-        self._prune_at = max(_PRUNE_MIN, 2 * len(self._of))
+        kept = {k: i for k, i in of.items() if k in keep}
+        of.clear()  # (in place: each tier's counts read this dict)
+        of.update(kept)
+        self._prune_at = max(_PRUNE_MIN, 2 * len(of))
 
     def charged(self, key: Key) -> str | None:
         """The tenant charged for ``key``, or None."""
@@ -291,57 +268,46 @@ class Tenants:
             of.update(zip(new, cast("list[int]", got)))
 
     # -- the page table's hooks --------------------------------------------------------------
+    def counts(self, tier: str) -> TierCounts | None:
+        """The counts of ``tier`` (None: no quota names it), which the page table holding
+        the tier tells of pages arriving and leaving (:class:`TierCounts`' hooks)."""
+        return self._tiers.get(tier)
+
     def stored(
         self, tier: str, keys: Sequence[Key], *, put_back: bool = False, by: int | None = None
     ) -> None:
         """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
         eviction that did not happen after all, made for ``by``'s pages: no longer counted
         as one)."""
-        came = self._came.get(tier)
-        if came is None or not keys:
-            return
-        (self._back[tier] if put_back else came).update(map(self._of.get, keys))
-        if put_back and by is not None:
-            self._caused[by] -= len(keys)
+        c = self._tiers.get(tier)
+        if c is not None:
+            if put_back:
+                c.put_back(keys, by)
+            else:
+                c.replaced((), keys)
 
     def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
-        """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them
-        (a page table's store: one call for both; the tenant of ``new``'s first charged page
-        is the cause of the evictions)."""
-        came = self._came.get(tier)
-        if came is None or not new:  # (nothing is evicted for no new page)
-            return
-        if not out:
-            came.update(map(self._of.get, new))
-            return
-        ids = list(map(self._of.get, new))
-        came.update(ids)
-        by = ids[0]
-        if by is None:
-            by = next((i for i in ids if i is not None), None)
-        self.evicted(tier, out, by)
+        """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them."""
+        c = self._tiers.get(tier)
+        if c is not None:
+            c.replaced(out, new)
 
     def left(self, tier: str, keys: Sequence[Key]) -> None:
         """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
-        gone = self._gone.get(tier)
-        if gone is not None:
-            gone.update(map(self._of.get, keys))
+        c = self._tiers.get(tier)
+        if c is not None:
+            c.left(keys)
 
     def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
-        """Pages of ``keys`` were chosen by an eviction from ``tier`` (gone, or MOVING: a
-        MOVING page is no tenant's until put back), counted against their tenants and as
-        caused by ``by`` (whether that kept the reservations: :meth:`keeps_reserves`)."""
-        lost = self._lost.get(tier)
-        if lost is None or not keys:
-            return
-        lost.update(map(self._of.get, keys))
-        if by is not None:
-            self._caused[by] += len(keys)
+        """Pages of ``keys`` were chosen by an eviction from ``tier``, counted against their
+        tenants and as caused by ``by``."""
+        c = self._tiers.get(tier)
+        if c is not None:
+            c.evicted(keys, by)
 
     def _pages(self, tier: str) -> list[int]:
         """Pages per tenant in ``tier`` (not counting MOVING)."""
-        came, back, lost, gone = (c[tier] for c in self._counts)
-        return [came[i] + back[i] - lost[i] - gone[i] for i in range(len(self.names))]
+        return self._tiers[tier].pages()
 
     def caused(self, by: int | None, n: int) -> None:
         """``n`` evictions were made for tenant ``by``'s pages (None: nobody's)."""
@@ -356,19 +322,9 @@ class Tenants:
         else:
             self.counters[by].refusals += 1
 
-    def maker(self, keys: Sequence[Key]) -> int | None:
-        """The tenant charged for the first of ``keys`` that has one (the cause of the
-        evictions storing them makes); None for none."""
-        of = self._of
-        for k in keys:  # (the first key has one but for unowned pages: no generator)
-            i = of.get(k)
-            if i is not None:
-                return i
-        return None
-
     def active(self, tier: str) -> bool:
         """Whether evictions from ``tier`` must ask :meth:`room`."""
-        return self._guarded.get(tier, False) or self._limited.get(tier, False)
+        return tier in self.active_tiers
 
     def room(
         self,
@@ -407,24 +363,10 @@ class Tenants:
         k = min(n, min((s for s in spare if s > 0), default=n))
         return k, lambda key: of.get(key) not in low
 
-    def any_pick(self, tier: str, n: int) -> bool:
-        """Whether any ``n`` victims in ``tier`` keep the quotas: nobody is over a limit there
-        (rule 1 has nothing to say) and each tenant with a reservation there has ``n`` pages
-        above it (rule 2 holds whichever pages go), so the policy's own pick stands
-        unchecked (most evictions, where the quotas do not bind)."""
-        limited, guards, came, back, lost, gone = self._picks[tier]
-        if limited and self.over_limit(tier):
-            return False
-        for i, r in guards:  # noqa: SIM110 - a loop: no generator per eviction
-            if came[i] + back[i] - lost[i] - gone[i] - r < n:
-                return False
-        return True
-
     def over_limit(self, tier: str) -> bool:
         """Whether a tenant is over its limit in ``tier`` (rule 1 then picks the victims)."""
-        if not self._limited.get(tier, False):
-            return False
-        return any(u > lim for u, lim in zip(self._pages(tier), self._limit[tier]))
+        c = self._tiers.get(tier)
+        return c is not None and c.over_limit()
 
     def keeps_reserves(self, tier: str, keys: Sequence[Key], by: int | None, counted: bool) -> bool:
         """Whether evicting the pages of ``keys`` from ``tier`` leaves every tenant with
@@ -452,7 +394,7 @@ class Tenants:
         of: dict[int | None, list[Key]] = {}
         for k, i in zip(keys, ids):
             of.setdefault(i, []).append(k)
-        used = self._pages(tier) if tier in self._came else None
+        used = self._pages(tier) if tier in self._tiers else None
         res = self._reserve.get(tier)
 
         def owed(i: int | None) -> int:
@@ -462,20 +404,25 @@ class Tenants:
 
         return [of[i] for i in sorted(of, key=owed, reverse=True)]
 
+    def shares(self, tier: str, keys: Sequence[Key], n: int) -> list[tuple[int | None, int]]:
+        """The ``n`` evictions that make room in ``tier`` for the pages of ``keys``, split by
+        the tenant each is made for (:meth:`TierCounts.shares`)."""
+        c = self._tiers.get(tier)
+        if c is None:
+            return [(None, n)] if n > 0 else []
+        return c.shares(keys, n)
+
     def tally(self, keys: Sequence[Key]) -> Counter[int | None]:
         """Victims per tenant (for :meth:`room`'s ``taken``)."""
-        return Counter(dict(_tally(list(map(self._of.get, keys)))))
+        return Counter(map(self._of.get, keys))
 
     # -- figures ---------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Per tenant: sequences, prompt tokens, reused tokens, refusals, and per tier the
         pages and bytes it is charged for, the evictions it suffered; evictions it caused."""
         out: dict[str, Any] = {}
-        held = {t: self._pages(t) for t in self._came}
-        lost = {
-            t: [self._lost[t][i] - self._back[t][i] for i in range(len(self.names))]
-            for t in self._came
-        }
+        held = {t: c.pages() for t, c in self._tiers.items()}
+        lost = {t: c.evictions() for t, c in self._tiers.items()}
         for i, name in enumerate(self.names):
             c = self.counters[i]
             out[name] = {
@@ -494,7 +441,7 @@ class Tenants:
                         if self._limit[t][i] == _NO_LIMIT
                         else self._limit[t][i],
                     }
-                    for t in self._came
+                    for t in self._tiers
                 },
             }
         return out
@@ -502,7 +449,7 @@ class Tenants:
     def check(self, held: Callable[[str], Iterable[Key]]) -> None:
         """Assert the counts equal the charged pages each tier holds, not MOVING
         (``held(tier)``). Raises AssertionError."""
-        for t in self._came:
+        for t in self._tiers:
             used = self._pages(t)
             want = [0] * len(used)
             for i, n in Counter(map(self._of.get, held(t))).items():

@@ -184,8 +184,29 @@ class TenantTableMachine(RuleBasedStateMachine):
     def _used(self) -> dict[str, int]:
         return {n: v["tiers"]["host"]["pages"] for n, v in self.tenants.stats().items()}
 
-    def _check_evictions(self, before: dict[str, int], lost: set[str]) -> None:
+    def _charged(self, whos: list[str | None]) -> list[bytes]:
+        keys = []
+        for who in whos:
+            key = f"p{self.next}".encode()
+            self.next += 1
+            self.tenants.charge([key], None if who is None else self.tenants.index[who])
+            keys.append(key)
+        return keys
+
+    def _check_evictions(
+        self,
+        before: dict[str, int],
+        lost: set[str],
+        arriving: list[bytes] = (),  # type: ignore[assignment]
+    ) -> None:
+        """Each tenant that lost pages holds at least as many as before or its reservation,
+        counting the pages of ``arriving`` (pages the room was made for) as its own."""
         after = self._used()
+        if arriving and self.table.keys("host") and arriving[0] not in self.table.keys("host"):
+            for k in arriving:  # (room made for them: they have not arrived yet)
+                who = self.tenants.charged(k)
+                if who is not None:
+                    after[who] += 1
         for n in lost:
             assert after[n] >= min(before[n], self.reserve[n]), (n, before, after)
 
@@ -201,6 +222,30 @@ class TenantTableMachine(RuleBasedStateMachine):
         lost = {self.tenants.charged(k) for k in alloc.evicted} - {None}
         self._check_evictions(before, lost)  # type: ignore[arg-type]
         self.table.complete_store(alloc.keys, "host")
+
+    @rule(whos=st.lists(st.sampled_from([*NAMES, None]), min_size=2, max_size=6))
+    def store_mixed(self, whos: list[str | None]) -> None:
+        """A batch of several tenants' pages (a write-back of a batched step's victims): each
+        tenant's pages may replace only its own below its reservation."""
+        keys = self._charged(whos)
+        before = self._used()
+        alloc = self.table.prepare_store(keys, "host")
+        if alloc is None:
+            return
+        lost = {self.tenants.charged(k) for k in alloc.evicted} - {None}
+        self._check_evictions(before, lost, keys)  # type: ignore[arg-type]
+        self.table.complete_store(alloc.keys, "host")
+
+    @rule(n=st.integers(1, 6), whos=st.lists(st.sampled_from([*NAMES, None]), max_size=6))
+    def evict_for(self, n: int, whos: list[str | None]) -> None:
+        """Room made for pages of several tenants about to arrive (a batched step's loads):
+        with them counted as arrived, nobody is below its reservation by another's pages."""
+        keys = self._charged(whos)
+        before = self._used()
+        got = self.table.prepare_evict("host", n, exact=True, for_keys=keys)
+        lost = {self.tenants.charged(k) for k, _ in got} - {None}
+        self._check_evictions(before, lost, keys if got else [])  # type: ignore[arg-type]
+        self.moving += [k for k, _ in got]
 
     @rule(n=st.integers(1, 6), exact=st.booleans())
     def evict(self, n: int, exact: bool) -> None:
@@ -285,3 +330,50 @@ def test_charges_of_pages_no_tier_holds_are_pruned_and_imports_replace_them() ->
     assert (t.charged(b"k1"), t.charged(b"k2")) == ("x", None)
     t.rename([b"k1"], [b"c1"])
     assert (t.charged(b"k1"), t.charged(b"c1")) == (None, "x")
+
+
+def _table_of(quotas: dict[str, Quota], cap: int) -> tuple[Tenants, PageTable]:
+    tenants = Tenants(quotas, {"host": 1}, {"host": cap})
+    return tenants, PageTable({"host": cap}, "lru", tenants=tenants)
+
+
+def _put(tenants: Tenants, table: PageTable, who: str, *keys: bytes) -> None:
+    tenants.charge(list(keys), tenants.index[who])
+    alloc = table.prepare_store(list(keys), "host")
+    assert alloc is not None
+    table.complete_store(alloc.keys, "host")
+
+
+def _held(tenants: Tenants) -> dict[str, int]:
+    return {n: v["tiers"]["host"]["pages"] for n, v in tenants.stats().items()}
+
+
+def test_a_batch_of_several_tenants_pages_keeps_each_tenants_reservation() -> None:
+    """A write-back of a batched step's victims stores pages of several tenants at once: the
+    evictions that make room are each tenant's own share. Before, the whole batch counted as
+    its first page's tenant's, whose own reserved pages rule 2 then let go for the others'
+    pages (x ended with 1 page of its 2 reserved)."""
+    tenants, table = _table_of({"x": Quota(host_reserve=2), "y": Quota()}, 4)
+    _put(tenants, table, "x", b"x1", b"x2")  # the oldest: the policy's first victims
+    _put(tenants, table, "y", b"y1", b"y2")
+    tenants.charge([b"x3"], tenants.index["x"])
+    tenants.charge([b"y3", b"y4"], tenants.index["y"])
+    alloc = table.prepare_store([b"x3", b"y3", b"y4"], "host")  # x's page first
+    assert alloc is not None
+    table.complete_store(alloc.keys, "host")
+    assert _held(tenants) == {"x": 2, "y": 2}  # x's page replaced one of x's; y's two, y's
+    assert sorted(alloc.evicted) == [b"x1", b"y1", b"y2"]
+    assert tenants.stats()["x"]["evictions_caused"] == 1  # (each share counted as its own)
+
+
+def test_room_made_for_a_tenants_pages_takes_no_more_of_its_reserved_pages_than_arrive() -> None:
+    """Rule 2 lets a tenant's pages go below its reservation only for its own new pages: room
+    for more pages than arrive takes the rest from pages that rule 2 allows."""
+    tenants, table = _table_of({"x": Quota(host_reserve=2), "y": Quota()}, 4)
+    _put(tenants, table, "x", b"x1", b"x2")
+    _put(tenants, table, "y", b"y1", b"y2")
+    tenants.charge([b"x3"], tenants.index["x"])
+    got = table.prepare_evict("host", 3, exact=True, for_keys=[b"x3"])
+    assert sorted(k for k, _ in got) == [b"x1", b"y1", b"y2"]  # x keeps 1 (+ x3 arriving)
+    table.complete_evict([k for k, _ in got], "host")
+    assert _held(tenants) == {"x": 1, "y": 0}
