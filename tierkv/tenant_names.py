@@ -9,6 +9,7 @@ a page in any tier. Both are checked here, the same way everywhere they enter.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from tierkv.errors import InvalidTypeError, TenantError
 
@@ -35,6 +36,36 @@ def check_tenant(name: object) -> str:
     if _TENANT_RE.fullmatch(name) is None:
         raise TenantError(f"tenant name {name!r} has characters outside [A-Za-z0-9_.-]")
     return name
+
+
+def check_distinct(names: Iterable[str]) -> None:
+    """Refuse a configuration naming two tenants that differ only in case (``acme`` and
+    ``Acme``): names are exact, case-sensitive matches everywhere (quotas, secrets, Redis
+    prefixes, metric labels), so such a pair is nearly always a typo that would split one
+    customer into two tenants.
+
+    Raises:
+        TenantError: two names equal but for case.
+    """
+    seen: dict[str, str] = {}
+    for n in names:
+        other = seen.setdefault(n.casefold(), n)
+        if other != n:
+            raise TenantError(
+                f"tenants {other!r} and {n!r} differ only in case: names are case-sensitive, "
+                "give them distinct names"
+            )
+
+
+def case_hint(name: object, names: Iterable[str]) -> str:
+    """``" (did you mean 'x'? tenant names are case-sensitive)"`` when ``name`` matches one
+    of ``names`` but for case; else ``""`` (for an unknown-tenant error)."""
+    if isinstance(name, str):
+        folded = name.casefold()
+        for n in names:
+            if n.casefold() == folded:
+                return f" (did you mean {n!r}? tenant names are case-sensitive)"
+    return ""
 
 
 def check_salt(salt: object) -> bytes | None:

@@ -50,7 +50,7 @@ from typing import Any, cast
 from tierkv.errors import InvalidTypeError, QuotaConfigError, UnknownTenantError
 from tierkv.tenant_counts import NO_LIMIT as _NO_LIMIT
 from tierkv.tenant_counts import TierCounts
-from tierkv.tenant_names import check_tenant
+from tierkv.tenant_names import case_hint, check_distinct, check_tenant
 
 __all__ = ["TIERS", "Quota", "Tenants"]
 
@@ -153,6 +153,7 @@ class Tenants:
         if not isinstance(quotas, Mapping):
             raise _QuotaTypeError(f"tenants must be a dict of name -> Quota, got {quotas!r}")
         names = [check_tenant(n) for n in quotas]
+        check_distinct(names)
         for n in names:
             if not isinstance(quotas[n], Quota):
                 raise _QuotaTypeError(f"tenant {n!r}: expected a tierkv.Quota, got {quotas[n]!r}")
@@ -207,7 +208,9 @@ class Tenants:
         i = self.index.get(name) if isinstance(name, str) else None  # (configured: checked)
         if i is None:
             check_tenant(name)
-            raise UnknownTenantError(f"unknown tenant {name!r} (configured: {self.names})")
+            raise UnknownTenantError(
+                f"unknown tenant {name!r} (configured: {self.names}){case_hint(name, self.names)}"
+            )
         return i
 
     # -- charges ---------------------------------------------------------------------------

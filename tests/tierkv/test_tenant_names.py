@@ -40,3 +40,24 @@ def test_salts() -> None:
     for wrong in (1, 1.0, bytearray(b"x"), ["x"]):
         with pytest.raises(InvalidTypeError):
             check_salt(wrong)
+
+
+def test_tenants_that_differ_only_in_case_are_refused_and_an_unknown_one_gets_a_hint() -> None:
+    """Names are exact matches everywhere; ``acme`` and ``Acme`` configured side by side is a
+    typo splitting one customer in two (found by the last probe): refused at construction,
+    and a request naming ``ACME`` is told which name it may have meant."""
+    from tierkv import Quota
+    from tierkv.errors import UnknownTenantError
+    from tierkv.remote.protocol.tenancy import check_secrets
+    from tierkv.tenants import Tenants
+
+    with pytest.raises(TenantError, match="differ only in case"):
+        Tenants({"acme": Quota(), "Acme": Quota()}, {"host": 1}, {"host": 4})
+    with pytest.raises(TenantError, match="differ only in case"):
+        check_secrets({"acme": b"s1", "ACME": b"s2"}, b"default-secret")
+    t = Tenants({"acme": Quota(), "bob": Quota()}, {"host": 1}, {"host": 4})
+    with pytest.raises(UnknownTenantError, match="did you mean 'acme'"):
+        t.tenant("ACME")
+    with pytest.raises(UnknownTenantError) as err:
+        t.tenant("carol")
+    assert "did you mean" not in str(err.value)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierkv.errors import InvalidInputError, TenantError
-from tierkv.tenant_names import check_tenant
+from tierkv.tenant_names import check_distinct, check_tenant
 
 __all__ = ["TENANT_FIELD", "TenantKeys", "check_secrets"]
 
@@ -92,4 +92,5 @@ def check_secrets(secrets: Mapping[str, bytes] | None, default: bytes) -> dict[s
             )
         seen.add(secret)
         out[tenant] = secret
+    check_distinct(out)
     return out
