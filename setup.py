@@ -106,6 +106,7 @@ def extensions() -> list[Extension]:
         Extension("tierkv.transports._crc32c", ["transports/_crc32c.c"]),
         Extension("tierkv.policies._kvaware", ["tierkv/policies/_kvaware.c"]),
         Extension("tierkv.codecs._dequant", ["tierkv/codecs/_dequant.c"]),
+        Extension("tierkv._tally", ["tierkv/_tally.c"]),
     ]
 
 

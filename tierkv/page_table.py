@@ -61,6 +61,7 @@ from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
 from tierkv.slot_pins import SMALL, add_pins, drop_pins, set_states
+from tierkv.tenant_counts import MIXED
 
 if TYPE_CHECKING:
     from tierkv.tenant_counts import TierCounts
@@ -715,17 +716,18 @@ class PageTable:
         acc, counts = self._acc, t.acc
         if acc is None or counts is None or not n:
             return self._prepare_evict(t, n, keep, keep_order)
-        shares = counts.shares(for_keys, n)  # the tenants the room is for: their evictions
         if t.quota:
             if not counts.any_pick(n):
+                shares = counts.shares(for_keys, n)  # the tenants the room is for
                 return self._quota_evict(t, n, exact, keep, keep_order, acc, shares)
             if self._blocked:
                 self._blocked.pop(tier, None)
-        if len(shares) == 1:
-            return self._prepare_evict(t, n, keep, keep_order, None, shares[0][0])
+        by = counts.cause(for_keys, n)  # the evictions' cause (counted per tenant)
+        if by != MIXED:
+            return self._prepare_evict(t, n, keep, keep_order, None, by)
         out: list[tuple[Key, int]] = []
-        for by, want in shares:
-            out += self._prepare_evict(t, want, keep, keep_order, None, by)
+        for who, want in counts.shares(for_keys, n):
+            out += self._prepare_evict(t, want, keep, keep_order, None, who)
         return out
 
     def _prepare_evict(

@@ -4,36 +4,74 @@
 name); the page table holds its tier's and calls it as pages arrive and leave, so that an
 eviction's hooks cost a method call on one small object each (no lookup by tier name, no
 ``Counter``): a page's tenant is one dict lookup (``map`` over the batch, in C) and a batch's
-count one ``list.count`` (a batch is nearly always one tenant's).
+count one C call (``tierkv/_tally.c``; :func:`tally_py` where it was not built).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
+from typing import cast
 
-__all__ = ["NO_LIMIT", "TierCounts"]
+__all__ = ["MIXED", "NATIVE", "NO_LIMIT", "TierCounts", "tally", "tally_py"]
 
 NO_LIMIT = 1 << 62
 """A limit in pages that no tier reaches (no limit)."""
+MIXED = -1
+""":meth:`TierCounts.cause` of room made for several tenants' pages."""
 
 Key = Hashable
 
 
-def _add(counts: list[int], ids: list[int], sign: int) -> None:
-    """Add ``sign`` to ``counts[i]`` for each ``i`` of ``ids`` (a batch's tenant indices):
-    one C-level count when the batch is one tenant's (the common case: a sequence's pages),
-    else one per tenant in it (few)."""
+def tally_py(
+    of: dict[Key, int],
+    keys: Sequence[Key],
+    nobody: int,
+    plus: list[int] | None,
+    minus: list[int] | None,
+) -> int:
+    """For each key of ``keys``, its tenant ``i = of.get(key, nobody)``: ``plus[i] += 1`` and
+    ``minus[i] -= 1`` (each list may be None). Returns the tenant every key had, or -1 when
+    they differ (or ``keys`` is empty). A bad index (negative, past a list) raises IndexError
+    with nothing changed. The reference of ``tierkv/_tally.c`` (one C call per batch)."""
+    ids = list(map(of.get, keys, repeat(nobody)))
     if not ids:
-        return
+        return -1
     first = ids[0]
-    n = ids.count(first)
-    if n == len(ids):
-        counts[first] += sign * n
-        return
-    for i in set(ids):
-        counts[i] += sign * ids.count(i)
+    uniform = ids.count(first) == len(ids)
+    tenants = (first,) if uniform else set(ids)
+    for i in tenants:  # checked before anything changes
+        if (
+            not isinstance(i, int)
+            or i < 0
+            or (plus is not None and i >= len(plus))
+            or (minus is not None and i >= len(minus))
+        ):
+            raise IndexError(f"tally: tenant index {i!r} out of range")
+    for i in tenants:
+        c = len(ids) if uniform else ids.count(i)
+        if plus is not None:
+            plus[i] += c
+        if minus is not None:
+            minus[i] -= c
+    return first if uniform else -1
+
+
+def _native() -> Callable[..., int] | None:
+    """The C count (``tierkv/_tally.c``), or None where it was not built."""
+    try:
+        module = importlib.import_module(f"{__package__}._tally")
+    except ImportError:
+        return None
+    return cast("Callable[..., int]", module.tally)
+
+
+NATIVE = _native()
+"""The C count, or None (then :func:`tally_py` runs)."""
+tally: Callable[..., int] = NATIVE or tally_py
+"""The count the hooks call: one per batch (:func:`tally_py`'s contract)."""
 
 
 class TierCounts:
@@ -48,14 +86,13 @@ class TierCounts:
         limit: page limit per tenant in this tier (:data:`NO_LIMIT`: none).
     """
 
-    __slots__ = ("_caused", "_guards", "_limit", "_lost", "_nb", "_nobody", "_of", "_used")
+    __slots__ = ("_caused", "_guards", "_limit", "_lost", "_nb", "_of", "_used")
 
     def __init__(
         self, of: dict[Key, int], caused: list[int], reserve: list[int], limit: list[int]
     ) -> None:
         nb = self._nb = len(reserve)  # the index of pages nobody is charged for
         self._of = of
-        self._nobody = repeat(nb)  # (``map(of.get, keys, self._nobody)``: nobody's -> nb)
         self._used = [0] * (nb + 1)
         self._lost = [0] * (nb + 1)
         self._caused = caused
@@ -86,6 +123,18 @@ class TierCounts:
                 return i
         return None
 
+    def cause(self, keys: Sequence[Key], n: int) -> int | None:
+        """The tenant the ``n`` evictions making room for the pages of ``keys`` are all made
+        for (None: nobody), or :data:`MIXED` when they are several tenants' (then
+        :meth:`shares` splits them). Cheap: the check of every eviction."""
+        m = len(keys)
+        if n == 1 and m == 1:
+            return self._of.get(keys[0])
+        if not 0 < n <= m:
+            return MIXED if n > 0 else None
+        i = tally(self._of, keys if n == m else keys[m - n :], self._nb, None, None)
+        return MIXED if i < 0 else (None if i == self._nb else i)
+
     def shares(self, keys: Sequence[Key], n: int) -> list[tuple[int | None, int]]:
         """The ``n`` evictions that make room for the pages of ``keys``, split by the tenant
         each is made for: ``(tenant, evictions)``, in the order of ``keys``. The free room
@@ -97,15 +146,13 @@ class TierCounts:
         if n <= 0:
             return []
         if n <= m:
-            if m == 1:
-                return [(self._of.get(keys[0]), n)]
-            rest = list(map(self._of.get, keys[m - n :]))
-            if rest.count(rest[0]) == n:  # (one tenant's, as nearly every batch)
-                return [(rest[0], n)]
-            return list(Counter(rest).items())
-        out = list(Counter(map(self._of.get, keys)).items())
-        out.append((None, n - m))
-        return out
+            i = tally(self._of, keys if n == m else keys[m - n :], self._nb, None, None)
+            if i >= 0:  # (one tenant's, as nearly every batch)
+                return [(None if i == self._nb else i, n)]
+            return list(Counter(map(self._of.get, keys[m - n :])).items())
+        per: Counter[int | None] = Counter(map(self._of.get, keys))
+        per[None] += n - m
+        return list(per.items())
 
     def any_pick(self, n: int) -> bool:
         """Whether any ``n`` victims keep the quotas: nobody is over a limit (rule 1 has
@@ -127,66 +174,40 @@ class TierCounts:
     def replaced(self, out: Sequence[Key], new: Sequence[Key]) -> None:
         """Pages of ``new`` arrived in the room of ``out``'s, evicted for them: the free
         room went to ``new``'s first pages, an eviction to each of the rest, whose tenants
-        are the causes (:meth:`Tenants.shares` splits the room the same way)."""
-        n = len(new)
-        if not n:  # (nothing is evicted for no new page)
+        are the causes (:meth:`shares` splits the room the same way)."""
+        if not new:  # (nothing is evicted for no new page)
             return
         nb = self._nb
-        if n == 1:  # (an append's one page)
-            by = self._of.get(new[0], nb)
-            self._used[by] += 1
-        else:
-            ids = list(map(self._of.get, new, self._nobody))
-            by = ids[0]
-            if ids.count(by) == n:  # one tenant's (inline: this runs per batch stored)
-                self._used[by] += n
-            else:  # several tenants' pages: an eviction for each of the last len(out)
-                _add(self._used, ids, 1)
-                if out:
-                    self.evicted(out, None)
-                    caused = self._caused
-                    tail = ids[max(0, n - len(out)) :]
-                    for i in set(tail):
-                        if i != nb:
-                            caused[i] += tail.count(i)
-                return
-        if out:
-            self.evicted(out, None if by == nb else by)
+        by = tally(self._of, new, nb, self._used, None)
+        if by >= 0:  # one tenant's (or nobody's), as nearly every batch
+            if out:
+                self.evicted(out, None if by == nb else by)
+            return
+        if out:  # several tenants' pages: an eviction for each of the last len(out)
+            self.evicted(out, None)
+            caused = self._caused
+            tail = list(map(self._of.get, new[max(0, len(new) - len(out)) :]))
+            for i in set(tail):
+                if i is not None:
+                    caused[i] += tail.count(i)
 
     def evicted(self, keys: Sequence[Key], by: int | None) -> None:
         """Pages of ``keys`` were chosen by an eviction (gone, or MOVING: a MOVING page is no
         tenant's until put back), counted against their tenants and as caused by ``by``."""
-        n = len(keys)
-        if not n:
-            return
-        if n == 1:
-            i = self._of.get(keys[0], self._nb)
-            self._used[i] -= 1
-            self._lost[i] += 1
-        else:
-            ids = list(map(self._of.get, keys, self._nobody))
-            i = ids[0]
-            if ids.count(i) == n:  # one tenant's (inline: this runs per eviction)
-                self._used[i] -= n
-                self._lost[i] += n
-            else:
-                _add(self._used, ids, -1)
-                _add(self._lost, ids, 1)
-        if by is not None:
-            self._caused[by] += n
+        if keys:
+            tally(self._of, keys, self._nb, self._lost, self._used)
+            if by is not None:
+                self._caused[by] += len(keys)
 
     def put_back(self, keys: Sequence[Key], by: int | None) -> None:
         """MOVING pages of ``keys`` came back (an eviction made for ``by``'s pages that did
         not happen after all: no longer counted as one)."""
-        if not keys:
-            return
-        ids = list(map(self._of.get, keys, self._nobody))
-        _add(self._used, ids, 1)
-        _add(self._lost, ids, -1)
-        if by is not None:
-            self._caused[by] -= len(keys)
+        if keys:
+            tally(self._of, keys, self._nb, self._used, self._lost)
+            if by is not None:
+                self._caused[by] -= len(keys)
 
     def left(self, keys: Sequence[Key]) -> None:
         """Pages of ``keys`` left (dropped: not by an eviction)."""
         if keys:
-            _add(self._used, list(map(self._of.get, keys, self._nobody)), -1)
+            tally(self._of, keys, self._nb, None, self._used)

@@ -1,0 +1,100 @@
+"""The tenants' per-batch count (tierkv/tenant_counts.py, tierkv/_tally.c): the C count and its
+Python reference give the same results and leave the same lists, a bad index changes nothing,
+and the counts the page table's hooks keep are the same whichever runs."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv import tenant_counts
+from tierkv.tenant_counts import NO_LIMIT, TierCounts, tally_py
+
+NATIVE = tenant_counts.NATIVE
+needs_native = pytest.mark.skipif(NATIVE is None, reason="tierkv._tally was not built")
+TALLIES = [tally_py] + ([NATIVE] if NATIVE is not None else [])
+
+batches = st.lists(st.integers(0, 9), max_size=80)  # key numbers; 0-6 charged below
+
+
+def _of() -> dict[bytes, int]:
+    return {f"k{j}".encode(): j % 3 for j in range(7)}  # k7.. are nobody's
+
+
+@settings(max_examples=300, deadline=None)
+@given(nums=batches, plus=st.booleans(), minus=st.booleans(), as_tuple=st.booleans())
+def test_the_c_count_equals_the_python_reference(
+    nums: list[int], plus: bool, minus: bool, as_tuple: bool
+) -> None:
+    keys: list[bytes] | tuple[bytes, ...] = [f"k{j}".encode() for j in nums]
+    if as_tuple:
+        keys = tuple(keys)
+    got = []
+    for f in TALLIES:
+        p, m = [5, 5, 5, 5], [5, 5, 5, 5]
+        r = f(_of(), keys, 3, p if plus else None, m if minus else None)
+        got.append((r, p, m))
+    assert all(g == got[0] for g in got)
+    r, p, m = got[0]
+    ids = [(j % 3 if j < 7 else 3) for j in nums]
+    assert r == (ids[0] if ids and len(set(ids)) == 1 else -1)
+    for i in range(4):
+        assert p[i] == 5 + (ids.count(i) if plus else 0)
+        assert m[i] == 5 - (ids.count(i) if minus else 0)
+
+
+@pytest.mark.parametrize("f", TALLIES)
+def test_a_bad_index_changes_nothing(f: object) -> None:
+    of = {b"a": 0, b"b": 7, b"c": -1}
+    for bad in ([b"a", b"b"], [b"c"], [b"a", b"zz"]):
+        p, m = [1, 1], [1, 1]
+        with pytest.raises(IndexError):
+            f(of, bad, 9, p, m)  # type: ignore[operator]
+        assert (p, m) == ([1, 1], [1, 1])
+    assert f(of, [], 1, [0, 0], None) == -1  # type: ignore[operator]
+
+
+@needs_native
+def test_the_c_count_refuses_wrong_types() -> None:
+    assert NATIVE is not None
+    with pytest.raises(TypeError):
+        NATIVE([], [b"a"], 0, None, None)
+    with pytest.raises(TypeError):
+        NATIVE({}, 5, 0, None, None)
+    with pytest.raises(TypeError):
+        NATIVE({}, [b"a"], 0, (1,), None)
+    with pytest.raises(TypeError):
+        NATIVE({}, [b"a"], 0, None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        NATIVE({b"a": "x"}, [b"a"], 0, [0], None)
+
+
+def _run_hooks(
+    monkeypatch: pytest.MonkeyPatch, f: object
+) -> tuple[list[int], list[int], list[int]]:
+    monkeypatch.setattr(tenant_counts, "tally", f)
+    of = {b"a1": 0, b"a2": 0, b"b1": 1, b"b2": 1}
+    caused = [0, 0]
+    c = TierCounts(of, caused, [1, 0], [NO_LIMIT, NO_LIMIT])
+    c.replaced([], [b"a1", b"a2", b"b1"])
+    c.replaced([b"a1"], [b"b2"])  # b's page in a's room: caused by b
+    c.evicted([b"a2", b"x"], 0)
+    c.put_back([b"a2"], 0)
+    c.left([b"b1"])
+    c.replaced([b"a2", b"b2"], [b"a1", b"b1", b"b2"])  # mixed: a1 free, b1 and b2 evict
+    assert c.shares([b"a1", b"b1"], 1) == [(1, 1)]
+    assert c.shares([b"a1", b"b1"], 2) == [(0, 1), (1, 1)]
+    assert c.shares([b"zz"], 2) == [(None, 2)]
+    assert c.shares([b"a1"], 3) == [(0, 1), (None, 2)]
+    return c.pages(), c.evictions(), caused
+
+
+@needs_native
+def test_the_hooks_keep_the_same_counts_with_either_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    with monkeypatch.context() as m:
+        py = _run_hooks(m, tally_py)
+    with monkeypatch.context() as m:
+        c = _run_hooks(m, NATIVE)
+    assert py == c
+    assert py == ([1, 2], [2, 1], [1, 3])  # (worked by hand, step by step)
