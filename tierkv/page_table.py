@@ -754,7 +754,7 @@ class PageTable:
         try:
             return first + self._pick(t, n - len(first), None, keep_order, allow, by)
         except TierKVError:  # a policy bug: the first pick goes back too
-            self._put_back(t, [k for k, _ in first], by)
+            self._put_back(t, [k for k, _ in first])
             raise
 
     def _quota_evict(
@@ -779,12 +779,11 @@ class PageTable:
             out = self._prepare_evict(t, n, keep, keep_order, by=by)
             keys = [key for key, _ in out]
             if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
-                self._put_back(t, keys, by)
+                self._put_back(t, keys)
                 out = []
             elif len(out) == n:
                 self._blocked.pop(t.name, None)
                 return out
-        taken: list[tuple[list[Key], int | None]] = []  # each share's victims, its tenant
         for by, want in shares:
             got = len(out) if len(shares) == 1 else 0  # (the policy's pick that kept them)
             for over in (True, False):
@@ -795,7 +794,6 @@ class PageTable:
                     k, allow = ask
                     picked = self._prepare_evict(t, k, keep, keep_order, allow, by)
                     out += picked
-                    taken.append(([key for key, _ in picked], by))
                     got += len(picked)
                     if len(picked) < k:
                         break
@@ -805,10 +803,7 @@ class PageTable:
             self._blocked[t.name] = short[0]
             acc.blocked(short[0])
             if exact and out:
-                if len(shares) == 1:  # (the policy's own pick, kept, is the first share's)
-                    taken = [([key for key, _ in out], shares[0][0])]
-                for keys, by in taken:
-                    self._put_back(t, keys, by)
+                self._put_back(t, [key for key, _ in out])
                 return []
         else:
             self._blocked.pop(t.name, None)
@@ -875,7 +870,7 @@ class PageTable:
         t.unevictable += len(out)
         t.moving += len(out)
         if t.acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
-            t.acc.evicted(keys, by)
+            t.acc.moved(keys, by)
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow, by)
         return out
@@ -891,7 +886,7 @@ class PageTable:
         """
         t = self._tier(tier)
         if not ok:
-            self._put_back(t, keys, None)
+            self._put_back(t, keys)
             return
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
@@ -901,19 +896,21 @@ class PageTable:
         t.free.extend(slots)
         if t.order is not None:
             t.order.freed(slots)
+        if t.acc is not None:
+            t.acc.settled(keys)
         self._forget(keys)
         if self._record and slots:
             self._events.append(PageEvent("evicted", tier, tuple(keys)))
         t.unevictable -= len(slots)
         t.moving -= len(slots)
 
-    def _put_back(self, t: _Tier, keys: Sequence[Key], by: int | None) -> None:
-        """MOVING pages of ``keys`` made readable again, where the policy had them (an
-        eviction for tenant ``by``'s pages, None: unknown, undone)."""
+    def _put_back(self, t: _Tier, keys: Sequence[Key]) -> None:
+        """MOVING pages of ``keys`` made readable again, where the policy had them (their
+        eviction undone, for the tenants' counts too)."""
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
         if t.acc is not None:
-            t.acc.put_back(keys, by)
+            t.acc.put_back(keys)
         for s in slots:
             t.state[s] = _READABLE
         # in the order they were chosen (``undo`` keeps it), so that each lands where it was

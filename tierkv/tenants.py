@@ -29,8 +29,8 @@ a tenant may use free room above it, and its pages above the limit are the first
 as anyone needs room.
 
 :class:`Tenants` is the one owner of this accounting: the page table tells it of pages arriving
-and leaving (:meth:`Tenants.replaced`, :meth:`Tenants.evicted`, :meth:`Tenants.stored`,
-:meth:`Tenants.left`: one call per batch) and asks it which pages an eviction may take
+and leaving (through each tier's :class:`~tierkv.tenant_counts.TierCounts`: one call per
+batch) and asks it which pages an eviction may take
 (:meth:`Tenants.room`); nothing else reads or writes its counts. Each call is O(pages it names)
 with the per-page work in C (``map``, ``list.count``), and a store without tenants has none of
 it (the page table's hook is ``None``).
@@ -264,6 +264,8 @@ class Tenants:
         """Pages were renamed (a listener of :class:`~tierkv.ownership.Ownership`): their
         charges follow."""
         of = self._of
+        for c in self._tiers.values():  # (MOVING pages' causes: nothing to do but after a
+            c.rename(old, new)  # write-back that waits)
         got = list(map(of.pop, old, repeat(None)))  # (C-level passes)
         if None in got:
             of.update((n, i) for n, i in zip(new, got) if i is not None)
@@ -275,38 +277,6 @@ class Tenants:
         """The counts of ``tier`` (None: no quota names it), which the page table holding
         the tier tells of pages arriving and leaving (:class:`TierCounts`' hooks)."""
         return self._tiers.get(tier)
-
-    def stored(
-        self, tier: str, keys: Sequence[Key], *, put_back: bool = False, by: int | None = None
-    ) -> None:
-        """Pages of ``keys`` arrived in ``tier``; ``put_back``: MOVING pages came back (an
-        eviction that did not happen after all, made for ``by``'s pages: no longer counted
-        as one)."""
-        c = self._tiers.get(tier)
-        if c is not None:
-            if put_back:
-                c.put_back(keys, by)
-            else:
-                c.replaced((), keys)
-
-    def replaced(self, tier: str, out: Sequence[Key], new: Sequence[Key]) -> None:
-        """Pages of ``new`` arrived in ``tier`` in the room of ``out``'s, evicted for them."""
-        c = self._tiers.get(tier)
-        if c is not None:
-            c.replaced(out, new)
-
-    def left(self, tier: str, keys: Sequence[Key]) -> None:
-        """Pages of ``keys`` left ``tier`` (dropped: not by an eviction)."""
-        c = self._tiers.get(tier)
-        if c is not None:
-            c.left(keys)
-
-    def evicted(self, tier: str, keys: Sequence[Key], by: int | None) -> None:
-        """Pages of ``keys`` were chosen by an eviction from ``tier``, counted against their
-        tenants and as caused by ``by``."""
-        c = self._tiers.get(tier)
-        if c is not None:
-            c.evicted(keys, by)
 
     def _pages(self, tier: str) -> list[int]:
         """Pages per tenant in ``tier`` (not counting MOVING)."""

@@ -261,6 +261,14 @@ class TenantTableMachine(RuleBasedStateMachine):
             self.moving = []
 
     @invariant()
+    def causes(self) -> None:
+        """Evictions caused never go negative (a put-back takes back only what was counted
+        for the tenant its victims were chosen for)."""
+        if hasattr(self, "table"):
+            caused = [v["evictions_caused"] for v in self.tenants.stats().values()]
+            assert min(caused) >= 0, caused
+
+    @invariant()
     def counts(self) -> None:
         if hasattr(self, "table"):
             self.table.check()
@@ -377,3 +385,22 @@ def test_room_made_for_a_tenants_pages_takes_no_more_of_its_reserved_pages_than_
     assert sorted(k for k, _ in got) == [b"x1", b"y1", b"y2"]  # x keeps 1 (+ x3 arriving)
     table.complete_evict([k for k, _ in got], "host")
     assert _held(tenants) == {"x": 1, "y": 0}
+
+
+def test_a_put_back_eviction_is_no_longer_counted_as_caused_by_the_tenant_it_was_for() -> None:
+    """A write-back that does not happen (the lower tier refused, a cancelled task) puts its
+    MOVING victims back: the evictions it counted as caused by the tenant the room was for
+    are taken back too. Before, a put-back outside prepare_evict kept them counted."""
+    tenants, table = _table_of({"x": Quota(), "y": Quota()}, 4)
+    _put(tenants, table, "y", b"y1", b"y2", b"y3", b"y4")
+    tenants.charge([b"x1", b"x2"], tenants.index["x"])
+    got = table.prepare_evict("host", 2, for_keys=[b"x1", b"x2"])
+    assert tenants.stats()["x"]["evictions_caused"] == 2
+    table.complete_evict([k for k, _ in got], "host", ok=False)  # (eviction.py's put-back)
+    assert tenants.stats()["x"]["evictions_caused"] == 0
+    assert _held(tenants) == {"x": 0, "y": 4}
+    assert tenants.stats()["y"]["tiers"]["host"]["evicted"] == 0
+    got = table.prepare_evict("host", 1, for_keys=[b"x1"])
+    table.complete_evict([k for k, _ in got], "host")  # this one happened
+    assert tenants.stats()["x"]["evictions_caused"] == 1
+    assert tenants.stats()["y"]["tiers"]["host"]["evicted"] == 1
