@@ -118,6 +118,7 @@ class _Tier:
         "acc",
         "admits",
         "capacity",
+        "cause",
         "free",
         "key_of",
         "moving",
@@ -150,6 +151,8 @@ class _Tier:
         self.undo: dict[int, object] = {}  # MOVING slot -> what the policy needs to put it back
         self.order: OrderIndex | None = None  # positions in the last order evictions followed
         self.acc: TierCounts | None = None  # the tenants' counts of this tier (None: none)
+        # per MOVING slot, the tenant whose room it was chosen for (-1: none), with tenants
+        self.cause: array[int] | None = None
         self.quota = False  # whether evictions here must keep the tenants' quotas
         policy.bind_slots(capacity, self.slot_of)
 
@@ -203,6 +206,8 @@ class PageTable:
             for t in self._tiers.values():
                 t.acc = tenants.counts(t.name)
                 t.quota = t.name in tenants.active_tiers
+                if t.acc is not None:
+                    t.cause = array("l", [-1]) * t.capacity
         # tiers whose last eviction the quotas cut short -> the tenant it was for (or None)
         self._blocked: dict[str, int | None] = {}
 
@@ -869,8 +874,13 @@ class PageTable:
         set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
-        if t.acc is not None:  # MOVING pages are no tenant's any more (undone if put back)
-            t.acc.moved(keys, by)
+        if t.acc is not None and t.cause is not None:  # MOVING pages are no tenant's any
+            t.acc.evicted(keys, by)  # more (undone if put back), each remembers its cause
+            cause = -1 if by is None else by
+            if len(slots) == 1:
+                t.cause[slots[0]] = cause
+            else:
+                deque(map(t.cause.__setitem__, slots, repeat(cause)), 0)
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow, by)
         return out
@@ -896,8 +906,6 @@ class PageTable:
         t.free.extend(slots)
         if t.order is not None:
             t.order.freed(slots)
-        if t.acc is not None:
-            t.acc.settled(keys)
         self._forget(keys)
         if self._record and slots:
             self._events.append(PageEvent("evicted", tier, tuple(keys)))
@@ -909,8 +917,9 @@ class PageTable:
         eviction undone, for the tenants' counts too)."""
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
-        if t.acc is not None:
-            t.acc.put_back(keys)
+        if t.acc is not None and t.cause is not None:
+            cause = t.cause
+            t.acc.put_back(keys, [cause[s] for s in slots])
         for s in slots:
             t.state[s] = _READABLE
         # in the order they were chosen (``undo`` keeps it), so that each lands where it was

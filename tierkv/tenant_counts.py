@@ -10,7 +10,7 @@ count one C call (``tierkv/_tally.c``; :func:`tally_py` where it was not built).
 from __future__ import annotations
 
 import importlib
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from typing import cast
@@ -86,17 +86,20 @@ class TierCounts:
         limit: page limit per tenant in this tier (:data:`NO_LIMIT`: none).
     """
 
-    __slots__ = ("_caused", "_guards", "_limit", "_lost", "_moving", "_nb", "_of", "_used")
+    __slots__ = ("_caused", "_guards", "_limit", "_lost", "_nb", "_of", "_used")
 
     def __init__(
-        self, of: dict[Key, int], caused: list[int], reserve: list[int], limit: list[int]
+        self,
+        of: dict[Key, int],
+        caused: list[int],
+        reserve: list[int],
+        limit: list[int],
     ) -> None:
         nb = self._nb = len(reserve)  # the index of pages nobody is charged for
         self._of = of
         self._used = [0] * (nb + 1)
         self._lost = [0] * (nb + 1)
         self._caused = caused
-        self._moving: dict[Key, int] = {}  # MOVING page -> the tenant it was chosen for
         self._guards = [(i, r) for i, r in enumerate(reserve) if r]
         self._limit = limit if any(x < NO_LIMIT for x in limit) else None
 
@@ -200,41 +203,16 @@ class TierCounts:
             if by is not None:
                 self._caused[by] += len(keys)
 
-    def moved(self, keys: Sequence[Key], by: int | None) -> None:
-        """Pages of ``keys`` were chosen by an eviction and are MOVING (written back before
-        they go): :meth:`evicted`, and ``by`` remembered until they go (:meth:`settled`) or
-        come back (:meth:`put_back`)."""
-        if keys:
-            tally(self._of, keys, self._nb, self._lost, self._used)
-            if by is not None:
-                self._caused[by] += len(keys)
-                self._moving.update(dict.fromkeys(keys, by))
-
-    def settled(self, keys: Sequence[Key]) -> None:
-        """MOVING pages of ``keys`` are gone (their eviction is complete)."""
-        if self._moving:
-            deque(map(self._moving.pop, keys, repeat(None)), 0)  # (C-level passes)
-
-    def put_back(self, keys: Sequence[Key]) -> None:
+    def put_back(self, keys: Sequence[Key], causes: Sequence[int]) -> None:
         """MOVING pages of ``keys`` came back (an eviction that did not happen after all: no
-        longer counted as one, nor as caused by the tenant it was chosen for)."""
+        longer counted as one, nor as caused by the tenant each was chosen for: ``causes``,
+        one tenant index per page, -1 for none)."""
         if keys:
             tally(self._of, keys, self._nb, self._used, self._lost)
-            moving = self._moving
-            if moving:
-                caused = self._caused
-                for by in map(moving.pop, keys, repeat(None)):
-                    if by is not None:
-                        caused[by] -= 1
-
-    def rename(self, old: Sequence[Key], new: Sequence[Key]) -> None:
-        """Pages were renamed (a MOVING page keeps the tenant it was chosen for)."""
-        moving = self._moving
-        if moving:
-            for o, n in zip(old, new):
-                by = moving.pop(o, None)
-                if by is not None:
-                    moving[n] = by
+            caused = self._caused
+            for by in causes:
+                if by >= 0:
+                    caused[by] -= 1
 
     def left(self, keys: Sequence[Key]) -> None:
         """Pages of ``keys`` left (dropped: not by an eviction)."""

@@ -264,8 +264,6 @@ class Tenants:
         """Pages were renamed (a listener of :class:`~tierkv.ownership.Ownership`): their
         charges follow."""
         of = self._of
-        for c in self._tiers.values():  # (MOVING pages' causes: nothing to do but after a
-            c.rename(old, new)  # write-back that waits)
         got = list(map(of.pop, old, repeat(None)))  # (C-level passes)
         if None in got:
             of.update((n, i) for n, i in zip(new, got) if i is not None)

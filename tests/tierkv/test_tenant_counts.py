@@ -79,9 +79,8 @@ def _run_hooks(
     c = TierCounts(of, caused, [1, 0], [NO_LIMIT, NO_LIMIT])
     c.replaced([], [b"a1", b"a2", b"b1"])
     c.replaced([b"a1"], [b"b2"])  # b's page in a's room: caused by b
-    c.moved([b"a2", b"x"], 0)  # chosen for a's pages, MOVING
-    c.put_back([b"a2"])  # a2 came back: no longer caused by a
-    c.settled([b"x"])
+    c.evicted([b"a2", b"x"], 0)  # chosen for a's pages, MOVING
+    c.put_back([b"a2"], [0])  # a2 came back: no longer caused by a
     c.left([b"b1"])
     c.replaced([b"a2", b"b2"], [b"a1", b"b1", b"b2"])  # mixed: a1 free, b1 and b2 evict
     assert c.shares([b"a1", b"b1"], 1) == [(1, 1)]
