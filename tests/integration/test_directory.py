@@ -183,6 +183,33 @@ async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
         await directory(f"redis://127.0.0.1:{free_port()}/0")
 
 
+async def test_an_unreachable_directory_logs_one_line_per_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tierkv serve --directory <unreachable>`: each retry's warning was a page of redis-py
+    frames (exc_info). Now one line per failure (rate limited as before); the traceback only
+    in a DEBUG record of its own."""
+    agent = DirectoryAgent(
+        RedisDirectory(f"redis://127.0.0.1:{free_port()}/0", ttl=TTL, timeout=0.2),
+        "a:1",
+        set,
+        linger=0,
+        backoff_cap=0.05,
+    )
+    with caplog.at_level(logging.DEBUG, logger="tierkv.remote.directory"):
+        await agent.start()  # warned about, not raised: serving does not need the directory
+        try:
+            await until_true(lambda: agent.errors >= 3)
+        finally:
+            await agent.aclose()
+    got = [r for r in caplog.records if r.name == "tierkv.remote.directory"]
+    warned = [r for r in got if r.levelno == logging.WARNING]
+    assert warned and all(r.exc_info is None for r in warned)
+    assert all("\n" not in r.getMessage() and "directory" in r.getMessage() for r in warned)
+    debug = [r for r in got if r.levelno == logging.DEBUG]
+    assert len(debug) == len(warned) and all(r.exc_info is not None for r in debug)
+
+
 async def test_agent_publishes_changes_and_leaves(fresh: str) -> None:
     held: set[bytes] = set(keys_of(100))
     agent = DirectoryAgent(RedisDirectory(fresh, ttl=TTL), "a:1", lambda: set(held), linger=0)
