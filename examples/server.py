@@ -18,7 +18,9 @@ default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``s
 ``cache_salt`` (as vLLM's: a string of 1-256 bytes; the request reuses and shares cached
 prefixes only with requests of the same salt, in every tier; docs/security.md, "Tenants"),
 ``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
-instead: ``Authorization: Bearer KEY``, 401 without a known key).
+instead: ``Authorization: Bearer KEY``, 401 without a known key). Fields this server cannot
+honour are refused (400) rather than ignored when they ask for something: ``echo``,
+``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``.
 ``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
@@ -58,6 +60,7 @@ from tierkv import metrics
 from tierkv.demo.model import ModelConfig
 from tierkv.errors import TenantError, TierKVError
 from tierkv.serving import (
+    ContextLengthError,
     Engine,
     EngineConfig,
     RequestError,
@@ -176,6 +179,39 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
     return value
 
 
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A JSON number as a float; 400 for another type or an integer past float's range (a
+    400-digit literal was an OverflowError, a 500)."""
+    value = _field(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ApiError(400, f"'{name}' is out of range", param=name) from None
+
+
+#: request fields the server cannot honour, and the values that ask for nothing
+_NOT_SUPPORTED = {
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    """400 for a field that asks for what this server does not do (it was ignored: an
+    ``echo`` request got no prompt back, a ``logprobs`` one no log-probabilities)."""
+    for name, fine in _NOT_SUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(
+            value is x or (type(value) is type(x) and value == x) for x in fine
+        ):
+            raise ApiError(
+                400, f"'{name}' is not supported by this server", param=name, code="unsupported"
+            )
+
+
 def parse_job(body: Any, served: Served, chat: bool) -> Job:
     """Validate a completions or chat body. Raises ApiError (400, or 404 for the model)."""
     if not isinstance(body, dict):
@@ -220,8 +256,9 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
         raise ApiError(
             400, f"'max_tokens' must be in [1, {served.cfg.max_tokens}]", param="max_tokens"
         )
-    temperature = float(_field(body, "temperature", (int, float), 1.0))
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    _unsupported(body)
     seed = _field(body, "seed", int, None)
     stream = _field(body, "stream", bool, False)
     salt = _salt(body)
@@ -247,8 +284,10 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
             stop=tuple(s for s in stops if s),
         )
         served.engine.check(prompt, params)
-    except RequestError as exc:
+    except ContextLengthError as exc:
         raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+    except RequestError as exc:  # empty, ids outside the vocabulary
+        raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
     except TierKVError as exc:  # a bad sampling parameter (InvalidInputError: 400)
         raise ApiError.of(exc) from None
     return Job(prompt, params, stream, chat, salt)
@@ -681,13 +720,15 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
     keys' tenants must be among the names). Raises SystemExit with the reason for a bad
     file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key
-    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string."""
+    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string, API
+    keys in a file that group or others may read."""
     if path is None:
         return {}, {}
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: no wait for a writer)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
                 raise ValueError("not a regular file")
             raw = f.read(MAX_TENANTS_FILE + 1)
         if len(raw) > MAX_TENANTS_FILE:
@@ -699,6 +740,8 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
         keys = doc.get("api_keys", {})
         if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()):
             raise ValueError("api_keys: want non-empty string keys and tenant names")
+        if keys and mode & 0o077:  # (as tierkv serve's secrets file)
+            raise ValueError("it holds API keys and group or others may read it (chmod 600)")
     except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
         raise SystemExit(f"--tenants {path}: {exc}") from None
     unknown = sorted(set(keys.values()) - set(quotas))

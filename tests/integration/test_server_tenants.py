@@ -95,6 +95,7 @@ def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
     def file(name: str, data: bytes | str) -> str:
         p = tmp_path / name
         p.write_bytes(data.encode() if isinstance(data, str) else data)
+        p.chmod(0o600)  # (API keys: readable by the owner only)
         return str(p)
 
     huge = tmp_path / "huge.json"

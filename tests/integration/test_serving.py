@@ -387,3 +387,26 @@ async def test_batched_decode_attention_gives_the_per_request_logits(
     assert len(got_logits) == len(want_logits) > 12
     for a, b in zip(got_logits, want_logits):
         assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+async def test_a_prompt_that_is_not_token_ids_is_a_type_error_and_nothing_runs() -> None:
+    """A careless caller's prompt: a str, None, a generator, a nested list were TypeErrors
+    from inside ``check`` (``'<=' not supported``), bytes and a dict ran as ids (their bytes,
+    their keys). Now InvalidTypeError / SpecError at entry; an array or tensor of ids still
+    runs, as the same ids."""
+    import numpy as np
+
+    from tierkv.errors import InvalidInputError, InvalidTypeError
+
+    async with engine() as e:
+        params = SamplingParams(max_tokens=2)
+        for bad in ("hello", None, b"ab", {1: 2}, (t for t in [1, 2]), [[1, 2]], [1.5, 2.0]):
+            with pytest.raises(InvalidInputError):
+                await e.complete(bad, params)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTypeError):
+            await e.complete([1, 2], {"max_tokens": 2})  # type: ignore[arg-type]
+        assert e.counters.requests == 0 and e.running == 0
+        e.store.check()
+        want = await e.complete([1, 2, 3], params)
+        assert await e.complete(np.array([1, 2, 3]), params) == want
+        assert await e.complete(torch.tensor([1, 2, 3]), params) == want

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 
 from tierkv import validate
-from tierkv.errors import InvalidInputError, QuotaExceededError
+from tierkv.errors import InvalidInputError, InvalidTypeError, QuotaExceededError
 from tierkv.failures import FailureLog
-from tierkv.serving.errors import EngineNotOpenError, RequestError
+from tierkv.serving.errors import ContextLengthError, EngineNotOpenError, RequestError
 from tierkv.serving.model import ServingModel
 from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
@@ -267,20 +267,25 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise :class:`RequestError` when this request can never run here."""
+        """Raise :class:`RequestError` when this request can never run here, InvalidTypeError
+        when ``prompt`` is not token ids (a str, None, a nested list) or ``params`` not a
+        SamplingParams."""
+        prompt = validate.token_ids(prompt, "prompt")
+        if not isinstance(params, SamplingParams):
+            raise InvalidTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         n = len(prompt)
         if n == 0:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < self.model.vocab_size for t in prompt):
             raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
         if n + params.max_tokens > self.max_context:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.max_context} tokens"
             )
         need = -(-(n + params.max_tokens) // self.spec.page_tokens)
         if need > self.scheduler.layer_pages:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt + max_tokens need {need} pages per layer, the device tier allows "
                 f"{self.scheduler.layer_pages}"
             )
@@ -309,9 +314,15 @@ class Engine:
         tenant_index(self.store.tenants, tenant)
         if self._closed or self._task is None:
             raise EngineNotOpenError("the engine is not open")
-        self.check(prompt, params)
+        ids = validate.token_ids(prompt, "prompt")
+        self.check(ids, params)
         req = Request(
-            f"r{next(self._ids)}", list(prompt), params, Sampler(params), salt=raw, tenant=tenant
+            f"r{next(self._ids)}",
+            ids,
+            params,
+            Sampler(params),
+            salt=raw,
+            tenant=tenant,
         )
         self.counters.requests += 1
         self.scheduler.add(req)

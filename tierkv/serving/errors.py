@@ -5,9 +5,12 @@
     TierKVError
      └── ServingError                          the serving engine's own
           ├── RequestError (also InvalidInputError, a ValueError)
-          │                                    a request that can never run: empty, ids out of
-          │                                    the vocabulary, too long for the context or the
-          │                                    device tier
+          │    │                               a request that can never run: empty, ids out of
+          │    │                               the vocabulary, too long for the context or the
+          │    │                               device tier
+          │    └── ContextLengthError          too long: prompt + max_tokens over the context
+          │                                    or the device tier's pages (OpenAI's code
+          │                                    ``context_length_exceeded``)
           └── EngineNotOpenError (also RuntimeError)
                                                a request to an engine not open (or closed)
 
@@ -28,7 +31,13 @@ from tierkv.errors import (
     UnknownNameError,
 )
 
-__all__ = ["EngineNotOpenError", "RequestError", "ServingError", "http_status"]
+__all__ = [
+    "ContextLengthError",
+    "EngineNotOpenError",
+    "RequestError",
+    "ServingError",
+    "http_status",
+]
 
 
 class ServingError(TierKVError):
@@ -38,6 +47,11 @@ class ServingError(TierKVError):
 class RequestError(ServingError, InvalidInputError):
     """A request that can never run: empty, too long for the context or the device tier. Also
     a ``ValueError`` (as it always was)."""
+
+
+class ContextLengthError(RequestError):
+    """A request too long to run: its prompt and ``max_tokens`` exceed the context, or need
+    more pages than the device tier allows (the other RequestErrors are not about length)."""
 
 
 class EngineNotOpenError(ServingError, RuntimeError):
