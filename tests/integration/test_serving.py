@@ -300,6 +300,7 @@ def test_bad_sparse_options_are_typed_errors_at_entry() -> None:
         {"sparse_topk": 4, "sparse_mean_weight": 1.0},
         {"sparse_topk": 4, "sparse_mean_weight": -0.1},
         {"sparse_topk": 4, "sparse_mean_weight": float("nan")},
+        {"sparse_topk": 4, "sparse_mean_weight": 10**400},  # (was float()'s OverflowError)
     ):
         with pytest.raises(InvalidInputError):
             engine(**kw)
