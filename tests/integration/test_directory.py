@@ -161,6 +161,23 @@ def test_a_bad_url_is_a_typed_error(url: str) -> None:
         RedisDirectory(url)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"ttl": "5"},  # a TypeError of the range check
+        {"timeout": None},
+        {"buckets": 2.5},  # an AttributeError (bit_length)
+        {"shards": "3"},
+        {"ttl": True},
+        {"namespace": 5},  # a TypeError inside re
+        {"ttl": float("nan")},
+    ],
+)
+def test_bad_directory_options_are_typed_errors(kw: dict[str, object]) -> None:
+    with pytest.raises(DirectoryURLError):
+        RedisDirectory("redis://127.0.0.1:1/0", **kw)  # type: ignore[arg-type]
+
+
 def test_good_urls_parse() -> None:
     for url in ("redis://:pw@h:1/0", "rediss://user:pw@h:6380/2", "redis://h", "unix:///tmp/r"):
         check_url(url)

@@ -207,8 +207,18 @@ class RedisDirectory:
         shards: int | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        if not _NAMESPACE.fullmatch(namespace):
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise DirectoryURLError(f"namespace must match {_NAMESPACE.pattern}, not {namespace!r}")
+        for name, x, kinds in (
+            ("ttl", ttl, (int, float)),
+            ("timeout", timeout, (int, float)),
+            ("buckets", buckets, (int,)),
+            ("shards", 1 if shards is None else shards, (int,)),
+        ):  # (a str or None was a TypeError of the range checks below, a float bucket count
+            # an AttributeError)
+            if isinstance(x, bool) or not isinstance(x, kinds):
+                what = "an int" if kinds == (int,) else "a number"
+                raise DirectoryURLError(f"{name} must be {what}, got {x!r:.40}")
         if not (0.05 <= ttl <= 3600 and 0 < timeout <= 60):
             raise DirectoryURLError(
                 f"ttl in [0.05, 3600] s and timeout in (0, 60] s: {ttl}, {timeout}"
