@@ -26,7 +26,8 @@ honour are refused (400) rather than ignored when they ask for something: ``echo
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 body (not JSON, a wrong field, a prompt longer than the context or the device tier), 404 for an
 unknown model or route, 405, 413 for a body over ``--max-body-mb``, 429 when the store has no
-room within the tenants' quotas, 503 when a request's step failed in the store; a streamed
+room within the tenants' quotas, 503 when a request's step failed in the store or
+``--max-waiting`` requests wait already; a streamed
 request that fails sends an ``error`` event and ends.
 
 The cold pool is off by default (``--codec none``): a cached prefix compressed with a lossy codec
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import stat
 import time
@@ -56,9 +58,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from tierkv import metrics
+from tierkv import metrics, validate
 from tierkv.demo.model import ModelConfig
-from tierkv.errors import TenantError, TierKVError
+from tierkv.errors import InvalidInputError, TenantError, TierKVError
 from tierkv.serving import (
     ContextLengthError,
     Engine,
@@ -93,6 +95,10 @@ class ServerConfig:
     max_body: int = 4 << 20
     trace: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate.count("max_tokens", self.max_tokens, 1)
+        validate.count("max_body", self.max_body, 1)
 
 
 class ApiError(Exception):
@@ -663,6 +669,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.sparse_mean_weight,
         help="with --sparse-topk: weight in [0, 1) of a page's mean key in its score",
     )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="requests queued at most; more are refused with a 503 (a flood cannot grow it)",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
@@ -674,6 +686,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _address(text: str) -> tuple[str, int]:
+    """``(host, port)`` of ``--listen HOST:PORT`` (int('nohost') was a ValueError, port 99999
+    an OverflowError at bind). Raises InvalidInputError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidInputError(f"--listen must be HOST:PORT with a port in [0, 65535]: {text!r}")
+    return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+
+
+def _mib(flag: str, mib: float | None) -> Any:
+    """``mib`` MiB in bytes (None stays None). Raises InvalidInputError for a size that is
+    not a finite number >= 0 (int(nan) was a ValueError, int(inf) an OverflowError)."""
+    if mib is None:
+        return None
+    if not math.isfinite(mib) or mib < 0:
+        raise InvalidInputError(f"{flag} must be a finite number >= 0, got {mib}")
+    return int(mib * (1 << 20))
+
+
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
     quotas, keys = tenant_options(a.tenants)
@@ -683,20 +714,21 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         max_batch_tokens=a.max_batch_tokens,
         max_context=a.max_context,
         page_tokens=a.page_tokens,
-        device_bytes=None if a.device_mb is None else int(a.device_mb * (1 << 20)),
-        host_bytes=None if a.host_mb is None else int(a.host_mb * (1 << 20)),
+        device_bytes=_mib("--device-mb", a.device_mb),
+        host_bytes=_mib("--host-mb", a.host_mb),
         prefix_reuse=not a.no_prefix_reuse,
         codec=None if a.codec == "none" else a.codec,
         tenants=quotas or None,
         sparse_topk=a.sparse_topk,
         sparse_recent=a.sparse_recent,
         sparse_mean_weight=a.sparse_mean_weight,
+        max_waiting=a.max_waiting,
     )
     return ServerConfig(
         model=a.model,
         engine=engine,
         max_tokens=a.max_tokens,
-        max_body=int(a.max_body_mb * (1 << 20)),
+        max_body=_mib("--max-body-mb", a.max_body_mb),
         trace=a.trace,
         api_keys=keys,
     )
@@ -751,14 +783,20 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
 
 
 def main() -> None:
-    a = build_parser().parse_args()
+    p = build_parser()
+    a = p.parse_args()
+    try:  # a bad value is one "error:" line and status 2, never a traceback
+        cfg = config_from(a)
+        validate.count("--threads", a.threads, 1)
+        host, port = _address(a.listen)
+    except TierKVError as exc:
+        p.error(str(exc))
     import torch
 
     torch.set_num_threads(a.threads)
-    host, _, port = a.listen.rpartition(":")
     # a client that hangs up cancels its handler, and with it the request (its pages freed)
-    app = make_app(config_from(a))
-    web.run_app(app, host=host or "127.0.0.1", port=int(port), handler_cancellation=True)
+    app = make_app(cfg)
+    web.run_app(app, host=host, port=port, handler_cancellation=True)
 
 
 if __name__ == "__main__":

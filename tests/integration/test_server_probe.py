@@ -105,3 +105,33 @@ def test_a_tenants_file_with_api_keys_must_be_private(tmp_path: Path) -> None:
     path.write_text('{"tenants": {"a": {}}}')
     os.chmod(path, 0o644)
     assert server.tenant_options(str(path))[0] == {"a": server.Quota()}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--max-running", "0"],
+        ["--device-mb", "nan"],  # int(nan): ValueError
+        ["--device-mb", "inf"],  # int(inf): OverflowError
+        ["--max-body-mb", "-1"],  # ran, every body refused
+        ["--max-tokens", "0"],  # ran, every request refused
+        ["--sparse-mean-weight", "2"],
+        ["--listen", "nohost"],
+        ["--listen", "127.0.0.1:99999"],  # OverflowError at bind
+        ["--threads", "0"],  # torch's RuntimeError
+        ["--codec", "bogus"],  # UnknownCodecError when the app started
+        ["--max-waiting", "0"],
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_a_bad_command_line_is_one_error_line(args: list[str]) -> None:
+    import subprocess
+
+    got = subprocess.run(
+        [sys.executable, str(Path(server.__file__)), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert got.returncode == 2, got.stderr
+    assert "error:" in got.stderr and "Traceback" not in got.stderr, got.stderr

@@ -21,6 +21,7 @@ from tierkv.errors import InvalidInputError
 from tierkv.serving.engine import Engine, EngineConfig, EngineCounters
 from tierkv.serving.errors import (
     ContextLengthError,
+    EngineBusyError,
     EngineNotOpenError,
     RequestError,
     ServingError,
@@ -35,6 +36,7 @@ __all__ = [
     "CharTokenizer",
     "ContextLengthError",
     "Engine",
+    "EngineBusyError",
     "EngineConfig",
     "EngineCounters",
     "EngineNotOpenError",

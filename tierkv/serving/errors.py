@@ -11,8 +11,10 @@
           │    └── ContextLengthError          too long: prompt + max_tokens over the context
           │                                    or the device tier's pages (OpenAI's code
           │                                    ``context_length_exceeded``)
-          └── EngineNotOpenError (also RuntimeError)
-                                               a request to an engine not open (or closed)
+          ├── EngineNotOpenError (also RuntimeError)
+          │                                    a request to an engine not open (or closed)
+          └── EngineBusyError                  ``max_waiting`` requests wait already: try
+                                               again later (a 503)
 
 Everything else a request can meet is a tierkv error too (a bad sampling parameter is an
 :class:`~tierkv.errors.InvalidInputError`, a failed step the store's error); an HTTP layer in
@@ -33,6 +35,7 @@ from tierkv.errors import (
 
 __all__ = [
     "ContextLengthError",
+    "EngineBusyError",
     "EngineNotOpenError",
     "RequestError",
     "ServingError",
@@ -58,11 +61,16 @@ class EngineNotOpenError(ServingError, RuntimeError):
     """A request to an engine that is not open, or closed already."""
 
 
+class EngineBusyError(ServingError):
+    """A request refused because ``EngineConfig.max_waiting`` requests are waiting already."""
+
+
 # first match wins: the more specific kinds first
 _STATUS: tuple[tuple[type[TierKVError], int], ...] = (
     (InvalidInputError, 400),  # RequestError, a bad sampling parameter, an unknown policy
     (UnknownNameError, 400),  # an unknown codec or backend name is the caller's too
     (EngineNotOpenError, 503),
+    (EngineBusyError, 503),  # the queue is full: come back later
     (StoreClosedError, 503),
     (QuotaExceededError, 429),  # no room within the tenant's quota: too many requests
     (TierFullError, 503),  # every device page is pinned: come back later
