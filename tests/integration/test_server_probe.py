@@ -135,3 +135,27 @@ def test_a_bad_command_line_is_one_error_line(args: list[str]) -> None:
     )
     assert got.returncode == 2, got.stderr
     assert "error:" in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--vocab", "0"],  # ValueError from random
+        ["--requests", "0"],  # ran nothing, reported figures of nothing
+        ["--concurrency", "0"],
+        ["--shared", "2"],
+        ["--max-tokens", "0"],  # a RuntimeError traceback of the server's 400
+        ["--system", "0", "--user", "0"],
+        ["--json", "/nonexistent/x.json"],  # failed after the whole run
+    ],
+    ids=lambda a: " ".join(a),
+)
+def test_the_load_generator_refuses_what_cannot_run(args: list[str]) -> None:
+    import subprocess
+
+    load = Path(server.__file__).with_name("load.py")
+    got = subprocess.run(
+        [sys.executable, str(load), *args], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 2, got.stderr
+    assert "error:" in got.stderr and "Traceback" not in got.stderr, got.stderr
