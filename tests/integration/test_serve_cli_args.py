@@ -27,6 +27,9 @@ BASE = ["serve", "--secret", SECRET, "--listen", "127.0.0.1:0"]
         (["--directory-ttl", "inf"], "--directory-ttl must be > 0 and finite"),
         (["--allow-uid", "-5"], "--allow-uid"),
         (["--tenants", ""], "--tenants is empty"),  # served without tenants
+        (["--advertise", "foo"], "--advertise must be HOST:PORT"),  # registered as is
+        (["--advertise", ":7600"], "--advertise must name the host"),
+        (["--advertise", "h:0"], "--advertise must name the host"),
     ],
 )
 def test_bad_arguments_fail_before_serving(
@@ -82,6 +85,13 @@ def test_bad_tenants_files_name_the_file(
     assert cli_main([*BASE, "--tenants", path]) == 2
     err = capsys.readouterr().err
     assert message in err and path in err
+
+
+def test_a_byte_order_mark_is_no_part_of_the_first_name(tmp_path: Path) -> None:
+    """A file saved by an editor that writes a BOM: the first tenant was refused as having
+    characters outside the set (an invisible one)."""
+    path = _file(tmp_path, "\ufeffacme 0011\nbeta 2233\n".encode())
+    assert read_tenants(path) == {"acme": b"\x00\x11", "beta": b"\x22\x33"}
 
 
 def test_a_link_is_followed_and_its_target_checked(tmp_path: Path) -> None:
