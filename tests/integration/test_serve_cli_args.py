@@ -103,3 +103,19 @@ def test_a_link_is_followed_and_its_target_checked(tmp_path: Path) -> None:
     Path(real).chmod(0o644)
     with pytest.raises(ValueError, match="group or others"):
         read_tenants(str(link))
+
+
+@pytest.mark.parametrize("advertise", ["foo", ":7600", "h:0", "h:99999", "h:x", 7600])
+def test_a_page_server_refuses_an_address_no_client_could_reach(advertise: object) -> None:
+    """``PageServer(advertise=)`` (the library's --advertise) took any value and registered it
+    in the directory as this node's address."""
+    from tierkv import KVStore
+    from tierkv.errors import InvalidInputError
+    from tierkv.remote import PageServer
+    from tierkv.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)
+    store = KVStore(spec, device_bytes=4 * spec.page_bytes, host_bytes=16 * spec.page_bytes)
+    with pytest.raises(InvalidInputError, match="advertise"):
+        PageServer(store, secret=b"s", advertise=advertise)  # type: ignore[arg-type]
+    PageServer(store, secret=b"s", advertise="10.0.0.7:7600")  # (never started)
