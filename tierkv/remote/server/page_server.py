@@ -534,7 +534,13 @@ def _checked_address(advertise: object) -> str | None:
     if advertise is None:
         return None
     host, sep, port = advertise.rpartition(":") if isinstance(advertise, str) else ("", "", "")
-    if not host or not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if (
+        not isinstance(advertise, str)
+        or not host
+        or not sep
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+    ):
         raise InvalidInputError(
             f"advertise must be HOST:PORT with a host and a port in [1, 65535], got "
             f"{advertise!r:.80}"
