@@ -82,12 +82,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up passes")
     p.add_argument("--turn", type=int, default=d.turn, help="decode steps per turn (swap)")
     p.add_argument("--page-tokens", type=int, default=d.page_tokens, help="tokens per KV page")
-    p.add_argument(
-        "--device-fraction",
-        type=float,
-        default=d.device_fraction,
-        help="the device tier's share of all the KV (swap; default %(default)s)",
-    )
+    share = "the device tier's share of all the KV (swap)"
+    p.add_argument("--device-fraction", type=float, default=d.device_fraction, help=share)
     p.add_argument("--codec", default=d.codec, help="cold codec (int8, int8-group, bf16, none)")
     p.add_argument(
         "--compress-after",
