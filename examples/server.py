@@ -28,7 +28,8 @@ body (not JSON, a wrong field, a prompt longer than the context or the device ti
 unknown model or route, 405, 413 for a body over ``--max-body-mb``, 429 when the store has no
 room within the tenants' quotas, 503 when a request's step failed in the store or
 ``--max-waiting`` requests wait already; a streamed
-request that fails sends an ``error`` event and ends.
+request that fails after its first token sends an ``error`` event and ends (one refused before
+it gets the status, as a request that does not stream).
 
 The cold pool is off by default (``--codec none``): a cached prefix compressed with a lossy codec
 comes back approximately, and a warm request's tokens would then differ from a cold computation.
@@ -44,7 +45,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -354,7 +355,9 @@ class Result:
     cached_tokens: int = 0
 
 
-async def run_job(served: Served, job: Job, res: Result, sm: _ServerMetrics) -> AsyncIterator[str]:
+async def run_job(
+    served: Served, job: Job, res: Result, sm: _ServerMetrics
+) -> AsyncGenerator[str, None]:
     """Text pieces of a request as they are decoded; ``res`` is filled as it goes.
 
     Raises ApiError (503) when the engine closes under it, and a failed step's tierkv error."""
@@ -438,6 +441,36 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
                 "usage": _usage(job, res),
             }
         )
+    # the first piece before the headers: a request refused before its first token (a
+    # tenant's quota, a full queue, a failed prefill) gets its status (429, 503...), not a
+    # 200 whose stream holds an error event (which no client or balancer retries on)
+    pieces = run_job(served, job, res, sm)
+    try:
+        opening = await anext(pieces, None)
+    except ApiError:
+        raise
+    except TierKVError as exc:
+        raise ApiError.of(exc, "generation failed: ") from exc
+    except Exception as exc:
+        raise ApiError(503, f"generation failed: {exc}", "server_error") from exc
+    try:  # (closed however this ends: leaving early frees the request's pages)
+        return await _stream(request, job, res, head, chat, opening, pieces)
+    finally:
+        await pieces.aclose()
+
+
+async def _stream(
+    request: web.Request,
+    job: Job,
+    res: Result,
+    head: dict[str, Any],
+    chat: bool,
+    opening: str | None,
+    pieces: AsyncGenerator[str, None],
+) -> web.StreamResponse:
+    """Send a request's text as server-sent events: ``opening``, its first piece (None: the
+    request ended without text), then the rest of ``pieces``."""
+    obj = "chat.completion" if chat else "text_completion"
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -451,7 +484,9 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         await send({**head, "object": chunk, "choices": [first]})
     try:
-        async for piece in run_job(served, job, res, sm):
+        if opening is not None:
+            await send({**head, "object": chunk, "choices": [_choice(job, opening, None, True)]})
+        async for piece in pieces:
             await send({**head, "object": chunk, "choices": [_choice(job, piece, None, True)]})
         last = _choice(job, "", res.finish_reason, True)
         await send({**head, "object": chunk, "choices": [last], "usage": _usage(job, res)})
