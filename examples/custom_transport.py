@@ -94,4 +94,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    __import__("argparse").ArgumentParser(description=__doc__).parse_args()  # --help: this
     asyncio.run(main())

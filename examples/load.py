@@ -234,7 +234,7 @@ async def amain(a: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (documented in docs/configuration.md)."""
     d = LoadSpec()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--url", help="a running server (default: a tiny-model one, in this process)")
     p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
     p.add_argument("--requests", type=int, default=d.requests, help="requests in all")
@@ -245,15 +245,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", type=int, default=d.user, help="user-part tokens")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="output tokens per request")
     p.add_argument("--vocab", type=int, default=d.vocab, help="random ids are below this")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random prompts")
     p.add_argument("--threads", type=int, default=1, help="torch threads (in-process server)")
     p.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
     return p
 
 
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse what cannot run, before the load (``--vocab 0`` was a ValueError from random,
+    ``--requests 0`` and ``--concurrency 0`` ran nothing, ``--max-tokens 0`` an HTTP 400
+    traceback, a ``--json`` in a missing folder failed after the whole run)."""
+    for flag, least in (
+        ("concurrency", 1),
+        ("requests", 1),
+        ("system", 0),
+        ("user", 0),
+        ("max_tokens", 1),
+        ("vocab", 1),
+        ("threads", 1),
+    ):
+        if getattr(a, flag) < least:
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}, got {getattr(a, flag)}")
+    if a.system + a.user < 1:
+        p.error("--system and --user are both 0: a prompt needs a token")
+    if not 0.0 <= a.shared <= 1.0:
+        p.error(f"--shared must be a fraction in [0, 1], got {a.shared}")
+    if a.json and not Path(a.json).resolve().parent.is_dir():
+        p.error(f"--json {a.json}: its folder does not exist")
+
+
 def main() -> None:
     p = build_parser()
     a = p.parse_args()
+    check_args(p, a)
     if a.url is None:
         import torch
 

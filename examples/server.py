@@ -18,14 +18,18 @@ default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``s
 ``cache_salt`` (as vLLM's: a string of 1-256 bytes; the request reuses and shares cached
 prefixes only with requests of the same salt, in every tier; docs/security.md, "Tenants"),
 ``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
-instead: ``Authorization: Bearer KEY``, 401 without a known key).
+instead: ``Authorization: Bearer KEY``, 401 without a known key). Fields this server cannot
+honour are refused (400) rather than ignored when they ask for something: ``echo``,
+``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``.
 ``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
 body (not JSON, a wrong field, a prompt longer than the context or the device tier), 404 for an
 unknown model or route, 405, 413 for a body over ``--max-body-mb``, 429 when the store has no
-room within the tenants' quotas, 503 when a request's step failed in the store; a streamed
-request that fails sends an ``error`` event and ends.
+room within the tenants' quotas, 503 when a request's step failed in the store or
+``--max-waiting`` requests wait already; a streamed
+request that fails after its first token sends an ``error`` event and ends (one refused before
+it gets the status, as a request that does not stream).
 
 The cold pool is off by default (``--codec none``): a cached prefix compressed with a lossy codec
 comes back approximately, and a warm request's tokens would then differ from a cold computation.
@@ -36,11 +40,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,10 +59,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from tierkv import metrics
+from tierkv import metrics, validate
 from tierkv.demo.model import ModelConfig
-from tierkv.errors import TenantError, TierKVError
+from tierkv.errors import InvalidInputError, TenantError, TierKVError
 from tierkv.serving import (
+    ContextLengthError,
     Engine,
     EngineConfig,
     RequestError,
@@ -90,6 +96,10 @@ class ServerConfig:
     max_body: int = 4 << 20
     trace: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate.count("max_tokens", self.max_tokens, 1)
+        validate.count("max_body", self.max_body, 1)
 
 
 class ApiError(Exception):
@@ -176,6 +186,39 @@ def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], defau
     return value
 
 
+def _number(body: dict[str, Any], name: str, default: float) -> float:
+    """A JSON number as a float; 400 for another type or an integer past float's range (a
+    400-digit literal was an OverflowError, a 500)."""
+    value = _field(body, name, (int, float), default)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ApiError(400, f"'{name}' is out of range", param=name) from None
+
+
+#: request fields the server cannot honour, and the values that ask for nothing
+_NOT_SUPPORTED = {
+    "echo": (False,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+
+
+def _unsupported(body: dict[str, Any]) -> None:
+    """400 for a field that asks for what this server does not do (it was ignored: an
+    ``echo`` request got no prompt back, a ``logprobs`` one no log-probabilities)."""
+    for name, fine in _NOT_SUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(
+            value is x or (type(value) is type(x) and value == x) for x in fine
+        ):
+            raise ApiError(
+                400, f"'{name}' is not supported by this server", param=name, code="unsupported"
+            )
+
+
 def parse_job(body: Any, served: Served, chat: bool) -> Job:
     """Validate a completions or chat body. Raises ApiError (400, or 404 for the model)."""
     if not isinstance(body, dict):
@@ -220,8 +263,9 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
         raise ApiError(
             400, f"'max_tokens' must be in [1, {served.cfg.max_tokens}]", param="max_tokens"
         )
-    temperature = float(_field(body, "temperature", (int, float), 1.0))
-    top_p = float(_field(body, "top_p", (int, float), 1.0))
+    temperature = _number(body, "temperature", 1.0)
+    top_p = _number(body, "top_p", 1.0)
+    _unsupported(body)
     seed = _field(body, "seed", int, None)
     stream = _field(body, "stream", bool, False)
     salt = _salt(body)
@@ -247,8 +291,10 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
             stop=tuple(s for s in stops if s),
         )
         served.engine.check(prompt, params)
-    except RequestError as exc:
+    except ContextLengthError as exc:
         raise ApiError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+    except RequestError as exc:  # empty, ids outside the vocabulary
+        raise ApiError(400, str(exc), param="prompt", code="invalid_prompt") from None
     except TierKVError as exc:  # a bad sampling parameter (InvalidInputError: 400)
         raise ApiError.of(exc) from None
     return Job(prompt, params, stream, chat, salt)
@@ -309,7 +355,9 @@ class Result:
     cached_tokens: int = 0
 
 
-async def run_job(served: Served, job: Job, res: Result, sm: _ServerMetrics) -> AsyncIterator[str]:
+async def run_job(
+    served: Served, job: Job, res: Result, sm: _ServerMetrics
+) -> AsyncGenerator[str, None]:
     """Text pieces of a request as they are decoded; ``res`` is filled as it goes.
 
     Raises ApiError (503) when the engine closes under it, and a failed step's tierkv error."""
@@ -393,6 +441,36 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
                 "usage": _usage(job, res),
             }
         )
+    # the first piece before the headers: a request refused before its first token (a
+    # tenant's quota, a full queue, a failed prefill) gets its status (429, 503...), not a
+    # 200 whose stream holds an error event (which no client or balancer retries on)
+    pieces = run_job(served, job, res, sm)
+    try:
+        opening = await anext(pieces, None)
+    except ApiError:
+        raise
+    except TierKVError as exc:
+        raise ApiError.of(exc, "generation failed: ") from exc
+    except Exception as exc:
+        raise ApiError(503, f"generation failed: {exc}", "server_error") from exc
+    try:  # (closed however this ends: leaving early frees the request's pages)
+        return await _stream(request, job, res, head, chat, opening, pieces)
+    finally:
+        await pieces.aclose()
+
+
+async def _stream(
+    request: web.Request,
+    job: Job,
+    res: Result,
+    head: dict[str, Any],
+    chat: bool,
+    opening: str | None,
+    pieces: AsyncGenerator[str, None],
+) -> web.StreamResponse:
+    """Send a request's text as server-sent events: ``opening``, its first piece (None: the
+    request ended without text), then the rest of ``pieces``."""
+    obj = "chat.completion" if chat else "text_completion"
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -406,7 +484,9 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         await send({**head, "object": chunk, "choices": [first]})
     try:
-        async for piece in run_job(served, job, res, sm):
+        if opening is not None:
+            await send({**head, "object": chunk, "choices": [_choice(job, opening, None, True)]})
+        async for piece in pieces:
             await send({**head, "object": chunk, "choices": [_choice(job, piece, None, True)]})
         last = _choice(job, "", res.finish_reason, True)
         await send({**head, "object": chunk, "choices": [last], "usage": _usage(job, res)})
@@ -624,6 +704,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.sparse_mean_weight,
         help="with --sparse-topk: weight in [0, 1) of a page's mean key in its score",
     )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=d.max_waiting,
+        help="requests queued at most; more are refused with a 503 (a flood cannot grow it)",
+    )
     p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the model")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace at shutdown")
@@ -635,6 +721,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _address(text: str) -> tuple[str, int]:
+    """``(host, port)`` of ``--listen HOST:PORT`` (int('nohost') was a ValueError, port 99999
+    an OverflowError at bind). Raises InvalidInputError."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise InvalidInputError(f"--listen must be HOST:PORT with a port in [0, 65535]: {text!r}")
+    return host.removeprefix("[").removesuffix("]") or "127.0.0.1", int(port)
+
+
+def _mib(flag: str, mib: float | None) -> Any:
+    """``mib`` MiB in bytes (None stays None). Raises InvalidInputError for a size that is
+    not a finite number >= 0 (int(nan) was a ValueError, int(inf) an OverflowError)."""
+    if mib is None:
+        return None
+    if not math.isfinite(mib) or mib < 0:
+        raise InvalidInputError(f"{flag} must be a finite number >= 0, got {mib}")
+    return int(mib * (1 << 20))
+
+
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
     quotas, keys = tenant_options(a.tenants)
@@ -644,20 +749,21 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         max_batch_tokens=a.max_batch_tokens,
         max_context=a.max_context,
         page_tokens=a.page_tokens,
-        device_bytes=None if a.device_mb is None else int(a.device_mb * (1 << 20)),
-        host_bytes=None if a.host_mb is None else int(a.host_mb * (1 << 20)),
+        device_bytes=_mib("--device-mb", a.device_mb),
+        host_bytes=_mib("--host-mb", a.host_mb),
         prefix_reuse=not a.no_prefix_reuse,
         codec=None if a.codec == "none" else a.codec,
         tenants=quotas or None,
         sparse_topk=a.sparse_topk,
         sparse_recent=a.sparse_recent,
         sparse_mean_weight=a.sparse_mean_weight,
+        max_waiting=a.max_waiting,
     )
     return ServerConfig(
         model=a.model,
         engine=engine,
         max_tokens=a.max_tokens,
-        max_body=int(a.max_body_mb * (1 << 20)),
+        max_body=_mib("--max-body-mb", a.max_body_mb),
         trace=a.trace,
         api_keys=keys,
     )
@@ -681,13 +787,15 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
     keys' tenants must be among the names). Raises SystemExit with the reason for a bad
     file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key
-    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string."""
+    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string, API
+    keys in a file that group or others may read."""
     if path is None:
         return {}, {}
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: no wait for a writer)
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
                 raise ValueError("not a regular file")
             raw = f.read(MAX_TENANTS_FILE + 1)
         if len(raw) > MAX_TENANTS_FILE:
@@ -699,6 +807,8 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
         keys = doc.get("api_keys", {})
         if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()):
             raise ValueError("api_keys: want non-empty string keys and tenant names")
+        if keys and mode & 0o077:  # (as tierkv serve's secrets file)
+            raise ValueError("it holds API keys and group or others may read it (chmod 600)")
     except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
         raise SystemExit(f"--tenants {path}: {exc}") from None
     unknown = sorted(set(keys.values()) - set(quotas))
@@ -708,14 +818,20 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
 
 
 def main() -> None:
-    a = build_parser().parse_args()
+    p = build_parser()
+    a = p.parse_args()
+    try:  # a bad value is one "error:" line and status 2, never a traceback
+        cfg = config_from(a)
+        validate.count("--threads", a.threads, 1)
+        host, port = _address(a.listen)
+    except TierKVError as exc:
+        p.error(str(exc))
     import torch
 
     torch.set_num_threads(a.threads)
-    host, _, port = a.listen.rpartition(":")
     # a client that hangs up cancels its handler, and with it the request (its pages freed)
-    app = make_app(config_from(a))
-    web.run_app(app, host=host or "127.0.0.1", port=int(port), handler_cancellation=True)
+    app = make_app(cfg)
+    web.run_app(app, host=host, port=port, handler_cancellation=True)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ the exception (``exc_info``). The records are rate limited per kind: at most one
     tierkv.store: background write-behind failed on tier host for 3 pages [0a1b..., ...]:
                   TransferFailedError: ... (2 more write-behind failures not logged in 10 s)
 
+A log made with ``tracebacks=False`` (the directory's: an unreachable Redis is an operator's
+state, not a bug, and its retries would print a page of redis-py frames each) writes the
+``WARNING`` as one line and the traceback in a ``DEBUG`` record after it, sent only when the
+logger is enabled for ``DEBUG``.
+
 Each record also carries its fields for filters and handlers: ``record.tierkv_kind``,
 ``record.tierkv_tier``, ``record.tierkv_keys`` (hex strings) and ``record.tierkv_suppressed``.
 """
@@ -57,6 +62,8 @@ class FailureLog:
         name: the logger, ``"tierkv"`` or below it (``"tierkv.store"``, ...).
         interval: at most one record per kind in this many seconds.
         clock: monotonic seconds (tests give their own).
+        tracebacks: the ``WARNING`` carries the exception's traceback (``exc_info``); False:
+            one line, the traceback in a ``DEBUG`` record of its own.
     """
 
     def __init__(
@@ -65,8 +72,10 @@ class FailureLog:
         *,
         interval: float = LOG_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        tracebacks: bool = True,
     ) -> None:
         self.logger = logging.getLogger(name)
+        self.tracebacks = tracebacks
         self.interval = interval
         self._clock = clock
         self._windows: dict[str, _Window] = {}
@@ -101,6 +110,13 @@ class FailureLog:
             if suppressed
             else ""
         )
+        trace = (type(exc), exc, exc.__traceback__)
+        extra = {
+            "tierkv_kind": kind,
+            "tierkv_tier": tier,
+            "tierkv_keys": hexes,
+            "tierkv_suppressed": suppressed,
+        }
         self.logger.warning(
             "background %s failed%s%s: %s%s",
             kind,
@@ -108,12 +124,9 @@ class FailureLog:
             pages,
             text,
             more,
-            exc_info=(type(exc), exc, exc.__traceback__),
-            extra={
-                "tierkv_kind": kind,
-                "tierkv_tier": tier,
-                "tierkv_keys": hexes,
-                "tierkv_suppressed": suppressed,
-            },
+            exc_info=trace if self.tracebacks else None,
+            extra=extra,
         )
+        if not self.tracebacks and self.logger.isEnabledFor(logging.DEBUG):
+            self.logger.debug("the traceback of background %s", kind, exc_info=trace, extra=extra)
         return text

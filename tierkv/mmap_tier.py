@@ -13,13 +13,15 @@ pinned nor counted in the host budget (the kernel may swap them), on a local fil
 kernel writes them back and reads them in on demand. It is scratch: the index is in memory, so
 a new process never finds the pages of the one before (the disk tier is the one that survives
 a restart); the file is created (its blocks allocated: a full filesystem is a typed error at
-open, never a SIGBUS at a write), locked against a second store, and removed at close.
+open, never a SIGBUS at a write), locked against a second store, and removed at close. Its first
+4 KiB are a header naming it ours (`MAGIC`): an existing non-empty file without it (a mistyped
+path, someone's data) is refused untouched, `MmapForeignFileError`, unless ``overwrite=True``.
 
 Every page's CRC-32C is recorded when it is written and checked when it is read: a page whose
 bytes changed (another writer of the file, a bad page of memory) is a counted miss, its slot
 freed, and the bytes are never reported as a hit (the store rolls the host slot back).
 
-It is a plug-in in the sense of issue 25: this module is all of it (so it stays whole, ~400
+It is a plug-in in the sense of issue 25: this module is all of it (so it stays whole, ~470
 lines: a plug-in tier is one file). The entry registers itself
 (`tierkv.chain_plugins.register_tier`), its moves host <-> mmap are handlers of the core's
 `Moves` (one host-function job of the transfer engine each: the copy runs on the engine's
@@ -56,13 +58,31 @@ from tierkv.tier import Batch, Holds, Moves
 from tierkv.tier_names import HOST
 from tierkv.transports.crc32c_native import native_crc32c
 
-__all__ = ["MMAP", "Mmap", "MmapInUseError", "MmapTier", "Written", "register_moves"]
+__all__ = [
+    "MAGIC",
+    "MMAP",
+    "Mmap",
+    "MmapForeignFileError",
+    "MmapInUseError",
+    "MmapTier",
+    "Written",
+    "register_moves",
+]
 
 MMAP = "mmap"
+MAGIC = b"TKVMMAP\x01"
+"""The first bytes of a map's file: a file without them is not one of ours."""
+HEADER_BYTES = mmap.ALLOCATIONGRANULARITY
+"""The header's room at the file's start: the pages follow it (a mapping offset's unit)."""
 
 
 class MmapInUseError(TierConfigError):
     """Another store (this process or another) holds the map's file."""
+
+
+class MmapForeignFileError(TierConfigError):
+    """The path holds a non-empty file that is not a map of ours (no `MAGIC`): left untouched
+    (``overwrite=True`` takes it over)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +98,22 @@ def _checked_path(path: str | os.PathLike[str]) -> str:
     if "\0" in where:
         raise TierConfigError(f"mmap tier: the path {where!r} holds a NUL byte")
     return where
+
+
+def _refuse_foreign(fd: int, where: Path) -> None:
+    """MmapForeignFileError unless the file is empty or starts with `MAGIC` (read only)."""
+    if os.fstat(fd).st_size == 0:
+        return
+    try:
+        head = os.pread(fd, len(MAGIC), 0)
+    except OSError as exc:
+        raise TierConfigError(f"mmap tier: cannot read {where}: {exc.strerror}") from None
+    if head != MAGIC:
+        raise MmapForeignFileError(
+            f"mmap tier: {where} is a file that is not an mmap tier's (no tierkv header): "
+            "left untouched; give another path, or overwrite=True to truncate it (it is "
+            "removed at close)"
+        )
 
 
 def _crcs(rows: npt.NDArray[np.uint8], slots: Sequence[int]) -> list[int]:
@@ -98,8 +134,9 @@ class MmapTier:
         self.path = path
         self._fd = fd
         self._map: mmap.mmap | None = mapped
-        n = len(mapped) // page_bytes
-        self.rows: npt.NDArray[np.uint8] = np.frombuffer(mapped, np.uint8).reshape(n, page_bytes)
+        n = (len(mapped) - HEADER_BYTES) // page_bytes
+        rows = np.frombuffer(mapped, np.uint8, n * page_bytes, HEADER_BYTES)
+        self.rows: npt.NDArray[np.uint8] = rows.reshape(n, page_bytes)
         self.page_bytes = page_bytes
         self.capacity = n
         self._lock = threading.Lock()
@@ -113,12 +150,24 @@ class MmapTier:
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "stored": 0, "evicted": 0}
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str], *, page_bytes: int, nbytes: int) -> MmapTier:
-        """Create (or take over) the regular file at ``path``, allocate ``nbytes`` (whole
-        pages) and map it. Raises TierSizeError (not one page), TierConfigError (the directory
-        is missing or not writable, no space; a path with a NUL, or one that is a symbolic
-        link or not a regular file: refused before anything is written through it),
-        MmapInUseError (another store holds the file); nothing is left behind then."""
+    def open(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        page_bytes: int,
+        nbytes: int,
+        overwrite: bool = False,
+    ) -> MmapTier:
+        """Create the file at ``path`` (or take over an empty one, or one of ours a crashed
+        process left), allocate ``nbytes`` of pages (whole pages, after a `HEADER_BYTES`
+        header) and map it. Raises TierSizeError (not one page), TierConfigError (the
+        directory is missing or not writable, no space; a path with a NUL, or one that is a
+        symbolic link or not a regular file: refused before anything is written through it),
+        MmapForeignFileError (a non-empty file without our header, unless ``overwrite``: it is
+        truncated then, and removed at close), MmapInUseError (another store holds the file);
+        nothing is left behind and an existing file is unchanged then."""
+        if not isinstance(overwrite, bool):
+            raise TierTypeError(f"mmap overwrite must be a bool, got {type(overwrite).__name__}")
         pages = int(nbytes) // page_bytes
         if pages < 1:
             raise TierSizeError(f"mmap budget holds no page: {nbytes} bytes, pages of {page_bytes}")
@@ -138,14 +187,17 @@ class MmapTier:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise MmapInUseError(f"mmap tier: {where} is in use by another store") from None
+            if not overwrite:
+                _refuse_foreign(fd, where)
+            size = HEADER_BYTES + pages * page_bytes
             try:
                 os.ftruncate(fd, 0)  # (a previous process's pages mean nothing here)
-                os.posix_fallocate(fd, 0, pages * page_bytes)  # no SIGBUS on a full tmpfs
-                mapped = mmap.mmap(fd, pages * page_bytes)
+                os.pwrite(fd, MAGIC, 0)  # ours from here on, even if this open dies
+                os.posix_fallocate(fd, 0, size)  # no SIGBUS on a full tmpfs
+                mapped = mmap.mmap(fd, size)
             except OSError as exc:
                 raise TierConfigError(
-                    f"mmap tier: cannot allocate {pages * page_bytes} bytes in {where}: "
-                    f"{exc.strerror}"
+                    f"mmap tier: cannot allocate {size} bytes in {where}: {exc.strerror}"
                 ) from None
         except BaseException:
             os.close(fd)
@@ -378,17 +430,23 @@ def register_moves(moves: Moves) -> None:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mmap:
     """The chain entry of the mmap tier: ``path``, the file to map (created in an existing
-    directory, removed at close); ``bytes``, its budget, at least one page."""
+    directory, removed at close); ``bytes``, its budget, at least one page; ``overwrite``:
+    take over an existing file that is not one of ours (refused by default)."""
 
     kind: ClassVar[str] = MMAP
     path: str | os.PathLike[str]
     bytes: int
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise TierTypeError(f"mmap path must be a str or path, got {type(self.path).__name__}")
         _checked_path(self.path)
         budget_bytes(self.kind, self.bytes)  # the built-in entries' rule
+        if not isinstance(self.overwrite, bool):
+            raise TierTypeError(
+                f"mmap overwrite must be a bool, got {type(self.overwrite).__name__}"
+            )
 
     def check(self, spec: KVSpec) -> None:
         """The budget holds a page (TierSizeError)."""
@@ -399,7 +457,9 @@ class Mmap:
 
     def open(self, spec: KVSpec) -> MmapTier:
         """Create and map the file (`MmapTier.open`)."""
-        return MmapTier.open(self.path, page_bytes=spec.page_bytes, nbytes=self.bytes)
+        return MmapTier.open(
+            self.path, page_bytes=spec.page_bytes, nbytes=self.bytes, overwrite=self.overwrite
+        )
 
     def register_moves(self, moves: Moves) -> None:
         """The host <-> mmap moves."""

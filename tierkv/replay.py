@@ -64,10 +64,10 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
                 continue
             try:
                 ids = json.loads(line)["hash_ids"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise InvalidInputError(
-                    f"{path}:{n}: not a trace record with hash_ids ({exc})"
-                ) from exc
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError) as exc:
+                raise InvalidInputError(  # (RecursionError: a line nested past the limit)
+                    f"{path}:{n}: not a trace record with hash_ids ({exc!s:.200})"
+                ) from None
             if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
                 raise InvalidInputError(f"{path}:{n}: hash_ids must be a list of integers")
             out.append(ids)

@@ -90,6 +90,8 @@ class LayerStep:
         by_seq = self._fits(k, v) or self._check_kv(k, v)
         plan.check_current(self)
         if self.appended:
+            if not any(rows.n_new):  # a step of no new tokens: its empty KV has nothing to add
+                return
             raise SequenceError(f"layer {self.layer}: this step appended to it already")
         seqs, layer = plan.seqs, self.layer
         for seq, start in zip(seqs, self.starts):
@@ -219,6 +221,11 @@ class LayerStep:
                 raise SpecError(f"out: expected a {flat.dtype} tensor on {flat.device}")
             if not out.is_contiguous() or out.numel() < need * d:
                 raise SpecError(f"out: expected a contiguous tensor of >= {need * d} elements")
+            if out.requires_grad or (out.is_inference() and not torch.is_inference_mode_enabled()):
+                raise SpecError(  # (torch's RuntimeError inside index_select otherwise)
+                    "out: expected a tensor that does not require grad (and an inference "
+                    "tensor only inside torch.inference_mode())"
+                )
         self._plan.check_current(self)
         if not self.appended:
             raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")

@@ -241,20 +241,29 @@ def seconds(name: str, x: object, *, allow_zero: bool = False) -> float:
     InvalidInputError."""
     if not isinstance(x, Real) or isinstance(x, (bool, np.bool_)):
         raise InvalidTypeError(f"{name}: expected seconds as a number, got {_type(x)} {x!r}")
-    s = float(x)
+    s = _as_float(x)
     if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidInputError(f"{name} must be a finite number of seconds {bound}, got {x}")
+        raise InvalidInputError(f"{name} must be a finite number of seconds {bound}, got {x!r:.40}")
     return s
+
+
+def _as_float(x: Any) -> float:
+    """``float(x)``; an int past a float's range is infinity (float() raised OverflowError,
+    which the callers' range checks then refuse as InvalidInputError)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
 
 
 def fraction(name: str, x: object) -> float:
     """A number in ``[0, 1)``. Raises InvalidTypeError, InvalidInputError."""
     if not isinstance(x, Real) or isinstance(x, (bool, np.bool_)):
         raise InvalidTypeError(f"{name}: expected a number in [0, 1), got {_type(x)} {x!r}")
-    f = float(x)
+    f = _as_float(x)
     if not 0 <= f < 1:
-        raise InvalidInputError(f"{name} must be in [0, 1), got {x}")
+        raise InvalidInputError(f"{name} must be in [0, 1), got {x!r:.40}")
     return f
 
 

@@ -161,6 +161,23 @@ def test_a_bad_url_is_a_typed_error(url: str) -> None:
         RedisDirectory(url)
 
 
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"ttl": "5"},  # a TypeError of the range check
+        {"timeout": None},
+        {"buckets": 2.5},  # an AttributeError (bit_length)
+        {"shards": "3"},
+        {"ttl": True},
+        {"namespace": 5},  # a TypeError inside re
+        {"ttl": float("nan")},
+    ],
+)
+def test_bad_directory_options_are_typed_errors(kw: dict[str, object]) -> None:
+    with pytest.raises(DirectoryURLError):
+        RedisDirectory("redis://127.0.0.1:1/0", **kw)  # type: ignore[arg-type]
+
+
 def test_good_urls_parse() -> None:
     for url in ("redis://:pw@h:1/0", "rediss://user:pw@h:6380/2", "redis://h", "unix:///tmp/r"):
         check_url(url)
@@ -181,6 +198,33 @@ async def test_refused_auth_and_unreachable_are_typed_errors_at_start() -> None:
         await d.aclose()
     with pytest.raises(DirectoryError, match="cannot reach"):
         await directory(f"redis://127.0.0.1:{free_port()}/0")
+
+
+async def test_an_unreachable_directory_logs_one_line_per_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`tierkv serve --directory <unreachable>`: each retry's warning was a page of redis-py
+    frames (exc_info). Now one line per failure (rate limited as before); the traceback only
+    in a DEBUG record of its own."""
+    agent = DirectoryAgent(
+        RedisDirectory(f"redis://127.0.0.1:{free_port()}/0", ttl=TTL, timeout=0.2),
+        "a:1",
+        set,
+        linger=0,
+        backoff_cap=0.05,
+    )
+    with caplog.at_level(logging.DEBUG, logger="tierkv.remote.directory"):
+        await agent.start()  # warned about, not raised: serving does not need the directory
+        try:
+            await until_true(lambda: agent.errors >= 3)
+        finally:
+            await agent.aclose()
+    got = [r for r in caplog.records if r.name == "tierkv.remote.directory"]
+    warned = [r for r in got if r.levelno == logging.WARNING]
+    assert warned and all(r.exc_info is None for r in warned)
+    assert all("\n" not in r.getMessage() and "directory" in r.getMessage() for r in warned)
+    debug = [r for r in got if r.levelno == logging.DEBUG]
+    assert len(debug) == len(warned) and all(r.exc_info is not None for r in debug)
 
 
 async def test_agent_publishes_changes_and_leaves(fresh: str) -> None:

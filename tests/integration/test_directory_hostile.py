@@ -238,3 +238,85 @@ async def test_a_layout_tierkv_never_writes_is_a_directory_error(conf: dict[str,
         finally:
             await d.aclose()
             await raw.aclose()
+
+
+async def test_a_trip_of_zero_replies_ends(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]],
+) -> None:
+    """An integer reply of 0 is a reply: the parser's 'no reply yet' was False (== 0), so a
+    trip whose replies were ``:0`` waited for more until its deadline (publish's and
+    sweep's scripts answer 0 often, now that they go on these connections)."""
+    start, _ = fake
+    links = Links(await start(answering(b":0\r\n:1\r\n:0\r\n")), timeout=5.0)
+    assert await links.trip(resp("PING") * 3, 3) == [0, 1, 0]
+    await links.aclose()
+
+
+def redis_like(answers: dict[bytes, bytes]) -> Handler:
+    """Answer each command by its name from ``answers`` (a RESP reply), the others ``+OK``."""
+    import hiredis
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = hiredis.Reader()
+        while data := await reader.read(1 << 16):
+            parser.feed(data)
+            while (cmd := parser.gets()) is not False:
+                writer.write(answers.get(bytes(cmd[0]).upper(), b"+OK\r\n"))
+            await writer.drain()
+
+    return handler
+
+
+STANDALONE = {
+    b"INFO": b"$30\r\n# Cluster\r\ncluster_enabled:0\r\n\r\n",
+    b"HSETNX": b":0\r\n",
+    b"HGETALL": b"*4\r\n$7\r\nbuckets\r\n$2\r\n16\r\n$6\r\nshards\r\n$1\r\n1\r\n",
+}
+
+
+@pytest.mark.parametrize("hostile", [b"INFO", b"HGETALL", b"EVALSHA", b"SRANDMEMBER"])
+async def test_every_call_of_the_directory_is_bounded_on_a_standalone_server(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], hostile: bytes
+) -> None:
+    """A hostile server behind the directory's URL answering connect's INFO or HGETALL, the
+    agent's register / publish (EVALSHA) or a sweep's SRANDMEMBER with ``*4294967295``:
+    these went through redis-py, whose hiredis parser allocated the announced 32 GiB
+    (MemoryError, or the box's memory). Now every call of a standalone server goes on the
+    directory's own bounded connections: a DirectoryError at connect, InvalidResponse (a
+    RedisError the agent counts and rides out) after, the connection closed."""
+    from tierkv.remote.errors import DirectoryError
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    start, ended = fake
+    answers = {**STANDALONE, hostile: HUGE[0]}
+    at = await start(redis_like(answers))
+    d = RedisDirectory(f"redis://127.0.0.1:{at.port}/0", ttl=5.0, timeout=5.0)
+    try:
+        if hostile in (b"INFO", b"HGETALL"):
+            with pytest.raises(DirectoryError, match="aggregate"):
+                await d.connect()
+            return
+        await d.connect()
+        with pytest.raises(InvalidResponse, match="aggregate"):
+            if hostile == b"EVALSHA":
+                await d.register("a:1")
+            else:
+                await d.sweep()
+        await _closed(ended)
+    finally:
+        await d.aclose()
+
+
+async def test_a_sweep_of_a_dead_set_tierkv_never_writes_is_an_invalid_response(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]],
+) -> None:
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    start, _ = fake
+    at = await start(redis_like({**STANDALONE, b"SRANDMEMBER": b"*1\r\n$3\r\nabc\r\n"}))
+    d = await RedisDirectory(f"redis://127.0.0.1:{at.port}/0", ttl=5.0).connect()
+    try:  # int(b"abc") was a ValueError: the agent's sweeper task died of it
+        with pytest.raises(InvalidResponse, match="dead set"):
+            await d.sweep()
+    finally:
+        await d.aclose()

@@ -294,7 +294,8 @@ async def test_caller_bugs_raise_spec_errors(srv: RedisServer) -> None:
             await rt.load(keys, ro, [0, 1, 2, 3])
         assert await rt.publish(keys, ro, [0, 1, 2, 3]) == 4  # reading a read-only array is fine
     for kw in ({"namespace": "a b"}, {"namespace": "{tag}"}, {"ttl": 0}, {"timeout": -1},
-               {"batch_pages": 0}):  # fmt: skip
+               {"batch_pages": 0}, {"ttl": "5"}, {"ttl": float("inf")}, {"ttl": 10**400},
+               {"timeout": float("nan")}, {"timeout": float("inf")}, {"ttl": True}):  # fmt: skip
         with pytest.raises(SpecError):
             RedisTier(srv.url, spec=SPEC, **kw)
     with pytest.raises(ValueError):

@@ -27,6 +27,9 @@ BASE = ["serve", "--secret", SECRET, "--listen", "127.0.0.1:0"]
         (["--directory-ttl", "inf"], "--directory-ttl must be > 0 and finite"),
         (["--allow-uid", "-5"], "--allow-uid"),
         (["--tenants", ""], "--tenants is empty"),  # served without tenants
+        (["--advertise", "foo"], "--advertise must be HOST:PORT"),  # registered as is
+        (["--advertise", ":7600"], "--advertise must name the host"),
+        (["--advertise", "h:0"], "--advertise must name the host"),
     ],
 )
 def test_bad_arguments_fail_before_serving(
@@ -84,6 +87,13 @@ def test_bad_tenants_files_name_the_file(
     assert message in err and path in err
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_name(tmp_path: Path) -> None:
+    """A file saved by an editor that writes a BOM: the first tenant was refused as having
+    characters outside the set (an invisible one)."""
+    path = _file(tmp_path, "\ufeffacme 0011\nbeta 2233\n".encode())
+    assert read_tenants(path) == {"acme": b"\x00\x11", "beta": b"\x22\x33"}
+
+
 def test_a_link_is_followed_and_its_target_checked(tmp_path: Path) -> None:
     """Secret mounts (Kubernetes) are links: followed, the target's mode is what counts."""
     real = _file(tmp_path, b"acme 0011\n")
@@ -93,3 +103,19 @@ def test_a_link_is_followed_and_its_target_checked(tmp_path: Path) -> None:
     Path(real).chmod(0o644)
     with pytest.raises(ValueError, match="group or others"):
         read_tenants(str(link))
+
+
+@pytest.mark.parametrize("advertise", ["foo", ":7600", "h:0", "h:99999", "h:x", 7600])
+def test_a_page_server_refuses_an_address_no_client_could_reach(advertise: object) -> None:
+    """``PageServer(advertise=)`` (the library's --advertise) took any value and registered it
+    in the directory as this node's address."""
+    from tierkv import KVStore
+    from tierkv.errors import InvalidInputError
+    from tierkv.remote import PageServer
+    from tierkv.spec import KVSpec
+
+    spec = KVSpec(num_layers=2, num_kv_heads=2, head_dim=32, page_tokens=16)
+    store = KVStore(spec, device_bytes=4 * spec.page_bytes, host_bytes=16 * spec.page_bytes)
+    with pytest.raises(InvalidInputError, match="advertise"):
+        PageServer(store, secret=b"s", advertise=advertise)  # type: ignore[arg-type]
+    PageServer(store, secret=b"s", advertise="10.0.0.7:7600")  # (never started)

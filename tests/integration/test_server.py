@@ -348,9 +348,12 @@ async def test_a_failed_step_is_a_503_in_openai_shape() -> None:
 
     class Flaky(TinyModel):
         fail = 0
+        skip = 0  # layer calls that succeed before the failing one
 
         def finish(self, layer: int, x: torch.Tensor, att: torch.Tensor) -> torch.Tensor:
-            if self.fail:
+            if self.fail and self.skip:
+                self.skip -= 1
+            elif self.fail:
                 self.fail -= 1
                 raise RuntimeError("boom")
             return super().finish(layer, x, att)
@@ -363,8 +366,14 @@ async def test_a_failed_step_is_a_503_in_openai_shape() -> None:
             status, body = await post(session, url, "/v1/completions", {"prompt": "hi"})
             assert status == 503 and body["error"]["type"] == "server_error"
             assert "boom" in body["error"]["message"]
-            model.fail = 1
+            model.fail = 1  # streamed, failing before its first token: the same 503
+            status, body = await post(
+                session, url, "/v1/completions", {"prompt": "hi", "stream": True}
+            )
+            assert status == 503 and "boom" in body["error"]["message"]
+            model.fail, model.skip = 1, 2 * MODEL.layers  # after its first token: in the stream
             events = await sse(session, url, "/v1/completions", {"prompt": "hi"})
+            assert events[0]["choices"][0]["text"]  # the first token went out
             assert "boom" in events[-2]["error"]["message"] and events[-1] == "[DONE]"
             status, body = await post(session, url, "/v1/completions", {"prompt": "hi"})
             assert status == 200

@@ -45,16 +45,18 @@ async def test_cache_salt_separates_cached_prefixes(served: tuple[str, Any]) -> 
 
 
 PAGE = 1024  # the tiny model's page at 8 tokens (fp16 K/V, 2 KV heads of 8 dims, 2 layers)
+# the device tier holds the owner's reservation and nothing more
+OWNER_AND_OTHER = EngineConfig(
+    max_running=2,
+    page_tokens=8,
+    max_context=40,
+    device_bytes=10 * PAGE,
+    tenants={"owner": Quota(device_reserve=10 * PAGE), "other": Quota()},
+)
 
 
 async def test_tenants_by_api_key_quotas_and_429() -> None:
-    engine = EngineConfig(
-        max_running=2,
-        page_tokens=8,
-        max_context=40,
-        device_bytes=10 * PAGE,
-        tenants={"owner": Quota(device_reserve=10 * PAGE), "other": Quota()},
-    )
+    engine = OWNER_AND_OTHER
     cfg = server.ServerConfig(
         model="tiny",
         tiny=MODEL,
@@ -95,6 +97,7 @@ def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
     def file(name: str, data: bytes | str) -> str:
         p = tmp_path / name
         p.write_bytes(data.encode() if isinstance(data, str) else data)
+        p.chmod(0o600)  # (API keys: readable by the owner only)
         return str(p)
 
     huge = tmp_path / "huge.json"
@@ -125,3 +128,28 @@ def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
     good = file("good.json", '{"tenants": {"a": {"host_limit": 8}}, "api_keys": {"k": "a"}}')
     quotas, keys = server.tenant_options(good)
     assert quotas == {"a": Quota(host_limit=8)} and keys == {"k": "a"}
+
+
+async def test_a_streamed_request_refused_before_its_first_token_gets_its_status() -> None:
+    """A stream's headers went out before the first token: a request the tenant's quota
+    refused was a 200 whose stream held an error event (no client or balancer retries on
+    that). Now it is a 429 as without ``stream``; a stream that starts still streams."""
+    engine = OWNER_AND_OTHER
+    cfg = server.ServerConfig(model="tiny", tiny=MODEL, engine=engine, max_tokens=8)
+    runner, url = await server.start(cfg)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+            async def ask(tenant: str, prompt: list[int]) -> tuple[int, str, str]:
+                body = {"prompt": prompt, "max_tokens": 2, "stream": True, "tenant": tenant}
+                async with session.post(f"{url}/v1/completions", json=body) as r:
+                    return r.status, r.headers["Content-Type"], await r.text()
+
+            status, kind, text = await ask("owner", list(range(1, 39)))
+            assert status == 200 and kind.startswith("text/event-stream"), text
+            assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+            status, kind, text = await ask("other", list(range(100, 120)))
+            assert status == 429 and kind.startswith("application/json"), (status, text)
+            assert '"error"' in text
+    finally:
+        await runner.cleanup()

@@ -300,6 +300,7 @@ def test_bad_sparse_options_are_typed_errors_at_entry() -> None:
         {"sparse_topk": 4, "sparse_mean_weight": 1.0},
         {"sparse_topk": 4, "sparse_mean_weight": -0.1},
         {"sparse_topk": 4, "sparse_mean_weight": float("nan")},
+        {"sparse_topk": 4, "sparse_mean_weight": 10**400},  # (was float()'s OverflowError)
     ):
         with pytest.raises(InvalidInputError):
             engine(**kw)
@@ -387,3 +388,69 @@ async def test_batched_decode_attention_gives_the_per_request_logits(
     assert len(got_logits) == len(want_logits) > 12
     for a, b in zip(got_logits, want_logits):
         assert (a - b).abs().max().item() <= tol * max(1.0, b.abs().max().item())
+
+
+async def test_a_prompt_that_is_not_token_ids_is_a_type_error_and_nothing_runs() -> None:
+    """A careless caller's prompt: a str, None, a generator, a nested list were TypeErrors
+    from inside ``check`` (``'<=' not supported``), bytes and a dict ran as ids (their bytes,
+    their keys). Now InvalidTypeError / SpecError at entry; an array or tensor of ids still
+    runs, as the same ids."""
+    import numpy as np
+
+    from tierkv.errors import InvalidInputError, InvalidTypeError
+
+    async with engine() as e:
+        params = SamplingParams(max_tokens=2)
+        for bad in ("hello", None, b"ab", {1: 2}, (t for t in [1, 2]), [[1, 2]], [1.5, 2.0]):
+            with pytest.raises(InvalidInputError):
+                await e.complete(bad, params)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTypeError):
+            await e.complete([1, 2], {"max_tokens": 2})  # type: ignore[arg-type]
+        assert e.counters.requests == 0 and e.running == 0
+        e.store.check()
+        want = await e.complete([1, 2, 3], params)
+        assert await e.complete(np.array([1, 2, 3]), params) == want
+        assert await e.complete(torch.tensor([1, 2, 3]), params) == want
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_running": "8"},  # a TypeError of the comparison
+        {"max_running": 2.5},  # taken
+        {"max_context": "9"},
+        {"prefix_reuse": "no"},  # taken: a non-empty str is true
+        {"timeout": "x"},  # found out when the engine opened
+        {"timeout": -1},
+        {"device_bytes": 1.5},
+        {"page_tokens": True},
+        {"sparse_topk": "4"},
+        {"sparse_recent": -1},
+        {"codec": "bogus"},
+        {"max_waiting": 0},
+    ],
+)
+def test_engine_config_checks_its_types_at_construction(kw: dict[str, object]) -> None:
+    from tierkv.errors import InvalidInputError, UnknownNameError
+
+    with pytest.raises((InvalidInputError, UnknownNameError)):  # (codec: UnknownCodecError)
+        EngineConfig(**kw)  # type: ignore[arg-type]
+
+
+async def test_a_flood_of_requests_is_refused_past_max_waiting() -> None:
+    """The waiting queue was unbounded: a client flooding the server grew it (and the O(n)
+    scans of it) without end. Past ``max_waiting`` a request is refused at once with
+    EngineBusyError (a 503), counted; the queued ones run, the store is left consistent."""
+    from tierkv.serving import EngineBusyError, http_status
+
+    async with engine(max_running=1, max_waiting=2) as e:
+        params = SamplingParams(max_tokens=4)
+        tasks = [asyncio.create_task(e.complete([1, 2, i], params)) for i in range(6)]
+        got = await asyncio.gather(*tasks, return_exceptions=True)
+        busy = [g for g in got if isinstance(g, EngineBusyError)]
+        done = [g for g in got if isinstance(g, tuple)]
+        assert len(done) + len(busy) == 6 and len(done) >= 2 and busy
+        assert all(http_status(b) == 503 for b in busy)
+        assert e.stats()["refused_busy"] == len(busy) and e.waiting == 0
+        e.store.check()
+        assert len((await e.complete([1, 2, 3], params))[0]) == 4  # it serves on

@@ -41,10 +41,13 @@ BAD = [
     ([*TINY, "--trace", "/nonexistent/t.json"], "--trace"),
     (["demo", "--generate", "-1"], "--generate"),  # smollm2: raised after loading the model
     (["demo", "--disk-bytes", "0"], "--disk-bytes"),
+    # a 400-digit count: an OverflowError traceback from the planner's float products
+    (["plan", "--context", "9" * 400], "context"),
+    (["plan", "--concurrency", "9" * 400], "concurrency"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "flag"), BAD, ids=[" ".join(a[-2:]) for a, _ in BAD])
+@pytest.mark.parametrize(("argv", "flag"), BAD, ids=[" ".join(a[-2:])[:40] for a, _ in BAD])
 def test_bad_arguments_are_a_message_and_status_2(
     argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -106,6 +109,9 @@ def test_a_typed_error_no_subcommand_caught_is_a_message(
         {"link_gbps": 0.0},
         {"reserve": 1.0},
         {"mfu": 2.0},
+        {"host_gb": 10**400},  # (OverflowError: an int past a float's range)
+        {"prompt_tokens": 10**400},
+        {"context": 1 << 60},
     ],
 )
 def test_the_planner_refuses_inputs_no_setup_has(kw: dict[str, float]) -> None:

@@ -153,6 +153,29 @@ def test_ranking_file(tmp_path: Path) -> None:
         HeadRanking.load(tmp_path / "missing.json")
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"scores": [[' + "9" * 400 + ']], "window": 4}',  # float(): OverflowError
+        '{"scores": [[0.5]], "window": Infinity}',  # int(inf): OverflowError
+        '{"scores": [[0.5]], "window": NaN}',
+        '{"scores": [["a"]], "window": 4}',
+        '{"scores": [[null]], "window": 4}',
+        "[" * 100_000 + "]" * 100_000,  # RecursionError
+    ],
+    ids=["huge-share", "inf-window", "nan-window", "str-share", "null-share", "nested"],
+)
+def test_a_hostile_ranking_file_is_a_calibration_error(tmp_path: Path, text: str) -> None:
+    """A ranking file is read from disk beside the model: whatever it holds, the error is
+    CalibrationError (OverflowError and RecursionError escaped before)."""
+    path = tmp_path / "heads.json"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(CalibrationError):
+        HeadRanking.load(path)
+    with pytest.raises(CalibrationError):
+        HeadRanking(((10**400,),), 4)
+
+
 def test_far_share_on_known_patterns() -> None:
     s, window = 32, 4
     local = torch.zeros(1, 2, s, s)

@@ -53,3 +53,26 @@ def test_a_planted_link_is_refused_and_its_target_untouched(tmp_path: Path, name
         open_disk(disk_dir)
     assert victim.read_bytes() == b"precious"
     assert (disk_dir / name).is_symlink()
+
+
+def test_a_users_file_named_lock_is_refused_untouched(tmp_path: Path) -> None:
+    """A mistyped disk path (a user's folder that holds a file named ``lock``): the old open
+    truncated that file and wrote its pid into it before anything else. Now a lock file that
+    is not a disk tier's (empty, or a pid and a newline) is a DiskLayoutError, the file as it
+    was and nothing created beside it; a lock a disk tier left is taken over as before."""
+    (tmp_path / "lock").write_bytes(b"my notes\n" * 10)
+    (tmp_path / "other").write_bytes(b"x")
+    with pytest.raises(DiskLayoutError, match="not a tierkv disk lock"):
+        open_disk(tmp_path)
+    assert (tmp_path / "lock").read_bytes() == b"my notes\n" * 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lock", "other"]
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    with open_disk(ours) as disk:
+        write_sync(disk, [key(0)])
+    assert (ours / "lock").read_bytes().rstrip(b"\n").isdigit()
+    with open_disk(ours):  # its own lock, left by the last close: taken over
+        pass
+    (ours / "lock").write_bytes(b"")
+    with open_disk(ours):  # empty (a process died between create and write): taken over
+        pass

@@ -59,6 +59,29 @@ def test_one_record_per_kind_per_interval_then_the_count_of_the_left_out(
     assert "ValueError: later" in last.getMessage()
 
 
+def test_a_log_without_tracebacks_warns_in_one_line_and_traces_at_debug(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    log = FailureLog("tierkv.test.short", tracebacks=False)
+    try:
+        raise ConnectionError("refused")
+    except ConnectionError as exc:
+        failure = exc
+    with caplog.at_level(logging.WARNING, logger="tierkv"):
+        log.report("directory sync", failure, tier="directory")
+    (warned,) = records(caplog, "tierkv.test.short")
+    assert warned.exc_info is None and warned.getMessage().count("\n") == 0
+    assert "ConnectionError: refused" in warned.getMessage()
+    caplog.clear()
+    log = FailureLog("tierkv.test.short", tracebacks=False)
+    with caplog.at_level(logging.DEBUG, logger="tierkv"):
+        log.report("directory sync", failure, tier="directory")
+    warned, traced = records(caplog, "tierkv.test.short")
+    assert warned.exc_info is None and warned.levelno == logging.WARNING
+    assert traced.levelno == logging.DEBUG and traced.exc_info is not None
+    assert traced.exc_info[1] is failure
+
+
 def test_nothing_is_formatted_when_the_logger_is_off(caplog: pytest.LogCaptureFixture) -> None:
     log = FailureLog("tierkv.quiet")
     logging.getLogger("tierkv.quiet").setLevel(logging.CRITICAL)

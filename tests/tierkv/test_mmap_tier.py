@@ -15,7 +15,7 @@ from tierkv import Device, Host
 from tierkv import errors as e
 from tierkv.chain_plugins import PLUGINS
 from tierkv.keys import KEY_BYTES, page_key, prefix_keys
-from tierkv.mmap_tier import MMAP, Mmap, MmapInUseError, MmapTier
+from tierkv.mmap_tier import MAGIC, MMAP, Mmap, MmapForeignFileError, MmapInUseError, MmapTier
 from tierkv.store import KVStore
 from tierkv.tier import Holds, Tier
 from tierkv.tier_names import HOST
@@ -161,3 +161,62 @@ def test_the_budget_follows_the_built_in_entries_rule() -> None:
     ):
         with pytest.raises(error):
             Mmap(path="m", bytes=bad)  # type: ignore[arg-type]
+
+
+def test_a_file_that_is_not_a_map_of_ours_is_refused_untouched(tmp_path: Path) -> None:
+    """A mistyped path must not destroy a user's file: the old open truncated any regular file
+    at the path (and removed it at close). A non-empty file without our header is refused,
+    bytes and size unchanged, unless overwrite=True; an empty file, or one a crashed store of
+    ours left (the header), is taken over."""
+    victim = tmp_path / "notes.txt"
+    victim.write_bytes(b"precious" * 1000)
+    for open_it in (
+        lambda: MmapTier.open(victim, page_bytes=PAGE, nbytes=4 * PAGE),
+        lambda: Mmap(path=victim, bytes=4 * PAGE).open(SPEC),
+    ):
+        with pytest.raises(MmapForeignFileError, match="overwrite=True"):
+            open_it()
+        assert victim.read_bytes() == b"precious" * 1000
+    assert issubclass(MmapForeignFileError, e.TierConfigError)
+    with pytest.raises(e.TierTypeError):
+        Mmap(path=victim, bytes=4 * PAGE, overwrite="yes")  # type: ignore[arg-type]
+    with pytest.raises(e.TierTypeError):
+        MmapTier.open(victim, page_bytes=PAGE, nbytes=4 * PAGE, overwrite=1)  # type: ignore[arg-type]
+    assert victim.read_bytes() == b"precious" * 1000
+
+    left = tmp_path / "left.map"  # a crashed store's file: its header names it ours
+    tier = MmapTier.open(left, page_bytes=PAGE, nbytes=4 * PAGE)
+    assert left.read_bytes()[: len(MAGIC)] == MAGIC and tier.capacity == 4
+    copy = tmp_path / "copy.map"
+    copy.write_bytes(left.read_bytes())
+    tier.close()
+    again = MmapTier.open(copy, page_bytes=PAGE, nbytes=2 * PAGE)
+    assert again.capacity == 2
+    again.close()
+    assert not copy.exists()
+
+    empty = tmp_path / "empty"
+    empty.touch()
+    MmapTier.open(empty, page_bytes=PAGE, nbytes=PAGE).close()
+
+    taken = MmapTier.open(victim, page_bytes=PAGE, nbytes=4 * PAGE, overwrite=True)
+    assert taken.capacity == 4
+    taken.close()
+    assert not victim.exists()  # asked for: truncated, and removed at close
+
+
+async def test_a_store_on_a_foreign_file_fails_to_open_and_leaves_it(tmp_path: Path) -> None:
+    victim = tmp_path / "model.bin"
+    victim.write_bytes(bytes(range(256)) * 64)
+    chain = [Host(bytes=8 * PAGE), Mmap(path=victim, bytes=16 * PAGE)]
+    with pytest.raises(MmapForeignFileError):
+        await KVStore(SPEC, tiers=chain).open()
+    assert victim.read_bytes() == bytes(range(256)) * 64
+    chain = [Host(bytes=8 * PAGE), {"tier": "mmap", "path": victim, "bytes": 16 * PAGE}]
+    with pytest.raises(MmapForeignFileError):
+        await KVStore(SPEC, tiers=chain).open()
+    chain[1]["overwrite"] = True  # type: ignore[index]
+    async with KVStore(SPEC, tiers=chain) as s:
+        await fill(s, "s0", 0)
+        s.check()
+    assert not victim.exists()

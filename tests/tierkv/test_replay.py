@@ -97,6 +97,9 @@ def test_load_trace_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=":2:"):
         load_trace(bad)
     assert load_trace(bad, limit=1) == [[1, 2]]
+    bad.write_text('{"hash_ids": [1]}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=":2:"):  # (a RecursionError escaped: a traceback)
+        load_trace(bad)
 
 
 def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -123,3 +123,40 @@ def test_batched_decode_attention_matches_attention_per_sequence(kv_dtype: str) 
     for b in range(len(lengths)):
         want = causal_attention(q[b][:, None], k[b], v[b], smax - 1)
         assert (same[b] - want[0]).abs().max().item() <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 2.0},  # ran as 2
+        {"max_tokens": True},
+        {"temperature": "0.5"},
+        {"top_p": None},
+        {"seed": 1.5},  # torch's RuntimeError when the request started
+        {"seed": True},
+        {"stop_ids": "ab"},  # a TypeError at the first token
+        {"stop_ids": 5},
+        {"stop_ids": (1.5,)},
+        {"stop": b"x"},
+        {"stop": ("a", 3)},
+        {"stop": 3},
+    ],
+)
+def test_sampling_params_of_the_wrong_type_are_type_errors(bad: dict[str, object]) -> None:
+    """A careless caller's types: refused by SamplingParams itself (InvalidTypeError), never
+    found out inside a running request."""
+    from tierkv.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError):
+        SamplingParams(**bad)  # type: ignore[arg-type]
+
+
+def test_sampling_params_normalize_a_single_stop_string_and_the_stop_ids() -> None:
+    """A bare ``stop="END"`` stopped at any of E, N, D (a str is a sequence of characters); it
+    is one stop string. ``stop_ids`` of any collection become a frozenset (hashable)."""
+    p = SamplingParams(stop="END", stop_ids=[7, 7, 9])
+    assert p.stop == ("END",) and p.stop_ids == frozenset({7, 9})
+    hash(p)
+    s = StopText(chars, p.stop)
+    assert "".join(s.push(ord(c)) for c in "aNb") == "a" and not s.stopped  # N held back
+    assert s.flush() == "Nb" and not s.stopped  # no stop at N alone

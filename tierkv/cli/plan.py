@@ -22,19 +22,29 @@ def add_parser(sub: Any) -> None:
         "the transfer time per decode step, and whether prefetch hides it. Models and GPUs come "
         "from presets, or give their numbers.",
     )
-    p.add_argument("--model", default="llama-2-70b", choices=sorted(MODELS))
+    p.add_argument(
+        "--model",
+        default="llama-2-70b",
+        choices=sorted(MODELS),
+        help="the model's preset (layers, KV heads, head dim, parameters)",
+    )
     p.add_argument("--layers", type=int, help="override: layers")
     p.add_argument("--kv-heads", type=int, help="override: KV heads")
     p.add_argument("--head-dim", type=int, help="override: head dim")
     p.add_argument("--params-b", type=float, help="override: parameters, billions")
-    p.add_argument("--gpu", default="a100-80gb", choices=sorted(GPUS))
+    p.add_argument(
+        "--gpu",
+        default="a100-80gb",
+        choices=sorted(GPUS),
+        help="the GPU's preset (memory, PCIe and NVLink bandwidth)",
+    )
     p.add_argument("--gpu-memory-gb", type=float, help="override: GPU memory")
     p.add_argument("--link-gbps", type=float, help="host<->GPU GB/s (default: the GPU's PCIe)")
     p.add_argument("--nvlink", action="store_true", help="use the GPU's NVLink bandwidth")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel GPUs")
     p.add_argument("--host-gb", type=float, default=512.0, help="host RAM for KV")
-    p.add_argument("--context", type=int, default=8192)
-    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--context", type=int, default=8192, help="tokens per sequence")
+    p.add_argument("--concurrency", type=int, default=4, help="sequences served at once")
     p.add_argument("--prompt", type=int, default=1024, help="prompt tokens (first-token time)")
     p.add_argument(
         "--resident-fraction",

@@ -178,6 +178,12 @@ def _check(args: argparse.Namespace) -> None:
     parse_address(args.listen, "--listen")
     if args.metrics:
         parse_address(args.metrics, "--metrics")
+    if args.advertise is not None:  # (any text was registered: no client could reach it)
+        _, port = parse_address(args.advertise, "--advertise")
+        if not args.advertise.rpartition(":")[0] or port == 0:
+            raise InvalidInputError(
+                f"--advertise must name the host and a port clients reach, got {args.advertise!r}"
+            )
     for name in ("host_mb", "lease_ttl", "every", "sample_every", "directory_ttl"):
         if not 0 < getattr(args, name) < math.inf:  # (NaN and inf too)
             raise InvalidInputError(f"--{name.replace('_', '-')} must be > 0 and finite")

@@ -40,7 +40,7 @@ def _text(path: str) -> str:
     if len(raw) > MAX_BYTES:
         raise InvalidInputError(f"--tenants {path}: larger than {MAX_BYTES} bytes")
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8-sig")  # (an editor's byte-order mark is no part of a name)
     except UnicodeDecodeError as exc:
         raise InvalidInputError(f"--tenants {path}: not UTF-8 text ({exc.reason})") from None
 

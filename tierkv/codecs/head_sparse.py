@@ -94,8 +94,11 @@ class HeadRanking:
         rows = self.scores
         if not rows or not rows[0] or any(len(r) != len(rows[0]) for r in rows):
             raise CalibrationError("head ranking: scores must be a non-empty [layers][heads] table")
-        if any(not 0.0 <= float(x) <= 1.0 for r in rows for x in r):
-            raise CalibrationError("head ranking: every share must be in [0, 1]")
+        try:
+            if any(not 0.0 <= float(x) <= 1.0 for r in rows for x in r):
+                raise CalibrationError("head ranking: every share must be in [0, 1]")
+        except (TypeError, ValueError, OverflowError) as exc:  # not numbers; 10**400
+            raise CalibrationError(f"head ranking: every share must be a number: {exc}") from None
 
     @property
     def num_layers(self) -> int:
@@ -134,7 +137,7 @@ class HeadRanking:
         try:
             rows = tuple(tuple(float(x) for x in r) for r in data["scores"])
             return cls(rows, int(data["window"]), str(data.get("source", "")))
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:  # (window: Infinity)
             raise CalibrationError(f"not a head ranking: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
@@ -146,8 +149,10 @@ class HeadRanking:
         """Read :meth:`save`'s file. Raises CalibrationError for a file that is not one."""
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise CalibrationError(f"cannot read a head ranking from {path}: {exc}") from exc
+        except (OSError, ValueError, RecursionError) as exc:  # (deep nesting: RecursionError)
+            raise CalibrationError(
+                f"cannot read a head ranking from {path}: {exc!r:.200}"
+            ) from None
         return cls.from_dict(data)
 
 

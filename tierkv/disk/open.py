@@ -10,9 +10,10 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 from dataclasses import dataclass, field
 
-from .errors import DiskConfigError, DiskInUseError, DiskSpaceError
+from .errors import DiskConfigError, DiskInUseError, DiskLayoutError, DiskSpaceError
 from .io import choose_mode
 from .layout import LOCK_FILE, Geometry, check_layout, read_layout, segment_name, write_layout
 
@@ -96,6 +97,13 @@ def _lock(opened: Opened) -> None:
         ) from exc
     if not existed:
         opened.created.append(name)
+    elif not _ours(opened.lock_fd):
+        os.close(opened.lock_fd)
+        opened.lock_fd = -1
+        raise DiskLayoutError(
+            f"{name} is not a tierkv disk lock (ours holds a pid): left untouched; a disk path "
+            "is a directory of the disk tier's own, give another one"
+        )
     try:
         fcntl.flock(opened.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -109,6 +117,16 @@ def _lock(opened: Opened) -> None:
     opened.locked = True
     os.ftruncate(opened.lock_fd, 0)
     os.pwrite(opened.lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+
+def _ours(lock_fd: int) -> bool:
+    """Whether an existing lock file is one a disk tier wrote: empty, or a pid and a newline
+    (read only: a user's file named ``lock`` in a mistyped path is not truncated)."""
+    try:
+        head = os.pread(lock_fd, 64, 0)
+    except OSError:
+        return False
+    return re.fullmatch(rb"(\d{1,20}\n)?", head) is not None
 
 
 def _segment(opened: Opened, geometry: Geometry, seg: int) -> int:

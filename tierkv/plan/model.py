@@ -53,12 +53,21 @@ class Plan:
         return asdict(self)
 
 
+_MOST = 1 << 53
+"""The largest count the planner takes (a float holds it exactly; the products of a 400-digit
+--context overflowed float: an OverflowError from deep inside)."""
+
+
 def _positive(name: str, x: float, *, most: float = math.inf) -> None:
     if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x <= most:
         bound = "" if most == math.inf else f" and at most {most}"
         raise InvalidInputError(f"{name} must be a number > 0{bound}, got {x!r}")
-    if not math.isfinite(x):
-        raise InvalidInputError(f"{name} must be finite, got {x!r}")
+    try:
+        finite = math.isfinite(x)
+    except OverflowError:  # an int past a float's range
+        finite = False
+    if not finite:
+        raise InvalidInputError(f"{name} must be finite, got {x!r:.40}")
 
 
 def _check(
@@ -79,8 +88,8 @@ def _check(
         ("context", context),
         ("concurrency", concurrency),
     ):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidInputError(f"{name} must be an int >= 1, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MOST:
+            raise InvalidInputError(f"{name} must be an int in [1, 2**53], got {n!r:.40}")
     for name, x in (
         ("params_b", model.params_b),
         ("gpu memory_gb", gpu.memory_gb),

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from tierkv.errors import InvalidInputError
 from tierkv.serving.engine import Engine, EngineConfig, EngineCounters
-from tierkv.serving.errors import EngineNotOpenError, RequestError, ServingError, http_status
+from tierkv.serving.errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineNotOpenError,
+    RequestError,
+    ServingError,
+    http_status,
+)
 from tierkv.serving.model import ServingModel, Tokenizer
 from tierkv.serving.request import TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams, StopText
@@ -27,7 +34,9 @@ from tierkv.serving.tiny import CharTokenizer, TinyModel
 
 __all__ = [
     "CharTokenizer",
+    "ContextLengthError",
     "Engine",
+    "EngineBusyError",
     "EngineConfig",
     "EngineCounters",
     "EngineNotOpenError",

@@ -48,9 +48,15 @@ from typing import Any
 import torch
 
 from tierkv import validate
-from tierkv.errors import InvalidInputError, QuotaExceededError
+from tierkv.codecs import CODECS
+from tierkv.errors import InvalidInputError, InvalidTypeError, QuotaExceededError
 from tierkv.failures import FailureLog
-from tierkv.serving.errors import EngineNotOpenError, RequestError
+from tierkv.serving.errors import (
+    ContextLengthError,
+    EngineBusyError,
+    EngineNotOpenError,
+    RequestError,
+)
 from tierkv.serving.model import ServingModel
 from tierkv.serving.request import Request, TokenEvent
 from tierkv.serving.sampling import Sampler, SamplingParams
@@ -100,9 +106,13 @@ class EngineConfig:
         sparse_mean_weight: with ``sparse_topk``, the weight in ``[0, 1)`` of a page's mean
             key in its score (``(1 - w) * bound + w * q . mean``); 0: Quest's bound alone
             (docs/attention.md measures 0.5 on SmolLM2).
+        max_waiting: requests waiting to be admitted at most; a request beyond it is refused
+            at once with :class:`~tierkv.serving.errors.EngineBusyError` (a 503), so a flood
+            of requests cannot grow the queue without bound.
 
-    Raises InvalidInputError (a ValueError) for a count below 1, a negative size or a
-    ``sparse_mean_weight`` outside ``[0, 1)``;
+    Raises InvalidTypeError for a field of the wrong type (a str count, a float size, a
+    non-bool flag), InvalidInputError (a ValueError) for a count below 1, a negative size,
+    a timeout that is not finite seconds > 0 or a ``sparse_mean_weight`` outside ``[0, 1)``;
     :class:`Engine` for a ``sparse_topk`` above a request's pages.
     """
 
@@ -120,16 +130,26 @@ class EngineConfig:
     sparse_topk: int | None = None
     sparse_recent: int = 2
     sparse_mean_weight: float = 0.0
+    max_waiting: int = 4096
 
     def __post_init__(self) -> None:
-        for name in ("max_running", "max_batch_tokens", "page_tokens"):
-            if getattr(self, name) < 1:
-                raise InvalidInputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_context is not None and self.max_context < 2:
-            raise InvalidInputError(f"max_context must be >= 2, got {self.max_context}")
+        # types too (a str count was a TypeError of the comparison, max_running=2.5 and
+        # prefix_reuse="no" were taken, a bad timeout found out at open)
+        for name in ("max_running", "max_batch_tokens", "page_tokens", "max_waiting"):
+            validate.count(name, getattr(self, name), 1)
+        if self.max_context is not None:
+            validate.count("max_context", self.max_context, 2)
         for name in ("device_bytes", "host_bytes"):
-            if (getattr(self, name) or 0) < 0:
-                raise InvalidInputError(f"{name} must be >= 0, got {getattr(self, name)}")
+            if getattr(self, name) is not None:
+                validate.count(name, getattr(self, name), 0)
+        validate.flag("prefix_reuse", self.prefix_reuse)
+        validate.flag("prefetch", self.prefetch)
+        validate.seconds("timeout", self.timeout)
+        if isinstance(self.codec, str):  # (UnknownCodecError now, not when the engine opens)
+            CODECS.factory(self.codec)
+        if self.sparse_topk is not None:
+            validate.count("sparse_topk", self.sparse_topk, 1)
+        validate.count("sparse_recent", self.sparse_recent, 0)
         validate.fraction("sparse_mean_weight", self.sparse_mean_weight)
 
 
@@ -149,6 +169,7 @@ class EngineCounters:
     step_seconds: float = 0.0
     peak_running: int = 0
     peak_live_kv_bytes: int = 0
+    refused_busy: int = 0  # requests refused: max_waiting were waiting
     last_error: str = ""
 
 
@@ -267,20 +288,25 @@ class Engine:
 
     # -- requests ------------------------------------------------------------------------
     def check(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Raise :class:`RequestError` when this request can never run here."""
+        """Raise :class:`RequestError` when this request can never run here, InvalidTypeError
+        when ``prompt`` is not token ids (a str, None, a nested list) or ``params`` not a
+        SamplingParams."""
+        prompt = validate.token_ids(prompt, "prompt")
+        if not isinstance(params, SamplingParams):
+            raise InvalidTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         n = len(prompt)
         if n == 0:
             raise RequestError("the prompt is empty")
         if any(not 0 <= t < self.model.vocab_size for t in prompt):
             raise RequestError(f"token ids must be in [0, {self.model.vocab_size})")
         if n + params.max_tokens > self.max_context:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"of {self.max_context} tokens"
             )
         need = -(-(n + params.max_tokens) // self.spec.page_tokens)
         if need > self.scheduler.layer_pages:
-            raise RequestError(
+            raise ContextLengthError(
                 f"prompt + max_tokens need {need} pages per layer, the device tier allows "
                 f"{self.scheduler.layer_pages}"
             )
@@ -301,7 +327,8 @@ class Engine:
         apply: no room within them fails the request with QuotaExceededError).
 
         Raises RequestError (see :meth:`check`), TenantError (a bad salt or tenant name),
-        UnknownTenantError, EngineNotOpenError before open or after close, StoreClosedError
+        UnknownTenantError, EngineBusyError (``max_waiting`` requests wait already),
+        EngineNotOpenError before open or after close, StoreClosedError
         when the store closes under it, and the tierkv error of a step that failed.
         """
         params = params or SamplingParams()
@@ -309,9 +336,21 @@ class Engine:
         tenant_index(self.store.tenants, tenant)
         if self._closed or self._task is None:
             raise EngineNotOpenError("the engine is not open")
-        self.check(prompt, params)
+        ids = validate.token_ids(prompt, "prompt")
+        self.check(ids, params)
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            self.counters.refused_busy += 1
+            raise EngineBusyError(
+                f"{self.config.max_waiting} requests are waiting already (max_waiting): "
+                "try again later"
+            )
         req = Request(
-            f"r{next(self._ids)}", list(prompt), params, Sampler(params), salt=raw, tenant=tenant
+            f"r{next(self._ids)}",
+            ids,
+            params,
+            Sampler(params),
+            salt=raw,
+            tenant=tenant,
         )
         self.counters.requests += 1
         self.scheduler.add(req)

@@ -5,11 +5,16 @@
     TierKVError
      └── ServingError                          the serving engine's own
           ├── RequestError (also InvalidInputError, a ValueError)
-          │                                    a request that can never run: empty, ids out of
-          │                                    the vocabulary, too long for the context or the
-          │                                    device tier
-          └── EngineNotOpenError (also RuntimeError)
-                                               a request to an engine not open (or closed)
+          │    │                               a request that can never run: empty, ids out of
+          │    │                               the vocabulary, too long for the context or the
+          │    │                               device tier
+          │    └── ContextLengthError          too long: prompt + max_tokens over the context
+          │                                    or the device tier's pages (OpenAI's code
+          │                                    ``context_length_exceeded``)
+          ├── EngineNotOpenError (also RuntimeError)
+          │                                    a request to an engine not open (or closed)
+          └── EngineBusyError                  ``max_waiting`` requests wait already: try
+                                               again later (a 503)
 
 Everything else a request can meet is a tierkv error too (a bad sampling parameter is an
 :class:`~tierkv.errors.InvalidInputError`, a failed step the store's error); an HTTP layer in
@@ -28,7 +33,14 @@ from tierkv.errors import (
     UnknownNameError,
 )
 
-__all__ = ["EngineNotOpenError", "RequestError", "ServingError", "http_status"]
+__all__ = [
+    "ContextLengthError",
+    "EngineBusyError",
+    "EngineNotOpenError",
+    "RequestError",
+    "ServingError",
+    "http_status",
+]
 
 
 class ServingError(TierKVError):
@@ -40,8 +52,17 @@ class RequestError(ServingError, InvalidInputError):
     a ``ValueError`` (as it always was)."""
 
 
+class ContextLengthError(RequestError):
+    """A request too long to run: its prompt and ``max_tokens`` exceed the context, or need
+    more pages than the device tier allows (the other RequestErrors are not about length)."""
+
+
 class EngineNotOpenError(ServingError, RuntimeError):
     """A request to an engine that is not open, or closed already."""
+
+
+class EngineBusyError(ServingError):
+    """A request refused because ``EngineConfig.max_waiting`` requests are waiting already."""
 
 
 # first match wins: the more specific kinds first
@@ -49,6 +70,7 @@ _STATUS: tuple[tuple[type[TierKVError], int], ...] = (
     (InvalidInputError, 400),  # RequestError, a bad sampling parameter, an unknown policy
     (UnknownNameError, 400),  # an unknown codec or backend name is the caller's too
     (EngineNotOpenError, 503),
+    (EngineBusyError, 503),  # the queue is full: come back later
     (StoreClosedError, 503),
     (QuotaExceededError, 429),  # no room within the tenant's quota: too many requests
     (TierFullError, 503),  # every device page is pinned: come back later

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _check_types(self)
         if self.max_tokens < 1:
             raise InvalidInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
@@ -42,6 +44,42 @@ class SamplingParams:
             raise InvalidInputError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             raise InvalidInputError("stop strings must not be empty")
+
+
+def _whole(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_types(p: SamplingParams) -> None:
+    """Each field of the type it is used as (checked before a request starts: a float seed or
+    a str of stop ids failed inside the request, a bare str of stops stopped at any of its
+    characters). ``stop_ids`` becomes a frozenset and a single stop string a 1-tuple.
+    Raises InvalidTypeError."""
+    if not _whole(p.max_tokens):
+        raise InvalidTypeError(f"max_tokens must be an int, got {p.max_tokens!r}")
+    for name in ("temperature", "top_p"):
+        if not _real(getattr(p, name)):
+            raise InvalidTypeError(f"{name} must be a number, got {getattr(p, name)!r}")
+    if p.seed is not None and not _whole(p.seed):
+        raise InvalidTypeError(f"seed must be an int or None, got {p.seed!r}")
+    ids = p.stop_ids
+    if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+        raise InvalidTypeError(f"stop_ids must be a collection of token ids, got {ids!r:.80}")
+    ids = frozenset(ids)
+    if not all(_whole(t) for t in ids):
+        raise InvalidTypeError(f"stop_ids must be ints, got {sorted(map(repr, ids))[:4]}")
+    object.__setattr__(p, "stop_ids", ids)
+    stop = (p.stop,) if isinstance(p.stop, str) else p.stop
+    if isinstance(stop, bytes) or not isinstance(stop, Iterable):
+        raise InvalidTypeError(f"stop must be a str or a tuple of str, got {p.stop!r:.80}")
+    stop = tuple(stop)
+    if not all(isinstance(x, str) for x in stop):
+        raise InvalidTypeError(f"stop strings must be str, got {stop!r:.80}")
+    object.__setattr__(p, "stop", stop)
 
 
 class Sampler:

@@ -76,7 +76,7 @@ class DirectoryAgent:
         # swallowed (redis-py turning it into a connection error, caught below) ends at its
         # next turn instead of refreshing a registration that halt() meant to let lapse
         self._closing = False
-        self._failures = FailureLog("tierkv.remote.directory")
+        self._failures = FailureLog("tierkv.remote.directory", tracebacks=False)
 
     async def start(self) -> DirectoryAgent:
         """Connect and register. Raises DirectoryURLError / DirectoryAuthError (bad

@@ -20,7 +20,8 @@ numbers' entries are removed by `sweep` (any node may run it; a lock key keeps i
 
 A standalone server keeps the buckets in one shard and is asked by plain commands on
 connections of our own (wire.py: the live set and one HGET per key in one write, the replies
-parsed in C; 0.6 us of server time a key less than a script's ``redis.call``); on a Redis
+parsed in C; 0.6 us of server time a key less than a script's ``redis.call``), and so are all
+the other calls there (their replies bounded against a hostile server, as a locate's); on a Redis
 Cluster (detected at `connect`), or a URL those connections do not follow (TLS), the buckets
 spread over ``shards`` hash-tagged shards and a locate is one pipeline of one LOCATE script
 per shard touched, sent to the shards' nodes in parallel.
@@ -74,7 +75,7 @@ from tierkv.remote.membership.layout import (
     resp,
 )
 from tierkv.remote.membership.replies import live_set, script_reply
-from tierkv.remote.membership.wire import Links, where
+from tierkv.remote.membership.wire import Links, command, scripted, where
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
 
@@ -206,8 +207,18 @@ class RedisDirectory:
         shards: int | None = None,
         client_options: dict[str, Any] | None = None,
     ) -> None:
-        if not _NAMESPACE.fullmatch(namespace):
+        if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise DirectoryURLError(f"namespace must match {_NAMESPACE.pattern}, not {namespace!r}")
+        for name, x, kinds in (
+            ("ttl", ttl, (int, float)),
+            ("timeout", timeout, (int, float)),
+            ("buckets", buckets, (int,)),
+            ("shards", 1 if shards is None else shards, (int,)),
+        ):  # (a str or None was a TypeError of the range checks below, a float bucket count
+            # an AttributeError)
+            if isinstance(x, bool) or not isinstance(x, kinds):
+                what = "an int" if kinds == (int,) else "a number"
+                raise DirectoryURLError(f"{name} must be {what}, got {x!r:.40}")
         if not (0.05 <= ttl <= 3600 and 0 < timeout <= 60):
             raise DirectoryURLError(
                 f"ttl in [0.05, 3600] s and timeout in (0, 60] s: {ttl}, {timeout}"
@@ -262,14 +273,14 @@ class RedisDirectory:
         """Reach the server, tell a Cluster from a standalone server, read (or set) the layout.
         Raises DirectoryAuthError, DirectoryError (unreachable, or not a Redis that runs Lua)."""
         try:
-            info = await asyncio.wait_for(self._client.info("cluster"), self.timeout)
-            if info.get("cluster_enabled") and not self.cluster:
+            await self._open_links()
+            if await self._cluster_enabled() and not self.cluster:
                 await self._client.aclose()
                 self.cluster = True
+                await self._open_links()  # (none: a Cluster's replies are redis-py's)
                 self._client = self._make(cluster=True)
                 await asyncio.wait_for(self._client.initialize(), self.timeout)
             await self._read_layout()
-            await self._open_links()
         except AuthenticationError as exc:
             raise DirectoryAuthError(
                 f"the directory at {self._where()} refused our credentials: {exc}"
@@ -289,16 +300,33 @@ class RedisDirectory:
     def _where(self) -> str:
         return re.sub(r"//[^@/]*@", "//***@", self.url)  # never log a password
 
+    async def _command(self, *args: bytes | str | int) -> Any:
+        """One command: on our own connections where there are some (a hostile server's
+        reply bounded), else redis-py's (its reply callbacks applied)."""
+        if self._links is not None:
+            return await command(self._links, *args)
+        return await self._client.execute_command(*args)
+
+    async def _cluster_enabled(self) -> bool:
+        """Whether the server is a Redis Cluster node (INFO cluster)."""
+        info = await asyncio.wait_for(self._command("INFO", "cluster"), self.timeout)
+        if isinstance(info, dict):  # (redis-py parsed it)
+            return bool(info.get("cluster_enabled"))
+        if not isinstance(info, bytes):
+            raise InvalidResponse(f"INFO cluster answered {info!r:.80}")
+        return b"cluster_enabled:1" in info.split(b"\r\n")
+
     async def _read_layout(self) -> None:
         buckets, shards = self._want
         if shards is None:
             shards = CLUSTER_SHARDS if self.cluster else 1
         conf = self.layout.conf
-        c = self._client
-        await c.hsetnx(conf, "buckets", buckets)
-        await c.hsetnx(conf, "shards", shards)
-        got = await c.hgetall(conf)
+        await self._command("HSETNX", conf, "buckets", buckets)
+        await self._command("HSETNX", conf, "shards", shards)
+        got = await self._command("HGETALL", conf)
         try:
+            if isinstance(got, list):  # (raw: field, value, ...)
+                got = dict(zip(got[::2], got[1::2], strict=True))
             buckets, shards = int(got[b"buckets"]), int(got[b"shards"])
         except (KeyError, ValueError, TypeError):
             buckets = shards = 0
@@ -310,8 +338,9 @@ class RedisDirectory:
         self.layout = Layout(self.namespace, buckets, shards)
 
     async def _open_links(self) -> None:
-        """Our own connections for locate on a standalone server whose URL they can follow
-        (wire.py: plain commands, replies parsed in C); None: locate by scripts."""
+        """Our own connections on a standalone server whose URL they can follow (wire.py:
+        plain commands, replies parsed in C and bounded: every call but a Cluster's goes
+        there); None: redis-py's client, and locate by scripts."""
         if self._links is not None:
             await self._links.aclose()
         to = None if self.cluster else where(self._client)
@@ -337,7 +366,10 @@ class RedisDirectory:
 
     async def _pipeline(self, build: Callable[[Any], Any]) -> list[Any]:
         """Run the commands ``build`` puts in a pipeline (one round trip); scripts go by
-        EVALSHA, loaded again (every primary) when the server answers NOSCRIPT (restarted)."""
+        EVALSHA, loaded again (every primary) when the server answers NOSCRIPT (restarted).
+        On our own connections where there are some."""
+        if self._links is not None:
+            return await scripted(self._links, build, _SCRIPTS)
         pipe = self._client.pipeline(transaction=False)
         build(pipe)
         try:
@@ -502,14 +534,16 @@ class RedisDirectory:
         """Remove the entries of dead nodes (lapsed or replaced), if no other node is sweeping;
         returns the entries removed. One pass over every bucket: O(entries) server work, in
         scripts of `SWEEP_BUCKETS` buckets (the server serves others between them)."""
-        c = self._client
         lay = self.layout
-        picked = await c.srandmember(lay.dead, max_dead)
-        dead = [int(x) for x in picked or []]
+        picked = await self._command("SRANDMEMBER", lay.dead, max_dead)
+        try:
+            dead = [int(x) for x in picked or []]
+        except (ValueError, TypeError):
+            raise InvalidResponse(f"the dead set holds {picked!r:.80}") from None
         if not dead:
             return 0
         lock_ms = max(self.ttl_ms * 4, 60_000)
-        if not await c.set(lay.sweep_lock, b"1", nx=True, px=lock_ms):
+        if not await self._command("SET", lay.sweep_lock, b"1", "NX", "PX", lock_ms):
             return 0
         dead_blob = b"".join(n.to_bytes(4, "little") for n in dead)
         removed = 0
@@ -529,7 +563,7 @@ class RedisDirectory:
                             pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, dead_blob)
 
                     removed += sum(int(n) for n in await self._pipeline(build))
-            await c.srem(lay.dead, *dead)
+            await self._command("SREM", lay.dead, *dead)
         finally:
-            await c.delete(lay.sweep_lock)
+            await self._command("DEL", lay.sweep_lock)
         return removed

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - redis-py requires async-timeout before 3.11
     from async_timeout import timeout as _deadline
 
-__all__ = ["KEEP", "REPLY_BYTES", "TRIP_BYTES", "Links", "Where", "reply_bytes", "where"]
+__all__ = [
+    "KEEP",
+    "REPLY_BYTES",
+    "TRIP_BYTES",
+    "Links",
+    "Scripts",
+    "Where",
+    "command",
+    "reply_bytes",
+    "scripted",
+    "where",
+]
 
 KEEP = 4
 """Idle connections kept for the next locates (more are opened while more run at once)."""
@@ -94,12 +105,19 @@ def where(client: Redis | Any) -> Where | None:
     )
 
 
+_MORE = object()
+"""What the parser's ``gets`` answers when no reply is complete (its default, False, equals
+an integer reply of 0: a trip of ``:0`` replies waited for more until its deadline)."""
+
+
 class _Link:
     """One connection: a request written whole, its replies read until all have come."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.parser = hiredis.Reader(protocolError=InvalidResponse, replyError=ResponseError)
+        self.parser = hiredis.Reader(
+            protocolError=InvalidResponse, replyError=ResponseError, notEnoughData=_MORE
+        )
 
     async def trip(self, request: bytes | bytearray, n: int) -> list[Any]:
         self.writer.write(request)
@@ -125,7 +143,7 @@ class _Link:
             else:
                 guard.feed(data)
             self.parser.feed(data)
-            out += iter(self.parser.gets, False)  # every complete reply: a C loop
+            out += iter(self.parser.gets, _MORE)  # every complete reply: a C loop
         if len(out) > n:
             raise InvalidResponse(f"{len(out)} replies to {n} commands")
         return out
@@ -188,3 +206,46 @@ class Links:
         for link in idle:
             link.close()
         await asyncio.sleep(0)  # their transports' connection_lost runs
+
+
+def _raised(replies: list[Any]) -> list[Any]:
+    """``replies``, or the first error reply among them raised (as a pipeline does)."""
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+    return replies
+
+
+async def command(links: Links, *args: bytes | str | int) -> Any:
+    """One command on our own connections (bounded as a locate's trip); its reply as hiredis
+    parsed it (bytes, ints, lists), an error reply raised."""
+    return _raised(await links.trip(resp(*args), 1))[0]
+
+
+class Scripts:
+    """A redis-py pipeline's stand-in for `scripted`: the ``evalsha`` calls added, in RESP."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def evalsha(self, *args: bytes | str | int) -> None:
+        """Add ``EVALSHA args...``."""
+        self.parts.append(resp("EVALSHA", *args))
+
+
+async def scripted(
+    links: Links, build: Callable[[Scripts], Any], scripts: Sequence[str]
+) -> list[Any]:
+    """The scripts ``build`` adds, in one trip on our own connections (so a hostile server's
+    replies to the agent's calls are as bounded as a locate's); ``scripts`` loaded again when
+    the server answers NOSCRIPT (restarted); the first error reply raised."""
+    calls = Scripts()
+    build(calls)
+    request, n = b"".join(calls.parts), len(calls.parts)
+    replies = await links.trip(request, n)
+    if any(isinstance(r, ResponseError) and str(r).startswith("NOSCRIPT") for r in replies):
+        _raised(
+            await links.trip(b"".join(resp("SCRIPT", "LOAD", x) for x in scripts), len(scripts))
+        )
+        replies = await links.trip(request, n)
+    return _raised(replies)

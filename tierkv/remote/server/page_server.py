@@ -172,7 +172,7 @@ class PageServer:
         self.transports: dict[str, Transport] = {}
         self.shared: dict[str, SharedArena] = {}
         self.directory: Directory | None = None
-        self._advertise = advertise
+        self._advertise = _checked_address(advertise)
         self.watches = WatchHub(max_pending=watch_pending, timeout=timeout)
         if isinstance(directory, str):
             from tierkv.remote.membership.redis_directory import RedisDirectory
@@ -526,3 +526,23 @@ class PageServer:
 
 def _packed(shared: SharedArena) -> bytes:
     return shared.region.descriptor.pack()
+
+
+def _checked_address(advertise: object) -> str | None:
+    """``advertise`` if it is ``HOST:PORT`` with a host and a port in [1, 65535] (None stays
+    None). Raises InvalidInputError: any text was registered as this node's address."""
+    if advertise is None:
+        return None
+    host, sep, port = advertise.rpartition(":") if isinstance(advertise, str) else ("", "", "")
+    if (
+        not isinstance(advertise, str)
+        or not host
+        or not sep
+        or not port.isdigit()
+        or not 1 <= int(port) <= 65535
+    ):
+        raise InvalidInputError(
+            f"advertise must be HOST:PORT with a host and a port in [1, 65535], got "
+            f"{advertise!r:.80}"
+        )
+    return advertise

@@ -83,7 +83,7 @@ class RemoteCluster:
         self.directory = directory
         self._dir_ready: asyncio.Future[None] | None = None  # the directory's connect
         self.directory_errors = 0
-        self._failures = FailureLog("tierkv.remote.directory")
+        self._failures = FailureLog("tierkv.remote.directory", tracebacks=False)
         self._kw: dict[str, Any] = {
             "transport": transport,
             "secret": secret,

@@ -147,10 +147,10 @@ class RedisTier:
         self.tenant = None if tenant is None else check_tenant(tenant)
         if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
             raise SpecError(f"namespace must match {_NAMESPACE.pattern}, got {namespace!r}")
-        if ttl is not None and not ttl > 0:
-            raise SpecError(f"ttl must be positive seconds or None, got {ttl!r}")
-        if not timeout > 0:
-            raise SpecError(f"timeout must be positive seconds, got {timeout!r}")
+        if ttl is not None and not _seconds(ttl):
+            raise SpecError(f"ttl must be positive seconds or None, got {ttl!r:.40}")
+        if not _seconds(timeout):
+            raise SpecError(f"timeout must be positive seconds, got {timeout!r:.40}")
         if isinstance(batch_pages, bool) or not isinstance(batch_pages, int) or batch_pages < 1:
             raise SpecError(f"batch_pages must be a positive int, got {batch_pages!r}")
         self.url, self.spec, self.namespace = url, spec, namespace
@@ -611,6 +611,20 @@ class RedisTier:
             return replies
 
         return [r for part in await self._chunked(len(rkeys), chunk) for r in part]
+
+
+def _seconds(x: object) -> bool:
+    """Whether ``x`` is a finite number of seconds > 0 (``ttl="5"`` was a TypeError of the
+    comparison, ``ttl=inf`` an OverflowError at rounding, 10**400 a PX Redis refused)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    try:
+        return 0 < float(x) <= _MOST_SECONDS
+    except OverflowError:
+        return False
+
+
+_MOST_SECONDS = 10.0**9  # (about 31 years: any longer ttl or timeout is a typo)
 
 
 def redis_prefix(namespace: str, digest: bytes, tenant: str | None = None) -> bytes:
