@@ -41,10 +41,12 @@ change the same per-tenant counts, and each hook must see the others' bookkeepin
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import repeat
+from numbers import Integral
 from typing import Any, cast
 
 from tierkv.errors import InvalidTypeError, QuotaConfigError, UnknownTenantError
@@ -83,8 +85,11 @@ class Quota:
             v = getattr(self, f.name)
             if v is None and f.name.endswith("_limit"):
                 continue
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, Integral):
                 raise _QuotaTypeError(f"Quota.{f.name} must be an int of bytes, got {v!r}")
+            if not isinstance(v, int):  # numpy's integers, as the tiers' budgets take them
+                v = operator.index(v)
+                object.__setattr__(self, f.name, v)
             if v < 0:
                 raise QuotaConfigError(f"Quota.{f.name} must be >= 0, got {v}")
         for tier in TIERS:

@@ -57,6 +57,19 @@ def test_bad_quotas_are_typed(quota: object, err: type[Exception]) -> None:
         quota()  # type: ignore[operator]
 
 
+def test_numpy_integers_are_quotas_as_they_are_tier_budgets() -> None:
+    """A quota computed with numpy (np.int64) is taken as the int it is, as the tiers' byte
+    budgets take it (it was refused); numpy's bool and floats stay type errors."""
+    import numpy as np
+
+    q = Quota(host_reserve=np.int64(3 * PAGE), host_limit=np.uint32(8 * PAGE))
+    assert (q.host_reserve, q.host_limit) == (3 * PAGE, 8 * PAGE)
+    assert type(q.host_reserve) is int and type(q.host_limit) is int
+    for bad in (np.bool_(True), np.float64(1.0)):
+        with pytest.raises(InvalidTypeError):
+            Quota(host_reserve=bad)
+
+
 def test_quotas_that_do_not_add_up_are_refused_before_anything_is_allocated() -> None:
     with pytest.raises(QuotaConfigError, match="reservations add up to 17 pages"):
         small(a=Quota(host_reserve=9 * PAGE), b=Quota(host_reserve=8 * PAGE))
