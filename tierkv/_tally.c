@@ -4,8 +4,8 @@
  *   For each key of ``keys`` (a list or tuple): its tenant ``i = of.get(key, nobody)`` (``of``
  *   a dict of key -> int); ``plus[i] += 1`` and ``minus[i] -= 1`` (lists of ints, or None).
  *   Returns the tenant every key had, or -1 when they differ (or ``keys`` is empty). The
- *   indices are checked before anything changes: a bad one raises IndexError / TypeError and
- *   leaves both lists as they were.
+ *   indices are checked before anything changes: a bad one raises ValueError (the Python
+ *   reference's InvalidInputError is one) / TypeError and leaves both lists as they were.
  *
  * The Python function is the reference (tenant_counts._tally_py); tests/tierkv/test_tenant_counts.py
  * requires both to give the same results. Built by setup.py where a compiler is (optional;
@@ -78,7 +78,7 @@ static PyObject *tally(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
                 goto done;
         }
         if (i < 0 || (lp >= 0 && i >= lp) || (lm >= 0 && i >= lm)) {
-            PyErr_Format(PyExc_IndexError, "tally: tenant index %zd out of range", i);
+            PyErr_Format(PyExc_ValueError, "tally: tenant index %zd out of range", i);
             goto done;
         }
         ids[j] = i;

@@ -15,6 +15,8 @@ from collections.abc import Callable, Hashable, Sequence
 from itertools import repeat
 from typing import cast
 
+from tierkv.errors import InvalidInputError
+
 __all__ = ["MIXED", "NATIVE", "NO_LIMIT", "TierCounts", "tally", "tally_py"]
 
 NO_LIMIT = 1 << 62
@@ -34,8 +36,9 @@ def tally_py(
 ) -> int:
     """For each key of ``keys``, its tenant ``i = of.get(key, nobody)``: ``plus[i] += 1`` and
     ``minus[i] -= 1`` (each list may be None). Returns the tenant every key had, or -1 when
-    they differ (or ``keys`` is empty). A bad index (negative, past a list) raises IndexError
-    with nothing changed. The reference of ``tierkv/_tally.c`` (one C call per batch)."""
+    they differ (or ``keys`` is empty). A bad index (negative, past a list) raises
+    InvalidInputError (a ValueError) with nothing changed. The reference of
+    ``tierkv/_tally.c`` (one C call per batch)."""
     ids = list(map(of.get, keys, repeat(nobody)))
     if not ids:
         return -1
@@ -49,7 +52,7 @@ def tally_py(
             or (plus is not None and i >= len(plus))
             or (minus is not None and i >= len(minus))
         ):
-            raise IndexError(f"tally: tenant index {i!r} out of range")
+            raise InvalidInputError(f"tally: tenant index {i!r} out of range")
     for i in tenants:
         c = len(ids) if uniform else ids.count(i)
         if plus is not None:

@@ -61,3 +61,25 @@ def test_tenants_that_differ_only_in_case_are_refused_and_an_unknown_one_gets_a_
     with pytest.raises(UnknownTenantError) as err:
         t.tenant("carol")
     assert "did you mean" not in str(err.value)
+
+
+def test_a_short_secret_is_taken_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A 1-byte secret (the server's or a tenant's) lets a peer guess it in 256 tries: taken
+    (tests and old setups use short ones), with a warning naming whose it is (found by the
+    probe: it was silent)."""
+    import logging
+
+    from tierkv.remote.protocol.exposure import MIN_SECRET_BYTES, resolve_secret
+    from tierkv.remote.protocol.tenancy import check_secrets
+
+    with caplog.at_level(logging.WARNING):
+        assert resolve_secret(b"x") == b"x"
+        check_secrets({"acme": b"y"}, b"z" * MIN_SECRET_BYTES)
+    got = [r.getMessage() for r in caplog.records]
+    assert any("the shared secret has 1 bytes" in m for m in got), got
+    assert any("tenant 'acme'" in m and "1 bytes" in m for m in got), got
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        resolve_secret(b"k" * MIN_SECRET_BYTES)
+        check_secrets({"acme": b"a" * 32}, b"z" * MIN_SECRET_BYTES)
+    assert not caplog.records

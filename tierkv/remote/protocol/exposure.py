@@ -9,13 +9,25 @@ address checks behind its secure defaults (docs/security.md)::
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 
 from tierkv.errors import InvalidInputError
 
-__all__ = ["SECRET_ENV", "is_loopback", "resolve_secret", "same_host"]
+__all__ = [
+    "MIN_SECRET_BYTES",
+    "SECRET_ENV",
+    "is_loopback",
+    "resolve_secret",
+    "same_host",
+    "warn_if_short",
+]
 
 SECRET_ENV = "TIERKV_TRANSPORT_SECRET"
+MIN_SECRET_BYTES = 16
+"""Secrets shorter than this are taken, with a warning."""
+
+log = logging.getLogger(__name__)
 
 
 def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
@@ -32,7 +44,21 @@ def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
                 f"no shared secret (secret= or ${SECRET_ENV}); insecure=True to serve without"
             )
         return b""
+    warn_if_short(secret, "the shared secret")
     return secret
+
+
+def warn_if_short(secret: bytes, what: str) -> None:
+    """Log a warning for a secret under :data:`MIN_SECRET_BYTES` (a peer could guess it: the
+    handshake bounds attempts per connection, not connections)."""
+    if len(secret) < MIN_SECRET_BYTES:
+        log.warning(
+            "%s has %d bytes: a peer could guess it; use at least %d random bytes "
+            "(for example `openssl rand -hex 32`)",
+            what,
+            len(secret),
+            MIN_SECRET_BYTES,
+        )
 
 
 def is_loopback(host: str) -> bool:

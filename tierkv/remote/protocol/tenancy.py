@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierkv.errors import InvalidInputError, TenantError
+from tierkv.remote.protocol.exposure import warn_if_short
 from tierkv.tenant_names import check_distinct, check_tenant
 
 __all__ = ["TENANT_FIELD", "TenantKeys", "check_secrets"]
@@ -91,6 +92,7 @@ def check_secrets(secrets: Mapping[str, bytes] | None, default: bytes) -> dict[s
                 "a proof would not say which tenant it is"
             )
         seen.add(secret)
+        warn_if_short(secret, f"tenant {tenant!r}'s secret")
         out[tenant] = secret
     check_distinct(out)
     return out
