@@ -294,6 +294,20 @@ class TransferEngine:
         """Batches waiting to be dispatched."""
         return len(self._pending) + len(self._pending_ext)
 
+    def runs_inline(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` with no dependency, submitted now from this thread,
+        would run right there (:meth:`submit`'s inline path): a cpu backend, at most
+        ``inline_bytes``, nothing queued or running. The answer holds until something else is
+        submitted (completions on the stream threads only make the engine idler)."""
+        with self._lock:
+            return (
+                not self._closed
+                and self.backend.name == "cpu"
+                and nbytes <= self.inline_bytes
+                and not self._inflight
+                and not self._pending
+            )
+
     @property
     def stats(self) -> EngineStats:
         """A snapshot of the aggregated statistics."""

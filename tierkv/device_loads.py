@@ -29,6 +29,9 @@ from tierkv.tier_names import DEVICE, HOST
 
 __all__ = ["DeviceLoads"]
 
+Sources = dict[str, tuple[list[PageKey], list[int]]]  # a load's sources: tier -> keys, slots
+Work = list[tuple[str, int, TransferHandle]]  # its copies: (source tier, pages, handle)
+
 
 class DeviceLoads:
     """The moves of one tier core into its device tier."""
@@ -91,33 +94,12 @@ class DeviceLoads:
             if rest:  # no lower copy any more: not loaded here
                 gone = set(rest)
                 keys = [k for k in keys if k not in gone]
-            alloc = table.prepare_store(keys, DEVICE)
-            if alloc is None or alloc.evicted:  # room was made under the lock
-                if alloc is not None:
-                    table.complete_store(alloc.keys, DEVICE, ok=False)
-                return None
-            self.note_peak()
-            self._prefaulter.ahead(alloc.slots)
-            new = cast(list[PageKey], alloc.keys)
-            if len(new) < len(keys):  # the policy's admission kept some only
-                kept = set(new)
-                found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
-            # sources are pinned now, with no await since they were chosen
-            src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
-        slot_of = dict(zip(new, alloc.slots))
-        # submit now, before any await: the copies run while the caller computes
-        work: list[tuple[str, int, TransferHandle]] = []
-        try:
-            for tier, (ks, src_slots) in src.items():
-                dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
-                batch = Batch(ks, self._arenas[tier], src_slots)
-                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
-                h = move(self._ctx.engine, dst, batch)
-                work.append((tier, len(ks), h))
-        except BaseException as exc:  # the copies already submitted finish before the rollback
-            task = asyncio.ensure_future(self._finish(new, src, work, exc))
-        else:
-            task = asyncio.ensure_future(self._finish(new, src, work, None))
+            began = self._begin(keys, found, priority)
+        if began is None:
+            return None
+        new, task = began
+        if task is None:  # the copies ran inline and were committed: nothing to wait for
+            return new
         try:
             await within(deadline, asyncio.shield(task), partial(_in_flight, len(new)))
         except BaseException:
@@ -129,29 +111,100 @@ class DeviceLoads:
             raise
         return new
 
+    def load_now(self, keys: list[PageKey], priority: Priority) -> list[PageKey] | None:
+        """:meth:`load` with no wait, for pages whose copies run inline (cpu backend, a small
+        batch, an idle engine) from the host tier, into room that dropping clean pages makes
+        (:meth:`DeviceEviction.make_room_now`): returns the pages loaded, committed and pinned
+        for the caller, or None when it cannot be done so (the device lock held, a page's
+        readable copy not on the host, room only by a write-back, a copy that did not run
+        inline). With None, nothing is pinned for the caller; clean pages may have been
+        dropped, and a copy that did not run inline is finished by the core, its pages
+        readable then. Raises what a copy raised (after its rollback)."""
+        if not keys or self._device_lock.locked() or HOST not in self._ctx.lower:
+            return None
+        table = self._table
+        if len(table.readable(keys, HOST)) < len(keys):
+            return None
+        if not self._ctx.engine.runs_inline(len(keys) * self._ctx.spec.page_bytes):
+            return None
+        if not self._evict.make_room_now(len(keys), keys):
+            return None
+        began = self._begin(keys, {HOST: keys}, priority)
+        if began is None:
+            return None
+        new, task = began
+        if task is not None:  # a copy that did not run inline: the core ends it
+            task.add_done_callback(partial(self._orphan, new))
+            return None
+        return new
+
+    def _begin(
+        self, keys: list[PageKey], found: dict[str, list[PageKey]], priority: Priority
+    ) -> tuple[list[PageKey], asyncio.Task[None] | None] | None:
+        """Allocate device slots for ``keys`` (room made), pin their sources (``found``: tier
+        -> its keys) and submit the copies. Returns the pages being loaded and the task that
+        ends their copies, or no task when every copy ran inline and the load was committed
+        here (its pages pinned for the caller); None when the slots could not be had."""
+        table = self._table
+        alloc = table.prepare_store(keys, DEVICE)
+        if alloc is None or alloc.evicted:  # room was made under the lock
+            if alloc is not None:
+                table.complete_store(alloc.keys, DEVICE, ok=False)
+            return None
+        self.note_peak()
+        self._prefaulter.ahead(alloc.slots)
+        new = cast(list[PageKey], alloc.keys)
+        if len(new) < len(keys):  # the policy's admission kept some only
+            kept = set(new)
+            found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
+        # sources are pinned now, with no await since they were chosen
+        src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
+        slot_of = dict(zip(new, alloc.slots))
+        # submit now, before any await: the copies run while the caller computes
+        work: Work = []
+        try:
+            for tier, (ks, src_slots) in src.items():
+                dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
+                batch = Batch(ks, self._arenas[tier], src_slots)
+                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
+                h = move(self._ctx.engine, dst, batch)
+                work.append((tier, len(ks), h))
+        except BaseException as exc:  # the copies already submitted finish before the rollback
+            return new, asyncio.ensure_future(self._finish(new, src, work, exc))
+        if all(h.done() for _, _, h in work):
+            self._end(new, src, work, None)  # (raises a copy's error, after the rollback)
+            return new, None
+        return new, asyncio.ensure_future(self._finish(new, src, work, None))
+
     def _orphan(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is None:
             self._unpin(keys)
 
     async def _finish(
-        self,
-        keys: list[PageKey],
-        src: dict[str, tuple[list[PageKey], list[int]]],
-        work: list[tuple[str, int, TransferHandle]],
-        error: BaseException | None,
+        self, keys: list[PageKey], src: Sources, work: Work, error: BaseException | None
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled: commits
         the pages pinned for the caller (or rolls them back) and wakes the waiters."""
-        landed = 0.0
-        for tier, n, handle in work:
+        for _, _, handle in work:
             try:
-                res = await job_done(handle)  # the slots are the copy's until it has ended
+                await job_done(handle)  # the slots are the copy's until it has ended
             except BaseException as exc:  # roll back: the slots are free again
                 error = error or exc
+        self._end(keys, src, work, error)
+
+    def _end(
+        self, keys: list[PageKey], src: Sources, work: Work, error: BaseException | None
+    ) -> None:
+        """A load's copies have ended: commit the pages, pinned for the caller (or roll them
+        back and raise the error), let go of the sources, count, wake the waiters."""
+        landed = 0.0
+        for tier, n, handle in work:
+            if not handle.done() or handle.exception() is not None:
+                error = error or handle.exception()
                 continue
             landed = max(landed, handle.stats.finished_at or time.perf_counter())
             if tier == HOST:
-                self._ctx.copied("load", "stream host->device", res, n)
+                self._ctx.copied("load", "stream host->device", handle.stats, n)
                 self._ctx.stats.bytes_h2d += n * self._ctx.spec.page_bytes
             self._ctx.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():

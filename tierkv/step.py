@@ -60,12 +60,20 @@ from functools import partial
 
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
-from tierkv.errors import SequenceError, SpecError
+from tierkv.errors import SequenceError, SpecError, TierKVError
 from tierkv.lease import acquire_current
 from tierkv.lease_host import LeaseHost
+from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
-from tierkv.step_plan import GroupPages, arena_rows, group_pages, layer_rows, written_keys
+from tierkv.step_plan import (
+    GroupPages,
+    LayerPages,
+    arena_rows,
+    group_pages,
+    layer_rows,
+    written_keys,
+)
 from tierkv.tenant_room import reserve_by_tenant
 from tierkv.tier_names import DEVICE
 
@@ -99,7 +107,7 @@ class StepPlan:
         self.tokens = tokens
         self.ahead = ahead
         self._index = {layer: i for i, layer in enumerate(layers)}
-        self._tasks: list[asyncio.Task[list[LayerStep]] | None] = []
+        self._tasks: list[asyncio.Future[list[LayerStep]] | None] = []
         self._released: list[bool] = []
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
@@ -241,17 +249,23 @@ class StepPlan:
             raise SpecError(f"layer {layer}: the step's layers run in order, next is {want}")
         self._current = None
         g, at = divmod(i, self.group)
+        asked = 0.0  # when compute began to wait for this group's loads (0.0: it did not)
         if at == 0:
             if g:
                 self._release(g - 1)
+            if self._tasks[g] is None:  # not loaded ahead: its loads start now, compute waits
+                asked = time.perf_counter()
             self._start(g)
             if self.ahead and g + 1 < len(self._tasks):
                 self._start(g + 1)
-                await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
+                nxt = self._tasks[g + 1]
+                if nxt is not None and not nxt.done():
+                    await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
         task = self._tasks[g]
         assert task is not None  # started above or before
-        if at == 0 and not task.done():  # compute waits for this group: its loads are late
-            asked = time.perf_counter()  # when their copies ended after it asked (not when the
+        if at == 0 and not asked and not task.done():
+            asked = time.perf_counter()
+        if asked:  # its loads are late when their copies ended after it asked (not when the
             steps = await task  # loop, idle between layers under TieredCache, next ran)
             if steps and steps[0].landed > asked:
                 late = steps[0].loaded
@@ -294,9 +308,18 @@ class StepPlan:
             raise SequenceError(f"layer {step.layer} is no longer current in this step")
 
     def _start(self, g: int) -> None:
-        if self._tasks[g] is None:
-            coro, loop = self._load(g), self._loop
-            self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
+        if self._tasks[g] is not None:
+            return
+        loop = self._loop
+        steps = self._load_now(g) if loop is not None and self._tenants is None else None
+        if steps is not None:  # loaded (or resident) and opened here: no task, no loop turn
+            assert loop is not None
+            done: asyncio.Future[list[LayerStep]] = loop.create_future()
+            done.set_result(steps)
+            self._tasks[g] = done
+            return
+        coro = self._load(g)
+        self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
 
     async def _load(self, g: int) -> list[LayerStep]:
         """Pin group ``g``'s pages (loading those not resident), open the pages its appends
@@ -307,7 +330,6 @@ class StepPlan:
         append fills are never full blocks before it, so no publish renames them."""
         store = self.store
         tiers = store.tiers
-        t = store.spec.page_tokens
         layers = self.layers[g * self.group : (g + 1) * self.group]
         named = [self._name(layers)]
 
@@ -319,8 +341,8 @@ class StepPlan:
         keys, loaded = await acquire_current(tiers, named[0][0], name, self._check_all, deadline)
         landed = tiers.stats.loads_landed_at if loaded else 0.0  # (its copies' end)
         _, new, plans = named[0]
-        opened = pinned = owned = False
         try:
+            slots: list[int] = []
             if new:
                 if self._tenants is not None:  # several tenants' pages: room tenant by tenant
                     slots = await reserve_by_tenant(
@@ -328,7 +350,57 @@ class StepPlan:
                     )
                 else:
                     slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
-                opened = True
+        except BaseException:
+            if keys:
+                tiers.unpin_device(keys)
+            raise
+        return self._open(layers, keys, new, plans, slots, loaded, landed)
+
+    def _load_now(self, g: int) -> list[LayerStep] | None:
+        """:meth:`_load` with no wait and no task, where the tier core can pin, load and
+        open the group's pages at once (the cpu backend's inline copies into room that clean
+        pages make: :meth:`TierSet.acquire_device_now`); None where it cannot (nothing held
+        then: :meth:`_load` does it, and raises what there is to raise)."""
+        store = self.store
+        tiers = store.tiers
+        layers = self.layers[g * self.group : (g + 1) * self.group]
+        try:
+            keys, new, plans = self._name(layers)
+            loaded = tiers.acquire_device_now(keys, Priority.DEMAND)
+        except TierKVError:
+            return None
+        if loaded is None:
+            return None
+        landed = tiers.stats.loads_landed_at if loaded else 0.0
+        try:
+            slots = tiers.reserve_device_now(new) if new else []
+        except TierKVError:  # (raised again by _load, where the layer waits)
+            slots = None
+        if slots is None:
+            if keys:
+                tiers.unpin_device(keys)
+            return None
+        return self._open(layers, keys, new, plans, slots, loaded, landed)
+
+    def _open(
+        self,
+        layers: tuple[int, ...],
+        keys: list[bytes],
+        new: list[bytes],
+        plans: list[LayerPages],
+        slots: list[int],
+        loaded: int,
+        landed: float,
+    ) -> list[LayerStep]:
+        """A group's pages pinned (``keys``) and its new pages reserved (``slots``): open the
+        new pages, build the layers' rows. On error nothing stays pinned or opened."""
+        store = self.store
+        tiers = store.tiers
+        t = store.spec.page_tokens
+        opened = bool(new)
+        pinned = owned = False
+        try:
+            if new:
                 tiers.pages.zero_device(slots)  # a reused slot holds another page's bytes
                 tiers.commit_device(new)
                 tiers.pin_device(new)

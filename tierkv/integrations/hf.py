@@ -322,7 +322,7 @@ class TieredCache(Cache):
             assert plan is not None and isinstance(driver, LocalStore)
             try:
                 started, plan.starting = plan.starting, None
-                if started is not None:
+                if started is not None and not started.done():  # (else loaded in layer_now)
                     driver.turn(started)
                 step.append(k, v)
                 keys, values = step.kv()

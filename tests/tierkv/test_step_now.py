@@ -1,0 +1,152 @@
+"""A step's group loads with no wait and no task (tierkv.step ``_load_now``): on the cpu backend
+a group's pages are pinned, loaded by copies that run inline and opened in one synchronous
+pass (``TierSet.acquire_device_now``, ``DeviceLoads.load_now``, ``DeviceEviction.make_room_now``).
+Where that cannot be done (a copy that would not run inline, room only by a write-back, a page
+in flight, a failing copy) nothing is held and the group loads as before; KV stays exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierkv.runtime import Priority, TransferError
+from tierkv.store import KVStore
+from tierkv.tiers import DEVICE, HOST
+
+from .test_step import SPEC, idle, rand
+
+H, D = SPEC.num_kv_heads, SPEC.head_dim
+PAGE = SPEC.page_bytes
+
+
+def _store(device_pages: int = 8, **kw: object) -> KVStore:
+    return KVStore(SPEC, device_bytes=device_pages * PAGE, host_bytes=200 * PAGE, codec=None, **kw)
+
+
+async def _fill(st: KVStore, ids: list[str], n: int = 12) -> dict[tuple[str, int], torch.Tensor]:
+    """``n`` tokens of KV (K = V) in every layer of each sequence, through a step; returns
+    them. With a small device most of it is on the host afterwards."""
+    ref = {}
+    for s in ids:
+        await st.add_sequence(s, [])
+    async with st.step_plan(ids, tokens=n, ahead=0) as step:
+        for layer in range(SPEC.num_layers):
+            h = await step.layer(layer)
+            k = rand(len(ids), H, n, D, seed=layer)
+            h.append(k, k)
+            for b, s in enumerate(ids):
+                ref[(s, layer)] = k[b]
+    st.step()
+    await st.drain()
+    return ref
+
+
+def _on_device(st: KVStore, keys: list[bytes]) -> list[bytes]:
+    return st.tiers.table.present(keys, DEVICE)
+
+
+async def test_groups_load_inline_with_no_task_and_exact_kv() -> None:
+    async with _store(device_pages=8) as st:
+        ref = await _fill(st, ["a"])
+        loads = st.stats()["page_loads"]
+        async with st.step_plan(["a"], tokens=0, ahead=1) as step:
+            # entry loaded the first two groups here: their futures are done, no loop turn
+            assert all(t is not None and t.done() for t in step._tasks[:2])
+            for layer in range(SPEC.num_layers):
+                h = step.layer_now(layer, enter=True)  # every group landed: no loop run
+                assert h is not None
+                assert step.starting is None or step.starting.done()
+                step.starting = None
+                k, v = h.kv()
+                assert torch.equal(k[0], ref[("a", layer)]) and torch.equal(v[0], k[0])
+        got = st.stats()
+        assert got["page_loads"] > loads  # pages did come back from the host
+        assert got["late_fetches"] == 0
+        await idle(st)
+
+
+async def test_without_inline_copies_groups_load_in_tasks_with_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TIERKV_INLINE_COPIES", "0")  # every copy on the copy thread
+    async with _store(device_pages=8) as st:
+        ref = await _fill(st, ["a", "b"], n=5)
+        loads = st.stats()["page_loads"]
+        async with st.step_plan(["a", "b"], tokens=1, ahead=1) as step:
+            assert not all(t is not None and t.done() for t in step._tasks[:2])
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                new = rand(2, H, 1, D, seed=90 + layer)
+                h.append(new, new)
+                k, _ = h.kv()
+                for b, s in enumerate(["a", "b"]):
+                    assert torch.equal(k[b], torch.cat([ref[(s, layer)], new[b]], 1))
+        assert st.stats()["page_loads"] > loads
+        await idle(st)
+
+
+async def test_room_only_by_a_write_back_is_left_to_the_async_path() -> None:
+    # no write-behind: the device holds dirty pages only, so a load's room needs a write-back
+    async with _store(device_pages=8, write_behind=False) as st:
+        ref = await _fill(st, ["a"])
+        table = st.tiers.table
+        dirty = [k for k in table.keys(DEVICE) if k in st.tiers._evict.dirty]
+        assert dirty and len(table.keys(DEVICE)) == table.capacity(DEVICE)
+        host_only = [k for k in table.keys(HOST) if k not in set(table.keys(DEVICE))]
+        want = host_only[:2]
+        assert len(want) == 2
+        before = sorted(table.keys(DEVICE))
+        assert st.tiers.acquire_device_now(want, Priority.DEMAND) is None
+        assert sorted(table.keys(DEVICE)) == before  # the victims picked were put back
+        for k in before:
+            assert table.pins(k, DEVICE) == 0
+        # the step then loads through the write-backs, exact
+        async with st.step_plan(["a"], tokens=0, ahead=1) as step:
+            for layer in range(SPEC.num_layers):
+                k, _ = (await step.layer(layer)).kv()
+                assert torch.equal(k[0], ref[("a", layer)])
+        await idle(st)
+
+
+async def test_pages_in_flight_or_in_no_tier_are_left_to_the_async_path() -> None:
+    async with _store(device_pages=8) as st:
+        await _fill(st, ["a"])
+        table = st.tiers.table
+        resident = table.keys(DEVICE)[:1]
+        assert st.tiers.acquire_device_now([*resident, b"\x07" * 16], Priority.DEMAND) is None
+        assert table.pins(resident[0], DEVICE) == 0  # its pin went with the refusal
+        # a page being written (WRITING) is in flight: not loaded here, nothing pinned
+        new = [b"\x08" * 16]
+        slots = st.tiers.reserve_device_now(new)
+        assert slots is not None
+        assert st.tiers.acquire_device_now(resident + new, Priority.DEMAND) is None
+        assert table.pins(resident[0], DEVICE) == 0
+        st.tiers.abort_device(new, pinned=False, owned=False)
+        await idle(st)
+
+
+async def test_a_failing_inline_copy_raises_and_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with _store(device_pages=8) as st:
+        ref = await _fill(st, ["a"])
+        table = st.tiers.table
+        host_only = [k for k in table.keys(HOST) if k not in set(table.keys(DEVICE))]
+        resident = table.keys(DEVICE)[:1]
+        backend = st.tiers.engine.backend
+
+        def broken(*args: object) -> object:
+            raise OSError("copy failed")
+
+        monkeypatch.setattr(backend, "copy_slots", broken)
+        with pytest.raises(TransferError):  # (the tier core raises it unmapped)
+            st.tiers.acquire_device_now(resident + host_only[:2], Priority.DEMAND)
+        assert not table.present(host_only[:2], DEVICE)  # rolled back
+        assert table.pins(resident[0], DEVICE) == 0
+        monkeypatch.undo()
+        async with st.step_plan(["a"], tokens=0, ahead=1) as step:  # and nothing was lost
+            for layer in range(SPEC.num_layers):
+                k, _ = (await step.layer(layer)).kv()
+                assert torch.equal(k[0], ref[("a", layer)])
+        await idle(st)
