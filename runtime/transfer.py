@@ -308,6 +308,91 @@ class TransferEngine:
                 and not self._pending
             )
 
+    def copy_now(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        *,
+        priority: Priority = Priority.DEMAND,
+    ) -> TransferStats | None:
+        """The copy :meth:`submit` would run inline, run here with no handle, event or
+        completion callback (a synchronous caller, such as a step's group load, needs none):
+        returns its statistics, counted as a finished batch, or None with nothing done where
+        it would not run inline now (:meth:`runs_inline`). Raises what ``submit`` raises for
+        bad arenas or slots (nothing done then), TransferError when the copy failed (counted
+        failed; the destination slots may hold part of it)."""
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        if src.slot_bytes != dst.slot_bytes:
+            raise ArenaMismatchError(
+                f"slot sizes differ: {src.name!r} has {src.slot_bytes} B, "
+                f"{dst.name!r} has {dst.slot_bytes} B"
+            )
+        if src.backend != self.backend.name or dst.backend != self.backend.name:
+            raise ArenaMismatchError(f"arenas {src.name!r}, {dst.name!r}: not this backend's")
+        s_ids = as_slot_ids(src_slots, src.num_slots, what=f"source slots in {src.name!r}")
+        d_ids = as_slot_ids(dst_slots, dst.num_slots, what=f"destination slots in {dst.name!r}")
+        if s_ids.size != d_ids.size:
+            raise InvalidSlotError(f"{s_ids.size} source slots but {d_ids.size} destination slots")
+        if src is dst and np.intersect1d(s_ids, d_ids).size:
+            raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
+        st = TransferStats(
+            priority=Priority(priority),
+            pages=int(s_ids.size),
+            bytes=int(s_ids.size) * src.slot_bytes,
+            submitted_at=time.perf_counter(),
+        )
+        src.pin_for_transfer(s_ids, "source")  # (checks that the slots are allocated)
+        try:
+            dst.pin_for_transfer(d_ids, "destination")
+        except BaseException:
+            src.unpin_after_transfer(s_ids)
+            raise
+        with self._lock:
+            if (
+                self._closed
+                or self.backend.name != "cpu"
+                or st.bytes > self.inline_bytes
+                or self._inflight
+                or self._pending
+            ):
+                staging = None
+            else:
+                if self._staging_pool:
+                    staging = self._staging_pool.pop()
+                else:
+                    staging = self.backend.create_staging(self.staging_bytes)
+                    self._staging_made += 1
+                self._inflight += 1
+                self._stats.submitted += 1
+                self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, 1)
+        if staging is None:
+            src.unpin_after_transfer(s_ids)
+            dst.unpin_after_transfer(d_ids)
+            return None
+        st.dispatched_at = st.started_at = time.perf_counter()
+        error: TransferError | None = None
+        try:
+            info = self.backend.copy_slots(src, s_ids, dst, d_ids, staging)
+        except Exception as exc:
+            error = TransferError(f"copy {src.name}->{dst.name} failed: {exc!r}")
+            error.__cause__ = exc
+        else:
+            st.runs, st.kernel = info.runs, info.kernel
+        st.finished_at = time.perf_counter()
+        src.unpin_after_transfer(s_ids)
+        dst.unpin_after_transfer(d_ids)
+        with self._lock:
+            self._inflight -= 1
+            self._staging_pool.append(staging)
+            self._stats.record(st, _FAILED if error is not None else _DONE)
+            self._dispatch_locked()
+        if error is not None:
+            raise error
+        return st
+
     @property
     def stats(self) -> EngineStats:
         """A snapshot of the aggregated statistics."""

@@ -23,14 +23,15 @@ from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.prefault import Prefaulter
-from tierkv.runtime import Priority, TransferHandle
-from tierkv.tier import Batch, Target
+from tierkv.runtime import Priority, TransferHandle, TransferStats
+from tierkv.tier import Batch, Target, copy_move
 from tierkv.tier_names import DEVICE, HOST
 
 __all__ = ["DeviceLoads"]
 
 Sources = dict[str, tuple[list[PageKey], list[int]]]  # a load's sources: tier -> keys, slots
 Work = list[tuple[str, int, TransferHandle]]  # its copies: (source tier, pages, handle)
+Done = list[tuple[str, int, TransferStats]]  # those that ended well: (tier, pages, stats)
 
 
 class DeviceLoads:
@@ -116,27 +117,54 @@ class DeviceLoads:
         batch, an idle engine) from the host tier, into room that dropping clean pages makes
         (:meth:`DeviceEviction.make_room_now`): returns the pages loaded, committed and pinned
         for the caller, or None when it cannot be done so (the device lock held, a page's
-        readable copy not on the host, room only by a write-back, a copy that did not run
-        inline). With None, nothing is pinned for the caller; clean pages may have been
-        dropped, and a copy that did not run inline is finished by the core, its pages
-        readable then. Raises what a copy raised (after its rollback)."""
-        if not keys or self._device_lock.locked() or HOST not in self._ctx.lower:
+        readable copy not on the host, another move than a plain copy registered, room only
+        by a write-back, an engine with work of its own). With None nothing is pinned or
+        loaded, though clean pages may have been dropped for room. The copy is one call of
+        the engine (:meth:`TransferEngine.copy_now`): no handle, no task. Raises what the
+        copy raised (after the rollback)."""
+        ctx = self._ctx
+        if not keys or self._device_lock.locked() or HOST not in ctx.lower:
             return None
+        if ctx.moves.get(ctx.medium(HOST), ctx.medium(DEVICE)) is not copy_move:
+            return None  # (another move: its copies are its own)
         table = self._table
+        engine = ctx.engine
         if len(table.readable(keys, HOST)) < len(keys):
             return None
-        if not self._ctx.engine.runs_inline(len(keys) * self._ctx.spec.page_bytes):
+        if not engine.runs_inline(len(keys) * ctx.spec.page_bytes):
             return None
         if not self._evict.make_room_now(len(keys), keys):
             return None
-        began = self._begin(keys, {HOST: keys}, priority)
-        if began is None:
+        got = self._slots(keys)
+        if got is None:
             return None
-        new, task = began
-        if task is not None:  # a copy that did not run inline: the core ends it
-            task.add_done_callback(partial(self._orphan, new))
+        new, slots = got
+        src = {HOST: (new, table.prepare_load(new, HOST))}
+        try:  # one copy, here: no handle, no task (the engine is idle: checked above)
+            st = engine.copy_now(
+                self._arenas[HOST], src[HOST][1], self._arenas[DEVICE], slots, priority=priority
+            )
+        except BaseException as exc:
+            self._end(new, src, [], exc)  # (raises it, after the rollback)
+            raise
+        if st is None:  # the engine took other work meanwhile: nothing was copied
+            self._end(new, src, [], None, ok=False)
             return None
+        self._end(new, src, [(HOST, len(new), st)], None)
         return new
+
+    def _slots(self, keys: list[PageKey]) -> tuple[list[PageKey], list[int]] | None:
+        """Device slots for loading ``keys`` (room made): the pages the policy admitted (all,
+        or some) and their slots, WRITING; None when the policy made room of its own (undone)."""
+        table = self._table
+        alloc = table.prepare_store(keys, DEVICE)
+        if alloc is None or alloc.evicted:  # room was made under the lock
+            if alloc is not None:
+                table.complete_store(alloc.keys, DEVICE, ok=False)
+            return None
+        self.note_peak()
+        self._prefaulter.ahead(alloc.slots)
+        return cast(list[PageKey], alloc.keys), alloc.slots
 
     def _begin(
         self, keys: list[PageKey], found: dict[str, list[PageKey]], priority: Priority
@@ -146,20 +174,16 @@ class DeviceLoads:
         ends their copies, or no task when every copy ran inline and the load was committed
         here (its pages pinned for the caller); None when the slots could not be had."""
         table = self._table
-        alloc = table.prepare_store(keys, DEVICE)
-        if alloc is None or alloc.evicted:  # room was made under the lock
-            if alloc is not None:
-                table.complete_store(alloc.keys, DEVICE, ok=False)
+        got = self._slots(keys)
+        if got is None:
             return None
-        self.note_peak()
-        self._prefaulter.ahead(alloc.slots)
-        new = cast(list[PageKey], alloc.keys)
+        new, new_slots = got
         if len(new) < len(keys):  # the policy's admission kept some only
             kept = set(new)
             found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
         # sources are pinned now, with no await since they were chosen
         src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
-        slot_of = dict(zip(new, alloc.slots))
+        slot_of = dict(zip(new, new_slots))
         # submit now, before any await: the copies run while the caller computes
         work: Work = []
         try:
@@ -172,7 +196,13 @@ class DeviceLoads:
         except BaseException as exc:  # the copies already submitted finish before the rollback
             return new, asyncio.ensure_future(self._finish(new, src, work, exc))
         if all(h.done() for _, _, h in work):
-            self._end(new, src, work, None)  # (raises a copy's error, after the rollback)
+            done, error = [], None
+            for tier, n, h in work:
+                if h.exception() is None:
+                    done.append((tier, n, h.stats))
+                else:
+                    error = error or h.exception()
+            self._end(new, src, done, error)  # (raises a copy's error, after the rollback)
             return new, None
         return new, asyncio.ensure_future(self._finish(new, src, work, None))
 
@@ -185,33 +215,41 @@ class DeviceLoads:
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled: commits
         the pages pinned for the caller (or rolls them back) and wakes the waiters."""
-        for _, _, handle in work:
+        done: Done = []
+        for tier, n, handle in work:
             try:
-                await job_done(handle)  # the slots are the copy's until it has ended
+                st = await job_done(handle)  # the slots are the copy's until it has ended
             except BaseException as exc:  # roll back: the slots are free again
                 error = error or exc
-        self._end(keys, src, work, error)
+            else:
+                done.append((tier, n, st))
+        self._end(keys, src, done, error)
 
     def _end(
-        self, keys: list[PageKey], src: Sources, work: Work, error: BaseException | None
+        self,
+        keys: list[PageKey],
+        src: Sources,
+        done: Done,
+        error: BaseException | None,
+        *,
+        ok: bool = True,
     ) -> None:
-        """A load's copies have ended: commit the pages, pinned for the caller (or roll them
-        back and raise the error), let go of the sources, count, wake the waiters."""
+        """A load's copies have ended (``done``: those that succeeded): commit the pages,
+        pinned for the caller, or roll them back (``error``, raised then; or not ``ok``: none
+        was copied), let go of the sources, count, wake the waiters."""
         landed = 0.0
-        for tier, n, handle in work:
-            if not handle.done() or handle.exception() is not None:
-                error = error or handle.exception()
-                continue
-            landed = max(landed, handle.stats.finished_at or time.perf_counter())
+        for tier, n, st in done:
+            landed = max(landed, st.finished_at or time.perf_counter())
             if tier == HOST:
-                self._ctx.copied("load", "stream host->device", handle.stats, n)
+                self._ctx.copied("load", "stream host->device", st, n)
                 self._ctx.stats.bytes_h2d += n * self._ctx.spec.page_bytes
             self._ctx.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
             self._table.complete_load(ks, tier)
         error = self._cold.corrupt(error)  # a cold copy failed its checksum: dropped, typed
-        self._table.complete_store(keys, DEVICE, ok=error is None)
-        if error is None:
+        ok = ok and error is None
+        self._table.complete_store(keys, DEVICE, ok=ok)
+        if ok:
             self._ctx.stats.loads_landed_at = landed
             self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
             if self._ctx.top == DEVICE:  # no host tier: the owners pin the leased copy
