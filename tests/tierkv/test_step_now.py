@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tierkv import SpecError
 from tierkv.runtime import Priority, TransferError
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE, HOST
@@ -149,4 +150,40 @@ async def test_a_failing_inline_copy_raises_and_leaves_nothing(
             for layer in range(SPEC.num_layers):
                 k, _ = (await step.layer(layer)).kv()
                 assert torch.equal(k[0], ref[("a", layer)])
+        await idle(st)
+
+
+async def test_kv_into_a_buffer_is_the_same_gather_and_checks_the_buffer() -> None:
+    async with _store(device_pages=40) as st:
+        for s in ("a", "b"):
+            await st.add_sequence(s, [])
+        async with st.step_plan(["a", "b"], tokens=[1, 2], ahead=1) as step:  # lengths 1, 2
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                x = rand(H, 3, D, seed=layer)
+                h.append(x, x)
+        async with st.step_plan(["a", "b"], tokens=[2, 1], ahead=1) as step:  # both 3: ragged
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                x = rand(H, 3, D, seed=10 + layer)
+                h.append(x, x)
+                want_k, want_v = h.kv()
+                with pytest.raises(SpecError):  # too small: nothing gathered
+                    h.kv(out=torch.empty(h.gather_numel() - 1))
+                with pytest.raises(SpecError):
+                    h.kv(out=torch.empty(h.gather_numel(), dtype=torch.float64))
+                buf = torch.full((h.gather_numel() + 5,), float("nan"))
+                k, v = h.kv(out=buf)
+                assert torch.equal(k, want_k) and torch.equal(v, want_v)
+                assert k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        async with st.step_plan(["a", "b"], tokens=1, ahead=1) as step:  # uniform: by pages
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                x = rand(2, H, 1, D, seed=20 + layer)
+                h.append(x, x)
+                want_k, _ = h.kv()
+                buf = torch.empty(h.gather_numel())
+                k, _ = h.kv(out=buf)
+                assert torch.equal(k, want_k) and k.shape == (2, H, 4, D)
+                assert k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
         await idle(st)

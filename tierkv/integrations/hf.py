@@ -32,8 +32,10 @@ so the device tier needs a few layers' pages of the batch at a time; the others 
 host tier, and the next group of layers loads while the model computes. A store the cache
 opens runs in the caller's thread, a shared one on its loop thread (:mod:`.hf_store`). The
 returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
-``DynamicCache`` (live pages are never compressed unless ``compress_live``). A padded row (a
-zero in ``attention_mask``) shares nothing.
+``DynamicCache`` (live pages are never compressed unless ``compress_live``); they are views of
+one buffer of the cache that every layer's gather reuses, valid until its next ``update()``
+(attention uses them first: no gather allocates). A padded row (a zero in
+``attention_mask``) shares nothing.
 
 This file stays whole (over 400 lines): the cache and its layer class are one transformers
 ``Cache`` implementation; how it reaches its store and its rows' helpers are apart
@@ -286,6 +288,7 @@ class TieredCache(Cache):
         self._seq_ids: list[str] = []
         self._closed = False
         self._plan: StepPlan | None = None  # the step of the forward under way
+        self._out: torch.Tensor | None = None  # what each layer's K/V are gathered into
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         super().__init__(layers=list(self._layers))
 
@@ -325,7 +328,7 @@ class TieredCache(Cache):
                 if started is not None and not started.done():  # (else loaded in layer_now)
                     driver.turn(started)
                 step.append(k, v)
-                keys, values = step.kv()
+                keys, values = step.kv(out=self._gather_buffer(step))
             except BaseException:
                 self._end_plan()
                 raise
@@ -335,6 +338,18 @@ class TieredCache(Cache):
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
+
+    def _gather_buffer(self, step: LayerStep) -> torch.Tensor:
+        """The one buffer every layer's K/V are gathered into (grown by doubling): attention
+        uses a layer's K/V before the next layer's update, so no gather allocates."""
+        need = step.gather_numel()
+        out = self._out
+        if out is None or out.numel() < need:
+            have = 0 if out is None else out.numel()
+            device = self._driver.store.tiers.pages.device
+            out = torch.empty(max(need, 2 * have), dtype=self.spec.dtype, device=device)
+            self._out = out
+        return out
 
     def _start(self, batch: int) -> None:
         ids = [f"{self._prefix}/{b}" for b in range(batch)]
@@ -393,7 +408,7 @@ class TieredCache(Cache):
             if step is None:
                 step = await plan.layer(layer)
             step.append(k, v)
-            kv = step.kv()
+            kv = step.kv(out=self._gather_buffer(step))
         except BaseException as exc:
             self._plan = None
             await plan.__aexit__(type(exc), exc, exc.__traceback__)
@@ -448,6 +463,7 @@ class TieredCache(Cache):
         if self._closed:
             return
         self._closed = True
+        self._out = None
         try:
             self._end_plan()
             self._release()
