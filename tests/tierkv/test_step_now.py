@@ -43,8 +43,12 @@ async def _fill(st: KVStore, ids: list[str], n: int = 12) -> dict[tuple[str, int
     return ref
 
 
-def _on_device(st: KVStore, keys: list[bytes]) -> list[bytes]:
-    return st.tiers.table.present(keys, DEVICE)
+async def _read_exact(st: KVStore, ref: dict[tuple[str, int], torch.Tensor]) -> None:
+    """A step over sequence "a" reads back exactly what :func:`_fill` wrote."""
+    async with st.step_plan(["a"], tokens=0, ahead=1) as step:
+        for layer in range(SPEC.num_layers):
+            k, _ = (await step.layer(layer)).kv()
+            assert torch.equal(k[0], ref[("a", layer)])
 
 
 async def test_groups_load_inline_with_no_task_and_exact_kv() -> None:
@@ -102,11 +106,7 @@ async def test_room_only_by_a_write_back_is_left_to_the_async_path() -> None:
         assert sorted(table.keys(DEVICE)) == before  # the victims picked were put back
         for k in before:
             assert table.pins(k, DEVICE) == 0
-        # the step then loads through the write-backs, exact
-        async with st.step_plan(["a"], tokens=0, ahead=1) as step:
-            for layer in range(SPEC.num_layers):
-                k, _ = (await step.layer(layer)).kv()
-                assert torch.equal(k[0], ref[("a", layer)])
+        await _read_exact(st, ref)  # the step then loads through the write-backs
         await idle(st)
 
 
@@ -146,10 +146,7 @@ async def test_a_failing_inline_copy_raises_and_leaves_nothing(
         assert not table.present(host_only[:2], DEVICE)  # rolled back
         assert table.pins(resident[0], DEVICE) == 0
         monkeypatch.undo()
-        async with st.step_plan(["a"], tokens=0, ahead=1) as step:  # and nothing was lost
-            for layer in range(SPEC.num_layers):
-                k, _ = (await step.layer(layer)).kv()
-                assert torch.equal(k[0], ref[("a", layer)])
+        await _read_exact(st, ref)  # and nothing was lost
         await idle(st)
 
 
