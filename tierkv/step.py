@@ -120,7 +120,8 @@ class StepPlan:
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
         self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
-        self.by_page = tiers.pages.all_pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
+        self.pages = tiers.pages.all_pages  # [slots, 2, H, T, D]
+        self.by_page = self.pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
         self.waited_pages = 0
 
     @property

@@ -25,6 +25,7 @@ class StepView(Protocol):
     store: LeaseHost
     seqs: tuple[SequenceState, ...]
     flat: torch.Tensor  # the device pages as rows of head_dim elements
+    pages: torch.Tensor  # the device pages, [slots, 2, H, T, D]
     by_page: torch.Tensor  # the device pages as [2, H, slots, T, D] (a view)
 
     def check_current(self, step: LayerStep) -> None:
@@ -105,7 +106,12 @@ class LayerStep:
             k, v = k.detach(), v.detach()
         if k.device != dev:
             k, v = k.to(dev), v.to(dev)
-        flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
+        at = rows.one_page() if by_seq and rows.batch == 1 else None
+        if at is not None:  # one sequence, its new tokens in one page: one cat into its slot
+            slot, p = at
+            torch.cat((k, v), out=plan.pages[slot, :, :, p : p + k.shape[2]])
+        else:
+            flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
         tiers = plan.store.tiers
         tiers.pages.mark_dirty(self.written)
         if self.filled:

@@ -209,6 +209,17 @@ class LayerRows:
             self._page_index = got
         return got
 
+    def one_page(self) -> tuple[int, int] | None:
+        """(slot, token in page) where the new tokens of a one-sequence layer start, when
+        they all fall in that page (a decode step's token always does); else None."""
+        if self.batch != 1 or not self.n_new[0]:
+            return None
+        t = self._spec.page_tokens
+        start = self._starts[0]
+        if start // t != (start + self.n_new[0] - 1) // t:
+            return None
+        return int(self._slots[0][start // t]), start % t
+
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""
         kv = self.kv_rows(by_seq)

@@ -184,3 +184,30 @@ async def test_kv_into_a_buffer_is_the_same_gather_and_checks_the_buffer() -> No
                 assert torch.equal(k, want_k) and k.shape == (2, H, 4, D)
                 assert k.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
         await idle(st)
+
+
+async def test_one_sequence_appends_into_its_page_exact_within_and_across_pages() -> None:
+    # one sequence whose new tokens fall in one page: one cat into the slot; across a page
+    # boundary: the rows' index_copy_. Both bit-identical to what was appended.
+    async with _store(device_pages=40) as st:
+        await st.add_sequence("a", [])
+        ref_k = {layer: torch.empty(H, 0, D) for layer in range(SPEC.num_layers)}
+        ref_v = dict(ref_k)
+        for n_step, n in enumerate([3, 1, 1, 5, 1, 2, 4, 1]):  # page_tokens 4
+            async with st.step_plan(["a"], tokens=n, ahead=1) as step:
+                for layer in range(SPEC.num_layers):
+                    h = await step.layer(layer)
+                    k = rand(1, H, n, D, seed=100 * n_step + layer)
+                    v = rand(1, D, H, n, seed=100 * n_step + layer + 50).permute(0, 2, 3, 1)
+                    h.append(k, v)  # (v strided, as a model's values are)
+                    ref_k[layer] = torch.cat([ref_k[layer], k[0]], 1)
+                    ref_v[layer] = torch.cat([ref_v[layer], v[0]], 1)
+                    got_k, got_v = h.kv()
+                    assert torch.equal(got_k[0], ref_k[layer])
+                    assert torch.equal(got_v[0], ref_v[layer])
+            st.step()
+        for layer in range(SPEC.num_layers):  # the lease path reads the same bytes
+            async with st.lease(["a"], [layer]) as lease:
+                k, v = lease.kv("a", layer)
+                assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
+        await idle(st)
