@@ -199,19 +199,21 @@ class LayerStep:
         self._check_read()
         if rows.uniform:  # whole pages, by slot: one index_select over a handful of indices
             t = spec.page_tokens
-            m = rows.pages * t
+            b = rows.batch
+            m = rows.pages * t  # tokens of a sequence's whole pages
             index = rows.page_index()
             by_page = self._plan.by_page
             if out is None:
                 got = by_page.index_select(2, index)
-            else:
-                got = out.view(-1)[: 2 * h * len(index) * t * d].view(2, h, len(index), t, d)
+            else:  # (one as_strided, not a view, a slice and a view: each op costs
+                # microseconds inside a forward)
+                size = (2, h, b * rows.pages, t, d)
+                got = out.as_strided(size, _dense(*size))
                 torch.index_select(by_page, 2, index, out=got)
-            if rows.batch == 1:  # (fewer view ops: each costs microseconds inside a forward)
-                k1, v1 = got.view(2, 1, h, m, d)[:, :, :, :s].unbind(0)
-                return k1, v1
-            kb, vb = got.view(2, h, rows.batch, m, d)[:, :, :, :s].transpose(1, 2).unbind(0)
-            return kb, vb
+            # got is [2, H, B, m, D] dense: K and V [B, H, s, D] as two strided views of it
+            shape, stride = (b, h, s, d), (m * d, b * m * d, d, 1)
+            at = got.storage_offset()
+            return got.as_strided(shape, stride), got.as_strided(shape, stride, at + h * b * m * d)
         flat = self._plan.flat
         if out is None:
             gathered = flat.index_select(0, rows.read)
@@ -285,6 +287,15 @@ class LayerStep:
             kv = p.view(2, h, s, d)
             out.append((kv[0], kv[1]))
         return out
+
+
+def _dense(*shape: int) -> tuple[int, ...]:
+    """The strides of a dense (C-contiguous) tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def check_tokens(tokens: int | Sequence[int], n: int) -> list[int]:
