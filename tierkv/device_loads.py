@@ -17,7 +17,7 @@ from functools import partial
 from typing import cast
 
 from tierkv.core_context import CoreContext
-from tierkv.errors import StoreTimeoutError
+from tierkv.errors import PageStateError, StoreTimeoutError, TierFullError
 from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
@@ -112,6 +112,51 @@ class DeviceLoads:
             raise
         return new
 
+    def acquire_now(self, keys: Sequence[PageKey], priority: Priority) -> int | None:
+        """:meth:`TierSet.acquire_device` with no wait (a step's group, on the cpu backend
+        mostly): pins every page of ``keys``, loading what is not resident where that needs
+        no wait (:meth:`load_now`), and returns the pages loaded; None, with nothing pinned,
+        where it would wait (a page in flight or in no tier, more pages than the device holds,
+        a load that cannot run here, room only by a write-back): then use ``acquire_device``.
+        Raises what a copy raised; no pin is left behind then."""
+        todo = list(dict.fromkeys(keys))
+        table = self._table
+        if len(todo) > table.capacity(DEVICE):
+            return None  # (acquire_device raises TierFullError)
+        ready, todo = cast(tuple[list[PageKey], list[PageKey]], table.pin_readable(todo, DEVICE))
+        if not todo:
+            return 0
+        got = None
+        try:
+            if len(table.absent(todo, DEVICE)) == len(todo):  # (none in flight)
+                got = self.load_now(todo, priority)
+        finally:
+            if got is None and ready:
+                self._unpin(ready)
+        if got is None:
+            return None
+        if len(got) < len(todo):  # the policy's admission kept some only
+            self._unpin(ready + got)
+            return None
+        return len(todo)
+
+    def reserve_now(self, keys: Sequence[PageKey]) -> list[int] | None:
+        """:meth:`TierSet.reserve_device` with no wait: device slots for new pages (WRITING),
+        or None, nothing reserved, where the room is not there without a wait (only clean
+        pages are dropped for it) or the device lock is held. Raises TierFullError (never
+        fits), PageStateError (a key is on the device already)."""
+        table = self._table
+        if len(keys) > table.capacity(DEVICE):
+            raise TierFullError(f"{len(keys)} new pages can never be on the device at once")
+        if self._device_lock.locked():
+            return None
+        if table.present(keys, DEVICE):
+            raise PageStateError(f"{len(keys)} new pages: some are already on the device")
+        if not self._evict.make_room_now(len(keys), keys):
+            return None
+        got = self.take_slots(keys)
+        return None if got is None else got[1]
+
     def load_now(self, keys: list[PageKey], priority: Priority) -> list[PageKey] | None:
         """:meth:`load` with no wait, for pages whose copies run inline (cpu backend, a small
         batch, an idle engine) from the host tier, into room that dropping clean pages makes
@@ -135,7 +180,7 @@ class DeviceLoads:
             return None
         if not self._evict.make_room_now(len(keys), keys):
             return None
-        got = self._slots(keys)
+        got = self.take_slots(keys)
         if got is None:
             return None
         new, slots = got
@@ -153,9 +198,10 @@ class DeviceLoads:
         self._end(new, src, [(HOST, len(new), st)], None)
         return new
 
-    def _slots(self, keys: list[PageKey]) -> tuple[list[PageKey], list[int]] | None:
-        """Device slots for loading ``keys`` (room made): the pages the policy admitted (all,
-        or some) and their slots, WRITING; None when the policy made room of its own (undone)."""
+    def take_slots(self, keys: Sequence[PageKey]) -> tuple[list[PageKey], list[int]] | None:
+        """Device slots for ``keys`` (room made; a load's or new pages'): the pages the policy
+        admitted (all, or some) and their slots, WRITING; None when the policy made room of
+        its own (undone)."""
         table = self._table
         alloc = table.prepare_store(keys, DEVICE)
         if alloc is None or alloc.evicted:  # room was made under the lock
@@ -174,7 +220,7 @@ class DeviceLoads:
         ends their copies, or no task when every copy ran inline and the load was committed
         here (its pages pinned for the caller); None when the slots could not be had."""
         table = self._table
-        got = self._slots(keys)
+        got = self.take_slots(keys)
         if got is None:
             return None
         new, new_slots = got

@@ -158,10 +158,47 @@ class StepPlan:
         """
         store = self.store
         tiers = store.tiers
+        footprint = self._entry()
+        self._prepare()
+        deadline = tiers.changes.deadline(store.timeout)
+        held = await store.admission.enter(
+            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
+        )
+        self._go(held, asyncio.get_running_loop())
+        return self
+
+    @boundary
+    def enter_now(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """:meth:`__aenter__` with no wait, for a caller that drives the store's ``loop``
+        itself, outside it now: True when the admission took the step's room at once (the
+        first groups' loads then started as ``__aenter__`` starts them; leave with
+        ``__aexit__``); False, with nothing held, where it would wait (use ``async with``).
+        Raises what ``__aenter__`` raises before anything is held."""
+        footprint = self._entry()
+        held = self.store.admission.enter_now(footprint)
+        if held is None:
+            return False
+        try:
+            self._prepare()
+        except BaseException:
+            self.store.admission.leave(held)
+            raise
+        self._go(held, loop)
+        return True
+
+    def _entry(self) -> int:
+        """An entry's checks; returns the step's footprint (its window fitted to the device).
+        Raises SequenceError (a sequence was released), TierFullError (never fits)."""
+        tiers = self.store.tiers
         for seq in self.seqs:
             self._check_live(seq)
         footprint = self._footprint(tiers.table.capacity(DEVICE))
         tiers.room.ensure_fits(footprint)
+        return footprint
+
+    def _prepare(self) -> None:
+        """The sequences' blocks the step fills, and its pages announced in reading order."""
+        store = self.store
         groups = -(-len(self.layers) // self.group)
         self._tasks = [None] * groups
         self._released = [False] * groups
@@ -178,16 +215,15 @@ class StepPlan:
         written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
         first = set(written)
         rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
-        tiers.announce(written + [k for k in rest if k not in first])
-        deadline = tiers.changes.deadline(store.timeout)
-        self._held = await store.admission.enter(
-            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
-        )
-        self._loop = asyncio.get_running_loop()
+        store.tiers.announce(written + [k for k in rest if k not in first])
+
+    def _go(self, held: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Admitted (``held`` pages): active, the first groups' loads started."""
+        self._held = held
+        self._loop = loop
         self._active = True
-        for g in range(min(groups, 2 if self.ahead else 0)):
+        for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
             self._start(g)
-        return self
 
     @async_boundary
     async def __aexit__(self, *exc: object) -> None:
@@ -312,7 +348,10 @@ class StepPlan:
         if self._tasks[g] is not None:
             return
         loop = self._loop
-        steps = self._load_now(g) if loop is not None and self._tenants is None else None
+        try:
+            steps = self._load_now(g) if loop is not None and self._tenants is None else None
+        except Exception:  # (nothing held: the task loads it again and raises where the
+            steps = None  # layer waits for it, as with any load's error)
         if steps is not None:  # loaded (or resident) and opened here: no task, no loop turn
             assert loop is not None
             done: asyncio.Future[list[LayerStep]] = loop.create_future()
@@ -360,21 +399,21 @@ class StepPlan:
     def _load_now(self, g: int) -> list[LayerStep] | None:
         """:meth:`_load` with no wait and no task, where the tier core can pin, load and
         open the group's pages at once (the cpu backend's inline copies into room that clean
-        pages make: :meth:`TierSet.acquire_device_now`); None where it cannot (nothing held
+        pages make: :meth:`LeasePages.acquire_now`); None where it cannot (nothing held
         then: :meth:`_load` does it, and raises what there is to raise)."""
         store = self.store
         tiers = store.tiers
         layers = self.layers[g * self.group : (g + 1) * self.group]
         try:
             keys, new, plans = self._name(layers)
-            loaded = tiers.acquire_device_now(keys, Priority.DEMAND)
+            loaded = tiers.pages.acquire_now(keys, Priority.DEMAND)
         except TierKVError:
             return None
         if loaded is None:
             return None
         landed = tiers.stats.loads_landed_at if loaded else 0.0
         try:
-            slots = tiers.reserve_device_now(new) if new else []
+            slots = tiers.pages.reserve_now(new) if new else []
         except TierKVError:  # (raised again by _load, where the layer waits)
             slots = None
         if slots is None:

@@ -42,9 +42,6 @@ concern, each from one :class:`~tierkv.core_context.CoreContext`:
 Everything else (leases, prefetch, the remote tier, the page server, metrics) uses those
 public methods and reads through :attr:`TierSet.table`, a read-only view; every transition is
 checked by :meth:`TierSet.check`.
-
-The file stays whole (over 400 lines): placement on the device (reserve, load, pin, wait for
-room, and their no-wait forms for a step's groups) is one owner's, under one device lock.
 """
 
 from __future__ import annotations
@@ -177,13 +174,13 @@ class TierSet:
         self.ownership.on_rename(self._evict.rename)  # the dirty set, the announced pages
         if tenants is not None:
             self.ownership.on_rename(tenants.rename)  # a page's charge follows it
-        self.pages = LeasePages(ctx, self._evict)
         self.glue = RemoteGlue(ctx, self.cold)
         self.room = DeviceRoom(ctx, self._evict)
         self._device_lock = asyncio.Lock()
         self._reap_due = False  # a reap is scheduled for the next loop turn
         self._prefaulter = Prefaulter(arenas[DEVICE])
         self._loads = DeviceLoads(ctx, self._evict, self.cold, self._prefaulter, self._device_lock)
+        self.pages = LeasePages(ctx, self._evict, self._loads)
         # the chain, fastest first, as Tier objects: the core's arenas, then the tiers attached
         # below (the lower chain's, the remote tier)
         self.chain: list[Tier] = list(core_tiers(ctx, self._evict.dirty))
@@ -252,38 +249,13 @@ class TierSet:
                 if self._table.present(keys, DEVICE):
                     raise PageStateError(f"{len(keys)} new pages: some are already on the device")
                 if await self._evict.make_room(len(keys), deadline, keys):
-                    slots = self._take_slots(keys)
-                    if slots is not None:
-                        return slots
+                    got = self._loads.take_slots(keys)
+                    if got is not None:
+                        return got[1]
             if not self.room.could_free(mine):
                 raise self.room.full_error(len(keys))
             waited = self.engine.timeout if timeout is None else timeout
             await self.changes.wait(deadline, partial(self.room.full_error, len(keys), waited))
-
-    def reserve_device_now(self, keys: Sequence[PageKey]) -> list[int] | None:
-        """:meth:`reserve_device` with no wait: None when the room is not there without one
-        (only clean pages are dropped for it: :meth:`DeviceEviction.make_room_now`), or the
-        device lock is held. Raises TierFullError, PageStateError as it does."""
-        self.room.ensure_fits(len(keys))
-        if self._device_lock.locked():
-            return None
-        if self._table.present(keys, DEVICE):
-            raise PageStateError(f"{len(keys)} new pages: some are already on the device")
-        if not self._evict.make_room_now(len(keys), keys):
-            return None
-        return self._take_slots(keys)
-
-    def _take_slots(self, keys: Sequence[PageKey]) -> list[int] | None:
-        """Device slots for new pages, room made (WRITING); None when the policy made room of
-        its own instead (undone)."""
-        alloc = self._table.prepare_store(keys, DEVICE)
-        if alloc is not None and not alloc.evicted:
-            self._loads.note_peak()
-            self._prefaulter.ahead(alloc.slots)
-            return alloc.slots
-        if alloc is not None:  # the policy made room by itself: undo, use ours
-            self._table.complete_store(alloc.keys, DEVICE, ok=False)
-        return None
 
     def commit_device(self, keys: Sequence[PageKey]) -> None:
         """New device pages are written: readable, dirty (no lower copy yet)."""
@@ -379,36 +351,6 @@ class TierSet:
                 table.complete_load(pinned, DEVICE)
                 self.signal_progress()
             raise
-
-    def acquire_device_now(self, keys: Sequence[PageKey], priority: Priority) -> int | None:
-        """:meth:`acquire_device` with no wait (a step's group on the cpu backend, mostly):
-        pins every page of ``keys``, loading what is not resident where that needs no wait
-        (:meth:`DeviceLoads.load_now`), and returns the pages loaded; None, with nothing
-        pinned, where it would wait (a page in flight or in no tier, a load that cannot run
-        inline, room only by a write-back): then use :meth:`acquire_device`. Raises
-        TierFullError (the pages can never be resident at once) and what a copy raised; no
-        pin is left behind then."""
-        todo = list(dict.fromkeys(keys))
-        self.room.ensure_fits(len(todo))
-        table = self._table
-        ready, todo = cast(tuple[list[PageKey], list[PageKey]], table.pin_readable(todo, DEVICE))
-        if not todo:
-            return 0
-        got = None
-        try:
-            if len(table.absent(todo, DEVICE)) == len(todo):  # (none in flight)
-                got = self._loads.load_now(todo, priority)
-        finally:
-            if got is None and ready:
-                table.complete_load(ready, DEVICE)
-                self.signal_progress()
-        if got is None:
-            return None
-        if len(got) < len(todo):  # the policy's admission kept some only
-            table.complete_load(ready + got, DEVICE)
-            self.signal_progress()
-            return None
-        return len(todo)
 
     def unpin_device(self, keys: Sequence[PageKey]) -> None:
         """Unpin pages pinned by :meth:`acquire_device` or :meth:`pin_device` (records their

@@ -1,11 +1,13 @@
 """A step's group loads with no wait and no task (tierkv.step ``_load_now``): on the cpu backend
 a group's pages are pinned, loaded by copies that run inline and opened in one synchronous
-pass (``TierSet.acquire_device_now``, ``DeviceLoads.load_now``, ``DeviceEviction.make_room_now``).
+pass (``LeasePages.acquire_now``, ``DeviceLoads.load_now``, ``DeviceEviction.make_room_now``).
 Where that cannot be done (a copy that would not run inline, room only by a write-back, a page
 in flight, a failing copy) nothing is held and the group loads as before; KV stays exact.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -102,7 +104,7 @@ async def test_room_only_by_a_write_back_is_left_to_the_async_path() -> None:
         want = host_only[:2]
         assert len(want) == 2
         before = sorted(table.keys(DEVICE))
-        assert st.tiers.acquire_device_now(want, Priority.DEMAND) is None
+        assert st.tiers.pages.acquire_now(want, Priority.DEMAND) is None
         assert sorted(table.keys(DEVICE)) == before  # the victims picked were put back
         for k in before:
             assert table.pins(k, DEVICE) == 0
@@ -115,13 +117,13 @@ async def test_pages_in_flight_or_in_no_tier_are_left_to_the_async_path() -> Non
         await _fill(st, ["a"])
         table = st.tiers.table
         resident = table.keys(DEVICE)[:1]
-        assert st.tiers.acquire_device_now([*resident, b"\x07" * 16], Priority.DEMAND) is None
+        assert st.tiers.pages.acquire_now([*resident, b"\x07" * 16], Priority.DEMAND) is None
         assert table.pins(resident[0], DEVICE) == 0  # its pin went with the refusal
         # a page being written (WRITING) is in flight: not loaded here, nothing pinned
         new = [b"\x08" * 16]
-        slots = st.tiers.reserve_device_now(new)
+        slots = st.tiers.pages.reserve_now(new)
         assert slots is not None
-        assert st.tiers.acquire_device_now(resident + new, Priority.DEMAND) is None
+        assert st.tiers.pages.acquire_now(resident + new, Priority.DEMAND) is None
         assert table.pins(resident[0], DEVICE) == 0
         st.tiers.abort_device(new, pinned=False, owned=False)
         await idle(st)
@@ -142,7 +144,7 @@ async def test_a_failing_inline_copy_raises_and_leaves_nothing(
 
         monkeypatch.setattr(backend, "copy_slots", broken)
         with pytest.raises(TransferError):  # (the tier core raises it unmapped)
-            st.tiers.acquire_device_now(resident + host_only[:2], Priority.DEMAND)
+            st.tiers.pages.acquire_now(resident + host_only[:2], Priority.DEMAND)
         assert not table.present(host_only[:2], DEVICE)  # rolled back
         assert table.pins(resident[0], DEVICE) == 0
         monkeypatch.undo()
@@ -211,4 +213,33 @@ async def test_one_sequence_appends_into_its_page_exact_within_and_across_pages(
             async with st.lease(["a"], [layer]) as lease:
                 k, v = lease.kv("a", layer)
                 assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
+        await idle(st)
+
+
+async def test_enter_now_takes_the_room_at_once_or_holds_nothing() -> None:
+    async with _store(device_pages=8) as st:
+        ref = await _fill(st, ["a"])
+        loop = asyncio.get_running_loop()
+        admission = st.admission
+        held = admission.enter_now(admission.capacity)  # another step holds every page
+        assert held is not None
+        plan = st.step_plan(["a"], tokens=1, ahead=1)
+        blocks = st.sequence("a").num_blocks
+        assert not plan.enter_now(loop)  # it would wait: nothing held, nothing changed
+        assert admission.committed == held and admission.active == 1
+        assert st.sequence("a").num_blocks == blocks
+        admission.leave(held)
+        assert plan.enter_now(loop)  # room at once: entered, its first groups loaded here
+        try:
+            for layer in range(SPEC.num_layers):
+                # (a group whose room needs a write-back of this step's pages loads in a task)
+                h = plan.layer_now(layer, enter=True) or await plan.layer(layer)
+                plan.starting = None
+                new = rand(1, H, 1, D, seed=70 + layer)
+                h.append(new, new)
+                k, _ = h.kv()
+                assert torch.equal(k[0], torch.cat([ref[("a", layer)], new[0]], 1))
+        finally:
+            await plan.__aexit__(None, None, None)
+        assert st.sequence("a").kv_len == [13] * SPEC.num_layers
         await idle(st)

@@ -320,6 +320,8 @@ class TieredCache(Cache):
         # store's state is its loop's)
         driver = self._driver
         local = isinstance(driver, LocalStore)
+        if idx == 0 and local:  # the step planned and entered with no loop run where it can
+            plan = self._enter_now(k.shape[2])
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
         if step is not None and idx != self.spec.num_layers - 1:
             assert plan is not None and isinstance(driver, LocalStore)
@@ -338,6 +340,17 @@ class TieredCache(Cache):
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
+
+    def _enter_now(self, tokens: int) -> StepPlan | None:
+        """The forward's step, planned and entered here (the admission had its room at
+        once: :meth:`LocalStore.enter`), or None (then the loop run of layer 0 does it)."""
+        driver = self._driver
+        assert isinstance(driver, LocalStore)
+        plan = driver.store.step_plan(self._seq_ids, tokens=tokens, ahead=self.prefetch_layers)
+        if not driver.enter(plan):
+            return None
+        self._plan = plan
+        return plan
 
     def _gather_buffer(self, step: LayerStep) -> torch.Tensor:
         """The one buffer every layer's K/V are gathered into (grown by doubling): attention
