@@ -55,8 +55,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from functools import partial
+
+import torch
 
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
@@ -451,13 +454,16 @@ class StepPlan:
             new_slots = tiers.pages.device_slots(new) if new else []
             steps = []
             bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
+            index = array("q")  # every layer's slots, sequence after sequence: one tensor
             for j, (layer, plan) in enumerate(zip(layers, plans)):
                 at, at_new, starts, counts, filled, written = plan
                 per_seq = []
                 for start, need in zip(starts, counts):
                     have = -(-start // t)
                     grown = need - have
-                    per_seq.append(old_slots[at : at + have] + new_slots[at_new : at_new + grown])
+                    got = old_slots[at : at + have] + new_slots[at_new : at_new + grown]
+                    per_seq.append(got)
+                    index.extend(got)
                     at += have
                     at_new += grown
                 rows = layer_rows(
@@ -467,6 +473,15 @@ class StepPlan:
                 steps.append(
                     LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
                 )
+            if index:  # each layer's page index a slice of one tensor (not one build a layer)
+                whole = torch.frombuffer(index, dtype=torch.int64)
+                if tiers.pages.device.type != "cpu":
+                    whole = whole.to(tiers.pages.device)
+                at = 0
+                for step in steps:
+                    n = step.rows.slots_count
+                    step.rows.set_page_index(whole[at : at + n])
+                    at += n
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)

@@ -223,6 +223,11 @@ class LayerStep:
         kv = gathered.view(rows.batch, 2, h, s, d)
         return kv[:, 0], kv[:, 1]
 
+    @property
+    def rows(self) -> LayerRows:
+        """Its rows (:mod:`tierkv.step_plan`)."""
+        return self._rows
+
     def gather_numel(self) -> int:
         """The elements :meth:`kv` gathers (whole pages where the layer is uniform)."""
         rows = self._rows

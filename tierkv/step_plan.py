@@ -200,6 +200,15 @@ class LayerRows:
             self._padded = got
         return got
 
+    @property
+    def slots_count(self) -> int:
+        """The device slots of every sequence's pages, in all."""
+        return sum(len(s) for s in self._slots)
+
+    def set_page_index(self, index: torch.Tensor) -> None:
+        """:meth:`page_index`, built by the caller (a group's layers at once)."""
+        self._page_index = index
+
     def page_index(self) -> torch.Tensor:
         """The device slots of every sequence's pages, sequence after sequence (uniform
         layers: ``batch * pages`` slots)."""
