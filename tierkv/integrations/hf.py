@@ -23,9 +23,12 @@ rest copied); a store the original opened closes when the last of its copies clo
 How a model's K/V reach the store: each batch row is one store sequence, each model layer one
 store layer, and each forward one store step (:mod:`tierkv.step`), planned at layer 0::
 
-    update(k, v, 0)   store.step_plan(rows, tokens=n): pins, loads, new pages, row indices
-    update(k, v, L)   one wait for layer L's group (none inside a group that landed: no loop
-                      run), one append (two index_copy_), one gather (one index_select)
+    update(k, v, 0)   store.step_plan(rows, tokens=n), entered with no loop run where its
+                      room is there at once: pins, loads, new pages, row indices
+    update(k, v, L)   no wait for a group that landed or loaded at once (no loop run), one
+                      append (one cat into the page, or one index_copy_), one gather (one
+                      index_select into the cache's buffer); the last layer: the step's end,
+                      the token's one loop run
     returned          [B, H_kv, S, D] K and V: views of the gathered copy
 
 so the device tier needs a few layers' pages of the batch at a time; the others wait on the
