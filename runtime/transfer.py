@@ -218,6 +218,16 @@ class TransferHandle:
         return self.wait().__await__()
 
 
+def _pin(src: Arena, s_ids: SlotIds, dst: Arena, d_ids: SlotIds) -> None:
+    """Mark a batch's slots busy (both or neither). Raises InvalidSlotError (unallocated)."""
+    src.pin_for_transfer(s_ids, "source")
+    try:
+        dst.pin_for_transfer(d_ids, "destination")
+    except BaseException:
+        src.unpin_after_transfer(s_ids)
+        raise
+
+
 class _Job:
     """A batch's work on its stream: a class, not a closure, so that the engine recognises its
     own copies queued on a stream (`TransferEngine._take_mergeable`)."""
@@ -294,6 +304,87 @@ class TransferEngine:
         """Batches waiting to be dispatched."""
         return len(self._pending) + len(self._pending_ext)
 
+    def runs_inline(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` with no dependency, submitted now from this thread,
+        would run right there (:meth:`submit`'s inline path): a cpu backend, at most
+        ``inline_bytes``, nothing queued or running. The answer holds until something else is
+        submitted (completions on the stream threads only make the engine idler)."""
+        with self._lock:
+            return (
+                not self._closed
+                and self.backend.name == "cpu"
+                and nbytes <= self.inline_bytes
+                and not self._inflight
+                and not self._pending
+            )
+
+    def copy_now(
+        self,
+        src: Arena,
+        src_slots: object,
+        dst: Arena,
+        dst_slots: object,
+        *,
+        priority: Priority = Priority.DEMAND,
+    ) -> TransferStats | None:
+        """The copy :meth:`submit` would run inline, run here with no handle, event or
+        completion callback (a synchronous caller, such as a step's group load, needs none):
+        returns its statistics, counted as a finished batch, or None with nothing done where
+        it would not run inline now (:meth:`runs_inline`). Raises what ``submit`` raises for
+        bad arenas or slots (nothing done then), TransferError when the copy failed (counted
+        failed; the destination slots may hold part of it)."""
+        self._check_copy(src, dst)
+        s_ids, d_ids = self._slot_ids(src, src_slots, dst, dst_slots, True)
+        st = TransferStats(
+            priority=Priority(priority),
+            pages=int(s_ids.size),
+            bytes=int(s_ids.size) * src.slot_bytes,
+            submitted_at=time.perf_counter(),
+        )
+        _pin(src, s_ids, dst, d_ids)  # (checks that the slots are allocated)
+        with self._lock:
+            if (
+                self._closed
+                or self.backend.name != "cpu"
+                or st.bytes > self.inline_bytes
+                or self._inflight
+                or self._pending
+            ):
+                staging = None
+            else:
+                if self._staging_pool:
+                    staging = self._staging_pool.pop()
+                else:
+                    staging = self.backend.create_staging(self.staging_bytes)
+                    self._staging_made += 1
+                self._inflight += 1
+                self._stats.submitted += 1
+                self._stats.max_inflight_seen = max(self._stats.max_inflight_seen, 1)
+        if staging is None:
+            src.unpin_after_transfer(s_ids)
+            dst.unpin_after_transfer(d_ids)
+            return None
+        st.dispatched_at = st.started_at = time.perf_counter()
+        error: TransferError | None = None
+        try:
+            info = self.backend.copy_slots(src, s_ids, dst, d_ids, staging)
+        except Exception as exc:
+            error = TransferError(f"copy {src.name}->{dst.name} failed: {exc!r}")
+            error.__cause__ = exc
+        else:
+            st.runs, st.kernel = info.runs, info.kernel
+        st.finished_at = time.perf_counter()
+        src.unpin_after_transfer(s_ids)
+        dst.unpin_after_transfer(d_ids)
+        with self._lock:
+            self._inflight -= 1
+            self._staging_pool.append(staging)
+            self._stats.record(st, _FAILED if error is not None else _DONE)
+            self._dispatch_locked()
+        if error is not None:
+            raise error
+        return st
+
     @property
     def stats(self) -> EngineStats:
         """A snapshot of the aggregated statistics."""
@@ -336,13 +427,7 @@ class TransferEngine:
         out of range, duplicated destination, unallocated, or a slot both read and written).
         Nothing changes when it raises.
         """
-        if self._closed:
-            raise EngineClosedError("transfer engine is closed")
-        if src.slot_bytes != dst.slot_bytes:
-            raise ArenaMismatchError(
-                f"slot sizes differ: {src.name!r} has {src.slot_bytes} B, "
-                f"{dst.name!r} has {dst.slot_bytes} B"
-            )
+        self._check_copy(src, dst)
         return self._queue(src, src_slots, dst, dst_slots, priority, after, "copy", None, None)
 
     def submit_call(
@@ -404,24 +489,9 @@ class TransferEngine:
         fn: Callable[[], Any] | None,
         loop: asyncio.AbstractEventLoop | None,
     ) -> TransferHandle:
-        if src.backend != self.backend.name or dst.backend != self.backend.name:
-            raise ArenaMismatchError(
-                f"arenas {src.name!r} ({src.backend}) and {dst.name!r} ({dst.backend}) "
-                f"do not belong to the {self.backend.name!r} backend"
-            )
-        s_ids = as_slot_ids(src_slots, src.num_slots, what=f"source slots in {src.name!r}")
-        d_ids = as_slot_ids(dst_slots, dst.num_slots, what=f"destination slots in {dst.name!r}")
-        if kind == "copy" and s_ids.size != d_ids.size:
-            raise InvalidSlotError(f"{s_ids.size} source slots but {d_ids.size} destination slots")
-        if src is dst and np.intersect1d(s_ids, d_ids).size:
-            raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
+        s_ids, d_ids = self._slot_ids(src, src_slots, dst, dst_slots, kind == "copy")
         deps = [d.event if isinstance(d, TransferHandle) else d for d in after]
-        src.pin_for_transfer(s_ids, "source")
-        try:
-            dst.pin_for_transfer(d_ids, "destination")
-        except BaseException:
-            src.unpin_after_transfer(s_ids)
-            raise
+        _pin(src, s_ids, dst, d_ids)
         with self._lock:
             if self._closed:
                 src.unpin_after_transfer(s_ids)
@@ -450,6 +520,35 @@ class TransferEngine:
         if inline:
             self._run_inline(handle)
         return handle
+
+    def _check_copy(self, src: Arena, dst: Arena) -> None:
+        """Raise EngineClosedError after close, ArenaMismatchError for slots of two sizes."""
+        if self._closed:
+            raise EngineClosedError("transfer engine is closed")
+        if src.slot_bytes != dst.slot_bytes:
+            raise ArenaMismatchError(
+                f"slot sizes differ: {src.name!r} has {src.slot_bytes} B, "
+                f"{dst.name!r} has {dst.slot_bytes} B"
+            )
+
+    def _slot_ids(
+        self, src: Arena, src_slots: object, dst: Arena, dst_slots: object, copy: bool
+    ) -> tuple[SlotIds, SlotIds]:
+        """A batch's slots as checked id arrays. Raises ArenaMismatchError (another backend's
+        arena), InvalidSlotError (bad ids; for a ``copy``, counts that differ; a slot both read
+        and written)."""
+        if src.backend != self.backend.name or dst.backend != self.backend.name:
+            raise ArenaMismatchError(
+                f"arenas {src.name!r} ({src.backend}) and {dst.name!r} ({dst.backend}) "
+                f"do not belong to the {self.backend.name!r} backend"
+            )
+        s_ids = as_slot_ids(src_slots, src.num_slots, what=f"source slots in {src.name!r}")
+        d_ids = as_slot_ids(dst_slots, dst.num_slots, what=f"destination slots in {dst.name!r}")
+        if copy and s_ids.size != d_ids.size:
+            raise InvalidSlotError(f"{s_ids.size} source slots but {d_ids.size} destination slots")
+        if src is dst and np.intersect1d(s_ids, d_ids).size:
+            raise InvalidSlotError(f"arena {src.name!r}: a slot is both read and written")
+        return s_ids, d_ids
 
     def _inline_locked(self, handle: TransferHandle) -> bool:
         """Whether `handle` runs now on the submitting thread (marked running if so): a copy

@@ -59,10 +59,10 @@ class Admission:
             BaseException: ``error()`` (a typed tierkv error) when ``deadline`` (loop time)
                 passes first; CancelledError when cancelled. Nothing is held then.
         """
+        got = self.enter_now(pages)
+        if got is not None:
+            return got
         pages = min(max(pages, 0), self.capacity)
-        if not self._queue and self._fits(pages):
-            self._take(pages)
-            return pages
         fut = asyncio.get_running_loop().create_future()
         waiter = _Waiter(pages, fut)
         self._queue.append(waiter)
@@ -83,6 +83,15 @@ class Admission:
                 raise error() from None
             raise
         return pages
+
+    def enter_now(self, pages: int) -> int | None:
+        """:meth:`enter` with no wait: the pages held when the footprint fits now and nobody
+        waits ahead of it, else None (nothing held, no place taken in the queue)."""
+        pages = min(max(pages, 0), self.capacity)
+        if not self._queue and self._fits(pages):
+            self._take(pages)
+            return pages
+        return None
 
     def leave(self, pages: int) -> None:
         """An admitted lease ended: give its footprint back and admit who now fits."""

@@ -17,17 +17,21 @@ from functools import partial
 from typing import cast
 
 from tierkv.core_context import CoreContext
-from tierkv.errors import StoreTimeoutError
+from tierkv.errors import PageStateError, StoreTimeoutError, TierFullError
 from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
 from tierkv.prefault import Prefaulter
-from tierkv.runtime import Priority, TransferHandle
-from tierkv.tier import Batch, Target
+from tierkv.runtime import Priority, TransferHandle, TransferStats
+from tierkv.tier import Batch, Target, copy_move
 from tierkv.tier_names import DEVICE, HOST
 
 __all__ = ["DeviceLoads"]
+
+Sources = dict[str, tuple[list[PageKey], list[int]]]  # a load's sources: tier -> keys, slots
+Work = list[tuple[str, int, TransferHandle]]  # its copies: (source tier, pages, handle)
+Done = list[tuple[str, int, TransferStats]]  # those that ended well: (tier, pages, stats)
 
 
 class DeviceLoads:
@@ -91,33 +95,12 @@ class DeviceLoads:
             if rest:  # no lower copy any more: not loaded here
                 gone = set(rest)
                 keys = [k for k in keys if k not in gone]
-            alloc = table.prepare_store(keys, DEVICE)
-            if alloc is None or alloc.evicted:  # room was made under the lock
-                if alloc is not None:
-                    table.complete_store(alloc.keys, DEVICE, ok=False)
-                return None
-            self.note_peak()
-            self._prefaulter.ahead(alloc.slots)
-            new = cast(list[PageKey], alloc.keys)
-            if len(new) < len(keys):  # the policy's admission kept some only
-                kept = set(new)
-                found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
-            # sources are pinned now, with no await since they were chosen
-            src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
-        slot_of = dict(zip(new, alloc.slots))
-        # submit now, before any await: the copies run while the caller computes
-        work: list[tuple[str, int, TransferHandle]] = []
-        try:
-            for tier, (ks, src_slots) in src.items():
-                dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
-                batch = Batch(ks, self._arenas[tier], src_slots)
-                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
-                h = move(self._ctx.engine, dst, batch)
-                work.append((tier, len(ks), h))
-        except BaseException as exc:  # the copies already submitted finish before the rollback
-            task = asyncio.ensure_future(self._finish(new, src, work, exc))
-        else:
-            task = asyncio.ensure_future(self._finish(new, src, work, None))
+            began = self._begin(keys, found, priority)
+        if began is None:
+            return None
+        new, task = began
+        if task is None:  # the copies ran inline and were committed: nothing to wait for
+            return new
         try:
             await within(deadline, asyncio.shield(task), partial(_in_flight, len(new)))
         except BaseException:
@@ -129,36 +112,190 @@ class DeviceLoads:
             raise
         return new
 
+    def acquire_now(self, keys: Sequence[PageKey], priority: Priority) -> int | None:
+        """:meth:`TierSet.acquire_device` with no wait (a step's group, on the cpu backend
+        mostly): pins every page of ``keys``, loading what is not resident where that needs
+        no wait (:meth:`load_now`), and returns the pages loaded; None, with nothing pinned,
+        where it would wait (a page in flight or in no tier, more pages than the device holds,
+        a load that cannot run here, room only by a write-back): then use ``acquire_device``.
+        Raises what a copy raised; no pin is left behind then."""
+        todo = list(dict.fromkeys(keys))
+        table = self._table
+        if len(todo) > table.capacity(DEVICE):
+            return None  # (acquire_device raises TierFullError)
+        ready, todo = cast(tuple[list[PageKey], list[PageKey]], table.pin_readable(todo, DEVICE))
+        if not todo:
+            return 0
+        got = None
+        try:
+            if len(table.absent(todo, DEVICE)) == len(todo):  # (none in flight)
+                got = self.load_now(todo, priority)
+        finally:
+            if got is None and ready:
+                self._unpin(ready)
+        if got is None:
+            return None
+        if len(got) < len(todo):  # the policy's admission kept some only
+            self._unpin(ready + got)
+            return None
+        return len(todo)
+
+    def reserve_now(self, keys: Sequence[PageKey]) -> list[int] | None:
+        """:meth:`TierSet.reserve_device` with no wait: device slots for new pages (WRITING),
+        or None, nothing reserved, where the room is not there without a wait (only clean
+        pages are dropped for it) or the device lock is held. Raises TierFullError (never
+        fits), PageStateError (a key is on the device already)."""
+        table = self._table
+        if len(keys) > table.capacity(DEVICE):
+            raise TierFullError(f"{len(keys)} new pages can never be on the device at once")
+        if self._device_lock.locked():
+            return None
+        if table.present(keys, DEVICE):
+            raise PageStateError(f"{len(keys)} new pages: some are already on the device")
+        if not self._evict.make_room_now(len(keys), keys):
+            return None
+        got = self.take_slots(keys)
+        return None if got is None else got[1]
+
+    def load_now(self, keys: list[PageKey], priority: Priority) -> list[PageKey] | None:
+        """:meth:`load` with no wait, for pages whose copies run inline (cpu backend, a small
+        batch, an idle engine) from the host tier, into room that dropping clean pages makes
+        (:meth:`DeviceEviction.make_room_now`): returns the pages loaded, committed and pinned
+        for the caller, or None when it cannot be done so (the device lock held, a page's
+        readable copy not on the host, another move than a plain copy registered, room only
+        by a write-back, an engine with work of its own). With None nothing is pinned or
+        loaded, though clean pages may have been dropped for room. The copy is one call of
+        the engine (:meth:`TransferEngine.copy_now`): no handle, no task. Raises what the
+        copy raised (after the rollback)."""
+        ctx = self._ctx
+        if not keys or self._device_lock.locked() or HOST not in ctx.lower:
+            return None
+        if ctx.moves.get(ctx.medium(HOST), ctx.medium(DEVICE)) is not copy_move:
+            return None  # (another move: its copies are its own)
+        table = self._table
+        engine = ctx.engine
+        if len(table.readable(keys, HOST)) < len(keys):
+            return None
+        if not engine.runs_inline(len(keys) * ctx.spec.page_bytes):
+            return None
+        if not self._evict.make_room_now(len(keys), keys):
+            return None
+        got = self.take_slots(keys)
+        if got is None:
+            return None
+        new, slots = got
+        src = {HOST: (new, table.prepare_load(new, HOST))}
+        try:  # one copy, here: no handle, no task (the engine is idle: checked above)
+            st = engine.copy_now(
+                self._arenas[HOST], src[HOST][1], self._arenas[DEVICE], slots, priority=priority
+            )
+        except BaseException as exc:
+            self._end(new, src, [], exc)  # (raises it, after the rollback)
+            raise
+        if st is None:  # the engine took other work meanwhile: nothing was copied
+            self._end(new, src, [], None, ok=False)
+            return None
+        self._end(new, src, [(HOST, len(new), st)], None)
+        return new
+
+    def take_slots(self, keys: Sequence[PageKey]) -> tuple[list[PageKey], list[int]] | None:
+        """Device slots for ``keys`` (room made; a load's or new pages'): the pages the policy
+        admitted (all, or some) and their slots, WRITING; None when the policy made room of
+        its own (undone)."""
+        table = self._table
+        alloc = table.prepare_store(keys, DEVICE)
+        if alloc is None or alloc.evicted:  # room was made under the lock
+            if alloc is not None:
+                table.complete_store(alloc.keys, DEVICE, ok=False)
+            return None
+        self.note_peak()
+        self._prefaulter.ahead(alloc.slots)
+        return cast(list[PageKey], alloc.keys), alloc.slots
+
+    def _begin(
+        self, keys: list[PageKey], found: dict[str, list[PageKey]], priority: Priority
+    ) -> tuple[list[PageKey], asyncio.Task[None] | None] | None:
+        """Allocate device slots for ``keys`` (room made), pin their sources (``found``: tier
+        -> its keys) and submit the copies. Returns the pages being loaded and the task that
+        ends their copies, or no task when every copy ran inline and the load was committed
+        here (its pages pinned for the caller); None when the slots could not be had."""
+        table = self._table
+        got = self.take_slots(keys)
+        if got is None:
+            return None
+        new, new_slots = got
+        if len(new) < len(keys):  # the policy's admission kept some only
+            kept = set(new)
+            found = {t: [k for k in ks if k in kept] for t, ks in found.items()}
+        # sources are pinned now, with no await since they were chosen
+        src = {t: (ks, table.prepare_load(ks, t)) for t, ks in found.items() if ks}
+        slot_of = dict(zip(new, new_slots))
+        # submit now, before any await: the copies run while the caller computes
+        work: Work = []
+        try:
+            for tier, (ks, src_slots) in src.items():
+                dst = Target(self._arenas[DEVICE], [slot_of[k] for k in ks], priority)
+                batch = Batch(ks, self._arenas[tier], src_slots)
+                move = self._ctx.moves.get(self._ctx.medium(tier), self._ctx.medium(DEVICE))
+                h = move(self._ctx.engine, dst, batch)
+                work.append((tier, len(ks), h))
+        except BaseException as exc:  # the copies already submitted finish before the rollback
+            return new, asyncio.ensure_future(self._finish(new, src, work, exc))
+        if all(h.done() for _, _, h in work):
+            done, error = [], None
+            for tier, n, h in work:
+                if h.exception() is None:
+                    done.append((tier, n, h.stats))
+                else:
+                    error = error or h.exception()
+            self._end(new, src, done, error)  # (raises a copy's error, after the rollback)
+            return new, None
+        return new, asyncio.ensure_future(self._finish(new, src, work, None))
+
     def _orphan(self, keys: list[PageKey], task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is None:
             self._unpin(keys)
 
     async def _finish(
-        self,
-        keys: list[PageKey],
-        src: dict[str, tuple[list[PageKey], list[int]]],
-        work: list[tuple[str, int, TransferHandle]],
-        error: BaseException | None,
+        self, keys: list[PageKey], src: Sources, work: Work, error: BaseException | None
     ) -> None:
         """Owns a load to its end, even when the task that asked for it is cancelled: commits
         the pages pinned for the caller (or rolls them back) and wakes the waiters."""
-        landed = 0.0
+        done: Done = []
         for tier, n, handle in work:
             try:
-                res = await job_done(handle)  # the slots are the copy's until it has ended
+                st = await job_done(handle)  # the slots are the copy's until it has ended
             except BaseException as exc:  # roll back: the slots are free again
                 error = error or exc
-                continue
-            landed = max(landed, handle.stats.finished_at or time.perf_counter())
+            else:
+                done.append((tier, n, st))
+        self._end(keys, src, done, error)
+
+    def _end(
+        self,
+        keys: list[PageKey],
+        src: Sources,
+        done: Done,
+        error: BaseException | None,
+        *,
+        ok: bool = True,
+    ) -> None:
+        """A load's copies have ended (``done``: those that succeeded): commit the pages,
+        pinned for the caller, or roll them back (``error``, raised then; or not ``ok``: none
+        was copied), let go of the sources, count, wake the waiters."""
+        landed = 0.0
+        for tier, n, st in done:
+            landed = max(landed, st.finished_at or time.perf_counter())
             if tier == HOST:
-                self._ctx.copied("load", "stream host->device", res, n)
+                self._ctx.copied("load", "stream host->device", st, n)
                 self._ctx.stats.bytes_h2d += n * self._ctx.spec.page_bytes
             self._ctx.stats.loads_from[tier] += n
         for tier, (ks, _) in src.items():
             self._table.complete_load(ks, tier)
         error = self._cold.corrupt(error)  # a cold copy failed its checksum: dropped, typed
-        self._table.complete_store(keys, DEVICE, ok=error is None)
-        if error is None:
+        ok = ok and error is None
+        self._table.complete_store(keys, DEVICE, ok=ok)
+        if ok:
             self._ctx.stats.loads_landed_at = landed
             self._table.prepare_load(keys, DEVICE)  # the caller's pins, taken with the commit
             if self._ctx.top == DEVICE:  # no host tier: the owners pin the leased copy

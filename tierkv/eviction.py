@@ -98,17 +98,7 @@ class DeviceEviction:
         while free < n:
             # all or nothing: a partial pick put back would still churn the policy's queues
             keep = self.soon | busy if busy else self.soon  # (no copy of the schedule)
-            victims = cast(
-                list[tuple[PageKey, int]],
-                table.prepare_evict(
-                    DEVICE,
-                    n - free,
-                    exact=True,
-                    keep=keep,
-                    keep_order=self.soon_order,
-                    for_keys=for_keys,
-                ),
-            )
+            victims = self._pick(n - free, keep, for_keys)
             if not victims:
                 return False
             keys = [k for k, _ in victims]
@@ -133,6 +123,40 @@ class DeviceEviction:
             busy |= frozenset(back)
             free = table.capacity(DEVICE) - table.used(DEVICE)
         return True
+
+    def make_room_now(self, n: int, for_keys: Sequence[PageKey] = ()) -> bool:
+        """:meth:`make_room` with no wait: only clean victims with a lower copy go (dropped).
+        Returns False, with no page gone, when too few pages are evictable now or a victim
+        would need a write-back (the victims picked are put back)."""
+        table = self._table
+        free = table.capacity(DEVICE) - table.used(DEVICE)
+        if free >= n:
+            return True
+        if HOST not in self._lower:
+            return False
+        victims = self._pick(n - free, self.soon, for_keys)
+        if not victims:
+            return False
+        keys = [k for k, _ in victims]
+        dirty = self.dirty
+        if any(k in dirty for k in keys) or len(self.with_lower(keys)) < len(keys):
+            table.complete_evict(keys, DEVICE, ok=False)  # a write-back: make_room's to do
+            return False
+        table.complete_evict(keys, DEVICE, ok=True)
+        self.lower_busy = False
+        return True
+
+    def _pick(
+        self, n: int, keep: frozenset[PageKey], for_keys: Sequence[PageKey]
+    ) -> list[tuple[PageKey, int]]:
+        """``n`` device victims (key, slot) by policy, all or none, the announced pages taken
+        last (the one read last first), ``keep`` only when no other page can go."""
+        return cast(
+            list[tuple[PageKey, int]],
+            self._table.prepare_evict(
+                DEVICE, n, exact=True, keep=keep, keep_order=self.soon_order, for_keys=for_keys
+            ),
+        )
 
     def _end_evict(
         self, keys: list[PageKey], wb: list[tuple[PageKey, int]], task: asyncio.Task[list[PageKey]]

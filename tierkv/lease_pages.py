@@ -1,7 +1,8 @@
 """The device pages as a compute lease reads and writes them.
 
 Attention views (a slot as a page, slots gathered token-major: zero-copy or one copy), the
-writes of an append (zeroed slots, pages marked dirty, the checksums of filled pages sealed),
+writes of an append (zeroed slots, pages marked dirty, the checksums of filled pages sealed), a
+step group's pages pinned and its new pages' slots taken with no wait (where the core can),
 the write-behind a lease's end asks for and the policy's recency. Part of the tier core
 (:class:`tierkv.tiers.TierSet`), built from its :class:`~tierkv.core_context.CoreContext`:
 page state changes only through the core's page table and :class:`~tierkv.eviction.DeviceEviction`.
@@ -17,10 +18,11 @@ import torch
 
 from tierkv import page_sums
 from tierkv.core_context import CoreContext
+from tierkv.device_loads import DeviceLoads
 from tierkv.eviction import DeviceEviction
 from tierkv.keys import PageKey
 from tierkv.page_sums import row_sums
-from tierkv.runtime import Arena
+from tierkv.runtime import Arena, Priority
 from tierkv.spec import KVSpec
 from tierkv.tier_names import DEVICE
 
@@ -32,7 +34,8 @@ _NO_INDEX = torch.empty(0, dtype=torch.int64)
 class LeasePages:
     """Views and writes of one tier core's device pages, for its leases."""
 
-    def __init__(self, ctx: CoreContext, evict: DeviceEviction) -> None:
+    def __init__(self, ctx: CoreContext, evict: DeviceEviction, loads: DeviceLoads) -> None:
+        self._loads = loads
         self._spec = ctx.spec
         self._table = ctx.table
         self._evict = evict
@@ -40,6 +43,17 @@ class LeasePages:
         self._arena = ctx.arenas[DEVICE]
         self._pages = _page_views(ctx.spec, self._arena)
         self._by_head = self._pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]: a view
+
+    def acquire_now(self, keys: Sequence[PageKey], priority: Priority) -> int | None:
+        """Pin a step group's pages with no wait, loading what is not resident where that
+        needs none; the pages loaded, or None with nothing pinned (then
+        ``TierSet.acquire_device``): :meth:`tierkv.device_loads.DeviceLoads.acquire_now`."""
+        return self._loads.acquire_now(keys, priority)
+
+    def reserve_now(self, keys: Sequence[PageKey]) -> list[int] | None:
+        """Slots for a step group's new pages with no wait, or None with nothing reserved
+        (then ``TierSet.reserve_device``): :meth:`tierkv.device_loads.DeviceLoads.reserve_now`."""
+        return self._loads.reserve_now(keys)
 
     @property
     def device(self) -> torch.device:

@@ -55,17 +55,28 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Awaitable, Callable
 from functools import partial
 
+import torch
+
 from tierkv import validate
 from tierkv.boundary import async_boundary, boundary
-from tierkv.errors import SequenceError, SpecError
+from tierkv.errors import SequenceError, SpecError, TierKVError
 from tierkv.lease import acquire_current
 from tierkv.lease_host import LeaseHost
+from tierkv.runtime import Priority
 from tierkv.sequence import SequenceState, page_key
 from tierkv.step_layer import LayerStep, check_tokens
-from tierkv.step_plan import GroupPages, arena_rows, group_pages, layer_rows, written_keys
+from tierkv.step_plan import (
+    GroupPages,
+    LayerPages,
+    arena_rows,
+    group_pages,
+    layer_rows,
+    written_keys,
+)
 from tierkv.tenant_room import reserve_by_tenant
 from tierkv.tier_names import DEVICE
 
@@ -99,7 +110,7 @@ class StepPlan:
         self.tokens = tokens
         self.ahead = ahead
         self._index = {layer: i for i, layer in enumerate(layers)}
-        self._tasks: list[asyncio.Task[list[LayerStep]] | None] = []
+        self._tasks: list[asyncio.Future[list[LayerStep]] | None] = []
         self._released: list[bool] = []
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
@@ -112,7 +123,8 @@ class StepPlan:
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
         self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
-        self.by_page = tiers.pages.all_pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
+        self.pages = tiers.pages.all_pages  # [slots, 2, H, T, D]
+        self.by_page = self.pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
         self.waited_pages = 0
 
     @property
@@ -149,10 +161,47 @@ class StepPlan:
         """
         store = self.store
         tiers = store.tiers
+        footprint = self._entry()
+        self._prepare()
+        deadline = tiers.changes.deadline(store.timeout)
+        held = await store.admission.enter(
+            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
+        )
+        self._go(held, asyncio.get_running_loop())
+        return self
+
+    @boundary
+    def enter_now(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """:meth:`__aenter__` with no wait, for a caller that drives the store's ``loop``
+        itself, outside it now: True when the admission took the step's room at once (the
+        first groups' loads then started as ``__aenter__`` starts them; leave with
+        ``__aexit__``); False, with nothing held, where it would wait (use ``async with``).
+        Raises what ``__aenter__`` raises before anything is held."""
+        footprint = self._entry()
+        held = self.store.admission.enter_now(footprint)
+        if held is None:
+            return False
+        try:
+            self._prepare()
+        except BaseException:
+            self.store.admission.leave(held)
+            raise
+        self._go(held, loop)
+        return True
+
+    def _entry(self) -> int:
+        """An entry's checks; returns the step's footprint (its window fitted to the device).
+        Raises SequenceError (a sequence was released), TierFullError (never fits)."""
+        tiers = self.store.tiers
         for seq in self.seqs:
             self._check_live(seq)
         footprint = self._footprint(tiers.table.capacity(DEVICE))
         tiers.room.ensure_fits(footprint)
+        return footprint
+
+    def _prepare(self) -> None:
+        """The sequences' blocks the step fills, and its pages announced in reading order."""
+        store = self.store
         groups = -(-len(self.layers) // self.group)
         self._tasks = [None] * groups
         self._released = [False] * groups
@@ -169,16 +218,15 @@ class StepPlan:
         written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
         first = set(written)
         rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
-        tiers.announce(written + [k for k in rest if k not in first])
-        deadline = tiers.changes.deadline(store.timeout)
-        self._held = await store.admission.enter(
-            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
-        )
-        self._loop = asyncio.get_running_loop()
+        store.tiers.announce(written + [k for k in rest if k not in first])
+
+    def _go(self, held: int, loop: asyncio.AbstractEventLoop) -> None:
+        """Admitted (``held`` pages): active, the first groups' loads started."""
+        self._held = held
+        self._loop = loop
         self._active = True
-        for g in range(min(groups, 2 if self.ahead else 0)):
+        for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
             self._start(g)
-        return self
 
     @async_boundary
     async def __aexit__(self, *exc: object) -> None:
@@ -241,17 +289,23 @@ class StepPlan:
             raise SpecError(f"layer {layer}: the step's layers run in order, next is {want}")
         self._current = None
         g, at = divmod(i, self.group)
+        asked = 0.0  # when compute began to wait for this group's loads (0.0: it did not)
         if at == 0:
             if g:
                 self._release(g - 1)
+            if self._tasks[g] is None:  # not loaded ahead: its loads start now, compute waits
+                asked = time.perf_counter()
             self._start(g)
             if self.ahead and g + 1 < len(self._tasks):
                 self._start(g + 1)
-                await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
+                nxt = self._tasks[g + 1]
+                if nxt is not None and not nxt.done():
+                    await asyncio.sleep(0)  # its loads are submitted now, before compute goes on
         task = self._tasks[g]
         assert task is not None  # started above or before
-        if at == 0 and not task.done():  # compute waits for this group: its loads are late
-            asked = time.perf_counter()  # when their copies ended after it asked (not when the
+        if at == 0 and not asked and not task.done():
+            asked = time.perf_counter()
+        if asked:  # its loads are late when their copies ended after it asked (not when the
             steps = await task  # loop, idle between layers under TieredCache, next ran)
             if steps and steps[0].landed > asked:
                 late = steps[0].loaded
@@ -294,9 +348,21 @@ class StepPlan:
             raise SequenceError(f"layer {step.layer} is no longer current in this step")
 
     def _start(self, g: int) -> None:
-        if self._tasks[g] is None:
-            coro, loop = self._load(g), self._loop
-            self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
+        if self._tasks[g] is not None:
+            return
+        loop = self._loop
+        try:
+            steps = self._load_now(g) if loop is not None and self._tenants is None else None
+        except Exception:  # (nothing held: the task loads it again and raises where the
+            steps = None  # layer waits for it, as with any load's error)
+        if steps is not None:  # loaded (or resident) and opened here: no task, no loop turn
+            assert loop is not None
+            done: asyncio.Future[list[LayerStep]] = loop.create_future()
+            done.set_result(steps)
+            self._tasks[g] = done
+            return
+        coro = self._load(g)
+        self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
 
     async def _load(self, g: int) -> list[LayerStep]:
         """Pin group ``g``'s pages (loading those not resident), open the pages its appends
@@ -307,7 +373,6 @@ class StepPlan:
         append fills are never full blocks before it, so no publish renames them."""
         store = self.store
         tiers = store.tiers
-        t = store.spec.page_tokens
         layers = self.layers[g * self.group : (g + 1) * self.group]
         named = [self._name(layers)]
 
@@ -319,8 +384,8 @@ class StepPlan:
         keys, loaded = await acquire_current(tiers, named[0][0], name, self._check_all, deadline)
         landed = tiers.stats.loads_landed_at if loaded else 0.0  # (its copies' end)
         _, new, plans = named[0]
-        opened = pinned = owned = False
         try:
+            slots: list[int] = []
             if new:
                 if self._tenants is not None:  # several tenants' pages: room tenant by tenant
                     slots = await reserve_by_tenant(
@@ -328,7 +393,57 @@ class StepPlan:
                     )
                 else:
                     slots = await tiers.reserve_device(new, mine=len(keys), timeout=store.timeout)
-                opened = True
+        except BaseException:
+            if keys:
+                tiers.unpin_device(keys)
+            raise
+        return self._open(layers, keys, new, plans, slots, loaded, landed)
+
+    def _load_now(self, g: int) -> list[LayerStep] | None:
+        """:meth:`_load` with no wait and no task, where the tier core can pin, load and
+        open the group's pages at once (the cpu backend's inline copies into room that clean
+        pages make: :meth:`LeasePages.acquire_now`); None where it cannot (nothing held
+        then: :meth:`_load` does it, and raises what there is to raise)."""
+        store = self.store
+        tiers = store.tiers
+        layers = self.layers[g * self.group : (g + 1) * self.group]
+        try:
+            keys, new, plans = self._name(layers)
+            loaded = tiers.pages.acquire_now(keys, Priority.DEMAND)
+        except TierKVError:
+            return None
+        if loaded is None:
+            return None
+        landed = tiers.stats.loads_landed_at if loaded else 0.0
+        try:
+            slots = tiers.pages.reserve_now(new) if new else []
+        except TierKVError:  # (raised again by _load, where the layer waits)
+            slots = None
+        if slots is None:
+            if keys:
+                tiers.unpin_device(keys)
+            return None
+        return self._open(layers, keys, new, plans, slots, loaded, landed)
+
+    def _open(
+        self,
+        layers: tuple[int, ...],
+        keys: list[bytes],
+        new: list[bytes],
+        plans: list[LayerPages],
+        slots: list[int],
+        loaded: int,
+        landed: float,
+    ) -> list[LayerStep]:
+        """A group's pages pinned (``keys``) and its new pages reserved (``slots``): open the
+        new pages, build the layers' rows. On error nothing stays pinned or opened."""
+        store = self.store
+        tiers = store.tiers
+        t = store.spec.page_tokens
+        opened = bool(new)
+        pinned = owned = False
+        try:
+            if new:
                 tiers.pages.zero_device(slots)  # a reused slot holds another page's bytes
                 tiers.commit_device(new)
                 tiers.pin_device(new)
@@ -339,13 +454,16 @@ class StepPlan:
             new_slots = tiers.pages.device_slots(new) if new else []
             steps = []
             bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
+            index = array("q")  # every layer's slots, sequence after sequence: one tensor
             for j, (layer, plan) in enumerate(zip(layers, plans)):
                 at, at_new, starts, counts, filled, written = plan
                 per_seq = []
                 for start, need in zip(starts, counts):
                     have = -(-start // t)
                     grown = need - have
-                    per_seq.append(old_slots[at : at + have] + new_slots[at_new : at_new + grown])
+                    got = old_slots[at : at + have] + new_slots[at_new : at_new + grown]
+                    per_seq.append(got)
+                    index.extend(got)
                     at += have
                     at_new += grown
                 rows = layer_rows(
@@ -355,6 +473,15 @@ class StepPlan:
                 steps.append(
                     LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
                 )
+            if index:  # each layer's page index a slice of one tensor (not one build a layer)
+                whole = torch.frombuffer(index, dtype=torch.int64)
+                if tiers.pages.device.type != "cpu":
+                    whole = whole.to(tiers.pages.device)
+                at = 0
+                for step in steps:
+                    n = step.rows.slots_count
+                    step.rows.set_page_index(whole[at : at + n])
+                    at += n
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)

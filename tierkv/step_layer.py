@@ -25,6 +25,7 @@ class StepView(Protocol):
     store: LeaseHost
     seqs: tuple[SequenceState, ...]
     flat: torch.Tensor  # the device pages as rows of head_dim elements
+    pages: torch.Tensor  # the device pages, [slots, 2, H, T, D]
     by_page: torch.Tensor  # the device pages as [2, H, slots, T, D] (a view)
 
     def check_current(self, step: LayerStep) -> None:
@@ -107,7 +108,12 @@ class LayerStep:
             k, v = k.detach(), v.detach()
         if k.device != dev:
             k, v = k.to(dev), v.to(dev)
-        flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
+        at = rows.one_page() if by_seq and rows.batch == 1 else None
+        if at is not None:  # one sequence, its new tokens in one page: one cat into its slot
+            slot, p = at
+            torch.cat((k, v), out=plan.pages[slot, :, :, p : p + k.shape[2]])
+        else:
+            flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
         tiers = plan.store.tiers
         tiers.pages.mark_dirty(self.written)
         if self.filled:
@@ -176,27 +182,76 @@ class LayerStep:
         return self._plan.flat.index_select(0, self._rows.read)
 
     @boundary
-    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every sequence, ``[B, H, S, D]`` each (views of one gathered copy):
-        every sequence must have the same length. Raises SequenceError (lengths differ: use
-        :meth:`kv_list`; not appended yet; the layer no longer current)."""
+        every sequence must have the same length. ``out``: a contiguous tensor in the spec's
+        dtype on the device tier's device to gather into (at least :meth:`gather_numel`
+        elements): nothing is allocated, and the views are of ``out`` (the next gather into it
+        overwrites them). Raises SequenceError (lengths differ: use :meth:`kv_list`; not
+        appended yet; the layer no longer current), InvalidTypeError / SpecError (a bad
+        ``out``)."""
         rows = self._rows
         if len(set(rows.lengths)) > 1:
             raise SequenceError("the step's sequences differ in length: use kv_list()")
         spec = self._plan.store.spec
         h, d = spec.num_kv_heads, spec.head_dim
         s = rows.lengths[0] if rows.lengths else 0
+        if out is not None:
+            self._check_out(out, self.gather_numel())
+        self._check_read()
         if rows.uniform:  # whole pages, by slot: one index_select over a handful of indices
-            self._check_read()
-            m = rows.pages * spec.page_tokens
-            got = self._plan.by_page.index_select(2, rows.page_index())
-            if rows.batch == 1:  # (fewer view ops: each costs microseconds inside a forward)
-                k1, v1 = got.view(2, 1, h, m, d)[:, :, :, :s].unbind(0)
-                return k1, v1
-            kb, vb = got.view(2, h, rows.batch, m, d)[:, :, :, :s].transpose(1, 2).unbind(0)
-            return kb, vb
-        out = self._gather().view(rows.batch, 2, h, s, d)
-        return out[:, 0], out[:, 1]
+            t = spec.page_tokens
+            b = rows.batch
+            m = rows.pages * t  # tokens of a sequence's whole pages
+            index = rows.page_index()
+            by_page = self._plan.by_page
+            if out is None:
+                got = by_page.index_select(2, index)
+            else:  # (one as_strided, not a view, a slice and a view: each op costs
+                # microseconds inside a forward)
+                size = (2, h, b * rows.pages, t, d)
+                got = out.as_strided(size, _dense(*size))
+                torch.index_select(by_page, 2, index, out=got)
+            # got is [2, H, B, m, D] dense: K and V [B, H, s, D] as two strided views of it
+            shape, stride = (b, h, s, d), (m * d, b * m * d, d, 1)
+            at = got.storage_offset()
+            return got.as_strided(shape, stride), got.as_strided(shape, stride, at + h * b * m * d)
+        flat = self._plan.flat
+        if out is None:
+            gathered = flat.index_select(0, rows.read)
+        else:
+            gathered = out.view(-1)[: len(rows.read) * d].view(-1, d)
+            torch.index_select(flat, 0, rows.read, out=gathered)
+        kv = gathered.view(rows.batch, 2, h, s, d)
+        return kv[:, 0], kv[:, 1]
+
+    @property
+    def rows(self) -> LayerRows:
+        """Its rows (:mod:`tierkv.step_plan`)."""
+        return self._rows
+
+    def gather_numel(self) -> int:
+        """The elements :meth:`kv` gathers (whole pages where the layer is uniform)."""
+        rows = self._rows
+        spec = self._plan.store.spec
+        per = 2 * spec.num_kv_heads * spec.head_dim
+        if rows.uniform:
+            return per * rows.batch * rows.pages * spec.page_tokens
+        return per * sum(rows.lengths)
+
+    def _check_out(self, out: object, need: int) -> None:
+        flat = self._plan.flat
+        if not isinstance(out, torch.Tensor):
+            raise InvalidTypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if out.dtype != flat.dtype or out.device != flat.device:
+            raise SpecError(f"out: expected a {flat.dtype} tensor on {flat.device}")
+        if not out.is_contiguous() or out.numel() < need:
+            raise SpecError(f"out: expected a contiguous tensor of >= {need} elements")
+        if out.requires_grad or (out.is_inference() and not torch.is_inference_mode_enabled()):
+            raise SpecError(  # (torch's RuntimeError inside index_select otherwise)
+                "out: expected a tensor that does not require grad (and an inference "
+                "tensor only inside torch.inference_mode())"
+            )
 
     @boundary
     def kv_padded(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,17 +270,7 @@ class LayerStep:
         s = max(rows.lengths, default=0)
         need = rows.batch * 2 * h * s
         if out is not None:
-            if not isinstance(out, torch.Tensor):
-                raise InvalidTypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-            if out.dtype != flat.dtype or out.device != flat.device:
-                raise SpecError(f"out: expected a {flat.dtype} tensor on {flat.device}")
-            if not out.is_contiguous() or out.numel() < need * d:
-                raise SpecError(f"out: expected a contiguous tensor of >= {need * d} elements")
-            if out.requires_grad or (out.is_inference() and not torch.is_inference_mode_enabled()):
-                raise SpecError(  # (torch's RuntimeError inside index_select otherwise)
-                    "out: expected a tensor that does not require grad (and an inference "
-                    "tensor only inside torch.inference_mode())"
-                )
+            self._check_out(out, need * d)
         self._plan.check_current(self)
         if not self.appended:
             raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
@@ -254,6 +299,15 @@ class LayerStep:
             kv = p.view(2, h, s, d)
             out.append((kv[0], kv[1]))
         return out
+
+
+def _dense(*shape: int) -> tuple[int, ...]:
+    """The strides of a dense (C-contiguous) tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return tuple(reversed(out))
 
 
 def check_tokens(tokens: int | Sequence[int], n: int) -> list[int]:

@@ -200,6 +200,15 @@ class LayerRows:
             self._padded = got
         return got
 
+    @property
+    def slots_count(self) -> int:
+        """The device slots of every sequence's pages, in all."""
+        return sum(len(s) for s in self._slots)
+
+    def set_page_index(self, index: torch.Tensor) -> None:
+        """:meth:`page_index`, built by the caller (a group's layers at once)."""
+        self._page_index = index
+
     def page_index(self) -> torch.Tensor:
         """The device slots of every sequence's pages, sequence after sequence (uniform
         layers: ``batch * pages`` slots)."""
@@ -208,6 +217,17 @@ class LayerRows:
             got = _index([int(x) for s in self._slots for x in s], self._device)
             self._page_index = got
         return got
+
+    def one_page(self) -> tuple[int, int] | None:
+        """(slot, token in page) where the new tokens of a one-sequence layer start, when
+        they all fall in that page (a decode step's token always does); else None."""
+        if self.batch != 1 or not self.n_new[0]:
+            return None
+        t = self._spec.page_tokens
+        start = self._starts[0]
+        if start // t != (start + self.n_new[0] - 1) // t:
+            return None
+        return int(self._slots[0][start // t]), start % t
 
     def k_rows(self, by_seq: bool) -> torch.Tensor:
         """Rows of the new tokens' K, in the order of the new KV's elements."""

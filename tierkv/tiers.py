@@ -174,13 +174,13 @@ class TierSet:
         self.ownership.on_rename(self._evict.rename)  # the dirty set, the announced pages
         if tenants is not None:
             self.ownership.on_rename(tenants.rename)  # a page's charge follows it
-        self.pages = LeasePages(ctx, self._evict)
         self.glue = RemoteGlue(ctx, self.cold)
         self.room = DeviceRoom(ctx, self._evict)
         self._device_lock = asyncio.Lock()
         self._reap_due = False  # a reap is scheduled for the next loop turn
         self._prefaulter = Prefaulter(arenas[DEVICE])
         self._loads = DeviceLoads(ctx, self._evict, self.cold, self._prefaulter, self._device_lock)
+        self.pages = LeasePages(ctx, self._evict, self._loads)
         # the chain, fastest first, as Tier objects: the core's arenas, then the tiers attached
         # below (the lower chain's, the remote tier)
         self.chain: list[Tier] = list(core_tiers(ctx, self._evict.dirty))
@@ -249,13 +249,9 @@ class TierSet:
                 if self._table.present(keys, DEVICE):
                     raise PageStateError(f"{len(keys)} new pages: some are already on the device")
                 if await self._evict.make_room(len(keys), deadline, keys):
-                    alloc = self._table.prepare_store(keys, DEVICE)
-                    if alloc is not None and not alloc.evicted:
-                        self._loads.note_peak()
-                        self._prefaulter.ahead(alloc.slots)
-                        return alloc.slots
-                    if alloc is not None:  # the policy made room by itself: undo, use ours
-                        self._table.complete_store(alloc.keys, DEVICE, ok=False)
+                    got = self._loads.take_slots(keys)
+                    if got is not None:
+                        return got[1]
             if not self.room.could_free(mine):
                 raise self.room.full_error(len(keys))
             waited = self.engine.timeout if timeout is None else timeout

@@ -6,8 +6,10 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
-from tierkv.runtime import CpuBackend, TransferEngine
+from tierkv.runtime import CpuBackend, TransferEngine, TransferError
+from tierkv.runtime.errors import InvalidSlotError
 
 
 def _arenas(backend: CpuBackend, slots: int = 16, slot_bytes: int = 4096):  # type: ignore[no-untyped-def]
@@ -54,3 +56,47 @@ async def test_off_by_default(backend: CpuBackend) -> None:
         assert not h.done()  # behind the stream's work, as before
         gate.set()
         await h.wait(timeout=10)
+
+
+async def test_copy_now_copies_here_or_does_nothing(backend: CpuBackend) -> None:
+    a, b, ia, ib = _arenas(backend)
+    data = np.random.default_rng(1).integers(0, 256, (3, a.slot_bytes), np.uint8)
+    a.array[ia[:3]] = data
+    async with TransferEngine(backend, max_inflight=1, inline_bytes=4 * a.slot_bytes) as engine:
+        assert engine.runs_inline(4 * a.slot_bytes) and not engine.runs_inline(5 * a.slot_bytes)
+        st = engine.copy_now(a, ia[:3], b, ib[:3])
+        assert st is not None and st.pages == 3 and st.finished_at >= st.started_at > 0
+        assert np.array_equal(b.array[ib[:3]], data)
+        assert engine.stats.completed == 1 and engine.inflight == 0
+        assert not a.is_busy(ia[:3]) and not b.is_busy(ib[:3])
+        assert engine.copy_now(a, ia[:5], b, ib[:5]) is None  # over the limit: nothing done
+        before = b.array[ib[8:9]].copy()
+        gate = threading.Event()
+        first = engine.submit_call(a, ia[:1], b, ib[:1], lambda: gate.wait(10))
+        assert not engine.runs_inline(a.slot_bytes)
+        assert engine.copy_now(a, ia[8:9], b, ib[8:9]) is None  # the engine is busy
+        assert np.array_equal(b.array[ib[8:9]], before) and not b.is_busy(ib[8:9])
+        gate.set()
+        await first.wait(timeout=10)
+        assert engine.stats.completed == 2 and engine.stats.submitted == 2
+
+
+async def test_copy_now_bad_slots_or_a_failing_copy_leave_nothing_busy(
+    backend: CpuBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b, ia, ib = _arenas(backend)
+    async with TransferEngine(backend, inline_bytes=1 << 20) as engine:
+        with pytest.raises(InvalidSlotError):
+            engine.copy_now(a, [0, 1], b, [2])
+        with pytest.raises(InvalidSlotError):
+            engine.copy_now(a, [0], b, [99])
+        assert engine.stats.submitted == 0
+
+        def broken(*args: object) -> object:
+            raise OSError("disk on fire")
+
+        monkeypatch.setattr(backend, "copy_slots", broken)
+        with pytest.raises(TransferError, match="disk on fire"):
+            engine.copy_now(a, ia[:2], b, ib[:2])
+        assert engine.stats.failed == 1 and engine.inflight == 0
+        assert not a.is_busy(ia[:2]) and not b.is_busy(ib[:2])

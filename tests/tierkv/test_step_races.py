@@ -118,6 +118,9 @@ async def test_a_group_of_a_sequence_released_meanwhile_raises_sequence_error() 
         async with st.lease(["b"]) as lease:
             for layer in range(SPEC.num_layers):
                 await lease.append("b", layer, rand(H, 4, D, seed=layer), rand(H, 4, D, seed=3))
+        # b's pages down too: the junk then fills the device, and the loads wait for room (b's
+        # dirty pages left resident are evicted by write-backs that end in a few loop turns)
+        await _flush_device(st)
         junk = await _pin_free_slots(st)
         step = await _loads_waiting(st.step_plan(["a", "b"], [1, 2], tokens=0, ahead=1))
         await st.release("a")

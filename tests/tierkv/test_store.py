@@ -211,8 +211,8 @@ async def test_cancellation_at_any_await_leaves_no_pin_and_no_leak(cancel_after:
     async with KVStore(SPEC, device_bytes=6 * PAGE, host_bytes=60 * PAGE, codec=None) as store:
         refs = {s: await fill(store, s, i) for i, s in enumerate(["a", "b", "c", "d"])}
 
-        async def work() -> None:
-            for s in ["a", "b", "c", "d", "a"]:
+        async def work() -> None:  # (loads that copy inline take no loop turn: 5 checks took
+            for s in ["a", "b", "c", "d"] * 4:  # 9 turns, 24 before; the 13th must land in it)
                 await check(store, s, refs[s])
 
         task = asyncio.ensure_future(work())

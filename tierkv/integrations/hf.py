@@ -23,17 +23,22 @@ rest copied); a store the original opened closes when the last of its copies clo
 How a model's K/V reach the store: each batch row is one store sequence, each model layer one
 store layer, and each forward one store step (:mod:`tierkv.step`), planned at layer 0::
 
-    update(k, v, 0)   store.step_plan(rows, tokens=n): pins, loads, new pages, row indices
-    update(k, v, L)   one wait for layer L's group (none inside a group that landed: no loop
-                      run), one append (two index_copy_), one gather (one index_select)
+    update(k, v, 0)   store.step_plan(rows, tokens=n), entered with no loop run where its
+                      room is there at once: pins, loads, new pages, row indices
+    update(k, v, L)   no wait for a group that landed or loaded at once (no loop run), one
+                      append (one cat into the page, or one index_copy_), one gather (one
+                      index_select into the cache's buffer); the last layer: the step's end,
+                      the token's one loop run
     returned          [B, H_kv, S, D] K and V: views of the gathered copy
 
 so the device tier needs a few layers' pages of the batch at a time; the others wait on the
 host tier, and the next group of layers loads while the model computes. A store the cache
 opens runs in the caller's thread, a shared one on its loop thread (:mod:`.hf_store`). The
 returned K/V are copies gathered from the pages, so greedy outputs are bit-identical to
-``DynamicCache`` (live pages are never compressed unless ``compress_live``). A padded row (a
-zero in ``attention_mask``) shares nothing.
+``DynamicCache`` (live pages are never compressed unless ``compress_live``); they are views of
+one buffer of the cache that every layer's gather reuses, valid until its next ``update()``
+(attention uses them first: no gather allocates). A padded row (a zero in
+``attention_mask``) shares nothing.
 
 This file stays whole (over 400 lines): the cache and its layer class are one transformers
 ``Cache`` implementation; how it reaches its store and its rows' helpers are apart
@@ -286,6 +291,7 @@ class TieredCache(Cache):
         self._seq_ids: list[str] = []
         self._closed = False
         self._plan: StepPlan | None = None  # the step of the forward under way
+        self._out: torch.Tensor | None = None  # what each layer's K/V are gathered into
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         super().__init__(layers=list(self._layers))
 
@@ -317,15 +323,17 @@ class TieredCache(Cache):
         # store's state is its loop's)
         driver = self._driver
         local = isinstance(driver, LocalStore)
+        if idx == 0 and local:  # the step planned and entered with no loop run where it can
+            plan = self._enter_now(k.shape[2])
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
         if step is not None and idx != self.spec.num_layers - 1:
             assert plan is not None and isinstance(driver, LocalStore)
             try:
                 started, plan.starting = plan.starting, None
-                if started is not None:
+                if started is not None and not started.done():  # (else loaded in layer_now)
                     driver.turn(started)
                 step.append(k, v)
-                keys, values = step.kv()
+                keys, values = step.kv(out=self._gather_buffer(step))
             except BaseException:
                 self._end_plan()
                 raise
@@ -335,6 +343,29 @@ class TieredCache(Cache):
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
+
+    def _enter_now(self, tokens: int) -> StepPlan | None:
+        """The forward's step, planned and entered here (the admission had its room at
+        once: :meth:`LocalStore.enter`), or None (then the loop run of layer 0 does it)."""
+        driver = self._driver
+        assert isinstance(driver, LocalStore)
+        plan = driver.store.step_plan(self._seq_ids, tokens=tokens, ahead=self.prefetch_layers)
+        if not driver.enter(plan):
+            return None
+        self._plan = plan
+        return plan
+
+    def _gather_buffer(self, step: LayerStep) -> torch.Tensor:
+        """The one buffer every layer's K/V are gathered into (grown by doubling): attention
+        uses a layer's K/V before the next layer's update, so no gather allocates."""
+        need = step.gather_numel()
+        out = self._out
+        if out is None or out.numel() < need:
+            have = 0 if out is None else out.numel()
+            device = self._driver.store.tiers.pages.device
+            out = torch.empty(max(need, 2 * have), dtype=self.spec.dtype, device=device)
+            self._out = out
+        return out
 
     def _start(self, batch: int) -> None:
         ids = [f"{self._prefix}/{b}" for b in range(batch)]
@@ -393,7 +424,7 @@ class TieredCache(Cache):
             if step is None:
                 step = await plan.layer(layer)
             step.append(k, v)
-            kv = step.kv()
+            kv = step.kv(out=self._gather_buffer(step))
         except BaseException as exc:
             self._plan = None
             await plan.__aexit__(type(exc), exc, exc.__traceback__)
@@ -448,6 +479,7 @@ class TieredCache(Cache):
         if self._closed:
             return
         self._closed = True
+        self._out = None
         try:
             self._end_plan()
             self._release()

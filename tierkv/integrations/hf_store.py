@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from tierkv.errors import StoreClosedError, StoreTimeoutError, TierKVError
 from tierkv.runtime import new_event_loop
 from tierkv.spec import KVSpec
+from tierkv.step import StepPlan
 from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 
@@ -111,6 +112,17 @@ class LocalStore:
 
         loop.call_soon(again, turns)
         loop.run_forever()
+
+    def enter(self, plan: StepPlan) -> bool:
+        """Enter ``plan`` with no loop run where its room is there at once
+        (:meth:`StepPlan.enter_now` on this store's loop); False, nothing held, otherwise.
+        Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does, and
+        what the entry raises."""
+        if self._closed:
+            raise StoreClosedError("store is closed")
+        if _loop_running():
+            raise LoopInUseError("this thread already runs an event loop")
+        return plan.enter_now(self._loop)
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the store (the store is single-threaded: this thread owns it)."""
