@@ -10,7 +10,9 @@ baseline measured in the same run.
    server (target >= 2x), and the device tier's peak against the peak live KV (<= 50%).
 3. Distinct prompts (nothing to reuse) at concurrency 8 filling the configured context: time to
    first token with the default device tier (half the KV) against an all-resident one (target:
-   within 5%, a ratio <= 1.05).
+   within 5%, a ratio <= 1.05), and decode tokens/s per request against it (>= 0.95), timed
+   as the engine emits the tokens (the in-process client's time per token, shown beside it,
+   also measures how the event loop schedules the client between steps).
 
 Configurations run in turn, ``--reps`` times each (section 3 twice as often), and each figure is
 the median of its repetitions. The servers run in this process on loopback (the load generator
@@ -268,8 +270,14 @@ async def amain(a: Any) -> None:
     ratios["ttft_p50_tiered_vs_all_resident"] = (
         dp["tiered"]["ttft_p50_s"] / dp["all_resident"]["ttft_p50_s"]
     )
-    # decode speed, tokens/s per request (1 / time per output token): issue 26's figure
+    # decode speed, tokens/s per request (1 / time per output token) as the engine makes
+    # them: issue 26's figure. Beside it the same as the in-process client sees it, which
+    # also measures how the event loop schedules the client between the engine's steps (a
+    # step that never awaits delivers its tokens late and in bursts: a shorter client TPOT)
     ratios["distinct_decode_tokens_per_s_tiered_vs_all_resident"] = (
+        dp["all_resident"]["server_tpot_s"] / dp["tiered"]["server_tpot_s"]
+    )
+    ratios["distinct_decode_client_tpot_p50_all_resident_vs_tiered"] = (
         dp["all_resident"]["tpot_p50_s"] / dp["tiered"]["tpot_p50_s"]
     )
     ratios["distinct_device_peak_vs_live_kv"] = (
@@ -287,6 +295,7 @@ async def amain(a: Any) -> None:
                         r["ttft_p50_s"] * 1e3,
                         r["ttft_p99_s"] * 1e3,
                         r["tpot_p50_s"] * 1e3,
+                        r["server_tpot_s"] * 1e3,
                         r["tokens_per_s"],
                         r["prefix_tokens_reused"],
                         r["device_peak_bytes"] / (1 << 20),
@@ -301,6 +310,7 @@ async def amain(a: Any) -> None:
                 "TTFT p50 ms",
                 "p99 ms",
                 "ms/token",
+                "engine ms/token",
                 "tok/s",
                 "reused",
                 "dev peak MiB",
@@ -324,6 +334,7 @@ async def amain(a: Any) -> None:
         "device_peak_vs_live_kv": "<= 0.5",
         "ttft_p50_tiered_vs_all_resident": "<= 1.05",
         "distinct_decode_tokens_per_s_tiered_vs_all_resident": ">= 0.95",
+        "distinct_decode_client_tpot_p50_all_resident_vs_tiered": "(client's clock)",
         "distinct_device_peak_vs_live_kv": "(<= 0.5 by default)",
     }
     print()

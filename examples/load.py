@@ -178,7 +178,14 @@ async def run_load(
         "server_reused_tokens": after.get("tierkv_server_cached_prompt_tokens", 0.0)
         - before.get("tierkv_server_cached_prompt_tokens", 0.0),
         "ttft_mean_s": statistics.fmean(ttft) if ttft else 0.0,
+        # time per output token as the server made them (its engine's clock: no client loop)
+        "server_tpot_s": _delta(after, before, "tierkv_server_decode_seconds")
+        / max(1.0, _delta(after, before, "tierkv_server_decode_tokens")),
     }
+
+
+def _delta(after: dict[str, float], before: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def load_server_module() -> Any:

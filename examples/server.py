@@ -562,6 +562,12 @@ class _EngineCollector:
             ("cached_prompt_tokens", "Prompt tokens reused", s["prefix_tokens_reused"]),
             ("generated_tokens", "Tokens generated", s["generated_tokens"]),
             ("steps", "Forward steps", s["steps"]),
+            ("decode_tokens", "Tokens after each request's first", s["decode_tokens"]),
+            (
+                "decode_seconds",
+                "Seconds between each of those tokens and its request's previous one",
+                s["decode_seconds"],
+            ),
         ):
             g = GaugeMetricFamily(f"tierkv_server_{name}", doc)
             g.add_metric([], float(value))

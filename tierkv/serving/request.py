@@ -43,6 +43,7 @@ class Request:
     reused: int = 0  # prompt tokens whose KV came from the cache
     admitted: float | None = None
     first_token: float | None = None
+    last_token: float = 0.0  # (perf_counter of its latest token)
     finished: str | None = None  # finish reason once done
     cancelled: bool = False
     in_store: bool = False
