@@ -110,6 +110,32 @@ class PageEvent:
     keys: tuple[Key, ...]
 
 
+def _by_rules(
+    acc: Tenants,
+    tier: str,
+    n: int,
+    taken: Mapping[int | None, int],
+    by: int | None,
+    pick: Callable[[int, Callable[[Key], bool] | None], int],
+) -> int:
+    """Up to ``n`` victims in ``tier`` for tenant ``by``'s pages by the quotas' rules: rule 1's
+    passes, then rule 2's (:meth:`Tenants.room` says how many and which), each taken by
+    ``pick(count, allow)`` (returns how many it took), until ``n`` or a pass that finds too
+    few. Returns how many in all."""
+    got = 0
+    for over in (True, False):
+        while got < n:
+            ask = acc.room(tier, n - got, over, taken, by)
+            if ask is None:
+                break
+            k, allow = ask
+            m = pick(k, allow)
+            got += m
+            if m < k:
+                break
+    return got
+
+
 class _Tier:
     """One tier's pages. A page *is* its slot: state, pins and key live in per-slot arrays, so
     the table allocates no object per page (which also keeps the garbage collector idle)."""
@@ -602,30 +628,23 @@ class PageTable:
         from the policy (appended to ``passes`` with their states, counted in ``taken``);
         returns how many."""
         pins, state, key_of = t.pins, t.state, t.key_of
-        got_n = 0
-        for over in (True, False):
-            while got_n < n:
-                ask = acc.room(t.name, n - got_n, over, taken, by)
-                if ask is None:
-                    break
-                k, allow = ask
 
-                def ok(s: int, allow: Callable[[Key], bool] | None = allow) -> bool:
-                    return (
-                        not pins[s]
-                        and state[s] == _READABLE
-                        and s not in keep
-                        and (allow is None or allow(key_of[s]))
-                    )
+        def pick(k: int, allow: Callable[[Key], bool] | None) -> int:
+            def ok(s: int) -> bool:
+                return (
+                    not pins[s]
+                    and state[s] == _READABLE
+                    and s not in keep
+                    and (allow is None or allow(key_of[s]))
+                )
 
-                slots = t.policy.evict_slots(k, ok)
-                keys = [key_of[s] for s in slots]
-                passes.append((slots, t.policy.evicted_state_slots(slots, keys)))
-                taken.update(acc.tally(keys))
-                got_n += len(slots)
-                if len(slots) < k:
-                    break
-        return got_n
+            slots = t.policy.evict_slots(k, ok)
+            keys = [key_of[s] for s in slots]
+            passes.append((slots, t.policy.evicted_state_slots(slots, keys)))
+            taken.update(acc.tally(keys))
+            return len(slots)
+
+        return _by_rules(acc, t.name, n, taken, by, pick)
 
     def quota_blocked(self, tier: str) -> bool:
         """Whether the last eviction from ``tier`` that the tenants' quotas constrained found
@@ -790,19 +809,14 @@ class PageTable:
                 self._blocked.pop(t.name, None)
                 return out
         for by, want in shares:
-            got = len(out) if len(shares) == 1 else 0  # (the policy's pick that kept them)
-            for over in (True, False):
-                while got < want:
-                    ask = acc.room(t.name, want - got, over, none, by)
-                    if ask is None:
-                        break
-                    k, allow = ask
-                    picked = self._prepare_evict(t, k, keep, keep_order, allow, by)
-                    out += picked
-                    got += len(picked)
-                    if len(picked) < k:
-                        break
-            if got < want:
+            kept = len(out) if len(shares) == 1 else 0  # (the policy's pick that kept them)
+
+            def pick(k: int, allow: Callable[[Key], bool] | None, by: int | None = by) -> int:
+                picked = self._prepare_evict(t, k, keep, keep_order, allow, by)
+                out.extend(picked)
+                return len(picked)
+
+            if kept + _by_rules(acc, t.name, want - kept, none, by, pick) < want:
                 short.append(by)
         if short:
             self._blocked[t.name] = short[0]
