@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import cast
 
@@ -22,6 +22,7 @@ from tierkv.eviction import DeviceEviction
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
 from tierkv.lower_tiers import ColdStorage
+from tierkv.policies import Key
 from tierkv.prefault import Prefaulter
 from tierkv.runtime import Priority, TransferHandle, TransferStats
 from tierkv.tier import Batch, Target, copy_move
@@ -115,30 +116,73 @@ class DeviceLoads:
     def acquire_now(self, keys: Sequence[PageKey], priority: Priority) -> int | None:
         """:meth:`TierSet.acquire_device` with no wait (a step's group, on the cpu backend
         mostly): pins every page of ``keys``, loading what is not resident where that needs
-        no wait (:meth:`load_now`), and returns the pages loaded; None, with nothing pinned,
-        where it would wait (a page in flight or in no tier, more pages than the device holds,
-        a load that cannot run here, room only by a write-back): then use ``acquire_device``.
-        Raises what a copy raised; no pin is left behind then."""
+        no wait, and returns the pages loaded; None, with nothing pinned, where it would wait
+        (a page in flight or in no tier, more pages than the device holds, a load that cannot
+        run here, room only by a write-back): then use ``acquire_device``. The pins, the room
+        (clean pages dropped), the slots and the sources' pins are one page-table call
+        (:meth:`PageTable.place`), the copy one engine call (:meth:`TransferEngine.copy_now`),
+        the commit one more (:meth:`PageTable.land`). Raises what a copy raised; no pin is
+        left behind then."""
         todo = list(dict.fromkeys(keys))
         table = self._table
         if len(todo) > table.capacity(DEVICE):
             return None  # (acquire_device raises TierFullError)
-        ready, todo = cast(tuple[list[PageKey], list[PageKey]], table.pin_readable(todo, DEVICE))
-        if not todo:
+        ctx = self._ctx
+        if (
+            self._device_lock.locked()
+            or HOST not in ctx.lower
+            or ctx.moves.get(ctx.medium(HOST), ctx.medium(DEVICE)) is not copy_move
+        ):  # resident pages only (a load is not this call's to do)
+            ready, rest = table.pin_readable(todo, DEVICE)
+            if not rest:
+                return 0
+            if ready:
+                self._unpin(cast(list[PageKey], ready))
+            return None
+        engine, evict = ctx.engine, self._evict
+        page_bytes = ctx.spec.page_bytes
+        placed = table.place(
+            todo,
+            DEVICE,
+            HOST,
+            loadable=lambda n: engine.runs_inline(n * page_bytes),
+            clean=cast(Callable[[list[Key]], bool], evict.droppable),
+            keep=evict.soon,
+            keep_order=evict.soon_order,
+        )
+        if placed is None:
+            return None
+        new = placed.new
+        if not new:
             return 0
-        got = None
-        try:
-            if len(table.absent(todo, DEVICE)) == len(todo):  # (none in flight)
-                got = self.load_now(todo, priority)
-        finally:
-            if got is None and ready:
-                self._unpin(ready)
-        if got is None:
+        if placed.dropped:
+            evict.lower_busy = False
+        self.note_peak()
+        self._prefaulter.ahead(placed.slots)
+        try:  # one copy, here: no handle, no task (the engine is idle: checked by place)
+            st = engine.copy_now(
+                self._arenas[HOST],
+                placed.src_slots,
+                self._arenas[DEVICE],
+                placed.slots,
+                priority=priority,
+            )
+        except BaseException:
+            table.land(placed, DEVICE, HOST, ok=False)
+            ctx.progress()
+            raise
+        if st is None:  # the engine took other work meanwhile: nothing was copied
+            table.land(placed, DEVICE, HOST, ok=False)
+            ctx.progress()
             return None
-        if len(got) < len(todo):  # the policy's admission kept some only
-            self._unpin(ready + got)
-            return None
-        return len(todo)
+        n = len(new)
+        ctx.copied("load", "stream host->device", st, n)
+        ctx.stats.bytes_h2d += n * ctx.spec.page_bytes
+        ctx.stats.loads_from[HOST] += n
+        table.land(placed, DEVICE, HOST)
+        ctx.stats.loads_landed_at = st.finished_at or time.perf_counter()
+        ctx.progress()
+        return n
 
     def reserve_now(self, keys: Sequence[PageKey]) -> list[int] | None:
         """:meth:`TierSet.reserve_device` with no wait: device slots for new pages (WRITING),

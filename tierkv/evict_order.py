@@ -95,6 +95,26 @@ class OrderIndex:
         out: list[int] = idx[np.argsort(-pos[idx])].tolist()
         return out
 
+    def latest_of_all(
+        self, n: int, state: bytearray, pins: array[int], readable: int, used: int
+    ) -> list[int] | None:
+        """:meth:`latest` where every one of the tier's ``used`` pages is in the order (then
+        an eviction that keeps the order's pages takes them by the order alone), else None:
+        :meth:`held` and :meth:`latest` in one pass."""
+        if len(self.pos) > SMALL:
+            return self.latest_np(n, state, pins, readable) if self.held() == used else None
+        held = 0
+        got = []
+        for s, p in enumerate(self.pos.tolist()):
+            if p >= 0:
+                held += 1
+                if state[s] == readable and not pins[s]:
+                    got.append((p, s))
+        if held != used:
+            return None
+        got.sort(reverse=True)
+        return [s for _, s in got[:n]]
+
     def held(self) -> int:
         """How many of the tier's pages are in the order."""
         if len(self.pos) <= SMALL:

@@ -138,13 +138,18 @@ class DeviceEviction:
         if not victims:
             return False
         keys = [k for k, _ in victims]
-        dirty = self.dirty
-        if any(k in dirty for k in keys) or len(self.with_lower(keys)) < len(keys):
+        if not self.droppable(keys):
             table.complete_evict(keys, DEVICE, ok=False)  # a write-back: make_room's to do
             return False
         table.complete_evict(keys, DEVICE, ok=True)
         self.lower_busy = False
         return True
+
+    def droppable(self, keys: Sequence[PageKey]) -> bool:
+        """Whether device pages can leave with no write-back: none is dirty and each has a
+        readable lower copy."""
+        dirty = self.dirty
+        return not any(k in dirty for k in keys) and len(self.with_lower(keys)) == len(keys)
 
     def _pick(
         self, n: int, keep: frozenset[PageKey], for_keys: Sequence[PageKey]

@@ -10,6 +10,7 @@ from tierkv.admission import Admission
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
+from tierkv.step_claims import StepClaims
 from tierkv.tenants import Tenants
 from tierkv.tiers import TierSet
 from tierkv.timeline import Timeline
@@ -26,6 +27,7 @@ class LeaseHost(Protocol):
     counters: StoreCounters
     timeline: Timeline
     turns: TurnBudget
+    steps: StepClaims  # the sequences in an entered step plan (tierkv.step_claims)
     tenants: Tenants | None  # charged for the pages sequences make (tierkv.tenants)
 
     @property

@@ -102,6 +102,19 @@ class StoreAllocation:
 
 
 @dataclass(frozen=True, slots=True)
+class Placement:
+    """What :meth:`PageTable.place` did: ``pinned``, the pages that were readable in the tier
+    (pinned now); ``new``, the rest, WRITING in the tier's ``slots``, their copies in the
+    source tier pinned at ``src_slots``; ``dropped``, the victims that left for their room."""
+
+    pinned: list[Key]
+    new: list[Key]
+    slots: list[int]
+    src_slots: list[int]
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
 class PageEvent:
     """An observable change: ``kind`` is ``"stored"``, ``"evicted"`` or ``"removed"``."""
 
@@ -704,6 +717,155 @@ class PageTable:
         else:
             self._drop(t, keys, slots)
         t.unevictable -= len(slots)
+
+    # -- a group of pages placed at once -----------------------------------------------------
+    def place(
+        self,
+        keys: Sequence[Key],
+        tier: str,
+        src: str,
+        *,
+        loadable: Callable[[int], bool],
+        clean: Callable[[list[Key]], bool],
+        keep: Collection[Key] | None = None,
+        keep_order: Sequence[Key] | None = None,
+    ) -> Placement | None:
+        """Pin the pages of ``keys`` (distinct) in ``tier``, placing those it does not hold, in
+        one call: what :meth:`pin_readable`, :meth:`prepare_evict` with
+        :meth:`complete_evict`, :meth:`prepare_store` and :meth:`prepare_load` on ``src`` do for
+        a step group's load, with the tenants' counts told as those calls tell them.
+
+        The pages readable in ``tier`` are pinned. The rest (``new``) must be absent from it,
+        readable in ``src`` and ``loadable(len(new))`` (the caller's copy can run at once);
+        their room is taken from free slots, then from victims by policy (exact, ``keep`` only
+        when no other page can go, the last of ``keep_order`` first, as :meth:`prepare_evict`)
+        that ``clean(victims)`` accepts: those are dropped. The new pages are WRITING in new
+        slots, their ``src`` copies pinned for reading. End with :meth:`land`.
+
+        Returns the placement, or None where it would need a wait, with nothing changed: a
+        page in flight (in ``tier`` but not readable), one not readable in ``src``, not
+        ``loadable``, too few victims or some not ``clean`` (put back where they were).
+
+        Raises:
+            UnknownPageError: an unknown tier (nothing changes).
+            TierKVError: the policy broke its contract (nothing pinned is left).
+        """
+        t = self._tier(tier)
+        h = self._tier(src)
+        pinned, new = self.pin_readable(keys, tier)
+        if not new:
+            return Placement(pinned, [], [], [], 0)
+        slot_of = t.slot_of
+        n = len(new)
+        hget, hstate = h.slot_of.get, h.state
+        ok = (
+            not any(map(slot_of.__contains__, new))  # (none in flight)
+            and all((s := hget(k)) is not None and hstate[s] == _READABLE for k in new)
+            and loadable(n)
+        )
+        need = n - len(t.free)
+        dropped: list[Key] = []
+        try:
+            if ok and need > 0:
+                got = self._drop_clean(t, need, clean, keep, keep_order, new)
+                ok = got is not None
+                dropped = got or []
+        except BaseException:
+            if pinned:
+                self.complete_load(pinned, tier)
+            raise
+        if not ok:
+            if pinned:
+                self.complete_load(pinned, tier)
+            return None
+        free = t.free  # room made: the new pages take free slots (prepare_store's, no eviction)
+        cut = len(free) - n
+        slots = free[cut:].tolist()
+        del free[cut:]
+        slot_of.update(zip(new, slots))
+        t.key_of.update(zip(slots, new))
+        set_states(t.state, slots, _WRITING)
+        if t.order is not None:
+            t.order.placed(slots, new)
+        t.policy.insert_slots(slots, new, None)
+        t.unevictable += n
+        if t.acc is not None:
+            t.acc.replaced([], new)
+        src_slots = [h.slot_of[k] for k in new]
+        h.unevictable += add_pins(h.pins, src_slots)
+        return Placement(pinned, new, slots, src_slots, len(dropped))
+
+    def _drop_clean(
+        self,
+        t: _Tier,
+        n: int,
+        clean: Callable[[list[Key]], bool],
+        keep: Collection[Key] | None,
+        keep_order: Sequence[Key] | None,
+        for_keys: Sequence[Key],
+    ) -> list[Key] | None:
+        """:meth:`place`'s room: ``n`` victims as :meth:`prepare_evict` (exact) picks them,
+        dropped where ``clean`` accepts them all; None, nothing changed, where not. With no
+        tenants and every page of the tier in ``keep_order`` (a step's announced pages), the
+        order alone picks them, and they leave the policy only once accepted (no MOVING
+        state and put-back in between)."""
+        if n > len(t.slot_of) - t.unevictable:
+            return None
+        if self._acc is None and keep_order:
+            order = self._order(t, keep_order)
+            only = order.latest_of_all(n, t.state, t.pins, _READABLE, len(t.slot_of))
+            if only is not None:
+                if len(only) < n or not clean([t.key_of[s] for s in only]):
+                    return None
+                slots = t.policy.evict_chosen(only)
+                keys = list(map(t.key_of.__getitem__, slots))
+                self._check_victims(t, n, slots, keys)
+                slot_of, key_of = t.slot_of, t.key_of
+                deque(map(slot_of.__delitem__, keys), 0)
+                deque(map(key_of.__delitem__, slots), 0)
+                t.free.extend(slots)
+                order.freed(slots)
+                self._forget(keys)
+                if self._record:
+                    self._events.append(PageEvent("evicted", t.name, tuple(keys)))
+                return keys
+        victims = self.prepare_evict(
+            t.name, n, exact=True, keep=keep, keep_order=keep_order, for_keys=for_keys
+        )
+        dropped = [k for k, _ in victims]
+        if len(dropped) < n:
+            return None
+        if not clean(dropped):  # (a write-back first: not here)
+            self._put_back(t, dropped)
+            return None
+        self.complete_evict(dropped, t.name)
+        return dropped
+
+    def land(self, placed: Placement, tier: str, src: str, ok: bool = True) -> None:
+        """End a placement's copies (:meth:`place`): the source copies unpinned, and the new
+        pages committed and pinned for the caller (``ok``: :meth:`complete_store` then
+        :meth:`prepare_load`), or dropped with the caller's pins of the others (not ``ok``)."""
+        t = self._tier(tier)
+        new, slots = placed.new, placed.slots
+        if new:
+            self.complete_load(new, src)
+        if not ok:
+            if new:
+                self.complete_store(new, tier, ok=False)
+            if placed.pinned:
+                self.complete_load(placed.pinned, tier)
+            return
+        if not new:
+            return
+        if self._slots(t, new) != slots or _count(t.state, slots, _WRITING) != len(slots):
+            self.complete_store(new, tier)  # (changed since: the calls' own checks)
+            self.prepare_load(new, tier)
+            return
+        state = t.state  # WRITING -> READABLE and pinned: unevictable either way
+        set_states(state, slots, _READABLE)
+        add_pins(t.pins, slots)
+        if self._record:
+            self._events.append(PageEvent("stored", tier, tuple(new)))
 
     # -- moves down ----------------------------------------------------------------------
     def prepare_evict(

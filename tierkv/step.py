@@ -117,6 +117,7 @@ class StepPlan:
         self._held: int | None = None
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
         self._active = False
+        self._claimed = False  # its sequences taken in the store's StepClaims
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
         self.starting: asyncio.Future[list[LayerStep]] | None = None  # (see layer_now)
         tiers = store.tiers
@@ -157,16 +158,22 @@ class StepPlan:
         """Take the step's room from the admission and start the first layers' loads.
 
         Raises TierFullError (the window of layers can never be resident, or no room came
-        before the timeout), SequenceError (a sequence was released). Nothing is held then.
+        before the timeout), SequenceError (a sequence was released, or is in another entered
+        plan: a sequence runs in one plan at a time). Nothing is held then.
         """
         store = self.store
         tiers = store.tiers
         footprint = self._entry()
-        self._prepare()
-        deadline = tiers.changes.deadline(store.timeout)
-        held = await store.admission.enter(
-            footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
-        )
+        self._claim()
+        try:
+            self._prepare()
+            deadline = tiers.changes.deadline(store.timeout)
+            held = await store.admission.enter(
+                footprint, deadline, partial(tiers.room.full_error, footprint, store.timeout)
+            )
+        except BaseException:
+            self._unclaim()
+            raise
         self._go(held, asyncio.get_running_loop())
         return self
 
@@ -178,13 +185,16 @@ class StepPlan:
         ``__aexit__``); False, with nothing held, where it would wait (use ``async with``).
         Raises what ``__aenter__`` raises before anything is held."""
         footprint = self._entry()
+        self._claim()
         held = self.store.admission.enter_now(footprint)
         if held is None:
+            self._unclaim()
             return False
         try:
             self._prepare()
         except BaseException:
             self.store.admission.leave(held)
+            self._unclaim()
             raise
         self._go(held, loop)
         return True
@@ -198,6 +208,21 @@ class StepPlan:
         footprint = self._footprint(tiers.table.capacity(DEVICE))
         tiers.room.ensure_fits(footprint)
         return footprint
+
+    def _claim(self) -> None:
+        """Take the plan's sequences (:class:`tierkv.step_claims.StepClaims`). Raises
+        SequenceError, nothing taken, when one is in another entered plan, or this plan is
+        entered already."""
+        if self._claimed:
+            raise SequenceError("this step plan is entered already")
+        self.store.steps.claim(self.seqs)
+        self._claimed = True
+
+    def _unclaim(self) -> None:
+        """Free the plan's sequences for the next plan (idempotent)."""
+        if self._claimed:
+            self._claimed = False
+            self.store.steps.free(self.seqs)
 
     def _prepare(self) -> None:
         """The sequences' blocks the step fills, and its pages announced in reading order."""
@@ -248,6 +273,7 @@ class StepPlan:
             if self._held is not None and not store.closed:
                 store.admission.leave(self._held)
             self._held = None
+            self._unclaim()
         wrote, self._wrote = self._wrote, []
         live = [s for s in self.seqs if store.is_live(s)]
         store.lease_ended(live, ())  # (full blocks get their content keys: names change)

@@ -21,6 +21,7 @@ import numpy.typing as npt
 import torch
 
 from tierkv.errors import SpecError
+from tierkv.keys import layer_suffix
 from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.tenants import Tenants
@@ -57,24 +58,31 @@ def group_pages(
     """A group of layers' pages by their current names (pages of ``t`` tokens): the pages its
     layers read, the new pages its appends open, and per layer where those start and what
     its append fills and writes. With ``tenants``, each sequence's tenant is charged for the
-    new pages its append opens (its private pages: charging again is harmless)."""
+    new pages its append opens (its private pages: charging again is harmless).
+
+    Each sequence's block keys are read once for the group's layers (a page's key is its
+    block's and the layer's two bytes: :func:`tierkv.keys.page_key`)."""
     keys: list[bytes] = []
     new: list[bytes] = []
     plans: list[LayerPages] = []
+    blocks = [seq.blocks for seq in seqs]
     for layer in layers:
-        starts, counts, filled = [], [], []
-        written = written_keys(seqs, tokens, layer)
+        suffix = layer_suffix(layer)
+        starts, counts, filled, written = [], [], [], []
         at, at_new = len(keys), len(new)
-        for seq, k in zip(seqs, tokens):
+        for seq, k, bl in zip(seqs, tokens, blocks):
             start = seq.kv_len_of(layer)
             have, need = -(-start // t), -(-(start + k) // t)
-            keys += seq.pages(layer)
-            made = [page_key(seq.block(b), layer) for b in range(have, need)]
-            if made and tenants is not None:
-                tenants.charge(made, seq.tenant, new=True)
-            new += made
-            full = range(start // t, (start + k) // t)
-            filled += [page_key(seq.block(b), layer) for b in full]
+            keys += [b + suffix for b in bl[:have]]
+            if need > have:
+                made = [b + suffix for b in bl[have:need]]
+                if tenants is not None:
+                    tenants.charge(made, seq.tenant, new=True)
+                new += made
+            first = start // t
+            filled += [b + suffix for b in bl[first : (start + k) // t]]
+            if k:
+                written += [b + suffix for b in bl[first:need]]
             starts.append(start)
             counts.append(need)
         plans.append((at, at_new, starts, counts, filled, written))

@@ -68,6 +68,7 @@ from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
 from tierkv.step import StepPlan, check_tokens
+from tierkv.step_claims import StepClaims
 from tierkv.tenant_names import check_salt
 from tierkv.tenants import Quota, Tenants, tenant_index
 from tierkv.tiers import COLD, DEVICE, HOST, TierSet
@@ -231,6 +232,7 @@ class KVStore:
         # (no host tier under the leased one: nothing to write behind to)
         self.write_behind = write_behind and chain.host_pages > 0
         self.turns = TurnBudget(turn_budget)
+        self.steps = StepClaims()  # the sequences in an entered step plan (one plan each)
         self.compress_live = compress_live
         self._codec = chain.codec
         self._pages = pages
