@@ -100,7 +100,12 @@ class DeviceLoads:
         if began is None:
             return None
         new, task = began
-        if task is None:  # the copies ran inline and were committed: nothing to wait for
+        if task is None:  # the copies ran inline and were committed: nothing to wait for,
+            try:  # but a turn for the loop (its timers, other tasks), as a copy's completion
+                await asyncio.sleep(0)  # gives (a lease's loads ran in a row otherwise: a
+            except BaseException:  # 1 ms timer's p99 lateness in loop_scale 3.8 -> 7.3 ms)
+                self._unpin(new)  # loaded for a caller who is gone
+                raise
             return new
         try:
             await within(deadline, asyncio.shield(task), partial(_in_flight, len(new)))
