@@ -206,47 +206,6 @@ class DeviceLoads:
         got = self.take_slots(keys)
         return None if got is None else got[1]
 
-    def load_now(self, keys: list[PageKey], priority: Priority) -> list[PageKey] | None:
-        """:meth:`load` with no wait, for pages whose copies run inline (cpu backend, a small
-        batch, an idle engine) from the host tier, into room that dropping clean pages makes
-        (:meth:`DeviceEviction.make_room_now`): returns the pages loaded, committed and pinned
-        for the caller, or None when it cannot be done so (the device lock held, a page's
-        readable copy not on the host, another move than a plain copy registered, room only
-        by a write-back, an engine with work of its own). With None nothing is pinned or
-        loaded, though clean pages may have been dropped for room. The copy is one call of
-        the engine (:meth:`TransferEngine.copy_now`): no handle, no task. Raises what the
-        copy raised (after the rollback)."""
-        ctx = self._ctx
-        if not keys or self._device_lock.locked() or HOST not in ctx.lower:
-            return None
-        if ctx.moves.get(ctx.medium(HOST), ctx.medium(DEVICE)) is not copy_move:
-            return None  # (another move: its copies are its own)
-        table = self._table
-        engine = ctx.engine
-        if len(table.readable(keys, HOST)) < len(keys):
-            return None
-        if not engine.runs_inline(len(keys) * ctx.spec.page_bytes):
-            return None
-        if not self._evict.make_room_now(len(keys), keys):
-            return None
-        got = self.take_slots(keys)
-        if got is None:
-            return None
-        new, slots = got
-        src = {HOST: (new, table.prepare_load(new, HOST))}
-        try:  # one copy, here: no handle, no task (the engine is idle: checked above)
-            st = engine.copy_now(
-                self._arenas[HOST], src[HOST][1], self._arenas[DEVICE], slots, priority=priority
-            )
-        except BaseException as exc:
-            self._end(new, src, [], exc)  # (raises it, after the rollback)
-            raise
-        if st is None:  # the engine took other work meanwhile: nothing was copied
-            self._end(new, src, [], None, ok=False)
-            return None
-        self._end(new, src, [(HOST, len(new), st)], None)
-        return new
-
     def take_slots(self, keys: Sequence[PageKey]) -> tuple[list[PageKey], list[int]] | None:
         """Device slots for ``keys`` (room made; a load's or new pages'): the pages the policy
         admitted (all, or some) and their slots, WRITING; None when the policy made room of
@@ -326,12 +285,10 @@ class DeviceLoads:
         src: Sources,
         done: Done,
         error: BaseException | None,
-        *,
-        ok: bool = True,
     ) -> None:
         """A load's copies have ended (``done``: those that succeeded): commit the pages,
-        pinned for the caller, or roll them back (``error``, raised then; or not ``ok``: none
-        was copied), let go of the sources, count, wake the waiters."""
+        pinned for the caller, or roll them back (``error``, raised then), let go of the
+        sources, count, wake the waiters."""
         landed = 0.0
         for tier, n, st in done:
             landed = max(landed, st.finished_at or time.perf_counter())
@@ -342,7 +299,7 @@ class DeviceLoads:
         for tier, (ks, _) in src.items():
             self._table.complete_load(ks, tier)
         error = self._cold.corrupt(error)  # a cold copy failed its checksum: dropped, typed
-        ok = ok and error is None
+        ok = error is None
         self._table.complete_store(keys, DEVICE, ok=ok)
         if ok:
             self._ctx.stats.loads_landed_at = landed

@@ -572,7 +572,7 @@ class PageTable:
             can_evict = lambda s: not pins[s] and state[s] == _READABLE  # noqa: E731
         acc, counts = self._acc, t.acc
         if t.quota and acc is not None and counts is not None and not counts.any_pick(n):
-            got = self._quota_victims(t, n, keep, acc, new)
+            got = self._quota_victims(t, n, keep, acc, counts.shares(new, n))
             if got is None:
                 return None
             slots = got
@@ -591,15 +591,19 @@ class PageTable:
         return evicted
 
     def _quota_victims(
-        self, t: _Tier, n: int, keep: set[int], acc: Tenants, new: Sequence[Key]
+        self,
+        t: _Tier,
+        n: int,
+        keep: set[int],
+        acc: Tenants,
+        shares: list[tuple[int | None, int]],
     ) -> list[int] | None:
         """``n`` victim slots by policy within the tenants' quotas (rule 1, then rule 2 of
-        :mod:`tierkv.tenants`) for the pages of ``new``, taken from the policy but not yet
-        from the table; None (the policy's state put back) when there are fewer. Pages of
-        several tenants: each tenant's share of the evictions is asked for on its own
-        (:meth:`Tenants.shares`), so that rule 2 lets each tenant's pages go only for its
-        own new pages."""
-        shares = acc.shares(t.name, new, n)  # (t.acc's: the caller checked it)
+        :mod:`tierkv.tenants`) for new pages, taken from the policy but not yet from the
+        table; None (the policy's state put back) when there are fewer. ``shares``: the
+        evictions per tenant they are for (:meth:`TierCounts.shares`; several for pages of
+        several tenants, each asked for on its own, so that rule 2 lets each tenant's pages
+        go only for its own new pages)."""
         pins, state, key_of = t.pins, t.state, t.key_of
         if len(shares) == 1 and not acc.over_limit(t.name):  # the policy's own pick first:
             by = shares[0][0]  # most keep the quotas
@@ -955,7 +959,7 @@ class PageTable:
     ) -> list[tuple[Key, int]]:
         """:meth:`prepare_evict` within the tenants' quotas: passes of rule 1, then rule 2
         (:meth:`Tenants.room`), each taking pages nobody keeps first, for each tenant's share
-        of the room (``shares``: :meth:`Tenants.shares`; several when a batch loads or writes
+        of the room (``shares``: :meth:`TierCounts.shares`; several when a batch loads or writes
         back pages of several tenants); all or nothing with ``exact``."""
         out: list[tuple[Key, int]] = []
         none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)

@@ -380,14 +380,6 @@ class Tenants:
 
         return [of[i] for i in sorted(of, key=owed, reverse=True)]
 
-    def shares(self, tier: str, keys: Sequence[Key], n: int) -> list[tuple[int | None, int]]:
-        """The ``n`` evictions that make room in ``tier`` for the pages of ``keys``, split by
-        the tenant each is made for (:meth:`TierCounts.shares`)."""
-        c = self._tiers.get(tier)
-        if c is None:
-            return [(None, n)] if n > 0 else []
-        return c.shares(keys, n)
-
     def tally(self, keys: Sequence[Key]) -> Counter[int | None]:
         """Victims per tenant (for :meth:`room`'s ``taken``)."""
         return Counter(map(self._of.get, keys))

@@ -1,6 +1,6 @@
 """A step's group loads with no wait and no task (tierkv.step ``_load_now``): on the cpu backend
 a group's pages are pinned, loaded by copies that run inline and opened in one synchronous
-pass (``LeasePages.acquire_now``, ``DeviceLoads.load_now``, ``DeviceEviction.make_room_now``).
+pass (``LeasePages.acquire_now``, ``DeviceLoads.acquire_now``, ``DeviceEviction.make_room_now``).
 Where that cannot be done (a copy that would not run inline, room only by a write-back, a page
 in flight, a failing copy) nothing is held and the group loads as before; KV stays exact.
 """
