@@ -61,7 +61,7 @@ from tierkv.page_sums import PageSums
 from tierkv.policies import DEFAULT_POLICY, EvictionPolicy, Key, PageHint, create_policy
 from tierkv.policies.base import CanEvictSlot, ChainHint, ChainPart, Hints, page_hints
 from tierkv.slot_pins import SMALL, add_pins, drop_pins, set_states
-from tierkv.tenant_counts import MIXED
+from tierkv.tenant_counts import MIXED, QUOTA
 
 if TYPE_CHECKING:
     from tierkv.tenant_counts import TierCounts
@@ -157,7 +157,6 @@ class _Tier:
         "acc",
         "admits",
         "capacity",
-        "cause",
         "free",
         "key_of",
         "moving",
@@ -191,7 +190,6 @@ class _Tier:
         self.order: OrderIndex | None = None  # positions in the last order evictions followed
         self.acc: TierCounts | None = None  # the tenants' counts of this tier (None: none)
         # per MOVING slot, the tenant whose room it was chosen for (-1: none), with tenants
-        self.cause: array[int] | None = None
         self.quota = False  # whether evictions here must keep the tenants' quotas
         policy.bind_slots(capacity, self.slot_of)
 
@@ -245,8 +243,8 @@ class PageTable:
             for t in self._tiers.values():
                 t.acc = tenants.counts(t.name)
                 t.quota = t.name in tenants.active_tiers
-                if t.acc is not None:
-                    t.cause = array("l", [-1]) * t.capacity
+                if t.acc is not None:  # (each slot remembers its MOVING page's cause)
+                    t.acc.bind_slots(t.capacity)
         # tiers whose last eviction the quotas cut short -> the tenant it was for (or None)
         self._blocked: dict[str, int | None] = {}
 
@@ -906,13 +904,12 @@ class PageTable:
         acc, counts = self._acc, t.acc
         if acc is None or counts is None or not n:
             return self._prepare_evict(t, n, keep, keep_order)
-        if t.quota:
-            if not counts.any_pick(n):
-                shares = counts.shares(for_keys, n)  # the tenants the room is for
-                return self._quota_evict(t, n, exact, keep, keep_order, acc, shares)
-            if self._blocked:
-                self._blocked.pop(tier, None)
         by = counts.cause(for_keys, n)  # the evictions' cause (counted per tenant)
+        if by == QUOTA:  # the policy's own pick might break the quotas: they choose
+            shares = counts.shares(for_keys, n)  # the tenants the room is for
+            return self._quota_evict(t, n, exact, keep, keep_order, acc, shares)
+        if self._blocked:  # (an eviction within the quotas found room)
+            self._blocked.pop(tier, None)
         if by != MIXED:
             return self._prepare_evict(t, n, keep, keep_order, None, by)
         out: list[tuple[Key, int]] = []
@@ -1054,13 +1051,8 @@ class PageTable:
         set_states(state, slots, _MOVING)
         t.unevictable += len(out)
         t.moving += len(out)
-        if t.acc is not None and t.cause is not None:  # MOVING pages are no tenant's any
-            t.acc.evicted(keys, by)  # more (undone if put back), each remembers its cause
-            cause = -1 if by is None else by
-            if len(slots) == 1:
-                t.cause[slots[0]] = cause
-            else:
-                deque(map(t.cause.__setitem__, slots, repeat(cause)), 0)
+        if t.acc is not None:  # MOVING pages are no tenant's any more (undone if put
+            t.acc.evicted(keys, by, slots)  # back), each slot remembering the cause
         if only is not None and len(out) < n:  # the rest by policy
             out += self._pick(t, n - len(out), None, None, allow, by)
         return out
@@ -1097,9 +1089,8 @@ class PageTable:
         eviction undone, for the tenants' counts too)."""
         slots = self._state_slots(t, keys, _MOVING)
         undo = t.undo
-        if t.acc is not None and t.cause is not None:
-            cause = t.cause
-            t.acc.put_back(keys, [cause[s] for s in slots])
+        if t.acc is not None:
+            t.acc.put_back(keys, slots)
         for s in slots:
             t.state[s] = _READABLE
         # in the order they were chosen (``undo`` keeps it), so that each lands where it was

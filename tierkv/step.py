@@ -77,7 +77,7 @@ from tierkv.step_plan import (
     layer_rows,
     written_keys,
 )
-from tierkv.tenant_room import reserve_by_tenant
+from tierkv.tenant_room import reserve_by_tenant, reserve_now_by_tenant
 from tierkv.tier_names import DEVICE
 
 __all__ = ["LayerStep", "NextStep", "StepPlan", "check_tokens"]
@@ -378,7 +378,7 @@ class StepPlan:
             return
         loop = self._loop
         try:
-            steps = self._load_now(g) if loop is not None and self._tenants is None else None
+            steps = self._load_now(g) if loop is not None else None
         except Exception:  # (nothing held: the task loads it again and raises where the
             steps = None  # layer waits for it, as with any load's error)
         if steps is not None:  # loaded (or resident) and opened here: no task, no loop turn
@@ -442,7 +442,12 @@ class StepPlan:
             return None
         landed = tiers.stats.loads_landed_at if loaded else 0.0
         try:
-            slots = tiers.pages.reserve_now(new) if new else []
+            if not new:
+                slots: list[int] | None = []
+            elif self._tenants is not None:  # several tenants' pages: room tenant by tenant
+                slots = reserve_now_by_tenant(tiers, self._tenants, new)
+            else:
+                slots = tiers.pages.reserve_now(new)
         except TierKVError:  # (raised again by _load, where the layer waits)
             slots = None
         if slots is None:

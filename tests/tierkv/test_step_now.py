@@ -243,3 +243,68 @@ async def test_enter_now_takes_the_room_at_once_or_holds_nothing() -> None:
             await plan.__aexit__(None, None, None)
         assert st.sequence("a").kv_len == [13] * SPEC.num_layers
         await idle(st)
+
+
+def _tenants_store(device_pages: int = 8) -> KVStore:
+    from tierkv import Quota
+
+    return _store(device_pages, tenants={"x": Quota(), "y": Quota()})
+
+
+async def test_a_step_of_several_tenants_loads_with_no_task_room_tenant_by_tenant() -> None:
+    """Regression: a step plan over several tenants' sequences always loaded its groups in
+    tasks (a loop turn each, and the slow path's calls): ``_start`` skipped ``_load_now`` for
+    them. Now each tenant's new pages get their room on their own, at once."""
+    async with _tenants_store(device_pages=8) as st:
+        for s, who in (("a", "x"), ("b", "y")):
+            await st.add_sequence(s, [], tenant=who)
+        ref = {}
+        for rnd in range(2):  # the first fills (pages reach the host), the second loads back
+            async with st.step_plan(["a", "b"], tokens=3, ahead=1) as step:
+                assert all(t is not None and t.done() for t in step._tasks[:2])
+                for layer in range(SPEC.num_layers):
+                    h = step.layer_now(layer, enter=True) or await step.layer(layer)
+                    step.starting = None
+                    new = rand(2, H, 3, D, seed=10 * rnd + layer)
+                    h.append(new, new)
+                    k, _ = h.kv()
+                    for b, s in enumerate(["a", "b"]):
+                        ref[(s, layer)] = torch.cat([ref.get((s, layer), new[b][:, :0]), new[b]], 1)
+                        assert torch.equal(k[b], ref[(s, layer)])
+            st.step()
+            await st.drain()
+        assert st.tenants is not None
+        assert st.tenants.check(lambda t: st.tiers.table.keys(t)) is None
+        pages = st.stats()["tenants"]
+        assert pages["x"]["tiers"]["device"]["pages"] > 0
+        assert pages["y"]["tiers"]["device"]["pages"] > 0
+        await idle(st)
+
+
+async def test_room_at_once_tenant_by_tenant_is_all_or_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierkv.tenant_room import reserve_now_by_tenant
+
+    async with _tenants_store(device_pages=8) as st:
+        assert st.tenants is not None
+        pages = st.tiers.pages
+        keys = [bytes([i]) * 16 for i in (1, 2, 3)]
+        st.tenants.charge(keys[:2], 0, new=True)
+        st.tenants.charge(keys[2:], 1, new=True)
+        real = pages.reserve_now
+        calls: list[int] = []
+
+        def second_finds_no_room(part: list[bytes]) -> list[int] | None:
+            calls.append(len(part))
+            return real(part) if len(calls) == 1 else None
+
+        monkeypatch.setattr(pages, "reserve_now", second_finds_no_room)
+        assert reserve_now_by_tenant(st.tiers, st.tenants, keys) is None
+        assert len(calls) == 2  # one part each
+        assert not st.tiers.table.present(keys, DEVICE)  # the first part's room was undone
+        monkeypatch.setattr(pages, "reserve_now", real)
+        slots = reserve_now_by_tenant(st.tiers, st.tenants, keys)
+        assert slots is not None and len(set(slots)) == 3
+        st.tiers.abort_device(keys, pinned=False, owned=False)
+        await idle(st)

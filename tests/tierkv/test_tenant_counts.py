@@ -4,6 +4,9 @@ and the counts the page table's hooks keep are the same whichever runs."""
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,10 +80,11 @@ def _run_hooks(
     of = {b"a1": 0, b"a2": 0, b"b1": 1, b"b2": 1}
     caused = [0, 0]
     c = TierCounts(of, caused, [1, 0], [NO_LIMIT, NO_LIMIT])
+    c.bind_slots(4)
     c.replaced([], [b"a1", b"a2", b"b1"])
     c.replaced([b"a1"], [b"b2"])  # b's page in a's room: caused by b
-    c.evicted([b"a2", b"x"], 0)  # chosen for a's pages, MOVING
-    c.put_back([b"a2"], [0])  # a2 came back: no longer caused by a
+    c.evicted([b"a2", b"x"], 0, [2, 3])  # chosen for a's pages, MOVING
+    c.put_back([b"a2"], [2])  # a2 came back: no longer caused by a
     c.left([b"b1"])
     c.replaced([b"a2", b"b2"], [b"a1", b"b1", b"b2"])  # mixed: a1 free, b1 and b2 evict
     assert c.shares([b"a1", b"b1"], 1) == [(1, 1)]
@@ -98,3 +102,98 @@ def test_the_hooks_keep_the_same_counts_with_either_count(monkeypatch: pytest.Mo
         c = _run_hooks(m, NATIVE)
     assert py == c
     assert py == ([1, 2], [2, 1], [1, 3])  # (worked by hand, step by step)
+
+
+COUNTS = [tenant_counts.PyTierCounts] + (
+    [TierCounts] if TierCounts is not tenant_counts.PyTierCounts else []
+)
+"""The counts' classes: the Python reference and (built) the C one."""
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["replaced", "evicted", "put_back", "left", "cause", "any_pick", "shares"]),
+        st.lists(st.integers(0, 9), max_size=12),  # keys (k7.. nobody's)
+        st.lists(st.integers(0, 9), max_size=6),  # the victims of replaced
+        st.integers(-1, 14),  # n, or a tenant (-1: None)
+    ),
+    max_size=40,
+)
+
+
+def _drive(cls: type, script: list[tuple[str, list[int], list[int], int]]) -> list[object]:
+    """Run ``script`` on a fresh counts of ``cls`` (3 tenants, tenant 0 with a reservation of
+    2, tenant 2 a limit of 3): every result, error type and the counts after each step."""
+    caused = [0, 0, 0]
+    c = cls(_of(), caused, [2, 0, 0], [NO_LIMIT, NO_LIMIT, 3])
+    c.bind_slots(10)
+    seen: list[object] = [c.active, c.nobody]
+    for op, a, b, x in script:
+        keys = [f"k{j}".encode() for j in a]
+        try:
+            if op == "replaced":
+                got: object = c.replaced([f"k{j}".encode() for j in b], keys)
+            elif op == "evicted":  # (MOVING, in the slots of the keys' numbers, or gone)
+                got = c.evicted(keys, None if x < 0 else x % 3, a if x % 2 else ())
+            elif op == "put_back":
+                got = c.put_back(keys, a)
+            elif op == "left":
+                got = c.left(keys)
+            elif op == "cause":
+                got = c.cause(keys, x)
+            elif op == "any_pick":
+                got = (c.any_pick(x), c.over_limit())
+            else:
+                got = c.shares(keys, x)
+        except ValueError as e:  # (the reference's InvalidInputError is one)
+            got = ("ValueError", str(e))
+        seen.append((got, c.pages(), c.evictions(), list(caused)))
+    return seen
+
+
+@pytest.mark.skipif(len(COUNTS) < 2, reason="tierkv._tally was not built")
+@settings(max_examples=400, deadline=None)
+@given(script=ops)
+def test_the_c_counts_equal_the_python_reference(
+    script: list[tuple[str, list[int], list[int], int]],
+) -> None:
+    py, c = (_drive(cls, script) for cls in COUNTS)
+    assert py == c
+
+
+@pytest.mark.parametrize("cls", COUNTS)
+def test_the_counts_refuse_a_bad_tenant_and_change_nothing(cls: type) -> None:
+    caused = [0, 0]
+    c = cls({b"a": 0, b"bad": 5}, caused, [1, 0], [NO_LIMIT, NO_LIMIT])
+    c.bind_slots(2)
+    c.replaced([], [b"a"])
+    before = (c.pages(), c.evictions(), list(caused))
+    for call in (
+        lambda: c.evicted([b"a"], 7),  # a tenant past the counts
+        lambda: c.evicted([b"a", b"bad"], 0),  # a charge past them
+        lambda: c.replaced([b"a"], [b"bad"]),
+        lambda: c.left([b"bad"]),
+        lambda: c.put_back([b"a"], [9]),  # a slot past the tier's
+        lambda: c.put_back([b"a"], [0, 1]),  # two slots for one page
+        lambda: c.evicted([b"a"], 0, [2]),
+        lambda: c.evicted([b"a"], 0, [0, 1]),
+    ):
+        with pytest.raises(ValueError):
+            call()
+        assert (c.pages(), c.evictions(), list(caused)) == before
+    with pytest.raises(ValueError):
+        cls({}, [0], [1, 0], [NO_LIMIT, NO_LIMIT])  # caused for one tenant of two
+    with pytest.raises(ValueError):
+        cls({}, [0, 0], [1, 0], [NO_LIMIT])  # one limit for two
+
+
+def test_counts_objects_are_freed_and_keep_their_type() -> None:
+    """Regression: the C type's dealloc dropped a reference to the (heap) subclass on top of
+    the one ``subtype_dealloc`` drops, so each freed TierCounts took one of the class's
+    references and the interpreter crashed in its final collection."""
+    before = sys.getrefcount(TierCounts)
+    for _ in range(200):
+        c = TierCounts({b"a": 0}, [0], [1], [NO_LIMIT])
+        c.replaced([], [b"a"])
+        del c
+    gc.collect()
+    assert sys.getrefcount(TierCounts) == before

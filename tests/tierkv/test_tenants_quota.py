@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from hypothesis import settings
@@ -17,9 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tierkv import KVStore, Quota, QuotaConfigError, QuotaExceededError, TierFullError
+from tierkv import tenants as tenants_module
 from tierkv.errors import InvalidTypeError, TenantError, UnknownTenantError
 from tierkv.page_table import PageState, PageTable
 from tierkv.serving import http_status
+from tierkv.tenant_counts import PyTierCounts, TierCounts
 from tierkv.tenants import Tenants
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -178,6 +181,8 @@ class TenantTableMachine(RuleBasedStateMachine):
     the counts equal the pages held (not MOVING), and no eviction takes a tenant below its
     reservation (an eviction that would takes nothing)."""
 
+    counts_class: type = TierCounts  # the counts' class (the C one where it was built)
+
     @initialize(
         reserve=st.lists(st.integers(0, 4), min_size=3, max_size=3),
         limit=st.lists(st.one_of(st.none(), st.integers(4, 12)), min_size=3, max_size=3),
@@ -188,7 +193,8 @@ class TenantTableMachine(RuleBasedStateMachine):
             for n, r, lim in zip(NAMES, reserve, limit)
         }
         self.cap = 12
-        self.tenants = Tenants(quotas, {"host": 1}, {"host": self.cap})
+        with patch.object(tenants_module, "TierCounts", self.counts_class):
+            self.tenants = Tenants(quotas, {"host": 1}, {"host": self.cap})
         self.table = PageTable({"host": self.cap}, "lru", tenants=self.tenants)
         self.reserve = dict(zip(NAMES, reserve))
         self.next = 0
@@ -296,6 +302,18 @@ TenantTableMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=30, deadline=None
 )
 TestTenantTable = TenantTableMachine.TestCase
+
+
+class PyTenantTableMachine(TenantTableMachine):
+    """The same on the counts' Python reference (what runs where tierkv._tally is not built)."""
+
+    counts_class = PyTierCounts
+
+
+PyTenantTableMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=30, deadline=None
+)
+TestPyTenantTable = PyTenantTableMachine.TestCase
 
 
 def test_tenant_indices_are_stable() -> None:
