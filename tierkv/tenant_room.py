@@ -1,14 +1,14 @@
 """Device room for new pages of several tenants (a batched step's): asked one tenant at a time.
 
-A batch of new pages asks the page table for room as one, and the evictions that make it are
-judged as made for one tenant (the first charged: :meth:`tierkv.tenants.Tenants.maker`): rule 2
-lets only that tenant's own pages go, and a refusal names it. For a batch of several tenants'
-pages that is the wrong tenant for the rest. :func:`reserve_by_tenant` asks for each tenant's
-part on its own (:meth:`~tierkv.tenants.Tenants.parts`: the tenant owed most of its
-reservation first), so each part's evictions keep the quotas for its tenant and a refusal
+The page table splits room made for a batch of several tenants' pages into each tenant's share
+(:meth:`tierkv.tenant_counts.TierCounts.shares`), but a refusal can name only one tenant, and
+a batch all or nothing would let one tenant's missing room hold up the others' pages.
+:func:`reserve_by_tenant` asks for each tenant's part on its own
+(:meth:`~tierkv.tenants.Tenants.parts`: the tenant owed most of its reservation first), so each
+part's evictions keep the quotas for its tenant and a refusal
 (:class:`~tierkv.errors.QuotaExceededError`) names the tenant whose part found no room; all or
-nothing. :func:`reserve_now_by_tenant` is the same with no wait (a step plan's group loaded
-at once: :meth:`~tierkv.device_loads.DeviceLoads.reserve_now` per part).
+nothing. :func:`reserve_now_by_tenant` is the same with no wait (a step plan's group loaded at
+once: :meth:`~tierkv.device_loads.DeviceLoads.reserve_now` per part).
 """
 
 from __future__ import annotations
