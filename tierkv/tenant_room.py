@@ -1,9 +1,8 @@
 """Device room for new pages of several tenants (a batched step's): asked one tenant at a time.
 
 The page table splits room made for a batch of several tenants' pages into each tenant's share
-(:meth:`tierkv.tenant_counts.TierCounts.shares`), but a refusal can name only one tenant, and
-a batch all or nothing would let one tenant's missing room hold up the others' pages.
-:func:`reserve_by_tenant` asks for each tenant's part on its own
+(:meth:`tierkv.tenant_counts.TierCounts.shares`), but a batch's refusal names one tenant
+only, whichever page came first. :func:`reserve_by_tenant` asks for each tenant's part on its own
 (:meth:`~tierkv.tenants.Tenants.parts`: the tenant owed most of its reservation first), so each
 part's evictions keep the quotas for its tenant and a refusal
 (:class:`~tierkv.errors.QuotaExceededError`) names the tenant whose part found no room; all or
