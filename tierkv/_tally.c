@@ -257,6 +257,15 @@ static Py_ssize_t ids_of(Counts *c, PyObject *const *items, Py_ssize_t n, Py_ssi
     return same;
 }
 
+/* A hook on a Counts whose __init__ did not run (Counts.__new__ alone) raises, not crashes. */
+#define NEED_INIT(c)                                                                           \
+    do {                                                                                       \
+        if ((c)->of == NULL) {                                                                 \
+            PyErr_SetString(PyExc_TypeError, "Counts: __init__ was not called");              \
+            return NULL;                                                                       \
+        }                                                                                      \
+    } while (0)
+
 /* A batch of keys: the sequence, its items, its tenants. */
 typedef struct {
     PyObject *seq;
@@ -339,6 +348,7 @@ static PyObject *counts_any_pick(Counts *c, PyObject *arg) {
 }
 
 static PyObject *counts_cause(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
+    NEED_INIT(c);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "cause(keys, n)");
         return NULL;
@@ -414,6 +424,7 @@ static PyObject *slots_arg(Counts *c, PyObject *obj, Py_ssize_t n) {
 }
 
 static PyObject *counts_evicted(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
+    NEED_INIT(c);
     if (nargs != 2 && nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "evicted(keys, by, slots=())");
         return NULL;
@@ -448,6 +459,7 @@ done:
 }
 
 static PyObject *counts_replaced(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
+    NEED_INIT(c);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "replaced(out, new)");
         return NULL;
@@ -490,6 +502,7 @@ done:
 }
 
 static PyObject *counts_put_back(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
+    NEED_INIT(c);
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "put_back(keys, slots)");
         return NULL;
@@ -548,6 +561,7 @@ static PyObject *counts_bind_slots(Counts *c, PyObject *arg) {
 }
 
 static PyObject *counts_left(Counts *c, PyObject *keys) {
+    NEED_INIT(c);
     Batch b;
     if (batch_open(&b, keys) < 0)
         return NULL;

@@ -197,3 +197,20 @@ def test_counts_objects_are_freed_and_keep_their_type() -> None:
         del c
     gc.collect()
     assert sys.getrefcount(TierCounts) == before
+
+
+@needs_native
+def test_a_c_counts_never_initialized_raises_rather_than_crashes() -> None:
+    from tierkv._tally import Counts
+
+    c = Counts.__new__(Counts)
+    for call in (
+        lambda: c.cause([b"a"], 1),
+        lambda: c.evicted([b"a"], None),
+        lambda: c.replaced([], [b"a"]),
+        lambda: c.put_back([b"a"], [0]),
+        lambda: c.left([b"a"]),
+    ):
+        with pytest.raises(TypeError, match="__init__"):
+            call()
+    assert c.pages() == [] and c.any_pick(1) and not c.active
