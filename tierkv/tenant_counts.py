@@ -286,16 +286,8 @@ else:
 
 class TierCounts(_Shares, _Base):
     """One tier's pages per tenant and the quota rules' fast check: ``tierkv/_tally.c``'s
-    ``Counts`` where the extension was built, else :class:`PyCounts` (same contract), with
-    :meth:`shares`.
-
-    Args:
-        of: page key -> tenant index (the tenants' charges: shared, changed in place by
-            their owner, read here).
-        caused: evictions caused, per tenant (shared by every tier's counts).
-        reserve: pages reserved per tenant in this tier.
-        limit: page limit per tenant in this tier (:data:`NO_LIMIT`: none).
-    """
+    ``Counts`` where the extension was built, else :class:`PyCounts` (same contract and
+    arguments), with :meth:`shares`."""
 
     __slots__ = ()
 
