@@ -257,6 +257,13 @@ static Py_ssize_t ids_of(Counts *c, PyObject *const *items, Py_ssize_t n, Py_ssi
     return same;
 }
 
+/* A hook's result: None, or NULL with the error set (rc < 0). */
+static PyObject *done_or_error(int rc) {
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* A hook on a Counts whose __init__ did not run (Counts.__new__ alone) raises, not crashes. */
 #define NEED_INIT(c)                                                                           \
     do {                                                                                       \
@@ -453,9 +460,7 @@ static PyObject *counts_evicted(Counts *c, PyObject *const *args, Py_ssize_t nar
 done:
     Py_XDECREF(slots);
     batch_close(&b);
-    if (rc < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return done_or_error(rc);
 }
 
 static PyObject *counts_replaced(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -496,9 +501,7 @@ static PyObject *counts_replaced(Counts *c, PyObject *const *args, Py_ssize_t na
 done:
     batch_close(&out);
     batch_close(&nw);
-    if (rc < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return done_or_error(rc);
 }
 
 static PyObject *counts_put_back(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -536,9 +539,7 @@ static PyObject *counts_put_back(Counts *c, PyObject *const *args, Py_ssize_t na
 done:
     Py_XDECREF(slots);
     batch_close(&b);
-    if (rc < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return done_or_error(rc);
 }
 
 static PyObject *counts_bind_slots(Counts *c, PyObject *arg) {
@@ -570,9 +571,7 @@ static PyObject *counts_left(Counts *c, PyObject *keys) {
         for (Py_ssize_t j = 0; j < b.n; j++)
             c->used[b.ids[j]] -= 1;
     batch_close(&b);
-    if (rc < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return done_or_error(rc);
 }
 
 static PyObject *as_list(const Py_ssize_t *a, Py_ssize_t n) {
