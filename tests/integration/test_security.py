@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tierkv import KVSpec
+from tierkv.errors import InvalidInputError
 from tierkv.remote import PageServer, RemoteCluster, RemoteTier
 from tierkv.remote.errors import (
     PeerGoneError,
@@ -285,14 +286,16 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
 
 
 @contextlib.asynccontextmanager
-async def hostile_server(answer: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+async def hostile_server(
+    answer: Callable[[dict[str, Any]], dict[str, Any]], hello: dict[str, Any] | None = None
+) -> AsyncIterator[str]:
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         s = StreamSession(r, w, srv_limits())
         with contextlib.suppress(Exception):
             await s.serve_handshake(SECRET, "page-server", "hostile")
             while (msg := await s.recv()) is not None:
                 if msg["op"] == "hello":
-                    await s.send({"id": msg["id"], **_good_hello()})
+                    await s.send({"id": msg["id"], **(hello or _good_hello())})
                 else:
                     await s.send({"id": msg["id"], **answer(msg)})
         w.close()
@@ -332,6 +335,64 @@ async def test_malformed_replies_raise_typed_errors(
                 await call()
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"lease_ttl": float("nan")},
+        {"lease_ttl": float("inf")},
+        {"lease_ttl": -5.0},
+        {"lease_ttl": 0},
+        {"lease_ttl": 1e300},
+        {"lease_ttl": 2**64 - 1},
+        {"lease_ttl": True},
+        {"lease_ttl": "5"},
+        {"name": {"a": [1] * 1000}},
+    ],
+    ids=["nan", "inf", "negative", "zero", "huge", "huge-int", "bool", "str", "name-map"],
+)
+async def test_a_hostile_hello_is_refused_after_the_proof(field: dict[str, Any]) -> None:
+    """A page server that proves the secret, then sends a hello whose lease_ttl is NaN, inf,
+    negative, zero or huge (or a name that is no string): the client took the number as
+    given (``lease_ttl`` nan). Now connect raises RemoteProtocolError and keeps nothing."""
+    async with hostile_server(lambda m: {}, hello={**_good_hello(), **field}) as address:
+        client = peer(address, transport="tcp")
+        with pytest.raises(RemoteProtocolError, match=r"lease_ttl|name"):
+            await client.connect()
+        assert client._ctl is None and client.lease_ttl == 0.0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"lease_ttl": float("nan")},
+        {"lease_ttl": -1},
+        {"lease_ttl": 2 * 86400},
+        {"lease_ttl": "5"},
+        {"timeout": float("nan")},
+        {"timeout": -1},
+        {"directory_ttl": float("inf")},
+        {"max_writing": -5},
+        {"watch_pending": 0},
+        {"max_conns_per_peer": 0},
+        {"max_preauth_failures": 1.5},
+        {"refused_hold": -1},
+        {"port": -1},
+        {"port": 70000},
+        {"transports": []},
+        {"transports": "tcp"},
+    ],
+)
+async def test_page_server_numbers_are_checked_at_construction(kw: dict[str, Any]) -> None:
+    """A careless caller's PageServer numbers: NaN / negative leases and timeouts were taken
+    (a lease no client accepts, a hello deadline that never fires), an empty transport list
+    failed each hello with an IndexError in the server's task, a port of 70000 bound another
+    port. Now a typed InvalidInputError at construction, nothing started."""
+    store = KVStore(SPEC, device_bytes=PAGE, host_bytes=4 * PAGE, codec=None)
+    async with store:
+        with pytest.raises(InvalidInputError):
+            PageServer(store, secret=SECRET, **kw)
 
 
 async def test_a_hostile_server_is_a_counted_miss_inside_kvstore() -> None:
