@@ -27,6 +27,7 @@ from tierkv.remote.errors import (
 )
 from tierkv.remote.protocol.control import Control
 from tierkv.remote.protocol.wire import spec_fields
+from tierkv.remote.sources.watch import Watch
 from tierkv.store import KVStore
 from tierkv.transports.session import HELLO_MAX, PREFIX, StreamSession
 
@@ -465,3 +466,30 @@ async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
             handle.cancel()  # the transfer itself: later ones reconnect
             await a.read(ops)
             assert bytes(mine.view) == bytes(theirs.view)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"timeout": float("nan")},
+        {"timeout": -1},
+        {"timeout": 0},
+        {"retry_after": -1},
+        {"max_backoff": float("inf")},
+        {"timeout": "10"},
+    ],
+)
+def test_client_numbers_are_checked_at_construction(kw: dict[str, Any]) -> None:
+    """RemoteTier / RemoteCluster / Watch with a NaN or negative timeout: every wait of the
+    client was unbounded (wait_for(nan)) or failed at once; a Watch of max_batches=0 queued
+    without bound. Now InvalidInputError (InvalidTypeError for a str) at construction."""
+    with pytest.raises(InvalidInputError):
+        RemoteTier("127.0.0.1:1", secret=SECRET, spec=SPEC, **kw)
+    if "max_backoff" not in kw:
+        with pytest.raises(InvalidInputError):
+            RemoteCluster(["127.0.0.1:1"], secret=SECRET, spec=SPEC, **kw)
+    if "timeout" in kw:
+        with pytest.raises(InvalidInputError):
+            Watch("127.0.0.1:1", secret=SECRET, **kw)
+    with pytest.raises(InvalidInputError, match="max_batches"):
+        Watch("127.0.0.1:1", secret=SECRET, max_batches=0)

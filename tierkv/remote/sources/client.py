@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 import tierkv.transports as transports
-from tierkv import page_sums
+from tierkv import page_sums, validate
 from tierkv.errors import CorruptPageError, SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
@@ -127,6 +127,9 @@ class RemoteTier:
         ssl: SSLContext | None = None,
         tenant: str | None = None,
     ) -> None:
+        timeout = validate.seconds("timeout", timeout)  # (NaN: every wait unbounded)
+        retry_after = validate.seconds("retry_after", retry_after, allow_zero=True)
+        max_backoff = validate.seconds("max_backoff", max_backoff, allow_zero=True)
         self.ssl = ssl
         self.tenant = None if tenant is None else check_tenant(tenant)
         self.host, self.port = split_address(address)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from tierkv import validate
 from tierkv.errors import InvalidInputError, SpecError
 from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
@@ -73,6 +74,8 @@ class RemoteCluster:
         ssl: SSLContext | None = None,
         tenant: str | None = None,
     ) -> None:
+        timeout = validate.seconds("timeout", timeout)
+        retry_after = validate.seconds("retry_after", retry_after, allow_zero=True)
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds or [])
         if not self.seeds and directory is None:
             raise InvalidInputError("a cluster needs a directory or at least one seed address")
