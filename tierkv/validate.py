@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from numbers import Real
 from typing import Any, TypeGuard
 
@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
+from tierkv.errors import InvalidInputError, InvalidTypeError, SequenceError, SpecError
 from tierkv.spec import KVSpec
 from tierkv.transports.named import Registry
 
@@ -140,6 +140,33 @@ def seq_ids(xs: object, what: str = "seq_ids") -> list[str]:
     if isinstance(xs, _TEXT) or not isinstance(xs, Sequence):
         raise InvalidTypeError(f"{what}: expected a list of sequence ids, got {_type(xs)} {xs!r}")
     return [seq_id(x) for x in xs]
+
+
+def blocks(xs: object, ids: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
+    """A lease's ``blocks``: None, or a mapping of some of ``ids`` to page indices (ints >= 0;
+    one past a layer's pages is passed over there, as layers differ in length). Raises
+    InvalidTypeError (not a mapping, an index that is no int: a str was compared with ints),
+    InvalidInputError (a negative index), SequenceError (a sequence the lease does not name:
+    its blocks were ignored)."""
+    if xs is None:
+        return None
+    if not isinstance(xs, Mapping):
+        raise InvalidTypeError(f"blocks: expected a dict of seq id -> pages, got {_type(xs)}")
+    out: dict[str, tuple[int, ...]] = {}
+    named = set(ids)
+    for sid, chosen in xs.items():
+        key = seq_id(sid)
+        if key not in named:
+            raise SequenceError(f"blocks names sequence {key!r}, which the lease does not")
+        if isinstance(chosen, _TEXT) or not isinstance(chosen, Sequence | range | np.ndarray):
+            raise InvalidTypeError(f"blocks[{key!r}]: expected a list of page indices")
+        if not all(_is_int(b) for b in chosen):
+            raise InvalidTypeError(f"blocks[{key!r}]: page indices are ints, got {chosen!r:.80}")
+        got = tuple(int(b) for b in chosen)
+        if any(b < 0 for b in got):
+            raise InvalidInputError(f"blocks[{key!r}]: page indices are >= 0, got {got!r:.80}")
+        out[key] = got
+    return out
 
 
 def layer(x: object, num_layers: int) -> int:
