@@ -49,7 +49,12 @@ import torch
 
 from tierkv import validate
 from tierkv.codecs import CODECS
-from tierkv.errors import InvalidInputError, InvalidTypeError, QuotaExceededError
+from tierkv.errors import (
+    InvalidInputError,
+    InvalidTypeError,
+    QuotaExceededError,
+    StoreTimeoutError,
+)
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import (
     ContextLengthError,
@@ -400,9 +405,21 @@ class Engine:
         return out, reason
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
-        """Wait until no request is waiting or running (raises TimeoutError)."""
-        async with asyncio.timeout(timeout):
-            await self._idle.wait()
+        """Wait until no request is waiting or running. Raises StoreTimeoutError (a
+        TimeoutError) when ``timeout`` runs out, InvalidTypeError / InvalidInputError for a
+        timeout that is not finite seconds > 0 (a NaN was a wait without bound, a str a
+        TypeError)."""
+        limit = validate.seconds("timeout", timeout)
+        try:
+            async with asyncio.timeout(limit):
+                await self._idle.wait()
+        except TimeoutError:
+            if self._idle.is_set():  # (set as the deadline struck)
+                return
+            raise StoreTimeoutError(
+                f"the engine was not idle within {limit:g} s ({self.running} running, "
+                f"{self.waiting} waiting)"
+            ) from None
 
     @property
     def running(self) -> int:
