@@ -101,3 +101,12 @@ def test_a_foreign_folder_is_refused_untouched(tmp_path: Path) -> None:
     (mount / "lost+found").mkdir()
     with open_disk(mount):
         pass
+
+
+@pytest.mark.parametrize("threads", [0, 1025, 100_000, True, 2.0])
+def test_io_threads_are_bounded(tmp_path: Path, threads: object) -> None:
+    """io_threads of 100,000 mapped a scratch buffer each until mmap failed: an OSError
+    (ENOMEM), untyped. Now a DiskConfigError before anything is created."""
+    with pytest.raises(DiskConfigError, match="io_threads"):
+        open_disk(tmp_path, io_threads=threads)
+    assert list(tmp_path.iterdir()) == []

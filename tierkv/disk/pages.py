@@ -42,6 +42,10 @@ _PRIVATE_BIT = 0x80  # tierkv.keys: a key whose first byte has the top bit set i
 _LOGGED_CORRUPT = 10
 
 
+MAX_IO_THREADS = 1024
+"""The most I/O threads a disk opens (the queue depth: 8 reads at the device's rate)."""
+
+
 class DiskPages:
     """Fixed-size pages in preallocated segment files under one directory.
 
@@ -95,8 +99,14 @@ class DiskPages:
         holds another page size), DiskInUseError (another process has PATH open),
         DiskSpaceError (the segments cannot be preallocated); nothing is left created then.
         """
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise DiskConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if (
+            isinstance(io_threads, bool)
+            or not isinstance(io_threads, int)
+            or not 1 <= io_threads <= MAX_IO_THREADS
+        ):  # (each thread maps its own buffers: 10^5 of them were an OSError ENOMEM)
+            raise DiskConfigError(
+                f"io_threads must be an int in [1, {MAX_IO_THREADS}], got {io_threads!r:.40}"
+            )
         if not isinstance(overwrite, bool):
             raise DiskConfigError(f"overwrite must be a bool, got {type(overwrite).__name__}")
         geometry = Geometry.plan(page_bytes, key_bytes, disk_bytes, segment_bytes)
