@@ -20,7 +20,7 @@ names               a ``str`` that the kind's registry knows (policy, codec, bac
                     for a backend): an unknown one raises that registry's
                     :class:`~tierkv.errors.UnknownNameError` at entry.
 budgets (bytes)     ints >= 0 (``8 << 30``); strings such as ``"1G"`` are not parsed.
-timeouts (s)        finite numbers > 0.
+timeouts (s)        finite numbers > 0, at most :data:`MAX_SECONDS` (~31 years).
 ==================  ===========================================================================
 """
 
@@ -263,15 +263,24 @@ def count(name: str, x: object, minimum: int) -> int:
     return n
 
 
+MAX_SECONDS = 1e9
+"""The longest timeout or interval taken (about 31 years: any longer is a typo). A thread's
+wait of more than ``threading.TIMEOUT_MAX`` (~292 years) raises OverflowError: a
+``SyncKVStore(timeout=1e300)`` failed so at construction."""
+
+
 def seconds(name: str, x: object, *, allow_zero: bool = False) -> float:
-    """A finite number of seconds, > 0 (>= 0 with ``allow_zero``). Raises InvalidTypeError,
-    InvalidInputError."""
+    """A finite number of seconds, > 0 (>= 0 with ``allow_zero``), at most
+    :data:`MAX_SECONDS`. Raises InvalidTypeError, InvalidInputError."""
     if not isinstance(x, Real) or isinstance(x, (bool, np.bool_)):
         raise InvalidTypeError(f"{name}: expected seconds as a number, got {_type(x)} {x!r}")
     s = _as_float(x)
-    if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero):
+    if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero) or s > MAX_SECONDS:
         bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidInputError(f"{name} must be a finite number of seconds {bound}, got {x!r:.40}")
+        raise InvalidInputError(
+            f"{name} must be a finite number of seconds {bound} and <= {MAX_SECONDS:g}, "
+            f"got {x!r:.40}"
+        )
     return s
 
 
