@@ -51,6 +51,7 @@ import numpy as np
 
 from tierkv.errors import (
     InvalidInputError,
+    InvalidTypeError,
     PageStateError,
     PinError,
     TierKVError,
@@ -234,6 +235,8 @@ class PageTable:
         encoded: Collection[str] = (),
         tenants: Tenants | None = None,
     ) -> None:
+        if not isinstance(tiers, Mapping):  # (a list of pairs was an AttributeError)
+            raise InvalidTypeError(f"tiers: a dict of name -> capacity, got {type(tiers).__name__}")
         if not tiers:
             raise InvalidInputError("a page table needs at least one tier")
         self._tiers: dict[str, _Tier] = {}

@@ -446,3 +446,5 @@ def test_a_capacity_past_max_pages_is_refused_at_once() -> None:
         PageTable({"t": 10**12})
     with pytest.raises(InvalidInputError, match="capacity"):
         PageTable({"t": MAX_PAGES + 1})
+    with pytest.raises(InvalidInputError, match="a dict"):  # (InvalidTypeError)
+        PageTable([("t", 4)])  # type: ignore[arg-type]  (an AttributeError before)
