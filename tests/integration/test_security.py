@@ -493,3 +493,34 @@ def test_client_numbers_are_checked_at_construction(kw: dict[str, Any]) -> None:
             Watch("127.0.0.1:1", secret=SECRET, **kw)
     with pytest.raises(InvalidInputError, match="max_batches"):
         Watch("127.0.0.1:1", secret=SECRET, max_batches=0)
+
+
+def test_wrong_objects_are_type_errors_at_construction() -> None:
+    """A new user's wrong objects: each was an AttributeError or TypeError from inside (a
+    SyncKVStore given to PageServer: no 'tenants'; an int address: no 'rpartition'; seeds=5:
+    not iterable), a str secret failed at the first handshake, a str spec was taken. Now
+    InvalidTypeError at construction."""
+    from tierkv.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="KVStore"):
+        PageServer("a store", secret=SECRET)  # type: ignore[arg-type]
+    for kw in ({"secret": "s" * 32}, {"spec": "x"}):
+        with pytest.raises(InvalidTypeError):
+            RemoteTier("127.0.0.1:1", **{"secret": SECRET, **kw})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="address"):
+        RemoteTier(5, secret=SECRET)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="seeds"):
+        RemoteCluster(5, secret=SECRET)  # type: ignore[arg-type]
+    assert RemoteTier("h:1", secret=bytearray(SECRET)).secret == SECRET
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:\u0661\u0662", ":5"]
+)
+def test_a_bad_port_is_refused_at_construction(address: str) -> None:
+    """A port of 99999 was connect()'s OverflowError, untyped; Arabic-Indic digits were taken
+    as port 12."""
+    with pytest.raises(InvalidInputError, match="port"):
+        RemoteTier(address, secret=SECRET)
+    with pytest.raises(InvalidInputError, match="port"):
+        RemoteCluster([address], secret=SECRET)

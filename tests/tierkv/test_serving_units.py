@@ -187,3 +187,16 @@ async def test_wait_idle_checks_its_timeout_and_raises_a_typed_timeout() -> None
         assert isinstance(info.value, TimeoutError)
         await agen.aclose()
         await asyncio.wait_for(engine.wait_idle(10.0), 20)
+
+
+def test_an_engine_of_wrong_objects_is_a_type_error() -> None:
+    """Engine("model") and Engine(model, {"max_running": 2}) were AttributeErrors from inside."""
+    from tierkv.errors import InvalidTypeError
+    from tierkv.serving import Engine, EngineConfig, TinyModel
+
+    with pytest.raises(InvalidTypeError, match="ServingModel"):
+        Engine("model", EngineConfig())  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="EngineConfig"):
+        Engine(TinyModel(), {"max_running": 2})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="KVStore"):
+        Engine(TinyModel(), store="store")  # type: ignore[arg-type]

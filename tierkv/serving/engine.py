@@ -210,6 +210,16 @@ class Engine:
         *,
         store: KVStore | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidTypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        missing = [a for a in ("max_context", "kv_spec", "num_layers") if not hasattr(model, a)]
+        if missing:  # (an AttributeError from inside before)
+            raise InvalidTypeError(
+                f"model must be a ServingModel (tierkv.serving.load_model), got "
+                f"{type(model).__name__} without {', '.join(missing)}"
+            )
+        if store is not None and not isinstance(store, KVStore):
+            raise InvalidTypeError(f"store must be a KVStore, got {type(store).__name__}")
         cfg = config or EngineConfig()
         self.model = model
         self.config = cfg

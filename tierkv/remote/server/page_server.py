@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 
-from tierkv.errors import InvalidInputError, TierKVError
+from tierkv.errors import InvalidInputError, InvalidTypeError, TierKVError
 from tierkv.remote.errors import (
     LeaseExpiredError,
     RemoteError,
@@ -151,6 +151,8 @@ class PageServer:
         max_refused_held: int = 256,
         ssl: SSLContext | None = None,
     ) -> None:
+        if not isinstance(store, KVStore):  # (a SyncKVStore was an AttributeError)
+            raise InvalidTypeError(f"store must be a KVStore, got {type(store).__name__}")
         check_server_args(
             transports=transports,
             port=port,

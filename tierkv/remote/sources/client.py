@@ -128,6 +128,8 @@ class RemoteTier:
         tenant: str | None = None,
     ) -> None:
         timeout = validate.seconds("timeout", timeout)  # (NaN: every wait unbounded)
+        if spec is not None:
+            validate.spec(spec)
         retry_after = validate.seconds("retry_after", retry_after, allow_zero=True)
         max_backoff = validate.seconds("max_backoff", max_backoff, allow_zero=True)
         self.ssl = ssl
