@@ -20,7 +20,9 @@ prefixes only with requests of the same salt, in every tier; docs/security.md, "
 ``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
 instead: ``Authorization: Bearer KEY``, 401 without a known key). Fields this server cannot
 honour are refused (400) rather than ignored when they ask for something: ``echo``,
-``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``.
+``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``, ``top_k`` (other than -1
+or 0), ``min_p``, ``presence_penalty`` / ``frequency_penalty`` (other than 0),
+``repetition_penalty`` (other than 1), ``logit_bias``, ``min_tokens``, ``ignore_eos``.
 ``usage.prompt_tokens_details.cached_tokens`` tells how many prompt tokens were reused.
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad
@@ -203,6 +205,16 @@ _NOT_SUPPORTED = {
     "top_logprobs": (0,),
     "best_of": (1,),
     "suffix": ("",),
+    # vLLM's sampling extensions and OpenAI's penalties: each was ignored silently (a top_k
+    # of 5 sampled from the whole vocabulary)
+    "top_k": (-1, 0),
+    "min_p": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
 }
 
 

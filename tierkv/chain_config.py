@@ -50,6 +50,7 @@ from tierkv.errors import (
     UnknownTierError,
 )
 from tierkv.page_source import PageSource
+from tierkv.page_table import MAX_PAGES
 from tierkv.spec import KVSpec
 from tierkv.tier_names import COLD, DEVICE, DISK, HOST, REMOTE
 
@@ -309,7 +310,7 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
         d = by[DISK]
         from tierkv.disk.layout import ALIGN, round_up  # pure arithmetic, no I/O
 
-        _pages(DISK, d.bytes, ALIGN + round_up(page), "disk slots")
+        _pages(DISK, d.bytes, ALIGN + round_up(page), "disk slots", most=1 << 62)
         disk = (os.fspath(d.path), int(d.bytes), d.seen_twice)
     remote = list(by[REMOTE].sources) if REMOTE in by else None
     name = codec.name if codec is not None else None
@@ -324,11 +325,17 @@ def _codec(codec: str | Codec) -> Codec:
     return codec if isinstance(codec, Codec) else create_codec(codec)
 
 
-def _pages(kind: str, size: int, unit: int, what: str = "pages") -> int:
+def _pages(kind: str, size: int, unit: int, what: str = "pages", most: int = MAX_PAGES) -> int:
     n = int(size) // unit
     if n < 1:
         raise TierSizeError(
             f"{kind} budget holds no page: {size} bytes, {what} are {unit} bytes ({n} fit)"
+        )
+    if n > most:
+        raise TierSizeError(
+            f"{kind} budget of {size} bytes is {n} {what} of {unit} bytes, over the {most} a "
+            "tier may hold (its bookkeeping alone would take ~90 bytes a page): give larger "
+            "pages (page_tokens) or a smaller budget"
         )
     return n
 

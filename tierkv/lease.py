@@ -93,6 +93,8 @@ class Lease:
         # written (sequence, layer, block) as one int each (see _written_key): untracked
         self._written: dict[int, None] = {}
         self._active = False
+        self._entering = False  # (between __aenter__'s start and its end)
+        self._spent = False  # entered and left: it holds no sequence any more
         self._held: int | None = None  # device footprint admitted for this lease
         self.waited_pages = 0
         # only these blocks of each sequence (in every leased layer) are pinned at entry; None:
@@ -110,9 +112,22 @@ class Lease:
             TierFullError: the pages can never be resident at once (at once), or no room came
                 before the timeout.
             UnknownPageError: a page is in no tier.
-            SequenceError: a sequence was released while the lease waited.
+            SequenceError: a sequence was released while the lease waited, or the lease is
+                entered already (a second entry pinned every page twice, and its exit
+                left one set pinned for good) or ran already (an entry pinned nothing).
         On error or cancellation nothing stays pinned or admitted.
         """
+        if self._active or self._entering:
+            raise SequenceError("this lease is entered already (enter it once at a time)")
+        if self._spent:  # (it let go of its sequences: an entry would pin nothing)
+            raise SequenceError("this lease ran already: take a new one (store.lease)")
+        self._entering = True
+        try:
+            return await self._enter()
+        finally:
+            self._entering = False
+
+    async def _enter(self) -> Lease:
         store = self._store
         tiers = store.tiers
         keys = self._keys()
@@ -195,6 +210,7 @@ class Lease:
     async def __aexit__(self, *exc: object) -> None:
         t0 = time.perf_counter()
         try:
+            self._spent |= self._active
             self._active = False
             store = self._store
             if store.closed:

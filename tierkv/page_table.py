@@ -51,6 +51,7 @@ import numpy as np
 
 from tierkv.errors import (
     InvalidInputError,
+    InvalidTypeError,
     PageStateError,
     PinError,
     TierKVError,
@@ -75,6 +76,12 @@ class PageState(IntEnum):
     READABLE = 1
     MOVING = 2
 
+
+MAX_PAGES = 1 << 28
+"""The most pages a tier holds: the table and its policy keep ~90 bytes of Python bookkeeping
+a page (2**28 pages: ~24 GiB), allocated at once. A budget in the wrong unit
+(``device_bytes=1 << 40`` with 512-byte pages: 2**31 pages) took 20 s of opening per 2**27
+pages, then the kernel's OOM killer, not an error."""
 
 _WRITING, _READABLE, _MOVING = (int(s) for s in PageState)
 _NONE_TAKEN: Mapping[int | None, int] = MappingProxyType({})  # (no victims taken yet)
@@ -226,12 +233,16 @@ class PageTable:
         encoded: Collection[str] = (),
         tenants: Tenants | None = None,
     ) -> None:
+        if not isinstance(tiers, Mapping):  # (a list of pairs was an AttributeError)
+            raise InvalidTypeError(f"tiers: a dict of name -> capacity, got {type(tiers).__name__}")
         if not tiers:
             raise InvalidInputError("a page table needs at least one tier")
         self._tiers: dict[str, _Tier] = {}
         for name, cap in tiers.items():
-            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-                raise InvalidInputError(f"tier {name!r}: capacity must be an int >= 0, got {cap!r}")
+            if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_PAGES:
+                raise InvalidInputError(
+                    f"tier {name!r}: capacity must be an int in [0, {MAX_PAGES}], got {cap!r:.40}"
+                )
             pol = policy if isinstance(policy, str) else policy.get(name, DEFAULT_POLICY)
             self._tiers[name] = _Tier(name, cap, create_policy(pol))
         self._record = record_events

@@ -18,6 +18,7 @@ import heapq
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 from tierkv.errors import InvalidInputError
@@ -51,15 +52,23 @@ class ReplayResult:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
+MAX_LINE = 1 << 24
+"""The longest trace line read (characters; a record of a million-token prompt's hash ids is
+well under it)."""
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     """Read a Mooncake-format JSONL trace: each line's ``hash_ids``.
 
     Raises:
-        ValueError: a line is not JSON or has no integer ``hash_ids`` list (with its number).
+        InvalidInputError (a ValueError): a line is not JSON, has no integer ``hash_ids``
+        list, or is longer than :data:`MAX_LINE` (with its number).
     """
     out: Trace = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+        for n, line in enumerate(iter(partial(f.readline, MAX_LINE + 1), ""), 1):
+            if len(line) > MAX_LINE:  # (/dev/zero: one endless line read into memory)
+                raise InvalidInputError(f"{path}:{n}: a line over {MAX_LINE} characters")
             if not line.strip():
                 continue
             try:

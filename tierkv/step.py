@@ -215,6 +215,8 @@ class StepPlan:
         entered already."""
         if self._claimed:
             raise SequenceError("this step plan is entered already")
+        if self._loop is not None:  # (set once entered: its layers and loads are spent)
+            raise SequenceError("this step plan ran already: plan each step anew (step_plan)")
         self.store.steps.claim(self.seqs)
         self._claimed = True
 

@@ -745,11 +745,15 @@ class KVStore:
         ``blocks`` pins only those page indices of each sequence (none for a sequence it does
         not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
         Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
-        id, SpecError for a bad layer, InvalidTypeError for a single str instead of a list.
+        id (in ``blocks`` too), SpecError for a bad layer, InvalidTypeError for a single str
+        instead of a list or ``blocks`` that is no dict of int lists, InvalidInputError for
+        a negative block.
         """
         ls = validate.layers(layers, self.spec.num_layers)
-        seqs = [self.sequence(s) for s in validate.seq_ids(seq_ids)]
-        return Lease(self, seqs, ls, blocks)
+        ids = validate.seq_ids(seq_ids)
+        chosen = validate.blocks(blocks, ids)
+        seqs = [self.sequence(s) for s in ids]
+        return Lease(self, seqs, ls, chosen)
 
     @boundary
     def step_plan(

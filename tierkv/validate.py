@@ -20,7 +20,7 @@ names               a ``str`` that the kind's registry knows (policy, codec, bac
                     for a backend): an unknown one raises that registry's
                     :class:`~tierkv.errors.UnknownNameError` at entry.
 budgets (bytes)     ints >= 0 (``8 << 30``); strings such as ``"1G"`` are not parsed.
-timeouts (s)        finite numbers > 0.
+timeouts (s)        finite numbers > 0, at most :data:`MAX_SECONDS` (~31 years).
 ==================  ===========================================================================
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from numbers import Real
 from typing import Any, TypeGuard
 
@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
+from tierkv.errors import InvalidInputError, InvalidTypeError, SequenceError, SpecError
 from tierkv.spec import KVSpec
 from tierkv.transports.named import Registry
 
@@ -142,6 +142,33 @@ def seq_ids(xs: object, what: str = "seq_ids") -> list[str]:
     return [seq_id(x) for x in xs]
 
 
+def blocks(xs: object, ids: Sequence[str]) -> dict[str, tuple[int, ...]] | None:
+    """A lease's ``blocks``: None, or a mapping of some of ``ids`` to page indices (ints >= 0;
+    one past a layer's pages is passed over there, as layers differ in length). Raises
+    InvalidTypeError (not a mapping, an index that is no int: a str was compared with ints),
+    InvalidInputError (a negative index), SequenceError (a sequence the lease does not name:
+    its blocks were ignored)."""
+    if xs is None:
+        return None
+    if not isinstance(xs, Mapping):
+        raise InvalidTypeError(f"blocks: expected a dict of seq id -> pages, got {_type(xs)}")
+    out: dict[str, tuple[int, ...]] = {}
+    named = set(ids)
+    for sid, chosen in xs.items():
+        key = seq_id(sid)
+        if key not in named:
+            raise SequenceError(f"blocks names sequence {key!r}, which the lease does not")
+        if isinstance(chosen, _TEXT) or not isinstance(chosen, Sequence | range | np.ndarray):
+            raise InvalidTypeError(f"blocks[{key!r}]: expected a list of page indices")
+        if not all(_is_int(b) for b in chosen):
+            raise InvalidTypeError(f"blocks[{key!r}]: page indices are ints, got {chosen!r:.80}")
+        got = tuple(int(b) for b in chosen)
+        if any(b < 0 for b in got):
+            raise InvalidInputError(f"blocks[{key!r}]: page indices are >= 0, got {got!r:.80}")
+        out[key] = got
+    return out
+
+
 def layer(x: object, num_layers: int) -> int:
     """A layer index in ``[0, num_layers)``. Raises InvalidTypeError, SpecError."""
     if not _is_int(x):
@@ -236,15 +263,24 @@ def count(name: str, x: object, minimum: int) -> int:
     return n
 
 
+MAX_SECONDS = 1e9
+"""The longest timeout or interval taken (about 31 years: any longer is a typo). A thread's
+wait of more than ``threading.TIMEOUT_MAX`` (~292 years) raises OverflowError: a
+``SyncKVStore(timeout=1e300)`` failed so at construction."""
+
+
 def seconds(name: str, x: object, *, allow_zero: bool = False) -> float:
-    """A finite number of seconds, > 0 (>= 0 with ``allow_zero``). Raises InvalidTypeError,
-    InvalidInputError."""
+    """A finite number of seconds, > 0 (>= 0 with ``allow_zero``), at most
+    :data:`MAX_SECONDS`. Raises InvalidTypeError, InvalidInputError."""
     if not isinstance(x, Real) or isinstance(x, (bool, np.bool_)):
         raise InvalidTypeError(f"{name}: expected seconds as a number, got {_type(x)} {x!r}")
     s = _as_float(x)
-    if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero):
+    if not math.isfinite(s) or s < 0 or (s == 0 and not allow_zero) or s > MAX_SECONDS:
         bound = ">= 0" if allow_zero else "> 0"
-        raise InvalidInputError(f"{name} must be a finite number of seconds {bound}, got {x!r:.40}")
+        raise InvalidInputError(
+            f"{name} must be a finite number of seconds {bound} and <= {MAX_SECONDS:g}, "
+            f"got {x!r:.40}"
+        )
     return s
 
 

@@ -320,3 +320,57 @@ async def test_a_sweep_of_a_dead_set_tierkv_never_writes_is_an_invalid_response(
             await d.sweep()
     finally:
         await d.aclose()
+
+
+@pytest.mark.parametrize("member", [b"99999999999", b"-1", b"4294967296"])
+async def test_a_dead_set_number_past_uint32_is_an_invalid_response(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], member: bytes
+) -> None:
+    """A dead set member that is an int but no node number: packed as a uint32 for the sweep
+    script, it raised OverflowError out of the sweeper. Now InvalidResponse."""
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    start, _ = fake
+    answer = b"*1\r\n$%d\r\n%s\r\n" % (len(member), member)
+    at = await start(redis_like({**STANDALONE, b"SRANDMEMBER": answer}))
+    d = await RedisDirectory(f"redis://127.0.0.1:{at.port}/0", ttl=5.0).connect()
+    try:
+        with pytest.raises(InvalidResponse, match="dead set"):
+            await d.sweep()
+    finally:
+        await d.aclose()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b":5\r\n",  # not a pair: a TypeError unpacking it
+        b"*2\r\n$3\r\nabc\r\n:0\r\n",  # bytes < 0: a TypeError
+        b"*2\r\n:4294967296\r\n:0\r\n",  # a number no uint32 holds: OverflowError at publish
+        b"*3\r\n:1\r\n:0\r\n:0\r\n",
+    ],
+    ids=["int", "bytes", "huge", "triple"],
+)
+async def test_a_hostile_register_reply_is_an_invalid_response(
+    fake: tuple[Callable[[Handler], Awaitable[Where]], list[str]], answer: bytes
+) -> None:
+    from tierkv.remote.membership.redis_directory import RedisDirectory
+
+    start, _ = fake
+    at = await start(redis_like({**STANDALONE, b"EVALSHA": answer}))
+    d = await RedisDirectory(f"redis://127.0.0.1:{at.port}/0", ttl=5.0, timeout=5.0).connect()
+    try:
+        with pytest.raises(InvalidResponse, match="register"):
+            await d.register("a:1")
+    finally:
+        await d.aclose()
+
+
+def test_hostile_counts_are_invalid_responses() -> None:
+    from tierkv.remote.membership.replies import counted, registered
+
+    assert counted([1, 0, b"2"], "x") == 3
+    assert registered([3, 0]) == (3, 0) and registered([-1, 500]) == (-1, 500)
+    for bad in ([-1], [b"abc"], [None], [[1]]):
+        with pytest.raises(InvalidResponse):
+            counted(bad, "x")

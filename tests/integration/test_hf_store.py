@@ -133,3 +133,13 @@ def test_prefetch_windows_return_the_same_kv_and_prefetch(window: int) -> None:
 def test_bad_prefetch_layers_raise_before_a_store_opens(value: object, error: type) -> None:
     with pytest.raises(error, match="prefetch_layers"):
         TieredCache(CFG, device_bytes=1 << 20, host_bytes=1 << 20, prefetch_layers=value)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["async KVStore", "str"])
+def test_a_store_that_is_not_a_sync_store_is_a_type_error(kind: str) -> None:
+    """A new user passes the async KVStore they made: an AttributeError ('KVStore' object has
+    no attribute 'store') from deep inside; now InvalidTypeError naming SyncKVStore."""
+    store = tierkv.KVStore(SPEC, device_bytes=8 * SPEC.page_bytes, host_bytes=1 << 20)
+    wrong = store if kind == "async KVStore" else "store"
+    with pytest.raises(tierkv.InvalidTypeError, match="SyncKVStore"):
+        TieredCache(store=wrong)  # type: ignore[arg-type]

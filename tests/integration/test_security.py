@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tierkv import KVSpec
+from tierkv.errors import InvalidInputError
 from tierkv.remote import PageServer, RemoteCluster, RemoteTier
 from tierkv.remote.errors import (
     PeerGoneError,
@@ -26,6 +27,7 @@ from tierkv.remote.errors import (
 )
 from tierkv.remote.protocol.control import Control
 from tierkv.remote.protocol.wire import spec_fields
+from tierkv.remote.sources.watch import Watch
 from tierkv.store import KVStore
 from tierkv.transports.session import HELLO_MAX, PREFIX, StreamSession
 
@@ -285,14 +287,16 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
 
 
 @contextlib.asynccontextmanager
-async def hostile_server(answer: Callable[[dict[str, Any]], dict[str, Any]]) -> AsyncIterator[str]:
+async def hostile_server(
+    answer: Callable[[dict[str, Any]], dict[str, Any]], hello: dict[str, Any] | None = None
+) -> AsyncIterator[str]:
     async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         s = StreamSession(r, w, srv_limits())
         with contextlib.suppress(Exception):
             await s.serve_handshake(SECRET, "page-server", "hostile")
             while (msg := await s.recv()) is not None:
                 if msg["op"] == "hello":
-                    await s.send({"id": msg["id"], **_good_hello()})
+                    await s.send({"id": msg["id"], **(hello or _good_hello())})
                 else:
                     await s.send({"id": msg["id"], **answer(msg)})
         w.close()
@@ -332,6 +336,64 @@ async def test_malformed_replies_raise_typed_errors(
                 await call()
         finally:
             await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"lease_ttl": float("nan")},
+        {"lease_ttl": float("inf")},
+        {"lease_ttl": -5.0},
+        {"lease_ttl": 0},
+        {"lease_ttl": 1e300},
+        {"lease_ttl": 2**64 - 1},
+        {"lease_ttl": True},
+        {"lease_ttl": "5"},
+        {"name": {"a": [1] * 1000}},
+    ],
+    ids=["nan", "inf", "negative", "zero", "huge", "huge-int", "bool", "str", "name-map"],
+)
+async def test_a_hostile_hello_is_refused_after_the_proof(field: dict[str, Any]) -> None:
+    """A page server that proves the secret, then sends a hello whose lease_ttl is NaN, inf,
+    negative, zero or huge (or a name that is no string): the client took the number as
+    given (``lease_ttl`` nan). Now connect raises RemoteProtocolError and keeps nothing."""
+    async with hostile_server(lambda m: {}, hello={**_good_hello(), **field}) as address:
+        client = peer(address, transport="tcp")
+        with pytest.raises(RemoteProtocolError, match=r"lease_ttl|name"):
+            await client.connect()
+        assert client._ctl is None and client.lease_ttl == 0.0
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"lease_ttl": float("nan")},
+        {"lease_ttl": -1},
+        {"lease_ttl": 2 * 86400},
+        {"lease_ttl": "5"},
+        {"timeout": float("nan")},
+        {"timeout": -1},
+        {"directory_ttl": float("inf")},
+        {"max_writing": -5},
+        {"watch_pending": 0},
+        {"max_conns_per_peer": 0},
+        {"max_preauth_failures": 1.5},
+        {"refused_hold": -1},
+        {"port": -1},
+        {"port": 70000},
+        {"transports": []},
+        {"transports": "tcp"},
+    ],
+)
+async def test_page_server_numbers_are_checked_at_construction(kw: dict[str, Any]) -> None:
+    """A careless caller's PageServer numbers: NaN / negative leases and timeouts were taken
+    (a lease no client accepts, a hello deadline that never fires), an empty transport list
+    failed each hello with an IndexError in the server's task, a port of 70000 bound another
+    port. Now a typed InvalidInputError at construction, nothing started."""
+    store = KVStore(SPEC, device_bytes=PAGE, host_bytes=4 * PAGE, codec=None)
+    async with store:
+        with pytest.raises(InvalidInputError):
+            PageServer(store, secret=SECRET, **kw)
 
 
 async def test_a_hostile_server_is_a_counted_miss_inside_kvstore() -> None:
@@ -404,3 +466,61 @@ async def test_a_cancelled_wait_leaves_the_tcp_transport_usable() -> None:
             handle.cancel()  # the transfer itself: later ones reconnect
             await a.read(ops)
             assert bytes(mine.view) == bytes(theirs.view)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"timeout": float("nan")},
+        {"timeout": -1},
+        {"timeout": 0},
+        {"retry_after": -1},
+        {"max_backoff": float("inf")},
+        {"timeout": "10"},
+    ],
+)
+def test_client_numbers_are_checked_at_construction(kw: dict[str, Any]) -> None:
+    """RemoteTier / RemoteCluster / Watch with a NaN or negative timeout: every wait of the
+    client was unbounded (wait_for(nan)) or failed at once; a Watch of max_batches=0 queued
+    without bound. Now InvalidInputError (InvalidTypeError for a str) at construction."""
+    with pytest.raises(InvalidInputError):
+        RemoteTier("127.0.0.1:1", secret=SECRET, spec=SPEC, **kw)
+    if "max_backoff" not in kw:
+        with pytest.raises(InvalidInputError):
+            RemoteCluster(["127.0.0.1:1"], secret=SECRET, spec=SPEC, **kw)
+    if "timeout" in kw:
+        with pytest.raises(InvalidInputError):
+            Watch("127.0.0.1:1", secret=SECRET, **kw)
+    with pytest.raises(InvalidInputError, match="max_batches"):
+        Watch("127.0.0.1:1", secret=SECRET, max_batches=0)
+
+
+def test_wrong_objects_are_type_errors_at_construction() -> None:
+    """A new user's wrong objects: each was an AttributeError or TypeError from inside (a
+    SyncKVStore given to PageServer: no 'tenants'; an int address: no 'rpartition'; seeds=5:
+    not iterable), a str secret failed at the first handshake, a str spec was taken. Now
+    InvalidTypeError at construction."""
+    from tierkv.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="KVStore"):
+        PageServer("a store", secret=SECRET)  # type: ignore[arg-type]
+    for kw in ({"secret": "s" * 32}, {"spec": "x"}):
+        with pytest.raises(InvalidTypeError):
+            RemoteTier("127.0.0.1:1", **{"secret": SECRET, **kw})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="address"):
+        RemoteTier(5, secret=SECRET)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="seeds"):
+        RemoteCluster(5, secret=SECRET)  # type: ignore[arg-type]
+    assert RemoteTier("h:1", secret=bytearray(SECRET)).secret == SECRET
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1:99999", "127.0.0.1:0", "127.0.0.1:\u0661\u0662", ":5"]
+)
+def test_a_bad_port_is_refused_at_construction(address: str) -> None:
+    """A port of 99999 was connect()'s OverflowError, untyped; Arabic-Indic digits were taken
+    as port 12."""
+    with pytest.raises(InvalidInputError, match="port"):
+        RemoteTier(address, secret=SECRET)
+    with pytest.raises(InvalidInputError, match="port"):
+        RemoteCluster([address], secret=SECRET)

@@ -34,8 +34,35 @@ async def raw(session: Any, url: str, body: bytes) -> tuple[int, Any]:
         (b'{"prompt": [1, 2], "logprobs": 5}', "logprobs", "unsupported"),
         (b'{"prompt": [1, 2], "best_of": 3}', "best_of", "unsupported"),
         (b'{"prompt": [1, 2], "suffix": "tail"}', "suffix", "unsupported"),
+        # sampling fields that were ignored silently (top_k 5 sampled the whole vocabulary)
+        (b'{"prompt": [1, 2], "top_k": 5}', "top_k", "unsupported"),
+        (b'{"prompt": [1, 2], "top_k": -5}', "top_k", "unsupported"),
+        (b'{"prompt": [1, 2], "min_p": 0.1}', "min_p", "unsupported"),
+        (b'{"prompt": [1, 2], "presence_penalty": 1.5}', "presence_penalty", "unsupported"),
+        (b'{"prompt": [1, 2], "frequency_penalty": -1}', "frequency_penalty", "unsupported"),
+        (b'{"prompt": [1, 2], "repetition_penalty": 1.2}', "repetition_penalty", "unsupported"),
+        (b'{"prompt": [1, 2], "logit_bias": {"5": 100}}', "logit_bias", "unsupported"),
+        (b'{"prompt": [1, 2], "min_tokens": 3}', "min_tokens", "unsupported"),
+        (b'{"prompt": [1, 2], "ignore_eos": true}', "ignore_eos", "unsupported"),
     ],
-    ids=["temperature", "top_p", "vocab", "echo", "logprobs", "best_of", "suffix"],
+    ids=[
+        "temperature",
+        "top_p",
+        "vocab",
+        "echo",
+        "logprobs",
+        "best_of",
+        "suffix",
+        "top_k",
+        "top_k_negative",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+    ],
 )
 async def test_a_careless_body_is_a_400_with_its_param(
     served: tuple[str, Any],  # noqa: F811
@@ -56,7 +83,9 @@ async def test_fields_that_ask_for_nothing_are_accepted(served: tuple[str, Any])
     url, session = served
     body = (
         b'{"prompt": [1, 2], "max_tokens": 1, "echo": false, "logprobs": null, "best_of": 1, '
-        b'"suffix": null, "top_logprobs": 0}'
+        b'"suffix": null, "top_logprobs": 0, "top_k": -1, "min_p": 0, "presence_penalty": 0.0, '
+        b'"frequency_penalty": 0, "repetition_penalty": 1.0, "logit_bias": {}, '
+        b'"min_tokens": 0, "ignore_eos": false}'
     )
     status, got = await raw(session, url, body)
     assert status == 200, got

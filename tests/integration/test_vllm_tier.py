@@ -24,7 +24,7 @@ pytest.importorskip(
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_driver import TIERKV, Script, build, key, run_sequence, store_in_a_child
 
-from tierkv.disk import DiskError, DiskInUseError
+from tierkv.disk import DiskConfigError, DiskError, DiskForeignDirError, DiskInUseError
 from tierkv.integrations.vllm import (
     TierKVDiskTier,
     VllmTierConfigError,
@@ -121,6 +121,8 @@ def test_one_process_per_disk_path(tmp_path: Path) -> None:
         ({"direct": 1}, VllmTierTypeError, "direct"),
         ({"io_threads": True}, VllmTierTypeError, "io_threads"),
         ({"io_threads": 0}, VllmTierConfigError, "io_threads"),
+        ({"io_threads": 10**5}, DiskConfigError, "io_threads"),  # was an OSError (ENOMEM)
+        ({"overwrite": "yes"}, VllmTierTypeError, "overwrite"),
         ({"path": None}, VllmTierTypeError, "path"),
         ({"locality": "upstairs"}, VllmTierConfigError, "locality"),
     ],
@@ -132,6 +134,18 @@ def test_a_bad_config_is_a_typed_error_at_startup(
         build([disk_tier(tmp_path, **fields)])
     assert list(tmp_path.iterdir()) == []  # nothing created
     assert issubclass(error, ValueError)
+
+
+def test_a_foreign_folder_is_refused_unless_overwrite(tmp_path: Path) -> None:
+    """vLLM's disk tier pointed at someone's folder: DiskForeignDirError, nothing created
+    beside the user's file; ``"overwrite": true`` takes it over."""
+    (tmp_path / "notes.txt").write_bytes(b"mine")
+    with pytest.raises(DiskForeignDirError):
+        build([disk_tier(tmp_path)])
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    s = Script(build([disk_tier(tmp_path, overwrite=True)]))
+    s.close()
+    assert (tmp_path / "notes.txt").read_bytes() == b"mine"
 
 
 @pytest.mark.parametrize("why", ["no such directory", "in use"])

@@ -8,7 +8,9 @@ tests run both behind the same page table and require the same victims, op for o
 
 * a page passed over because it may not be evicted goes to the back of its queue;
 * ``restore`` puts victims back at the head of the queue they left, counters unchanged, and
-  takes back the ghost / history entry their eviction made;
+  takes back the ghost / history entry their eviction made (the references take no victims
+  from the middle of a queue: ``evict_chosen`` and putting those back where they were are
+  tested on the policies themselves, test_evict_order.py);
 * ``candidates`` is what ``evict_many`` would return now (here: literally, on a deep copy).
 """
 

@@ -217,3 +217,21 @@ async def test_a_store_whose_cold_tier_is_head_sparse() -> None:
             assert float((got_k[kept] - k[kept]).abs().max()) <= 2**-11 * float(k.abs().max())
             assert float((got_v - v).abs().max()) < 0.05
         assert store.stats()["hits"]["cold"] > 0
+
+
+def test_a_ranking_file_is_read_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HeadRanking.load("/dev/zero") read without end (Path.read_text); now it reads at most
+    MAX_RANKING_BYTES and a longer file is a CalibrationError."""
+    from tierkv.codecs import head_sparse
+
+    monkeypatch.setattr(head_sparse, "MAX_RANKING_BYTES", 64)
+    path = tmp_path / "heads.json"
+    RANK.save(path)
+    assert path.stat().st_size > 64
+    with pytest.raises(CalibrationError, match="over 64 bytes"):
+        HeadRanking.load(path)
+    monkeypatch.setattr(head_sparse, "MAX_RANKING_BYTES", 1 << 20)
+    assert HeadRanking.load(path) == RANK
+    with pytest.raises(CalibrationError, match="over"):
+        monkeypatch.setattr(head_sparse, "MAX_RANKING_BYTES", 1 << 16)
+        HeadRanking.load("/dev/zero")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.disk import DiskConfigError, DiskLayoutError
+from tierkv.disk import DiskConfigError, DiskForeignDirError, DiskLayoutError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from disk_util import key, open_disk, write_sync
@@ -76,3 +76,37 @@ def test_a_users_file_named_lock_is_refused_untouched(tmp_path: Path) -> None:
     (ours / "lock").write_bytes(b"")
     with open_disk(ours):  # empty (a process died between create and write): taken over
         pass
+
+
+def test_a_foreign_folder_is_refused_untouched(tmp_path: Path) -> None:
+    """A disk path that is someone's non-empty folder (no disk tier's lock or layout there):
+    the old open added a lock, a layout and preallocated segments beside the user's files. Now
+    it is a DiskForeignDirError naming them, nothing created; ``overwrite=True`` takes the
+    folder over (the user's files kept), and an empty folder or a ``lost+found`` is ours."""
+    (tmp_path / "notes.txt").write_bytes(b"mine")
+    (tmp_path / "photos").mkdir()
+    with pytest.raises(DiskForeignDirError, match=r"notes\.txt") as info:
+        open_disk(tmp_path)
+    assert isinstance(info.value, DiskConfigError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "photos"]
+    with pytest.raises(DiskConfigError, match="overwrite must be a bool"):
+        open_disk(tmp_path, overwrite="yes")
+    with open_disk(tmp_path, overwrite=True) as disk:
+        write_sync(disk, [key(0)])
+    assert (tmp_path / "notes.txt").read_bytes() == b"mine"
+    with open_disk(tmp_path) as disk:  # its lock and layout now: ours, reopened as before
+        assert disk.lookup([key(0)]) != [None]
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    (mount / "lost+found").mkdir()
+    with open_disk(mount):
+        pass
+
+
+@pytest.mark.parametrize("threads", [0, 1025, 100_000, True, 2.0])
+def test_io_threads_are_bounded(tmp_path: Path, threads: object) -> None:
+    """io_threads of 100,000 mapped a scratch buffer each until mmap failed: an OSError
+    (ENOMEM), untyped. Now a DiskConfigError before anything is created."""
+    with pytest.raises(DiskConfigError, match="io_threads"):
+        open_disk(tmp_path, io_threads=threads)
+    assert list(tmp_path.iterdir()) == []

@@ -166,3 +166,41 @@ def test_small_tier_python_pass_picks_what_numpy_picks(seed: int) -> None:
         assert index.latest_py(n, state, pins, READABLE) == want
         assert index.latest(n, state, pins, READABLE) == want
     assert index.held() == sum(1 for k in key_of.values() if k in set(order))
+
+
+@pytest.mark.parametrize("policy", ["kvaware", "lru", "lfu", "arc", "s3fifo"])
+def test_a_put_back_victim_keeps_its_place_and_a_chosen_one_moves_no_other(policy: str) -> None:
+    """Victims whose write-back failed (``complete_evict(ok=False)``) go back where they were,
+    so the ranking is the one before the eviction: for victims the policy chose (its next
+    ones) and for victims an announced order chose from the middle of the ranking. Before,
+    the chosen ones went back to the cold end (the next victims, whatever their recency), and
+    choosing them moved every page ranked ahead of them to the recent end in LRU, LFU, ARC
+    and S3-FIFO (a scan that passed them over as if pinned): cold pages outranked hot ones."""
+    table = PageTable({"d": 8}, policy)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    for k in keys:
+        alloc = table.prepare_store([k], "d")
+        assert alloc is not None
+        table.complete_store(alloc.keys, "d")
+    table.touch([keys[2], keys[5]], "d")
+    ranked = table.candidates("d", 8)
+    assert set(ranked) == set(keys) and ranked[-2:] == [keys[2], keys[5]]
+
+    natural = table.prepare_evict("d", 3)  # the policy's own next victims
+    assert [k for k, _ in natural] == ranked[:3]
+    table.complete_evict([k for k, _ in natural], "d", False)
+    assert table.candidates("d", 8) == ranked
+
+    chosen = [ranked[3], ranked[4]]  # from the middle: the order reads them last
+    order = [k for k in ranked if k not in chosen] + chosen
+    got = table.prepare_evict("d", 2, keep=set(order), keep_order=order)
+    assert {k for k, _ in got} == set(chosen)
+    assert table.candidates("d", 8) == [k for k in ranked if k not in chosen]  # none moved
+    table.complete_evict([k for k, _ in got], "d", False)
+    assert table.candidates("d", 8) == ranked
+    table.check()
+
+    got = table.prepare_evict("d", 2, keep=set(order), keep_order=order)  # now written back
+    table.complete_evict([k for k, _ in got], "d", True)
+    assert table.candidates("d", 8) == [k for k in ranked if k not in chosen]
+    table.check()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tierkv import KVSpec, SequenceError, SpecError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.store import KVStore
 
 SPEC = KVSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype="fp32", page_tokens=4)
@@ -54,3 +55,25 @@ async def test_kv_blocks_refuses_a_page_off_the_device() -> None:
             del lease
             with pytest.raises(SequenceError):
                 other.kv_blocks("s", 0, [0])
+
+
+@pytest.mark.parametrize(
+    ("blocks", "error"),
+    [
+        ([0], InvalidTypeError),  # was an AttributeError ('list' has no 'items')
+        ({"s": "ab"}, InvalidTypeError),  # was a TypeError ('<=' between int and str)
+        ({"s": [1.5]}, InvalidTypeError),  # was taken (passed over)
+        ({"s": 3}, InvalidTypeError),
+        ({"s": [-1]}, InvalidInputError),  # was taken (passed over)
+        ({"other": [0]}, SequenceError),  # a sequence the lease does not name: was ignored
+    ],
+)
+async def test_bad_blocks_are_refused_at_entry(blocks: object, error: type[Exception]) -> None:
+    async with KVStore(SPEC, device_bytes=16 * SPEC.page_bytes, host_bytes=1 << 20) as store:
+        await store.add_sequence("s", list(range(14)))
+        await store.add_sequence("other", list(range(100, 104)))
+        with pytest.raises(error):
+            store.lease(["s"], [0], blocks=blocks)  # type: ignore[arg-type]
+        async with store.lease(["s"], [0], blocks={"s": [0, 99]}):  # past the end: passed over
+            pass
+        store.check()

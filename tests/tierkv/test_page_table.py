@@ -434,3 +434,17 @@ def test_the_table_holds_its_pages_in_containers_the_collector_does_not_walk(pol
     gc.collect()
     tracked = [r for r in gc.get_referrers(keys[7]) if r is not keys]
     assert tracked == [], [type(r).__name__ for r in tracked]
+
+
+def test_a_capacity_past_max_pages_is_refused_at_once() -> None:
+    """PageTable({"t": 10**12}) allocated per-slot state for 10^12 pages (the OOM killer);
+    now InvalidInputError before anything is allocated."""
+    from tierkv.errors import InvalidInputError
+    from tierkv.page_table import MAX_PAGES
+
+    with pytest.raises(InvalidInputError, match="capacity"):
+        PageTable({"t": 10**12})
+    with pytest.raises(InvalidInputError, match="capacity"):
+        PageTable({"t": MAX_PAGES + 1})
+    with pytest.raises(InvalidInputError, match="a dict"):  # (InvalidTypeError)
+        PageTable([("t", 4)])  # type: ignore[arg-type]  (an AttributeError before)

@@ -150,3 +150,25 @@ def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[
     )
     assert rc == 0 and png.stat().st_size > 1000
     assert main(["replay", str(tmp_path / "missing.jsonl"), "--capacity-tokens", "9999"]) == 2
+
+
+def test_an_endless_line_is_refused_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tierkv replay /dev/zero``: one endless line was read into memory until the process
+    died. Now a line past MAX_LINE is an InvalidInputError naming it, the CLI's one line."""
+    import tierkv.replay as replay_module
+    from tierkv.errors import InvalidInputError
+
+    monkeypatch.setattr(replay_module, "MAX_LINE", 64)
+    trace = tmp_path / "long.jsonl"
+    trace.write_text('{"hash_ids": [1, 2]}\n' + '{"hash_ids": [' + "1, " * 40 + "1]}\n")
+    with pytest.raises(InvalidInputError, match=r"long\.jsonl:2: a line over 64"):
+        replay_module.load_trace(trace)
+    assert main(["replay", str(trace), "--capacity-tokens", "9999", "--quiet"]) == 2
+    assert "a line over 64" in capsys.readouterr().err
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"hash_ids": [1, 2]}\n' * 3)
+    assert replay_module.load_trace(ok) == [[1, 2]] * 3
+    assert main(["replay", str(ok), "--capacity-tokens", "9999", "--block-tokens", "0"]) == 2
+    assert "--block-tokens must be >= 1" in capsys.readouterr().err

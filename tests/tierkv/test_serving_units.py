@@ -160,3 +160,43 @@ def test_sampling_params_normalize_a_single_stop_string_and_the_stop_ids() -> No
     s = StopText(chars, p.stop)
     assert "".join(s.push(ord(c)) for c in "aNb") == "a" and not s.stopped  # N held back
     assert s.flush() == "Nb" and not s.stopped  # no stop at N alone
+
+
+async def test_wait_idle_checks_its_timeout_and_raises_a_typed_timeout() -> None:
+    """wait_idle(nan) waited without bound, wait_idle("1") was a TypeError, and a wait that
+    ran out was a bare TimeoutError; now InvalidInputError / InvalidTypeError at the call and
+    StoreTimeoutError (still a TimeoutError) when it runs out."""
+    import asyncio
+
+    from tierkv.errors import InvalidInputError, InvalidTypeError, StoreTimeoutError
+    from tierkv.serving import Engine, EngineConfig, TinyModel
+
+    config = EngineConfig(max_running=2, page_tokens=4, max_context=64, device_bytes=1 << 16)
+    async with Engine(TinyModel(), config) as engine:
+        for bad in (float("nan"), -1, 0, float("inf")):
+            with pytest.raises(InvalidInputError):
+                await engine.wait_idle(bad)
+        with pytest.raises(InvalidTypeError):
+            await engine.wait_idle("1")  # type: ignore[arg-type]
+        await engine.wait_idle(1.0)  # idle: at once
+        agen = engine.generate(list(range(1, 20)), SamplingParams(40))
+        first = await agen.__anext__()  # running now
+        assert first.token is not None
+        with pytest.raises(StoreTimeoutError, match="not idle") as info:
+            await engine.wait_idle(1e-3)
+        assert isinstance(info.value, TimeoutError)
+        await agen.aclose()
+        await asyncio.wait_for(engine.wait_idle(10.0), 20)
+
+
+def test_an_engine_of_wrong_objects_is_a_type_error() -> None:
+    """Engine("model") and Engine(model, {"max_running": 2}) were AttributeErrors from inside."""
+    from tierkv.errors import InvalidTypeError
+    from tierkv.serving import Engine, EngineConfig, TinyModel
+
+    with pytest.raises(InvalidTypeError, match="ServingModel"):
+        Engine("model", EngineConfig())  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="EngineConfig"):
+        Engine(TinyModel(), {"max_running": 2})  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="KVStore"):
+        Engine(TinyModel(), store="store")  # type: ignore[arg-type]

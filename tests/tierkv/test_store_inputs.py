@@ -214,6 +214,10 @@ CONSTRUCTION: dict[str, tuple[type[TierKVError], dict[str, Any]]] = {
     "timeout=-1": (InvalidInputError, {"timeout": -1.0}),
     "timeout=nan": (InvalidInputError, {"timeout": float("nan")}),
     "timeout=10**400": (InvalidInputError, {"timeout": 10**400}),  # was float()'s OverflowError
+    # past threading.TIMEOUT_MAX: SyncKVStore's thread waits raised OverflowError
+    "timeout=1e300": (InvalidInputError, {"timeout": 1e300}),
+    "turn_budget=1e300": (InvalidInputError, {"turn_budget": 1e300}),
+    "remote_push_wait=1e300": (InvalidInputError, {"remote_push_wait": 1e300}),
     "cold_fraction=10**400": (InvalidInputError, {"cold_fraction": 10**400}),
     'timeout="5"': (InvalidTypeError, {"timeout": "5"}),
     "policy=nope": (UnknownPolicyError, {"policy": "nope"}),  # also an InvalidInputError
@@ -385,8 +389,11 @@ async def test_a_runtime_timeout_is_a_store_timeout_error(monkeypatch: pytest.Mo
 
 
 async def test_a_tier_that_cannot_be_mapped_is_an_allocation_error() -> None:
-    store = KVStore(SPEC, device_bytes=PAGE << 40, host_bytes=64 * PAGE)  # 2**40 pages
-    with pytest.raises(AllocationError, match="cannot map"):
+    with pytest.raises(SpecError, match="over the"):  # 2**40 pages: more than a tier holds
+        KVStore(SPEC, device_bytes=PAGE << 40, host_bytes=64 * PAGE)
+    big = tierkv.KVSpec(num_layers=2, num_kv_heads=4, head_dim=64, dtype="fp16", page_tokens=1024)
+    store = KVStore(big, device_bytes=big.page_bytes << 28, host_bytes=64 * big.page_bytes)
+    with pytest.raises(AllocationError, match="cannot map"):  # 256 TiB in 2**28 pages
         await store.open()
     assert isinstance(store, KVStore)
     await store.close()

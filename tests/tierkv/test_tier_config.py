@@ -159,6 +159,9 @@ BAD: list[tuple[str, object, type[e.TierKVError]]] = [
     ("host below one page", [Host(bytes=PAGE - 1)], e.TierSizeError),
     ("cold below one encoded page", [Host(bytes=8 * PAGE), "small cold"], e.TierSizeError),
     ("disk below one slot", [Host(bytes=8 * PAGE), "small disk"], e.TierSizeError),
+    # a budget in the wrong unit: 2**31 pages' bookkeeping was minutes of opening, then OOM
+    ("device past MAX_PAGES", [Device(bytes=PAGE << 31), Host(bytes=8 * PAGE)], e.TierSizeError),
+    ("host past MAX_PAGES", [Host(bytes=PAGE << 31)], e.TierSizeError),
 ]
 
 

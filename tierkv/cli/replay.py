@@ -63,7 +63,10 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Execute ``tierkv replay``."""
-    if args.capacity_tokens < args.block_tokens or args.block_tokens <= 0:
+    if args.block_tokens <= 0:
+        print(f"error: --block-tokens must be >= 1, got {args.block_tokens}", file=sys.stderr)
+        return 2
+    if args.capacity_tokens < args.block_tokens:
         print("error: --capacity-tokens must hold at least one block", file=sys.stderr)
         return 2
     why = _bad_args(args)

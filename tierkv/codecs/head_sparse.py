@@ -74,6 +74,10 @@ class CalibrationError(CodecError, SpecError):
     """A head-sparse codec without a head ranking, or with one measured on another layout."""
 
 
+MAX_RANKING_BYTES = 1 << 24
+"""The largest head-ranking file read (a share per layer and KV head: kilobytes in practice)."""
+
+
 @dataclass(frozen=True)
 class HeadRanking:
     """Per layer and KV head, the share of attention placed beyond the recent window.
@@ -148,7 +152,11 @@ class HeadRanking:
     def load(cls, path: str | Path) -> HeadRanking:
         """Read :meth:`save`'s file. Raises CalibrationError for a file that is not one."""
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            with open(path, "rb") as f:  # bounded: /dev/zero was read into memory for good
+                raw = f.read(MAX_RANKING_BYTES + 1)
+            if len(raw) > MAX_RANKING_BYTES:
+                raise ValueError(f"over {MAX_RANKING_BYTES} bytes")
+            data = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:  # (deep nesting: RecursionError)
             raise CalibrationError(
                 f"cannot read a head ranking from {path}: {exc!r:.200}"

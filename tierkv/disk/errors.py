@@ -7,7 +7,9 @@
      │    ├── DiskConfigError (InvalidInputError) bad configuration at open (a missing or
      │    │    │                                  read-only directory, ``disk_bytes`` below
      │    │    │                                  one slot...): nothing was created
-     │    │    └── DiskLayoutError                PATH holds segments of another layout
+     │    │    ├── DiskLayoutError                PATH holds segments of another layout
+     │    │    └── DiskForeignDirError            PATH is a non-empty folder no disk tier made
+     │    │                                       (``overwrite=True`` takes it over)
      │    ├── DiskInUseError                      another process (or handle) holds PATH
      │    ├── DiskSpaceError                      the segments cannot be preallocated
      │    │                                       (ENOSPC, EFBIG at open): nothing was kept
@@ -34,6 +36,11 @@ class DiskConfigError(DiskError, InvalidInputError):
 
 class DiskLayoutError(DiskConfigError):
     """PATH already holds disk pages of another layout (page size, key size or format)."""
+
+
+class DiskForeignDirError(DiskConfigError):
+    """PATH is a non-empty directory that is not a disk tier's (no lock or layout file, and
+    files of other names): refused untouched unless the open is given ``overwrite=True``."""
 
 
 class DiskInUseError(DiskError):

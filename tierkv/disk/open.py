@@ -13,13 +13,31 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from .errors import DiskConfigError, DiskInUseError, DiskLayoutError, DiskSpaceError
+from .errors import (
+    DiskConfigError,
+    DiskForeignDirError,
+    DiskInUseError,
+    DiskLayoutError,
+    DiskSpaceError,
+)
 from .io import choose_mode
-from .layout import LOCK_FILE, Geometry, check_layout, read_layout, segment_name, write_layout
+from .layout import (
+    LAYOUT_FILE,
+    LOCK_FILE,
+    Geometry,
+    check_layout,
+    read_layout,
+    segment_name,
+    write_layout,
+)
 
 _OPEN = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
 """Every file of PATH is opened as itself, never through a symbolic link: the lock and the
 segments are truncated, preallocated and written (a link would aim that at another file)."""
+
+_OUR_NAMES = re.compile(r"lock|layout\.json(\.tmp)?|segment-\d{5,}\.tkvd|lost\+found")
+"""Names a disk path may hold before a disk tier first opens it (``lost+found``: the root of a
+freshly made filesystem, a common mount point)."""
 
 
 @dataclass(slots=True)
@@ -48,13 +66,16 @@ class Opened:
             self.lock_fd = -1
 
 
-def open_files(path: str, geometry: Geometry, direct: bool) -> Opened:
+def open_files(path: str, geometry: Geometry, direct: bool, overwrite: bool = False) -> Opened:
     """Lock PATH and open its segments (created and preallocated when missing). Raises
-    DiskConfigError (missing or read-only directory, another layout), DiskInUseError,
+    DiskConfigError (missing or read-only directory, another layout), DiskForeignDirError (a
+    non-empty directory no disk tier made, unless ``overwrite``), DiskInUseError,
     DiskSpaceError; nothing created is left behind then."""
     if not os.path.isdir(path):
         what = "does not exist" if not os.path.exists(path) else "is not a directory"
         raise DiskConfigError(f"disk path {path!r} {what}; create the directory first")
+    if not overwrite:
+        _check_ours(path)
     opened = Opened(path)
     try:
         _lock(opened)
@@ -75,6 +96,29 @@ def open_files(path: str, geometry: Geometry, direct: bool) -> Opened:
         raise
     _drop_segments_beyond(path, geometry.segments)
     return opened
+
+
+def _check_ours(path: str) -> None:
+    """DiskForeignDirError when PATH holds files of other names than a disk tier's and neither
+    its lock nor its layout file (a mistyped path: a user's folder, a home directory): the
+    open would add a lock, a layout and gigabytes of preallocated segments beside them."""
+    if os.path.lexists(os.path.join(path, LOCK_FILE)) or os.path.lexists(
+        os.path.join(path, LAYOUT_FILE)
+    ):
+        return  # a disk tier's (its own checks follow)
+    try:
+        with os.scandir(path) as entries:
+            foreign = [e.name for e in entries if not _OUR_NAMES.fullmatch(e.name)]
+    except OSError as exc:
+        raise DiskConfigError(f"cannot list disk path {path!r}: {exc.strerror}") from exc
+    if foreign:
+        shown = ", ".join(repr(n) for n in sorted(foreign)[:3])
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise DiskForeignDirError(
+            f"disk path {path!r} holds files that are not a disk tier's ({shown}{more}) and no "
+            "tierkv lock or layout: left untouched; give an empty directory or one a disk tier "
+            "made, or overwrite=True to take this one over (its files are kept)"
+        )
 
 
 def _drop_segments_beyond(path: str, count: int) -> None:

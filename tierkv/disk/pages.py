@@ -42,6 +42,10 @@ _PRIVATE_BIT = 0x80  # tierkv.keys: a key whose first byte has the top bit set i
 _LOGGED_CORRUPT = 10
 
 
+MAX_IO_THREADS = 1024
+"""The most I/O threads a disk opens (the queue depth: 8 reads at the device's rate)."""
+
+
 class DiskPages:
     """Fixed-size pages in preallocated segment files under one directory.
 
@@ -82,20 +86,31 @@ class DiskPages:
         segment_bytes: int = 1 << 30,
         io_threads: int = 4,
         direct: bool = True,
+        overwrite: bool = False,
     ) -> DiskPages:
         """Open (creating when new) the pages under the existing directory `path`, recovering
         the index of the content pages a previous process left there.
 
         `disk_bytes` bounds the segment files (slots of a 4 KiB header plus the page padded to
-        4 KiB); `direct=False` forces buffered I/O. Raises DiskConfigError (bad sizes, a
-        missing or read-only directory), DiskLayoutError (PATH holds another page size),
-        DiskInUseError (another process has PATH open), DiskSpaceError (the segments cannot be
-        preallocated); nothing is left created then.
+        4 KiB); `direct=False` forces buffered I/O. A non-empty `path` that no disk tier made
+        (no lock or layout file) is refused, DiskForeignDirError, unless `overwrite=True`
+        (the disk tier's files are added beside the ones there, which are kept). Raises
+        DiskConfigError (bad sizes, a missing or read-only directory), DiskLayoutError (PATH
+        holds another page size), DiskInUseError (another process has PATH open),
+        DiskSpaceError (the segments cannot be preallocated); nothing is left created then.
         """
-        if isinstance(io_threads, bool) or not isinstance(io_threads, int) or io_threads < 1:
-            raise DiskConfigError(f"io_threads must be an int >= 1, got {io_threads!r}")
+        if (
+            isinstance(io_threads, bool)
+            or not isinstance(io_threads, int)
+            or not 1 <= io_threads <= MAX_IO_THREADS
+        ):  # (each thread maps its own buffers: 10^5 of them were an OSError ENOMEM)
+            raise DiskConfigError(
+                f"io_threads must be an int in [1, {MAX_IO_THREADS}], got {io_threads!r:.40}"
+            )
+        if not isinstance(overwrite, bool):
+            raise DiskConfigError(f"overwrite must be a bool, got {type(overwrite).__name__}")
         geometry = Geometry.plan(page_bytes, key_bytes, disk_bytes, segment_bytes)
-        opened = open_files(os.fspath(path), geometry, direct)
+        opened = open_files(os.fspath(path), geometry, direct, overwrite)
         try:
             self = cls(opened, geometry, io_threads)
         except BaseException:

@@ -65,7 +65,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from tierkv import validate
 from tierkv.attention.sparse import SparseLayers, SparseOptions, sparse_options
-from tierkv.errors import SpecError, StoreClosedError, TierKVError
+from tierkv.errors import InvalidTypeError, SpecError, StoreClosedError, TierKVError
 from tierkv.integrations.hf_rows import add_rows, copy_rows, token_rows
 from tierkv.integrations.hf_store import (
     Driver,
@@ -216,6 +216,7 @@ class TieredCache(Cache):
         InvalidInputError: ``sparse_topk`` < 1 or above the store's pages, ``sparse_recent`` or
             ``sparse_dense_layers`` < 0, ``sparse_mean_weight`` outside ``[0, 1)``.
         TenantError: a salt that is not str or bytes of 1-256 bytes (before a store opens).
+        InvalidTypeError: a ``store`` that is not a SyncKVStore (an async KVStore).
     """
 
     def __init__(
@@ -238,6 +239,11 @@ class TieredCache(Cache):
         tenant: str | None = None,
         **store_kwargs: Any,
     ) -> None:
+        if store is not None and not isinstance(store, SyncKVStore):  # (an AttributeError)
+            raise InvalidTypeError(
+                f"store must be a SyncKVStore, got {type(store).__name__} (a KVStore is async: "
+                "open a tierkv.SyncKVStore with the same arguments to share it)"
+            )
         prefetch_layers = validate.count("prefetch_layers", prefetch_layers, 1)
         raw_salt = check_salt(salt)
         if tenant is not None:

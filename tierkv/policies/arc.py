@@ -32,8 +32,10 @@ class ARCPolicy(EvictionPolicy):
     :meth:`evict_slots` call takes its ``n`` victims in at most three scans (T1 while T1
     exceeds ``p``, then T2, then T1), as ``n`` calls for one victim each would choose them
     (``p`` does not move while evicting). Pinned pages are rotated to the MRU end of their list
-    as they are skipped. A victim put back by :meth:`restore_slots` returns to the LRU end of
-    its list and leaves its ghost list; ``p`` does not move.
+    as they are skipped. Victims a caller chose (:meth:`evict_chosen`) leave from where they
+    are, nothing else moved. A victim put back by :meth:`restore_slots` returns where it was
+    (behind the page it was behind; the LRU end for one taken from there) and leaves its ghost
+    list; ``p`` does not move.
 
     Args:
         capacity: pages the tier holds (``c``); ``None`` learns it as the high-water mark.
@@ -52,6 +54,7 @@ class ARCPolicy(EvictionPolicy):
         self._b2 = History()
         self._adapted: Key | None = None  # the ghost key whose hit adapted p last
         self._fed: set[Key] = set()  # ghost keys whose hit already adapted p (not yet inserted)
+        self._after: dict[int, int] = {}  # chosen victim -> the slot it was behind
 
     @property
     def target(self) -> float:
@@ -196,6 +199,8 @@ class ARCPolicy(EvictionPolicy):
         return max(0, min(n, self._links.size[_T1] - lowest + 1))
 
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        if self._after:
+            self._after = {}
         links = self._links
         k1 = self._from_t1(n)
         first = links.take(_T1, k1, can_evict, True) if k1 else []
@@ -224,15 +229,28 @@ class ARCPolicy(EvictionPolicy):
             return first + second + links.peek(_T1, k1 + n - got, can_evict)[k1:]
         return first + second
 
+    def evict_chosen(self, slots: Sequence[int]) -> list[int]:
+        """Take ``slots`` from where they are in T1 / T2 (the default scan rotated the pages
+        it passed to the MRU end), each key into its list's ghosts as an eviction puts it."""
+        out = list(slots)
+        queue, key_of = self._links.queue, self._key
+        lists = [queue[s] for s in out]
+        self._after = dict(zip(out, self._links.cut(out)))
+        for s, which in zip(out, lists):
+            (self._b1 if which == _T1 else self._b2).put(key_of[s], 0)
+        return out
+
     def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
-        queue = self._links.queue  # the list each victim left (kept until it is reused)
-        return [queue[s] for s in slots]
+        queue, after = self._links.queue, self._after  # (kept until the slot is reused)
+        return [(queue[s], after.get(s, -1)) for s in slots]
 
     def restore_slots(
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
     ) -> None:
         links, key_of = self._links, self._key
-        for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
+        for s, k, state in zip(reversed(slots), reversed(keys), reversed(states)):
+            assert isinstance(state, tuple)
+            which, after = state
             (self._b1 if which == _T1 else self._b2).pop(k)
             key_of[s] = k  # a MOVING page may have been renamed
-            links.appendleft(_T1 if which == _T1 else _T2, s)
+            links.put_after(_T1 if which == _T1 else _T2, s, after)

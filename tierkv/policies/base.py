@@ -23,8 +23,10 @@ The contract (``docs/policies.md`` has the long form):
 * A page passed over because it may not be evicted goes to the back of its queue (that keeps a
   scan O(1) amortized); its counters do not change.
 * ``restore_slots`` undoes an eviction whose page did not leave after all (a failed write-back):
-  the page returns to the head of the queue it left, with the counters it had, and the ghost or
-  history entry the eviction made is taken back. It is not a use.
+  the page returns where it was in the queue it left (the head for a victim the policy chose,
+  its place among the others for one the caller chose: ``evict_chosen``), with the counters it
+  had, and the ghost or history entry the eviction made is taken back. It is not a use.
+* ``evict_chosen`` takes the caller's victims from where they are; no other page moves.
 * :meth:`EvictionPolicy.miss` hears of requested pages that are not resident (ARC takes ghost
   feedback from it).
 * ``candidate_slots`` ranks the next victims without changing anything.
@@ -179,7 +181,8 @@ class EvictionPolicy(ABC):
         """Forget ``slots`` as victims the caller chose (each held and evictable, for example
         the pages an announced order reads last), as :meth:`evict_slots` takes victims;
         returns them in the order they went. Default: :meth:`evict_slots` limited to them (a
-        scan of the policy's queues); kvaware takes them without a scan."""
+        scan of the policy's queues, which moves the pages it passes over to the back of
+        theirs); every built-in policy takes them from where they are, nothing else moved."""
         return self.evict_slots(len(slots), frozenset(slots).__contains__)
 
     @abstractmethod
@@ -191,7 +194,9 @@ class EvictionPolicy(ABC):
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
     ) -> None:
         """Undo the eviction of ``slots`` (in victim order; ``keys`` their keys now, ``states``
-        from :meth:`evicted_state_slots`): back at the head of the queue each left, counters
+        from :meth:`evicted_state_slots`): back where each was in the queue it left (the head
+        for the policy's own victims; behind the page it was behind for victims
+        :meth:`evict_chosen` took, the head when that page left its queue since), counters
         unchanged, ghost or history entries taken back. Not a use."""
 
     def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:

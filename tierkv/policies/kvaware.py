@@ -161,6 +161,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         self._pending: dict[Key, int] = {}  # admitted, not yet inserted -> fanout so far
         self._floor = 0  # GreedyDual's L: the priority of the last victim
         self._n = 0
+        self._chosen: Sequence[int] = ()  # the last evict_chosen's victims (restore_slots)
         self._loops = loops or LOOPS
         self._chain_loop = self._loops.admit
         # per slot (see bind_slots): the queues (64 priority buckets, a ring, and the orphans);
@@ -304,6 +305,8 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         """Victims in order: stranded blocks (the orphan queue, oldest first, then the
         children each eviction strands, which are seen in this call) before the lowest
         bucket's head (the loop: ``kvaware_loops.evict``)."""
+        if self._chosen:
+            self._chosen = ()
         out, self._floor, self._back_left, self._back_used, self._back_seen = self._loops.evict(
             self._state,
             n,
@@ -322,7 +325,7 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         ``kvaware_loops.evict_given``) without scanning the buckets for them: a batch-32 step
         (2,800 victims an eviction call, 28,000 pages queued) spent ~4 ms a call on that scan.
         The floor (``L``) stays."""
-        out = list(slots)
+        out = self._chosen = list(slots)
         self._back_left, self._back_used, self._back_seen = self._loops.evict_given(
             self._state, out, self._limit, self._back_left, self._back_used, self._back_seen
         )
@@ -330,15 +333,26 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
         return out
 
     # -- undoing an eviction, and looking ahead -------------------------------------------
+    def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
+        """Per victim the slot it was ahead of in its queue when it left, for one that
+        :meth:`evict_chosen` took (an unlinked slot's ``next`` still names it); -1 for one
+        taken from a bucket's head (restored there). Read only on this path: the chosen
+        victims' hot path (a step's room) stores one reference."""
+        if not self._chosen:
+            return [-1] * len(slots)
+        chosen, nxt = set(self._chosen), self._links.next
+        return [nxt[s] if s in chosen else -1 for s in slots]
+
     def restore_slots(
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
     ) -> None:
-        """Put back victims at the head of the queue each left, with their use codes; their
-        history entries are taken back and the children their eviction stranded are requeued
-        by their own use codes. ``L`` and the scan gate's average are not rewound."""
+        """Put back victims where each left its queue (the head of its bucket, or, for one a
+        caller chose, ahead of the page it was ahead of), with their use codes; their history
+        entries are taken back and the children their eviction stranded are requeued by their
+        own use codes. ``L`` and the scan gate's average are not rewound."""
         gone, kids, slot_of, links = self._gone, self._kids, self._slot_of, self._links
         where, code, qcode = self._where, self._code, self._qcode
-        for s, k in zip(reversed(slots), reversed(keys)):
+        for s, k, ahead in zip(reversed(slots), reversed(keys), reversed(states)):
             gone.pop(k)
             self._key[s] = k  # a MOVING page may have been renamed (rekey)
             parent = self._parent.get(s)
@@ -354,7 +368,10 @@ class KVAwarePolicy(ConversationAdmission, EvictionPolicy):
                     cd = qcode[s] = code[s]
                     where[s] = (cd >> 4) + VALUE[cd & 15]
                 q = where[s] & MASK
-            links.appendleft(q, s)
+            if isinstance(ahead, int) and ahead >= 0:
+                links.put_before(q, s, ahead)
+            else:
+                links.appendleft(q, s)
             self._n += 1
             if parent is not None:
                 add_child(kids, parent, k)

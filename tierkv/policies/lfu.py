@@ -42,6 +42,7 @@ class LFUPolicy(EvictionPolicy):
         self._key: list[Key] = []
         self._mask = 0  # bit f set <=> queue f non-empty
         self._gone = History()  # departed key -> use count, oldest first
+        self._after: dict[int, int] = {}  # chosen victim -> the slot it was behind
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
@@ -55,12 +56,13 @@ class LFUPolicy(EvictionPolicy):
     def holds(self, s: int) -> bool:
         return self._links.linked(s)
 
-    def _place(self, s: int, count: int, head: bool = False) -> None:
+    def _place(self, s: int, count: int, after: int | None = None) -> None:
+        """Queue ``s`` at ``count``: at the tail, or behind slot ``after`` (-1: the head)."""
         self._count[s] = count
-        if head:
-            self._links.appendleft(count, s)
-        else:
+        if after is None:
             self._links.append(count, s)
+        else:
+            self._links.put_after(count, s, after)
         self._mask |= 1 << count
 
     def _unplace(self, s: int) -> int:
@@ -93,17 +95,18 @@ class LFUPolicy(EvictionPolicy):
             self._forget(s, self._unplace(s))
 
     def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
-        count = self._count  # kept until the slot is reused
-        return [count[s] for s in slots]
+        count, after = self._count, self._after  # (counts kept until the slot is reused)
+        return [(count[s], after.get(s, -1)) for s in slots]
 
     def restore_slots(
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
     ) -> None:
-        for s, k, count in zip(reversed(slots), reversed(keys), reversed(states)):
-            assert isinstance(count, int)
+        for s, k, state in zip(reversed(slots), reversed(keys), reversed(states)):
+            assert isinstance(state, tuple)
+            count, after = state
             self._gone.pop(k)  # the history entry its eviction made
             self._key[s] = k
-            self._place(s, count, head=True)
+            self._place(s, count, after)  # behind the page it was behind (-1: the head)
 
     def candidate_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
         out: list[int] = []
@@ -113,7 +116,22 @@ class LFUPolicy(EvictionPolicy):
             out += self._links.peek(count, n - len(out), can_evict)
         return out
 
+    def evict_chosen(self, slots: Sequence[int]) -> list[int]:
+        """Take ``slots`` from where they are in their count's queue (the default scan moved
+        the pages it passed to the back of theirs)."""
+        out = list(slots)
+        counts = [self._count[s] for s in out]
+        self._after = dict(zip(out, self._links.cut(out)))
+        size = self._links.size
+        for s, count in zip(out, counts):
+            if not size[count]:
+                self._mask &= ~(1 << count)
+            self._forget(s, count)
+        return out
+
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        if self._after:
+            self._after = {}
         out: list[int] = []
         mask = self._mask
         size = self._links.size

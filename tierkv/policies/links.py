@@ -153,6 +153,50 @@ class Links:
             prv[s] = UNLINKED
             size[queue[s]] -= 1
 
+    def cut(self, slots: Iterable[int]) -> list[int]:
+        """Take every slot of ``slots`` out of its queue, in order, where it is (nothing else
+        moves); returns the slot each was behind when it left (``-1``: it was its queue's
+        head). :meth:`put_after`, in reverse order, undoes it."""
+        prv, nxt, queue, size, base = self.prev, self.next, self.queue, self.size, self.base
+        after: list[int] = []
+        for s in slots:
+            p = prv[s]
+            n = nxt[s]
+            nxt[p] = n
+            prv[n] = p
+            prv[s] = UNLINKED
+            size[queue[s]] -= 1
+            after.append(-1 if p >= base else p)
+        return after
+
+    def put_after(self, q: int, s: int, after: int) -> None:
+        """Put slot ``s`` (in no queue) into queue ``q`` right behind slot ``after`` when that
+        one is in ``q``; at the head of ``q`` otherwise (``after`` -1: the head)."""
+        prv, nxt = self.prev, self.next
+        p = after if 0 <= after < self.base and prv[after] != UNLINKED else -1
+        if p < 0 or self.queue[p] != q:
+            p = self.base + q
+        n = nxt[p]
+        nxt[p] = s
+        prv[s] = p
+        nxt[s] = n
+        prv[n] = s
+        self.queue[s] = q
+        self.size[q] += 1
+
+    def put_before(self, q: int, s: int, before: int) -> None:
+        """Put slot ``s`` (in no queue) into queue ``q`` right ahead of slot ``before`` when
+        that one is in ``q`` (``q``'s sentinel: at the tail); at the head of ``q`` otherwise.
+        An unlinked slot's ``next`` still names the slot it was ahead of when it left, so
+        putting victims back this way, in reverse order, undoes their unlinking."""
+        h = self.base + q
+        ok = before == h or (0 <= before < self.base and self.prev[before] != UNLINKED)
+        if not ok or (before != h and self.queue[before] != q):
+            self.put_after(q, s, -1)
+            return
+        p = self.prev[before]
+        self.put_after(q, s, -1 if p == h else p)
+
     def move(self, q: int, s: int) -> None:
         """Move linked slot ``s`` to the tail of queue ``q`` (from any queue)."""
         prv, nxt, queue, size = self.prev, self.next, self.queue, self.size

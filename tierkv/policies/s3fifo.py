@@ -46,6 +46,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._key: list[Key] = []
         self._ghost = History()
         self._promoted = False  # S moved a used page to M during this eviction
+        self._after: dict[int, int] = {}  # chosen victim -> the slot it was behind
 
     def bind_slots(self, capacity: int, slot_of: Mapping[Key, int]) -> None:
         self._bind(capacity, slot_of)
@@ -137,6 +138,8 @@ class S3FIFOPolicy(EvictionPolicy):
         return s
 
     def evict_slots(self, n: int, can_evict: CanEvictSlot | None) -> list[int]:
+        if self._after:
+            self._after = {}
         out: list[int] = []
         while len(out) < n:
             s = self._evict_one(can_evict)
@@ -153,16 +156,31 @@ class S3FIFOPolicy(EvictionPolicy):
         clone._ghost = History()  # the ghost list never steers a victim
         return clone.evict_slots(n, can_evict)
 
+    def evict_chosen(self, slots: Sequence[int]) -> list[int]:
+        """Take ``slots`` from where they are in S / M, counters as they are (the default
+        scan promoted chosen pages of S that were used and moved the pages it passed); one
+        from S is remembered in G as an eviction from S is."""
+        out = list(slots)
+        queue, key_of = self._links.queue, self._key
+        small = [queue[s] == _S for s in out]
+        self._after = dict(zip(out, self._links.cut(out)))
+        for s, from_small in zip(out, small):
+            if from_small:
+                self._remember(key_of[s])
+        return out
+
     def evicted_state_slots(self, slots: Sequence[int], keys: Sequence[Key]) -> list[object]:
-        queue = self._links.queue  # the queue each victim left (kept until it is reused)
-        return [queue[s] for s in slots]
+        queue, freq, after = self._links.queue, self._freq, self._after  # (kept until reuse)
+        return [(queue[s], freq[s], after.get(s, -1)) for s in slots]
 
     def restore_slots(
         self, slots: Sequence[int], keys: Sequence[Key], states: Sequence[object]
     ) -> None:
-        for s, k, which in zip(reversed(slots), reversed(keys), reversed(states)):
+        for s, k, state in zip(reversed(slots), reversed(keys), reversed(states)):
+            assert isinstance(state, tuple)
+            which, count, after = state
             if which == _S:
                 self._ghost.pop(k)  # the ghost entry its eviction made
             self._key[s] = k
-            self._links.appendleft(_S if which == _S else _M, s)
-            self._freq[s] = 0  # a victim's counter was 0
+            self._links.put_after(_S if which == _S else _M, s, after)
+            self._freq[s] = count  # (0 for a victim the policy chose)

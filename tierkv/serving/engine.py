@@ -49,7 +49,12 @@ import torch
 
 from tierkv import validate
 from tierkv.codecs import CODECS
-from tierkv.errors import InvalidInputError, InvalidTypeError, QuotaExceededError
+from tierkv.errors import (
+    InvalidInputError,
+    InvalidTypeError,
+    QuotaExceededError,
+    StoreTimeoutError,
+)
 from tierkv.failures import FailureLog
 from tierkv.serving.errors import (
     ContextLengthError,
@@ -205,6 +210,16 @@ class Engine:
         *,
         store: KVStore | None = None,
     ) -> None:
+        if config is not None and not isinstance(config, EngineConfig):
+            raise InvalidTypeError(f"config must be an EngineConfig, got {type(config).__name__}")
+        missing = [a for a in ("max_context", "kv_spec", "num_layers") if not hasattr(model, a)]
+        if missing:  # (an AttributeError from inside before)
+            raise InvalidTypeError(
+                f"model must be a ServingModel (tierkv.serving.load_model), got "
+                f"{type(model).__name__} without {', '.join(missing)}"
+            )
+        if store is not None and not isinstance(store, KVStore):
+            raise InvalidTypeError(f"store must be a KVStore, got {type(store).__name__}")
         cfg = config or EngineConfig()
         self.model = model
         self.config = cfg
@@ -400,9 +415,21 @@ class Engine:
         return out, reason
 
     async def wait_idle(self, timeout: float = 30.0) -> None:
-        """Wait until no request is waiting or running (raises TimeoutError)."""
-        async with asyncio.timeout(timeout):
-            await self._idle.wait()
+        """Wait until no request is waiting or running. Raises StoreTimeoutError (a
+        TimeoutError) when ``timeout`` runs out, InvalidTypeError / InvalidInputError for a
+        timeout that is not finite seconds > 0 (a NaN was a wait without bound, a str a
+        TypeError)."""
+        limit = validate.seconds("timeout", timeout)
+        try:
+            async with asyncio.timeout(limit):
+                await self._idle.wait()
+        except TimeoutError:
+            if self._idle.is_set():  # (set as the deadline struck)
+                return
+            raise StoreTimeoutError(
+                f"the engine was not idle within {limit:g} s ({self.running} running, "
+                f"{self.waiting} waiting)"
+            ) from None
 
     @property
     def running(self) -> int:

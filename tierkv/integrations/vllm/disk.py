@@ -36,9 +36,10 @@ class TierKVDiskTier(TierKVTierBase):
     Fields: ``path`` (an existing directory, required), ``disk_bytes`` (required),
     ``io_threads`` (8: the queue depth; 1-2 MB chunks read at the device's rate from 8),
     ``segment_bytes`` (1 GiB), ``direct`` (True: O_DIRECT where the filesystem takes it),
-    ``locality``, ``drain_timeout``. Unknown or wrong-typed fields raise
-    `VllmTierConfigError`; the disk's own refusals (`DiskConfigError`, `DiskLayoutError`,
-    `DiskInUseError`, `DiskSpaceError`) also come at construction.
+    ``overwrite`` (False: a non-empty folder no disk tier made is refused,
+    `DiskForeignDirError`), ``locality``, ``drain_timeout``. Unknown or wrong-typed fields
+    raise `VllmTierConfigError`; the disk's own refusals (`DiskConfigError`,
+    `DiskLayoutError`, `DiskInUseError`, `DiskSpaceError`) also come at construction.
     """
 
     medium: ClassVar[Any] = Medium.STORAGE if Medium is not None else None
@@ -48,6 +49,7 @@ class TierKVDiskTier(TierKVTierBase):
         "io_threads": Field((int,), 8, minimum=1),
         "segment_bytes": Field((int,), 1 << 30, minimum=1),
         "direct": Field((bool,), True),
+        "overwrite": Field((bool,), False),
     }
 
     def _open(self, o: dict[str, Any]) -> None:
@@ -59,6 +61,7 @@ class TierKVDiskTier(TierKVTierBase):
             segment_bytes=o["segment_bytes"],
             io_threads=o["io_threads"],
             direct=o["direct"],
+            overwrite=o["overwrite"],
         )
 
     def lookup(self, key: Any, req_context: Any) -> Any:

@@ -74,7 +74,13 @@ from tierkv.remote.membership.layout import (
     pack,
     resp,
 )
-from tierkv.remote.membership.replies import live_set, script_reply
+from tierkv.remote.membership.replies import (
+    counted,
+    live_set,
+    node_numbers,
+    registered,
+    script_reply,
+)
 from tierkv.remote.membership.wire import Links, command, scripted, where
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
@@ -389,16 +395,16 @@ class RedisDirectory:
         another registration is waited for once, as long as that one has left (``wait``: a
         restarted node's former self lapses within ttl); raises NodeIdTakenError when it is
         still held then (a live node refreshes it)."""
-        idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
+        idx, left = registered(await self._meta(REGISTER, address, self.live_ms, prev))
         if idx < 0 and wait:
-            await asyncio.sleep(min(int(left), self.ttl_ms) / 1000 + 0.05)
-            idx, left = await self._meta(REGISTER, address, self.live_ms, prev)
+            await asyncio.sleep(max(0, min(left, self.ttl_ms)) / 1000 + 0.05)
+            idx, left = registered(await self._meta(REGISTER, address, self.live_ms, prev))
         if idx < 0:
             raise NodeIdTakenError(
                 f"node id {address!r} is held by a live node of the directory "
                 f"{self._where()} (its registration lapses in {left} ms unless it refreshes)",
             )
-        return int(idx)
+        return idx
 
     async def refresh(self, number: int, address: str) -> bool:
         """Keep ``number`` live another ttl; False when it lapsed or was replaced (register
@@ -459,7 +465,7 @@ class RedisDirectory:
                 for shard, a, d in part:
                     self._eval(pipe, PUBLISH, shard, me, fixed, a, d)
 
-            added += sum(int(n) for n in await self._pipeline(build))
+            added += counted(await self._pipeline(build), "entries added")
         return added
 
     async def holders(self, keys: Sequence[bytes]) -> tuple[list[tuple[int, ...]], dict[int, str]]:
@@ -536,10 +542,7 @@ class RedisDirectory:
         scripts of `SWEEP_BUCKETS` buckets (the server serves others between them)."""
         lay = self.layout
         picked = await self._command("SRANDMEMBER", lay.dead, max_dead)
-        try:
-            dead = [int(x) for x in picked or []]
-        except (ValueError, TypeError):
-            raise InvalidResponse(f"the dead set holds {picked!r:.80}") from None
+        dead = node_numbers(picked, "the dead set")
         if not dead:
             return 0
         lock_ms = max(self.ttl_ms * 4, 60_000)
@@ -562,7 +565,7 @@ class RedisDirectory:
                             hi = min(lo + SWEEP_BUCKETS, lay.per_shard) - 1
                             pipe.evalsha(_SHA[SWEEP], 1, pre, pre, lo, hi, dead_blob)
 
-                    removed += sum(int(n) for n in await self._pipeline(build))
+                    removed += counted(await self._pipeline(build), "entries removed")
             await self._command("SREM", lay.dead, *dead)
         finally:
             await self._command("DEL", lay.sweep_lock)

@@ -7,11 +7,21 @@ ride out), never a TypeError, IndexError or MemoryError from deep inside a parse
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import Any
 
 from redis.exceptions import InvalidResponse
 
-__all__ = ["MAX_ELEMENTS", "AggregateGuard", "live_set", "script_reply", "suspect"]
+__all__ = [
+    "MAX_ELEMENTS",
+    "AggregateGuard",
+    "counted",
+    "live_set",
+    "node_numbers",
+    "registered",
+    "script_reply",
+    "suspect",
+]
 
 MAX_ELEMENTS = 10**6
 """Elements an aggregate reply may announce (hiredis allocates the announced count at once:
@@ -109,3 +119,49 @@ def script_reply(r: Any) -> tuple[bytes, bytes]:
     if sum(struct.unpack(f"<{len(counts) // 2}H", counts)) != len(held) // 4:
         raise InvalidResponse(f"a locate reply whose counts and holders differ: {r!r:.80}")
     return counts, held
+
+
+def _int(x: Any) -> int | None:
+    """An integer reply (or a set member's digits) as an int; None for anything else."""
+    if type(x) is int:
+        return x
+    if isinstance(x, bytes) and x.lstrip(b"-").isdigit() and len(x) <= 20:
+        return int(x)
+    return None
+
+
+def node_numbers(members: Any, what: str) -> list[int]:
+    """Node numbers (ints in [0, 2**32): each is packed as a uint32) from a set's members or a
+    script; InvalidResponse for anything else (a member of ``99999999999`` packed raised
+    OverflowError in the sweeper)."""
+    if isinstance(members, Exception):
+        raise members
+    numbers = [_int(x) for x in members or []] if isinstance(members, list | None) else [None]
+    if not all(n is not None and 0 <= n < 1 << 32 for n in numbers):
+        raise InvalidResponse(f"{what} holds {members!r:.80}, not node numbers")
+    return numbers  # type: ignore[return-value]
+
+
+def registered(reply: Any) -> tuple[int, int]:
+    """The REGISTER script's reply: (our new number, or < 0 while the address is held; ms
+    until the holder lapses). InvalidResponse for anything else (unpacked as it came, a
+    hostile reply was a TypeError, a huge number an OverflowError at the next publish)."""
+    if isinstance(reply, Exception):
+        raise reply
+    got = [_int(x) for x in reply] if isinstance(reply, list) and len(reply) == 2 else []
+    if len(got) != 2 or got[0] is None or got[1] is None or got[0] >= 1 << 32:
+        raise InvalidResponse(f"not a register reply: {reply!r:.80}")
+    return got[0], got[1]
+
+
+def counted(replies: Iterable[Any], what: str) -> int:
+    """The sum of scripts' counts (ints >= 0); InvalidResponse for anything else."""
+    total = 0
+    for r in replies:
+        if isinstance(r, Exception):
+            raise r
+        n = _int(r)
+        if n is None or n < 0:
+            raise InvalidResponse(f"not a count of {what}: {r!r:.80}")
+        total += n
+    return total

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from ssl import SSLContext
 from typing import Any
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.remote.errors import (
     PeerGoneError,
     RemoteError,
@@ -43,10 +43,16 @@ EventHandler = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port). Raises ValueError."""
+    """``host:port`` -> (host, port), the port in [1, 65535]. Raises InvalidTypeError (not a
+    str: an AttributeError before), InvalidInputError (a ValueError; a port of 99999 was
+    connect's OverflowError, and non-ASCII digits were taken as a port)."""
+    if not isinstance(address, str):
+        raise InvalidTypeError(f"address must be a 'host:port' str, got {type(address).__name__}")
     host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise InvalidInputError(f"address must be host:port, got {address!r}")
+    if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+        raise InvalidInputError(
+            f"address must be host:port with a port in [1, 65535], got {address!r:.80}"
+        )
     return host, int(port)
 
 

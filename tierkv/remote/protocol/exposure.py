@@ -12,7 +12,7 @@ import ipaddress
 import logging
 import os
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 
 __all__ = [
     "MIN_SECRET_BYTES",
@@ -32,10 +32,15 @@ log = logging.getLogger(__name__)
 
 def resolve_secret(secret: bytes | None, *, insecure: bool = False) -> bytes:
     """The secret to use: ``secret``, else ``$TIERKV_TRANSPORT_SECRET``. Raises ValueError for
-    an empty secret, or for none at all unless ``insecure`` (then b"": anyone may connect)."""
+    an empty secret, or for none at all unless ``insecure`` (then b"": anyone may connect);
+    InvalidTypeError for a secret that is not bytes."""
     if secret is None:
         env = os.environ.get(SECRET_ENV)
         secret = env.encode() if env is not None else None
+    elif isinstance(secret, bytearray | memoryview):
+        secret = bytes(secret)
+    elif not isinstance(secret, bytes):  # (a str secret failed at the first handshake)
+        raise InvalidTypeError(f"a secret is bytes, got {type(secret).__name__}")
     if secret is not None and not secret:
         raise InvalidInputError(f"an empty secret is not a secret (secret= or ${SECRET_ENV})")
     if secret is None:

@@ -39,6 +39,7 @@ commit), ``bad`` (malformed request), ``op`` (unknown op).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 from tierkv.remote.errors import (
@@ -57,11 +58,13 @@ __all__ = [
     "CLIENT",
     "MAX_FRAME",
     "MAX_KEYS",
+    "MAX_LEASE_TTL",
     "PAGE_SERVER",
     "REPLY_LIMITS",
     "REQUEST_LIMITS",
     "error_for",
     "keys_of",
+    "lease_ttl_of",
     "spec_fields",
     "sums_of",
 ]
@@ -69,6 +72,8 @@ __all__ = [
 MAX_FRAME = 8 << 20
 MAX_KEYS = 1 << 18
 PAGE_SERVER, CLIENT = "page-server", "client"
+MAX_LEASE_TTL = 86400.0
+"""The longest lease a page server may grant (s; its hello's ``lease_ttl`` is in (0, this])."""
 #: what a server decodes from an authenticated peer: flat lists of short keys, short strings
 REQUEST_LIMITS = Limits(frame=MAX_FRAME, array=MAX_KEYS, map=16, str=1024, bin=64)
 #: what a client decodes from a server (the hello carries transport metadata)
@@ -109,6 +114,24 @@ def sums_of(msg: dict[str, Any], n: int) -> list[int] | None:
     if not all(type(c) is int and -1 <= c < 1 << 32 for c in sums):
         raise RemoteProtocolError("every checksum must be an int in [-1, 2**32)")
     return sums
+
+
+def lease_ttl_of(hello: dict[str, Any]) -> float:
+    """The hello's ``lease_ttl``: a finite number of seconds in (0, MAX_LEASE_TTL] (absent: 0,
+    an old server's). Raises RemoteProtocolError for anything else (NaN, inf, a negative or
+    huge number, a bool, a string): a hostile server's value is never taken."""
+    ttl = hello.get("lease_ttl", 0.0)
+    if not isinstance(ttl, int | float) or isinstance(ttl, bool):
+        raise RemoteProtocolError(f"lease_ttl {ttl!r:.40} in the hello is not a number")
+    try:
+        value = float(ttl)
+    except OverflowError:  # an int past a float's range
+        value = math.inf
+    if "lease_ttl" in hello and not 0 < value <= MAX_LEASE_TTL:  # (NaN too)
+        raise RemoteProtocolError(
+            f"lease_ttl {ttl!r:.40} in the hello is outside (0, {MAX_LEASE_TTL:g}] seconds"
+        )
+    return value
 
 
 def int_of(msg: dict[str, Any], name: str) -> int:

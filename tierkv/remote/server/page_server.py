@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping
 from ssl import SSLContext
 from typing import TYPE_CHECKING, Any
 
-from tierkv.errors import InvalidInputError, TierKVError
+from tierkv.errors import InvalidInputError, InvalidTypeError, TierKVError
 from tierkv.remote.errors import (
     LeaseExpiredError,
     RemoteError,
@@ -54,6 +54,7 @@ from tierkv.remote.protocol.wire import agent_of, int_of, keys_of, spec_fields, 
 from tierkv.remote.server.control_socket import ControlSocket, Peer
 from tierkv.remote.server.directory import Directory, is_content
 from tierkv.remote.server.hosting import SharedArena, register_host_arena, share_host_arena
+from tierkv.remote.server.server_args import check_server_args
 from tierkv.remote.server.tenants import ServerTenants
 from tierkv.remote.server.watches import WatchHub
 from tierkv.store import KVStore
@@ -114,7 +115,9 @@ class PageServer:
             then reconnects that much slower.
         ssl: TLS context of the control socket (server side); docs/security.md.
 
-    Raises ValueError (no secret, empty secret, insecure off loopback, a tenant secret empty
+    Raises InvalidTypeError / InvalidInputError (server_args.py: a number that is not finite
+    and positive, a ``lease_ttl`` over a day, a port outside [0, 65535], no transport named),
+    ValueError (no secret, empty secret, insecure off loopback, a tenant secret empty
     or shared, tenants with a transport that proves no secret), TenantError (a bad tenant
     name), UnknownTenantError (a tenant the store's tenants lack), DirectoryURLError (a
     directory URL that does not parse); from `start`: RemoteError when the arena cannot be
@@ -148,6 +151,25 @@ class PageServer:
         max_refused_held: int = 256,
         ssl: SSLContext | None = None,
     ) -> None:
+        if not isinstance(store, KVStore):  # (a SyncKVStore was an AttributeError)
+            raise InvalidTypeError(f"store must be a KVStore, got {type(store).__name__}")
+        check_server_args(
+            transports=transports,
+            port=port,
+            lease_ttl=lease_ttl,
+            timeout=timeout,
+            directory_ttl=directory_ttl,
+            max_writing=max_writing,
+            watch_pending=watch_pending,
+            limits={
+                "max_conns_per_peer": max_conns_per_peer,
+                "max_preauth_per_peer": max_preauth_per_peer,
+                "max_preauth": max_preauth,
+                "max_preauth_failures": max_preauth_failures,
+                "max_refused_held": max_refused_held,
+            },
+            refused_hold=refused_hold,
+        )
         self.ssl = ssl
         self.store = store
         self.kinds = sorted(dict.fromkeys(transports), key=lambda k: k != "shm")

@@ -42,7 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 import tierkv.transports as transports
-from tierkv import page_sums
+from tierkv import page_sums, validate
 from tierkv.errors import CorruptPageError, SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
@@ -55,7 +55,7 @@ from tierkv.remote.errors import (
 )
 from tierkv.remote.protocol.control import Control, split_address
 from tierkv.remote.protocol.exposure import resolve_secret
-from tierkv.remote.protocol.wire import spec_fields
+from tierkv.remote.protocol.wire import lease_ttl_of, spec_fields
 from tierkv.remote.sources.watch import Watch
 from tierkv.spec import KVSpec
 from tierkv.tenant_names import check_tenant
@@ -127,6 +127,11 @@ class RemoteTier:
         ssl: SSLContext | None = None,
         tenant: str | None = None,
     ) -> None:
+        timeout = validate.seconds("timeout", timeout)  # (NaN: every wait unbounded)
+        if spec is not None:
+            validate.spec(spec)
+        retry_after = validate.seconds("retry_after", retry_after, allow_zero=True)
+        max_backoff = validate.seconds("max_backoff", max_backoff, allow_zero=True)
         self.ssl = ssl
         self.tenant = None if tenant is None else check_tenant(tenant)
         self.host, self.port = split_address(address)
@@ -190,12 +195,13 @@ class RemoteTier:
             raise RemoteProtocolError(f"page_bytes {spec['page_bytes']} in the hello")
         if self.spec is not None and spec != spec_fields(self.spec):
             raise RemoteRefusedError(f"page layout differs: ours {spec_fields(self.spec)}, {spec}")
-        ttl = hello.get("lease_ttl", 0.0)
-        if not isinstance(ttl, int | float) or isinstance(ttl, bool):
-            raise RemoteProtocolError(f"lease_ttl {ttl!r} in the hello")
+        ttl = lease_ttl_of(hello)
+        name = hello.get("name", "")
+        if not isinstance(name, str):
+            raise RemoteProtocolError(f"the hello's name is a {type(name).__name__}, not a str")
         self.page_bytes = spec["page_bytes"]
-        self.lease_ttl = float(ttl)
-        self.server_name = str(hello.get("name", ""))[:256]
+        self.lease_ttl = ttl
+        self.server_name = name[:256]
         offered = hello.get("transports")
         if not isinstance(offered, dict) or not isinstance(offered.get(self.kind), dict):
             names = sorted(map(str, offered)) if isinstance(offered, dict) else []

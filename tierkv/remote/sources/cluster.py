@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.errors import InvalidInputError, SpecError
+from tierkv import validate
+from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
 from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
 from tierkv.remote.errors import DirectoryError, PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.remote.protocol.control import split_address
 from tierkv.remote.protocol.exposure import resolve_secret
 from tierkv.remote.protocol.tenancy import TenantKeys
 from tierkv.remote.sources.client import RemoteTier
@@ -73,7 +75,13 @@ class RemoteCluster:
         ssl: SSLContext | None = None,
         tenant: str | None = None,
     ) -> None:
+        timeout = validate.seconds("timeout", timeout)
+        retry_after = validate.seconds("retry_after", retry_after, allow_zero=True)
+        if seeds is not None and not isinstance(seeds, str | list | tuple):
+            raise InvalidTypeError(f"seeds: a list of 'host:port' str, got {type(seeds).__name__}")
         self.seeds = [seeds] if isinstance(seeds, str) else list(seeds or [])
+        for seed in self.seeds:
+            split_address(seed)  # (InvalidTypeError / InvalidInputError now, not at a load)
         if not self.seeds and directory is None:
             raise InvalidInputError("a cluster needs a directory or at least one seed address")
         if isinstance(directory, str):

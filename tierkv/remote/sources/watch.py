@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any
 
+from tierkv import validate
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteProtocolError
 from tierkv.remote.protocol.control import Control
 
@@ -43,6 +44,8 @@ class Watch:
         ssl: SSLContext | None = None,
         tenant: str | None = None,
     ) -> None:
+        timeout = validate.seconds("timeout", timeout)
+        validate.count("max_batches", max_batches, 1)  # (0: an unbounded queue)
         self.address, self.secret, self.timeout = address, secret, timeout
         self.ssl, self.tenant = ssl, tenant
         self._callback = callback
