@@ -28,6 +28,8 @@ import msgpack
 from .crc32c_native import native_crc32c
 from .errors import (
     ClosedError,
+    InvalidInputError,
+    InvalidTypeError,
     PeerError,
     ProtocolError,
     RegionError,
@@ -54,6 +56,31 @@ _T = TypeVar("_T", bound="Transport")
 MAX_NOTIFY_BYTES = 1 << 16
 
 
+MAX_TIMEOUT_S = 1e9
+"""The longest timeout a transport takes (a thread wait past ``threading.TIMEOUT_MAX`` raises
+OverflowError; a NaN bound nothing)."""
+
+
+def check_timeout(timeout: object) -> float:
+    """A transport's timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]. Raises
+    InvalidTypeError, InvalidInputError."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise InvalidTypeError(f"timeout: seconds as a number, got {type(timeout).__name__}")
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # (NaN too)
+        raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s, got {timeout!r}")
+    return float(timeout)
+
+
+def check_secret(secret: object) -> bytes | None:
+    """A transport's ``secret``: bytes (a bytearray or memoryview as bytes), or None. Raises
+    InvalidTypeError (a str secret was taken and failed at the first handshake)."""
+    if secret is None or isinstance(secret, bytes):
+        return secret
+    if isinstance(secret, bytearray | memoryview):
+        return bytes(secret)
+    raise InvalidTypeError(f"a secret is bytes, got {type(secret).__name__}")
+
+
 class Transport(abc.ABC):
     """Base class of every transport; an async context manager (`start` / `aclose`).
 
@@ -72,7 +99,7 @@ class Transport(abc.ABC):
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.name = name or f"{self.kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
         self._peers: dict[str, dict[str, Any]] = {}
@@ -302,6 +329,8 @@ class Transport(abc.ABC):
         return handle
 
     def _validate(self, op: TransferOp) -> None:
+        if not isinstance(op, tuple) or len(op) != 5:  # (an int was unpacked: TypeError)
+            raise InvalidTypeError(f"a batch holds TransferOps, got {type(op).__name__}")
         local, lo, remote, ro, n = op
         if self._regions.get(local.region_id) is not local:
             raise RegionError(f"local {local!r} is not registered with {self.name!r}")

@@ -33,7 +33,7 @@ from collections.abc import Iterable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from .base import Direction, Transport
+from .base import Direction, Transport, check_secret
 from .crc32c_native import native_crc32c
 from .errors import (
     AuthError,
@@ -107,6 +107,7 @@ class ShmTransport(Transport):
         max_preauth: int = 32,
     ) -> None:
         super().__init__(name, timeout=timeout)
+        secret = check_secret(secret)
         if secret is None:
             env = os.environ.get(SECRET_ENV)
             if env == "":
