@@ -170,3 +170,29 @@ def test_unknown_pages_rank_first_and_summaries_errors() -> None:
     assert not table.due()
     table.append([b"f"], torch.ones(1, 1, 2), 0, 4)
     assert table.due()
+
+
+def test_summaries_refuse_bad_arguments_typed() -> None:
+    """select_pages(sink=1.5) was a TypeError of a slice, scores given as a list an
+    AttributeError; page_bounds of 2-D keys a ValueError, page_tokens 0 a ZeroDivisionError,
+    no keys a RuntimeError. Now typed errors naming the argument."""
+    scores = torch.rand(10)
+    with pytest.raises(InvalidInputError, match="sink"):
+        select_pages(scores, 2, sink=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="recent"):
+        select_pages(scores, 2, recent=-1)
+    with pytest.raises(SpecError, match="scores"):
+        select_pages([0.1, 0.2, 0.3], 1)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="scores"):
+        select_pages(torch.rand(3, 4), 1)
+    assert select_pages(scores, 2) == select_pages(scores, 2, sink=1, recent=2)
+    k = torch.rand(2, 5, 8)
+    with pytest.raises(SpecError, match="k"):
+        page_bounds(torch.rand(5, 8), 0, 4)
+    with pytest.raises(SpecError, match="k"):
+        page_bounds(torch.rand(2, 0, 8), 3, 4)
+    with pytest.raises(InvalidInputError, match="page_tokens"):
+        page_bounds(k, 0, 0)
+    with pytest.raises(InvalidInputError, match="start"):
+        page_bounds(k, -1, 4)
+    assert page_bounds(k, 3, 4).first == 0
