@@ -25,10 +25,10 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
+from .args import check_timeout
 from .crc32c_native import native_crc32c
 from .errors import (
     ClosedError,
-    InvalidInputError,
     InvalidTypeError,
     PeerError,
     ProtocolError,
@@ -54,31 +54,6 @@ _T = TypeVar("_T", bound="Transport")
 
 #: the largest notification a transport sends (peers refuse larger ones)
 MAX_NOTIFY_BYTES = 1 << 16
-
-
-MAX_TIMEOUT_S = 1e9
-"""The longest timeout a transport takes (a thread wait past ``threading.TIMEOUT_MAX`` raises
-OverflowError; a NaN bound nothing)."""
-
-
-def check_timeout(timeout: object) -> float:
-    """A transport's timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]. Raises
-    InvalidTypeError, InvalidInputError."""
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise InvalidTypeError(f"timeout: seconds as a number, got {type(timeout).__name__}")
-    if not 0 < timeout <= MAX_TIMEOUT_S:  # (NaN too)
-        raise InvalidInputError(f"timeout must be in (0, {MAX_TIMEOUT_S:g}] s, got {timeout!r}")
-    return float(timeout)
-
-
-def check_secret(secret: object) -> bytes | None:
-    """A transport's ``secret``: bytes (a bytearray or memoryview as bytes), or None. Raises
-    InvalidTypeError (a str secret was taken and failed at the first handshake)."""
-    if secret is None or isinstance(secret, bytes):
-        return secret
-    if isinstance(secret, bytearray | memoryview):
-        return bytes(secret)
-    raise InvalidTypeError(f"a secret is bytes, got {type(secret).__name__}")
 
 
 class Transport(abc.ABC):

@@ -33,7 +33,8 @@ from collections.abc import Iterable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
-from .base import Direction, Transport, check_secret
+from .args import check_secret
+from .base import Direction, Transport
 from .crc32c_native import native_crc32c
 from .errors import (
     AuthError,

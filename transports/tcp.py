@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from ssl import SSLContext
 from typing import Any
 
-from .base import DEFAULT_TIMEOUT_S, Direction, Transport, check_secret
+from .args import check_secret
+from .base import DEFAULT_TIMEOUT_S, Direction, Transport
 from .checksum import (
     Checksum,
     ChecksumThread,
