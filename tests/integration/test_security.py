@@ -279,6 +279,8 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("acquire", lambda m: {"lease": 1, "slots": [-5], "gens": [0]}),
     ("locate", lambda m: {"nodes": [1, 2]}),
     ("locate", lambda m: {"nodes": "x"}),
+    ("locate", lambda m: {"nodes": ["127.0.0.1:99999"]}),  # connect()'s OverflowError next
+    ("locate", lambda m: {"nodes": ["no-port"]}),
     ("lookup", lambda m: {"err": ["x"], "msg": {"a": 1}}),
     ("lookup", lambda m: {"id": [m["id"]], "n": 0}),  # an unhashable id: dropped, then a timeout
     ("reserve", lambda m: {"lease": 1, "slots": [None]}),
@@ -524,3 +526,19 @@ def test_a_bad_port_is_refused_at_construction(address: str) -> None:
         RemoteTier(address, secret=SECRET)
     with pytest.raises(InvalidInputError, match="port"):
         RemoteCluster([address], secret=SECRET)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "no-port", "h:\u0661"])
+async def test_a_cluster_node_address_from_a_peer_is_a_protocol_error(address: str) -> None:
+    """Node addresses come from a directory (a Redis not ours) or a seed's locate answer: one
+    of port 99999 was connect()'s OverflowError out of the cluster's load, one without a port
+    an InvalidInputError past its ``except RemoteError``; now RemoteProtocolError, and the
+    node is left alone as after any failure."""
+    cluster = RemoteCluster(["127.0.0.1:1"], secret=SECRET, spec=SPEC, timeout=TIMEOUT)
+    try:
+        with pytest.raises(RemoteProtocolError, match="node address"):
+            await cluster.node(address)
+        with pytest.raises(PeerGoneError, match="failed recently"):
+            await cluster.node(address)
+    finally:
+        await cluster.aclose()

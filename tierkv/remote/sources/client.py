@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 import tierkv.transports as transports
 from tierkv import page_sums, validate
-from tierkv.errors import CorruptPageError, SpecError
+from tierkv.errors import CorruptPageError, InvalidInputError, SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
     LeaseExpiredError,
@@ -293,6 +293,11 @@ class RemoteTier:
             raise RemoteProtocolError("bad locate answer")
         if not all(isinstance(n, str) for n in nodes):
             raise RemoteProtocolError("bad locate answer")
+        for n in dict.fromkeys(nodes):  # (each is an address a cluster connects to next)
+            try:
+                split_address(n)
+            except InvalidInputError:
+                raise RemoteProtocolError(f"bad locate answer: node {n!r:.80}") from None
         return nodes
 
     async def watch(
