@@ -542,3 +542,32 @@ async def test_a_cluster_node_address_from_a_peer_is_a_protocol_error(address: s
             await cluster.node(address)
     finally:
         await cluster.aclose()
+
+
+async def test_concurrent_connects_make_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three tasks connecting one RemoteTier at once each made a control connection (and a
+    data transport); the last replaced the others without closing them (their reader tasks
+    were destroyed pending). Now they share one."""
+    opened: list[Control] = []
+    real_open = Control.open
+
+    async def counting_open(self: Control) -> Any:
+        opened.append(self)
+        return await real_open(self)
+
+    monkeypatch.setattr(Control, "open", counting_open)
+    async with page_server() as srv:
+        client = peer(srv.address)
+        got = await asyncio.gather(client.connect(), client.connect(), client.connect())
+        try:
+            assert all(c is client for c in got)
+            assert len(opened) == 1
+            assert await client.lookup(KEYS) == 0
+        finally:
+            await client.aclose()
+        watch = Watch(srv.address, secret=SECRET)
+        await asyncio.gather(watch.start(), watch.start())  # the same for a Watch
+        try:
+            assert len(opened) == 2
+        finally:
+            await watch.aclose()

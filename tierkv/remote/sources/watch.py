@@ -53,6 +53,7 @@ class Watch:
         self.keys: set[bytes] = set()
         self._ctl: Control | None = None
         self._closed_by_us = False
+        self._starting = asyncio.Lock()
 
     async def start(self) -> Watch:
         """Open the watch connection (open already: returns at once; a second connection
@@ -60,16 +61,19 @@ class Watch:
         RemoteRefusedError."""
         if self._ctl is not None and not self._closed_by_us:
             return self
-        ctl = Control(
-            self.address,
-            secret=self.secret,
-            timeout=self.timeout,
-            on_event=self._event,
-            ssl=self.ssl,
-            tenant=self.tenant,
-        )
-        await ctl.open()
-        self._ctl, self._closed_by_us = ctl, False
+        async with self._starting:  # (concurrent starts each opened one: all but one leaked)
+            if self._ctl is not None and not self._closed_by_us:
+                return self
+            ctl = Control(
+                self.address,
+                secret=self.secret,
+                timeout=self.timeout,
+                on_event=self._event,
+                ssl=self.ssl,
+                tenant=self.tenant,
+            )
+            await ctl.open()
+            self._ctl, self._closed_by_us = ctl, False
         return self
 
     async def _event(self, msg: dict[str, Any]) -> None:
