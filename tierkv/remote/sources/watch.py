@@ -62,19 +62,21 @@ class Watch:
         if self._ctl is not None and not self._closed_by_us:
             return self
         async with self._starting:  # (concurrent starts each opened one: all but one leaked)
-            if self._ctl is not None and not self._closed_by_us:
-                return self
-            ctl = Control(
-                self.address,
-                secret=self.secret,
-                timeout=self.timeout,
-                on_event=self._event,
-                ssl=self.ssl,
-                tenant=self.tenant,
-            )
-            await ctl.open()
-            self._ctl, self._closed_by_us = ctl, False
+            if self._ctl is None or self._closed_by_us:
+                await self._open()
         return self
+
+    async def _open(self) -> None:
+        ctl = Control(
+            self.address,
+            secret=self.secret,
+            timeout=self.timeout,
+            on_event=self._event,
+            ssl=self.ssl,
+            tenant=self.tenant,
+        )
+        await ctl.open()
+        self._ctl, self._closed_by_us = ctl, False
 
     async def _event(self, msg: dict[str, Any]) -> None:
         keys = msg.get("keys")
