@@ -849,7 +849,10 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     # a client that hangs up cancels its handler, and with it the request (its pages freed)
     app = make_app(cfg)
-    web.run_app(app, host=host, port=port, handler_cancellation=True)
+    try:  # what only the model's size tells (a page over 1 GiB...): one line too, at startup
+        web.run_app(app, host=host, port=port, handler_cancellation=True)
+    except TierKVError as exc:
+        p.exit(2, f"{p.prog}: error: {exc}\n")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, InvalidTypeError
 
 __all__ = ["CollectorSettings", "restore_collector", "settle_collector"]
 
@@ -80,7 +80,12 @@ def settle_collector(
 
 def restore_collector(previous: CollectorSettings) -> None:
     """Undo :func:`settle_collector`: thresholds and enabled state back, frozen objects back
-    into the collected generations (all of them: ``gc.unfreeze`` cannot tell whose they were)."""
+    into the collected generations (all of them: ``gc.unfreeze`` cannot tell whose they were).
+    Raises InvalidTypeError for anything but settle_collector's result (before any change)."""
+    if not isinstance(previous, CollectorSettings):  # (a str was an AttributeError)
+        raise InvalidTypeError(
+            f"restore_collector takes settle_collector's result, got {type(previous).__name__}"
+        )
     gc.set_threshold(*previous.thresholds)
     gc.unfreeze()
     if previous.enabled:

@@ -139,8 +139,7 @@ def prefix_keys(
             :func:`tierkv.tenant_names.check_salt`; see :func:`root_key`).
     """
     root = root_key(namespace, check_salt(salt))
-    if page_tokens <= 0:
-        raise SpecError(f"page_tokens must be positive, got {page_tokens}")
+    _check_page_tokens(page_tokens)
     arr = _token_ids(tokens)
     n_full = len(arr) // page_tokens
     if extras is None:
@@ -166,8 +165,7 @@ def chain_keys(parent: PageKey, tokens: npt.NDArray[Any], page_tokens: int) -> l
     """
     if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
         raise SpecError(f"parent key must be {KEY_BYTES} bytes, got {parent!r}")
-    if page_tokens <= 0:
-        raise SpecError(f"page_tokens must be positive, got {page_tokens}")
+    _check_page_tokens(page_tokens)
     n = len(tokens) // page_tokens
     step = page_tokens * 8
     data = memoryview(np.ascontiguousarray(tokens[: n * page_tokens], dtype="<i8").tobytes())
@@ -241,3 +239,11 @@ def key_kind(key: PageKey) -> KeyKind:
     if len(key) != KEY_BYTES:
         raise SpecError(f"a page key is {KEY_BYTES} bytes, got {len(key)}")
     return KeyKind.PRIVATE if key[0] & _PRIVATE_BIT else KeyKind.CONTENT
+
+
+def _check_page_tokens(page_tokens: object) -> None:
+    """SpecError unless ``page_tokens`` is an int > 0 (1.5 was a TypeError of a slice)."""
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int | np.integer):
+        raise SpecError(f"page_tokens must be a positive int, got {page_tokens!r}")
+    if page_tokens <= 0:
+        raise SpecError(f"page_tokens must be positive, got {page_tokens}")

@@ -68,6 +68,12 @@ def _align(n: int, to: int = ALIGN) -> int:
     return (n + to - 1) // to * to
 
 
+MAX_PAGE_BYTES = 1 << 30
+"""The largest page a spec may have (a real model's page is kilobytes to a few megabytes: 128
+KV heads of 256 dims and 1,024 tokens in fp32 are 256 MiB). An engine of
+``page_tokens=10**9`` made 4 GB pages whose first append was killed by the kernel."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVSpec:
     """The KV layout of one model: what a page holds and how many bytes it takes.
@@ -97,6 +103,11 @@ class KVSpec:
                 raise SpecError(f"KVSpec.{name} must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
         object.__setattr__(self, "_itemsize", torch.empty((), dtype=self.dtype).element_size())
+        if self.page_bytes > MAX_PAGE_BYTES:  # (page_tokens=10**9: 4 GB pages, then the OOM killer)
+            raise SpecError(
+                f"KVSpec: a page of {self.page_bytes} bytes (one layer's K and V of "
+                f"{self.page_tokens} tokens) is over {MAX_PAGE_BYTES}: give fewer page_tokens"
+            )
 
     @property
     def itemsize(self) -> int:

@@ -76,7 +76,10 @@ class SyncKVStore:
     def run(self, coro: Awaitable[T]) -> T:
         """Run ``coro`` on the store's loop thread and wait for it (at most twice the store's
         timeout). Raises StoreClosedError after close, StoreTimeoutError when the loop does not
-        answer, and the store's errors mapped to the tierkv tree."""
+        answer, InvalidTypeError for something that cannot be awaited, and the store's errors
+        mapped to the tierkv tree."""
+        if not inspect.isawaitable(coro):  # (an int was a TypeError on the loop thread)
+            raise InvalidTypeError(f"run takes a coroutine, got {type(coro).__name__}")
         if self._closed:
             if asyncio.iscoroutine(coro):
                 coro.close()

@@ -25,9 +25,11 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgpack
 
+from .args import check_timeout
 from .crc32c_native import native_crc32c
 from .errors import (
     ClosedError,
+    InvalidTypeError,
     PeerError,
     ProtocolError,
     RegionError,
@@ -72,7 +74,7 @@ class Transport(abc.ABC):
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.name = name or f"{self.kind}-{os.getpid()}-{secrets.token_hex(4)}"
-        self.timeout = timeout
+        self.timeout = check_timeout(timeout)
         self._regions: dict[int, Region] = {}
         self._region_ids = itertools.count(1)
         self._peers: dict[str, dict[str, Any]] = {}
@@ -302,6 +304,8 @@ class Transport(abc.ABC):
         return handle
 
     def _validate(self, op: TransferOp) -> None:
+        if not isinstance(op, tuple) or len(op) != 5:  # (an int was unpacked: TypeError)
+            raise InvalidTypeError(f"a batch holds TransferOps, got {type(op).__name__}")
         local, lo, remote, ro, n = op
         if self._regions.get(local.region_id) is not local:
             raise RegionError(f"local {local!r} is not registered with {self.name!r}")

@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
+from .args import check_secret
 from .base import Direction, Transport
 from .crc32c_native import native_crc32c
 from .errors import (
@@ -107,6 +108,7 @@ class ShmTransport(Transport):
         max_preauth: int = 32,
     ) -> None:
         super().__init__(name, timeout=timeout)
+        secret = check_secret(secret)
         if secret is None:
             env = os.environ.get(SECRET_ENV)
             if env == "":

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ssl import SSLContext
 from typing import Any
 
+from .args import check_secret
 from .base import DEFAULT_TIMEOUT_S, Direction, Transport
 from .checksum import (
     Checksum,
@@ -295,6 +296,7 @@ class TcpTransport(Transport):
     ) -> None:
         self.ssl_server, self.ssl_client = ssl_server, ssl_client
         super().__init__(name, timeout=timeout)
+        secret = check_secret(secret)
         env = os.environ.get(SECRET_ENV)
         if secret is None and env is None:
             raise InvalidInputError(

@@ -279,6 +279,8 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]] = [
     ("acquire", lambda m: {"lease": 1, "slots": [-5], "gens": [0]}),
     ("locate", lambda m: {"nodes": [1, 2]}),
     ("locate", lambda m: {"nodes": "x"}),
+    ("locate", lambda m: {"nodes": ["127.0.0.1:99999"]}),  # connect()'s OverflowError next
+    ("locate", lambda m: {"nodes": ["no-port"]}),
     ("lookup", lambda m: {"err": ["x"], "msg": {"a": 1}}),
     ("lookup", lambda m: {"id": [m["id"]], "n": 0}),  # an unhashable id: dropped, then a timeout
     ("reserve", lambda m: {"lease": 1, "slots": [None]}),
@@ -524,3 +526,48 @@ def test_a_bad_port_is_refused_at_construction(address: str) -> None:
         RemoteTier(address, secret=SECRET)
     with pytest.raises(InvalidInputError, match="port"):
         RemoteCluster([address], secret=SECRET)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "no-port", "h:\u0661"])
+async def test_a_cluster_node_address_from_a_peer_is_a_protocol_error(address: str) -> None:
+    """Node addresses come from a directory (a Redis not ours) or a seed's locate answer: one
+    of port 99999 was connect()'s OverflowError out of the cluster's load, one without a port
+    an InvalidInputError past its ``except RemoteError``; now RemoteProtocolError, and the
+    node is left alone as after any failure."""
+    cluster = RemoteCluster(["127.0.0.1:1"], secret=SECRET, spec=SPEC, timeout=TIMEOUT)
+    try:
+        with pytest.raises(RemoteProtocolError, match="node address"):
+            await cluster.node(address)
+        with pytest.raises(PeerGoneError, match="failed recently"):
+            await cluster.node(address)
+    finally:
+        await cluster.aclose()
+
+
+async def test_concurrent_connects_make_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three tasks connecting one RemoteTier at once each made a control connection (and a
+    data transport); the last replaced the others without closing them (their reader tasks
+    were destroyed pending). Now they share one."""
+    opened: list[Control] = []
+    real_open = Control.open
+
+    async def counting_open(self: Control) -> Any:
+        opened.append(self)
+        return await real_open(self)
+
+    monkeypatch.setattr(Control, "open", counting_open)
+    async with page_server() as srv:
+        client = peer(srv.address)
+        got = await asyncio.gather(client.connect(), client.connect(), client.connect())
+        try:
+            assert all(c is client for c in got)
+            assert len(opened) == 1
+            assert await client.lookup(KEYS) == 0
+        finally:
+            await client.aclose()
+        watch = Watch(srv.address, secret=SECRET)
+        await asyncio.gather(watch.start(), watch.start())  # the same for a Watch
+        try:
+            assert len(opened) == 2
+        finally:
+            await watch.aclose()

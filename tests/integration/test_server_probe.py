@@ -188,3 +188,18 @@ def test_the_load_generator_refuses_what_cannot_run(args: list[str]) -> None:
     )
     assert got.returncode == 2, got.stderr
     assert "error:" in got.stderr and "Traceback" not in got.stderr, got.stderr
+
+
+def test_a_page_too_large_for_the_model_is_one_line_at_startup() -> None:
+    """--page-tokens 1000000000 passes the flags' checks (the page's size needs the model's
+    dims): the server printed a traceback at startup (SpecError from the engine). Now one
+    'error:' line and status 2, as for any bad flag."""
+    import subprocess
+
+    script = Path(__file__).parents[2] / "examples" / "server.py"
+    args = ["--model", "tiny", "--page-tokens", "1000000000", "--listen", "127.0.0.1:0"]
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "error: KVSpec: a page of" in done.stderr and "Traceback" not in done.stderr

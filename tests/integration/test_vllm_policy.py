@@ -102,3 +102,13 @@ def test_on_a_slice_of_the_mooncake_trace_it_beats_vllms_lru_and_arc() -> None:
     assert ours > max(lru, arc) > 0, (ours, lru, arc)
     assert isinstance(policy, TierKVAwarePolicy)
     assert policy.stats()["declined"] > 0  # admission ran, and its declines went on probation
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 1.5, "8", True, 10**12])
+def test_a_bad_capacity_is_a_typed_error(capacity: object) -> None:
+    """A float or str capacity was a TypeError from inside, 10**12 a MemoryError, 0 and -1 a
+    policy that held nothing; now InvalidInputError (InvalidTypeError for the types)."""
+    from tierkv.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="cache_capacity"):
+        TierKVAwarePolicy(capacity)  # type: ignore[arg-type]

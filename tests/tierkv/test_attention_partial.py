@@ -170,3 +170,55 @@ def test_unknown_pages_rank_first_and_summaries_errors() -> None:
     assert not table.due()
     table.append([b"f"], torch.ones(1, 1, 2), 0, 4)
     assert table.due()
+
+
+def test_summaries_refuse_bad_arguments_typed() -> None:
+    """select_pages(sink=1.5) was a TypeError of a slice, scores given as a list an
+    AttributeError; page_bounds of 2-D keys a ValueError, page_tokens 0 a ZeroDivisionError,
+    no keys a RuntimeError. Now typed errors naming the argument."""
+    scores = torch.rand(10)
+    with pytest.raises(InvalidInputError, match="sink"):
+        select_pages(scores, 2, sink=1.5)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="recent"):
+        select_pages(scores, 2, recent=-1)
+    with pytest.raises(SpecError, match="scores"):
+        select_pages([0.1, 0.2, 0.3], 1)  # type: ignore[arg-type]
+    with pytest.raises(SpecError, match="scores"):
+        select_pages(torch.rand(3, 4), 1)
+    assert select_pages(scores, 2) == select_pages(scores, 2, sink=1, recent=2)
+    k = torch.rand(2, 5, 8)
+    with pytest.raises(SpecError, match="k"):
+        page_bounds(torch.rand(5, 8), 0, 4)
+    with pytest.raises(SpecError, match="k"):
+        page_bounds(torch.rand(2, 0, 8), 3, 4)
+    with pytest.raises(InvalidInputError, match="page_tokens"):
+        page_bounds(k, 0, 0)
+    with pytest.raises(InvalidInputError, match="start"):
+        page_bounds(k, -1, 4)
+    assert page_bounds(k, 3, 4).first == 0
+
+
+def test_partial_attention_refuses_bad_arguments_typed() -> None:
+    """merge([1]) and finish(None) were AttributeErrors, a str scale a TypeError, a NaN scale
+    made every output NaN silently, attend's (k, v) pairs a ValueError of unpacking,
+    empty_partial(dv=-1) a RuntimeError. Now typed errors."""
+    from tierkv.attention.partial import empty_partial
+    from tierkv.errors import InvalidTypeError
+
+    q, k, v = torch.rand(1, 4, 1, 8), torch.rand(1, 2, 5, 8), torch.rand(1, 2, 5, 8)
+    with pytest.raises(InvalidTypeError):
+        merge([1])  # type: ignore[list-item]
+    with pytest.raises(InvalidTypeError):
+        finish(None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        finish(partial_attention(q, k, v, 0.3), "float16")  # type: ignore[arg-type]
+    for scale in (float("nan"), float("inf"), "x", True):
+        with pytest.raises(InvalidInputError, match="scale"):
+            partial_attention(q, k, v, scale)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError):
+        partial_attention(q.tolist(), k, v, 0.3)  # type: ignore[arg-type]
+    with pytest.raises(InvalidTypeError, match="triples"):
+        attend(q, [(k, v)], 0.3)  # type: ignore[list-item]
+    with pytest.raises(SpecError, match="dv"):
+        empty_partial(q, -1)
+    assert torch.isfinite(attend(q, [(k, v, None)], 0.3)).all()

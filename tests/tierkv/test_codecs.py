@@ -320,3 +320,22 @@ def test_chunked_batches_match_and_name_global_pages(name):
     with pytest.raises(NonFiniteError, match="pages 5 "):
         codec.encode(x, spec, out=out)
     assert torch.equal(out, whole)  # checked before the first chunk is written
+
+
+@pytest.mark.parametrize("name", ["int8", "fp16", "identity"])
+def test_a_codec_given_no_tensor_or_no_spec_is_a_typed_error(name: str) -> None:
+    """encode([1, 2]), decode([1]) and encoded_bytes(None) were AttributeErrors from inside;
+    now InvalidTypeError (also a SpecError)."""
+    from tierkv.codecs import create_codec
+    from tierkv.errors import InvalidTypeError, SpecError
+
+    spec = KVSpec(2, 2, 8, torch.float32, 4)
+    codec = create_codec(name)
+    for call in (
+        lambda: codec.encode([1, 2], spec),  # type: ignore[arg-type]
+        lambda: codec.decode([1], spec),  # type: ignore[arg-type]
+        lambda: codec.encoded_bytes(None),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(InvalidTypeError) as info:
+            call()
+        assert isinstance(info.value, SpecError)

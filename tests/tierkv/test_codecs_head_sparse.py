@@ -235,3 +235,13 @@ def test_a_ranking_file_is_read_bounded(tmp_path: Path, monkeypatch: pytest.Monk
     with pytest.raises(CalibrationError, match="over"):
         monkeypatch.setattr(head_sparse, "MAX_RANKING_BYTES", 1 << 16)
         HeadRanking.load("/dev/zero")
+
+
+def test_calibrate_refuses_what_it_cannot_run_typed() -> None:
+    """calibrate(model, [[1, 2, ...]]) and calibrate(object(), ids) were AttributeErrors."""
+    from tierkv.codecs.head_calibration import calibrate
+
+    with pytest.raises(CalibrationError, match="tensor"):
+        calibrate(object(), [list(range(100))], window=8)  # type: ignore[arg-type]
+    with pytest.raises(CalibrationError, match="no config"):
+        calibrate(object(), torch.zeros(1, 100, dtype=torch.long), window=8)

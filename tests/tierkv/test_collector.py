@@ -80,3 +80,15 @@ async def test_a_sequence_with_kv_is_one_tracked_object() -> None:
         assert inner == [], inner
         assert all(seq.shared[:2]) and not seq.shared[2]  # two full blocks got content keys
         assert seq.blocks[0] == seq.block(0) and len(seq.all_pages()) == 6
+
+
+def test_restore_collector_refuses_what_settle_did_not_give() -> None:
+    """restore_collector("junk") was an AttributeError; now InvalidTypeError, nothing changed."""
+    import gc
+
+    from tierkv.errors import InvalidTypeError
+
+    before = gc.get_threshold(), gc.isenabled()
+    with pytest.raises(InvalidTypeError, match="settle_collector"):
+        restore_collector("junk")  # type: ignore[arg-type]
+    assert (gc.get_threshold(), gc.isenabled()) == before

@@ -78,3 +78,12 @@ def test_keys_identical_across_processes_and_hash_seeds() -> None:
     assert outs[0] == outs[1]
     here = ",".join(k.hex() for k in prefix_keys(TOKENS, 16, "m"))
     assert outs[0] == f"{here} {private_key('seq-1', 3).hex()}"
+
+
+@pytest.mark.parametrize("page_tokens", [1.5, "4", True, None])
+def test_page_tokens_of_another_type_is_a_spec_error(page_tokens: object) -> None:
+    """prefix_keys([1, 2, 3], 1.5) was a TypeError of a slice; now SpecError."""
+    from tierkv import SpecError, prefix_keys
+
+    with pytest.raises(SpecError, match="page_tokens"):
+        prefix_keys([1, 2, 3], page_tokens)  # type: ignore[arg-type]

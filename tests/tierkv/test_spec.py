@@ -58,3 +58,17 @@ def test_dtype_names() -> None:
     assert parse_dtype("FP32") is torch.float32
     with pytest.raises(SpecError):
         KVSpec(1, 1, 1).blocks_for(-1)
+
+
+def test_a_page_over_a_gib_is_a_spec_error() -> None:
+    """An engine of page_tokens=10**9 (a careless unit) made 4 GB pages; its first append
+    zeroed one and the kernel killed the process. Now KVSpec refuses pages over MAX_PAGE_BYTES
+    (the largest real page is a few hundred MiB)."""
+    from tierkv.spec import MAX_PAGE_BYTES
+
+    with pytest.raises(SpecError, match="page_tokens"):
+        KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="fp32", page_tokens=10**9)
+    with pytest.raises(SpecError):
+        KVSpec(num_layers=2, num_kv_heads=10**6, head_dim=10**6, dtype="fp32", page_tokens=1)
+    big = KVSpec(num_layers=80, num_kv_heads=128, head_dim=256, dtype="fp32", page_tokens=1024)
+    assert big.page_bytes <= MAX_PAGE_BYTES

@@ -469,3 +469,12 @@ async def test_kv_that_requires_grad_is_stored_as_values() -> None:
         assert not got_k.requires_grad and not got_v.requires_grad
         assert not store.tiers.pages.page(0).requires_grad
         assert torch.equal(got_k, k.detach()) and torch.equal(got_v, v.detach())
+
+
+def test_a_sync_run_of_something_else_is_a_type_error() -> None:
+    """SyncKVStore.run(5) awaited 5 on the loop thread: a TypeError; now InvalidTypeError
+    before anything is sent to the loop."""
+    with SyncKVStore(SPEC, device_bytes=16 * PAGE, host_bytes=64 * PAGE) as store:
+        with pytest.raises(InvalidTypeError, match="coroutine"):
+            store.run(5)  # type: ignore[arg-type]
+        store.add_sequence("a", [1, 2])  # still serving

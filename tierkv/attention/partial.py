@@ -20,12 +20,13 @@ Grouped-query attention: ``q`` has ``Hq = g * Hkv`` heads, query head ``h`` read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tierkv.errors import SpecError
+from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
 
 __all__ = ["Partial", "attend", "finish", "merge", "partial_attention"]
 
@@ -52,6 +53,10 @@ class Partial:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> int:
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not (
+        bias is None or isinstance(bias, torch.Tensor)
+    ):
+        raise InvalidTypeError("q, k, v (and a bias) must be torch.Tensors")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise SpecError(
             f"q, k, v must be [B, H, n, D] tensors, got {list(q.shape)} {list(k.shape)} "
@@ -73,7 +78,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor
 
 
 def empty_partial(q: torch.Tensor, dv: int) -> Partial:
-    """The state of a part with no key (weighs nothing in a merge)."""
+    """The state of a part with no key (weighs nothing in a merge). Raises SpecError for a
+    ``q`` that is no ``[B, Hq, n, D]`` tensor or a ``dv`` that is no int >= 0."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise SpecError("q must be a [B, Hq, n, D] tensor")
+    if isinstance(dv, bool) or not isinstance(dv, int) or dv < 0:
+        raise SpecError(f"dv must be an int >= 0, got {dv!r}")
     b, hq, n, _ = q.shape
     m = torch.full((b, hq, n), _NEG_INF, dtype=torch.float32, device=q.device)
     return Partial(m, torch.zeros_like(m), torch.zeros(b, hq, n, dv, device=q.device))
@@ -91,9 +101,12 @@ def partial_attention(
 
     ``bias`` (additive, ``-inf`` masks a key) broadcasts as ``[B, 1|Hq, n, S]``. Keys are read
     ``chunk`` tokens at a time. Raises SpecError for shapes that do not fit together or a
-    ``chunk`` below 1.
+    ``chunk`` below 1, InvalidTypeError for arguments that are no tensors, InvalidInputError for
+    a ``scale`` that is no finite number (a NaN made every output NaN).
     """
     g = _check(q, k, v, bias)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+        raise InvalidInputError(f"scale must be a finite number, got {scale!r:.40}")
     if chunk < 1:
         raise SpecError(f"chunk must be >= 1, got {chunk}")
     b, hq, n, d = q.shape
@@ -125,10 +138,13 @@ def partial_attention(
 def merge(parts: Sequence[Partial]) -> Partial:
     """The exact merge of parts of one query's attention (log-sum-exp; module docstring).
 
-    Raises SpecError for no parts or parts of different shapes.
+    Raises SpecError for no parts or parts of different shapes, InvalidTypeError for a part
+    that is no :class:`Partial`.
     """
     if not parts:
         raise SpecError("merge needs at least one part")
+    if not all(isinstance(p, Partial) for p in parts):
+        raise InvalidTypeError("merge takes Partial states (partial_attention's)")
     shape = parts[0].o.shape
     if any(p.o.shape != shape for p in parts):
         raise SpecError(f"parts of different shapes: {[list(p.o.shape) for p in parts]}")
@@ -146,7 +162,10 @@ def merge(parts: Sequence[Partial]) -> Partial:
 
 
 def finish(part: Partial, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Attention ``O / L`` ``[B, Hq, n, Dv]`` in ``dtype`` (zero for a row with no key)."""
+    """Attention ``O / L`` ``[B, Hq, n, Dv]`` in ``dtype`` (zero for a row with no key).
+    Raises InvalidTypeError for a ``part`` that is no Partial or a ``dtype`` no torch.dtype."""
+    if not isinstance(part, Partial) or not isinstance(dtype, torch.dtype):
+        raise InvalidTypeError("finish takes a Partial and a torch.dtype")
     denom = torch.where(part.l > 0, part.l, torch.ones_like(part.l))
     return (part.o / denom.unsqueeze(-1)).to(dtype)
 
@@ -158,6 +177,9 @@ def attend(
     chunk: int = 1024,
 ) -> torch.Tensor:
     """Attention of ``q`` over several ``(k, v, bias)`` parts, merged exactly; ``[B, Hq, n,
-    Dv]`` in ``q``'s dtype. Raises SpecError as :func:`partial_attention`."""
+    Dv]`` in ``q``'s dtype. Raises SpecError as :func:`partial_attention`, InvalidTypeError
+    for a part that is no ``(k, v, bias)`` triple."""
+    if not all(isinstance(p, tuple | list) and len(p) == 3 for p in parts):
+        raise InvalidTypeError("attend takes parts as (k, v, bias) triples (bias may be None)")
     got = [partial_attention(q, k, v, scale, bias, chunk) for k, v, bias in parts]
     return finish(merge(got), q.dtype)

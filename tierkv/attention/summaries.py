@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tierkv import validate
-from tierkv.errors import InvalidInputError, SpecError
+from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
 
 __all__ = ["KeySummaries", "PageBounds", "page_bounds", "page_scores", "select_pages"]
 
@@ -49,7 +49,16 @@ class PageBounds:
 
 def page_bounds(k: torch.Tensor, start: int, page_tokens: int) -> PageBounds:
     """Of keys ``k`` ``[Hkv, n, D]`` of tokens ``start...``: the first page they touch and the
-    min, max, sum and count of each touched page over those keys."""
+    min, max, sum and count of each touched page over those keys. Raises InvalidTypeError /
+    SpecError for keys that are no ``[Hkv, n, D]`` tensor of at least one token,
+    InvalidInputError for a negative ``start`` or a ``page_tokens`` below 1 (a 2-D ``k`` was
+    a ValueError, ``page_tokens`` 0 a ZeroDivisionError, no keys a RuntimeError)."""
+    if not isinstance(k, torch.Tensor):
+        raise InvalidTypeError(f"k: expected a torch.Tensor, got {type(k).__name__}")
+    if k.dim() != 3 or k.shape[1] < 1:
+        raise SpecError(f"k: expected [Hkv, n >= 1, D] keys, got {list(k.shape)}")
+    validate.count("start", start, 0)
+    validate.count("page_tokens", page_tokens, 1)
     h, n, d = k.shape
     k = k.detach().to("cpu", torch.float32)
     t = page_tokens
@@ -112,12 +121,16 @@ def select_pages(scores: torch.Tensor, topk: int, sink: int = 1, recent: int = 2
     """Pages to attend, ascending: the first ``sink``, the last ``recent`` and the ``topk``
     best scored of the others (``scores`` ``[P]``). Every page when they cover all.
 
-    Raises InvalidInputError for ``topk < 1`` or negative ``sink`` / ``recent``.
+    Raises InvalidInputError for ``topk < 1`` or negative ``sink`` / ``recent``
+    (InvalidTypeError: not ints), SpecError for ``scores`` that are no 1-D tensor.
     """
     if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
         raise InvalidInputError(f"topk must be an int >= 1, got {topk!r}")
-    if sink < 0 or recent < 0:
-        raise InvalidInputError(f"sink and recent must be >= 0, got {sink}, {recent}")
+    validate.count("sink", sink, 0)  # (a float was a TypeError of a slice, a bool taken)
+    validate.count("recent", recent, 0)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 1:
+        shape = list(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        raise SpecError(f"scores: expected a 1-D tensor, one score a page, got {shape}")
     p = scores.shape[0]
     lo, hi = min(sink, p), max(min(sink, p), p - recent)
     if hi - lo <= topk:

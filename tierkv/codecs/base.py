@@ -31,7 +31,13 @@ from torch import Tensor
 
 from tierkv.codecs import fast
 from tierkv.codecs.header import HEADER_BYTES, describe_mismatch, pack_header
-from tierkv.errors import CorruptPageError, SpecError, TierKVError, UnknownNameError
+from tierkv.errors import (
+    CorruptPageError,
+    InvalidTypeError,
+    SpecError,
+    TierKVError,
+    UnknownNameError,
+)
 from tierkv.spec import ALIGN, KVSpec
 
 
@@ -87,12 +93,19 @@ def check_finite(x: torch.Tensor, codec: str) -> torch.Tensor:
     return amax
 
 
+class _CodecTypeError(SpecError, InvalidTypeError):
+    """A codec was given something that is no tensor (or no KVSpec)."""
+
+
 def as_pages(t: torch.Tensor, spec: KVSpec, what: str) -> torch.Tensor:
     """View ``t`` as ``[N, 2, H, T, D]`` pages of ``spec.dtype`` (no copy).
 
     ``t`` is either that shape and dtype already, or ``[N, L]`` uint8 with ``L >= 2*kv_bytes``
-    and a contiguous last dimension (arena slots). Raises SpecError otherwise.
+    and a contiguous last dimension (arena slots). Raises SpecError otherwise (InvalidTypeError,
+    also a SpecError, for something that is no tensor: a list was an AttributeError).
     """
+    if not isinstance(t, torch.Tensor):
+        raise _CodecTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype == torch.uint8 and t.dim() == 2:
         need = 2 * spec.kv_bytes
         if t.shape[1] < need:
@@ -180,7 +193,10 @@ class Codec(ABC):
             raise SpecError(f"codec {self.name!r} does not handle {spec.dtype} pages")
 
     def encoded_bytes(self, spec: KVSpec) -> int:
-        """Size of one encoded page: header + scales + payload, padded to 128 bytes."""
+        """Size of one encoded page: header + scales + payload, padded to 128 bytes. Raises
+        InvalidTypeError (also a SpecError) for a ``spec`` that is no KVSpec."""
+        if not isinstance(spec, KVSpec):  # (None was an AttributeError)
+            raise _CodecTypeError(f"spec: expected a tierkv.KVSpec, got {type(spec).__name__}")
         self.check_spec(spec)
         used = HEADER_BYTES + self.scale_bytes(spec) + self.payload_bytes(spec)
         return (used + ALIGN - 1) // ALIGN * ALIGN
@@ -252,6 +268,8 @@ class Codec(ABC):
                 or a stored scale is negative or not finite.
         """
         size = self.encoded_bytes(spec)
+        if not isinstance(data, torch.Tensor):
+            raise _CodecTypeError(f"data: expected a torch.Tensor, got {type(data).__name__}")
         if data.dtype != torch.uint8 or data.dim() != 2:
             raise SpecError(
                 f"data: expected [N, {size}] uint8, got {list(data.shape)} {data.dtype}"

@@ -52,9 +52,14 @@ def calibrate(
     Raises CalibrationError for too short an input or a model whose attention modules are not
     found (a Llama-family decoder has ``model.model.layers[i].self_attn``)."""
     window = validate.count("window", window, 1)
-    if input_ids.dim() != 2 or input_ids.shape[1] <= window:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:  # (a list: AttributeError)
+        raise CalibrationError(f"calibration needs [B, S > {window}] token ids as a tensor")
+    if input_ids.shape[1] <= window:
         raise CalibrationError(f"calibration needs [B, S > {window}] token ids")
-    text = model.config.get_text_config(decoder=True)
+    try:
+        text = model.config.get_text_config(decoder=True)
+    except AttributeError as exc:  # (not a transformers model: an AttributeError from inside)
+        raise CalibrationError(f"not a transformers decoder (no config): {exc}") from exc
     kv_heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     try:
         attns = [layer.self_attn for layer in model.model.layers]

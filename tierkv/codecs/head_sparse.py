@@ -154,13 +154,13 @@ class HeadRanking:
         try:
             with open(path, "rb") as f:  # bounded: /dev/zero was read into memory for good
                 raw = f.read(MAX_RANKING_BYTES + 1)
-            if len(raw) > MAX_RANKING_BYTES:
-                raise ValueError(f"over {MAX_RANKING_BYTES} bytes")
-            data = json.loads(raw.decode("utf-8"))
+            data = None if len(raw) > MAX_RANKING_BYTES else json.loads(raw.decode("utf-8"))
         except (OSError, ValueError, RecursionError) as exc:  # (deep nesting: RecursionError)
             raise CalibrationError(
                 f"cannot read a head ranking from {path}: {exc!r:.200}"
             ) from None
+        if data is None:
+            raise CalibrationError(f"{path} is over {MAX_RANKING_BYTES} bytes: not a head ranking")
         return cls.from_dict(data)
 
 

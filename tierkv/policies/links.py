@@ -90,11 +90,15 @@ class Links:
 
     def appendleft(self, q: int, s: int) -> None:
         """Put slot ``s`` (in no queue) at the head of queue ``q``."""
+        self._link_after(self.base + q, q, s)
+
+    def _link_after(self, p: int, q: int, s: int) -> None:
+        """Link slot ``s`` (in no queue) into queue ``q`` right behind ``p`` (a slot of ``q``
+        or its sentinel)."""
         prv, nxt = self.prev, self.next
-        h = self.base + q
-        n = nxt[h]
-        nxt[h] = s
-        prv[s] = h
+        n = nxt[p]
+        nxt[p] = s
+        prv[s] = p
         nxt[s] = n
         prv[n] = s
         self.queue[s] = q
@@ -157,32 +161,19 @@ class Links:
         """Take every slot of ``slots`` out of its queue, in order, where it is (nothing else
         moves); returns the slot each was behind when it left (``-1``: it was its queue's
         head). :meth:`put_after`, in reverse order, undoes it."""
-        prv, nxt, queue, size, base = self.prev, self.next, self.queue, self.size, self.base
+        prv, base, unlink = self.prev, self.base, self.unlink
         after: list[int] = []
         for s in slots:
             p = prv[s]
-            n = nxt[s]
-            nxt[p] = n
-            prv[n] = p
-            prv[s] = UNLINKED
-            size[queue[s]] -= 1
+            unlink(s)
             after.append(-1 if p >= base else p)
         return after
 
     def put_after(self, q: int, s: int, after: int) -> None:
         """Put slot ``s`` (in no queue) into queue ``q`` right behind slot ``after`` when that
         one is in ``q``; at the head of ``q`` otherwise (``after`` -1: the head)."""
-        prv, nxt = self.prev, self.next
-        p = after if 0 <= after < self.base and prv[after] != UNLINKED else -1
-        if p < 0 or self.queue[p] != q:
-            p = self.base + q
-        n = nxt[p]
-        nxt[p] = s
-        prv[s] = p
-        nxt[s] = n
-        prv[n] = s
-        self.queue[s] = q
-        self.size[q] += 1
+        p = after if 0 <= after < self.base and self.prev[after] != UNLINKED else -1
+        self._link_after(p if p >= 0 and self.queue[p] == q else self.base + q, q, s)
 
     def put_before(self, q: int, s: int, before: int) -> None:
         """Put slot ``s`` (in no queue) into queue ``q`` right ahead of slot ``before`` when

@@ -30,7 +30,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv import validate
+from tierkv.errors import InvalidInputError
 from tierkv.integrations.vllm._vllm import VllmUnavailableError
+from tierkv.page_table import MAX_PAGES
 from tierkv.policies import create_policy
 from tierkv.policies.base import EvictionPolicy, PageHint
 
@@ -81,6 +84,10 @@ class TierKVAwarePolicy(CachePolicy):
     policy_name = "kvaware"
 
     def __init__(self, cache_capacity: int) -> None:
+        # (a float or str capacity was a TypeError from inside, 10**12 a MemoryError, 0 and -1
+        # a policy that could hold nothing)
+        if validate.count("cache_capacity", cache_capacity, 1) > MAX_PAGES:
+            raise InvalidInputError(f"cache_capacity must be at most {MAX_PAGES} chunks")
         super().__init__(cache_capacity)
         self._generation = 0
         self._reset()

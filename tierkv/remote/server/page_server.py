@@ -154,21 +154,19 @@ class PageServer:
         if not isinstance(store, KVStore):  # (a SyncKVStore was an AttributeError)
             raise InvalidTypeError(f"store must be a KVStore, got {type(store).__name__}")
         check_server_args(
-            transports=transports,
-            port=port,
-            lease_ttl=lease_ttl,
-            timeout=timeout,
-            directory_ttl=directory_ttl,
-            max_writing=max_writing,
-            watch_pending=watch_pending,
-            limits={
+            transports,
+            port,
+            {"lease_ttl": lease_ttl, "timeout": timeout, "directory_ttl": directory_ttl},
+            {
+                "max_writing": max_writing,
+                "watch_pending": watch_pending,
                 "max_conns_per_peer": max_conns_per_peer,
                 "max_preauth_per_peer": max_preauth_per_peer,
                 "max_preauth": max_preauth,
                 "max_preauth_failures": max_preauth_failures,
                 "max_refused_held": max_refused_held,
             },
-            refused_hold=refused_hold,
+            refused_hold,
         )
         self.ssl = ssl
         self.store = store

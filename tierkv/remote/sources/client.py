@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 import tierkv.transports as transports
 from tierkv import page_sums, validate
-from tierkv.errors import CorruptPageError, SpecError
+from tierkv.errors import CorruptPageError, InvalidInputError, SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
 from tierkv.remote.errors import (
     LeaseExpiredError,
@@ -140,6 +140,7 @@ class RemoteTier:
         self._retry_at = 0.0
         self._opened = False  # connect() succeeded once and aclose() has not run since
         self._reconnecting: asyncio.Lock | None = None
+        self._connecting: asyncio.Lock | None = None  # (one connect at a time)
         self.reconnects = 0
         self.kind = transport
         self.secret = resolve_secret(secret, insecure=True)  # none: only insecure servers admit us
@@ -167,16 +168,22 @@ class RemoteTier:
         Raises PeerGoneError (unreachable), RemoteTimeoutError, RemoteRefusedError (bad
         secret, other layout, transport not offered; TenantRefusedError: our tenant unknown
         to the server or not our secret's), RemoteProtocolError. Connected already: returns
-        at once (a second connection replaced the first without closing it).
+        at once (a second connection replaced the first without closing it); calls made while
+        one connects wait for it and share its connection.
         """
         if self._opened:
             return self
-        try:
-            await self._connect()
-        except BaseException:
-            await self.aclose()
-            raise
-        self._opened = True
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:  # (concurrent connects each made a connection: all but
+            if self._opened:  # the last one leaked, their reader tasks left pending)
+                return self
+            try:
+                await self._connect()
+            except BaseException:
+                await self.aclose()
+                raise
+            self._opened = True
         return self
 
     async def _connect(self) -> None:
@@ -293,6 +300,11 @@ class RemoteTier:
             raise RemoteProtocolError("bad locate answer")
         if not all(isinstance(n, str) for n in nodes):
             raise RemoteProtocolError("bad locate answer")
+        for n in dict.fromkeys(nodes):  # (each is an address a cluster connects to next)
+            try:
+                split_address(n)
+            except InvalidInputError:
+                raise RemoteProtocolError(f"bad locate answer: node {n!r:.80}") from None
         return nodes
 
     async def watch(

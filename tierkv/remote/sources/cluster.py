@@ -33,7 +33,13 @@ from tierkv import validate
 from tierkv.errors import InvalidInputError, InvalidTypeError, SpecError
 from tierkv.failures import FailureLog
 from tierkv.page_sums import PageCheck
-from tierkv.remote.errors import DirectoryError, PeerGoneError, RemoteError, RemoteTimeoutError
+from tierkv.remote.errors import (
+    DirectoryError,
+    PeerGoneError,
+    RemoteError,
+    RemoteProtocolError,
+    RemoteTimeoutError,
+)
 from tierkv.remote.protocol.control import split_address
 from tierkv.remote.protocol.exposure import resolve_secret
 from tierkv.remote.protocol.tenancy import TenantKeys
@@ -127,7 +133,11 @@ class RemoteCluster:
         fut: asyncio.Future[RemoteTier] = asyncio.get_running_loop().create_future()
         self._connecting[address] = fut
         try:
-            tier = await RemoteTier(address, **self._kw).connect()
+            try:
+                client = RemoteTier(address, **self._kw)
+            except InvalidInputError as exc:  # a directory's entry: the Redis is not ours
+                raise RemoteProtocolError(f"node address {address!r:.80}: {exc}") from None
+            tier = await client.connect()
         except BaseException as exc:
             if isinstance(exc, Exception):
                 self._down[address] = time.monotonic() + self.retry_after

@@ -53,6 +53,7 @@ class Watch:
         self.keys: set[bytes] = set()
         self._ctl: Control | None = None
         self._closed_by_us = False
+        self._starting = asyncio.Lock()
 
     async def start(self) -> Watch:
         """Open the watch connection (open already: returns at once; a second connection
@@ -60,6 +61,12 @@ class Watch:
         RemoteRefusedError."""
         if self._ctl is not None and not self._closed_by_us:
             return self
+        async with self._starting:  # (concurrent starts each opened one: all but one leaked)
+            if self._ctl is None or self._closed_by_us:
+                await self._open()
+        return self
+
+    async def _open(self) -> None:
         ctl = Control(
             self.address,
             secret=self.secret,
@@ -70,7 +77,6 @@ class Watch:
         )
         await ctl.open()
         self._ctl, self._closed_by_us = ctl, False
-        return self
 
     async def _event(self, msg: dict[str, Any]) -> None:
         keys = msg.get("keys")
