@@ -72,9 +72,9 @@ from tierkv.step_layer import LayerStep, check_tokens
 from tierkv.step_plan import (
     GroupPages,
     LayerPages,
+    LayerRows,
     arena_rows,
     group_pages,
-    layer_rows,
     written_keys,
 )
 from tierkv.tenant_room import reserve_by_tenant
@@ -126,6 +126,8 @@ class StepPlan:
         self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
         self.pages = tiers.pages.all_pages  # [slots, 2, H, T, D]
         self.by_page = self.pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
+        self.page_strides = self.pages.stride()  # (a slot's tokens as one as_strided view)
+        self.page_offset = self.pages.storage_offset()
         self.waited_pages = 0
 
     @property
@@ -476,38 +478,51 @@ class StepPlan:
                 pinned = True
                 tiers.ownership.own(new)
                 owned = True
-            old_slots = tiers.pages.device_slots(keys) if keys else []
-            new_slots = tiers.pages.device_slots(new) if new else []
+            # the slots of the pages read, then of the new ones: one lookup
+            slots_of = tiers.pages.device_slots(keys + new if new else keys) if keys or new else []
+            nk = len(keys)
+            device = tiers.pages.device
+            spec, tokens, per_slot = store.spec, self.tokens, self._per_slot
             steps = []
-            bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
             index = array("q")  # every layer's slots, sequence after sequence: one tensor
-            for j, (layer, plan) in enumerate(zip(layers, plans)):
-                at, at_new, starts, counts, filled, written = plan
+            counts = []
+            end = (nk, len(new))
+            for j, layer in enumerate(layers):
+                at, at_new, starts, need, filled, written = plans[j]
+                k1, n1 = plans[j + 1][:2] if j + 1 < len(plans) else end
                 per_seq = []
-                for start, need in zip(starts, counts):
+                for start, want in zip(starts, need):
                     have = -(-start // t)
-                    grown = need - have
-                    got = old_slots[at : at + have] + new_slots[at_new : at_new + grown]
+                    grown = want - have
+                    got = slots_of[at : at + have]
+                    if grown:
+                        got += slots_of[nk + at_new : nk + at_new + grown]
                     per_seq.append(got)
                     index.extend(got)
                     at += have
                     at_new += grown
-                rows = layer_rows(
-                    per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.pages.device
-                )
-                (k0, n0), (k1, n1) = bounds[j], bounds[j + 1]
+                counts.append(len(index))
+                rows = LayerRows(per_seq, starts, tokens, per_slot, spec, device)
                 steps.append(
-                    LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
+                    LayerStep(
+                        self,
+                        layer,
+                        keys[plans[j][0] : k1],
+                        new[plans[j][1] : n1],
+                        filled,
+                        written,
+                        starts,
+                        rows,
+                    )
                 )
             if index:  # each layer's page index a slice of one tensor (not one build a layer)
                 whole = torch.frombuffer(index, dtype=torch.int64)
-                if tiers.pages.device.type != "cpu":
-                    whole = whole.to(tiers.pages.device)
+                if device.type != "cpu":
+                    whole = whole.to(device)
                 at = 0
-                for step in steps:
-                    n = step.rows.slots_count
-                    step.rows.set_page_index(whole[at : at + n])
-                    at += n
+                for step, upto in zip(steps, counts):
+                    step.rows.set_page_index(whole.narrow(0, at, upto - at))
+                    at = upto
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)

@@ -26,7 +26,7 @@ from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.tenants import Tenants
 
-__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "layer_rows", "written_keys"]
+__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "written_keys"]
 
 
 # a group's pages: those its layers read, those its appends open, and per layer (first key,
@@ -134,7 +134,6 @@ class LayerRows:
         "lengths",
         "n_new",
         "pages",
-        "sizes",
         "uniform",
     )
 
@@ -155,9 +154,8 @@ class LayerRows:
         self.n_new = list(n_new)
         self.lengths = [s + n for s, n in zip(starts, n_new)]
         self.batch = len(self.lengths)
-        self.sizes = [2 * spec.num_kv_heads * s for s in self.lengths]
         self.pages = len(slots[0]) if slots else 0  # per sequence, when uniform
-        self.uniform = (
+        self.uniform = len(slots) == 1 or (  # (one sequence: uniform; built per layer call)
             bool(slots)
             and all(len(s) == self.pages for s in slots)
             and len(set(self._starts)) == 1
@@ -207,6 +205,11 @@ class LayerRows:
                     got = got.to(self._device, non_blocking=True)
             self._padded = got
         return got
+
+    @property
+    def sizes(self) -> list[int]:
+        """The rows of each sequence's K/V (after the append)."""
+        return [2 * self._spec.num_kv_heads * s for s in self.lengths]
 
     @property
     def slots_count(self) -> int:
@@ -345,17 +348,3 @@ def _inner(h: int, t: int) -> npt.NDArray[np.int64]:
     out = kv + head + np.arange(t, dtype=np.int64).reshape(1, 1, 1, t)
     out.setflags(write=False)
     return out
-
-
-def layer_rows(
-    slots: Sequence[Sequence[int]],
-    starts: Sequence[int],
-    n_new: Sequence[int],
-    per_slot: int,
-    spec: KVSpec,
-    device: torch.device,
-) -> LayerRows:
-    """The rows of one layer: ``slots[b]``, the device slots of sequence ``b``'s pages in block
-    order (its new pages included); ``starts[b]``, its KV length before the append;
-    ``n_new[b]``, the tokens it appends. Built on first use (:class:`LayerRows`)."""
-    return LayerRows(slots, starts, n_new, per_slot, spec, device)
