@@ -116,6 +116,7 @@ class StepPlan:
         self._current: LayerStep | None = None
         self._held: int | None = None
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
+        self._behind_partial = True  # its write-behind takes the partly filled pages too
         self._active = False
         self._claimed = False  # its sequences taken in the store's StepClaims
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
@@ -252,6 +253,11 @@ class StepPlan:
         self._held = held
         self._loop = loop
         self._active = True
+        # the partly filled pages it writes (one a sequence and layer) stay on the device
+        # with its window: the next step writes them again, so its write-behind copies down
+        # only the pages it fills, unless the device could not keep them all
+        partial = sum(1 for k in self.tokens if k) * len(self.layers)
+        self._behind_partial = partial + held > self.store.tiers.table.capacity(DEVICE)
         for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
             self._start(g)
 
@@ -285,8 +291,9 @@ class StepPlan:
             for layer in wrote:
                 for seq, k in zip(self.seqs, self.tokens):
                     end = seq.kv_len_of(layer)
-                    if k and store.is_live(seq):
-                        blocks = range((end - k) // t, -(-end // t))
+                    if k and store.is_live(seq):  # (a partly filled page: only if asked)
+                        stop = -(-end // t) if self._behind_partial else end // t
+                        blocks = range((end - k) // t, stop)
                         keys += [page_key(seq.block(b), layer) for b in blocks]
             store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
