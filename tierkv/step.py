@@ -352,11 +352,13 @@ class StepPlan:
         self._current = step
         return step
 
-    @boundary
     def layer_now(self, layer: int, *, enter: bool = False) -> LayerStep | None:
         """:meth:`layer` with no loop run, for a landed group's layer (else None). A group's
         first only with ``enter``: as :meth:`layer`, it lets go of the group before and starts
-        the next (:attr:`starting`: the caller runs its loop a few turns to submit its loads)."""
+        the next (:attr:`starting`: the caller runs its loop a few turns to submit its loads).
+        Raises what the release of the group before raises (no error boundary, a frame more
+        on every layer call: a load's errors stay in its task, none of the runtime's reach
+        here)."""
         i = self._index.get(layer) if type(layer) is int else None
         if i is None or not self._active or i != self._next:
             return None

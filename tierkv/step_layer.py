@@ -78,7 +78,6 @@ class LayerStep:
         self.loaded = 0  # pages its group loaded (on the group's first layer)
         self.landed = 0.0  # when their copies ended (time.perf_counter; 0.0: none loaded)
 
-    @boundary
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K and V: ``[B, H, n, D]`` (every sequence ``n`` tokens, in the
         plan's order) or ``[H, N, D]`` (the sequences' tokens one after another), in the
@@ -90,7 +89,8 @@ class LayerStep:
         """
         # One function for the common case (a decode layer's path runs cold inside a model's
         # forward, where every call costs microseconds): the checks of [B, H, n, D] tensors
-        # in the spec's dtype on the pages' device inline, anything else via _check_kv
+        # in the spec's dtype on the pages' device inline, anything else via _check_kv. No
+        # error boundary (a frame more a call): nothing here raises the runtime's errors
         plan = self._plan
         rows = self._rows
         store = plan.store
@@ -187,7 +187,6 @@ class LayerStep:
         self._check_read()
         return self._plan.flat.index_select(0, self._rows.read)
 
-    @boundary
     def kv(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every sequence, ``[B, H, S, D]`` each (views of one gathered copy):
         every sequence must have the same length. ``out``: a contiguous tensor in the spec's
@@ -196,6 +195,7 @@ class LayerStep:
         overwrites them). Raises SequenceError (lengths differ: use :meth:`kv_list`; not
         appended yet; the layer no longer current), InvalidTypeError / SpecError (a bad
         ``out``)."""
+        # (no error boundary, as append: torch's and the step's own errors only)
         rows = self._rows
         plan = self._plan
         uniform = rows.uniform  # (same pages, start and new tokens: the same lengths)
