@@ -75,7 +75,7 @@ from tierkv.step_plan import (
     LayerRows,
     arena_rows,
     group_pages,
-    written_keys,
+    step_order,
 )
 from tierkv.tenant_room import reserve_by_tenant
 from tierkv.tier_names import DEVICE
@@ -242,11 +242,8 @@ class StepPlan:
         # first, then the one read last (a cyclic walk over the layers then keeps a steady set
         # of layers resident and streams the rest, instead of evicting each layer's pages just
         # before the next step reads them). The pages it writes come first (evicted last):
-        # each goes down once, by the step's write-behind, not by an eviction's wait.
-        written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
-        first = set(written)
-        rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
-        store.tiers.announce(written + [k for k in rest if k not in first])
+        # they go down by the step's write-behind once filled, not by an eviction's wait.
+        store.tiers.announce(step_order(self.seqs, self.tokens, self.layers, t))
 
     def _go(self, held: int, loop: asyncio.AbstractEventLoop) -> None:
         """Admitted (``held`` pages): active, the first groups' loads started."""

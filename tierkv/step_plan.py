@@ -26,7 +26,7 @@ from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.tenants import Tenants
 
-__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "written_keys"]
+__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "step_order", "written_keys"]
 
 
 # a group's pages: those its layers read, those its appends open, and per layer (first key,
@@ -87,6 +87,31 @@ def group_pages(
             counts.append(need)
         plans.append((at, at_new, starts, counts, filled, written))
     return keys, new, plans
+
+
+def step_order(
+    seqs: Sequence[SequenceState], tokens: Sequence[int], layers: Sequence[int], t: int
+) -> list[bytes]:
+    """A step's pages in the order it announces them (pages of ``t`` tokens): the pages its
+    appends write (the partly filled and new ones), layer by layer, then the other pages its
+    layers read, layer by layer; each sequence's block keys read once."""
+    written: list[bytes] = []
+    rest: list[bytes] = []
+    blocks = [s.blocks for s in seqs]
+    for layer in layers:
+        suffix = layer_suffix(layer)
+        for seq, k, bl in zip(seqs, tokens, blocks):
+            start = seq.kv_len_of(layer)
+            if k:  # its pages before the first it writes, and those it writes
+                first = start // t
+                rest += [b + suffix for b in bl[:first]]
+                written += [b + suffix for b in bl[first : -(-(start + k) // t)]]
+            else:
+                rest += [b + suffix for b in bl[: -(-start // t)]]
+    if written:  # (a page is named once, among the written ones)
+        wrote = set(written)
+        rest = [k for k in rest if k not in wrote]
+    return written + rest
 
 
 def arena_rows(pages: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, int]:

@@ -98,3 +98,23 @@ async def test_a_dirty_partial_page_evicted_by_another_sequence_reads_back_exact
         for layer in range(SPEC.num_layers):
             k, v = await read_back(st, "a", layer)
             assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1])
+
+
+async def test_a_step_announcing_the_order_before_it_keeps_the_order_and_its_index() -> None:
+    # a decode step announces what the step before did (the same pages): the order object,
+    # hence the page table's index of places (built per order), stays; another order replaces
+    async with _store(device_pages=12) as st:
+        await st.add_sequence("a", [])
+        ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        await _steps(st, "a", 2, ref, seed=0)  # 2 -> 3 tokens next: the same pages
+        evict = st.tiers._evict
+        order = evict.soon_order
+        assert order
+        await _steps(st, "a", 1, ref, seed=40)
+        assert evict.soon_order is order
+        await _steps(st, "a", T, ref, seed=80)  # a new page: another order
+        assert evict.soon_order is not order and len(evict.soon_order) > len(order)
+        await idle(st)
+        for layer in range(SPEC.num_layers):
+            k, v = await read_back(st, "a", layer)
+            assert torch.equal(k, ref[layer][0]) and torch.equal(v, ref[layer][1])
