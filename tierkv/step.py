@@ -128,7 +128,7 @@ class StepPlan:
         self.pages = tiers.pages.all_pages  # [slots, 2, H, T, D]
         self.by_page = self.pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
         self.page_strides = self.pages.stride()  # (a slot's tokens as one as_strided view)
-        self.page_offset = self.pages.storage_offset()
+        self.page_offset = int(self.pages.storage_offset())
         self.waited_pages = 0
 
     @property
