@@ -141,12 +141,11 @@ class StepPlan:
         """The most device pages the step pins at once: two groups' (one with ``ahead=0``).
         ``ahead`` shrinks (to 0 at least) until that fits ``capacity`` pages."""
         t = self.store.spec.page_tokens
-        per = []
-        for layer in self.layers:
-            n = 0
-            for seq, k in zip(self.seqs, self.tokens):
-                n += -(-(seq.kv_len_of(layer) + k) // t)
-            per.append(n)
+        per = [0] * len(self.layers)
+        for seq, k in zip(self.seqs, self.tokens):  # (each sequence's lengths read at once)
+            kv = seq.kv_len
+            for i, layer in enumerate(self.layers):
+                per[i] += -(-(kv[layer] + k) // t)
         while True:
             g = self.group
             sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
@@ -285,13 +284,15 @@ class StepPlan:
         if wrote and live:  # one write-behind for the step, the pages by their names now
             t = store.spec.page_tokens
             keys = []
-            for layer in wrote:
-                for seq, k in zip(self.seqs, self.tokens):
-                    end = seq.kv_len_of(layer)
-                    if k and store.is_live(seq):  # (a partly filled page: only if asked)
-                        stop = -(-end // t) if self._behind_partial else end // t
-                        blocks = range((end - k) // t, stop)
-                        keys += [page_key(seq.block(b), layer) for b in blocks]
+            for seq, k in zip(self.seqs, self.tokens):
+                if not k or not store.is_live(seq):
+                    continue
+                kv = seq.kv_len  # (its lengths read at once)
+                for layer in wrote:
+                    end = kv[layer]  # (a partly filled page: only if asked)
+                    stop = -(-end // t) if self._behind_partial else end // t
+                    blocks = range((end - k) // t, stop)
+                    keys += [page_key(seq.block(b), layer) for b in blocks]
             store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
         if exc[0] is None and self._next == len(self.layers) and self.ahead:

@@ -98,10 +98,11 @@ def step_order(
     written: list[bytes] = []
     rest: list[bytes] = []
     blocks = [s.blocks for s in seqs]
+    lengths = [s.kv_len for s in seqs]
     for layer in layers:
         suffix = layer_suffix(layer)
-        for seq, k, bl in zip(seqs, tokens, blocks):
-            start = seq.kv_len_of(layer)
+        for kv, k, bl in zip(lengths, tokens, blocks):
+            start = kv[layer]
             if k:  # its pages before the first it writes, and those it writes
                 first = start // t
                 rest += [b + suffix for b in bl[:first]]
