@@ -58,7 +58,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -296,6 +296,8 @@ class TieredCache(Cache):
         self._plan: StepPlan | None = None  # the step of the forward under way
         self._out: torch.Tensor | None = None  # what each layer's K/V are gathered into
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
+        self._local = isinstance(driver, LocalStore)  # (read on every layer call)
+        self._last = self.spec.num_layers - 1
         super().__init__(layers=list(self._layers))
 
     def _update(
@@ -325,12 +327,13 @@ class TieredCache(Cache):
         # (no wait) to submit its loads. Only where this thread drives the store (a shared
         # store's state is its loop's)
         driver = self._driver
-        local = isinstance(driver, LocalStore)
+        local = self._local
         if idx == 0 and local:  # the step planned and entered with no loop run where it can
-            plan = self._enter_now(k.shape[2])
+            plan = self._enter_now(n)
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
-        if step is not None and idx != self.spec.num_layers - 1:
-            assert plan is not None and isinstance(driver, LocalStore)
+        if step is not None and idx != self._last:
+            if TYPE_CHECKING:
+                assert plan is not None and isinstance(driver, LocalStore)
             try:
                 started, plan.starting = plan.starting, None
                 if started is not None and not started.done():  # (else loaded in layer_now)
