@@ -112,6 +112,7 @@ class StepPlan:
         self._index = {layer: i for i, layer in enumerate(layers)}
         self._tasks: list[asyncio.Future[list[LayerStep]] | None] = []
         self._released: list[bool] = []
+        self._landed: list[list[LayerStep] | None] = []  # each landed group's steps
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
         self._held: int | None = None
@@ -232,6 +233,7 @@ class StepPlan:
         groups = -(-len(self.layers) // self.group)
         self._tasks = [None] * groups
         self._released = [False] * groups
+        self._landed = [None] * groups
         t = store.spec.page_tokens
         for seq, k in zip(self.seqs, self.tokens):  # the blocks the step fills (extras harmless)
             need = -(-(max(seq.kv_len) + k) // t)
@@ -361,9 +363,12 @@ class StepPlan:
         if i is None or not self._active or i != self._next:
             return None
         g, at = divmod(i, self.group)
-        task = self._tasks[g]
-        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
-            return None
+        steps = self._landed[g]
+        if steps is None:  # (a group's later layers take its steps from here, not its task)
+            task = self._tasks[g]
+            if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+                return None
+            steps = self._landed[g] = task.result()
         if at == 0:
             if not enter or self._loop is None:
                 return None
@@ -372,7 +377,7 @@ class StepPlan:
             if self.ahead and g + 1 < len(self._tasks) and self._tasks[g + 1] is None:
                 self._start(g + 1)
                 self.starting = self._tasks[g + 1]
-        step = task.result()[at]
+        step = steps[at]
         self._next = i + 1
         self._current = step
         return step
@@ -395,6 +400,7 @@ class StepPlan:
             done: asyncio.Future[list[LayerStep]] = loop.create_future()
             done.set_result(steps)
             self._tasks[g] = done
+            self._landed[g] = steps
             return
         coro = self._load(g)
         self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
