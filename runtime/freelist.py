@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -23,6 +24,8 @@ __all__ = ["SlotFreeList", "SlotIds", "as_slot_ids", "distinct_ids", "native_id_
 
 SlotIds = npt.NDArray[np.int64]
 
+_FEW = 64  # ids in a list up to which as_slot_ids converts them without numpy's inference
+
 _FREE = 0
 _USED = 1
 
@@ -32,6 +35,23 @@ def as_slot_ids(ids: object, num_slots: int, *, what: str = "slot ids") -> SlotI
 
     Raises InvalidSlotError; the caller's object is never modified.
     """
+    if type(ids) is list and 0 < len(ids) <= _FEW and all(type(x) is int for x in ids):
+        # a few Python ints (a page table's slots): one C-level conversion, no numpy
+        # inference; a step's inline copy converts two such lists inside a model's forward
+        check = native_id_check()
+        if check is not None:
+            try:
+                out = np.frombuffer(array("q", ids), dtype=np.int64)
+            except OverflowError:
+                raise InvalidSlotError(f"{what}: ids must be in [0, {num_slots})") from None
+            status = check(out, num_slots)
+            if status == 0:
+                return out
+            if status == 2:
+                raise InvalidSlotError(f"{what}: duplicated ids")
+            raise InvalidSlotError(
+                f"{what}: ids must be in [0, {num_slots}), got [{min(ids)}, {max(ids)}]"
+            )
     if isinstance(ids, np.ndarray):
         arr = ids
     else:

@@ -55,6 +55,8 @@ class DeviceEviction:
         """Pages the coming steps read, soonest needed first: evictions take them only when no
         other page can go, the last needed first (the schedule outranks the policy)."""
         order = tuple(keys)
+        if order == self.soon_order:  # (a decode step announces what the one before did:
+            return  # the same order keeps its index of places, OrderIndex, unbuilt again)
         self.soon_order = order
         self.soon = frozenset(order)
 

@@ -72,10 +72,10 @@ from tierkv.step_layer import LayerStep, check_tokens
 from tierkv.step_plan import (
     GroupPages,
     LayerPages,
+    LayerRows,
     arena_rows,
     group_pages,
-    layer_rows,
-    written_keys,
+    step_order,
 )
 from tierkv.tenant_room import reserve_by_tenant, reserve_now_by_tenant
 from tierkv.tier_names import DEVICE
@@ -112,10 +112,12 @@ class StepPlan:
         self._index = {layer: i for i, layer in enumerate(layers)}
         self._tasks: list[asyncio.Future[list[LayerStep]] | None] = []
         self._released: list[bool] = []
+        self._landed: list[list[LayerStep] | None] = []  # each landed group's steps
         self._next = 0  # the index of the layer the next layer() call must name
         self._current: LayerStep | None = None
         self._held: int | None = None
         self._wrote: list[int] = []  # the layers it appended to (one write-behind at exit)
+        self._behind_partial = True  # its write-behind takes the partly filled pages too
         self._active = False
         self._claimed = False  # its sequences taken in the store's StepClaims
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
@@ -126,6 +128,8 @@ class StepPlan:
         self._tenants = store.tenants if len({s.tenant for s in seqs}) > 1 else None
         self.pages = tiers.pages.all_pages  # [slots, 2, H, T, D]
         self.by_page = self.pages.permute(1, 2, 0, 3, 4)  # [2, H, slots, T, D]
+        self.page_strides = self.pages.stride()  # (a slot's tokens as one as_strided view)
+        self.page_offset = int(self.pages.storage_offset())
         self.waited_pages = 0
 
     @property
@@ -138,12 +142,11 @@ class StepPlan:
         """The most device pages the step pins at once: two groups' (one with ``ahead=0``).
         ``ahead`` shrinks (to 0 at least) until that fits ``capacity`` pages."""
         t = self.store.spec.page_tokens
-        per = []
-        for layer in self.layers:
-            n = 0
-            for seq, k in zip(self.seqs, self.tokens):
-                n += -(-(seq.kv_len_of(layer) + k) // t)
-            per.append(n)
+        per = [0] * len(self.layers)
+        for seq, k in zip(self.seqs, self.tokens):  # (each sequence's lengths read at once)
+            kv = seq.kv_len
+            for i, layer in enumerate(self.layers):
+                per[i] += -(-(kv[layer] + k) // t)
         while True:
             g = self.group
             sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
@@ -232,6 +235,7 @@ class StepPlan:
         groups = -(-len(self.layers) // self.group)
         self._tasks = [None] * groups
         self._released = [False] * groups
+        self._landed = [None] * groups
         t = store.spec.page_tokens
         for seq, k in zip(self.seqs, self.tokens):  # the blocks the step fills (extras harmless)
             need = -(-(max(seq.kv_len) + k) // t)
@@ -241,17 +245,19 @@ class StepPlan:
         # first, then the one read last (a cyclic walk over the layers then keeps a steady set
         # of layers resident and streams the rest, instead of evicting each layer's pages just
         # before the next step reads them). The pages it writes come first (evicted last):
-        # each goes down once, by the step's write-behind, not by an eviction's wait.
-        written = [k for layer in self.layers for k in written_keys(self.seqs, self.tokens, layer)]
-        first = set(written)
-        rest = [k for layer in self.layers for s in self.seqs for k in s.pages(layer)]
-        store.tiers.announce(written + [k for k in rest if k not in first])
+        # they go down by the step's write-behind once filled, not by an eviction's wait.
+        store.tiers.announce(step_order(self.seqs, self.tokens, self.layers, t))
 
     def _go(self, held: int, loop: asyncio.AbstractEventLoop) -> None:
         """Admitted (``held`` pages): active, the first groups' loads started."""
         self._held = held
         self._loop = loop
         self._active = True
+        # the partly filled pages it writes (one a sequence and layer) stay on the device
+        # with its window: the next step writes them again, so its write-behind copies down
+        # only the pages it fills, unless the device could not keep them all
+        partial = sum(1 for k in self.tokens if k) * len(self.layers)
+        self._behind_partial = partial + held > self.store.tiers.table.capacity(DEVICE)
         for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
             self._start(g)
 
@@ -282,12 +288,15 @@ class StepPlan:
         if wrote and live:  # one write-behind for the step, the pages by their names now
             t = store.spec.page_tokens
             keys = []
-            for layer in wrote:
-                for seq, k in zip(self.seqs, self.tokens):
-                    end = seq.kv_len_of(layer)
-                    if k and store.is_live(seq):
-                        blocks = range((end - k) // t, -(-end // t))
-                        keys += [page_key(seq.block(b), layer) for b in blocks]
+            for seq, k in zip(self.seqs, self.tokens):
+                if not k or not store.is_live(seq):
+                    continue
+                kv = seq.kv_len  # (its lengths read at once)
+                for layer in wrote:
+                    end = kv[layer]  # (a partly filled page: only if asked)
+                    stop = -(-end // t) if self._behind_partial else end // t
+                    blocks = range((end - k) // t, stop)
+                    keys += [page_key(seq.block(b), layer) for b in blocks]
             store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
         if exc[0] is None and self._next == len(self.layers) and self.ahead:
@@ -345,18 +354,23 @@ class StepPlan:
         self._current = step
         return step
 
-    @boundary
     def layer_now(self, layer: int, *, enter: bool = False) -> LayerStep | None:
         """:meth:`layer` with no loop run, for a landed group's layer (else None). A group's
         first only with ``enter``: as :meth:`layer`, it lets go of the group before and starts
-        the next (:attr:`starting`: the caller runs its loop a few turns to submit its loads)."""
+        the next (:attr:`starting`: the caller runs its loop a few turns to submit its loads).
+        Raises what the release of the group before raises (no error boundary, a frame more
+        on every layer call: a load's errors stay in its task, none of the runtime's reach
+        here)."""
         i = self._index.get(layer) if type(layer) is int else None
         if i is None or not self._active or i != self._next:
             return None
         g, at = divmod(i, self.group)
-        task = self._tasks[g]
-        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
-            return None
+        steps = self._landed[g]
+        if steps is None:  # (a group's later layers take its steps from here, not its task)
+            task = self._tasks[g]
+            if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+                return None
+            steps = self._landed[g] = task.result()
         if at == 0:
             if not enter or self._loop is None:
                 return None
@@ -365,7 +379,7 @@ class StepPlan:
             if self.ahead and g + 1 < len(self._tasks) and self._tasks[g + 1] is None:
                 self._start(g + 1)
                 self.starting = self._tasks[g + 1]
-        step = task.result()[at]
+        step = steps[at]
         self._next = i + 1
         self._current = step
         return step
@@ -388,6 +402,7 @@ class StepPlan:
             done: asyncio.Future[list[LayerStep]] = loop.create_future()
             done.set_result(steps)
             self._tasks[g] = done
+            self._landed[g] = steps
             return
         coro = self._load(g)
         self._tasks[g] = loop.create_task(coro) if loop else asyncio.ensure_future(coro)
@@ -483,38 +498,51 @@ class StepPlan:
                 pinned = True
                 tiers.ownership.own(new)
                 owned = True
-            old_slots = tiers.pages.device_slots(keys) if keys else []
-            new_slots = tiers.pages.device_slots(new) if new else []
+            # the slots of the pages read, then of the new ones: one lookup
+            slots_of = tiers.pages.device_slots(keys + new if new else keys) if keys or new else []
+            nk = len(keys)
+            device = tiers.pages.device
+            spec, tokens, per_slot = store.spec, self.tokens, self._per_slot
             steps = []
-            bounds = [(p[0], p[1]) for p in plans] + [(len(keys), len(new))]
             index = array("q")  # every layer's slots, sequence after sequence: one tensor
-            for j, (layer, plan) in enumerate(zip(layers, plans)):
-                at, at_new, starts, counts, filled, written = plan
+            counts = []
+            end = (nk, len(new))
+            for j, layer in enumerate(layers):
+                at, at_new, starts, need, filled, written = plans[j]
+                k1, n1 = plans[j + 1][:2] if j + 1 < len(plans) else end
                 per_seq = []
-                for start, need in zip(starts, counts):
+                for start, want in zip(starts, need):
                     have = -(-start // t)
-                    grown = need - have
-                    got = old_slots[at : at + have] + new_slots[at_new : at_new + grown]
+                    grown = want - have
+                    got = slots_of[at : at + have]
+                    if grown:
+                        got += slots_of[nk + at_new : nk + at_new + grown]
                     per_seq.append(got)
                     index.extend(got)
                     at += have
                     at_new += grown
-                rows = layer_rows(
-                    per_seq, starts, self.tokens, self._per_slot, store.spec, tiers.pages.device
-                )
-                (k0, n0), (k1, n1) = bounds[j], bounds[j + 1]
+                counts.append(len(index))
+                rows = LayerRows(per_seq, starts, tokens, per_slot, spec, device)
                 steps.append(
-                    LayerStep(self, layer, keys[k0:k1], new[n0:n1], filled, written, starts, rows)
+                    LayerStep(
+                        self,
+                        layer,
+                        keys[plans[j][0] : k1],
+                        new[plans[j][1] : n1],
+                        filled,
+                        written,
+                        starts,
+                        rows,
+                    )
                 )
             if index:  # each layer's page index a slice of one tensor (not one build a layer)
                 whole = torch.frombuffer(index, dtype=torch.int64)
-                if tiers.pages.device.type != "cpu":
-                    whole = whole.to(tiers.pages.device)
+                if device.type != "cpu":
+                    whole = whole.to(device)
                 at = 0
-                for step in steps:
-                    n = step.rows.slots_count
-                    step.rows.set_page_index(whole[at : at + n])
-                    at += n
+                for step, upto in zip(steps, counts):
+                    step.rows.set_page_index(whole.narrow(0, at, upto - at))
+                    at = upto
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)

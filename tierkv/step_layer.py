@@ -27,6 +27,8 @@ class StepView(Protocol):
     flat: torch.Tensor  # the device pages as rows of head_dim elements
     pages: torch.Tensor  # the device pages, [slots, 2, H, T, D]
     by_page: torch.Tensor  # the device pages as [2, H, slots, T, D] (a view)
+    page_strides: tuple[int, ...]  # the strides of ``pages``
+    page_offset: int  # the storage offset of ``pages``
 
     def check_current(self, step: LayerStep) -> None:
         """Raise SequenceError unless ``step`` is the step's current layer."""
@@ -76,7 +78,6 @@ class LayerStep:
         self.loaded = 0  # pages its group loaded (on the group's first layer)
         self.landed = 0.0  # when their copies ended (time.perf_counter; 0.0: none loaded)
 
-    @boundary
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K and V: ``[B, H, n, D]`` (every sequence ``n`` tokens, in the
         plan's order) or ``[H, N, D]`` (the sequences' tokens one after another), in the
@@ -86,64 +87,69 @@ class LayerStep:
         SequenceError (the layer is no longer current, appended already, a sequence released
         or appended to by someone else meanwhile); all before anything is written.
         """
+        # One function for the common case (a decode layer's path runs cold inside a model's
+        # forward, where every call costs microseconds): the checks of [B, H, n, D] tensors
+        # in the spec's dtype on the pages' device inline, anything else via _check_kv. No
+        # error boundary (a frame more a call): nothing here raises the runtime's errors
         plan = self._plan
         rows = self._rows
-        by_seq = self._fits(k, v) or self._check_kv(k, v)
+        store = plan.store
+        spec = store.spec
+        dev = plan.flat.device
+        if (
+            type(k) is torch.Tensor
+            and type(v) is torch.Tensor
+            and rows.uniform
+            and k.shape == v.shape
+            and k.shape == (rows.batch, spec.num_kv_heads, rows.n_new[0], spec.head_dim)
+            and k.dtype == spec.dtype
+            and v.dtype == spec.dtype
+            and k.device == dev
+            and v.device == dev
+            and k.layout == torch.strided
+            and v.layout == torch.strided
+            and not k.is_nested
+            and not v.is_nested
+        ):
+            by_seq = True
+        else:
+            by_seq = self._check_kv(k, v)
         plan.check_current(self)
         if self.appended:
             if not any(rows.n_new):  # a step of no new tokens: its empty KV has nothing to add
                 return
             raise SequenceError(f"layer {self.layer}: this step appended to it already")
         seqs, layer = plan.seqs, self.layer
+        is_live = store.is_live
         for seq, start in zip(seqs, self.starts):
-            if not plan.store.is_live(seq) or seq.kv_len_of(layer) != start:
+            if not is_live(seq) or seq.kv_len_of(layer) != start:
                 raise SequenceError(
                     f"sequence {seq.seq_id!r} layer {layer}: released or appended to outside "
                     "this step (nothing was appended)"
                 )
-        d = plan.store.spec.head_dim
-        flat = plan.flat
-        dev = flat.device
         if k.requires_grad or v.requires_grad:  # a cache holds values, not a graph
             k, v = k.detach(), v.detach()
         if k.device != dev:
             k, v = k.to(dev), v.to(dev)
         at = rows.one_page() if by_seq and rows.batch == 1 else None
         if at is not None:  # one sequence, its new tokens in one page: one cat into its slot
-            slot, p = at
-            torch.cat((k, v), out=plan.pages[slot, :, :, p : p + k.shape[2]])
+            slot, p = at  # (the slot's tokens p.. as one as_strided: cheaper than indexing)
+            s0, s1, s2, s3, s4 = plan.page_strides
+            size = (2, spec.num_kv_heads, k.shape[2], spec.head_dim)
+            into = plan.pages.as_strided(
+                size, (s1, s2, s3, s4), plan.page_offset + slot * s0 + p * s3
+            )
+            torch.cat((k, v), out=into)
         else:
-            flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, d))
-        tiers = plan.store.tiers
-        tiers.pages.mark_dirty(self.written)
+            flat = plan.flat
+            flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, spec.head_dim))
+        pages = store.tiers.pages
+        pages.mark_dirty(self.written)
         if self.filled:
-            tiers.pages.seal(self.filled)
+            pages.seal(self.filled)
         for seq, end in zip(seqs, rows.lengths):
             seq.set_kv_len(layer, end)
         self.appended = True
-
-    def _fits(self, k: object, v: object) -> bool:
-        """Whether ``k`` and ``v`` are ``[B, H, n, D]`` tensors in the spec's dtype on the
-        device tier's device: the common case, checked in a few attribute reads (anything
-        else goes through :meth:`_check_kv`, which accepts or raises)."""
-        if type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return False
-        rows = self._rows
-        plan = self._plan
-        spec = plan.store.spec
-        return (
-            rows.uniform
-            and k.shape == v.shape
-            and k.shape == (rows.batch, spec.num_kv_heads, rows.n_new[0], spec.head_dim)
-            and k.dtype == spec.dtype
-            and v.dtype == spec.dtype
-            and k.device == plan.flat.device
-            and v.device == plan.flat.device
-            and k.layout == torch.strided
-            and v.layout == torch.strided
-            and not k.is_nested
-            and not v.is_nested
-        )
 
     def _check_kv(self, k: object, v: object) -> bool:
         """Check new KV; True for ``[B, H, n, D]``, False for ``[H, N, D]``."""
@@ -181,7 +187,6 @@ class LayerStep:
         self._check_read()
         return self._plan.flat.index_select(0, self._rows.read)
 
-    @boundary
     def kv(self, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of every sequence, ``[B, H, S, D]`` each (views of one gathered copy):
         every sequence must have the same length. ``out``: a contiguous tensor in the spec's
@@ -190,33 +195,38 @@ class LayerStep:
         overwrites them). Raises SequenceError (lengths differ: use :meth:`kv_list`; not
         appended yet; the layer no longer current), InvalidTypeError / SpecError (a bad
         ``out``)."""
+        # (no error boundary, as append: torch's and the step's own errors only)
         rows = self._rows
-        if len(set(rows.lengths)) > 1:
+        plan = self._plan
+        uniform = rows.uniform  # (same pages, start and new tokens: the same lengths)
+        if not uniform and len(set(rows.lengths)) > 1:
             raise SequenceError("the step's sequences differ in length: use kv_list()")
-        spec = self._plan.store.spec
+        spec = plan.store.spec
         h, d = spec.num_kv_heads, spec.head_dim
         s = rows.lengths[0] if rows.lengths else 0
         if out is not None:
             self._check_out(out, self.gather_numel())
-        self._check_read()
-        if rows.uniform:  # whole pages, by slot: one index_select over a handful of indices
+        plan.check_current(self)
+        if not self.appended:
+            raise SequenceError(f"layer {self.layer}: append the step's tokens before reading")
+        if uniform:  # whole pages, by slot: one index_select over a handful of indices
             t = spec.page_tokens
             b = rows.batch
+            n = b * rows.pages  # the pages gathered
             m = rows.pages * t  # tokens of a sequence's whole pages
             index = rows.page_index()
-            by_page = self._plan.by_page
+            by_page = plan.by_page
             if out is None:
                 got = by_page.index_select(2, index)
-            else:  # (one as_strided, not a view, a slice and a view: each op costs
+            else:  # (one dense as_strided, not a view, a slice and a view: each op costs
                 # microseconds inside a forward)
-                size = (2, h, b * rows.pages, t, d)
-                got = out.as_strided(size, _dense(*size))
+                got = out.as_strided((2, h, n, t, d), (h * n * t * d, n * t * d, t * d, d, 1))
                 torch.index_select(by_page, 2, index, out=got)
             # got is [2, H, B, m, D] dense: K and V [B, H, s, D] as two strided views of it
             shape, stride = (b, h, s, d), (m * d, b * m * d, d, 1)
             at = got.storage_offset()
             return got.as_strided(shape, stride), got.as_strided(shape, stride, at + h * b * m * d)
-        flat = self._plan.flat
+        flat = plan.flat
         if out is None:
             gathered = flat.index_select(0, rows.read)
         else:
@@ -299,15 +309,6 @@ class LayerStep:
             kv = p.view(2, h, s, d)
             out.append((kv[0], kv[1]))
         return out
-
-
-def _dense(*shape: int) -> tuple[int, ...]:
-    """The strides of a dense (C-contiguous) tensor of ``shape``."""
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return tuple(reversed(out))
 
 
 def check_tokens(tokens: int | Sequence[int], n: int) -> list[int]:

@@ -26,7 +26,7 @@ from tierkv.sequence import SequenceState, page_key
 from tierkv.spec import KVSpec
 from tierkv.tenants import Tenants
 
-__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "layer_rows", "written_keys"]
+__all__ = ["GroupPages", "LayerRows", "arena_rows", "group_pages", "step_order", "written_keys"]
 
 
 # a group's pages: those its layers read, those its appends open, and per layer (first key,
@@ -89,6 +89,32 @@ def group_pages(
     return keys, new, plans
 
 
+def step_order(
+    seqs: Sequence[SequenceState], tokens: Sequence[int], layers: Sequence[int], t: int
+) -> list[bytes]:
+    """A step's pages in the order it announces them (pages of ``t`` tokens): the pages its
+    appends write (the partly filled and new ones), layer by layer, then the other pages its
+    layers read, layer by layer; each sequence's block keys read once."""
+    written: list[bytes] = []
+    rest: list[bytes] = []
+    blocks = [s.blocks for s in seqs]
+    lengths = [s.kv_len for s in seqs]
+    for layer in layers:
+        suffix = layer_suffix(layer)
+        for kv, k, bl in zip(lengths, tokens, blocks):
+            start = kv[layer]
+            if k:  # its pages before the first it writes, and those it writes
+                first = start // t
+                rest += [b + suffix for b in bl[:first]]
+                written += [b + suffix for b in bl[first : -(-(start + k) // t)]]
+            else:
+                rest += [b + suffix for b in bl[: -(-start // t)]]
+    if written:  # (a page is named once, among the written ones)
+        wrote = set(written)
+        rest = [k for k in rest if k not in wrote]
+    return written + rest
+
+
 def arena_rows(pages: torch.Tensor, spec: KVSpec) -> tuple[torch.Tensor, int]:
     """The device pages ``[slots, 2, H, T, D]`` as a ``[rows, D]`` view, and the rows one slot
     spans. Raises SpecError when a slot is not a whole number of rows (a page size whose
@@ -134,7 +160,6 @@ class LayerRows:
         "lengths",
         "n_new",
         "pages",
-        "sizes",
         "uniform",
     )
 
@@ -155,9 +180,8 @@ class LayerRows:
         self.n_new = list(n_new)
         self.lengths = [s + n for s, n in zip(starts, n_new)]
         self.batch = len(self.lengths)
-        self.sizes = [2 * spec.num_kv_heads * s for s in self.lengths]
         self.pages = len(slots[0]) if slots else 0  # per sequence, when uniform
-        self.uniform = (
+        self.uniform = len(slots) == 1 or (  # (one sequence: uniform; built per layer call)
             bool(slots)
             and all(len(s) == self.pages for s in slots)
             and len(set(self._starts)) == 1
@@ -207,6 +231,11 @@ class LayerRows:
                     got = got.to(self._device, non_blocking=True)
             self._padded = got
         return got
+
+    @property
+    def sizes(self) -> list[int]:
+        """The rows of each sequence's K/V (after the append)."""
+        return [2 * self._spec.num_kv_heads * s for s in self.lengths]
 
     @property
     def slots_count(self) -> int:
@@ -345,17 +374,3 @@ def _inner(h: int, t: int) -> npt.NDArray[np.int64]:
     out = kv + head + np.arange(t, dtype=np.int64).reshape(1, 1, 1, t)
     out.setflags(write=False)
     return out
-
-
-def layer_rows(
-    slots: Sequence[Sequence[int]],
-    starts: Sequence[int],
-    n_new: Sequence[int],
-    per_slot: int,
-    spec: KVSpec,
-    device: torch.device,
-) -> LayerRows:
-    """The rows of one layer: ``slots[b]``, the device slots of sequence ``b``'s pages in block
-    order (its new pages included); ``starts[b]``, its KV length before the append;
-    ``n_new[b]``, the tokens it appends. Built on first use (:class:`LayerRows`)."""
-    return LayerRows(slots, starts, n_new, per_slot, spec, device)

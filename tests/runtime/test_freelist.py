@@ -151,3 +151,24 @@ def test_native_id_check_rejects_a_malformed_buffer() -> None:
     assert check is not None
     with pytest.raises(ValueError, match="int64"):
         check(np.zeros(3, dtype=np.uint8), 8)  # type: ignore[arg-type]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(-3, 70), max_size=80), st.integers(1, 70))
+def test_a_short_list_of_ints_is_checked_as_an_array_is(ids: list[int], limit: int) -> None:
+    # up to 64 Python ints go through array("q") and the native check, not numpy's
+    # conversion: the same ids, or the same typed error, as the int64 array of them
+    assert _verdict(ids, limit) == _verdict(np.array(ids, dtype=np.int64), limit)
+    if len(ids) <= 64 and _verdict(ids, limit).startswith("["):
+        got = as_slot_ids(ids, limit)
+        assert got.dtype == np.int64 and got.flags.writeable
+
+
+def test_a_short_list_that_is_not_of_ints_keeps_the_numpy_checks() -> None:
+    for bad in ([1.5], [True], [2**70], [1, "x"]):
+        with pytest.raises(InvalidSlotError):
+            as_slot_ids(bad, 8)
+    ids = [3, 1]
+    out = as_slot_ids(ids, 8)
+    out[0] = 7  # the caller's list is never the result's buffer
+    assert ids == [3, 1]
