@@ -972,9 +972,14 @@ class PageTable:
         out: list[tuple[Key, int]] = []
         none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)
         short: list[int | None] = []  # the tenants whose share found too few
-        if len(shares) == 1 and not acc.over_limit(t.name):  # the policy's own pick first:
-            by = shares[0][0]  # most keep the quotas
-            out = self._prepare_evict(t, n, keep, keep_order, by=by)
+        if not acc.over_limit(t.name):  # the policy's own pick first: most keep the quotas
+            by = shares[0][0] if len(shares) == 1 else None  # (several: each tenant's share
+            try:  # by policy, kept only if no tenant goes below its reservation at all)
+                for who, want in shares:
+                    out += self._prepare_evict(t, want, keep, keep_order, by=who)
+            except TierKVError:  # a policy bug: what the shares before took goes back too
+                self._put_back(t, [key for key, _ in out])
+                raise
             keys = [key for key, _ in out]
             if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
                 self._put_back(t, keys)
@@ -982,6 +987,9 @@ class PageTable:
             elif len(out) == n:
                 self._blocked.pop(t.name, None)
                 return out
+            elif len(shares) > 1:  # too few: the rules' passes share by share, from none
+                self._put_back(t, keys)
+                out = []
         for by, want in shares:
             kept = len(out) if len(shares) == 1 else 0  # (the policy's pick that kept them)
 
