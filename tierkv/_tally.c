@@ -10,7 +10,7 @@
  * Counts(of, caused, reserve, limit)
  *   One tier's pages per tenant (held, evicted) and the quota rules' fast check: the hooks
  *   the page table calls on every eviction and store (any_pick, cause, evicted, replaced,
- *   put_back, left), each one C call where the Python reference (tenant_counts.PyCounts)
+ *   put_back, assign, left), each one C call where the Python reference (tenant_counts.PyCounts)
  *   costs a Python frame and a few dozen bytecodes. The counts are C arrays; ``caused`` is
  *   the Python list shared by every tier's counts (the tenants' owner reads it).
  *
@@ -542,6 +542,65 @@ done:
     return done_or_error(rc);
 }
 
+/* assign(keys, n, slots): the victims in ``slots`` (MOVING, in the order chosen) made room
+ * for the pages of ``keys``: victim j for page len(keys) - n + j (the free room went to the
+ * first pages; before the first page: for nobody); each slot's cause becomes that page's
+ * tenant, the evictions caused moving with it. Checked before anything changes. */
+static PyObject *counts_assign(Counts *c, PyObject *const *args, Py_ssize_t nargs) {
+    NEED_INIT(c);
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "assign(keys, n, slots)");
+        return NULL;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(args[1]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t k = PyObject_Length(args[2]);
+    if (k < 0)
+        return NULL;
+    if (n < 0 || k > n) {
+        PyErr_Format(PyExc_ValueError, "assign: %zd victims for room of %zd", k, n);
+        return NULL;
+    }
+    Batch b;
+    if (batch_open(&b, args[0]) < 0)
+        return NULL;
+    PyObject *slots = NULL;
+    Py_ssize_t *delta = NULL;
+    int rc = -1;
+    Py_ssize_t lo = b.n - n > 0 ? b.n - n : 0; /* the first page a victim is for */
+    if (ids_of(c, b.items + lo, b.n - lo, b.ids) == -2)
+        goto done;
+    slots = slots_arg(c, args[2], k);
+    if (slots == NULL)
+        goto done;
+    delta = PyMem_Calloc((size_t)c->nb + 1, sizeof(Py_ssize_t));
+    if (delta == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t s = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(slots, j));
+        Py_ssize_t p = b.n - n + j;
+        Py_ssize_t who = p >= 0 ? b.ids[p - lo] : c->nb;
+        int32_t old = c->cause[s];
+        if (old >= 0)
+            delta[old] -= 1;
+        if (who != c->nb)
+            delta[who] += 1;
+        c->cause[s] = who == c->nb ? -1 : (int32_t)who;
+    }
+    for (Py_ssize_t i = 0; i < c->nb; i++)
+        if (delta[i] && bump(c->caused, i, (long)delta[i]) < 0)
+            goto done;
+    rc = 0;
+done:
+    PyMem_Free(delta);
+    Py_XDECREF(slots);
+    batch_close(&b);
+    return done_or_error(rc);
+}
+
 static PyObject *counts_bind_slots(Counts *c, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred())
@@ -614,6 +673,9 @@ static PyMethodDef counts_methods[] = {
      "Pages of new arrived in the room of out's, evicted for them."},
     {"put_back", (PyCFunction)(void (*)(void))counts_put_back, METH_FASTCALL,
      "MOVING pages of keys (in slots) came back: no longer evicted, nor caused."},
+    {"assign", (PyCFunction)(void (*)(void))counts_assign, METH_FASTCALL,
+     "The victims in slots made room for the pages of keys (victim j for page len(keys) - n + "
+     "j): each slot's cause becomes that page's tenant."},
     {"bind_slots", (PyCFunction)counts_bind_slots, METH_O,
      "The tier has capacity slots: each remembers the tenant its MOVING page went for."},
     {"left", (PyCFunction)counts_left, METH_O, "Pages of keys left (not by an eviction)."},

@@ -918,14 +918,31 @@ class PageTable:
         by = counts.cause(for_keys, n)  # the evictions' cause (counted per tenant)
         if by == QUOTA:  # the policy's own pick might break the quotas: they choose
             shares = counts.shares(for_keys, n)  # the tenants the room is for
-            return self._quota_evict(t, n, exact, keep, keep_order, acc, shares)
+            return self._quota_evict(t, n, exact, keep, keep_order, acc, shares, for_keys)
         if self._blocked:  # (an eviction within the quotas found room)
             self._blocked.pop(tier, None)
         if by != MIXED:
             return self._prepare_evict(t, n, keep, keep_order, None, by)
-        out: list[tuple[Key, int]] = []
-        for who, want in counts.shares(for_keys, n):
-            out += self._prepare_evict(t, want, keep, keep_order, None, who)
+        return self._evict_for_several(t, n, keep, keep_order, for_keys)
+
+    def _evict_for_several(
+        self,
+        t: _Tier,
+        n: int,
+        keep: Collection[Key] | None,
+        keep_order: Sequence[Key] | None,
+        for_keys: Sequence[Key],
+    ) -> list[tuple[Key, int]]:
+        """:meth:`_prepare_evict` of room for several tenants' pages (``for_keys``): one pick
+        by policy, the victims each tenant's share picked in turn would take, each then counted
+        as caused by the tenant of the page it makes room for (:meth:`TierCounts.assign`)."""
+        out = self._prepare_evict(t, n, keep, keep_order)
+        if out and t.acc is not None:
+            try:
+                t.acc.assign(for_keys, n, [s for _, s in out])
+            except BaseException:
+                self._put_back(t, [k for k, _ in out])
+                raise
         return out
 
     def _prepare_evict(
@@ -964,22 +981,22 @@ class PageTable:
         keep_order: Sequence[Key] | None,
         acc: Tenants,
         shares: list[tuple[int | None, int]],
+        for_keys: Sequence[Key],
     ) -> list[tuple[Key, int]]:
         """:meth:`prepare_evict` within the tenants' quotas: passes of rule 1, then rule 2
         (:meth:`Tenants.room`), each taking pages nobody keeps first, for each tenant's share
-        of the room (``shares``: :meth:`TierCounts.shares`; several when a batch loads or writes
-        back pages of several tenants); all or nothing with ``exact``."""
+        of the room (``shares``: :meth:`TierCounts.shares` of ``for_keys``; several when a
+        batch loads or writes back pages of several tenants); all or nothing with ``exact``."""
         out: list[tuple[Key, int]] = []
         none: Mapping[int | None, int] = _NONE_TAKEN  # (victims are counted as they go MOVING)
         short: list[int | None] = []  # the tenants whose share found too few
         if not acc.over_limit(t.name):  # the policy's own pick first: most keep the quotas
-            by = shares[0][0] if len(shares) == 1 else None  # (several: each tenant's share
-            try:  # by policy, kept only if no tenant goes below its reservation at all)
-                for who, want in shares:
-                    out += self._prepare_evict(t, want, keep, keep_order, by=who)
-            except TierKVError:  # a policy bug: what the shares before took goes back too
-                self._put_back(t, [key for key, _ in out])
-                raise
+            if len(shares) == 1:
+                by = shares[0][0]
+                out = self._prepare_evict(t, n, keep, keep_order, by=by)
+            else:  # (several: each tenant's share by policy, kept only if no tenant goes
+                by = None  # below its reservation at all)
+                out = self._evict_for_several(t, n, keep, keep_order, for_keys)
             keys = [key for key, _ in out]
             if not acc.keeps_reserves(t.name, keys, by, counted=True):  # (MOVING: counted)
                 self._put_back(t, keys)

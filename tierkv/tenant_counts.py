@@ -239,6 +239,35 @@ class PyCounts:
                     caused[cause[s]] -= 1
                     cause[s] = -1
 
+    def assign(self, keys: Sequence[Key], n: int, slots: Sequence[int]) -> None:
+        """The victims in ``slots`` (MOVING, in the order one eviction chose them, counted
+        already) made room for the pages of ``keys``: victim ``j`` for page
+        ``len(keys) - n + j`` (the free room went to the first pages, as :meth:`shares` splits
+        it; before the first page: for nobody). Each slot's cause becomes that page's tenant,
+        the evictions caused moving with it: one pick by policy for several tenants' pages
+        counts as each tenant's share picked in turn. A bad index, or more victims than ``n``,
+        raises InvalidInputError with nothing changed."""
+        m, k = len(keys), len(slots)
+        if n < 0 or k > n:
+            raise InvalidInputError(f"assign: {k} victims for room of {n}")
+        nb, of, cause = self._nb, self._of, self._cause
+        lo = max(0, m - n)
+        ids = [of.get(key, nb) for key in keys[lo:]]
+        for i in set(ids):
+            if not isinstance(i, int) or not 0 <= i <= nb:
+                raise InvalidInputError(f"tally: tenant index {i!r} out of range")
+        if any(not 0 <= s < len(cause) for s in slots):
+            raise InvalidInputError(f"a slot past the tier's {len(cause)}")
+        caused = self._caused
+        for j, s in enumerate(slots):
+            p = m - n + j
+            who = ids[p - lo] if p >= 0 else nb
+            if cause[s] >= 0:
+                caused[cause[s]] -= 1
+            cause[s] = -1 if who == nb else who
+            if who != nb:
+                caused[who] += 1
+
     def _check_slots(self, keys: Sequence[Key], slots: Sequence[int]) -> None:
         if len(slots) != len(keys):
             raise InvalidInputError(f"{len(slots)} slots for {len(keys)} pages")

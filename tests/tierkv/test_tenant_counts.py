@@ -111,9 +111,11 @@ COUNTS = [tenant_counts.PyTierCounts] + (
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["replaced", "evicted", "put_back", "left", "cause", "any_pick", "shares"]),
+        st.sampled_from(
+            ["replaced", "evicted", "put_back", "left", "cause", "any_pick", "shares", "assign"]
+        ),
         st.lists(st.integers(0, 9), max_size=12),  # keys (k7.. nobody's)
-        st.lists(st.integers(0, 9), max_size=6),  # the victims of replaced
+        st.lists(st.integers(0, 9), max_size=6),  # the victims of replaced (slots: assign)
         st.integers(-1, 14),  # n, or a tenant (-1: None)
     ),
     max_size=40,
@@ -142,6 +144,8 @@ def _drive(cls: type, script: list[tuple[str, list[int], list[int], int]]) -> li
                 got = c.cause(keys, x)
             elif op == "any_pick":
                 got = (c.any_pick(x), c.over_limit())
+            elif op == "assign":  # (victims in the slots of b's numbers, room of x)
+                got = c.assign(keys, x, b)
             else:
                 got = c.shares(keys, x)
         except ValueError as e:  # (the reference's InvalidInputError is one)
@@ -176,6 +180,10 @@ def test_the_counts_refuse_a_bad_tenant_and_change_nothing(cls: type) -> None:
         lambda: c.put_back([b"a"], [0, 1]),  # two slots for one page
         lambda: c.evicted([b"a"], 0, [2]),
         lambda: c.evicted([b"a"], 0, [0, 1]),
+        lambda: c.assign([b"a"], 1, [0, 1]),  # more victims than the room
+        lambda: c.assign([b"bad"], 1, [0]),  # a charge past the counts
+        lambda: c.assign([b"a"], 1, [2]),  # a slot past the tier's
+        lambda: c.assign([b"a"], -1, []),
     ):
         with pytest.raises(ValueError):
             call()

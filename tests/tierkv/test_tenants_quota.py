@@ -467,3 +467,43 @@ def test_room_for_several_tenants_takes_the_policys_pick_when_it_keeps_every_res
     got = table.prepare_evict("host", 4, for_keys=[b"x5", b"x6", b"y5", b"y6"])
     assert _held(tenants)["x"] >= 2
     table.complete_evict([k for k, _ in got], "host")
+
+
+def test_room_for_several_tenants_is_one_pick_counted_per_tenant(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Room for several tenants' pages with no quota to check is one pick by policy (the
+    victims each tenant's share picked in turn would take), each victim counted as caused
+    by the tenant of the page it makes room for, and a put-back takes each back. Before,
+    each tenant's share was a pick of its own: twice the policy's scans in a batched decode
+    step of two tenants (benchmarks/tenants.py's decode loop: 2,454 picks against 1,076
+    without tenants)."""
+    from tierkv.page_table import PageTable
+
+    tenants, table = _table_of({"x": Quota(), "y": Quota()}, 8)
+    _put(tenants, table, "y", b"y1", b"y2", b"y3", b"y4")  # the oldest: the policy's victims
+    _put(tenants, table, "x", b"x1", b"x2", b"x3", b"x4")
+    tenants.charge([b"x5"], tenants.index["x"])
+    tenants.charge([b"y5", b"y6"], tenants.index["y"])
+    picks: list[int] = []
+    pick = PageTable._pick
+
+    def counted(self: PageTable, t: object, n: int, *a: object, **k: object) -> object:
+        picks.append(n)
+        return pick(self, t, n, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PageTable, "_pick", counted)
+    got = table.prepare_evict("host", 3, for_keys=[b"x5", b"y5", b"y6"])
+    assert picks == [3]
+    assert [k for k, _ in got] == [b"y1", b"y2", b"y3"]
+    assert tenants.stats()["x"]["evictions_caused"] == 1
+    assert tenants.stats()["y"]["evictions_caused"] == 2
+    assert _held(tenants) == {"x": 4, "y": 1}  # (MOVING: no tenant's)
+    table.complete_evict([k for k, _ in got], "host", ok=False)  # put back: none caused
+    assert tenants.stats()["x"]["evictions_caused"] == 0
+    assert tenants.stats()["y"]["evictions_caused"] == 0
+    assert _held(tenants) == {"x": 4, "y": 4}
+    got = table.prepare_evict("host", 4, for_keys=[b"y5", b"x5"])  # room beyond the pages
+    table.complete_evict([k for k, _ in got], "host")
+    assert tenants.stats()["y"]["evictions_caused"] == 1  # (the free room: none here; the
+    assert tenants.stats()["x"]["evictions_caused"] == 1  # two evictions past them: nobody's)
