@@ -41,7 +41,11 @@ from tierkv.spec import KVSpec
 
 SPEC = KVSpec(num_layers=4, num_kv_heads=2, head_dim=64, dtype="fp16", page_tokens=16)
 PAGE = SPEC.page_bytes
-DEFAULT, ACME, PROBE = b"bench-default", b"bench-acme", b"bench-probe"
+DEFAULT, ACME, PROBE = (
+    b"bench-default-secret-01",
+    b"bench-acme-secret-0001",
+    b"bench-probe-secret-001",
+)
 SECRETS = {"acme": ACME, "probe": PROBE}
 
 

@@ -9,7 +9,9 @@ prompts: its prefix hits, per tier where alice's pages are, must be 0 (alice's o
 the same prompts hit, so the pages are there). Then, on the serving engine (the tiny model),
 mallory's time to first token for alice's prompts against never-seen prompts of the same
 length, 100 probes each, interleaved: the ratio of the medians must be 1 within noise (alice
-re-sending her own prompt is shown beside it: the timing a shared cache would leak).
+re-sending her own prompt is shown beside it: the timing a shared cache would leak). The noise
+is measured in the same run: a second set of never-seen prompts, interleaved with the two,
+against the first (on a loaded 2-core box it moves by up to 10%).
 
 (b) **Flood.** Tenant ``quiet`` (a host reservation covering its working set) re-reads its
 prompts while tenant ``flood`` (a host limit) sends, before each round of them, distinct
@@ -150,18 +152,20 @@ async def probe_ttft(quick: bool) -> dict[str, Any]:
 
     seen: list[float] = []
     fresh: list[float] = []
+    fresh_b: list[float] = []  # a second never-seen set: the same figure's noise, this run
     own: list[float] = []
     async with Engine(model, cfg) as engine:
         for i in range(probes):  # alice's prompts, cached under her salt
             await engine.complete(prompt(10_000 + i, n), params, salt="alice", tenant="alice")
         await ttft(engine, prompt(99_999, n), "mallory", "mallory")  # warm-up
         for i in range(probes):
-            pair = [
-                (seen, prompt(10_000 + i, n), "mallory"),
-                (fresh, prompt(20_000 + i, n), "mallory"),
+            arms = [
+                (seen, prompt(10_000 + i, n)),
+                (fresh, prompt(20_000 + i, n)),
+                (fresh_b, prompt(30_000 + i, n)),
             ]
-            for out, toks, salt in pair if i % 2 == 0 else pair[::-1]:
-                out.append(await ttft(engine, toks, salt, salt))
+            for out, toks in arms[i % 3 :] + arms[: i % 3]:  # (each arm first in turn)
+                out.append(await ttft(engine, toks, "mallory", "mallory"))
             own.append(await ttft(engine, prompt(10_000 + i, n), "alice", "alice"))
         tenants = engine.store.stats()["tenants"]
     return {
@@ -170,6 +174,7 @@ async def probe_ttft(quick: bool) -> dict[str, Any]:
         "prompt_tokens": n,
         "ttft_probe_ms": statistics.median(seen) * 1e3,
         "ttft_never_seen_ms": statistics.median(fresh) * 1e3,
+        "ttft_never_seen_b_ms": statistics.median(fresh_b) * 1e3,
         "ttft_owner_hit_ms": statistics.median(own) * 1e3,
         "probe_reused_tokens": tenants["mallory"]["prefix_tokens_reused"],
     }
@@ -426,6 +431,7 @@ def main() -> None:
     ratios = {
         "probe_hit_tokens_per_tier": {t: per[t]["probe_hit_tokens"] for t in TIERS},
         "probe_ttft_vs_never_seen": tt["ttft_probe_ms"] / tt["ttft_never_seen_ms"],
+        "never_seen_b_ttft_vs_never_seen": tt["ttft_never_seen_b_ms"] / tt["ttft_never_seen_ms"],
         "owner_hit_ttft_vs_never_seen": tt["ttft_owner_hit_ms"] / tt["ttft_never_seen_ms"],
         "quiet_evicted_below_reservation": fl["flood_with_quotas"]["quiet_host_evicted"],
         "flood_vs_limit": fl["flood_with_quotas"]["flood_prompt_pages"]
@@ -455,6 +461,11 @@ def main() -> None:
             ["figure", "value", "target"],
             [
                 ["probe TTFT / never-seen TTFT", ratios["probe_ttft_vs_never_seen"], "1 (noise)"],
+                [
+                    "... noise: never-seen B / never-seen",
+                    ratios["never_seen_b_ttft_vs_never_seen"],
+                    "",
+                ],
                 ["owner's hit TTFT / never-seen", ratios["owner_hit_ttft_vs_never_seen"], "(leak)"],
                 [
                     "quiet pages evicted below reservation",
