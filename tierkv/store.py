@@ -32,7 +32,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from itertools import repeat
@@ -52,6 +52,7 @@ from tierkv.errors import (
     SequenceError,
     SpecError,
     StoreClosedError,
+    StoreTimeoutError,
     TierConfigError,
 )
 from tierkv.failures import Background, FailureLog
@@ -906,16 +907,34 @@ class KVStore:
         )
 
     @async_boundary
-    async def drain(self) -> None:
-        """Wait for background prefetches and compressions to finish, then (bounded by the
-        timeout) for the pages staged for the remote tier to go out. Released pages that are
-        idle by then are gone when it returns (reaped now, not at the next loop turn)."""
-        while self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.timeout)
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for background prefetches, compressions and write-behinds to finish (those
+        they start too), then, in the time left, for the pages staged for the remote tier to
+        go out (best effort: a remote too slow for the bound keeps them staged, counted in
+        ``stats()["remote"]``, as remote failures are never raised). Released pages that are
+        idle by then are gone when it returns (reaped now, not at the next loop turn).
+
+        ``timeout``: the bound, in seconds, of the whole call (the store's ``timeout`` when
+        None). Every wait is woken by a task finishing, none polls.
+
+        Raises StoreTimeoutError, saying which background tasks are still running, when
+        they have not all finished by the deadline (nothing is reaped or flushed then, and
+        the tasks run on); InvalidTypeError / InvalidInputError for a bad ``timeout``.
+        """
+        limit = self.timeout if timeout is None else validate.seconds("timeout", timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while self._tasks:  # a finishing task may spawn another: the same deadline bounds it
+            left = deadline - loop.time()
+            if left <= 0:
+                raise StoreTimeoutError(
+                    f"drain: {_pending(self._tasks.values())} still running after {limit:g} s"
+                )
+            await asyncio.wait(list(self._tasks), timeout=left)
         if not self._closed and self._tiers is not None:
             self._tiers.ownership.reap()
         if self.remote is not None:
-            await self.remote.flush(self.timeout)
+            await self.remote.flush(max(0.0, deadline - loop.time()))
 
     # -- figures -------------------------------------------------------------------------
     @boundary
@@ -980,6 +999,22 @@ class KVStore:
             for fig in out.values():
                 fig["tiers"] = {HOST if t == DEVICE else t: v for t, v in fig["tiers"].items()}
         return out
+
+
+def _pending(tasks: Iterable[Background]) -> str:
+    """What background tasks work on, for an error: ``"2 background tasks (prefetch on
+    device: 8 pages; compression on cold: 3 pages)"``."""
+    kinds: dict[tuple[str, str | None], list[int]] = {}
+    for what in tasks:
+        got = kinds.setdefault((what.kind, what.tier), [0, 0])
+        got[0] += 1
+        got[1] += len(what.keys)
+    n = sum(t for t, _ in kinds.values())
+    parts = [
+        f"{k}{'' if tier is None else f' on {tier}'}: {t} task{'s' * (t != 1)}, {p} pages"
+        for (k, tier), (t, p) in kinds.items()
+    ]
+    return f"{n} background task{'s' * (n != 1)} ({'; '.join(parts)})"
 
 
 def _tenants(
