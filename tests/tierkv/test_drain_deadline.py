@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 import pytest
 
@@ -14,22 +13,13 @@ from tierkv.errors import InvalidInputError, InvalidTypeError, StoreTimeoutError
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE
 
+from .held_copies import hold_copies
 from .test_store import PAGE, SPEC, check, fill, no_pins_left
 
 
 def hold_write_behind(monkeypatch: pytest.MonkeyPatch, store: KVStore) -> threading.Event:
     """Device -> host copies (the write-behind) hang until the returned gate opens."""
-    gate = threading.Event()
-    backend = store.tiers.engine.backend
-    copy = backend.copy_slots
-
-    def held(src: Any, *args: Any) -> Any:
-        if src.name == DEVICE:
-            gate.wait(20)
-        return copy(src, *args)
-
-    monkeypatch.setattr(backend, "copy_slots", held)
-    return gate
+    return hold_copies(monkeypatch, store, DEVICE)
 
 
 @pytest.fixture(autouse=True)
