@@ -65,6 +65,7 @@ from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.runtime.transfer import INLINE_MAX_BYTES
+from tierkv.seq_flight import ADD, RELEASE, InFlight
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -244,6 +245,7 @@ class KVStore:
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
+        self._flight = InFlight()  # the ids whose add_sequence or release is in flight
         # per page key, the min/max of its K (top-k attention's page summaries): one table for
         # every sequence and tier, following renames, pruned of pages no tier holds
         self.summaries = KeySummaries(spec.num_kv_heads, spec.head_dim)
@@ -518,17 +520,34 @@ class KVStore:
         (and for the blocks imported for it from the disk or a remote tier); its quotas
         apply to them (:mod:`tierkv.tenants`).
 
-        Raises SequenceError when the id is in use, StoreClosedError after close,
-        InvalidTypeError / SpecError for a bad id or token, TenantError for a bad salt or
-        tenant name, UnknownTenantError for a tenant the store was not given (nothing is
-        changed then).
+        Calls of one id take turns (:mod:`tierkv.seq_flight`): while a :meth:`release` of
+        ``seq_id`` is in flight (begun, not returned) this waits for it to return, then adds
+        (at most the store's timeout: StoreTimeoutError, nothing changed); a release of
+        ``seq_id`` begun while this is in flight waits for this to return, then releases what
+        it added. A sequence is registered whole when this returns, or not at all.
+
+        Raises SequenceError when the id is in use (live, or an add_sequence of it is in
+        flight), StoreClosedError after close, InvalidTypeError / SpecError for a bad id or
+        token, TenantError for a bad salt or tenant name, UnknownTenantError for a tenant the
+        store was not given, StoreTimeoutError as above (nothing is changed then).
         """
         seq_id = validate.seq_id(seq_id)
         raw = check_salt(salt)
         who = tenant_index(self.tenants, tenant)
-        tiers = self.tiers
+        self.tiers  # noqa: B018 - raises when closed
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
+        await self._flight.turn(seq_id, ADD, self.timeout)  # after a release of it in flight
+        try:
+            return await self._add(seq_id, tokens, raw, who)
+        finally:
+            self._flight.end(seq_id)
+
+    async def _add(
+        self, seq_id: str, tokens: Sequence[int], raw: bytes | None, who: int | None
+    ) -> int:
+        """:meth:`add_sequence`'s work, its arguments checked, no other call of the id in
+        flight."""
         await self.turns.pause()
         tiers = self.tiers  # (the store may have closed meanwhile)
         t0 = time.perf_counter()  # the store work, charged to the turn budget
@@ -671,9 +690,22 @@ class KVStore:
     async def release(self, seq_id: str) -> None:
         """End a sequence: its full blocks stay cached for reuse, its private pages are freed.
 
-        Raises SequenceError for an unknown (or already released) id.
+        While an :meth:`add_sequence` of ``seq_id`` is in flight this waits for it to return
+        (at most the store's timeout: StoreTimeoutError, nothing changed), then releases what
+        it added; an add_sequence of ``seq_id`` begun while this is in flight waits for this
+        to return (:mod:`tierkv.seq_flight`).
+
+        Raises SequenceError for an unknown (or already released, or being released) id.
         """
         seq_id = validate.seq_id(seq_id)
+        # (no suspension unless an add of the id is in flight: see below)
+        await self._flight.turn(seq_id, RELEASE, self.timeout)
+        try:
+            await self._release(seq_id)
+        finally:
+            self._flight.end(seq_id)
+
+    async def _release(self, seq_id: str) -> None:
         # no pause before the release: a write-behind task let run then would copy down the
         # very pages being freed (the pause comes after, when the work is done)
         t0 = time.perf_counter()  # the store work, charged to the turn budget
