@@ -269,7 +269,11 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
                 path, size, seen_twice = chain.disk
                 opened.append(
                     DiskTier.open(
-                        path, page_bytes=spec.page_bytes, disk_bytes=size, seen_twice=seen_twice
+                        path,
+                        page_bytes=spec.page_bytes,
+                        disk_bytes=size,
+                        seen_twice=seen_twice,
+                        close_timeout=timeout,  # a close never hangs on a hung disk
                     )
                 )
                 movers.append(register_moves)

@@ -354,7 +354,12 @@ class KVStore:
 
     @async_boundary
     async def close(self) -> None:
-        """Stop background work, finish transfers in flight, free everything. Idempotent."""
+        """Stop background work, finish transfers in flight, free everything. Idempotent.
+
+        Every wait is bounded by the store's timeout. Raises StoreTimeoutError when transfers
+        in flight (a hung copy) outlast it, after everything else was let go all the same
+        (the lower tiers' media and locks, the prefault thread, the sequences): a failed
+        close leaves nothing half-closed, and a second close does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -369,15 +374,17 @@ class KVStore:
             t.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
-        if self._chain is not None:
-            await self._persist(self._chain)
-        if self._engine is not None:
-            await self._engine.aclose(self.timeout, cancel_pending=True)
-        if self._tiers is not None:
-            self._tiers.close()
-        if self._chain is not None:
-            self._chain.close()
-        self._seqs.clear()
+        try:
+            if self._chain is not None:
+                await self._persist(self._chain)
+            if self._engine is not None:
+                await self._engine.aclose(self.timeout, cancel_pending=True)
+        finally:  # (a transfer that outlasted the timeout: the rest goes all the same)
+            if self._tiers is not None:
+                self._tiers.close()
+            if self._chain is not None:
+                self._chain.close()
+            self._seqs.clear()
 
     async def _persist(self, chain: LowerChain) -> None:
         """At close: the host tier's content pages go down to the disk (bounded by the
