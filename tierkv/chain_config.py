@@ -37,6 +37,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from tierkv import validate
+from tierkv.arguments import checked_init
 from tierkv.chain_plugins import PLUGINS, PluginEntry, register_tier, unregister_tier
 from tierkv.codecs import CODECS, Codec, create_codec
 from tierkv.errors import (
@@ -111,6 +112,7 @@ class _Budget:
         budget_bytes(self.kind, self.bytes)
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Device(_Budget):
     """The device tier: leased pages, in accelerator memory (host memory on the cpu backend).
@@ -120,6 +122,7 @@ class Device(_Budget):
     kind: ClassVar[str] = DEVICE
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Host(_Budget):
     """The host tier: pinned host RAM (pinned where CUDA is in use). Under a device tier it
@@ -130,6 +133,7 @@ class Host(_Budget):
     kind: ClassVar[str] = HOST
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cold:
     """The cold pool: host RAM holding pages compressed by ``codec`` (lossy for ``int8``;
@@ -150,6 +154,7 @@ class Cold:
             raise TierTypeError(str(exc)) from None
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Disk:
     """The disk tier (docs/disk.md): content pages on local disk, verified, found again by a
@@ -174,6 +179,7 @@ class Disk:
             )
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Remote:
     """The remote tier: page sources consulted in order (any

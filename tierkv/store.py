@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from tierkv import validate
 from tierkv.admission import Admission
+from tierkv.arguments import checked_init
 from tierkv.attention.summaries import KeySummaries
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain, open_lower
@@ -81,6 +82,7 @@ from tierkv.turns import TurnBudget
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
 
+@checked_init
 class KVStore:
     """A tiered, paged KV store for one model layout.
 

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from tierkv import validate
+from tierkv.arguments import checked_init
 from tierkv.codecs import CODECS
 from tierkv.errors import (
     InvalidInputError,
@@ -86,6 +87,7 @@ class _Layers:
     next: int = 0
 
 
+@checked_init
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine is built with.
@@ -190,6 +192,7 @@ class EngineCounters:
     last_error: str = ""
 
 
+@checked_init
 class Engine:
     """Continuous batching of requests over one model and one KV store.
 
