@@ -25,7 +25,8 @@ from functools import partial
 from typing import Any
 
 from tierkv.chain_config import Chain
-from tierkv.errors import EngineError, StoreTimeoutError, TierKVError
+from tierkv.chain_plugins import plugin_call
+from tierkv.errors import EngineError, StoreTimeoutError, TierKVError, TierTypeError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
@@ -301,8 +302,14 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
                 )
                 movers.append(register_moves)
             elif kind in plugins:
-                opened.append(plugins[kind].open(spec))
-                movers.append(plugins[kind].register_moves)
+                entry = plugins[kind]
+                tier = plugin_call(kind, "open", entry.open, spec)
+                if not isinstance(tier, Tier):
+                    raise TierTypeError(
+                        f"plug-in tier {kind!r}: open gave {type(tier).__name__}, not a Tier"
+                    )
+                opened.append(tier)
+                movers.append(partial(plugin_call, kind, "register_moves", entry.register_moves))
         if not opened:
             return None
 

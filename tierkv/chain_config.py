@@ -38,7 +38,13 @@ from typing import Any, ClassVar
 
 from tierkv import validate
 from tierkv.arguments import checked_init
-from tierkv.chain_plugins import PLUGINS, PluginEntry, register_tier, unregister_tier
+from tierkv.chain_plugins import (
+    PLUGINS,
+    PluginEntry,
+    plugin_call,
+    register_tier,
+    unregister_tier,
+)
 from tierkv.codecs import CODECS, Codec, create_codec
 from tierkv.errors import (
     InvalidInputError,
@@ -322,7 +328,7 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
     name = codec.name if codec is not None else None
     plugins = tuple(e for e in entries if isinstance(e, PluginEntry) and e.kind in PLUGINS)
     for p in plugins:
-        p.check(spec)
+        plugin_call(p.kind, "check", p.check, spec)
     return Chain(names, lease, host, cold, name, codec, disk, remote, plugins)
 
 

@@ -5,6 +5,7 @@ raises: a new user's bug, or its medium gone) costs the store misses, counted an
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import pytest
 
 from tierkv import Host, KVStore
 from tierkv.chain_plugins import register_tier, unregister_tier
+from tierkv.errors import TierConfigError, TierKVError, TierTypeError
 from tierkv.mmap_tier import MMAP, Mmap, MmapTier
 from tierkv.spec import KVSpec
 
@@ -102,3 +104,59 @@ async def test_a_close_that_fails_is_counted_and_the_store_closes(
     MODE["now"] = "close"
     await s.close()
     assert s.closed and "lower tier close" in caplog.text
+
+
+HOOK: dict[str, str | None] = {"fails": None}
+
+
+@dataclass(frozen=True)
+class Buggy(Mmap):
+    """A plug-in entry whose hooks fail as ``HOOK["fails"]`` says."""
+
+    kind: ClassVar[str] = "buggy"
+
+    def check(self, spec: KVSpec) -> None:
+        if HOOK["fails"] == "check":
+            raise ValueError("a bug in check")
+        super().check(spec)
+
+    def open(self, spec: KVSpec) -> MmapTier:
+        if HOOK["fails"] == "open":
+            raise OSError("cannot open the medium")
+        if HOOK["fails"] == "open-none":
+            return None  # type: ignore[return-value]
+        return super().open(spec)
+
+    def register_moves(self, moves: object) -> None:
+        if HOOK["fails"] == "register_moves":
+            raise KeyError("a bug in register_moves")
+        super().register_moves(moves)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("fails", "error", "match"),
+    [
+        ("check", TierConfigError, "'buggy': check failed: ValueError: a bug in check"),
+        ("open", TierConfigError, "'buggy': open failed: OSError: cannot open"),
+        ("open-none", TierTypeError, "'buggy': open gave NoneType, not a Tier"),
+        ("register_moves", TierConfigError, "'buggy': register_moves failed: KeyError"),
+    ],
+)
+async def test_a_plug_in_whose_hook_fails_is_a_typed_error_with_nothing_left(
+    tmp_path: Path, fails: str, error: type[Exception], match: str
+) -> None:
+    """Fails on the old code: ValueError, OSError, AttributeError, KeyError out of KVStore()
+    or its open."""
+    register_tier(Buggy)
+    HOOK["fails"] = fails
+    try:
+        with pytest.raises(error, match=match) as got:
+            s = KVStore(
+                SPEC, tiers=[Host(bytes=8 * PAGE), Buggy(path=tmp_path / "m", bytes=80 * PAGE)]
+            )
+            await s.open()
+        assert isinstance(got.value, TierKVError)
+        assert os.listdir(tmp_path) == []  # nothing left behind
+    finally:
+        unregister_tier("buggy")
+        HOOK["fails"] = None
