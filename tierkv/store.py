@@ -786,10 +786,13 @@ class KVStore:
 
         ``blocks`` pins only those page indices of each sequence (none for a sequence it does
         not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
-        Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
-        id (in ``blocks`` too), SpecError for a bad layer, InvalidTypeError for a single str
-        instead of a list or ``blocks`` that is no dict of int lists, InvalidInputError for
-        a negative block.
+        Use as ``async with store.lease(ids) as lease:``. One writer of a sequence's layer at
+        a time (:mod:`tierkv.step_claims`): entering raises SequenceError while a step plan
+        appends to one of its sequences in a leased layer, and an append to a layer another
+        entered lease appended to raises SequenceError (nothing appended); leases that only
+        read may overlap. Raises SequenceError for an unknown id (in ``blocks`` too),
+        SpecError for a bad layer, InvalidTypeError for a single str instead of a list or
+        ``blocks`` that is no dict of int lists, InvalidInputError for a negative block.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         ids = validate.seq_ids(seq_ids)
@@ -810,10 +813,12 @@ class KVStore:
         appending ``tokens`` new tokens (one count for all, or one per sequence) to every
         layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
 
-        Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
-        or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
-        layout the step path cannot index), InvalidTypeError / InvalidInputError for bad
-        arguments; nothing changes then.
+        Use as ``async with store.step_plan(ids) as step:``. A sequence runs in one entered
+        plan at a time, and a plan that appends to it is refused at entry (SequenceError)
+        while a lease over one of its layers is entered (:mod:`tierkv.step_claims`). Raises
+        SequenceError (an unknown or repeated id), SpecError (a bad layer, a count list of
+        the wrong length, a page layout the step path cannot index), InvalidTypeError /
+        InvalidInputError for bad arguments; nothing changes then.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         if len(set(ls)) != len(ls):
