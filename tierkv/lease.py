@@ -92,6 +92,9 @@ class Lease:
         self._pins: dict[bytes, None] = {}
         # written (sequence, layer, block) as one int each (see _written_key): untracked
         self._written: dict[int, None] = {}
+        # (sequence, layer) as one int each that this lease took as their writer (see
+        # tierkv.step_claims): the store is asked once per layer, not at every append
+        self._writer_of: dict[int, None] = {}
         self._active = False
         self._entering = False  # (between __aenter__'s start and its end)
         self._spent = False  # entered and left: it holds no sequence any more
@@ -220,6 +223,7 @@ class Lease:
             store = self._store
             if self._active:  # (its writer's entries: tierkv.step_claims)
                 store.steps.leave_lease(id(self), self._seqs, self._layer_bits)
+                self._writer_of = {}
             self._spent |= self._active
             self._active = False
             if store.closed:
@@ -373,7 +377,10 @@ class Lease:
         n = k.shape[1]
         if n == 0:
             return
-        store.steps.write(id(self), seq, layer)  # one writer of a layer at a time: else raises
+        mine = self._order[seq_id] * spec.num_layers + layer
+        if mine not in self._writer_of:  # one writer of a layer at a time: else raises
+            store.steps.write(id(self), seq, layer)
+            self._writer_of[mine] = None
         await store.turns.pause()
         t0 = time.perf_counter()
         try:
