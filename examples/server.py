@@ -18,7 +18,9 @@ default 1 as OpenAI's), ``top_p``, ``seed``, ``stop`` (a string or up to 4), ``s
 ``cache_salt`` (as vLLM's: a string of 1-256 bytes; the request reuses and shares cached
 prefixes only with requests of the same salt, in every tier; docs/security.md, "Tenants"),
 ``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
-instead: ``Authorization: Bearer KEY``, 401 without a known key). Fields this server cannot
+instead: ``Authorization: Bearer KEY``, 401 without a known key). A request's tenant is mixed
+into its salt (``tierkv.tenant_names.tenant_salt``): no page is shared across tenants, whatever
+``cache_salt`` a client sends (another tenant's salt, or none). Fields this server cannot
 honour are refused (400) rather than ignored when they ask for something: ``echo``,
 ``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``, ``top_k`` (other than -1
 or 0), ``min_p``, ``presence_penalty`` / ``frequency_penalty`` (other than 0),
@@ -76,7 +78,7 @@ from tierkv.serving import (
     http_status,
     load_model,
 )
-from tierkv.tenant_names import check_salt, check_tenant
+from tierkv.tenant_names import check_salt, check_tenant, tenant_salt
 from tierkv.tenants import Quota
 
 
@@ -431,6 +433,8 @@ async def _completions(request: web.Request, chat: bool) -> web.StreamResponse:
     body = await _body(request)
     job = parse_job(body, served, chat)
     job.tenant = _tenant(request, body, served)
+    if job.tenant is not None:  # no page shared across tenants, whatever salt a client sends
+        job.salt = tenant_salt(job.tenant, job.salt)
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     obj = "chat.completion" if chat else "text_completion"
     head = {"id": rid, "created": int(time.time()), "model": served.name}

@@ -19,6 +19,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, ParamSpec, TypeVar
 
 import tierkv.transports as transports
+from tierkv.arguments import unfit
 from tierkv.errors import (
     AllocationError,
     EngineError,
@@ -86,6 +87,11 @@ def boundary(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return fn(*args, **kwargs)
+        except TypeError as exc:  # arguments that do not fit: typed (tierkv.arguments)
+            bad = unfit(fn, args, kwargs, exc)
+            if bad is None:
+                raise
+            raise bad from None
         except Exception as exc:
             mapped = map_error(exc)
             if mapped is None:
@@ -104,6 +110,11 @@ def async_boundary(
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             return await fn(*args, **kwargs)
+        except TypeError as exc:
+            bad = unfit(fn, args, kwargs, exc)
+            if bad is None:
+                raise
+            raise bad from None
         except Exception as exc:
             mapped = map_error(exc)
             if mapped is None:

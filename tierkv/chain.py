@@ -25,7 +25,8 @@ from functools import partial
 from typing import Any
 
 from tierkv.chain_config import Chain
-from tierkv.errors import StoreTimeoutError, TierKVError
+from tierkv.chain_plugins import plugin_call
+from tierkv.errors import EngineError, StoreTimeoutError, TierKVError, TierTypeError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
@@ -88,10 +89,28 @@ class LowerChain:
             self._core.glue.set_spill(None)
 
     def close(self) -> None:
-        """Close every lower tier's medium (idempotent)."""
+        """Close every lower tier's medium (idempotent): one that fails to is counted and
+        logged, and the others close all the same."""
         self.detach()
         for t in self.tiers:
-            t.close()
+            try:
+                t.close()
+            except Exception as exc:  # a plug-in's failure: a close never fails for it
+                self._fail(self.counters[t.medium], t.medium, "lower tier close", exc, ())
+
+    def _held(self, tier: Tier, keys: Sequence[PageKey], what: str) -> list[bool] | None:
+        """``tier.lookup(keys)``, checked: None, counted and logged, when the tier raised or
+        answered anything but one bool per key (a plug-in's bug or its medium gone)."""
+        try:
+            got = tier.lookup(keys)
+            if not isinstance(got, list) or len(got) != len(keys):
+                raise EngineError(
+                    f"{tier.medium} tier: lookup of {len(keys)} keys answered {got!r:.60}"
+                )
+            return [bool(h) for h in got]
+        except Exception as exc:
+            self._fail(self.counters[tier.medium], tier.medium, what, exc, keys)
+            return None
 
     def _fail(
         self, c: ChainCounters, medium: str, what: str, exc: BaseException, keys: Any
@@ -114,7 +133,10 @@ class LowerChain:
             keys, slots = [k for k, _ in todo], [s for _, s in todo]
             c.offered += len(keys)
             try:
-                held = tier.lookup(keys)
+                held = self._held(tier, keys, "lower tier lookup")
+                if held is None:
+                    c.write_failed += len(keys)
+                    continue
                 if all(held):
                     c.stored += len(keys)
                     continue
@@ -133,7 +155,7 @@ class LowerChain:
                 handle = core.moves.get(core.glue.host_medium, tier.medium)(
                     core.engine, tier, batch
                 )
-            except TierKVError as exc:
+            except Exception as exc:  # (a plug-in's own failure too: counted, not raised)
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
@@ -193,7 +215,8 @@ class LowerChain:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, h in zip(rest, tier.lookup([pages[i] for i in rest]), strict=True):
+            held = self._held(tier, [pages[i] for i in rest], "lower tier lookup")
+            for i, h in zip(rest, held or (), strict=False):  # (None: a counted miss)
                 found[i] = h
         return found
 
@@ -209,7 +232,8 @@ class LowerChain:
         for tier in self.tiers:
             local = {k for t in core.table.tier_names for k in core.table.present(pages, t)}
             want = [k for k in pages if k not in local and tier.accepts(k)]
-            want = [k for k, h in zip(want, tier.lookup(want), strict=True) if h]
+            held = self._held(tier, want, "lower tier lookup") if want else []
+            want = [k for k, h in zip(want, held or (), strict=False) if h]
             if not want:
                 continue
             c = self.counters[tier.medium]
@@ -269,13 +293,23 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
                 path, size, seen_twice = chain.disk
                 opened.append(
                     DiskTier.open(
-                        path, page_bytes=spec.page_bytes, disk_bytes=size, seen_twice=seen_twice
+                        path,
+                        page_bytes=spec.page_bytes,
+                        disk_bytes=size,
+                        seen_twice=seen_twice,
+                        close_timeout=timeout,  # a close never hangs on a hung disk
                     )
                 )
                 movers.append(register_moves)
             elif kind in plugins:
-                opened.append(plugins[kind].open(spec))
-                movers.append(plugins[kind].register_moves)
+                entry = plugins[kind]
+                tier = plugin_call(kind, "open", entry.open, spec)
+                if not isinstance(tier, Tier):
+                    raise TierTypeError(
+                        f"plug-in tier {kind!r}: open gave {type(tier).__name__}, not a Tier"
+                    )
+                opened.append(tier)
+                movers.append(partial(plugin_call, kind, "register_moves", entry.register_moves))
         if not opened:
             return None
 

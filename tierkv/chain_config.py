@@ -37,7 +37,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
 from tierkv import validate
-from tierkv.chain_plugins import PLUGINS, PluginEntry, register_tier, unregister_tier
+from tierkv.arguments import checked_init
+from tierkv.chain_plugins import (
+    PLUGINS,
+    PluginEntry,
+    plugin_call,
+    register_tier,
+    unregister_tier,
+)
 from tierkv.codecs import CODECS, Codec, create_codec
 from tierkv.errors import (
     InvalidInputError,
@@ -111,6 +118,7 @@ class _Budget:
         budget_bytes(self.kind, self.bytes)
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Device(_Budget):
     """The device tier: leased pages, in accelerator memory (host memory on the cpu backend).
@@ -120,6 +128,7 @@ class Device(_Budget):
     kind: ClassVar[str] = DEVICE
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Host(_Budget):
     """The host tier: pinned host RAM (pinned where CUDA is in use). Under a device tier it
@@ -130,6 +139,7 @@ class Host(_Budget):
     kind: ClassVar[str] = HOST
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cold:
     """The cold pool: host RAM holding pages compressed by ``codec`` (lossy for ``int8``;
@@ -150,6 +160,7 @@ class Cold:
             raise TierTypeError(str(exc)) from None
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Disk:
     """The disk tier (docs/disk.md): content pages on local disk, verified, found again by a
@@ -174,6 +185,7 @@ class Disk:
             )
 
 
+@checked_init
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Remote:
     """The remote tier: page sources consulted in order (any
@@ -316,7 +328,7 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
     name = codec.name if codec is not None else None
     plugins = tuple(e for e in entries if isinstance(e, PluginEntry) and e.kind in PLUGINS)
     for p in plugins:
-        p.check(spec)
+        plugin_call(p.kind, "check", p.check, spec)
     return Chain(names, lease, host, cold, name, codec, disk, remote, plugins)
 
 

@@ -13,15 +13,18 @@ before ``remote``). The core needs nothing else: the store opens it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import is_dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
-from tierkv.errors import TierConfigError, TierTypeError
+from tierkv.errors import TierConfigError, TierKVError, TierTypeError
 from tierkv.spec import KVSpec
 from tierkv.tier import Moves, Tier
 from tierkv.tier_names import COLD, DEVICE, DISK, HOST, REMOTE
 
-__all__ = ["PLUGINS", "PluginEntry", "register_tier", "unregister_tier"]
+__all__ = ["PLUGINS", "PluginEntry", "plugin_call", "register_tier", "unregister_tier"]
+
+_T = TypeVar("_T")
 
 #: The registered plug-in kinds: kind -> entry class.
 PLUGINS: dict[str, type[Any]] = {}
@@ -75,3 +78,18 @@ def register_tier(entry: type[Any]) -> None:
 def unregister_tier(kind: str) -> None:
     """Forget a plug-in kind (no error when unknown)."""
     PLUGINS.pop(kind, None)
+
+
+def plugin_call(kind: str, hook: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)``, a hook of the plug-in tier ``kind`` (``check``, ``open``,
+    ``register_moves``): its tierkv errors leave as they are; anything else (a plug-in's bug,
+    an OSError of its medium) is a TierConfigError naming the kind and the hook, the original
+    kept as ``__cause__``, so that a store never raises an untyped error for a plug-in."""
+    try:
+        return fn(*args)
+    except TierKVError:
+        raise
+    except Exception as exc:
+        raise TierConfigError(
+            f"plug-in tier {kind!r}: {hook} failed: {type(exc).__name__}: {exc}"
+        ) from exc

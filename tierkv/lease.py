@@ -92,6 +92,9 @@ class Lease:
         self._pins: dict[bytes, None] = {}
         # written (sequence, layer, block) as one int each (see _written_key): untracked
         self._written: dict[int, None] = {}
+        # (sequence, layer) as one int each that this lease took as their writer (see
+        # tierkv.step_claims): the store is asked once per layer, not at every append
+        self._writer_of: dict[int, None] = {}
         self._active = False
         self._entering = False  # (between __aenter__'s start and its end)
         self._spent = False  # entered and left: it holds no sequence any more
@@ -114,16 +117,23 @@ class Lease:
             UnknownPageError: a page is in no tier.
             SequenceError: a sequence was released while the lease waited, or the lease is
                 entered already (a second entry pinned every page twice, and its exit
-                left one set pinned for good) or ran already (an entry pinned nothing).
+                left one set pinned for good) or ran already (an entry pinned nothing), or
+                a sequence is in an entered step plan over one of the leased layers (one
+                writer at a time: :mod:`tierkv.step_claims`).
         On error or cancellation nothing stays pinned or admitted.
         """
         if self._active or self._entering:
             raise SequenceError("this lease is entered already (enter it once at a time)")
         if self._spent:  # (it let go of its sequences: an entry would pin nothing)
             raise SequenceError("this lease ran already: take a new one (store.lease)")
+        steps = self._store.steps
+        steps.enter_lease(self._seqs, self._layer_bits)  # (a sequence in a step plan: raises)
         self._entering = True
         try:
             return await self._enter()
+        except BaseException:
+            steps.leave_lease(id(self), self._seqs, self._layer_bits)
+            raise
         finally:
             self._entering = False
 
@@ -210,9 +220,12 @@ class Lease:
     async def __aexit__(self, *exc: object) -> None:
         t0 = time.perf_counter()
         try:
+            store = self._store
+            if self._active:  # (its writer's entries: tierkv.step_claims)
+                store.steps.leave_lease(id(self), self._seqs, self._layer_bits)
+                self._writer_of = {}
             self._spent |= self._active
             self._active = False
-            store = self._store
             if store.closed:
                 self._seqs = ()
                 return  # close() already let go of every page
@@ -351,7 +364,9 @@ class Lease:
         tier's device or the cpu), InvalidTypeError for a k or v that is not a tensor (or an id
         or layer of the wrong type), SequenceError for a sequence or layer not in this lease,
         a sequence released meanwhile, or one that another lease appended to (the same layer)
-        while this append waited, TierFullError when the device has no room for a new page.
+        while this append waited, or that another entered lease appends to (the same layer:
+        one writer at a time, :mod:`tierkv.step_claims`), TierFullError when the device has
+        no room for a new page.
         Checked before anything is allocated.
         """
         seq_id, layer = validate.seq_id(seq_id), validate.layer(layer, self._store.spec.num_layers)
@@ -362,6 +377,10 @@ class Lease:
         n = k.shape[1]
         if n == 0:
             return
+        mine = self._order[seq_id] * spec.num_layers + layer
+        if mine not in self._writer_of:  # one writer of a layer at a time: else raises
+            store.steps.write(id(self), seq, layer)
+            self._writer_of[mine] = None
         await store.turns.pause()
         t0 = time.perf_counter()
         try:

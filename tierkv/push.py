@@ -121,9 +121,10 @@ class Pusher:
             self._task = task  # flush() waits only while the publisher runs
             await self.flush(flush)
             self._task = None
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        task.cancel()  # bounded: a publish that does not end on cancel is left behind
+        await asyncio.wait([task], timeout=self.timeout)
+        if task.done() and not task.cancelled():
+            task.result()  # (a failure of its own is raised, as before)
 
     @property
     def pending(self) -> int:

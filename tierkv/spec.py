@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tierkv.arguments import checked_init
 from tierkv.errors import SpecError
 
 ALIGN = 128
@@ -74,6 +75,7 @@ KV heads of 256 dims and 1,024 tokens in fp32 are 256 MiB). An engine of
 ``page_tokens=10**9`` made 4 GB pages whose first append was killed by the kernel."""
 
 
+@checked_init
 @dataclass(frozen=True, slots=True)
 class KVSpec:
     """The KV layout of one model: what a page holds and how many bytes it takes.

@@ -162,7 +162,9 @@ class StepPlan:
 
         Raises TierFullError (the window of layers can never be resident, or no room came
         before the timeout), SequenceError (a sequence was released, or is in another entered
-        plan: a sequence runs in one plan at a time). Nothing is held then.
+        plan, or, when the plan appends to it, in an entered lease over one of the plan's
+        layers: one writer of a sequence at a time, :mod:`tierkv.step_claims`). Nothing is
+        held then.
         """
         store = self.store
         tiers = store.tiers
@@ -220,7 +222,8 @@ class StepPlan:
             raise SequenceError("this step plan is entered already")
         if self._loop is not None:  # (set once entered: its layers and loads are spent)
             raise SequenceError("this step plan ran already: plan each step anew (step_plan)")
-        self.store.steps.claim(self.seqs)
+        bits = sum(1 << layer for layer in self.layers)
+        self.store.steps.claim(self.seqs, [bits if n else 0 for n in self.tokens])
         self._claimed = True
 
     def _unclaim(self) -> None:

@@ -32,7 +32,7 @@ import asyncio
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
 from itertools import repeat
@@ -40,6 +40,7 @@ from typing import Any, cast
 
 from tierkv import validate
 from tierkv.admission import Admission
+from tierkv.arguments import checked_init
 from tierkv.attention.summaries import KeySummaries
 from tierkv.boundary import async_boundary, boundary
 from tierkv.chain import LowerChain, open_lower
@@ -52,6 +53,7 @@ from tierkv.errors import (
     SequenceError,
     SpecError,
     StoreClosedError,
+    StoreTimeoutError,
     TierConfigError,
 )
 from tierkv.failures import Background, FailureLog
@@ -64,6 +66,7 @@ from tierkv.prompt import prompt_keys
 from tierkv.remote_tier import StoreRemote
 from tierkv.runtime import BACKENDS, EngineStats, TransferEngine, create_backend
 from tierkv.runtime.transfer import INLINE_MAX_BYTES
+from tierkv.seq_flight import ADD, RELEASE, InFlight
 from tierkv.sequence import SequenceState
 from tierkv.spec import KVSpec
 from tierkv.stats import StoreCounters
@@ -79,6 +82,7 @@ from tierkv.turns import TurnBudget
 _OWN_AT_ONCE = 4096  # pages owned in one loop turn (a few ms)
 
 
+@checked_init
 class KVStore:
     """A tiered, paged KV store for one model layout.
 
@@ -243,6 +247,7 @@ class KVStore:
         self._policy = policy
         self._max_inflight = max_inflight
         self._seqs: dict[str, SequenceState] = {}
+        self._flight = InFlight()  # the ids whose add_sequence or release is in flight
         # per page key, the min/max of its K (top-k attention's page summaries): one table for
         # every sequence and tier, following renames, pruned of pages no tier holds
         self.summaries = KeySummaries(spec.num_kv_heads, spec.head_dim)
@@ -351,7 +356,12 @@ class KVStore:
 
     @async_boundary
     async def close(self) -> None:
-        """Stop background work, finish transfers in flight, free everything. Idempotent."""
+        """Stop background work, finish transfers in flight, free everything. Idempotent.
+
+        Every wait is bounded by the store's timeout. Raises StoreTimeoutError when transfers
+        in flight (a hung copy) outlast it, after everything else was let go all the same
+        (the lower tiers' media and locks, the prefault thread, the sequences): a failed
+        close leaves nothing half-closed, and a second close does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -366,15 +376,17 @@ class KVStore:
             t.cancel()
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=self.timeout)
-        if self._chain is not None:
-            await self._persist(self._chain)
-        if self._engine is not None:
-            await self._engine.aclose(self.timeout, cancel_pending=True)
-        if self._tiers is not None:
-            self._tiers.close()
-        if self._chain is not None:
-            self._chain.close()
-        self._seqs.clear()
+        try:
+            if self._chain is not None:
+                await self._persist(self._chain)
+            if self._engine is not None:
+                await self._engine.aclose(self.timeout, cancel_pending=True)
+        finally:  # (a transfer that outlasted the timeout: the rest goes all the same)
+            if self._tiers is not None:
+                self._tiers.close()
+            if self._chain is not None:
+                self._chain.close()
+            self._seqs.clear()
 
     async def _persist(self, chain: LowerChain) -> None:
         """At close: the host tier's content pages go down to the disk (bounded by the
@@ -517,17 +529,34 @@ class KVStore:
         (and for the blocks imported for it from the disk or a remote tier); its quotas
         apply to them (:mod:`tierkv.tenants`).
 
-        Raises SequenceError when the id is in use, StoreClosedError after close,
-        InvalidTypeError / SpecError for a bad id or token, TenantError for a bad salt or
-        tenant name, UnknownTenantError for a tenant the store was not given (nothing is
-        changed then).
+        Calls of one id take turns (:mod:`tierkv.seq_flight`): while a :meth:`release` of
+        ``seq_id`` is in flight (begun, not returned) this waits for it to return, then adds
+        (at most the store's timeout: StoreTimeoutError, nothing changed); a release of
+        ``seq_id`` begun while this is in flight waits for this to return, then releases what
+        it added. A sequence is registered whole when this returns, or not at all.
+
+        Raises SequenceError when the id is in use (live, or an add_sequence of it is in
+        flight), StoreClosedError after close, InvalidTypeError / SpecError for a bad id or
+        token, TenantError for a bad salt or tenant name, UnknownTenantError for a tenant the
+        store was not given, StoreTimeoutError as above (nothing is changed then).
         """
         seq_id = validate.seq_id(seq_id)
         raw = check_salt(salt)
         who = tenant_index(self.tenants, tenant)
-        tiers = self.tiers
+        self.tiers  # noqa: B018 - raises when closed
         if seq_id in self._seqs:
             raise SequenceError(f"sequence {seq_id!r} already exists")
+        await self._flight.turn(seq_id, ADD, self.timeout)  # after a release of it in flight
+        try:
+            return await self._add(seq_id, tokens, raw, who)
+        finally:
+            self._flight.end(seq_id)
+
+    async def _add(
+        self, seq_id: str, tokens: Sequence[int], raw: bytes | None, who: int | None
+    ) -> int:
+        """:meth:`add_sequence`'s work, its arguments checked, no other call of the id in
+        flight."""
         await self.turns.pause()
         tiers = self.tiers  # (the store may have closed meanwhile)
         t0 = time.perf_counter()  # the store work, charged to the turn budget
@@ -670,9 +699,22 @@ class KVStore:
     async def release(self, seq_id: str) -> None:
         """End a sequence: its full blocks stay cached for reuse, its private pages are freed.
 
-        Raises SequenceError for an unknown (or already released) id.
+        While an :meth:`add_sequence` of ``seq_id`` is in flight this waits for it to return
+        (at most the store's timeout: StoreTimeoutError, nothing changed), then releases what
+        it added; an add_sequence of ``seq_id`` begun while this is in flight waits for this
+        to return (:mod:`tierkv.seq_flight`).
+
+        Raises SequenceError for an unknown (or already released, or being released) id.
         """
         seq_id = validate.seq_id(seq_id)
+        # (no suspension unless an add of the id is in flight: see below)
+        await self._flight.turn(seq_id, RELEASE, self.timeout)
+        try:
+            await self._release(seq_id)
+        finally:
+            self._flight.end(seq_id)
+
+    async def _release(self, seq_id: str) -> None:
         # no pause before the release: a write-behind task let run then would copy down the
         # very pages being freed (the pause comes after, when the work is done)
         t0 = time.perf_counter()  # the store work, charged to the turn budget
@@ -744,10 +786,13 @@ class KVStore:
 
         ``blocks`` pins only those page indices of each sequence (none for a sequence it does
         not name), read with :meth:`Lease.kv_blocks`; appends pin what they write.
-        Use as ``async with store.lease(ids) as lease:``. Raises SequenceError for an unknown
-        id (in ``blocks`` too), SpecError for a bad layer, InvalidTypeError for a single str
-        instead of a list or ``blocks`` that is no dict of int lists, InvalidInputError for
-        a negative block.
+        Use as ``async with store.lease(ids) as lease:``. One writer of a sequence's layer at
+        a time (:mod:`tierkv.step_claims`): entering raises SequenceError while a step plan
+        appends to one of its sequences in a leased layer, and an append to a layer another
+        entered lease appended to raises SequenceError (nothing appended); leases that only
+        read may overlap. Raises SequenceError for an unknown id (in ``blocks`` too),
+        SpecError for a bad layer, InvalidTypeError for a single str instead of a list or
+        ``blocks`` that is no dict of int lists, InvalidInputError for a negative block.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         ids = validate.seq_ids(seq_ids)
@@ -768,10 +813,12 @@ class KVStore:
         appending ``tokens`` new tokens (one count for all, or one per sequence) to every
         layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
 
-        Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
-        or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
-        layout the step path cannot index), InvalidTypeError / InvalidInputError for bad
-        arguments; nothing changes then.
+        Use as ``async with store.step_plan(ids) as step:``. A sequence runs in one entered
+        plan at a time, and a plan that appends to it is refused at entry (SequenceError)
+        while a lease over one of its layers is entered (:mod:`tierkv.step_claims`). Raises
+        SequenceError (an unknown or repeated id), SpecError (a bad layer, a count list of
+        the wrong length, a page layout the step path cannot index), InvalidTypeError /
+        InvalidInputError for bad arguments; nothing changes then.
         """
         ls = validate.layers(layers, self.spec.num_layers)
         if len(set(ls)) != len(ls):
@@ -906,16 +953,34 @@ class KVStore:
         )
 
     @async_boundary
-    async def drain(self) -> None:
-        """Wait for background prefetches and compressions to finish, then (bounded by the
-        timeout) for the pages staged for the remote tier to go out. Released pages that are
-        idle by then are gone when it returns (reaped now, not at the next loop turn)."""
-        while self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=self.timeout)
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for background prefetches, compressions and write-behinds to finish (those
+        they start too), then, in the time left, for the pages staged for the remote tier to
+        go out (best effort: a remote too slow for the bound keeps them staged, counted in
+        ``stats()["remote"]``, as remote failures are never raised). Released pages that are
+        idle by then are gone when it returns (reaped now, not at the next loop turn).
+
+        ``timeout``: the bound, in seconds, of the whole call (the store's ``timeout`` when
+        None). Every wait is woken by a task finishing, none polls.
+
+        Raises StoreTimeoutError, saying which background tasks are still running, when
+        they have not all finished by the deadline (nothing is reaped or flushed then, and
+        the tasks run on); InvalidTypeError / InvalidInputError for a bad ``timeout``.
+        """
+        limit = self.timeout if timeout is None else validate.seconds("timeout", timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while self._tasks:  # a finishing task may spawn another: the same deadline bounds it
+            left = deadline - loop.time()
+            if left <= 0:
+                raise StoreTimeoutError(
+                    f"drain: {_pending(self._tasks.values())} still running after {limit:g} s"
+                )
+            await asyncio.wait(list(self._tasks), timeout=left)
         if not self._closed and self._tiers is not None:
             self._tiers.ownership.reap()
         if self.remote is not None:
-            await self.remote.flush(self.timeout)
+            await self.remote.flush(max(0.0, deadline - loop.time()))
 
     # -- figures -------------------------------------------------------------------------
     @boundary
@@ -980,6 +1045,22 @@ class KVStore:
             for fig in out.values():
                 fig["tiers"] = {HOST if t == DEVICE else t: v for t, v in fig["tiers"].items()}
         return out
+
+
+def _pending(tasks: Iterable[Background]) -> str:
+    """What background tasks work on, for an error: ``"2 background tasks (prefetch on
+    device: 8 pages; compression on cold: 3 pages)"``."""
+    kinds: dict[tuple[str, str | None], list[int]] = {}
+    for what in tasks:
+        got = kinds.setdefault((what.kind, what.tier), [0, 0])
+        got[0] += 1
+        got[1] += len(what.keys)
+    n = sum(t for t, _ in kinds.values())
+    parts = [
+        f"{k}{'' if tier is None else f' on {tier}'}: {t} task{'s' * (t != 1)}, {p} pages"
+        for (k, tier), (t, p) in kinds.items()
+    ]
+    return f"{n} background task{'s' * (n != 1)} ({'; '.join(parts)})"
 
 
 def _tenants(

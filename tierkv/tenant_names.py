@@ -8,6 +8,7 @@ a page in any tier. Both are checked here, the same way everywhere they enter.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable
 
@@ -90,3 +91,16 @@ def check_salt(salt: object) -> bytes | None:
 
 class _TenantTypeError(TenantError, InvalidTypeError):
     """A tenant or salt of the wrong type."""
+
+
+def tenant_salt(tenant: str, salt: bytes | None) -> bytes:
+    """The cache salt of a request of ``tenant`` (checked) carrying ``salt`` (checked, or None):
+    32 bytes, SHA-256 of a tag, the tenant and the salt (stable across processes). A server
+    that knows each request's tenant (from its API key) salts with this, so that no page is
+    shared across tenants whatever salt a client sends: a client cannot reach another
+    tenant's pages by sending its salt, nor the unsalted ones by sending none. Requests of one
+    tenant with the same salt (or both none) still share."""
+    h = hashlib.sha256(b"tierkv tenant salt\x00")
+    h.update(check_tenant(tenant).encode())  # (no NUL in a name: the parts cannot run together)
+    h.update(b"\x00\x00" if salt is None else b"\x00\x01" + salt)
+    return h.digest()

@@ -49,6 +49,7 @@ from itertools import repeat
 from numbers import Integral
 from typing import Any, cast
 
+from tierkv.arguments import checked_init
 from tierkv.errors import InvalidTypeError, QuotaConfigError, UnknownTenantError
 from tierkv.tenant_counts import NO_LIMIT as _NO_LIMIT
 from tierkv.tenant_counts import TierCounts
@@ -64,6 +65,7 @@ Key = Hashable
 Allow = Callable[[Key], bool]
 
 
+@checked_init
 @dataclass(frozen=True)
 class Quota:
     """One tenant's share of the tiers, in bytes: per tier a reservation (pages no eviction

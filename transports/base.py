@@ -98,18 +98,32 @@ class Transport(abc.ABC):
         return self
 
     async def aclose(self) -> None:
-        """Cancel in-flight transfers, stop serving, drop peers and regions. Idempotent."""
+        """Cancel in-flight transfers, stop serving, drop peers and regions. Idempotent.
+
+        Each wait is bounded by `timeout`: serving that does not stop within it (a handler
+        that does not end) raises TransferTimeoutError, after the peers and regions were
+        dropped all the same (nothing is left half-closed)."""
         if self._closed:
             return
         self._closed = True
         for h in list(self._inflight):
             h.cancel()
-        if self._inflight:
-            await asyncio.wait([h.task for h in self._inflight], timeout=self.timeout)
-        await asyncio.wait_for(self._close(), self.timeout)
-        for region in list(self._regions.values()):
-            self._drop_region(region)
-        self._peers.clear()
+        try:
+            if self._inflight:
+                await asyncio.wait([h.task for h in self._inflight], timeout=self.timeout)
+            closing = asyncio.ensure_future(self._close())
+            await asyncio.wait([closing], timeout=self.timeout)
+            if not closing.done():  # (not wait_for: it would wait for the cancel to land)
+                closing.cancel()
+                raise TransferTimeoutError(
+                    f"{self.kind} transport {self.name!r}: serving did not stop within "
+                    f"{self.timeout:g} s (its peers and regions dropped)"
+                )
+            closing.result()
+        finally:
+            for region in list(self._regions.values()):
+                self._drop_region(region)
+            self._peers.clear()
 
     async def __aenter__(self: _T) -> _T:
         return await self.start()

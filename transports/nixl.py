@@ -165,8 +165,10 @@ class NixlTransport(Transport):
 
     async def aclose(self) -> None:
         """Abort in-flight transfers, deregister every region, drop peers and the NIXL agent."""
-        await super().aclose()
-        self._agent = None  # the last reference: NIXL tears down its backend and threads
+        try:
+            await super().aclose()
+        finally:
+            self._agent = None  # the last reference: NIXL tears down its backend and threads
 
     # -- regions -------------------------------------------------------------------------------
 

@@ -510,3 +510,31 @@ async def test_halt_ends_a_loop_whose_cancellation_a_call_swallowed(
     monkeypatch.setattr(d, "refresh", swallowing)
     await asyncio.wait_for(started.wait(), 5)  # the keepalive is inside the call
     await asyncio.wait_for(agent.halt(), 5)  # hung before the fix (the test with it)
+
+
+async def test_halt_is_bounded_when_a_call_ignores_its_cancellation(
+    fresh: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refresh that swallows every cancel (not only the first) until it is let go: halt()
+    returns within the directory's timeout, the loop left to end at its next turn. Fails on
+    the old code (halt waited for the cancelled tasks without bound)."""
+    d = RedisDirectory(fresh, ttl=0.3, timeout=0.5)
+    agent = await DirectoryAgent(d, "127.0.0.1:17998", set, linger=0).start()
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def deaf(number: int, address: str) -> bool:
+        started.set()
+        while not gate.is_set():
+            try:
+                await gate.wait()
+            except asyncio.CancelledError:
+                continue
+        return True
+
+    monkeypatch.setattr(d, "refresh", deaf)
+    await asyncio.wait_for(started.wait(), 5)  # the keepalive is inside the call
+    halting = asyncio.ensure_future(agent.halt())
+    done, _ = await asyncio.wait([halting], timeout=10)
+    gate.set()  # (the loop ends now: it sees the agent closing)
+    assert done, "halt waited for a task that ignored its cancellation"
+    halting.result()

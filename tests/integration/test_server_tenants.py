@@ -153,3 +153,59 @@ async def test_a_streamed_request_refused_before_its_first_token_gets_its_status
             assert '"error"' in text
     finally:
         await runner.cleanup()
+
+
+async def test_a_tenant_cannot_reach_another_tenants_pages_by_its_salt() -> None:
+    """With API keys, a hostile tenant that sends the victim's cache_salt (or none, as the
+    victim did) gets no prefix hit: the tenant is mixed into the salt. Fails on the old code
+    (the salt alone keyed the pages: 32 cached tokens of the victim's prompt)."""
+    cfg = server.ServerConfig(
+        model="tiny",
+        tiny=MODEL,
+        engine=EngineConfig(
+            max_running=2,
+            page_tokens=8,
+            max_context=64,
+            tenants={"victim": Quota(), "probe": Quota()},
+        ),
+        max_tokens=8,
+        api_keys={"k-victim": "victim", "k-probe": "probe"},
+    )
+    runner, url = await server.start(cfg)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+            async def cached(key: str, tail: int, salt: str | None) -> int:
+                body: dict[str, Any] = {
+                    "prompt": [*range(1, 41), tail],
+                    "max_tokens": 1,
+                    "temperature": 0,
+                }
+                if salt is not None:
+                    body["cache_salt"] = salt
+                head = {"Authorization": f"Bearer {key}"}
+                async with session.post(f"{url}/v1/completions", json=body, headers=head) as r:
+                    got = await r.json()
+                    assert r.status == 200, got
+                return int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+            for salt in ("secret", None):
+                assert await cached("k-victim", 100, salt) == 0
+                assert await cached("k-victim", 101, salt) == 40  # the victim's own prefix
+                assert await cached("k-probe", 102, salt) == 0  # the same salt: no hit
+                assert await cached("k-probe", 103, salt) == 40  # the probe's own, made above
+    finally:
+        await runner.cleanup()
+
+
+def test_tenant_salt_is_stable_and_separates_tenants_and_salts() -> None:
+    from tierkv.errors import TenantError
+    from tierkv.tenant_names import tenant_salt
+
+    a = tenant_salt("acme", b"s")
+    assert a == tenant_salt("acme", b"s") and len(a) == 32
+    others = {tenant_salt("acme", None), tenant_salt("acme", b"t"), tenant_salt("acme2", b"s")}
+    others |= {tenant_salt("acm", b"es"), tenant_salt("acme", b"")}
+    assert a not in others and len(others) == 5
+    with pytest.raises(TenantError):
+        tenant_salt("a:b", b"s")

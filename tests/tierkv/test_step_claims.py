@@ -123,3 +123,112 @@ async def test_a_plan_cancelled_while_waiting_for_room_frees_its_sequences() -> 
         async with st.step_plan(["a"]) as p:
             await _decode(p, seed=50)
         await idle(st)
+
+
+# -- one writer of a sequence's layer at a time: a plan and a lease, two leases -------------
+async def test_a_lease_over_a_sequence_in_a_plan_raises_at_entry_and_changes_nothing() -> None:
+    """Was: the lease entered and its appends interleaved with the plan's in one layer (the
+    probe's finding; nothing leaked, check() passed). Now the lease's entry raises, nothing
+    changed, and the plan goes on as if nothing happened. Fails on the old code."""
+    async with store() as st:
+        await st.add_sequence("a", [])
+        await st.add_sequence("b", [])
+        async with st.step_plan(["a"]) as p1:
+            h = await p1.layer(0)
+            before = _state(st, ["a", "b"])
+            for ids, layers in ((["a"], None), (["b", "a"], [1])):
+                with pytest.raises(SequenceError, match="'a' is in an entered step plan"):
+                    async with st.lease(ids, layers):
+                        pytest.fail("entered a lease over 'a' while a plan appends to it")
+                assert _state(st, ["a", "b"]) == before
+            async with st.lease(["b"]) as lb:  # another sequence: leased at once
+                await lb.append("b", 0, rand(H, 1, D, seed=3), rand(H, 1, D, seed=4))
+            new = rand(1, H, 1, D, seed=1)
+            h.append(new, new)
+            for layer in range(1, SPEC.num_layers):
+                h = await p1.layer(layer)
+                h.append(new, new)
+        assert st.sequence("a").kv_len == [1] * SPEC.num_layers  # the plan's token, alone
+        async with st.lease(["a"]) as la:  # the plan exited: 'a' leases again
+            assert torch.equal(la.kv("a", 0)[0][:, :1], new[0])
+        await idle(st)
+
+
+async def test_a_plan_over_a_leased_sequence_raises_at_entry_and_changes_nothing() -> None:
+    """The lease entered first (reading, or appending) keeps the sequence: the plan's entry
+    raises, nothing held; a lease over other layers does not stop it. Fails on the old code
+    (the plan entered and both appended to layer 0)."""
+    async with store() as st:
+        await st.add_sequence("a", [])
+        k = rand(H, 1, D, seed=5)
+        async with st.lease(["a"], [0]) as la:
+            await la.append("a", 0, k, k)
+            before = _state(st, ["a"])
+            for layers in (None, [0, 1]):
+                with pytest.raises(
+                    SequenceError, match=r"'a' is in an entered lease \(layers \[0\]"
+                ):
+                    async with st.step_plan(["a"], layers):
+                        pytest.fail("entered a plan over a leased sequence")
+                assert _state(st, ["a"]) == before
+            loop = asyncio.get_running_loop()
+            with pytest.raises(SequenceError, match="entered lease"):
+                st.step_plan(["a"]).enter_now(loop)
+            assert len(st.steps) == 0
+            async with st.step_plan(["a"], [0], tokens=0) as p:  # a plan that only reads
+                assert torch.equal((await p.layer(0)).kv()[0][0], k)
+            async with st.step_plan(["a"], [1, 2, 3]) as p:  # other layers: one writer each
+                for layer in (1, 2, 3):
+                    h = await p.layer(layer)
+                    h.append(k.unsqueeze(0), k.unsqueeze(0))
+            await la.append("a", 0, k, k)  # the lease goes on as if nothing happened
+        assert st.sequence("a").kv_len == [2, 1, 1, 1]
+        async with st.step_plan(["a"], [0]) as p:  # the lease exited: layer 0 is free
+            h = await p.layer(0)
+            h.append(k.unsqueeze(0), k.unsqueeze(0))
+        await idle(st)
+
+
+async def test_two_leases_take_a_layer_at_their_first_append() -> None:
+    """Two leases of one sequence may read at once; the first to append to a layer holds it
+    until it exits, the other's append to that layer raises (nothing appended), to another
+    layer is its own. Fails on the old code (both appended to layer 0, interleaved)."""
+    async with store() as st:
+        await st.add_sequence("a", [])
+        k1, k2 = rand(H, 1, D, seed=6), rand(H, 1, D, seed=7)
+        async with st.lease(["a"]) as first, st.lease(["a"]) as second:
+            await first.append("a", 0, k1, k1)
+            before = _state(st, ["a"])
+            with pytest.raises(SequenceError, match="'a' layer 0: another entered lease"):
+                await second.append("a", 0, k2, k2)
+            assert _state(st, ["a"]) == before
+            await second.append("a", 1, k2, k2)  # another layer: this lease's
+            with pytest.raises(SequenceError, match="layer 1: another entered lease"):
+                await first.append("a", 1, k1, k1)
+            await first.append("a", 0, k1, k1)  # the first goes on
+            assert torch.equal(second.kv("a", 0)[0], torch.cat([k1, k1], 1))  # reads are fine
+        async with st.lease(["a"]) as third:  # both exited: layer 0 and 1 are free again
+            await third.append("a", 0, k2, k2)
+            await third.append("a", 1, k2, k2)
+        assert st.sequence("a").kv_len[:2] == [3, 2]
+        await idle(st)
+
+
+async def test_a_lease_that_failed_to_enter_or_exited_leaves_no_writer() -> None:
+    async with store() as st:
+        await st.add_sequence("a", [])
+        st.timeout = 0.2
+        admission = st.admission
+        held = admission.enter_now(admission.capacity)  # no room: the lease's entry fails
+        assert held is not None
+        with pytest.raises(TierFullError):
+            async with st.lease(["a"]):
+                pass
+        admission.leave(held)
+        async with st.step_plan(["a"]) as p:  # nothing left of the failed lease
+            await _decode(p, seed=60)
+        lease = st.lease(["a"])
+        await lease.__aexit__(None, None, None)  # an exit without entry records nothing
+        async with st.step_plan(["a"]) as p:
+            await _decode(p, seed=70)
+        await idle(st)

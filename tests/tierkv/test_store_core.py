@@ -5,7 +5,6 @@ owned without blocking the loop, and remote imports and exports go through the c
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,7 @@ from tierkv.remote.store_io import prefix_pages
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE, HOST
 
+from .held_copies import hold_copies
 from .test_store import PAGE, SPEC, check, fill, kv, no_pins_left, tokens
 
 
@@ -168,16 +168,7 @@ async def test_a_full_block_busy_at_release_is_cached_not_freed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with KVStore(SPEC, device_bytes=16 * PAGE, host_bytes=40 * PAGE, codec=None) as store:
-        gate = threading.Event()  # device->host copies (write-behind) wait for the gate
-        backend = store.tiers.engine.backend
-        copy = backend.copy_slots
-
-        def held(src: Any, *args: Any) -> Any:
-            if src.name == DEVICE:
-                gate.wait(20)
-            return copy(src, *args)
-
-        monkeypatch.setattr(backend, "copy_slots", held)
+        gate = hold_copies(monkeypatch, store, DEVICE)  # device->host copies (write-behind)
         await store.add_sequence("a", tokens(1, 8))
         ref = {layer: kv(8, layer) for layer in range(SPEC.num_layers)}
         for layer in range(SPEC.num_layers):  # a lease per layer, as a layer-wise server does

@@ -19,6 +19,7 @@ from tierkv.store import KVStore
 from tierkv.sync import SyncKVStore
 from tierkv.tiers import DEVICE, HOST
 
+from .held_copies import hold_copies
 from .test_store import PAGE, SPEC, check, fill, kv, no_pins_left, tokens
 
 
@@ -125,16 +126,7 @@ async def test_a_page_that_never_lands_ends_the_wait_with_a_typed_timeout(
         await fill(store, "b", 2, n=16)  # 8 pages: a's pages leave the device (to the host)
         await settle(store)
         assert not store.tiers.table.present(store.sequence("a").all_pages(), DEVICE)
-        gate = threading.Event()  # a host->device copy that does not end until the gate opens
-        backend = store.tiers.engine.backend
-        copy = backend.copy_slots
-
-        def held(src: Any, *args: Any) -> Any:
-            if src.name == HOST:
-                gate.wait(20)
-            return copy(src, *args)
-
-        monkeypatch.setattr(backend, "copy_slots", held)
+        gate = hold_copies(monkeypatch, store, HOST)  # a host->device copy waits for the gate
         with pytest.raises(StoreTimeoutError):
             await check(store, "a", ref)
         assert store.admission.active == 0

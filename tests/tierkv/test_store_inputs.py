@@ -446,14 +446,17 @@ async def test_a_long_prompt_gives_the_loop_turns_while_it_is_hashed() -> None:
 async def test_the_same_id_added_while_a_long_prompt_hashes_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """The first add of an id holds it while in flight (tierkv.seq_flight): the second is
+    refused at once, before any work (it used to hash and register, and the first, long one
+    then failed with "already exists")."""
     monkeypatch.setattr(prompt, "SLICE_TOKENS", 64)
     async with store_of() as store:
         adding = asyncio.create_task(store.add_sequence("x", list(range(1000))))
         await asyncio.sleep(0)
-        await store.add_sequence("x", [1, 2, 3])  # same id, added while the first one hashes
-        with pytest.raises(SequenceError, match="already exists"):
-            await adding
-        assert store.sequence("x").tokens == [1, 2, 3]
+        with pytest.raises(SequenceError, match="'x' is being added already"):
+            await store.add_sequence("x", [1, 2, 3])  # same id, added while the first hashes
+        await adding
+        assert store.sequence("x").tokens == list(range(1000))
         store.check()
 
 

@@ -168,3 +168,37 @@ async def test_peer_bytes_over_the_decode_limits_are_typed_errors() -> None:
         for data in (huge_array, msgpack.packb(["a" * 5000, 1, 2, "host", ""]), b"\0" * 70_000):
             with pytest.raises(RegionError, match="malformed region descriptor"):
                 RegionDescriptor.unpack(data)
+
+
+class _DeafLoopback(LoopbackTransport):
+    """A transport whose serving does not stop (a handler that ignores its cancel) until let
+    go."""
+
+    gate: asyncio.Event
+
+    async def _close(self) -> None:
+        await super()._close()
+        while not self.gate.is_set():
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                continue
+
+
+async def test_a_close_whose_serving_does_not_stop_is_bounded_and_drops_everything() -> None:
+    """Fails on the old code: aclose waited in asyncio.wait_for for the cancel to land (for
+    ever), and on a plain timeout raised a builtin TimeoutError with its regions kept."""
+    t = _DeafLoopback("deaf", timeout=0.2)
+    t.gate = asyncio.Event()
+    await t.start()
+    region = t.allocate(4096)
+    closing = asyncio.ensure_future(t.aclose())
+    done, _ = await asyncio.wait([closing], timeout=10)
+    t.gate.set()
+    assert done, "aclose waited for serving that did not stop"
+    with pytest.raises(TransferTimeoutError, match=r"did not stop within 0\.2 s"):
+        closing.result()
+    assert t.closed
+    with pytest.raises(RemoteAccessError, match="has no region"):
+        t.serve_view(region.region_id, 0, 1)  # dropped all the same
+    await t.aclose()  # idempotent

@@ -35,6 +35,7 @@ _OPEN = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
 """Every file of PATH is opened as itself, never through a symbolic link: the lock and the
 segments are truncated, preallocated and written (a link would aim that at another file)."""
 
+_SEGMENT = re.compile(r"segment-(\d{5,})\.tkvd")
 _OUR_NAMES = re.compile(r"lock|layout\.json(\.tmp)?|segment-\d{5,}\.tkvd|lost\+found")
 """Names a disk path may hold before a disk tier first opens it (``lost+found``: the root of a
 freshly made filesystem, a common mount point)."""
@@ -82,6 +83,7 @@ def open_files(path: str, geometry: Geometry, direct: bool, overwrite: bool = Fa
         recorded = read_layout(path)
         if recorded is not None:
             check_layout(path, recorded, geometry)
+        _check_space(path, geometry)
         for seg in range(geometry.segments):
             opened.fds.append(_segment(opened, geometry, seg))
         first = os.path.join(path, segment_name(0))
@@ -171,6 +173,30 @@ def _ours(lock_fd: int) -> bool:
     except OSError:
         return False
     return re.fullmatch(rb"(\d{1,20}\n)?", head) is not None
+
+
+def _check_space(path: str, geometry: Geometry) -> None:
+    """DiskSpaceError, before any segment is created or grown, when the segments need more
+    bytes than the filesystem has free (a ``disk_bytes=1 << 50`` typo preallocated segments
+    until the disk was full, then removed them: seconds of a full disk for everyone)."""
+    need = geometry.capacity * geometry.slot_bytes
+    try:
+        with os.scandir(path) as entries:  # the segments there already count what they hold
+            for e in entries:
+                m = _SEGMENT.fullmatch(e.name)
+                if m is not None and int(m[1]) < geometry.segments:
+                    want = geometry.segment_slots(int(m[1])) * geometry.slot_bytes
+                    need -= min(want, e.stat().st_size)
+        st = os.statvfs(path)
+    except OSError:
+        return  # (cannot tell: the preallocation says)
+    free = st.f_bavail * st.f_frsize
+    if need > free:
+        raise DiskSpaceError(
+            f"disk path {path!r}: the disk tier needs {need} more bytes "
+            f"({geometry.capacity} slots of {geometry.slot_bytes} bytes), the filesystem has "
+            f"{free} free; nothing was created"
+        )
 
 
 def _segment(opened: Opened, geometry: Geometry, seg: int) -> int:

@@ -13,7 +13,7 @@ import functools
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from .errors import DiskClosedError
@@ -115,6 +115,32 @@ class IoPool:
         with self._lock:
             self._closed = True
             return list(self._inflight)
+
+    def close_within(self, timeout: float | None, then: Callable[[], None]) -> None:
+        """`shut`, wait for the batches in flight (at most `timeout` s; None: no bound), then
+        `close` and ``then()``. Batches still running at the deadline (a hung disk) keep the
+        threads and buffers: `close` and ``then()`` run when the last of them ends (on a
+        thread of its own: the pool's shutdown joins its threads), and this returns now."""
+        _, late = wait(self.shut(), timeout)
+        if not late:
+            self.close()
+            then()
+            return
+        left, lock = [len(late)], threading.Lock()
+
+        def finish() -> None:
+            self.close()
+            then()
+
+        def ended(_: Future[Any]) -> None:  # (on the I/O thread that ended the batch)
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                threading.Thread(target=finish, name="tierkv-disk-close").start()
+
+        for f in late:
+            f.add_done_callback(ended)
 
     def close(self) -> None:
         """Stop the threads (after the in-flight batches ended) and free the buffers."""

@@ -19,7 +19,8 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from tierkv.errors import InvalidInputError
@@ -366,22 +367,21 @@ class DiskPages:
         self._index.check()
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for the batches in flight (at most `timeout` s), then release the threads, the
-        buffers, the files and the lock. Idempotent."""
+        """Wait for the batches in flight (at most `timeout` s; None: no bound), then release
+        the threads, buffers, files and lock (idempotent); those of batches still running (a
+        hung disk) when the last ends, never under it (`IoPool.close_within`)."""
         if self._closed:
             return
         self._closed = True
-        wait(self._pool.shut(), timeout)
-        self._pool.close()
-        self._opened.release(remove_created=False)
+        self._pool.close_within(timeout, partial(self._opened.release, remove_created=False))
 
-    async def aclose(self) -> None:
-        """`close` after awaiting the batches in flight on the event loop."""
+    async def aclose(self, timeout: float | None = None) -> None:
+        """`close` after awaiting the batches in flight on the loop (at most `timeout` s)."""
         if not self._closed:
             pending = [asyncio.wrap_future(f) for f in self._pool.shut()]
             if pending:
-                await asyncio.wait(pending)
-        self.close()
+                await asyncio.wait(pending, timeout=timeout)
+        self.close(0)
 
     def __enter__(self) -> DiskPages:
         return self

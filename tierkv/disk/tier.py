@@ -50,6 +50,9 @@ class DiskTier:
     medium = DISK
     holds = Holds.CONTENT
 
+    close_timeout: float | None = None
+    """The longest `close` waits for batches in flight (`DiskPages.close`; None: no bound)."""
+
     def __init__(self, pages: DiskPages, admission: SeenTwice | None = None) -> None:
         """Use `DiskTier.open` (or wrap pages opened with ``key_bytes=32``). `admission`:
         the filter of evicted pages (`admit`); None writes every one."""
@@ -66,15 +69,19 @@ class DiskTier:
         page_bytes: int,
         disk_bytes: int,
         seen_twice: bool = False,
+        close_timeout: float | None = None,
         **kw: Any,
     ) -> DiskTier:
         """`DiskPages.open` with the tier's key size; raises what it raises (nothing created).
         `seen_twice`: write an evicted page only on its second offer (`SeenTwice`, remembering
-        four times the disk's pages; off by default: docs/disk.md, "Admission")."""
+        four times the disk's pages; off by default: docs/disk.md, "Admission");
+        `close_timeout`: the attribute's (a store gives its timeout)."""
         pages = DiskPages.open(
             path, page_bytes=page_bytes, disk_bytes=disk_bytes, **kw, key_bytes=_KEY_BYTES
         )
-        return cls(pages, SeenTwice(4 * pages.geometry.capacity) if seen_twice else None)
+        tier = cls(pages, SeenTwice(4 * pages.geometry.capacity) if seen_twice else None)
+        tier.close_timeout = close_timeout
+        return tier
 
     def accepts(self, key: bytes) -> bool:
         """Content pages only."""
@@ -130,8 +137,9 @@ class DiskTier:
         return out
 
     def close(self) -> None:
-        """Close the medium (its lock released)."""
-        self.pages.close()
+        """Close the medium (its lock released), waiting at most `close_timeout` for the
+        batches in flight (the rest is released when they end: `DiskPages.close`)."""
+        self.pages.close(self.close_timeout)
 
 
 def _save(engine: TransferEngine, tier: DiskTier, batch: Batch) -> TransferHandle:

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from tierkv import validate
+from tierkv.arguments import checked_init
 from tierkv.codecs import CODECS
 from tierkv.errors import (
     InvalidInputError,
@@ -86,6 +87,7 @@ class _Layers:
     next: int = 0
 
 
+@checked_init
 @dataclass(frozen=True)
 class EngineConfig:
     """What the engine is built with.
@@ -190,6 +192,7 @@ class EngineCounters:
     last_error: str = ""
 
 
+@checked_init
 class Engine:
     """Continuous batching of requests over one model and one KV store.
 
@@ -295,10 +298,12 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
+        if self._task is not None:  # bounded: a step stuck past cancelling is left behind
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait([self._task], timeout=self.store.timeout)
+            if self._task.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    self._task.result()
         sched = self.scheduler
         for req in [*sched.running, *sched.waiting]:
             self._finish(req, "abort")
@@ -533,7 +538,7 @@ class Engine:
                 continue
             seq = self.store.sequence(r.rid)
             if sum(seq.shared) < seq.length // t:
-                await self.store.drain()
+                await self._drain()
                 self.store.publish(seq)
 
     async def _reap(self) -> None:
@@ -564,8 +569,17 @@ class Engine:
             if sum(seq.shared) < seq.length // seq.page_tokens:
                 # a full block not yet published: a page in flight (a write-back the last
                 # lease started) cannot be renamed, and release would free it uncached
-                await store.drain()
+                await self._drain()
         await store.release(req.rid)
+
+    async def _drain(self) -> None:
+        """Wait for the store's background copies, bounded by its timeout: a copy hung past
+        it is logged (``last_error``), and the caller goes on (a release still frees its
+        sequence; the block is then not reused)."""
+        try:
+            await self.store.drain()
+        except StoreTimeoutError as exc:
+            self.counters.last_error = self._failures.report("store drain", exc)
 
     def _finish(self, req: Request, reason: str, token: int | None = None) -> None:
         if req.finished is None:

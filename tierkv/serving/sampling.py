@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.arguments import checked_init
 from tierkv.errors import InvalidInputError, InvalidTypeError
 
 
+@checked_init
 @dataclass(frozen=True)
 class SamplingParams:
     """How a request generates.

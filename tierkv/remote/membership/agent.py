@@ -106,7 +106,8 @@ class DirectoryAgent:
         self._closing = True
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # bounded: a loop whose cancellation was swallowed ends at its next turn
+            await asyncio.wait(tasks, timeout=self.directory.timeout)
 
     async def aclose(self) -> None:
         """Stop; leave the directory (bounded by its timeout) and close it."""

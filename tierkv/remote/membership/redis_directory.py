@@ -59,6 +59,7 @@ from tierkv.remote.errors import (
     DirectoryURLError,
     NodeIdTakenError,
 )
+from tierkv.remote.membership.bounded import bounded
 from tierkv.remote.membership.layout import (
     LEAVE,
     LIVE,
@@ -81,7 +82,7 @@ from tierkv.remote.membership.replies import (
     registered,
     script_reply,
 )
-from tierkv.remote.membership.wire import Links, command, scripted, where
+from tierkv.remote.membership.wire import Links, command, reply_bytes, scripted, where
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
 
@@ -250,9 +251,16 @@ class RedisDirectory:
             **self._options,
         }
         try:
-            if cluster:
-                return RedisCluster.from_url(self.url, **opts)
-            return Redis.from_url(self.url, **opts)
+            client: Client = (
+                RedisCluster.from_url(self.url, **opts)
+                if cluster
+                else Redis.from_url(self.url, **opts)
+            )
+            # replies as bounded as on our own connections (wire.py): a locate's script reply
+            # is the largest
+            return bounded(
+                client, max_bulk=reply_bytes(LOCATE_BATCH), max_reply=reply_bytes(LOCATE_BATCH)
+            )
         except (ValueError, TypeError, RedisError) as exc:
             raise DirectoryURLError(f"bad directory url or option ({self.url!r}): {exc}") from exc
 

@@ -45,46 +45,81 @@ def suspect(data: bytes | bytearray) -> bool:
     return False
 
 
-class AggregateGuard:
-    """Walks a RESP stream from its start, header by header, skipping bulk payloads, and
-    raises InvalidResponse at an aggregate header announcing more than `MAX_ELEMENTS`
-    (before the parser sees it). Only the headers' framing matters here, not the nesting;
-    anything malformed is left to the parser, which refuses it. Resumable: `feed` walks the
-    new bytes only (a Python step per header: used only once `suspect` matched)."""
+_HEADER_BYTES = 32
+"""The longest length or count line (a type byte, a sign, up to 20 digits, CRLF): a longer
+one is no RESP."""
 
-    def __init__(self) -> None:
-        self._buf = bytearray()  # from the next header on
-        self._scan = 0  # where its CRLF may be (bytes before were searched already)
+
+class AggregateGuard:
+    """Walks a RESP stream from its start, header by header, skipping bulk payloads (counted,
+    never buffered), and raises InvalidResponse at an aggregate header announcing more than
+    `MAX_ELEMENTS`, a bulk header announcing more than ``max_bulk`` bytes (None: any), or a
+    length that is no number (before the parser sees any of them). Only the headers' framing
+    matters here, not the nesting; a malformed simple line is left to the parser, which
+    refuses it. Resumable: `feed` walks the new bytes only (a Python step per header).
+
+    The directory's own connections walk a trip with it once `suspect` matched (`wire`); a
+    redis-py connection walks every byte it reads (`tierkv.remote.membership.bounded`)."""
+
+    def __init__(self, max_bulk: int | None = None) -> None:
+        self.max_bulk = max_bulk
+        # the current line so far: a length or count line's bytes; of any other line, its
+        # type byte and its last byte (a CR, if its CRLF is split between two feeds)
+        self._line = bytearray()
+        self._skip = 0  # a bulk's payload bytes (and CRLF) still to pass
 
     def feed(self, data: bytes | bytearray) -> None:
         """Walk ``data`` (the stream's next bytes)."""
-        buf = self._buf
-        buf += data
-        pos = 0
-        while pos < len(buf):
-            end = buf.find(b"\r\n", max(pos, self._scan))
+        line, pos, n = self._line, 0, len(data)
+        while pos < n:
+            if self._skip:
+                step = min(self._skip, n - pos)
+                self._skip -= step
+                pos += step
+                continue
+            if line[-1:] == b"\r" and data[pos] == 10:  # a CRLF split between two feeds
+                del line[-1]
+                pos += 1
+                self._header()
+                continue
+            end = data.find(b"\r\n", pos)
+            self._part(data, pos, n if end < 0 else end)
             if end < 0:
-                self._scan = max(pos, len(buf) - 1)  # (an endless line is searched once)
                 break
-            kind = buf[pos]
-            if kind in _BULK or kind in _AGGREGATE:
-                try:
-                    n = int(buf[pos + 1 : end])
-                except ValueError:
-                    break  # not RESP: the parser raises
-                if kind in _AGGREGATE and n > MAX_ELEMENTS:
-                    raise InvalidResponse(
-                        f"an aggregate reply of {n} elements (at most {MAX_ELEMENTS})"
-                    )
-                if kind in _BULK and n >= 0:
-                    if end + 4 + n > len(buf):
-                        self._scan = pos  # its payload has not all come: walk it again then
-                        break
-                    end += n + 2
             pos = end + 2
-            self._scan = pos
-        del buf[:pos]
-        self._scan -= pos
+            self._header()
+
+    def _part(self, data: bytes | bytearray, pos: int, end: int) -> None:
+        """Add ``data[pos:end]`` to the current line (only what `_header` needs of it)."""
+        line = self._line
+        if pos == end:
+            return
+        kind = line[0] if line else data[pos]
+        if kind in _BULK or kind in _AGGREGATE:
+            line += data[pos:end]
+            if len(line) > _HEADER_BYTES:
+                raise InvalidResponse(f"a length line of over {_HEADER_BYTES} bytes: {line!r:.40}")
+        else:
+            line[:] = bytes((kind, data[end - 1]))  # (an endless line costs no memory here)
+
+    def _header(self) -> None:
+        """The current line is complete: check it (a length or a count) and clear it."""
+        line = self._line
+        kind = line[0] if line else 0
+        if kind in _BULK or kind in _AGGREGATE:
+            try:
+                n = int(line[1:])
+            except ValueError:
+                raise InvalidResponse(f"not RESP: a length of {bytes(line)!r:.40}") from None
+            if kind in _AGGREGATE and n > MAX_ELEMENTS:
+                raise InvalidResponse(
+                    f"an aggregate reply of {n} elements (at most {MAX_ELEMENTS})"
+                )
+            if kind in _BULK and n >= 0:
+                if self.max_bulk is not None and n > self.max_bulk:
+                    raise InvalidResponse(f"a bulk reply of {n} bytes (at most {self.max_bulk})")
+                self._skip = n + 2
+        line.clear()
 
 
 def live_set(flat: Any) -> dict[int, str]:

@@ -16,7 +16,6 @@ written whole; its late reply is dropped by its id); a call that times out break
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import os
 from collections.abc import Awaitable, Callable
@@ -146,9 +145,8 @@ class Control:
             self._session = None
         task, self._reader_task = self._reader_task, None
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task.cancel()  # bounded: a reader that does not end on cancel is left behind
+            await asyncio.wait([task], timeout=self.timeout)
         self._end()
 
     def _break(self) -> None:

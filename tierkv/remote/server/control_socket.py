@@ -121,12 +121,18 @@ class ControlSocket:
 
     async def aclose(self) -> None:
         """Stop accepting, close every connection and wait (within the timeout) for their
-        handlers to end."""
+        handlers to end; those still running then are cancelled (and waited for within the
+        timeout again)."""
         self.stop_accepting()
         for s in list(self._sessions):  # handlers see EOF and end (their leases with them)
             s.close()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.timeout)
+        late = list(self._tasks)  # a handler stuck past the bound: cancelled (its leases end)
+        for task in late:
+            task.cancel()
+        if late:
+            await asyncio.wait(late, timeout=self.timeout)
 
     def _admitted(self, sock: socket.socket, addr: str) -> None:
         task = asyncio.get_running_loop().create_task(self._connection(sock, addr))

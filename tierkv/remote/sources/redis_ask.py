@@ -20,20 +20,25 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import AskError, MovedError
 
+from tierkv.remote.membership.bounded import bounded
+
 __all__ = ["AskFollower"]
 
 
 class AskFollower:
-    """One plain client per node address, made on first use (keyword ``options`` for each)."""
+    """One plain client per node address, made on first use (keyword ``options`` for each),
+    its replies bounded by ``bounds`` (`tierkv.remote.membership.bounded.bounded`'s)."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, bounds: dict[str, int], **options: Any) -> None:
+        self._bounds = bounds  # what a node's reply may make us allocate (`bounded`)
         self._options = options
         self._clients: dict[tuple[str, int], Redis] = {}
 
     def _node(self, host: str, port: int) -> Redis:
         client = self._clients.get((host, port))
         if client is None:
-            client = self._clients[(host, port)] = Redis(host=host, port=port, **self._options)
+            client = bounded(Redis(host=host, port=port, **self._options), **self._bounds)
+            self._clients[(host, port)] = client
         return client
 
     async def get(self, cluster: RedisCluster, rkey: bytes, px: int | None) -> Any:

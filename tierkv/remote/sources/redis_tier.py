@@ -53,6 +53,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tierkv import page_sums
 from tierkv.errors import SpecError
 from tierkv.page_sums import NO_SUM, PageCheck, row_sums
+from tierkv.remote.membership.bounded import bounded
 from tierkv.remote.sources.redis_ask import AskFollower, follow_failed
 from tierkv.remote.sources.redis_value import (
     FORMAT,
@@ -191,13 +192,27 @@ class RedisTier:
                 client = Redis.from_url(self.url, **opts)
         except (ValueError, TypeError, RedisError) as exc:
             raise SpecError(f"bad Redis url or client option ({self.url!r}): {exc}") from exc
-        self._client = client
+        self._client = bounded(client, **self._bounds)
         return client
+
+    @property
+    def _bounds(self) -> dict[str, int]:
+        """What a reply may make us allocate (`tierkv.remote.membership.bounded`): a bulk of
+        one page's value (or 64 KiB: a topology or config reply), a reply of ``batch_pages``
+        values (an MGET) and 4 MiB more. A hostile server's ``*4294967295`` or a value of a
+        TiB is an InvalidResponse, a counted miss, before anything is allocated."""
+        value = HEADER_BYTES + self._page_bytes
+        return {
+            "max_bulk": max(value, 64 << 10),
+            "max_reply": self.batch_pages * (value + 64) + (4 << 20),
+        }
 
     def _follower(self) -> AskFollower:
         keep = ("username", "password", "ssl", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
         opts = {k: v for k, v in self._options.items() if k in keep}
-        return AskFollower(socket_timeout=self.timeout, socket_connect_timeout=self.timeout, **opts)
+        return AskFollower(
+            self._bounds, socket_timeout=self.timeout, socket_connect_timeout=self.timeout, **opts
+        )
 
     # -- life cycle ----------------------------------------------------------------------
     async def connect(self) -> RedisTier:
