@@ -20,7 +20,9 @@ prefixes only with requests of the same salt, in every tier; docs/security.md, "
 ``tenant`` (one of ``--tenants``' names; with API keys configured the key names the tenant
 instead: ``Authorization: Bearer KEY``, 401 without a known key). A request's tenant is mixed
 into its salt (``tierkv.tenant_names.tenant_salt``): no page is shared across tenants, whatever
-``cache_salt`` a client sends (another tenant's salt, or none). Fields this server cannot
+``cache_salt`` a client sends (another tenant's salt, or none). With API keys, ``/stats``
+answers a tenant's key with its own tenant's figures only, and ``/metrics`` needs one of the
+``--tenants`` file's ``admin_keys`` (which also read ``/stats`` in full). Fields this server cannot
 honour are refused (400) rather than ignored when they ask for something: ``echo``,
 ``logprobs`` / ``top_logprobs``, ``best_of`` other than 1, ``suffix``, ``top_k`` (other than -1
 or 0), ``min_p``, ``presence_penalty`` / ``frequency_penalty`` (other than 0),
@@ -65,7 +67,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from tierkv import metrics, validate
 from tierkv.demo.model import ModelConfig
-from tierkv.errors import InvalidInputError, TenantError, TierKVError
+from tierkv.errors import InvalidInputError, InvalidTypeError, TenantError, TierKVError
 from tierkv.serving import (
     ContextLengthError,
     Engine,
@@ -90,7 +92,10 @@ class ServerConfig:
     ``engine``: the :class:`~tierkv.serving.EngineConfig` (its ``tenants``: the store's
     tenants and quotas); ``max_tokens``: the largest ``max_tokens`` a request may ask (its
     default is 16, OpenAI's); ``api_keys``: API key -> tenant (given, every request needs a
-    known key, and the key names its tenant).
+    known key, and the key names its tenant); ``admin_keys``: with ``api_keys``, the keys
+    that read every tenant's figures (``/stats`` in full, ``/metrics``); a tenant's key reads
+    its own tenant's figures in ``/stats`` only, so no tenant learns what another's traffic
+    hits or holds.
     """
 
     model: str = "tiny"
@@ -100,10 +105,17 @@ class ServerConfig:
     max_body: int = 4 << 20
     trace: str | None = None
     api_keys: Mapping[str, str] = field(default_factory=dict)
+    admin_keys: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         validate.count("max_tokens", self.max_tokens, 1)
         validate.count("max_body", self.max_body, 1)
+        if not isinstance(self.admin_keys, frozenset) or not all(
+            isinstance(k, str) and k for k in self.admin_keys
+        ):
+            raise InvalidTypeError("admin_keys must be a frozenset of non-empty strings")
+        if self.admin_keys & set(self.api_keys):
+            raise InvalidInputError("a key is both an admin key and a tenant's API key")
 
 
 class ApiError(Exception):
@@ -314,13 +326,38 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
     return Job(prompt, params, stream, chat, salt)
 
 
+def _bearer(request: web.Request) -> str:
+    """The request's ``Authorization: Bearer KEY`` key ("" without one)."""
+    auth = request.headers.get("Authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") else ""
+
+
+#: :func:`_viewer` of a request that reads every tenant's figures
+EVERYONE = ""
+
+
+def _viewer(request: web.Request, served: Served) -> str:
+    """Whose figures a ``/stats`` or ``/metrics`` request reads: :data:`EVERYONE` (a server
+    without API keys, or an admin key), else the tenant of its API key (401 without a known
+    key)."""
+    cfg = served.cfg
+    if not cfg.api_keys:
+        return EVERYONE
+    key = _bearer(request)
+    if key and key in cfg.admin_keys:
+        return EVERYONE
+    tenant = cfg.api_keys.get(key) if key else None
+    if tenant is None:
+        raise ApiError(401, "a known API key is required", code="invalid_api_key")
+    return tenant
+
+
 def _tenant(request: web.Request, body: dict[str, Any], served: Served) -> str | None:
     """The request's tenant: its API key's (when the server has keys: 401 without a known
     one), else its ``tenant`` field, checked against the store's tenants (400)."""
     keys = served.cfg.api_keys
     if keys:
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:] if auth.startswith("Bearer ") else ""
+        key = _bearer(request)
         tenant = keys.get(key) if key else None
         if tenant is None:
             raise ApiError(401, "a known API key is required", code="invalid_api_key")
@@ -543,13 +580,23 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_stats(request: web.Request) -> web.Response:
-    """``GET /stats``: the engine's and the store's figures."""
-    return web.json_response(request.app[SERVED].engine.stats())
+    """``GET /stats``: the engine's and the store's figures; with API keys, an admin key's
+    request gets them all, a tenant's key its own tenant's figures only."""
+    served = request.app[SERVED]
+    viewer = _viewer(request, served)
+    stats = served.engine.stats()
+    if viewer == EVERYONE:
+        return web.json_response(stats)
+    tenants = stats["store"].get("tenants") or {}
+    return web.json_response({"tenant": viewer, **tenants.get(viewer, {})})
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
-    """``GET /metrics``: the store's metrics, then the server's."""
+    """``GET /metrics``: the store's metrics, then the server's; with API keys, for an admin
+    key only (403 for a tenant's: they count every tenant's traffic)."""
     app = request.app
+    if _viewer(request, app[SERVED]) != EVERYONE:
+        raise ApiError(403, "/metrics needs an admin key", code="admin_key_required")
     body = metrics.render(app[SERVED].engine.store) + generate_latest(app[SERVER_METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -764,7 +811,7 @@ def _mib(flag: str, mib: float | None) -> Any:
 
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
-    quotas, keys = tenant_options(a.tenants)
+    quotas, keys, admin = _tenants_file(a.tenants)
     engine = replace(
         EngineConfig(),
         max_running=a.max_running,
@@ -788,6 +835,7 @@ def config_from(a: argparse.Namespace) -> ServerConfig:
         max_body=_mib("--max-body-mb", a.max_body_mb),
         trace=a.trace,
         api_keys=keys,
+        admin_keys=admin,
     )
 
 
@@ -806,13 +854,21 @@ def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     """The quotas and API keys of a ``--tenants`` file: ``{"tenants": {name:
-    {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
-    keys' tenants must be among the names). Raises SystemExit with the reason for a bad
-    file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key
-    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string, API
-    keys in a file that group or others may read."""
+    {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name},
+    "admin_keys": [key, ...]}`` (the keys' tenants must be among the names; the admin keys,
+    optional, read every tenant's figures: :func:`_tenants_file`). Raises SystemExit with
+    the reason for a bad file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of
+    JSON, a name or key twice, a bad tenant name, a bad quota, an API key that is not a
+    non-empty string, API keys in a file that group or others may read."""
+    quotas, keys, _ = _tenants_file(path)
+    return quotas, keys
+
+
+def _tenants_file(path: str | None) -> tuple[dict[str, Quota], dict[str, str], frozenset[str]]:
+    """:func:`tenant_options` and the file's admin keys (``"admin_keys"``: a list of
+    non-empty strings, none of them a tenant's API key; only beside ``"api_keys"``)."""
     if path is None:
-        return {}, {}
+        return {}, {}, frozenset()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: no wait for a writer)
         with os.fdopen(fd, "rb") as f:
@@ -829,6 +885,13 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
         keys = doc.get("api_keys", {})
         if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in keys.items()):
             raise ValueError("api_keys: want non-empty string keys and tenant names")
+        admin = doc.get("admin_keys", [])
+        if not isinstance(admin, list) or not all(isinstance(k, str) and k for k in admin):
+            raise ValueError("admin_keys: want a list of non-empty strings")
+        if admin and not keys:
+            raise ValueError("admin_keys without api_keys (a server without keys is open)")
+        if set(admin) & set(keys):
+            raise ValueError("a key is both in admin_keys and in api_keys")
         if keys and mode & 0o077:  # (as tierkv serve's secrets file)
             raise ValueError("it holds API keys and group or others may read it (chmod 600)")
     except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
@@ -836,7 +899,7 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     unknown = sorted(set(keys.values()) - set(quotas))
     if unknown:
         raise SystemExit(f"--tenants {path}: API keys name unknown tenants {unknown}")
-    return quotas, keys
+    return quotas, keys, frozenset(admin)
 
 
 def main() -> None:

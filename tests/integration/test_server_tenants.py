@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tierkv.errors import InvalidInputError, InvalidTypeError
 from tierkv.serving import EngineConfig
 from tierkv.tenants import Quota
 
@@ -63,6 +65,7 @@ async def test_tenants_by_api_key_quotas_and_429() -> None:
         engine=engine,
         max_tokens=8,
         api_keys={"k-owner": "owner", "k-other": "other"},
+        admin_keys=frozenset({"k-admin"}),
     )
     runner, url = await server.start(cfg)
     try:
@@ -81,7 +84,8 @@ async def test_tenants_by_api_key_quotas_and_429() -> None:
             status, got = await ask("k-other", list(range(100, 120)))
             assert status == 429, got  # the device holds only the owner's reserved pages
             assert got["error"]["type"] == "invalid_request_error"
-            async with session.get(f"{url}/stats") as r:
+            admin = {"Authorization": "Bearer k-admin"}
+            async with session.get(f"{url}/stats", headers=admin) as r:
                 tenants = (await r.json())["store"]["tenants"]
             assert tenants["other"]["refusals"] >= 1
             assert tenants["owner"]["tiers"]["device"]["evicted"] == 0
@@ -117,6 +121,13 @@ def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
         file("field.json", '{"tenants": {"a": {"disk_limit": 1}}}'): "unexpected keyword",
         file("key.json", '{"tenants": {"a": {}}, "api_keys": {"": "a"}}'): "non-empty string",
         file("bin.json", b"\xff\xfe{}"): "utf-8",
+        file("admin.json", '{"tenants": {"a": {}}, "admin_keys": ["x"]}'): "without api_keys",
+        file(
+            "admin2.json", '{"tenants": {"a": {}}, "api_keys": {"k": "a"}, "admin_keys": ["k"]}'
+        ): "both",
+        file(
+            "admin3.json", '{"tenants": {"a": {}}, "api_keys": {"k": "a"}, "admin_keys": "x"}'
+        ): "list of non-empty",
         str(huge): "over",
         str(fifo): "not a regular file",
         str(tmp_path / "missing.json"): "No such file",
@@ -209,3 +220,58 @@ def test_tenant_salt_is_stable_and_separates_tenants_and_salts() -> None:
     assert a not in others and len(others) == 5
     with pytest.raises(TenantError):
         tenant_salt("a:b", b"s")
+
+
+async def test_a_tenant_reads_its_own_figures_only() -> None:
+    """With API keys, /stats and /metrics told any client every tenant's figures (prompt
+    tokens, hits, pages per tier: what another tenant's traffic hits and holds). Now a
+    tenant's key reads its own tenant's figures in /stats, /metrics needs an admin key (403
+    for a tenant's, 401 without a key), and an admin key reads both in full. Fails on the old
+    code (a 200 with both tenants for the probe's key)."""
+    cfg = server.ServerConfig(
+        model="tiny",
+        tiny=MODEL,
+        engine=EngineConfig(
+            max_running=2, page_tokens=8, max_context=64, tenants={"a": Quota(), "b": Quota()}
+        ),
+        max_tokens=8,
+        api_keys={"k-a": "a", "k-b": "b"},
+        admin_keys=frozenset({"k-admin"}),
+    )
+    runner, url = await server.start(cfg)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+            async def get(path: str, key: str | None) -> tuple[int, str]:
+                head = {} if key is None else {"Authorization": f"Bearer {key}"}
+                async with session.get(f"{url}{path}", headers=head) as r:
+                    return r.status, await r.text()
+
+            body = {"prompt": list(range(1, 30)), "max_tokens": 2, "temperature": 0}
+            head = {"Authorization": "Bearer k-a"}
+            async with session.post(f"{url}/v1/completions", json=body, headers=head) as r:
+                assert r.status == 200
+            status, text = await get("/stats", "k-b")
+            assert status == 200
+            got = json.loads(text)
+            assert got["tenant"] == "b" and got["prompt_tokens"] == 0, got
+            assert '"a"' not in text and "store" not in got
+            for key in (None, "k-nobody"):
+                assert (await get("/stats", key))[0] == 401
+                assert (await get("/metrics", key))[0] == 401
+            status, text = await get("/metrics", "k-b")
+            assert status == 403 and "admin" in text
+            status, text = await get("/stats", "k-admin")
+            assert status == 200 and set(json.loads(text)["store"]["tenants"]) == {"a", "b"}
+            status, text = await get("/metrics", "k-admin")
+            assert status == 200 and 'tenant="a"' in text
+    finally:
+        await runner.cleanup()
+
+
+def test_admin_keys_are_checked() -> None:
+    """Admin keys are non-empty strings, never a tenant's key, and only beside API keys."""
+    with pytest.raises(InvalidInputError):
+        server.ServerConfig(api_keys={"k": "a"}, admin_keys=frozenset({"k"}))
+    with pytest.raises(InvalidTypeError):
+        server.ServerConfig(admin_keys={"k"})  # type: ignore[arg-type]
