@@ -329,7 +329,7 @@ def parse_job(body: Any, served: Served, chat: bool) -> Job:
 def _bearer(request: web.Request) -> str:
     """The request's ``Authorization: Bearer KEY`` key ("" without one)."""
     auth = request.headers.get("Authorization", "")
-    return auth[7:] if auth.startswith("Bearer ") else ""
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else ""  # (the scheme: any case)
 
 
 #: :func:`_viewer` of a request that reads every tenant's figures
@@ -361,6 +361,11 @@ def _tenant(request: web.Request, body: dict[str, Any], served: Served) -> str |
         tenant = keys.get(key) if key else None
         if tenant is None:
             raise ApiError(401, "a known API key is required", code="invalid_api_key")
+        named = body.get("tenant")
+        if named is not None and named != tenant:  # (the key decides: a body that says
+            raise ApiError(  # otherwise is refused, not silently overruled)
+                400, "'tenant' names another tenant than the API key's", param="tenant"
+            )
         return tenant
     raw = body.get("tenant")
     if raw is None:

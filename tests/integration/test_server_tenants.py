@@ -275,3 +275,35 @@ def test_admin_keys_are_checked() -> None:
         server.ServerConfig(api_keys={"k": "a"}, admin_keys=frozenset({"k"}))
     with pytest.raises(InvalidTypeError):
         server.ServerConfig(admin_keys={"k"})  # type: ignore[arg-type]
+
+
+async def test_the_bearer_scheme_is_any_case_and_a_body_tenant_must_match_the_key() -> None:
+    """The auth scheme is case-insensitive (RFC 9110): ``bearer KEY`` was a 401. And with API
+    keys, a body's ``tenant`` naming another tenant was silently overruled by the key; now it
+    is a 400 (the key's own name is accepted). Both fail on the old code."""
+    cfg = server.ServerConfig(
+        model="tiny",
+        tiny=MODEL,
+        engine=EngineConfig(
+            max_running=2, page_tokens=8, max_context=64, tenants={"a": Quota(), "b": Quota()}
+        ),
+        max_tokens=8,
+        api_keys={"k-a": "a"},
+    )
+    runner, url = await server.start(cfg)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+
+            async def ask(auth: str, **extra: Any) -> int:
+                body = {"prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0, **extra}
+                head = {"Authorization": auth}
+                async with session.post(f"{url}/v1/completions", json=body, headers=head) as r:
+                    return r.status
+
+            assert await ask("bearer k-a") == 200
+            assert await ask("BEARER k-a") == 200
+            assert await ask("Bearer k-a", tenant="a") == 200
+            assert await ask("Bearer k-a", tenant="b") == 400
+            assert await ask("Basic k-a") == 401
+    finally:
+        await runner.cleanup()
