@@ -58,6 +58,7 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ class StepPlan:
         self._active = False
         self._claimed = False  # its sequences taken in the store's StepClaims
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
-        self.starting: asyncio.Future[list[LayerStep]] | None = None  # (see layer_now)
+        self.starting: asyncio.Future[Any] | None = None  # (see layer_now and exit_now)
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
@@ -264,7 +265,6 @@ class StepPlan:
     @async_boundary
     async def __aexit__(self, *exc: object) -> None:
         t0 = time.perf_counter()
-        store = self.store
         self._active = False
         self._current = None
         try:
@@ -273,15 +273,49 @@ class StepPlan:
                 task.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+        except BaseException:
+            self._let_go()
+            raise
+        ids = self._leave(t0, exc[0] is None)
+        if ids:  # the next step's first layers, loading while the caller samples
+            await self._next_step(ids, list(self.layers[: self.group]))
+
+    @boundary
+    def exit_now(self) -> bool:
+        """:meth:`__aexit__` after a step that raised nothing, with no loop run, for a caller
+        that drives the store's loop itself (outside it now): False, nothing done, where a
+        group's load is still under way (use ``__aexit__``). The next step's first group is
+        prefetched as ``__aexit__`` does (its task is :attr:`starting`: the caller runs its
+        loop a few turns), except where its copy would run inline on this thread (the cpu
+        backend): the next step's entry then loads it with no wait, and prefetching it now
+        overlaps nothing. Raises what ``__aexit__`` raises."""
+        if any(t is not None and not t.done() for t in self._tasks):
+            return False
+        t0 = time.perf_counter()
+        self._active = False
+        self._current = None
+        ids = self._leave(t0, True)
+        if ids and not self._loads_inline():
+            loop = self._loop
+            assert loop is not None  # (entered: ids are only given then)
+            self.starting = asyncio.ensure_future(
+                self._next_step(ids, list(self.layers[: self.group])), loop=loop
+            )
+        return True
+
+    def _leave(self, t0: float, ok: bool) -> list[str]:
+        """The exit once no group's load is under way: every group let go of, the room given
+        back, full blocks published, the written pages' one write-behind. Returns the live
+        sequences whose next step's first group to prefetch (none unless the step ran every
+        layer, ``ok`` and with a window)."""
+        store = self.store
+        try:
             if store.closed:
-                return  # close() let go of every page
+                return []  # close() let go of every page
             for g in range(len(self._tasks)):
                 self._release(g)
         finally:
-            if self._held is not None and not store.closed:
-                store.admission.leave(self._held)
-            self._held = None
-            self._unclaim()
+            self._let_go()
         wrote, self._wrote = self._wrote, []
         live = [s for s in self.seqs if store.is_live(s)]
         store.lease_ended(live, ())  # (full blocks get their content keys: names change)
@@ -299,10 +333,29 @@ class StepPlan:
                     keys += [page_key(seq.block(b), layer) for b in blocks]
             store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
-        if exc[0] is None and self._next == len(self.layers) and self.ahead:
-            ids = [s.seq_id for s in self.seqs if store.is_live(s)]
-            if ids:  # the next step's first layers, loading while the caller samples
-                await self._next_step(ids, list(self.layers[: self.group]))
+        if ok and self._next == len(self.layers) and self.ahead:
+            return [s.seq_id for s in live]
+        return []
+
+    def _let_go(self) -> None:
+        """The step's room back to the admission and its sequences free (idempotent)."""
+        store = self.store
+        if self._held is not None and not store.closed:
+            store.admission.leave(self._held)
+        self._held = None
+        self._unclaim()
+
+    def _loads_inline(self) -> bool:
+        """Whether the next step's first group (its pages now) would load by a copy that the
+        engine runs inline, on this thread, now (the cpu backend's small copies)."""
+        store = self.store
+        t = store.spec.page_tokens
+        first = self.layers[: self.group]
+        pages = 0
+        for seq in self.seqs:
+            kv = seq.kv_len
+            pages += sum(-(-kv[layer] // t) for layer in first)
+        return store.tiers.engine.runs_inline(pages * store.spec.page_bytes)
 
     # -- layers ----------------------------------------------------------------------------
     @async_boundary

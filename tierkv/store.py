@@ -905,6 +905,11 @@ class KVStore:
             what.kind, exc, tier=what.tier, keys=what.keys
         )
 
+    @property
+    def background(self) -> int:
+        """Background tasks under way (prefetches, write-behinds, compressions)."""
+        return len(self._tasks)
+
     @async_boundary
     async def drain(self) -> None:
         """Wait for background prefetches and compressions to finish, then (bounded by the

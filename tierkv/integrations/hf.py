@@ -337,18 +337,23 @@ class TieredCache(Cache):
         if idx == 0 and local:  # the step planned and entered with no loop run where it can
             plan = self._enter_now(n)
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
-        if step is not None and idx != self._last:
+        if step is not None:
             if TYPE_CHECKING:
                 assert plan is not None and isinstance(driver, LocalStore)
             try:
                 started, plan.starting = plan.starting, None
                 if started is not None and not started.done():  # (else loaded in layer_now)
-                    driver.turn(started)
+                    driver.turn(started.done)
                 step.append(k, v)
                 keys, values = step.kv(out=self._gather_buffer(step))
             except BaseException:
                 self._end_plan()
                 raise
+            if idx == self._last:  # the step's end, with no loop run where it can
+                self._plan = None
+                if not driver.leave(plan):
+                    driver.run(plan.__aexit__(None, None, None))
+                    driver.store.step()
         else:
             keys, values = self._driver.run(self._layer_step(idx, k, v, step))
         layer.length += n

@@ -90,27 +90,17 @@ class LocalStore:
             )
         return self._loop.run_until_complete(_bounded(coro, self.store.timeout * 2))
 
-    def turn(self, until: asyncio.Future[Any] | None = None, turns: int = 8) -> None:
+    def turn(self, done: Callable[[], bool] | None = None, turns: int = 8) -> None:
         """Run the store's loop in this thread for at most ``turns`` passes over its ready
-        callbacks, stopping early once ``until`` is done; never waits (a pass that finds
+        callbacks, stopping early once ``done()`` is true; never waits (a pass that finds
         nothing ready polls for I/O with a zero timeout). A step group's task started just
         before takes its steps: its loads are submitted, and where its copies ran inline
         (cpu backend) it completes here, so its first layer needs no loop run.
 
         Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does."""
-        if self._closed:
-            raise StoreClosedError("store is closed")
-        if _loop_running():
-            raise LoopInUseError("this thread already runs an event loop")
+        self._check_thread()
         loop = self._loop
-
-        def again(n: int) -> None:
-            if n <= 1 or until is None or until.done():
-                loop.stop()
-            else:
-                loop.call_soon(again, n - 1)
-
-        loop.call_soon(again, turns)
+        loop.call_soon(_passes, loop, turns, done)
         loop.run_forever()
 
     def enter(self, plan: StepPlan) -> bool:
@@ -118,11 +108,58 @@ class LocalStore:
         (:meth:`StepPlan.enter_now` on this store's loop); False, nothing held, otherwise.
         Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does, and
         what the entry raises."""
+        self._check_thread()
+        return plan.enter_now(self._loop)
+
+    def _check_thread(self) -> None:
+        """Raise StoreClosedError after :meth:`close`, LoopInUseError where this thread runs
+        an event loop."""
         if self._closed:
             raise StoreClosedError("store is closed")
         if _loop_running():
             raise LoopInUseError("this thread already runs an event loop")
-        return plan.enter_now(self._loop)
+
+    def leave(self, plan: StepPlan) -> bool:
+        """End ``plan`` (a step that raised nothing) and the store's step in one pass of the
+        loop, with no task, where nothing of the plan is under way
+        (:meth:`StepPlan.exit_now`, then :meth:`KVStore.step`); a few more passes, never
+        waiting, only where the exit started something (the next step's prefetch, a
+        write-behind, a compression: its copies are submitted, and the inline ones end, before
+        the caller computes). False, nothing done, otherwise (run ``plan.__aexit__`` and
+        ``store.step()``). Raises StoreClosedError after :meth:`close`, LoopInUseError as
+        :meth:`run` does, and what the exit raises."""
+        self._check_thread()
+        loop, store = self._loop, self.store
+        out: list[bool | BaseException] = []
+
+        def end() -> None:  # (on the loop: the tasks the exit spawns are the loop's)
+            try:
+                left = plan.exit_now()
+                if left:
+                    store.step()
+            except BaseException as exc:  # raised in the caller, below
+                out.append(exc)
+                loop.stop()
+                return
+            out.append(left)
+            started, plan.starting = plan.starting, None
+            if left and (started is not None or store.background):
+                # (a write-behind left pending would keep its pages pinned)
+                loop.call_soon(
+                    _passes,
+                    loop,
+                    8,
+                    lambda: (started is None or started.done()) and not store.background,
+                )
+            else:
+                loop.stop()
+
+        loop.call_soon(end)
+        loop.run_forever()
+        got = out[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the store (the store is single-threaded: this thread owns it)."""
@@ -139,6 +176,14 @@ class LocalStore:
         finally:
             self._closed = True
             self._loop.close()
+
+
+def _passes(loop: asyncio.AbstractEventLoop, n: int, done: Callable[[], bool] | None) -> None:
+    """Stop ``loop`` after ``n`` passes over its ready callbacks, or once ``done()``."""
+    if n <= 1 or (done is not None and done()):
+        loop.stop()
+    else:
+        loop.call_soon(_passes, loop, n - 1, done)
 
 
 def _loop_running() -> bool:
