@@ -251,6 +251,7 @@ class KVStore:
         self._incarnations = 0
         self._engine: TransferEngine | None = None
         self._tasks: dict[asyncio.Task[Any], Background] = {}  # each with what it works on
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
         self._failures = FailureLog("tierkv.store")
         # pages leases wrote, waiting for the one write-behind task (a dict of bytes: the
         # collector does not track it; one task per batch of leases, not two per lease)
@@ -302,6 +303,7 @@ class KVStore:
         if self._tiers is not None:
             return self
         chain = self._open_chain()  # first: a bad path fails before anything is allocated
+        self._loop = asyncio.get_running_loop()
         try:
             self._open_core()
         except BaseException:
@@ -889,7 +891,9 @@ class KVStore:
 
     def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
         self.tiers  # noqa: B018 - raises when closed
-        task = asyncio.ensure_future(coro)
+        # on the store's loop, also for a synchronous caller outside it (a TieredCache's step
+        # exit: tierkv.integrations.hf_store), where the implicit loop would be another one
+        task = asyncio.ensure_future(coro, loop=self._loop)
         self._tasks[task] = what
         task.add_done_callback(self._task_done)
         return task

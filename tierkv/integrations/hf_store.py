@@ -120,46 +120,24 @@ class LocalStore:
             raise LoopInUseError("this thread already runs an event loop")
 
     def leave(self, plan: StepPlan) -> bool:
-        """End ``plan`` (a step that raised nothing) and the store's step in one pass of the
-        loop, with no task, where nothing of the plan is under way
-        (:meth:`StepPlan.exit_now`, then :meth:`KVStore.step`); a few more passes, never
-        waiting, only where the exit started something (the next step's prefetch, a
-        write-behind, a compression: its copies are submitted, and the inline ones end, before
-        the caller computes). False, nothing done, otherwise (run ``plan.__aexit__`` and
+        """End ``plan`` (a step that raised nothing) and the store's step with no loop run
+        where nothing of the plan is under way (:meth:`StepPlan.exit_now`, then
+        :meth:`KVStore.step`); the loop runs a few passes, never waiting, only where the exit
+        started something (the next step's prefetch, a write-behind, a compression: tasks
+        of the store's own loop), so that their copies are submitted, and the inline ones
+        end, before the caller computes (a write-behind left pending keeps its pages
+        pinned). False, nothing done, otherwise (run ``plan.__aexit__`` and
         ``store.step()``). Raises StoreClosedError after :meth:`close`, LoopInUseError as
         :meth:`run` does, and what the exit raises."""
         self._check_thread()
-        loop, store = self._loop, self.store
-        out: list[bool | BaseException] = []
-
-        def end() -> None:  # (on the loop: the tasks the exit spawns are the loop's)
-            try:
-                left = plan.exit_now()
-                if left:
-                    store.step()
-            except BaseException as exc:  # raised in the caller, below
-                out.append(exc)
-                loop.stop()
-                return
-            out.append(left)
-            started, plan.starting = plan.starting, None
-            if left and (started is not None or store.background):
-                # (a write-behind left pending would keep its pages pinned)
-                loop.call_soon(
-                    _passes,
-                    loop,
-                    8,
-                    lambda: (started is None or started.done()) and not store.background,
-                )
-            else:
-                loop.stop()
-
-        loop.call_soon(end)
-        loop.run_forever()
-        got = out[0]
-        if isinstance(got, BaseException):
-            raise got
-        return got
+        if not plan.exit_now():
+            return False
+        store = self.store
+        store.step()
+        started, plan.starting = plan.starting, None
+        if started is not None or store.background:
+            self.turn(lambda: (started is None or started.done()) and not store.background)
+        return True
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the store (the store is single-threaded: this thread owns it)."""
