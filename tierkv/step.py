@@ -92,7 +92,11 @@ class StepPlan:
     :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager.
 
     Layers load in groups of ``max(1, ahead)``: one pin, one load and one reservation per
-    group; group ``g + 1`` loads while group ``g`` computes.
+    group. ``window`` groups are pinned at a time: with 2, group ``g + 1`` loads while group
+    ``g`` computes (from ``g``'s first layer); with 1, once the caller is done with ``g``'s
+    last layer (:meth:`done_with`), after ``g`` is let go of: half the device room for groups
+    of the same size, for copies that do not overlap compute anyway (the cpu backend's inline
+    copies run on the caller's thread).
     """
 
     def __init__(
@@ -103,8 +107,10 @@ class StepPlan:
         tokens: list[int],
         ahead: int,
         next_step: NextStep,
+        window: int = 2,
     ) -> None:
         self.store = store
+        self.window = window  # groups pinned at a time (1 or 2)
         self._next_step = next_step
         self.seqs = tuple(seqs)
         self.layers = tuple(layers)
@@ -151,7 +157,7 @@ class StepPlan:
         while True:
             g = self.group
             sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
-            w = 2 if self.ahead else 1
+            w = self.window if self.ahead else 1
             most = max((sum(sums[i : i + w]) for i in range(len(sums))), default=0)
             if most <= capacity or not self.ahead:
                 return most
@@ -259,7 +265,7 @@ class StepPlan:
         # only the pages it fills, unless the device could not keep them all
         partial = sum(1 for k in self.tokens if k) * len(self.layers)
         self._behind_partial = partial + held > self.store.tiers.table.capacity(DEVICE)
-        for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
+        for g in range(min(len(self._tasks), self.window if self.ahead else 0)):
             self._start(g)
 
     @async_boundary
@@ -386,7 +392,7 @@ class StepPlan:
             if self._tasks[g] is None:  # not loaded ahead: its loads start now, compute waits
                 asked = time.perf_counter()
             self._start(g)
-            if self.ahead and g + 1 < len(self._tasks):
+            if self.ahead and self.window > 1 and g + 1 < len(self._tasks):
                 self._start(g + 1)
                 nxt = self._tasks[g + 1]
                 if nxt is not None and not nxt.done():
@@ -429,13 +435,38 @@ class StepPlan:
                 return None
             if g:
                 self._release(g - 1)
-            if self.ahead and g + 1 < len(self._tasks) and self._tasks[g + 1] is None:
+            if (
+                self.ahead
+                and self.window > 1
+                and g + 1 < len(self._tasks)
+                and self._tasks[g + 1] is None
+            ):
                 self._start(g + 1)
                 self.starting = self._tasks[g + 1]
         step = steps[at]
         self._next = i + 1
         self._current = step
         return step
+
+    def done_with(self, step: LayerStep) -> None:
+        """The caller is done with ``step``, the current layer (its K/V read: gathered, or
+        attended). With a window of one group, at its group's last layer: the group is let go
+        of (``step`` is no longer current) and the next one loaded here, before the next
+        layer asks for it (with no wait where the tier core can; else its task starts,
+        :attr:`starting`: the caller runs its loop a few turns). Nothing otherwise: a window
+        of two groups loads the next group while this one computes. Raises what the release
+        raises (no error boundary: nothing under it raises the runtime's errors)."""
+        if self.window != 1 or step is not self._current or not self._active:
+            return
+        g, at = divmod(self._next - 1, self.group)
+        if at != self.group - 1 or g + 1 >= len(self._tasks):
+            return
+        self._current = None
+        self._release(g)
+        self._start(g + 1)
+        task = self._tasks[g + 1]
+        if task is not None and not task.done():
+            self.starting = task
 
     def check_current(self, step: LayerStep) -> None:
         """Raise SequenceError unless ``step`` is the plan's current layer."""

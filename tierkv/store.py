@@ -765,10 +765,13 @@ class KVStore:
         *,
         tokens: int | Sequence[int] = 1,
         ahead: int = 2,
+        window: int = 2,
     ) -> StepPlan:
         """Plan a step: ``seq_ids`` run ``layers`` (all by default, in that order), each
         appending ``tokens`` new tokens (one count for all, or one per sequence) to every
-        layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
+        layer; layers load in groups of ``ahead``, ``window`` groups (1 or 2) pinned at a
+        time: with 2 the next group loads while this one computes, with 1 once the caller is
+        done with this one (:meth:`StepPlan.done_with`; see :mod:`tierkv.step`).
 
         Use as ``async with store.step_plan(ids) as step:``. Raises SequenceError (an unknown
         or repeated id), SpecError (a bad layer, a count list of the wrong length, a page
@@ -783,8 +786,12 @@ class KVStore:
             raise SequenceError(f"a sequence is named twice in {ids}")
         seqs = [self.sequence(s) for s in ids]
         counts = check_tokens(tokens, len(seqs))
-        window = validate.count("ahead", ahead, 0)
-        return StepPlan(self, seqs, ls, counts, window, partial(self.prefetch, wait=False))
+        group = validate.count("ahead", ahead, 0)
+        if validate.count("window", window, 1) > 2:
+            raise InvalidInputError(f"window: 1 or 2 groups at a time, got {window}")
+        return StepPlan(
+            self, seqs, ls, counts, group, partial(self.prefetch, wait=False), window=window
+        )
 
     @async_boundary
     async def prefetch(

@@ -132,6 +132,9 @@ def test_prefetch_windows_return_the_same_kv_and_prefetch(
         # copy thread; an inline copy (cpu) runs on this thread either way: at the next entry
         assert ahead.stats()["page_loads"] > 0
         assert (ahead.stats()["prefetched"] > 0) is not inline
+        # inline copies (no overlap to gain): one group of twice the layers at a time
+        plan = ahead._step_plan(1)
+        assert (plan.window, plan.ahead) == ((1, 2 * window) if inline else (2, window))
     assert all(torch.equal(x, y) for x, y in zip(expect, got, strict=True))
 
 
