@@ -653,14 +653,18 @@ class StepPlan:
             return
         tiers = self.store.tiers
         pins: list[bytes] = []
+        filled: list[bytes] = []
         for step in task.result():
             if step.appended:
                 pins += step.keys + step.new
+                filled += step.filled
                 if any(self.tokens):
                     self._wrote.append(step.layer)
             else:  # never appended to: the pages it opened go
                 tiers.abort_device(step.new, pinned=True, owned=True)
                 pins += step.keys
+        if filled:  # their bytes are final: their CRC-32C, in one native call for the group
+            tiers.pages.seal(filled)
         if pins:
             tiers.unpin_device(pins)
             # their use, now: by the names they have now (a lease's end may rename them later)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tierkv import InvalidInputError, InvalidTypeError, SequenceError
+from tierkv.keys import page_key
 from tierkv.store import KVStore
 from tierkv.tiers import DEVICE
 
@@ -89,4 +90,40 @@ async def test_a_bad_window_raises_before_anything_changes(window: object, error
         with pytest.raises(error, match="window"):
             st.step_plan(["a"], window=window)  # type: ignore[arg-type]
         assert st.sequence("a").num_blocks == 0
+        await idle(st)
+
+
+async def test_filled_pages_are_sealed_once_a_group_at_its_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierkv.lease_pages import LeasePages
+    from tierkv.page_sums import enabled, row_sums
+
+    if not enabled():
+        pytest.skip("page checksums are off here")
+    calls: list[int] = []
+    real = LeasePages.seal
+
+    def counted(self: LeasePages, keys: list[bytes]) -> None:
+        calls.append(len(keys))
+        real(self, keys)
+
+    monkeypatch.setattr(LeasePages, "seal", counted)
+    async with _store(device_pages=40) as st:
+        await st.add_sequence("a", [])
+        async with st.step_plan(["a"], tokens=3, ahead=2) as step:
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                h.append(rand(1, H, 3, D, seed=layer), rand(1, H, 3, D, seed=layer))
+        assert calls == []  # no page filled
+        async with st.step_plan(["a"], tokens=6, ahead=2) as step:  # fills page 0 and 1
+            for layer in range(SPEC.num_layers):
+                h = await step.layer(layer)
+                h.append(rand(1, H, 6, D, seed=layer), rand(1, H, 6, D, seed=layer))
+        assert calls == [4, 4]  # one call a group of two layers, two full pages each
+        seq = st.sequence("a")
+        full = [page_key(seq.block(b), layer) for layer in range(SPEC.num_layers) for b in (0, 1)]
+        rows = st.tiers.pages.all_pages.view(torch.uint8).reshape(len(st.tiers.pages.all_pages), -1)
+        sums = row_sums(rows.numpy(), st.tiers.pages.device_slots(full))
+        assert st.tiers.table.sums(full) == sums  # the CRC-32C of their final bytes
         await idle(st)

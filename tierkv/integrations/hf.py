@@ -307,6 +307,7 @@ class TieredCache(Cache):
         self._out: torch.Tensor | None = None  # what each layer's K/V are gathered into
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         self._local = isinstance(driver, LocalStore)  # (read on every layer call)
+        self._cpu_pages = driver.store.tiers.pages.device.type == "cpu"
         self._last = self.spec.num_layers - 1
         super().__init__(layers=list(self._layers))
 
@@ -365,6 +366,8 @@ class TieredCache(Cache):
         else:
             keys, values = self._driver.run(self._layer_step(idx, k, v, step))
         layer.length += n
+        if self._cpu_pages:  # (K/V on another device than the cpu's pages are refused)
+            return keys, values
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
