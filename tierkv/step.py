@@ -623,10 +623,9 @@ class StepPlan:
                 whole = torch.frombuffer(index, dtype=torch.int64)
                 if device.type != "cpu":
                     whole = whole.to(device)
-                at = 0
-                for step, upto in zip(steps, counts):
-                    step.rows.set_page_index(whole.narrow(0, at, upto - at))
-                    at = upto
+                sizes = [b - a for a, b in zip([0, *counts], counts)]
+                for step, part in zip(steps, whole.split(sizes)):  # (one call for the views)
+                    step.rows.set_page_index(part)
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)
