@@ -652,16 +652,21 @@ class StepPlan:
             return
         tiers = self.store.tiers
         pins: list[bytes] = []
+        written: list[bytes] = []
         filled: list[bytes] = []
         for step in task.result():
             if step.appended:
                 pins += step.keys + step.new
+                written += step.written
                 filled += step.filled
                 if any(self.tokens):
                     self._wrote.append(step.layer)
             else:  # never appended to: the pages it opened go
                 tiers.abort_device(step.new, pinned=True, owned=True)
                 pins += step.keys
+        if written:  # the appends' pages, newer than their lower copies (before the unpin:
+            # a write-behind that copied one meanwhile, pinned, leaves it dirty now)
+            tiers.pages.mark_dirty(written)
         if filled:  # their bytes are final: their CRC-32C, in one native call for the group
             tiers.pages.seal(filled)
         if pins:

@@ -71,7 +71,7 @@ class LayerStep:
         self.keys = keys  # the layer's pages this step pinned (acquired)
         self.new = new  # the pages the append opens (reserved, owned, pinned)
         self.filled = filled  # the pages the append fills (sealed when its group is let go)
-        self.written = written  # the pages the append writes (the partly filled and new ones)
+        self.written = written  # the pages the append writes (marked dirty with its group)
         self.starts = starts
         self._rows = rows
         self.appended = not any(rows.n_new)
@@ -144,8 +144,9 @@ class LayerStep:
         else:
             flat = plan.flat
             flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, spec.head_dim))
-        store.tiers.pages.mark_dirty(self.written)  # (the filled pages are sealed, their
-        # CRC-32C taken, at once for the group's layers when the step lets go of it)
+        # (the written pages are marked dirty, and the filled ones sealed, their CRC-32C
+        # taken, for the group's layers at once when the step lets go of it: pinned until
+        # then, none can be evicted or written back meanwhile)
         for seq, end in zip(seqs, rows.lengths):
             seq.set_kv_len(layer, end)
         self.appended = True

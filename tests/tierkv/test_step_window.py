@@ -127,3 +127,51 @@ async def test_filled_pages_are_sealed_once_a_group_at_its_release(
         sums = row_sums(rows.numpy(), st.tiers.pages.device_slots(full))
         assert st.tiers.table.sums(full) == sums  # the CRC-32C of their final bytes
         await idle(st)
+
+
+async def test_written_pages_are_dirty_before_their_group_is_unpinned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group's written pages are marked dirty at its release, once for its layers: before
+    the unpin that lets an eviction (or a write-behind's clean) see them."""
+    from tierkv.lease_pages import LeasePages
+    from tierkv.tiers import TierSet
+
+    events: list[tuple[str, frozenset[bytes]]] = []
+    real_dirty, real_unpin = LeasePages.mark_dirty, TierSet.unpin_device
+
+    def dirty(self: LeasePages, keys: list[bytes]) -> None:
+        events.append(("dirty", frozenset(keys)))
+        real_dirty(self, keys)
+
+    def unpin(self: TierSet, keys: list[bytes]) -> None:
+        events.append(("unpin", frozenset(keys)))
+        real_unpin(self, keys)
+
+    monkeypatch.setattr(LeasePages, "mark_dirty", dirty)
+    monkeypatch.setattr(TierSet, "unpin_device", unpin)
+    async with _store(device_pages=10) as st:
+        await st.add_sequence("a", [])
+        for n in (5, 1):  # the second step writes page 1 of each layer (tokens 4-7)
+            events.clear()
+            async with st.step_plan(["a"], tokens=n, ahead=2, window=1) as step:
+                for layer in range(SPEC.num_layers):
+                    h = await step.layer(layer)
+                    h.append(rand(1, H, n, D, seed=layer), rand(1, H, n, D, seed=layer))
+                    h.kv()
+                    step.done_with(h)
+            st.step()
+            await st.drain()
+        seq = st.sequence("a")
+        wrote = {page_key(seq.block(1), layer) for layer in range(SPEC.num_layers)}
+        marked: set[bytes] = set()
+        unpinned: set[bytes] = set()
+        for what, keys in events:
+            if what == "dirty":
+                marked |= keys
+            else:  # each page the step wrote was marked before the unpin of its group
+                assert keys & wrote <= marked
+                unpinned |= keys & wrote
+        assert unpinned == wrote == marked
+        assert [w for w, _ in events].count("dirty") == 2  # one call a group of two layers
+        await idle(st)
