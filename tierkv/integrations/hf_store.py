@@ -2,8 +2,10 @@
 store's coroutines.
 
 A store the cache opens itself runs on a private event loop driven in the caller's thread
-(:class:`LocalStore`): every ``update()`` is one ``run_until_complete`` of the layer's lease,
-and nothing else runs Python meanwhile. A shared :class:`~tierkv.sync.SyncKVStore` (or a
+(:class:`LocalStore`), and nothing else runs Python meanwhile: a step is entered, its layers
+served and left with no loop run where nothing waits (:meth:`LocalStore.enter`,
+:meth:`LocalStore.turn` for a few passes where a task was started, :meth:`LocalStore.leave`),
+else with one ``run_until_complete``. A shared :class:`~tierkv.sync.SyncKVStore` (or a
 store opened where an event loop already runs, as in async code) runs on its own loop thread
 (:class:`ThreadStore`): every ``update()`` hops there and back::
 
