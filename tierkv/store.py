@@ -898,9 +898,13 @@ class KVStore:
 
     def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
         self.tiers  # noqa: B018 - raises when closed
-        # on the store's loop, also for a synchronous caller outside it (a TieredCache's step
-        # exit: tierkv.integrations.hf_store), where the implicit loop would be another one
-        task = asyncio.ensure_future(coro, loop=self._loop)
+        loop: asyncio.AbstractEventLoop | None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous caller outside the loop (a TieredCache's step
+            # exit: tierkv.integrations.hf_store): the store's own loop, not asyncio's default
+            loop = self._loop  # one that nothing runs
+        task = asyncio.ensure_future(coro, loop=loop)
         self._tasks[task] = what
         task.add_done_callback(self._task_done)
         return task
