@@ -58,6 +58,7 @@ import time
 from array import array
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -91,7 +92,11 @@ class StepPlan:
     :meth:`tierkv.store.KVStore.step_plan`, used as an async context manager.
 
     Layers load in groups of ``max(1, ahead)``: one pin, one load and one reservation per
-    group; group ``g + 1`` loads while group ``g`` computes.
+    group. ``window`` groups are pinned at a time: with 2, group ``g + 1`` loads while group
+    ``g`` computes (from ``g``'s first layer); with 1, once the caller is done with ``g``'s
+    last layer (:meth:`done_with`), after ``g`` is let go of: half the device room for groups
+    of the same size, for copies that do not overlap compute anyway (the cpu backend's inline
+    copies run on the caller's thread).
     """
 
     def __init__(
@@ -102,8 +107,10 @@ class StepPlan:
         tokens: list[int],
         ahead: int,
         next_step: NextStep,
+        window: int = 2,
     ) -> None:
         self.store = store
+        self.window = window  # groups pinned at a time (1 or 2)
         self._next_step = next_step
         self.seqs = tuple(seqs)
         self.layers = tuple(layers)
@@ -121,7 +128,7 @@ class StepPlan:
         self._active = False
         self._claimed = False  # its sequences taken in the store's StepClaims
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was entered on
-        self.starting: asyncio.Future[list[LayerStep]] | None = None  # (see layer_now)
+        self.starting: asyncio.Future[Any] | None = None  # (see layer_now and exit_now)
         tiers = store.tiers
         self.flat, self._per_slot = arena_rows(tiers.pages.all_pages, store.spec)
         # the sequences are several tenants': their new pages ask for room tenant by tenant
@@ -150,7 +157,7 @@ class StepPlan:
         while True:
             g = self.group
             sums = [sum(per[i : i + g]) for i in range(0, len(per), g)]
-            w = 2 if self.ahead else 1
+            w = self.window if self.ahead else 1
             most = max((sum(sums[i : i + w]) for i in range(len(sums))), default=0)
             if most <= capacity or not self.ahead:
                 return most
@@ -261,13 +268,12 @@ class StepPlan:
         # only the pages it fills, unless the device could not keep them all
         partial = sum(1 for k in self.tokens if k) * len(self.layers)
         self._behind_partial = partial + held > self.store.tiers.table.capacity(DEVICE)
-        for g in range(min(len(self._tasks), 2 if self.ahead else 0)):
+        for g in range(min(len(self._tasks), self.window if self.ahead else 0)):
             self._start(g)
 
     @async_boundary
     async def __aexit__(self, *exc: object) -> None:
         t0 = time.perf_counter()
-        store = self.store
         self._active = False
         self._current = None
         try:
@@ -276,15 +282,49 @@ class StepPlan:
                 task.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+        except BaseException:
+            self._let_go()
+            raise
+        ids = self._leave(t0, exc[0] is None)
+        if ids:  # the next step's first layers, loading while the caller samples
+            await self._next_step(ids, list(self.layers[: self.group]))
+
+    @boundary
+    def exit_now(self) -> bool:
+        """:meth:`__aexit__` after a step that raised nothing, with no loop run, for a caller
+        that drives the store's loop itself (outside it now): False, nothing done, where a
+        group's load is still under way (use ``__aexit__``). The next step's first group is
+        prefetched as ``__aexit__`` does (its task is :attr:`starting`: the caller runs its
+        loop a few turns), except where its copy would run inline on this thread (the cpu
+        backend): the next step's entry then loads it with no wait, and prefetching it now
+        overlaps nothing. Raises what ``__aexit__`` raises."""
+        if any(t is not None and not t.done() for t in self._tasks):
+            return False
+        t0 = time.perf_counter()
+        self._active = False
+        self._current = None
+        ids = self._leave(t0, True)
+        if ids and not self._loads_inline():
+            loop = self._loop
+            assert loop is not None  # (entered: ids are only given then)
+            self.starting = asyncio.ensure_future(
+                self._next_step(ids, list(self.layers[: self.group])), loop=loop
+            )
+        return True
+
+    def _leave(self, t0: float, ok: bool) -> list[str]:
+        """The exit once no group's load is under way: every group let go of, the room given
+        back, full blocks published, the written pages' one write-behind. Returns the live
+        sequences whose next step's first group to prefetch (none unless the step ran every
+        layer, ``ok`` and with a window)."""
+        store = self.store
+        try:
             if store.closed:
-                return  # close() let go of every page
+                return []  # close() let go of every page
             for g in range(len(self._tasks)):
                 self._release(g)
         finally:
-            if self._held is not None and not store.closed:
-                store.admission.leave(self._held)
-            self._held = None
-            self._unclaim()
+            self._let_go()
         wrote, self._wrote = self._wrote, []
         live = [s for s in self.seqs if store.is_live(s)]
         store.lease_ended(live, ())  # (full blocks get their content keys: names change)
@@ -302,10 +342,29 @@ class StepPlan:
                     keys += [page_key(seq.block(b), layer) for b in blocks]
             store.lease_wrote(keys)
         store.turns.charge(time.perf_counter() - t0)
-        if exc[0] is None and self._next == len(self.layers) and self.ahead:
-            ids = [s.seq_id for s in self.seqs if store.is_live(s)]
-            if ids:  # the next step's first layers, loading while the caller samples
-                await self._next_step(ids, list(self.layers[: self.group]))
+        if ok and self._next == len(self.layers) and self.ahead:
+            return [s.seq_id for s in live]
+        return []
+
+    def _let_go(self) -> None:
+        """The step's room back to the admission and its sequences free (idempotent)."""
+        store = self.store
+        if self._held is not None and not store.closed:
+            store.admission.leave(self._held)
+        self._held = None
+        self._unclaim()
+
+    def _loads_inline(self) -> bool:
+        """Whether the next step's first group (its pages now) would load by a copy that the
+        engine runs inline, on this thread, now (the cpu backend's small copies)."""
+        store = self.store
+        t = store.spec.page_tokens
+        first = self.layers[: self.group]
+        pages = 0
+        for seq in self.seqs:
+            kv = seq.kv_len
+            pages += sum(-(-kv[layer] // t) for layer in first)
+        return store.tiers.engine.runs_inline(pages * store.spec.page_bytes)
 
     # -- layers ----------------------------------------------------------------------------
     @async_boundary
@@ -336,7 +395,7 @@ class StepPlan:
             if self._tasks[g] is None:  # not loaded ahead: its loads start now, compute waits
                 asked = time.perf_counter()
             self._start(g)
-            if self.ahead and g + 1 < len(self._tasks):
+            if self.ahead and self.window > 1 and g + 1 < len(self._tasks):
                 self._start(g + 1)
                 nxt = self._tasks[g + 1]
                 if nxt is not None and not nxt.done():
@@ -379,13 +438,38 @@ class StepPlan:
                 return None
             if g:
                 self._release(g - 1)
-            if self.ahead and g + 1 < len(self._tasks) and self._tasks[g + 1] is None:
+            if (
+                self.ahead
+                and self.window > 1
+                and g + 1 < len(self._tasks)
+                and self._tasks[g + 1] is None
+            ):
                 self._start(g + 1)
                 self.starting = self._tasks[g + 1]
         step = steps[at]
         self._next = i + 1
         self._current = step
         return step
+
+    def done_with(self, step: LayerStep) -> None:
+        """The caller is done with ``step``, the current layer (its K/V read: gathered, or
+        attended). With a window of one group, at its group's last layer: the group is let go
+        of (``step`` is no longer current) and the next one loaded here, before the next
+        layer asks for it (with no wait where the tier core can; else its task starts,
+        :attr:`starting`: the caller runs its loop a few turns). Nothing otherwise: a window
+        of two groups loads the next group while this one computes. Raises what the release
+        raises (no error boundary: nothing under it raises the runtime's errors)."""
+        if self.window != 1 or step is not self._current or not self._active:
+            return
+        g, at = divmod(self._next - 1, self.group)
+        if at != self.group - 1 or g + 1 >= len(self._tasks):
+            return
+        self._current = None
+        self._release(g)
+        self._start(g + 1)
+        task = self._tasks[g + 1]
+        if task is not None and not task.done():
+            self.starting = task
 
     def check_current(self, step: LayerStep) -> None:
         """Raise SequenceError unless ``step`` is the plan's current layer."""
@@ -542,10 +626,9 @@ class StepPlan:
                 whole = torch.frombuffer(index, dtype=torch.int64)
                 if device.type != "cpu":
                     whole = whole.to(device)
-                at = 0
-                for step, upto in zip(steps, counts):
-                    step.rows.set_page_index(whole.narrow(0, at, upto - at))
-                    at = upto
+                sizes = [b - a for a, b in zip([0, *counts], counts)]
+                for step, part in zip(steps, whole.split(sizes)):  # (one call for the views)
+                    step.rows.set_page_index(part)
         except BaseException:
             if opened:
                 tiers.abort_device(new, pinned=pinned, owned=owned)
@@ -572,14 +655,23 @@ class StepPlan:
             return
         tiers = self.store.tiers
         pins: list[bytes] = []
+        written: list[bytes] = []
+        filled: list[bytes] = []
         for step in task.result():
             if step.appended:
                 pins += step.keys + step.new
+                written += step.written
+                filled += step.filled
                 if any(self.tokens):
                     self._wrote.append(step.layer)
             else:  # never appended to: the pages it opened go
                 tiers.abort_device(step.new, pinned=True, owned=True)
                 pins += step.keys
+        if written:  # the appends' pages, newer than their lower copies (before the unpin:
+            # a write-behind that copied one meanwhile, pinned, leaves it dirty now)
+            tiers.pages.mark_dirty(written)
+        if filled:  # their bytes are final: their CRC-32C, in one native call for the group
+            tiers.pages.seal(filled)
         if pins:
             tiers.unpin_device(pins)
             # their use, now: by the names they have now (a lease's end may rename them later)

@@ -70,8 +70,8 @@ class LayerStep:
         self.layer = layer
         self.keys = keys  # the layer's pages this step pinned (acquired)
         self.new = new  # the pages the append opens (reserved, owned, pinned)
-        self.filled = filled  # the pages the append fills (sealed once written)
-        self.written = written  # the pages the append writes (the partly filled and new ones)
+        self.filled = filled  # the pages the append fills (sealed when its group is let go)
+        self.written = written  # the pages the append writes (marked dirty with its group)
         self.starts = starts
         self._rows = rows
         self.appended = not any(rows.n_new)
@@ -111,9 +111,10 @@ class LayerStep:
             and not k.is_nested
             and not v.is_nested
         ):
-            by_seq = True
+            by_seq = fast = True
         else:
             by_seq = self._check_kv(k, v)
+            fast = False
         plan.check_current(self)
         if self.appended:
             if not any(rows.n_new):  # a step of no new tokens: its empty KV has nothing to add
@@ -129,7 +130,7 @@ class LayerStep:
                 )
         if k.requires_grad or v.requires_grad:  # a cache holds values, not a graph
             k, v = k.detach(), v.detach()
-        if k.device != dev:
+        if not fast and k.device != dev:  # (the inline check compared the devices)
             k, v = k.to(dev), v.to(dev)
         at = rows.one_page() if by_seq and rows.batch == 1 else None
         if at is not None:  # one sequence, its new tokens in one page: one cat into its slot
@@ -143,10 +144,9 @@ class LayerStep:
         else:
             flat = plan.flat
             flat.index_copy_(0, rows.kv_rows(by_seq), torch.stack((k, v)).view(-1, spec.head_dim))
-        pages = store.tiers.pages
-        pages.mark_dirty(self.written)
-        if self.filled:
-            pages.seal(self.filled)
+        # (the written pages are marked dirty, and the filled ones sealed, their CRC-32C
+        # taken, for the group's layers at once when the step lets go of it: pinned until
+        # then, none can be evicted or written back meanwhile)
         for seq, end in zip(seqs, rows.lengths):
             seq.set_kv_len(layer, end)
         self.appended = True

@@ -256,6 +256,7 @@ class KVStore:
         self._incarnations = 0
         self._engine: TransferEngine | None = None
         self._tasks: dict[asyncio.Task[Any], Background] = {}  # each with what it works on
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop it was opened on
         self._failures = FailureLog("tierkv.store")
         # pages leases wrote, waiting for the one write-behind task (a dict of bytes: the
         # collector does not track it; one task per batch of leases, not two per lease)
@@ -307,6 +308,7 @@ class KVStore:
         if self._tiers is not None:
             return self
         chain = self._open_chain()  # first: a bad path fails before anything is allocated
+        self._loop = asyncio.get_running_loop()
         try:
             self._open_core()
         except BaseException:
@@ -808,10 +810,13 @@ class KVStore:
         *,
         tokens: int | Sequence[int] = 1,
         ahead: int = 2,
+        window: int = 2,
     ) -> StepPlan:
         """Plan a step: ``seq_ids`` run ``layers`` (all by default, in that order), each
         appending ``tokens`` new tokens (one count for all, or one per sequence) to every
-        layer; layer ``L + ahead`` loads while layer ``L`` computes (see :mod:`tierkv.step`).
+        layer; layers load in groups of ``ahead``, ``window`` groups (1 or 2) pinned at a
+        time: with 2 the next group loads while this one computes, with 1 once the caller is
+        done with this one (:meth:`StepPlan.done_with`; see :mod:`tierkv.step`).
 
         Use as ``async with store.step_plan(ids) as step:``. A sequence runs in one entered
         plan at a time, and a plan that appends to it is refused at entry (SequenceError)
@@ -828,8 +833,12 @@ class KVStore:
             raise SequenceError(f"a sequence is named twice in {ids}")
         seqs = [self.sequence(s) for s in ids]
         counts = check_tokens(tokens, len(seqs))
-        window = validate.count("ahead", ahead, 0)
-        return StepPlan(self, seqs, ls, counts, window, partial(self.prefetch, wait=False))
+        group = validate.count("ahead", ahead, 0)
+        if validate.count("window", window, 1) > 2:
+            raise InvalidInputError(f"window: 1 or 2 groups at a time, got {window}")
+        return StepPlan(
+            self, seqs, ls, counts, group, partial(self.prefetch, wait=False), window=window
+        )
 
     @async_boundary
     async def prefetch(
@@ -936,7 +945,13 @@ class KVStore:
 
     def _spawn(self, coro: Any, what: Background) -> asyncio.Task[Any]:
         self.tiers  # noqa: B018 - raises when closed
-        task = asyncio.ensure_future(coro)
+        loop: asyncio.AbstractEventLoop | None
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a synchronous caller outside the loop (a TieredCache's step
+            # exit: tierkv.integrations.hf_store): the store's own loop, not asyncio's default
+            loop = self._loop  # one that nothing runs
+        task = asyncio.ensure_future(coro, loop=loop)
         self._tasks[task] = what
         task.add_done_callback(self._task_done)
         return task
@@ -951,6 +966,11 @@ class KVStore:
         self.counters.last_error = self._failures.report(
             what.kind, exc, tier=what.tier, keys=what.keys
         )
+
+    @property
+    def background(self) -> int:
+        """Background tasks under way (prefetches, write-behinds, compressions)."""
+        return len(self._tasks)
 
     @async_boundary
     async def drain(self, timeout: float | None = None) -> None:

@@ -102,8 +102,13 @@ def test_closed_cache_raises_store_closed() -> None:
         cache.layers[0].update(torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("window", [1, 2, 3, 5])
-def test_prefetch_windows_return_the_same_kv_and_prefetch(window: int) -> None:
+def test_prefetch_windows_return_the_same_kv_and_prefetch(
+    window: int, inline: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not inline:
+        monkeypatch.setenv("TIERKV_INLINE_COPIES", "0")  # every copy on the copy thread
     with TieredCache(
         CFG,
         dtype=torch.float32,
@@ -123,7 +128,13 @@ def test_prefetch_windows_return_the_same_kv_and_prefetch(window: int) -> None:
         prefetch_layers=window,
     ) as ahead:
         got = _steps(ahead)
-        assert ahead.stats()["prefetched"] > 0
+        # a step's end prefetches the next step's first layers where their copy runs on a
+        # copy thread; an inline copy (cpu) runs on this thread either way: at the next entry
+        assert ahead.stats()["page_loads"] > 0
+        assert (ahead.stats()["prefetched"] > 0) is not inline
+        # inline copies (no overlap to gain): one group of twice the layers at a time
+        plan = ahead._step_plan(1)
+        assert (plan.window, plan.ahead) == ((1, 2 * window) if inline else (2, window))
     assert all(torch.equal(x, y) for x, y in zip(expect, got, strict=True))
 
 

@@ -27,8 +27,9 @@ store layer, and each forward one store step (:mod:`tierkv.step`), planned at la
                       room is there at once: pins, loads, new pages, row indices
     update(k, v, L)   no wait for a group that landed or loaded at once (no loop run), one
                       append (one cat into the page, or one index_copy_), one gather (one
-                      index_select into the cache's buffer); the last layer: the step's end,
-                      the token's one loop run
+                      index_select into the cache's buffer); at a group's last layer with
+                      inline copies, the next group loaded; the last layer: the step's end
+                      (no loop run unless it started a write-behind or prefetch)
     returned          [B, H_kv, S, D] K and V: views of the gathered copy
 
 so the device tier needs a few layers' pages of the batch at a time; the others wait on the
@@ -195,7 +196,10 @@ class TieredCache(Cache):
             :mod:`tierkv.step`; it shrinks where the device cannot hold that many). Layers load
             in groups of that many, and each group has a fixed cost in the store (its pins,
             eviction, copy and rows): 3 (10 groups a token on SmolLM2's 30 layers) took
-            ~30 us a layer call off 2's inside ``generate()``, for ~9% more page loads.
+            ~30 us a layer call off 2's inside ``generate()``, for ~9% more page loads. Where
+            the copies run inline on this thread (a store the cache opened, cpu backend), the
+            same room holds one group of twice as many layers, loaded once the group before
+            is read (5 groups a token on SmolLM2: ``StepPlan.done_with``).
         sparse_topk, sparse_recent, host_attention: decode attends the ``sparse_topk`` best
             pages by key summary plus the first and the ``sparse_recent`` last; pages only the
             host holds are attended there (``"auto"``: when they exceed the device's room or
@@ -303,6 +307,7 @@ class TieredCache(Cache):
         self._out: torch.Tensor | None = None  # what each layer's K/V are gathered into
         self._layers = [TieredLayer(self, i) for i in range(self.spec.num_layers)]
         self._local = isinstance(driver, LocalStore)  # (read on every layer call)
+        self._cpu_pages = driver.store.tiers.pages.device.type == "cpu"
         self._last = self.spec.num_layers - 1
         super().__init__(layers=list(self._layers))
 
@@ -337,21 +342,32 @@ class TieredCache(Cache):
         if idx == 0 and local:  # the step planned and entered with no loop run where it can
             plan = self._enter_now(n)
         step = plan.layer_now(idx, enter=True) if plan is not None and local else None
-        if step is not None and idx != self._last:
+        if step is not None:
             if TYPE_CHECKING:
                 assert plan is not None and isinstance(driver, LocalStore)
             try:
                 started, plan.starting = plan.starting, None
                 if started is not None and not started.done():  # (else loaded in layer_now)
-                    driver.turn(started)
+                    driver.turn(started.done)
                 step.append(k, v)
                 keys, values = step.kv(out=self._gather_buffer(step))
+                plan.done_with(step)  # (a window of one group: the next group loads now)
+                started, plan.starting = plan.starting, None
+                if started is not None and not started.done():
+                    driver.turn(started.done)
             except BaseException:
                 self._end_plan()
                 raise
+            if idx == self._last:  # the step's end, with no loop run where it can
+                self._plan = None
+                if not driver.leave(plan):
+                    driver.run(plan.__aexit__(None, None, None))
+                    driver.store.step()
         else:
             keys, values = self._driver.run(self._layer_step(idx, k, v, step))
         layer.length += n
+        if self._cpu_pages:  # (K/V on another device than the cpu's pages are refused)
+            return keys, values
         if keys.device != k.device:
             keys, values = keys.to(k.device), values.to(k.device)
         return keys, values
@@ -361,11 +377,27 @@ class TieredCache(Cache):
         once: :meth:`LocalStore.enter`), or None (then the loop run of layer 0 does it)."""
         driver = self._driver
         assert isinstance(driver, LocalStore)
-        plan = driver.store.step_plan(self._seq_ids, tokens=tokens, ahead=self.prefetch_layers)
+        plan = self._step_plan(tokens)
         if not driver.enter(plan):
             return None
         self._plan = plan
         return plan
+
+    def _step_plan(self, tokens: int) -> StepPlan:
+        """The step of a forward of ``tokens`` new tokens a row. Layers load in groups of
+        ``prefetch_layers``, the next while one computes; where this thread drives the store
+        and a window's copy would run inline here (the cpu backend: no overlap to gain), the
+        same room holds one group of twice that, loaded once the one before is read
+        (``window=1``): half the groups a token, each with its fixed cost in the store."""
+        store = self._driver.store
+        ahead = self.prefetch_layers
+        if ahead and self._local:
+            spec = self.spec
+            pages = -(-(self._layers[0].length + tokens) // spec.page_tokens)
+            window = len(self._seq_ids) * pages * 2 * ahead * spec.page_bytes
+            if store.tiers.engine.runs_inline(window):
+                return store.step_plan(self._seq_ids, tokens=tokens, ahead=2 * ahead, window=1)
+        return store.step_plan(self._seq_ids, tokens=tokens, ahead=ahead)
 
     def _gather_buffer(self, step: LayerStep) -> torch.Tensor:
         """The one buffer every layer's K/V are gathered into (grown by doubling): attention
@@ -429,7 +461,7 @@ class TieredCache(Cache):
         store = self._driver.store
         plan = self._plan
         if plan is None:
-            plan = store.step_plan(self._seq_ids, tokens=k.shape[2], ahead=self.prefetch_layers)
+            plan = self._step_plan(k.shape[2])
             await plan.__aenter__()
             self._plan = plan
         try:
@@ -437,6 +469,7 @@ class TieredCache(Cache):
                 step = await plan.layer(layer)
             step.append(k, v)
             kv = step.kv(out=self._gather_buffer(step))
+            plan.done_with(step)
         except BaseException as exc:
             self._plan = None
             await plan.__aexit__(type(exc), exc, exc.__traceback__)

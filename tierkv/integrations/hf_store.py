@@ -2,8 +2,10 @@
 store's coroutines.
 
 A store the cache opens itself runs on a private event loop driven in the caller's thread
-(:class:`LocalStore`): every ``update()`` is one ``run_until_complete`` of the layer's lease,
-and nothing else runs Python meanwhile. A shared :class:`~tierkv.sync.SyncKVStore` (or a
+(:class:`LocalStore`), and nothing else runs Python meanwhile: a step is entered, its layers
+served and left with no loop run where nothing waits (:meth:`LocalStore.enter`,
+:meth:`LocalStore.turn` for a few passes where a task was started, :meth:`LocalStore.leave`),
+else with one ``run_until_complete``. A shared :class:`~tierkv.sync.SyncKVStore` (or a
 store opened where an event loop already runs, as in async code) runs on its own loop thread
 (:class:`ThreadStore`): every ``update()`` hops there and back::
 
@@ -90,27 +92,17 @@ class LocalStore:
             )
         return self._loop.run_until_complete(_bounded(coro, self.store.timeout * 2))
 
-    def turn(self, until: asyncio.Future[Any] | None = None, turns: int = 8) -> None:
+    def turn(self, done: Callable[[], bool] | None = None, turns: int = 8) -> None:
         """Run the store's loop in this thread for at most ``turns`` passes over its ready
-        callbacks, stopping early once ``until`` is done; never waits (a pass that finds
+        callbacks, stopping early once ``done()`` is true; never waits (a pass that finds
         nothing ready polls for I/O with a zero timeout). A step group's task started just
         before takes its steps: its loads are submitted, and where its copies ran inline
         (cpu backend) it completes here, so its first layer needs no loop run.
 
         Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does."""
-        if self._closed:
-            raise StoreClosedError("store is closed")
-        if _loop_running():
-            raise LoopInUseError("this thread already runs an event loop")
+        self._check_thread()
         loop = self._loop
-
-        def again(n: int) -> None:
-            if n <= 1 or until is None or until.done():
-                loop.stop()
-            else:
-                loop.call_soon(again, n - 1)
-
-        loop.call_soon(again, turns)
+        loop.call_soon(_passes, loop, turns, done)
         loop.run_forever()
 
     def enter(self, plan: StepPlan) -> bool:
@@ -118,11 +110,36 @@ class LocalStore:
         (:meth:`StepPlan.enter_now` on this store's loop); False, nothing held, otherwise.
         Raises StoreClosedError after :meth:`close`, LoopInUseError as :meth:`run` does, and
         what the entry raises."""
+        self._check_thread()
+        return plan.enter_now(self._loop)
+
+    def _check_thread(self) -> None:
+        """Raise StoreClosedError after :meth:`close`, LoopInUseError where this thread runs
+        an event loop."""
         if self._closed:
             raise StoreClosedError("store is closed")
         if _loop_running():
             raise LoopInUseError("this thread already runs an event loop")
-        return plan.enter_now(self._loop)
+
+    def leave(self, plan: StepPlan) -> bool:
+        """End ``plan`` (a step that raised nothing) and the store's step with no loop run
+        where nothing of the plan is under way (:meth:`StepPlan.exit_now`, then
+        :meth:`KVStore.step`); the loop runs a few passes, never waiting, only where the exit
+        started something (the next step's prefetch, a write-behind, a compression: tasks
+        of the store's own loop), so that their copies are submitted, and the inline ones
+        end, before the caller computes (a write-behind left pending keeps its pages
+        pinned). False, nothing done, otherwise (run ``plan.__aexit__`` and
+        ``store.step()``). Raises StoreClosedError after :meth:`close`, LoopInUseError as
+        :meth:`run` does, and what the exit raises."""
+        self._check_thread()
+        if not plan.exit_now():
+            return False
+        store = self.store
+        store.step()
+        started, plan.starting = plan.starting, None
+        if started is not None or store.background:
+            self.turn(lambda: (started is None or started.done()) and not store.background)
+        return True
 
     def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the store (the store is single-threaded: this thread owns it)."""
@@ -139,6 +156,14 @@ class LocalStore:
         finally:
             self._closed = True
             self._loop.close()
+
+
+def _passes(loop: asyncio.AbstractEventLoop, n: int, done: Callable[[], bool] | None) -> None:
+    """Stop ``loop`` after ``n`` passes over its ready callbacks, or once ``done()``."""
+    if n <= 1 or (done is not None and done()):
+        loop.stop()
+    else:
+        loop.call_soon(_passes, loop, n - 1, done)
 
 
 def _loop_running() -> bool:
