@@ -44,6 +44,12 @@ BAD = [
     # a 400-digit count: an OverflowError traceback from the planner's float products
     (["plan", "--context", "9" * 400], "context"),
     (["plan", "--concurrency", "9" * 400], "concurrency"),
+    # the page server: a layout KVSpec refuses or a host tier with no page exited 1 with the
+    # error's class name, after stale shared-memory segments had been swept
+    (["serve", "--insecure", "--dtype", "bogus"], "dtype"),
+    (["serve", "--insecure", "--dtype", "int8"], "dtype"),
+    (["serve", "--insecure", "--page-tokens", "100000000"], "page_tokens"),
+    (["serve", "--insecure", "--host-mb", "0.001"], "--host-mb"),
 ]
 
 
