@@ -697,7 +697,7 @@ async def start(
 def build_parser() -> argparse.ArgumentParser:
     """The command line (documented in docs/configuration.md)."""
     d = EngineConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (the first sentence)
     p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (loopback by default)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="concurrency")
@@ -761,6 +761,10 @@ def _mib(flag: str, mib: float | None) -> Any:
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
     quotas, keys = tenant_options(a.tenants)
+    folder = os.path.dirname(os.path.abspath(a.trace)) if a.trace else ""
+    if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        # (a traceback at shutdown, after the whole run, was the first sign)
+        raise InvalidInputError(f"--trace {a.trace}: cannot write into {folder}")
     engine = replace(
         EngineConfig(),
         max_running=a.max_running,
@@ -803,10 +807,11 @@ def _no_twice(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     """The quotas and API keys of a ``--tenants`` file: ``{"tenants": {name:
     {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name}}`` (the
-    keys' tenants must be among the names). Raises SystemExit with the reason for a bad
-    file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key
-    twice, a bad tenant name, a bad quota, an API key that is not a non-empty string, API
-    keys in a file that group or others may read."""
+    keys' tenants must be among the names). Raises InvalidInputError with the reason for a
+    bad file (it was SystemExit: status 1 where every other bad flag is 2): not a regular
+    file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key twice, a bad tenant
+    name, a bad quota, an API key that is not a non-empty string, API keys in a file that
+    group or others may read."""
     if path is None:
         return {}, {}
     try:
@@ -828,10 +833,10 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
         if keys and mode & 0o077:  # (as tierkv serve's secrets file)
             raise ValueError("it holds API keys and group or others may read it (chmod 600)")
     except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
-        raise SystemExit(f"--tenants {path}: {exc}") from None
+        raise InvalidInputError(f"--tenants {path}: {exc}") from None
     unknown = sorted(set(keys.values()) - set(quotas))
     if unknown:
-        raise SystemExit(f"--tenants {path}: API keys name unknown tenants {unknown}")
+        raise InvalidInputError(f"--tenants {path}: API keys name unknown tenants {unknown}")
     return quotas, keys
 
 
