@@ -171,8 +171,9 @@ class TierKVColdTier(TierKVTierBase):
         """Encode the job's chunks into free (or evicted) slots, on the tier's threads."""
         job_id, t0 = job_metadata.job_id, time.monotonic()
         try:
-            tkeys = self.keys.many(job_metadata.keys)
-            rows = [int(c) for c in job_metadata.chunk_ids]
+            keys = list(job_metadata.keys)
+            tkeys = self.keys.many(keys)
+            rows = self._chunk_rows(keys, job_metadata.chunk_ids)
             with self._lock:
                 todo = [
                     (k, r) for k, r in zip(tkeys, rows)
@@ -219,7 +220,7 @@ class TierKVColdTier(TierKVTierBase):
         keys = list(job_metadata.keys)
         try:
             tkeys = self.keys.many(keys)
-            rows = [int(c) for c in job_metadata.chunk_ids]
+            rows = self._chunk_rows(keys, job_metadata.chunk_ids)
             with self._lock:
                 slots: list[int] = []
                 for k in tkeys:

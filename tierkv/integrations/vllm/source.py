@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from tierkv.integrations.vllm._vllm import AsyncLookupManager, LookupResult
+from tierkv.integrations.vllm.keys import check_key
 from tierkv.integrations.vllm.tier import TierKVTierBase, result
 
 __all__ = ["TierKVSourceTier"]
@@ -123,6 +124,7 @@ class TierKVSourceTier(TierKVTierBase):
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         """HIT / MISS once the source has answered for this key, RETRY until then."""
+        check_key(key)  # a key that is not bytes: a typed error (misuse, not a miss)
         self.counters["lookups"] += 1
         found = self._lookups.lookup(key, req_context)
         if found is None:
@@ -145,8 +147,9 @@ class TierKVSourceTier(TierKVTierBase):
         """Store the job's primary chunks in the source."""
         job_id, t0 = job_metadata.job_id, time.monotonic()
         try:
-            slots = [int(c) for c in job_metadata.chunk_ids]
-            future = self._loop.submit(self._publish(self.keys.many(job_metadata.keys), slots))
+            keys = list(job_metadata.keys)
+            slots = self._chunk_rows(keys, job_metadata.chunk_ids)
+            future = self._loop.submit(self._publish(self.keys.many(keys), slots))
         except Exception as exc:
             self._fail_now(job_id, "store", exc)
             return
@@ -158,7 +161,7 @@ class TierKVSourceTier(TierKVTierBase):
         job_id, t0 = job_metadata.job_id, time.monotonic()
         keys = list(job_metadata.keys)
         try:
-            slots = [int(c) for c in job_metadata.chunk_ids]
+            slots = self._chunk_rows(keys, job_metadata.chunk_ids)
             future = self._loop.submit(self._load(self.keys.many(keys), slots))
         except Exception as exc:
             self._fail_now(job_id, "load", exc)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.errors import InvalidInputError
 from tierkv.integrations.vllm._vllm import (
     JobResult,
     Locality,
@@ -95,6 +96,23 @@ class TierKVTierBase(SecondaryTierManager):
         self._rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)
 
     # -- jobs ---------------------------------------------------------------------------------
+    def _chunk_rows(self, keys: list[Any], chunk_ids: Any) -> list[int]:
+        """A job's primary rows, one per key. Raises InvalidInputError (a failed job, in the
+        callers) for chunk ids that are not integers in ``[0, rows)`` or not one per key:
+        a negative id indexed from the end (a load wrote another chunk's row), a float was
+        truncated, and a key without a chunk id was dropped from a store reported done."""
+        ids = np.asarray(chunk_ids)
+        if ids.ndim != 1 or len(ids) != len(keys):
+            raise InvalidInputError(f"{ids.size} chunk ids for {len(keys)} keys")
+        if ids.size and (
+            ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= len(self._rows)
+        ):
+            raise InvalidInputError(
+                f"chunk ids must be integers in [0, {len(self._rows)}), got {ids.dtype} "
+                f"from {ids.min()} to {ids.max()}"
+            )
+        return [int(c) for c in ids.tolist()]
+
     def _track(self, job_id: int, future: concurrent.futures.Future[Any], finish: Finish) -> None:
         """Queue ``finish(result)`` (or a failed result) when `future` ends, on its thread."""
         with self._flight_lock:
