@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm_driver import TIERKV, Script, build, key
 
 from tierkv.errors import InvalidInputError, InvalidTypeError
+from tierkv.integrations.vllm import VllmTierConfigError
 from tierkv.integrations.vllm.keys import PageKeys
 from tierkv.integrations.vllm.source import TierKVSourceTier
 
@@ -118,3 +119,33 @@ def test_a_store_with_bad_chunk_ids_fails_and_keeps_nothing(
     assert _run(tier, _job(1, keys, ids, load=False)).success is False
     ctx = ReqContext(req_id="r")
     assert all(tier.lookup(k, ctx) is not LookupResult.HIT for k in keys)
+
+
+def _peer(tmp: Path) -> dict[str, Any]:
+    return {"type": "TierKVPeerTier", "module_path": TIERKV, "peers": ["127.0.0.1:1"],
+            "timeout": 0.2, "secret": "ab" * 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("make", "field", "value"),
+    [
+        (_disk, "drain_timeout", 1e300),  # built; drain_jobs then raised OverflowError
+        (_cold, "threads", 10**6),  # built: up to a million threads
+        (_redis, "timeout", 1e300),  # OverflowError at startup, its coroutine left pending
+        (_redis, "ttl", 1e300),  # built: a 304-digit PX (Redis takes a 64-bit one)
+        (_redis, "namespace", "a b"),  # SpecError, naming neither the tier nor vLLM's config
+        (_redis, "url", "http://x"),
+        (_peer, "timeout", 1e300),
+        (_peer, "retry_after", 1e300),  # InvalidInputError from RemoteCluster
+    ],
+    ids=lambda v: v.__name__ if callable(v) else None,
+)
+def test_a_config_value_out_of_range_is_a_typed_error_naming_the_tier(
+    tmp_path: Path, make: Any, field: str, value: Any
+) -> None:
+    import threading
+
+    before = threading.active_count()
+    with pytest.raises(VllmTierConfigError, match=rf"{make(tmp_path)['type']}.*{field}"):
+        build([{**make(tmp_path), field: value}])
+    assert threading.active_count() == before  # (no loop or worker thread left behind)

@@ -93,7 +93,7 @@ class TierKVColdTier(TierKVTierBase):
         "codec": Field((str,), "none"),
         "codec_options": Field((dict, type(None)), None),
         "head_dim": Field((int,), 128, minimum=1),
-        "threads": Field((int,), 2, minimum=1),
+        "threads": Field((int,), 2, minimum=1, maximum=256),
     }
 
     def _open(self, o: dict[str, Any]) -> None:

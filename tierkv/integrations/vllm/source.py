@@ -23,7 +23,9 @@ from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
+from tierkv.errors import InvalidInputError
 from tierkv.integrations.vllm._vllm import AsyncLookupManager, LookupResult
+from tierkv.integrations.vllm.config import VllmTierConfigError
 from tierkv.integrations.vllm.keys import check_key
 from tierkv.integrations.vllm.tier import TierKVTierBase, result
 
@@ -70,6 +72,14 @@ class TierKVSourceTier(TierKVTierBase):
         self._loop = _LoopThread(f"tierkv_vllm_{self.tier_type}")
         try:
             self._loop.submit(self._start(o)).result(self.start_deadline(o))
+        except VllmTierConfigError:
+            self._loop.close(5.0)
+            raise
+        except InvalidInputError as exc:  # the source's own refusal (a SpecError...): name the tier
+            self._loop.close(5.0)
+            raise VllmTierConfigError(
+                f"{type(self).__name__} tier {self.tier_type!r}: {exc}"
+            ) from exc
         except BaseException:
             self._loop.close(5.0)
             raise

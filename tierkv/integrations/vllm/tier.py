@@ -32,13 +32,17 @@ from tierkv.integrations.vllm._vllm import (
 from tierkv.integrations.vllm.config import Field, VllmTierConfigError, check_options
 from tierkv.integrations.vllm.keys import PageKeys, layout_digest, layout_fields
 
-__all__ = ["COMMON_FIELDS", "TierKVTierBase"]
+__all__ = ["COMMON_FIELDS", "MAX_WAIT_S", "TierKVTierBase"]
+
+MAX_WAIT_S = 86_400.0
+"""Longest timeout a config field takes, seconds (a thread's wait past the platform's time_t
+raised OverflowError)."""
 
 log = logging.getLogger("tierkv.integrations.vllm")
 
 COMMON_FIELDS: dict[str, Field] = {
     "locality": Field((str, type(None)), None),
-    "drain_timeout": Field((float,), 30.0, minimum=0.001),
+    "drain_timeout": Field((float,), 30.0, minimum=0.001, maximum=MAX_WAIT_S),
 }
 """Fields every tierkv tier takes: ``locality`` (vLLM's LOCAL / REMOTE, read by its factory)
 and ``drain_timeout`` (seconds between warnings while `drain_jobs` waits)."""
