@@ -25,7 +25,7 @@ from functools import partial
 from typing import Any
 
 from tierkv.chain_config import Chain
-from tierkv.errors import StoreTimeoutError, TierKVError
+from tierkv.errors import EngineError, StoreTimeoutError, TierKVError, TierTypeError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
@@ -63,7 +63,12 @@ class LowerChain:
         """``register(moves)`` registers the tiers' moves (host <-> medium) in a registry: the
         tier core's, at :meth:`attach` (one registry for every move of the store)."""
         probe = Moves()
-        register(probe)
+        try:
+            register(probe)
+        except TierKVError:
+            raise
+        except Exception as exc:  # a plug-in's register_moves: its bug, typed at the store
+            raise EngineError(f"a lower tier's register_moves failed: {exc!r}") from exc
         for t in tiers:
             probe.get(HOST, t.medium)  # raises UnknownMoveError before anything is used
             probe.get(t.medium, HOST)
@@ -88,10 +93,17 @@ class LowerChain:
             self._core.glue.set_spill(None)
 
     def close(self) -> None:
-        """Close every lower tier's medium (idempotent)."""
+        """Close every lower tier's medium (idempotent); one that fails does not keep the
+        others open: EngineError for the first failure, after every close ran."""
         self.detach()
+        first: BaseException | None = None
         for t in self.tiers:
-            t.close()
+            try:
+                t.close()
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise EngineError(f"a lower tier failed to close: {first!r}") from first
 
     def _fail(
         self, c: ChainCounters, medium: str, what: str, exc: BaseException, keys: Any
@@ -114,7 +126,7 @@ class LowerChain:
             keys, slots = [k for k, _ in todo], [s for _, s in todo]
             c.offered += len(keys)
             try:
-                held = tier.lookup(keys)
+                held = self._held(tier, keys)  # (an answer of [] was "all held")
                 if all(held):
                     c.stored += len(keys)
                     continue
@@ -133,19 +145,19 @@ class LowerChain:
                 handle = core.moves.get(core.glue.host_medium, tier.medium)(
                     core.engine, tier, batch
                 )
-            except TierKVError as exc:
+            except Exception as exc:  # (a plug-in tier's own bug too: counted, never raised)
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
             try:
                 await within(core.changes.deadline(self.timeout), job_done(handle), _late)
+                done = sum(getattr(st, "held", False) is True for st in handle.result())
             except StoreTimeoutError:
                 raise
-            except TierKVError as exc:  # the job failed whole (its medium closed...)
+            except Exception as exc:  # the job failed whole (its medium closed...)
                 c.write_failed += len(keys)
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
-            done = sum(getattr(st, "held", False) is True for st in handle.result())
             c.stored += done
             c.write_failed += len(keys) - done
 
@@ -193,9 +205,23 @@ class LowerChain:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, h in zip(rest, tier.lookup([pages[i] for i in rest]), strict=True):
+            for i, h in zip(rest, self._held(tier, [pages[i] for i in rest]), strict=True):
                 found[i] = h
         return found
+
+    def _held(self, tier: Tier, keys: list[PageKey]) -> list[bool]:
+        """``tier.lookup(keys)``; a lookup that raises or answers other than a bool per key
+        (a plug-in's bug) is counted, and the tier holds none of them."""
+        if not keys:
+            return []
+        try:
+            held = [bool(h) for h in tier.lookup(keys)]
+            if len(held) != len(keys):
+                raise TierTypeError(f"lookup answered {len(held)} values for {len(keys)} keys")
+        except Exception as exc:
+            self._fail(self.counters[tier.medium], tier.medium, "lower tier lookup", exc, keys)
+            return [False] * len(keys)
+        return held
 
     async def fetch(self, pages: list[PageKey]) -> int:
         """Import into the host the pages that no local tier holds and a lower tier does,
@@ -209,7 +235,7 @@ class LowerChain:
         for tier in self.tiers:
             local = {k for t in core.table.tier_names for k in core.table.present(pages, t)}
             want = [k for k in pages if k not in local and tier.accepts(k)]
-            want = [k for k, h in zip(want, tier.lookup(want), strict=True) if h]
+            want = [k for k, h in zip(want, self._held(tier, want), strict=True) if h]
             if not want:
                 continue
             c = self.counters[tier.medium]
@@ -221,7 +247,7 @@ class LowerChain:
                 )
             except StoreTimeoutError:
                 raise
-            except TierKVError as exc:
+            except Exception as exc:  # (a plug-in tier's read move raising too: counted)
                 self._fail(c, tier.medium, "lower tier read", exc, want)
                 continue
             c.imported += n
@@ -240,7 +266,11 @@ class LowerChain:
         out: dict[str, Any] = {}
         for tier in self.tiers:
             c = self.counters[tier.medium]
-            out[tier.medium] = tier.stats() | {
+            try:
+                own = dict(tier.stats())
+            except Exception as exc:  # (a plug-in's stats: the chain's counters still answer)
+                own = {"stats_error": repr(exc)}
+            out[tier.medium] = own | {
                 "offered": c.offered,
                 "stored": c.stored,
                 "write_failed": c.write_failed,
@@ -274,7 +304,7 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
                 )
                 movers.append(register_moves)
             elif kind in plugins:
-                opened.append(plugins[kind].open(spec))
+                opened.append(_open_plugin(plugins[kind], spec))
                 movers.append(plugins[kind].register_moves)
         if not opened:
             return None
@@ -288,6 +318,27 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
         for t in opened:
             t.close()
         raise
+
+
+def _open_plugin(entry: Any, spec: KVSpec) -> Tier:
+    """A plug-in entry's opened tier. Raises its typed error as it is, EngineError for any
+    other (a plug-in's RuntimeError left the store untyped), TierTypeError for a result that is
+    not a `Tier` (None was an AttributeError when the chain closed it)."""
+    try:
+        tier = entry.open(spec)
+    except TierKVError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"plug-in tier {entry.kind!r}: open failed: {exc!r}") from exc
+    if not isinstance(tier, Tier):
+        closing = getattr(tier, "close", None)
+        if callable(closing):
+            closing()
+        raise TierTypeError(
+            f"plug-in tier {entry.kind!r}: open returned {type(tier).__name__}, not a "
+            "tierkv.tier.Tier"
+        )
+    return tier
 
 
 def _readable(table: TableView, key: PageKey, top: str) -> bool:

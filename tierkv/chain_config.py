@@ -44,6 +44,7 @@ from tierkv.errors import (
     InvalidTypeError,
     TierConfigError,
     TierConflictError,
+    TierKVError,
     TierOrderError,
     TierSizeError,
     TierTypeError,
@@ -234,7 +235,12 @@ def _entry(x: object) -> TierEntry:
     missing = sorted(f.name for f in fields(cls) if f.name not in x and _required(f))
     if missing:
         raise TierTypeError(f"{kind} tier: missing field(s) {missing} in {x!r}")
-    entry: TierEntry = cls(**{k: v for k, v in x.items() if k != "tier"})
+    try:
+        entry: TierEntry = cls(**{k: v for k, v in x.items() if k != "tier"})
+    except TierKVError:
+        raise
+    except Exception as exc:  # a plug-in entry's own check (a ValueError...): typed here
+        raise TierConfigError(f"{kind} tier: {exc}") from exc
     return entry
 
 
@@ -316,7 +322,12 @@ def build_chain(spec: KVSpec, tiers: object) -> Chain:
     name = codec.name if codec is not None else None
     plugins = tuple(e for e in entries if isinstance(e, PluginEntry) and e.kind in PLUGINS)
     for p in plugins:
-        p.check(spec)
+        try:
+            p.check(spec)
+        except TierKVError:
+            raise
+        except Exception as exc:  # (a plug-in's RuntimeError left KVStore() untyped)
+            raise TierConfigError(f"plug-in tier {p.kind!r}: check failed: {exc!r}") from exc
     return Chain(names, lease, host, cold, name, codec, disk, remote, plugins)
 
 
