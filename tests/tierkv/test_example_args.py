@@ -1,4 +1,5 @@
-"""examples/prefill_decode.py as a new user runs it with arguments that cannot work: one
+"""examples/prefill_decode.py (and benchmarks/directory.py, whose --nodes 0 was a
+ZeroDivisionError) as a new user runs it with arguments that cannot work: one
 ``error:`` line and status 2 before any process starts. Each of these failed in a child
 process and the driver printed a RuntimeError traceback ("the prefill process exited before
 serving", status 1); ``decode`` as the role printed an InvalidTypeError traceback."""
@@ -35,6 +36,27 @@ def test_prefill_decode_refuses_what_cannot_run(
     monkeypatch.delenv("TIERKV_TRANSPORT_SECRET", raising=False)
     got = subprocess.run(
         [sys.executable, str(EXAMPLE), *args], capture_output=True, text=True, timeout=120
+    )
+    assert got.returncode == 2, got.stderr
+    last = got.stderr.strip().splitlines()[-1]
+    assert "error:" in last and flag in last and "Traceback" not in got.stderr, got.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--nodes", "0"], "--nodes"),  # ZeroDivisionError
+        (["--ttl", "0"], "--ttl"),  # DirectoryURLError traceback, redis-server started first
+        (["--ttl", "nan"], "--ttl"),
+        (["--keys", "3", "--nodes", "4"], "--keys"),
+        (["--workers", "0"], "--workers"),
+    ],
+    ids=lambda a: " ".join(a) if isinstance(a, list) else None,
+)
+def test_the_directory_benchmark_refuses_sizes_that_cannot_run(args: list[str], flag: str) -> None:
+    script = EXAMPLE.parents[1] / "benchmarks" / "directory.py"
+    got = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120
     )
     assert got.returncode == 2, got.stderr
     last = got.stderr.strip().splitlines()[-1]
