@@ -149,3 +149,12 @@ def test_a_config_value_out_of_range_is_a_typed_error_naming_the_tier(
     with pytest.raises(VllmTierConfigError, match=rf"{make(tmp_path)['type']}.*{field}"):
         build([{**make(tmp_path), field: value}])
     assert threading.active_count() == before  # (no loop or worker thread left behind)
+
+
+def test_shutdown_twice_is_a_no_op_and_a_job_after_it_fails(tier: Any) -> None:
+    """The Redis and peer tiers' second shutdown raised RuntimeError (their loop closed) and
+    left a coroutine never awaited; a job after shutdown failed as "chunk ids in [0, 0)"."""
+    tier.shutdown()
+    tier.shutdown()
+    done = _run(tier, _job(1, [key(1)], [0], load=False))
+    assert done.success is False and not tier.has_pending_work()

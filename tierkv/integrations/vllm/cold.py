@@ -292,7 +292,9 @@ class TierKVColdTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, stop the threads, drop the pool."""
+        """Wait for the copies, stop the threads, drop the pool (idempotent)."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         self._workers.shutdown(wait=True)
         self._release_rows()

@@ -138,7 +138,9 @@ class TierKVDiskTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, then close the disk (its lock is released)."""
+        """Wait for the copies, then close the disk (its lock is released). Idempotent."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         try:
             self.disk.close()

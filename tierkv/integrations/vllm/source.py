@@ -197,7 +197,10 @@ class TierKVSourceTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, close the source, stop the loop and the lookup thread."""
+        """Wait for the copies, close the source, stop the loop and the lookup thread.
+        Idempotent (a second call was a RuntimeError, its coroutine never awaited)."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         self._lookups.shutdown()
         try:

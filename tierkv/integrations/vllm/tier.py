@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, StoreClosedError
 from tierkv.integrations.vllm._vllm import (
     JobResult,
     Locality,
@@ -77,6 +77,8 @@ class TierKVTierBase(SecondaryTierManager):
                     f"{self.options['locality']!r}"
                 ) from exc
         self._rows: Rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
+        self.shut_down = False
+        """Set by `shutdown` (a job after it fails as the tier's, not as bad chunk ids)."""
         self.layout = layout_fields(offloading_spec, self.block_size_bytes)
         self.keys = PageKeys(layout_digest(self.layout))
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -105,6 +107,8 @@ class TierKVTierBase(SecondaryTierManager):
         callers) for chunk ids that are not integers in ``[0, rows)`` or not one per key:
         a negative id indexed from the end (a load wrote another chunk's row), a float was
         truncated, and a key without a chunk id was dropped from a store reported done."""
+        if self.shut_down:
+            raise StoreClosedError(f"tierkv tier {self.tier_type}: shut down")
         ids = np.asarray(chunk_ids)
         if ids.ndim != 1 or len(ids) != len(keys):
             raise InvalidInputError(f"{ids.size} chunk ids for {len(keys)} keys")
@@ -177,7 +181,9 @@ class TierKVTierBase(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def _release_rows(self) -> None:
-        """Drop the view of the primary rows, so that vLLM can unmap its region."""
+        """Drop the view of the primary rows, so that vLLM can unmap its region (the tier is
+        shut down)."""
+        self.shut_down = True
         self._rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
 
     def tierkv_stats(self) -> Mapping[str, Any]:
