@@ -338,6 +338,12 @@ def _open_plugin(entry: Any, spec: KVSpec) -> Tier:
             f"plug-in tier {entry.kind!r}: open returned {type(tier).__name__}, not a "
             "tierkv.tier.Tier"
         )
+    if tier.medium != entry.kind:  # (its moves and counters are keyed by the medium)
+        tier.close()
+        raise TierTypeError(
+            f"plug-in tier {entry.kind!r}: its tier's medium is {tier.medium!r}, not its kind "
+            "(a medium of another tier, 'host' or 'disk', would take that tier's moves)"
+        )
     return tier
 
 

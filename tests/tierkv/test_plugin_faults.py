@@ -39,13 +39,16 @@ class _Wrapped:
     """A real mmap tier under the plug-in's kind, with some of its methods replaced."""
 
     def __init__(self, tier: MmapTier, **over: Callable[..., Any]) -> None:
-        self._tier, self._over = tier, {"medium": KIND, **over}
+        self._tier, self._over = tier, {"medium": lambda: KIND, **over}
 
     @property
     def unwrapped(self) -> MmapTier:
         return self._tier
 
     def __getattr__(self, name: str) -> Any:
+        if name == "medium":  # (a value, the others are methods)
+            medium: Any = self._over["medium"]
+            return medium() if callable(medium) else medium
         return self._over[name] if name in self._over else getattr(self._tier, name)
 
 
@@ -94,9 +97,10 @@ def _store(tmp_path: Path) -> KVStore:
         ({"check": boom}, e.TierConfigError),
         ({"open": boom}, e.EngineError),
         ({"open": lambda self, spec: None}, e.TierTypeError),  # AttributeError at its close
+        ({"tier": {"medium": "disk"}}, e.TierTypeError),  # another tier's medium
         ({"register_moves": boom}, e.EngineError),
     ],
-    ids=["check", "open", "open-None", "register_moves"],
+    ids=["check", "open", "open-None", "medium", "register_moves"],
 )
 async def test_a_plugin_failing_to_start_is_a_typed_error_with_nothing_open(
     tmp_path: Path, faulty: dict[str, Any], fault: dict[str, Any], error: type[Exception]
