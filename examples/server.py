@@ -706,19 +706,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (loopback by default)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="concurrency")
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=d.max_batch_tokens,
-        help="tokens in one forward at most (decode tokens plus prefill chunks)",
-    )
+    batch = "tokens in one forward at most (decode tokens plus prefill chunks)"
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help=batch)
     p.add_argument("--max-context", type=int, help="prompt + max_tokens (model's, <= 2048)")
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=ServerConfig.max_tokens,
-        help="the largest max_tokens a request may ask (400 above)",
-    )
+    asked = "the largest max_tokens a request may ask (400 above)"
+    p.add_argument("--max-tokens", type=int, default=ServerConfig.max_tokens, help=asked)
     p.add_argument("--page-tokens", type=int, default=d.page_tokens, help="tokens per KV page")
     p.add_argument("--device-mb", type=float, help="device tier (half the concurrency's KV)")
     p.add_argument("--host-mb", type=float, help="host tier (twice the concurrency's KV)")
