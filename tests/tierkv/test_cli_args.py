@@ -123,3 +123,17 @@ def test_a_typed_error_no_subcommand_caught_is_a_message(
 def test_the_planner_refuses_inputs_no_setup_has(kw: dict[str, float]) -> None:
     with pytest.raises(InvalidInputError):
         plan(MODELS["llama-3-8b"], GPUS["h200"], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["plan", "--host-gb", "-1"], "host_gb must be a number >= 0, got -1.0"),  # "> 0, got 0.0"
+        (["plan", "--prompt", "-1"], "prompt_tokens must be a number >= 0, got -1"),  # "got 0"
+    ],
+)
+def test_the_planner_names_the_value_given_and_its_bound(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"
