@@ -29,6 +29,7 @@ for a second by the other jobs on the box), so 1,000 cycles take minutes, not ho
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import hashlib
@@ -403,6 +404,20 @@ def _key(node: int, j: int) -> bytes:
 _SHARE = [0]
 
 
+def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit 2 with one line for sizes that cannot run, before redis-server starts (--nodes 0
+    was a ZeroDivisionError, --ttl 0 or nan a DirectoryURLError traceback after the server
+    had started, --keys under --nodes a share of no key per node)."""
+    least = {"nodes": 1, "locates": 1, "publishes": 1, "workers": 1, "churn_keys": 1}
+    least |= {"cycles": 0, "kills": 0, "keys": args.nodes}
+    for name, low in least.items():
+        if getattr(args, name) < low:
+            flag = "--" + name.replace("_", "-")
+            p.error(f"{flag} must be at least {low}, got {getattr(args, name)}")
+    if not 0.05 <= args.ttl <= 3600:  # (the directory's bounds; NaN fails them too)
+        p.error(f"--ttl must be in [0.05, 3600] s, got {args.ttl}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--node"]:
         asyncio.run(node_main(int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
@@ -410,20 +425,21 @@ def main() -> None:
     from benchmarks._common import parser, write_json
 
     p = parser(__doc__)
-    p.add_argument("--nodes", type=int, default=16)
-    p.add_argument("--keys", type=int, default=1_000_000)
-    p.add_argument("--locates", type=int, default=2000)
-    p.add_argument("--publishes", type=int, default=20)
-    p.add_argument("--cycles", type=int, default=1000)
-    p.add_argument("--workers", type=int, default=12)
-    p.add_argument("--kills", type=int, default=4)
-    p.add_argument("--churn-keys", type=int, default=2000)
-    p.add_argument("--ttl", type=float, default=2.0)
+    p.add_argument("--nodes", type=int, default=16, help="node processes (>= 1)")
+    p.add_argument("--keys", type=int, default=1_000_000, help="keys filled, shared by the nodes")
+    p.add_argument("--locates", type=int, default=2000, help="locate calls of 1,000 keys")
+    p.add_argument("--publishes", type=int, default=20, help="publishes of 10^4 new keys")
+    p.add_argument("--cycles", type=int, default=1000, help="crash / restart cycles of the churn")
+    p.add_argument("--workers", type=int, default=12, help="crash / restart cycles at a time")
+    p.add_argument("--kills", type=int, default=4, help="real SIGKILLs of node processes")
+    p.add_argument("--churn-keys", type=int, default=2000, help="keys per node in the churn")
+    p.add_argument("--ttl", type=float, default=2.0, help="the directory's ttl, s [0.05, 3600]")
     p.add_argument("--locate-only", action="store_true", help="the fill and the locate phase only")
     args = p.parse_args()
     if args.quick:
         args.nodes, args.keys, args.locates, args.publishes = 4, 40_000, 200, 5
         args.cycles, args.workers, args.kills, args.churn_keys = 20, 2, 1, 500
+    _check(p, args)
     _SHARE[0] = args.keys // args.nodes
     figures, ratios = asyncio.run(drive(args))
     for k, v in figures.items():

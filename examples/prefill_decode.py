@@ -39,6 +39,7 @@ from _redis_server import PrivateRedis
 
 from tierkv import KVStore
 from tierkv.demo.model import KVProvider, ModelConfig, TinyLlama
+from tierkv.errors import TierKVError
 from tierkv.remote import (
     PageServer,
     RedisTier,
@@ -226,7 +227,11 @@ def main(args: argparse.Namespace) -> int:
             mode += ["--redis-url", args.redis_url, "--namespace", args.namespace]
             mode += ["--redis-ttl", str(args.redis_ttl)]
             mode += ["--redis-cluster"] if args.redis_cluster else []
-        rows = _drive(args, mode)
+        try:
+            rows = _drive(args, mode)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # (the child said why above)
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     kinds = ("redis",) if args.shared == "redis" else ("shm", "tcp")
     print(
         f"\n{'decoder':>7} {'via':>5} {'pages':>6} {'load ms':>9} {'recompute ms':>13} "
@@ -317,8 +322,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Exit 2 with one line for arguments that cannot run (each failed in a child process, and
+    the driver printed a RuntimeError traceback: --prompt 0, --redis-ttl -1, a bad URL), before
+    any process starts."""
+    spawned = bool(os.environ.get(SECRET_ENV)) and (a.role == "prefill" or a.address is not None)
+    if a.role != "main" and not spawned:
+        p.error(f"the {a.role} role is the driver's child process: run the script without it")
+    spec = MODEL.kv_spec("fp16", 16)
+    if a.prompt < spec.page_tokens:  # (shorter: no full page to share, nothing reused)
+        p.error(f"--prompt must be at least {spec.page_tokens} tokens, got {a.prompt}")
+    if a.generate < 1:
+        p.error(f"--generate must be at least 1, got {a.generate}")
+    if a.shared != "redis" and (a.redis_url is not None or a.redis_cluster):
+        p.error("--redis-url and --redis-cluster go with --shared redis")
+    if a.redis_cluster and a.redis_url is None:
+        p.error("--redis-cluster names the --redis-url of a cluster node: give it")
+    if a.shared == "redis":
+        url = a.redis_url or "redis://127.0.0.1:6379/0"  # (the private server's form)
+        try:  # the tier checks the url, ttl and namespace; it connects to nothing yet
+            RedisTier(url, spec=spec, cluster=a.redis_cluster, ttl=a.redis_ttl)
+        except TierKVError as exc:
+            p.error(f"--redis-url / --redis-ttl: {exc}")
+
+
 if __name__ == "__main__":
-    a = _parser().parse_args()
+    parser = _parser()
+    a = parser.parse_args()
+    _check(parser, a)
     if a.role == "main":
         sys.exit(main(a))
     loop = new_event_loop()

@@ -753,14 +753,21 @@ async def start(
 def build_parser() -> argparse.ArgumentParser:
     """The command line (documented in docs/configuration.md)."""
     d = EngineConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])  # (the first sentence)
+    p.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: the seeded random decoder; smollm2: SmolLM2-135M-Instruct (extra hf)",
+    )
     p.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT (loopback by default)")
     p.add_argument("--max-running", type=int, default=d.max_running, help="concurrency")
-    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens)
+    batch = "tokens in one forward at most (decode tokens plus prefill chunks)"
+    p.add_argument("--max-batch-tokens", type=int, default=d.max_batch_tokens, help=batch)
     p.add_argument("--max-context", type=int, help="prompt + max_tokens (model's, <= 2048)")
-    p.add_argument("--max-tokens", type=int, default=ServerConfig.max_tokens)
-    p.add_argument("--page-tokens", type=int, default=d.page_tokens)
+    asked = "the largest max_tokens a request may ask (400 above)"
+    p.add_argument("--max-tokens", type=int, default=ServerConfig.max_tokens, help=asked)
+    p.add_argument("--page-tokens", type=int, default=d.page_tokens, help="tokens per KV page")
     p.add_argument("--device-mb", type=float, help="device tier (half the concurrency's KV)")
     p.add_argument("--host-mb", type=float, help="host tier (twice the concurrency's KV)")
     p.add_argument("--no-prefix-reuse", action="store_true", help="compute every prompt")
@@ -817,6 +824,10 @@ def _mib(flag: str, mib: float | None) -> Any:
 def config_from(a: argparse.Namespace) -> ServerConfig:
     """The :class:`ServerConfig` of parsed arguments."""
     quotas, keys, admin = _tenants_file(a.tenants)
+    folder = os.path.dirname(os.path.abspath(a.trace)) if a.trace else ""
+    if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        # (a traceback at shutdown, after the whole run, was the first sign)
+        raise InvalidInputError(f"--trace {a.trace}: cannot write into {folder}")
     engine = replace(
         EngineConfig(),
         max_running=a.max_running,
@@ -861,10 +872,12 @@ def tenant_options(path: str | None) -> tuple[dict[str, Quota], dict[str, str]]:
     """The quotas and API keys of a ``--tenants`` file: ``{"tenants": {name:
     {"device_reserve": bytes, "host_limit": bytes, ...}}, "api_keys": {key: name},
     "admin_keys": [key, ...]}`` (the keys' tenants must be among the names; the admin keys,
-    optional, read every tenant's figures: :func:`_tenants_file`). Raises SystemExit with
-    the reason for a bad file: not a regular file of at most ``MAX_TENANTS_FILE`` bytes of
-    JSON, a name or key twice, a bad tenant name, a bad quota, an API key that is not a
-    non-empty string, API keys in a file that group or others may read."""
+    optional, read every tenant's figures: :func:`_tenants_file`). Raises InvalidInputError
+    with the reason for a bad file (it was SystemExit: status 1 where every other bad flag is
+    2): not a regular file of at most ``MAX_TENANTS_FILE`` bytes of JSON, a name or key twice,
+    a bad tenant name, a bad quota, an API key that is not a non-empty string, API keys in a
+    file that group or others may read, admin keys that are not a list of non-empty strings,
+    one that is a tenant's key, admin keys without API keys."""
     quotas, keys, _ = _tenants_file(path)
     return quotas, keys
 
@@ -900,10 +913,10 @@ def _tenants_file(path: str | None) -> tuple[dict[str, Quota], dict[str, str], f
         if keys and mode & 0o077:  # (as tierkv serve's secrets file)
             raise ValueError("it holds API keys and group or others may read it (chmod 600)")
     except (OSError, ValueError, TypeError, AttributeError, RecursionError, TierKVError) as exc:
-        raise SystemExit(f"--tenants {path}: {exc}") from None
+        raise InvalidInputError(f"--tenants {path}: {exc}") from None
     unknown = sorted(set(keys.values()) - set(quotas))
     if unknown:
-        raise SystemExit(f"--tenants {path}: API keys name unknown tenants {unknown}")
+        raise InvalidInputError(f"--tenants {path}: API keys name unknown tenants {unknown}")
     return quotas, keys, frozenset(admin)
 
 

@@ -19,14 +19,14 @@ back).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from tierkv.chain_config import Chain
 from tierkv.chain_plugins import plugin_call
-from tierkv.errors import EngineError, StoreTimeoutError, TierKVError, TierTypeError
+from tierkv.errors import EngineError, StoreTimeoutError, TierTypeError
 from tierkv.failures import FailureLog
 from tierkv.jobs import job_done, within
 from tierkv.keys import PageKey
@@ -35,7 +35,7 @@ from tierkv.runtime import TransferHandle
 from tierkv.spec import KVSpec
 from tierkv.table_view import TableView
 from tierkv.tier import Batch, MoveHandler, Moves, Tier
-from tierkv.tier_names import DEVICE, DISK, HOST
+from tierkv.tier_names import COLD, DEVICE, DISK, HOST, REMOTE
 from tierkv.tiers import TierSet
 
 __all__ = ["ChainCounters", "LowerChain", "open_lower"]
@@ -161,13 +161,13 @@ class LowerChain:
                 continue
             try:
                 await within(core.changes.deadline(self.timeout), job_done(handle), _late)
+                done = sum(getattr(st, "held", False) is True for st in handle.result())
             except StoreTimeoutError:
                 raise
-            except TierKVError as exc:  # the job failed whole (its medium closed...)
-                c.write_failed += len(keys)
+            except Exception as exc:  # the job failed whole (its medium closed, a plug-in's
+                c.write_failed += len(keys)  # move raised...): counted, never raised
                 self._fail(c, tier.medium, "lower tier write", exc, keys)
                 continue
-            done = sum(getattr(st, "held", False) is True for st in handle.result())
             c.stored += done
             c.write_failed += len(keys) - done
 
@@ -245,7 +245,7 @@ class LowerChain:
                 )
             except StoreTimeoutError:
                 raise
-            except TierKVError as exc:
+            except Exception as exc:  # (a plug-in tier's read move raising too: counted)
                 self._fail(c, tier.medium, "lower tier read", exc, want)
                 continue
             c.imported += n
@@ -264,7 +264,11 @@ class LowerChain:
         out: dict[str, Any] = {}
         for tier in self.tiers:
             c = self.counters[tier.medium]
-            out[tier.medium] = tier.stats() | {
+            try:
+                own = dict(tier.stats())
+            except Exception as exc:  # (a plug-in's stats: the chain's counters still answer)
+                own = {"stats_error": repr(exc)}
+            out[tier.medium] = own | {
                 "offered": c.offered,
                 "stored": c.stored,
                 "write_failed": c.write_failed,
@@ -275,6 +279,32 @@ class LowerChain:
                 "chain_last_error": c.last_error,
             }
         return out
+
+
+def _open_plugin(kind: str, entry: Any, spec: KVSpec, taken: Collection[str]) -> Tier:
+    """A plug-in entry's opened tier (its hook's failure a TierConfigError: `plugin_call`).
+    Raises TierTypeError, what it opened closed, for a result that is not a `Tier` (None was
+    an AttributeError when the chain closed it) or whose medium is a built-in tier's name or
+    one of ``taken`` (the chain's media opened before it): the moves and counters are keyed
+    by the medium, so a plug-in naming 'disk' or 'host' would take that tier's."""
+    tier = plugin_call(kind, "open", entry.open, spec)
+    if not isinstance(tier, Tier):
+        closing = getattr(tier, "close", None)
+        if callable(closing):
+            closing()
+        raise TierTypeError(f"plug-in tier {kind!r}: open gave {type(tier).__name__}, not a Tier")
+    medium = tier.medium
+    if (
+        not isinstance(medium, str)
+        or medium in (DEVICE, HOST, COLD, DISK, REMOTE)
+        or medium in taken
+    ):
+        tier.close()
+        raise TierTypeError(
+            f"plug-in tier {kind!r}: its tier's medium is {medium!r}, another tier's (its moves "
+            "and counters would be that tier's)"
+        )
+    return tier
 
 
 def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
@@ -303,12 +333,7 @@ def open_lower(spec: KVSpec, chain: Chain, timeout: float) -> LowerChain | None:
                 movers.append(register_moves)
             elif kind in plugins:
                 entry = plugins[kind]
-                tier = plugin_call(kind, "open", entry.open, spec)
-                if not isinstance(tier, Tier):
-                    raise TierTypeError(
-                        f"plug-in tier {kind!r}: open gave {type(tier).__name__}, not a Tier"
-                    )
-                opened.append(tier)
+                opened.append(_open_plugin(kind, entry, spec, {t.medium for t in opened}))
                 movers.append(partial(plugin_call, kind, "register_moves", entry.register_moves))
         if not opened:
             return None

@@ -51,6 +51,7 @@ from tierkv.errors import (
     InvalidTypeError,
     TierConfigError,
     TierConflictError,
+    TierKVError,
     TierOrderError,
     TierSizeError,
     TierTypeError,
@@ -246,7 +247,12 @@ def _entry(x: object) -> TierEntry:
     missing = sorted(f.name for f in fields(cls) if f.name not in x and _required(f))
     if missing:
         raise TierTypeError(f"{kind} tier: missing field(s) {missing} in {x!r}")
-    entry: TierEntry = cls(**{k: v for k, v in x.items() if k != "tier"})
+    try:
+        entry: TierEntry = cls(**{k: v for k, v in x.items() if k != "tier"})
+    except TierKVError:
+        raise
+    except Exception as exc:  # a plug-in entry's own check (a ValueError...): typed here
+        raise TierConfigError(f"{kind} tier: {exc}") from exc
     return entry
 
 

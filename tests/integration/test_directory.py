@@ -309,7 +309,7 @@ def test_locate_matches_a_model(server: RedisServer, ops: list[tuple[str, int, s
         await d.connect()
         try:
             await d.client.flushall()
-            nodes = [await d.register(f"n:{i}") for i in range(3)]
+            nodes = [await d.register(f"n:{i + 1}") for i in range(3)]
             model: list[set[int]] = [set(), set(), set()]
             for op, node, ks in ops:
                 if op == "add":
@@ -319,13 +319,13 @@ def test_locate_matches_a_model(server: RedisServer, ops: list[tuple[str, int, s
                     await d.publish(nodes[node], [], [keys[k] for k in ks])
                     model[node] -= ks
                 else:
-                    await d.leave(nodes[node], f"n:{node}")
-                    nodes[node] = await d.register(f"n:{node}")
+                    await d.leave(nodes[node], f"n:{node + 1}")
+                    nodes[node] = await d.register(f"n:{node + 1}")
                     model[node] = set()
                     if ks:
                         await d.sweep()
                 got = await d.locate(keys)
-                want = [sorted(f"n:{i}" for i in range(3) if k in model[i]) for k in range(16)]
+                want = [sorted(f"n:{i + 1}" for i in range(3) if k in model[i]) for k in range(16)]
                 assert [sorted(g) for g in got] == want
         finally:
             await d.aclose()
@@ -538,3 +538,23 @@ async def test_halt_is_bounded_when_a_call_ignores_its_cancellation(
     gate.set()  # (the loop ends now: it sees the agent closing)
     assert done, "halt waited for a task that ignored its cancellation"
     halting.result()
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["", "nohost", "h:0", "h:99999", "h:port", "x" * 300 + ":80", 5, None, b"h:1"],
+    ids=lambda a: repr(a)[:12],
+)
+async def test_an_address_no_client_could_reach_is_never_registered(
+    fresh: str, address: object
+) -> None:
+    """Each was registered, and every locate answered it as a holder of what it published
+    (clients then failed against it, each in turn)."""
+    d = await directory(fresh)
+    try:
+        with pytest.raises(InvalidInputError):  # (InvalidTypeError is one too)
+            await d.register(address)  # type: ignore[arg-type]
+        assert await d.live() == {}
+        assert await d.register("h:1") >= 0  # a good one still registers
+    finally:
+        await d.aclose()

@@ -16,6 +16,8 @@ pytest.importorskip("aiohttp")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_server import one_thread, served, server  # noqa: F401
 
+from tierkv.errors import InvalidInputError
+
 
 async def raw(session: Any, url: str, body: bytes) -> tuple[int, Any]:
     head = {"Content-Type": "application/json"}
@@ -127,7 +129,7 @@ def test_a_tenants_file_with_api_keys_must_be_private(tmp_path: Path) -> None:
     path = tmp_path / "tenants.json"
     path.write_text('{"tenants": {"a": {}}, "api_keys": {"k": "a"}}')
     os.chmod(path, 0o644)
-    with pytest.raises(SystemExit, match="chmod 600"):
+    with pytest.raises(InvalidInputError, match="chmod 600"):
         server.tenant_options(str(path))
     os.chmod(path, 0o600)
     assert server.tenant_options(str(path)) == ({"a": server.Quota()}, {"k": "a"})
@@ -150,6 +152,8 @@ def test_a_tenants_file_with_api_keys_must_be_private(tmp_path: Path) -> None:
         ["--threads", "0"],  # torch's RuntimeError
         ["--codec", "bogus"],  # UnknownCodecError when the app started
         ["--max-waiting", "0"],
+        ["--tenants", "/nonexistent/t.json"],  # SystemExit: one line, but status 1
+        ["--trace", "/nonexistent/t.json"],  # served, then a traceback at shutdown
     ],
     ids=lambda a: " ".join(a),
 )

@@ -133,7 +133,7 @@ def test_bad_tenants_files_are_refused_with_the_reason(tmp_path: Any) -> None:
         str(tmp_path / "missing.json"): "No such file",
     }
     for path, reason in cases.items():
-        with pytest.raises(SystemExit) as got:
+        with pytest.raises(InvalidInputError) as got:
             server.tenant_options(path)
         assert reason in str(got.value), (path, got.value)
     good = file("good.json", '{"tenants": {"a": {"host_limit": 8}}, "api_keys": {"k": "a"}}')

@@ -112,3 +112,36 @@ def test_a_bad_capacity_is_a_typed_error(capacity: object) -> None:
 
     with pytest.raises(InvalidInputError, match="cache_capacity"):
         TierKVAwarePolicy(capacity)  # type: ignore[arg-type]
+
+
+def _snapshot(p: TierKVAwarePolicy) -> Any:
+    return (dict(p.chunks), dict(p._slot_of), dict(p._key_at), list(p._probation), len(p.policy))
+
+
+def test_an_insert_vllm_would_never_make_is_refused_and_changes_nothing() -> None:
+    """A chunk id outside the cache was an IndexError after the chunk was recorded; a key
+    inserted twice left its old slot naming it; two keys in one slot left the policy unable to
+    evict either. Now typed errors, the policy as it was."""
+    from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
+
+    from tierkv.errors import InvalidInputError, InvalidTypeError, PageStateError
+
+    p, ctx = TierKVAwarePolicy(4), ReqContext(req_id="r")
+    p.insert(key(1), ChunkStatus(0), ctx)
+    before = _snapshot(p)
+    for k, slot, error in [
+        (key(2), 9, InvalidInputError),
+        (key(2), -1, InvalidInputError),
+        (key(1), 1, PageStateError),  # the same key again
+        (key(2), 0, PageStateError),  # another key in a held slot
+    ]:
+        with pytest.raises(error):
+            p.insert(k, ChunkStatus(slot), ctx)
+        assert _snapshot(p) == before
+    for n in (-1, "2", 1.0):
+        with pytest.raises((InvalidInputError, InvalidTypeError)):
+            p.evict(n, set())  # type: ignore[arg-type]
+    # a slot is free again once its chunk is removed or evicted
+    p.remove(key(1))
+    p.insert(key(2), ChunkStatus(0), ctx)
+    assert p.get(key(2)) is not None and p._key_at == {0: key(2)}

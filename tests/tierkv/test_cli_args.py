@@ -44,6 +44,12 @@ BAD = [
     # a 400-digit count: an OverflowError traceback from the planner's float products
     (["plan", "--context", "9" * 400], "context"),
     (["plan", "--concurrency", "9" * 400], "concurrency"),
+    # the page server: a layout KVSpec refuses or a host tier with no page exited 1 with the
+    # error's class name, after stale shared-memory segments had been swept
+    (["serve", "--insecure", "--dtype", "bogus"], "dtype"),
+    (["serve", "--insecure", "--dtype", "int8"], "dtype"),
+    (["serve", "--insecure", "--page-tokens", "100000000"], "page_tokens"),
+    (["serve", "--insecure", "--host-mb", "0.001"], "--host-mb"),
 ]
 
 
@@ -117,3 +123,17 @@ def test_a_typed_error_no_subcommand_caught_is_a_message(
 def test_the_planner_refuses_inputs_no_setup_has(kw: dict[str, float]) -> None:
     with pytest.raises(InvalidInputError):
         plan(MODELS["llama-3-8b"], GPUS["h200"], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["plan", "--host-gb", "-1"], "host_gb must be a number >= 0, got -1.0"),  # "> 0, got 0.0"
+        (["plan", "--prompt", "-1"], "prompt_tokens must be a number >= 0, got -1"),  # "got 0"
+    ],
+)
+def test_the_planner_names_the_value_given_and_its_bound(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"error: {said}\n"

@@ -198,6 +198,11 @@ def _check(args: argparse.Namespace) -> None:
         folder = os.path.dirname(os.path.abspath(args.trace))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise InvalidInputError(f"--trace: cannot write into {folder}")
+    spec = _spec(args)  # SpecError (a ValueError): a layout no page can have
+    if int(args.host_mb * 2**20) < spec.page_bytes:
+        raise InvalidInputError(
+            f"--host-mb {args.host_mb:g} holds no page: pages are {spec.page_bytes} bytes"
+        )
     if args.directory:
         from tierkv.remote.membership.redis_directory import check_url
 
@@ -207,8 +212,15 @@ def _check(args: argparse.Namespace) -> None:
         check_secrets(read_tenants(args.tenants), secret or b"")
 
 
+def _spec(args: argparse.Namespace) -> KVSpec:
+    """The page layout the flags give (SpecError: an unknown dtype, a page over the limit)."""
+    dtype = parse_dtype(args.dtype)
+    return KVSpec(args.layers, args.kv_heads, args.head_dim, dtype, args.page_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT / SIGTERM. Exit status 2: bad arguments; 1: could not start."""
+    """Serve until SIGINT / SIGTERM. Exit status 2: bad arguments (a configuration the store
+    or the page server refuses at start, too); 1: could not start."""
     try:
         _check(args)
     except ValueError as exc:
@@ -217,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
     loop = new_event_loop()
     try:
         return loop.run_until_complete(_serve(args))
+    except InvalidInputError as exc:  # a configuration refused at open: still a usage error
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (RemoteError, TierKVError, OSError, ImportError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -226,9 +241,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen, "--listen")
-    spec = KVSpec(
-        args.layers, args.kv_heads, args.head_dim, parse_dtype(args.dtype), args.page_tokens
-    )
+    spec = _spec(args)
     secret = _secret(args)
     stale = remove_stale_segments()
     if stale:

@@ -58,10 +58,15 @@ _MOST = 1 << 53
 --context overflowed float: an OverflowError from deep inside)."""
 
 
-def _positive(name: str, x: float, *, most: float = math.inf) -> None:
-    if isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x <= most:
+def _positive(name: str, x: float, *, most: float = math.inf, zero: bool = False) -> None:
+    """Raise InvalidInputError unless ``x`` is a finite number in (0, most] ([0, most] with
+    ``zero``: the message names the bound and the value given, not ``x + 1``)."""
+    ok = 0 <= x <= most if zero else 0 < x <= most
+    if isinstance(x, bool) or not isinstance(x, int | float) or not ok:
         bound = "" if most == math.inf else f" and at most {most}"
-        raise InvalidInputError(f"{name} must be a number > 0{bound}, got {x!r}")
+        raise InvalidInputError(
+            f"{name} must be a number {'>=' if zero else '>'} 0{bound}, got {x!r}"
+        )
     try:
         finite = math.isfinite(x)
     except OverflowError:  # an int past a float's range
@@ -98,7 +103,7 @@ def _check(
         ("gpu tflops", gpu.tflops),
     ):
         _positive(name, x)
-    _positive("host_gb", host_gb + 1)  # (0: no host RAM for KV)
+    _positive("host_gb", host_gb, zero=True)  # (0: no host RAM for KV)
     _positive("resident_fraction", resident_fraction, most=1.0)
     _positive("1 - reserve", 1 - reserve, most=1.0)
 
@@ -123,7 +128,7 @@ def plan(
     that is not a positive finite number, fractions outside their range) and for weights
     that do not fit the GPU."""
     _check(model, gpu, tp, host_gb, context, concurrency, reserve, resident_fraction)
-    _positive("prompt_tokens", prompt_tokens + 1)  # (0 tokens: no prefill)
+    _positive("prompt_tokens", prompt_tokens, zero=True)  # (0 tokens: no prefill)
     _positive("mfu", mfu, most=1.0)
     if link_gbps is not None:
         _positive("link_gbps", link_gbps)

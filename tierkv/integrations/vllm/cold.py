@@ -93,7 +93,7 @@ class TierKVColdTier(TierKVTierBase):
         "codec": Field((str,), "none"),
         "codec_options": Field((dict, type(None)), None),
         "head_dim": Field((int,), 128, minimum=1),
-        "threads": Field((int,), 2, minimum=1),
+        "threads": Field((int,), 2, minimum=1, maximum=256),
     }
 
     def _open(self, o: dict[str, Any]) -> None:
@@ -171,8 +171,9 @@ class TierKVColdTier(TierKVTierBase):
         """Encode the job's chunks into free (or evicted) slots, on the tier's threads."""
         job_id, t0 = job_metadata.job_id, time.monotonic()
         try:
-            tkeys = self.keys.many(job_metadata.keys)
-            rows = [int(c) for c in job_metadata.chunk_ids]
+            keys = list(job_metadata.keys)
+            tkeys = self.keys.many(keys)
+            rows = self._chunk_rows(keys, job_metadata.chunk_ids)
             with self._lock:
                 todo = [
                     (k, r) for k, r in zip(tkeys, rows)
@@ -219,7 +220,7 @@ class TierKVColdTier(TierKVTierBase):
         keys = list(job_metadata.keys)
         try:
             tkeys = self.keys.many(keys)
-            rows = [int(c) for c in job_metadata.chunk_ids]
+            rows = self._chunk_rows(keys, job_metadata.chunk_ids)
             with self._lock:
                 slots: list[int] = []
                 for k in tkeys:
@@ -291,7 +292,9 @@ class TierKVColdTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, stop the threads, drop the pool."""
+        """Wait for the copies, stop the threads, drop the pool (idempotent)."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         self._workers.shutdown(wait=True)
         self._release_rows()

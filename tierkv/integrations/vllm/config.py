@@ -26,11 +26,12 @@ _MISSING: Any = object()
 
 @dataclass(frozen=True)
 class Field:
-    """One config field: the accepted types, the default (none: required), a lower bound."""
+    """One config field: the accepted types, the default (none: required), the bounds."""
 
     types: tuple[type, ...]
     default: Any = _MISSING
     minimum: float | None = None
+    maximum: float | None = None
 
     @property
     def required(self) -> bool:
@@ -79,6 +80,10 @@ def check_options(
         if spec.minimum is not None and value is not None and value < spec.minimum:
             raise VllmTierConfigError(
                 f"{tier}: config field {name!r} must be >= {spec.minimum}, got {value!r}"
+            )
+        if spec.maximum is not None and value is not None and value > spec.maximum:
+            raise VllmTierConfigError(  # (a 1e300 s timeout was an OverflowError at startup)
+                f"{tier}: config field {name!r} must be <= {spec.maximum:g}, got {value!r}"
             )
         out[name] = value
     return out

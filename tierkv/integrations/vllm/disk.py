@@ -67,8 +67,9 @@ class TierKVDiskTier(TierKVTierBase):
     def lookup(self, key: Any, req_context: Any) -> Any:
         """HIT when the disk's index holds the chunk, MISS otherwise (or when the disk fails)."""
         self.counters["lookups"] += 1
+        tkey = self.keys(key)  # a key that is not bytes: a typed error (misuse, not a miss)
         try:
-            held = self.disk.lookup([self.keys(key)])[0] is not None
+            held = self.disk.lookup([tkey])[0] is not None
         except Exception:  # a closed or failing disk: a miss
             return LookupResult.MISS
         if held:
@@ -88,9 +89,9 @@ class TierKVDiskTier(TierKVTierBase):
         keys = list(job_metadata.keys)
         try:
             tkeys = self.keys.many(keys)
+            rows = [self._rows[c] for c in self._chunk_rows(keys, job_metadata.chunk_ids)]
             missing = [k for k, slot in zip(tkeys, self.disk.lookup(tkeys)) if slot is None]
-            self._make_room(len(missing))
-            rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
+            self._make_room(len(missing))  # (after the checks: a refused job evicts nothing)
             future = self.disk.submit_write(tkeys, rows)
         except Exception as exc:
             self._fail_now(job_id, "store", exc)
@@ -109,7 +110,7 @@ class TierKVDiskTier(TierKVTierBase):
         job_id, t0 = job_metadata.job_id, time.monotonic()
         keys = list(job_metadata.keys)
         try:
-            rows = [self._rows[int(c)] for c in job_metadata.chunk_ids]
+            rows = [self._rows[c] for c in self._chunk_rows(keys, job_metadata.chunk_ids)]
             future = self.disk.submit_read(self.keys.many(keys), rows)
         except Exception as exc:
             self._fail_now(job_id, "load", exc)
@@ -137,7 +138,9 @@ class TierKVDiskTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, then close the disk (its lock is released)."""
+        """Wait for the copies, then close the disk (its lock is released). Idempotent."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         try:
             self.disk.close()

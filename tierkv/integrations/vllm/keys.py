@@ -14,9 +14,20 @@ import hashlib
 import json
 from typing import Any
 
-__all__ = ["KEY_BYTES", "PageKeys", "layout_digest", "layout_fields"]
+from tierkv.errors import InvalidInputError, InvalidTypeError
+
+__all__ = [
+    "KEY_BYTES",
+    "MAX_OFFLOAD_KEY",
+    "PageKeys",
+    "check_key",
+    "layout_digest",
+    "layout_fields",
+]
 
 KEY_BYTES = 16
+MAX_OFFLOAD_KEY = 1024
+"""Longest offload key taken, bytes (vLLM's: a block hash, 32 bytes with sha256, plus 4)."""
 _PERSON = b"tierkv-vllm-v1"
 
 
@@ -45,6 +56,23 @@ def layout_digest(fields: dict[str, Any]) -> bytes:
     return hashlib.sha256(canonical.encode()).digest()
 
 
+def check_key(offload_key: Any) -> bytes:
+    """``offload_key`` as bytes. Raises InvalidTypeError unless it is bytes-like (an int was
+    ``bytes(n)``: n zero bytes, the key of another chunk, and a large one an allocation of
+    that size; a str or None was a silent miss), InvalidInputError when empty or over
+    `MAX_OFFLOAD_KEY` bytes."""
+    if not isinstance(offload_key, (bytes, bytearray, memoryview)):
+        raise InvalidTypeError(
+            f"an offload key must be bytes (vLLM's OffloadKey), got {type(offload_key).__name__}"
+        )
+    raw = bytes(offload_key)
+    if not 0 < len(raw) <= MAX_OFFLOAD_KEY:
+        raise InvalidInputError(
+            f"an offload key must be 1 to {MAX_OFFLOAD_KEY} bytes, got {len(raw)}"
+        )
+    return raw
+
+
 class PageKeys:
     """Maps offload keys of one model and layout to 16-byte tierkv content keys."""
 
@@ -52,9 +80,10 @@ class PageKeys:
         self.digest = digest
 
     def __call__(self, offload_key: bytes) -> bytes:
-        """The tierkv content key of one vLLM offload key."""
+        """The tierkv content key of one vLLM offload key (`check_key`'s errors)."""
+        raw = check_key(offload_key)
         h = hashlib.blake2b(self.digest, digest_size=KEY_BYTES, person=_PERSON)
-        h.update(bytes(offload_key))
+        h.update(raw)
         out = bytearray(h.digest())
         out[0] &= 0x7F  # a content key (tierkv.keys.is_content)
         return bytes(out)

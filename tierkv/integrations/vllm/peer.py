@@ -25,6 +25,7 @@ from tierkv.errors import InvalidInputError
 from tierkv.integrations.vllm._vllm import Medium
 from tierkv.integrations.vllm.config import Field, VllmTierConfigError
 from tierkv.integrations.vllm.source import TierKVSourceTier
+from tierkv.integrations.vllm.tier import MAX_WAIT_S
 from tierkv.remote.errors import PeerGoneError, RemoteError, RemoteRefusedError, RemoteTimeoutError
 from tierkv.remote.protocol.control import split_address
 from tierkv.remote.sources.cluster import RemoteCluster
@@ -98,7 +99,7 @@ class TierKVPeerTier(TierKVSourceTier):
         "directory": Field((str, type(None)), None),
         "secret": Field((str, type(None)), None),
         "transport": Field((str,), "tcp"),
-        "timeout": Field((float,), 2.0, minimum=0.001),
+        "timeout": Field((float,), 2.0, minimum=0.001, maximum=MAX_WAIT_S),
         "retry_after": Field((float,), 1.0, minimum=0.0),
     }
 

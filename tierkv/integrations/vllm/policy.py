@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv import validate
-from tierkv.errors import InvalidInputError
+from tierkv.errors import InvalidInputError, PageStateError
 from tierkv.integrations.vllm._vllm import VllmUnavailableError
 from tierkv.page_table import MAX_PAGES
 from tierkv.policies import create_policy
@@ -96,6 +96,7 @@ class TierKVAwarePolicy(CachePolicy):
         self.chunks: dict[Any, Any] = {}  # key -> vLLM's ChunkStatus
         self._slot_of: dict[Any, int] = {}  # keys the kvaware policy holds
         self._key_at: dict[int, Any] = {}
+        self._in_slot: dict[int, Any] = {}  # every chunk's slot (probation's too) -> its key
         self._probation: OrderedDict[Any, None] = OrderedDict()  # declined by admission
         self.policy: EvictionPolicy = create_policy(self.policy_name)
         self.declined = 0  # chunks admission declined (kept on probation), since the reset
@@ -139,9 +140,22 @@ class TierKVAwarePolicy(CachePolicy):
 
     def insert(self, key: Any, chunk: Any, req_context: Any) -> None:
         """A chunk vLLM allocated: kvaware's unless its admission declined it (then on
-        probation)."""
+        probation). Raises InvalidInputError for a chunk id outside the cache, PageStateError
+        for a key or a slot held already; nothing changed (a slot out of range was an
+        IndexError after the chunk was recorded, a key inserted twice left its old slot
+        naming it, and two keys in one slot made evictions answer None)."""
+        slot = validate.count("chunk_id", chunk.chunk_id, 0)
+        if slot >= self.cache_capacity:
+            raise InvalidInputError(
+                f"chunk_id {slot} is outside the cache of {self.cache_capacity}"
+            )
+        if key in self.chunks:
+            raise PageStateError(f"chunk {key!r:.40} is in the cache already")
+        if slot in self._in_slot:
+            raise PageStateError(f"slot {slot} holds another chunk: evict or remove it first")
         hint = self._hint(key, req_context)
         self.chunks[key] = chunk
+        self._in_slot[slot] = key
         if key in self._request(req_context).declined:
             self._probation[key] = None
             return
@@ -155,7 +169,9 @@ class TierKVAwarePolicy(CachePolicy):
 
     def remove(self, key: Any) -> None:
         """Forget a chunk whose store failed."""
-        self.chunks.pop(key, None)
+        chunk = self.chunks.pop(key, None)
+        if chunk is not None:
+            del self._in_slot[int(chunk.chunk_id)]
         if key in self._probation:
             del self._probation[key]
             return
@@ -212,7 +228,7 @@ class TierKVAwarePolicy(CachePolicy):
     def evict(self, n: int, protected: set[Any]) -> list[tuple[Any, Any]] | None:
         """``n`` idle chunks outside ``protected``, chunks on probation first; None (nothing
         changed) when there are not that many."""
-        if n == 0:
+        if validate.count("n", n, 0) == 0:  # (-1 answered [], "2" a TypeError)
             return []
         chunks = self.chunks
         out = [
@@ -238,7 +254,10 @@ class TierKVAwarePolicy(CachePolicy):
         for s, k in zip(slots, keys):
             del key_at[s]
             del self._slot_of[k]
-        return [(k, chunks.pop(k)) for k in [*out, *keys]]
+        gone = [(k, chunks.pop(k)) for k in [*out, *keys]]
+        for _, chunk in gone:
+            del self._in_slot[int(chunk.chunk_id)]
+        return gone
 
     def clear(self) -> None:
         """Forget every chunk, the policy's history and the requests' state."""

@@ -21,12 +21,15 @@ from typing import Any, ClassVar
 from tierkv.integrations.vllm._vllm import Medium
 from tierkv.integrations.vllm.config import Field
 from tierkv.integrations.vllm.source import TierKVSourceTier
+from tierkv.integrations.vllm.tier import MAX_WAIT_S
 from tierkv.remote.sources.redis_tier import BATCH_PAGES, RedisTier
 from tierkv.spec import KVSpec, parse_dtype
 
 __all__ = ["TierKVRedisTier"]
 
 _FAILURES = ("errors", "timeouts", "full")
+MAX_TTL_S = 1e9
+"""Longest ``ttl`` taken, seconds (~31 years; past Redis's expire range every store failed)."""
 
 
 class TierKVRedisTier(TierKVSourceTier):
@@ -48,8 +51,8 @@ class TierKVRedisTier(TierKVSourceTier):
     FIELDS: ClassVar[dict[str, Field]] = {
         "url": Field((str,)),
         "cluster": Field((bool,), False),
-        "ttl": Field((float, type(None)), None, minimum=0.001),
-        "timeout": Field((float,), 1.0, minimum=0.001),
+        "ttl": Field((float, type(None)), None, minimum=0.001, maximum=MAX_TTL_S),
+        "timeout": Field((float,), 1.0, minimum=0.001, maximum=MAX_WAIT_S),
         "batch_pages": Field((int,), BATCH_PAGES, minimum=1),
         "namespace": Field((str,), "vllm"),
         "tenant": Field((str, type(None)), None),

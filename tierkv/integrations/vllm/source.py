@@ -23,7 +23,10 @@ from abc import abstractmethod
 from collections.abc import Iterable
 from typing import Any
 
+from tierkv.errors import InvalidInputError
 from tierkv.integrations.vllm._vllm import AsyncLookupManager, LookupResult
+from tierkv.integrations.vllm.config import VllmTierConfigError
+from tierkv.integrations.vllm.keys import check_key
 from tierkv.integrations.vllm.tier import TierKVTierBase, result
 
 __all__ = ["TierKVSourceTier"]
@@ -69,6 +72,14 @@ class TierKVSourceTier(TierKVTierBase):
         self._loop = _LoopThread(f"tierkv_vllm_{self.tier_type}")
         try:
             self._loop.submit(self._start(o)).result(self.start_deadline(o))
+        except VllmTierConfigError:
+            self._loop.close(5.0)
+            raise
+        except InvalidInputError as exc:  # the source's own refusal (a SpecError...): name the tier
+            self._loop.close(5.0)
+            raise VllmTierConfigError(
+                f"{type(self).__name__} tier {self.tier_type!r}: {exc}"
+            ) from exc
         except BaseException:
             self._loop.close(5.0)
             raise
@@ -123,6 +134,7 @@ class TierKVSourceTier(TierKVTierBase):
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         """HIT / MISS once the source has answered for this key, RETRY until then."""
+        check_key(key)  # a key that is not bytes: a typed error (misuse, not a miss)
         self.counters["lookups"] += 1
         found = self._lookups.lookup(key, req_context)
         if found is None:
@@ -145,8 +157,9 @@ class TierKVSourceTier(TierKVTierBase):
         """Store the job's primary chunks in the source."""
         job_id, t0 = job_metadata.job_id, time.monotonic()
         try:
-            slots = [int(c) for c in job_metadata.chunk_ids]
-            future = self._loop.submit(self._publish(self.keys.many(job_metadata.keys), slots))
+            keys = list(job_metadata.keys)
+            slots = self._chunk_rows(keys, job_metadata.chunk_ids)
+            future = self._loop.submit(self._publish(self.keys.many(keys), slots))
         except Exception as exc:
             self._fail_now(job_id, "store", exc)
             return
@@ -158,7 +171,7 @@ class TierKVSourceTier(TierKVTierBase):
         job_id, t0 = job_metadata.job_id, time.monotonic()
         keys = list(job_metadata.keys)
         try:
-            slots = [int(c) for c in job_metadata.chunk_ids]
+            slots = self._chunk_rows(keys, job_metadata.chunk_ids)
             future = self._loop.submit(self._load(self.keys.many(keys), slots))
         except Exception as exc:
             self._fail_now(job_id, "load", exc)
@@ -184,7 +197,10 @@ class TierKVSourceTier(TierKVTierBase):
         return out
 
     def shutdown(self) -> None:
-        """Wait for the copies, close the source, stop the loop and the lookup thread."""
+        """Wait for the copies, close the source, stop the loop and the lookup thread.
+        Idempotent (a second call was a RuntimeError, its coroutine never awaited)."""
+        if self.shut_down:
+            return
         self.drain_jobs()
         self._lookups.shutdown()
         try:

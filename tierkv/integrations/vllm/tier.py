@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from tierkv.errors import InvalidInputError, StoreClosedError
 from tierkv.integrations.vllm._vllm import (
     JobResult,
     Locality,
@@ -31,13 +32,17 @@ from tierkv.integrations.vllm._vllm import (
 from tierkv.integrations.vllm.config import Field, VllmTierConfigError, check_options
 from tierkv.integrations.vllm.keys import PageKeys, layout_digest, layout_fields
 
-__all__ = ["COMMON_FIELDS", "TierKVTierBase"]
+__all__ = ["COMMON_FIELDS", "MAX_WAIT_S", "TierKVTierBase"]
+
+MAX_WAIT_S = 86_400.0
+"""Longest timeout a config field takes, seconds (a thread's wait past the platform's time_t
+raised OverflowError)."""
 
 log = logging.getLogger("tierkv.integrations.vllm")
 
 COMMON_FIELDS: dict[str, Field] = {
     "locality": Field((str, type(None)), None),
-    "drain_timeout": Field((float,), 30.0, minimum=0.001),
+    "drain_timeout": Field((float,), 30.0, minimum=0.001, maximum=MAX_WAIT_S),
 }
 """Fields every tierkv tier takes: ``locality`` (vLLM's LOCAL / REMOTE, read by its factory)
 and ``drain_timeout`` (seconds between warnings while `drain_jobs` waits)."""
@@ -72,6 +77,8 @@ class TierKVTierBase(SecondaryTierManager):
                     f"{self.options['locality']!r}"
                 ) from exc
         self._rows: Rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
+        self.shut_down = False
+        """Set by `shutdown` (a job after it fails as the tier's, not as bad chunk ids)."""
         self.layout = layout_fields(offloading_spec, self.block_size_bytes)
         self.keys = PageKeys(layout_digest(self.layout))
         self._done: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -95,6 +102,25 @@ class TierKVTierBase(SecondaryTierManager):
         self._rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)
 
     # -- jobs ---------------------------------------------------------------------------------
+    def _chunk_rows(self, keys: list[Any], chunk_ids: Any) -> list[int]:
+        """A job's primary rows, one per key. Raises InvalidInputError (a failed job, in the
+        callers) for chunk ids that are not integers in ``[0, rows)`` or not one per key:
+        a negative id indexed from the end (a load wrote another chunk's row), a float was
+        truncated, and a key without a chunk id was dropped from a store reported done."""
+        if self.shut_down:
+            raise StoreClosedError(f"tierkv tier {self.tier_type}: shut down")
+        ids = np.asarray(chunk_ids)
+        if ids.ndim != 1 or len(ids) != len(keys):
+            raise InvalidInputError(f"{ids.size} chunk ids for {len(keys)} keys")
+        if ids.size and (
+            ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= len(self._rows)
+        ):
+            raise InvalidInputError(
+                f"chunk ids must be integers in [0, {len(self._rows)}), got {ids.dtype} "
+                f"from {ids.min()} to {ids.max()}"
+            )
+        return [int(c) for c in ids.tolist()]
+
     def _track(self, job_id: int, future: concurrent.futures.Future[Any], finish: Finish) -> None:
         """Queue ``finish(result)`` (or a failed result) when `future` ends, on its thread."""
         with self._flight_lock:
@@ -155,7 +181,9 @@ class TierKVTierBase(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def _release_rows(self) -> None:
-        """Drop the view of the primary rows, so that vLLM can unmap its region."""
+        """Drop the view of the primary rows, so that vLLM can unmap its region (the tier is
+        shut down)."""
+        self.shut_down = True
         self._rows = np.empty((0, self.block_size_bytes), dtype=np.uint8)
 
     def tierkv_stats(self) -> Mapping[str, Any]:

@@ -53,6 +53,7 @@ from redis.exceptions import (
     ResponseError,
 )
 
+from tierkv.errors import InvalidInputError
 from tierkv.remote.errors import (
     DirectoryAuthError,
     DirectoryError,
@@ -83,6 +84,7 @@ from tierkv.remote.membership.replies import (
     script_reply,
 )
 from tierkv.remote.membership.wire import Links, command, reply_bytes, scripted, where
+from tierkv.remote.protocol.control import split_address
 
 __all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
 
@@ -183,6 +185,18 @@ def check_url(url: str) -> None:
     db = parts.path.strip("/")
     if parts.scheme != "unix" and (not parts.hostname or (db and not db.isdigit())):
         raise DirectoryURLError(f"bad directory url {url!r}: host:port/db, db a number")
+
+
+MAX_ADDRESS = 262
+"""Longest node address registered: a 253-character host name, brackets, ``:65535``."""
+
+
+def check_address(address: str) -> None:
+    """Raise InvalidTypeError / InvalidInputError unless ``address`` is ``host:port`` (port in
+    [1, 65535]) of at most `MAX_ADDRESS` characters."""
+    split_address(address)
+    if len(address) > MAX_ADDRESS:
+        raise InvalidInputError(f"a node address of {len(address)} characters: {address!r:.40}")
 
 
 class RedisDirectory:
@@ -402,7 +416,11 @@ class RedisDirectory:
         own former number, retired (a node that lost Redis and comes back). An address held by
         another registration is waited for once, as long as that one has left (``wait``: a
         restarted node's former self lapses within ttl); raises NodeIdTakenError when it is
-        still held then (a live node refreshes it)."""
+        still held then (a live node refreshes it). Raises InvalidTypeError /
+        InvalidInputError for an address no client could reach (not a ``host:port`` str of at
+        most `MAX_ADDRESS` characters): "", None, a port of 0 or 99999, 100 KB of text were
+        registered, and every node's locate answered them as holders."""
+        check_address(address)
         idx, left = registered(await self._meta(REGISTER, address, self.live_ms, prev))
         if idx < 0 and wait:
             await asyncio.sleep(max(0, min(left, self.ttl_ms)) / 1000 + 0.05)
