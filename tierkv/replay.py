@@ -77,7 +77,8 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
                 raise InvalidInputError(  # (RecursionError: a line nested past the limit)
                     f"{path}:{n}: not a trace record with hash_ids ({exc!s:.200})"
                 ) from None
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                # (true / false were taken as the blocks 1 and 0)
                 raise InvalidInputError(f"{path}:{n}: hash_ids must be a list of integers")
             out.append(ids)
             if limit is not None and len(out) >= limit:

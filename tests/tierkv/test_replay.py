@@ -100,6 +100,9 @@ def test_load_trace_errors(tmp_path: Path) -> None:
     bad.write_text('{"hash_ids": [1]}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(ValueError, match=":2:"):  # (a RecursionError escaped: a traceback)
         load_trace(bad)
+    bad.write_text('{"hash_ids": [1]}\n{"hash_ids": [true, 2]}\n')
+    with pytest.raises(ValueError, match=":2: hash_ids"):  # (true was the block 1)
+        load_trace(bad)
 
 
 def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
