@@ -222,22 +222,27 @@ def test_tenant_salt_is_stable_and_separates_tenants_and_salts() -> None:
         tenant_salt("a:b", b"s")
 
 
-async def test_a_tenant_reads_its_own_figures_only() -> None:
-    """With API keys, /stats and /metrics told any client every tenant's figures (prompt
-    tokens, hits, pages per tier: what another tenant's traffic hits and holds). Now a
-    tenant's key reads its own tenant's figures in /stats, /metrics needs an admin key (403
-    for a tenant's, 401 without a key), and an admin key reads both in full. Fails on the old
-    code (a 200 with both tenants for the probe's key)."""
-    cfg = server.ServerConfig(
+def _a_and_b(keys: dict[str, str], admin: frozenset[str] = frozenset()) -> Any:
+    """A tiny server's config with tenants a and b, and these API keys and admin keys."""
+    return server.ServerConfig(
         model="tiny",
         tiny=MODEL,
         engine=EngineConfig(
             max_running=2, page_tokens=8, max_context=64, tenants={"a": Quota(), "b": Quota()}
         ),
         max_tokens=8,
-        api_keys={"k-a": "a", "k-b": "b"},
-        admin_keys=frozenset({"k-admin"}),
+        api_keys=keys,
+        admin_keys=admin,
     )
+
+
+async def test_a_tenant_reads_its_own_figures_only() -> None:
+    """With API keys, /stats and /metrics told any client every tenant's figures (prompt
+    tokens, hits, pages per tier: what another tenant's traffic hits and holds). Now a
+    tenant's key reads its own tenant's figures in /stats, /metrics needs an admin key (403
+    for a tenant's, 401 without a key), and an admin key reads both in full. Fails on the old
+    code (a 200 with both tenants for the probe's key)."""
+    cfg = _a_and_b({"k-a": "a", "k-b": "b"}, frozenset({"k-admin"}))
     runner, url = await server.start(cfg)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
@@ -281,15 +286,7 @@ async def test_the_bearer_scheme_is_any_case_and_a_body_tenant_must_match_the_ke
     """The auth scheme is case-insensitive (RFC 9110): ``bearer KEY`` was a 401. And with API
     keys, a body's ``tenant`` naming another tenant was silently overruled by the key; now it
     is a 400 (the key's own name is accepted). Both fail on the old code."""
-    cfg = server.ServerConfig(
-        model="tiny",
-        tiny=MODEL,
-        engine=EngineConfig(
-            max_running=2, page_tokens=8, max_context=64, tenants={"a": Quota(), "b": Quota()}
-        ),
-        max_tokens=8,
-        api_keys={"k-a": "a"},
-    )
+    cfg = _a_and_b({"k-a": "a"})
     runner, url = await server.start(cfg)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
