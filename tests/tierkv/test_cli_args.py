@@ -40,7 +40,9 @@ BAD = [
     ([*TINY, "--json", "/nonexistent/x.json"], "--json"),  # failed after the whole run
     ([*TINY, "--trace", "/nonexistent/t.json"], "--trace"),
     (["demo", "--generate", "-1"], "--generate"),  # smollm2: raised after loading the model
-    (["demo", "--disk-bytes", "0"], "--disk-bytes"),
+    (["demo", "--disk", "/tmp", "--disk-bytes", "0"], "--disk-bytes"),
+    (["demo", "--disk-bytes", "1000000"], "--disk"),  # silently ignored without --disk
+    ([*TINY, "--disk-bytes", "1000000"], "--disk"),
     # a 400-digit count: an OverflowError traceback from the planner's float products
     (["plan", "--context", "9" * 400], "context"),
     (["plan", "--concurrency", "9" * 400], "concurrency"),

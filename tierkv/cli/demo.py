@@ -110,8 +110,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--disk-bytes",
         type=int,
-        default=64 << 20,
-        help="the disk tier's size in bytes, preallocated in PATH (default 64 MiB)",
+        default=None,
+        help="with --disk: the disk tier's size in bytes, preallocated in PATH (default 64 MiB)",
     )
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -149,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Refuse arguments that cannot run, before a model is loaded or anything is written:
     InvalidInputError naming the flag (counts under 1, a device fraction outside (0, 1], a
     model shape that does not divide, an unknown codec or backend, a --json / --trace file in
-    a folder that is missing or not writable)."""
+    a folder that is missing or not writable, --disk-bytes without --disk)."""
     for name in (*_AT_LEAST_1, *_SHAPE):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -163,6 +163,8 @@ def check_args(args: argparse.Namespace) -> None:
             f"--dim {args.dim} / --heads {args.heads} / --kv-heads {args.kv_heads}: the heads "
             "must divide the dim into even head sizes and the KV heads the heads"
         )
+    if args.disk_bytes is not None and not args.disk:  # (it was silently ignored)
+        raise InvalidInputError("--disk-bytes sizes the --disk tier: give --disk PATH too")
     validate.registered("--codec", args.codec, CODECS, "none")
     validate.registered("--backend", args.backend, BACKENDS, "auto")
     for flag, path in (("--json", args.json), ("--trace", args.trace)):

@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         backend=args.backend,
         progress=not args.quiet,
         disk=args.disk,
-        disk_bytes=args.disk_bytes,
+        disk_bytes=DISK_BYTES if args.disk_bytes is None else args.disk_bytes,
     )
     print_report(report)
     if args.json:
