@@ -57,12 +57,18 @@ MAX_LINE = 1 << 24
 well under it)."""
 
 
+MAX_HASH_ID = 1 << 63
+"""Block ids of a trace are below this (Mooncake's are small non-negative ints; the disk
+replay keys a block by its id's bits: a negative or huge id would alias another)."""
+
+
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:
     """Read a Mooncake-format JSONL trace: each line's ``hash_ids``.
 
     Raises:
-        InvalidInputError (a ValueError): a line is not JSON, has no integer ``hash_ids``
-        list, or is longer than :data:`MAX_LINE` (with its number).
+        InvalidInputError (a ValueError): a line is not JSON, has no ``hash_ids`` list of
+        integers in [0, :data:`MAX_HASH_ID`), or is longer than :data:`MAX_LINE` (with its
+        number).
     """
     out: Trace = []
     with open(path, encoding="utf-8") as f:
@@ -77,9 +83,12 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
                 raise InvalidInputError(  # (RecursionError: a line nested past the limit)
                     f"{path}:{n}: not a trace record with hash_ids ({exc!s:.200})"
                 ) from None
-            if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-                # (true / false were taken as the blocks 1 and 0)
-                raise InvalidInputError(f"{path}:{n}: hash_ids must be a list of integers")
+            if not isinstance(ids, list) or not all(
+                type(i) is int and 0 <= i < MAX_HASH_ID for i in ids
+            ):  # (true / false were the blocks 1 and 0; -1 and 2**127 - 1 one disk key)
+                raise InvalidInputError(
+                    f"{path}:{n}: hash_ids must be a list of integers in [0, 2**63)"
+                )
             out.append(ids)
             if limit is not None and len(out) >= limit:
                 break

@@ -103,6 +103,12 @@ def test_load_trace_errors(tmp_path: Path) -> None:
     bad.write_text('{"hash_ids": [1]}\n{"hash_ids": [true, 2]}\n')
     with pytest.raises(ValueError, match=":2: hash_ids"):  # (true was the block 1)
         load_trace(bad)
+    for block in (-1, 2**127 - 1, 2**63, 10**400):  # (-1 and 2**127 - 1: one disk key)
+        bad.write_text('{"hash_ids": [1]}\n' + json.dumps({"hash_ids": [block]}) + "\n")
+        with pytest.raises(ValueError, match=":2: hash_ids"):
+            load_trace(bad)
+    bad.write_text(json.dumps({"hash_ids": [0, 2**63 - 1]}) + "\n")
+    assert load_trace(bad) == [[0, 2**63 - 1]]
 
 
 def test_cli_replay_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
