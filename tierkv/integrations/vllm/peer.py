@@ -182,8 +182,11 @@ class TierKVPeerTier(TierKVSourceTier):
     def tierkv_stats(self) -> dict[str, Any]:
         """The tier's counters (``peer_stored``: pages newly stored on a server,
         ``peer_loaded``: pages loaded intact, ``peer_errors``: copies a server failed), the
-        directory's failed locates and the pages loaded per node."""
+        directory's failed locates and entries it left out (`RedisDirectory.refused_entries`)
+        and the pages loaded per node."""
         out: dict[str, Any] = dict(self.counters)
         out["peer_directory_errors"] = self.cluster.directory_errors
+        if self.cluster.directory is not None:
+            out["peer_directory_refused_entries"] = self.cluster.directory.refused_entries
         out.update({f"peer_loaded_from_{a}": n for a, n in self.cluster.loads_from.items()})
         return out
