@@ -599,3 +599,39 @@ async def test_entries_another_writer_put_in_redis_are_never_answered(fresh: str
     finally:
         await raw.aclose()
         await d.aclose()
+
+
+async def test_the_locate_script_takes_values_another_writer_put_as_no_holders(
+    fresh: str,
+) -> None:
+    """A Redis Cluster's locate (the LOCATE script, run here on the standalone server as on a
+    shard): a value of no whole node numbers, of over 65,535 of them, and a bucket that is no
+    hash are no holders, counted, the other keys answered (before: the script failed, or its
+    reply was refused whole, for the 1,000 keys of its batch)."""
+    from redis.asyncio import Redis
+
+    from tierkv.remote.membership.layout import LOCATE, pack
+    from tierkv.remote.membership.redis_directory import _answers
+    from tierkv.remote.membership.replies import script_reply
+
+    d, raw = await directory(fresh), Redis.from_url(fresh)
+    try:
+        good = await d.register("good:1")
+        lay, me = d.layout, good.to_bytes(4, "little")
+        keys = keys_of(5, seed=5)
+        assert len({lay.bucket_of(k) for k in keys}) == 5
+        await d.publish(good, [keys[0], keys[4]])
+        await raw.hset(lay.bucket_of(keys[1]), keys[1], me + b"\x01\x02\x03")
+        await raw.set(lay.bucket_of(keys[2]), b"not a hash")
+        await raw.hset(lay.bucket_of(keys[3]), keys[3], me * 65536)
+        blob, fixed = pack(keys)
+        prefix = lay.shard_prefix(0)
+        records = lay.records(0, blob, fixed, keys)
+        reply = await raw.eval(LOCATE, 1, prefix, len(prefix.encode()) + 2, fixed, records)
+        counts, held, refused = script_reply(reply)
+        assert refused == 3
+        got = _answers(len(keys), [(None, counts, held)], {good: "good:1"}.get)
+        assert got == [("good:1",), (), (), (), ("good:1",)]
+    finally:
+        await raw.aclose()
+        await d.aclose()

@@ -206,17 +206,21 @@ def test_an_entry_another_writer_could_leave_is_no_holders(value: object) -> Non
     [
         5,
         [b"\x01\x00"],
-        [b"\x01", b"\x01\x00\x00\x00"],  # half a count
-        [b"\x01\x00", b"\x01\x00\x00"],  # three bytes of a holder
-        [b"\x02\x00", b"\x01\x00\x00\x00"],  # two holders counted, one sent
-        [[b"\x01\x00"], b"\x01\x00\x00\x00"],
+        [b"\x01\x00", b"\x01\x00\x00\x00"],  # no count of entries left out
+        [b"\x01", b"\x01\x00\x00\x00", 0],  # half a count
+        [b"\x01\x00", b"\x01\x00\x00", 0],  # three bytes of a holder
+        [b"\x02\x00", b"\x01\x00\x00\x00", 0],  # two holders counted, one sent
+        [[b"\x01\x00"], b"\x01\x00\x00\x00", 0],
+        [b"\x01\x00", b"\x01\x00\x00\x00", -1],
+        [b"\x01\x00", b"\x01\x00\x00\x00", b"x"],
     ],
 )
 def test_a_hostile_script_reply_is_an_invalid_response(reply: object) -> None:
     with pytest.raises(InvalidResponse):
         script_reply(reply)
-    good = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3])
-    assert _answers(2, [(None, *good)], {1: "a"}.get) == [("a",), ("a", "a")]
+    counts, held, refused = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3, 2])
+    assert refused == 2
+    assert _answers(2, [(None, counts, held)], {1: "a"}.get) == [("a",), ("a", "a")]
 
 
 @pytest.mark.parametrize(

@@ -568,7 +568,12 @@ class RedisDirectory:
         live = self._live_set(replies[0])
         if len(replies) != len(calls) + 1:
             raise InvalidResponse(f"{len(replies)} replies to {len(calls) + 1} commands")
-        return live, [(order, *script_reply(r)) for (_, _, order), r in zip(calls, replies[1:])]
+        out: list[_Reply] = []
+        for (_, _, order), r in zip(calls, replies[1:]):
+            counts, held, refused = script_reply(r)
+            self.refused_entries += refused
+            out.append((order, counts, held))
+        return live, out
 
     # -- sweeping ------------------------------------------------------------------------
     async def sweep(self, *, max_dead: int = 4096) -> int:

@@ -190,18 +190,20 @@ def _not_live(flat: Any) -> InvalidResponse:
     return InvalidResponse(f"not the directory's live set: {flat!r:.80}")
 
 
-def script_reply(r: Any) -> tuple[bytes, bytes]:
-    """A LOCATE script's reply: holder counts (uint16 LE each) and holders (uint32 LE each),
-    as many holders as the counts add up to. Raises InvalidResponse otherwise."""
+def script_reply(r: Any) -> tuple[bytes, bytes, int]:
+    """A LOCATE script's reply: holder counts (uint16 LE each), holders (uint32 LE each), as
+    many holders as the counts add up to, and how many entries the script left out (values
+    tierkv never writes). Raises InvalidResponse otherwise."""
     if isinstance(r, Exception):
         raise r
-    ok = isinstance(r, list) and len(r) == 2 and all(isinstance(x, bytes) for x in r)
-    if not ok or len(r[0]) % 2 or len(r[1]) % 4:
+    ok = isinstance(r, list) and len(r) == 3 and all(isinstance(x, bytes) for x in r[:2])
+    refused = _int(r[2]) if ok else None
+    if refused is None or refused < 0 or len(r[0]) % 2 or len(r[1]) % 4:
         raise InvalidResponse(f"not a locate reply: {r!r:.80}")
-    counts, held = r
+    counts, held = r[0], r[1]
     if sum(struct.unpack(f"<{len(counts) // 2}H", counts)) != len(held) // 4:
         raise InvalidResponse(f"a locate reply whose counts and holders differ: {r!r:.80}")
-    return counts, held
+    return counts, held, refused
 
 
 def _int(x: Any) -> int | None:
