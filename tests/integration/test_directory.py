@@ -558,3 +558,80 @@ async def test_an_address_no_client_could_reach_is_never_registered(
         assert await d.register("h:1") >= 0  # a good one still registers
     finally:
         await d.aclose()
+
+
+async def test_entries_another_writer_put_in_redis_are_never_answered(fresh: str) -> None:
+    """Live nodes whose address no client could reach (or whose number tierkv never issues),
+    written into Redis by another writer, listed first among a key's holders: `live` and
+    `locate` answer the good holder only and count the rest (before: `live` raised
+    InvalidResponse for the bad numbers, and the bad addresses were answered first, tried
+    and refused by every client each time)."""
+    from redis.asyncio import Redis
+
+    bad = [b"", b"h", b"h:0", b"h:99999", b":1", b"\xff\xfe:1", b"h" * 300 + b":1"]
+    d, raw = await directory(fresh), Redis.from_url(fresh)
+    try:
+        good = await d.register("good:1")
+        keys = keys_of(5, seed=3)
+        assert len({d.layout.bucket_of(k) for k in keys}) == 5
+        await d.publish(good, keys[:3])
+        lay, forever = d.layout, 1 << 50  # an expiry far ahead (ms): live
+        numbers = list(range(10, 10 + len(bad)))
+        for n, address in zip(numbers, bad):
+            await raw.zadd(lay.alive, {n: forever})
+            await raw.hset(lay.addr, n, address)
+        for n in ("4294967296", "not-a-number"):
+            await raw.zadd(lay.alive, {n: forever})
+            await raw.hset(lay.addr, n, "fine:1")
+        first = b"".join(n.to_bytes(4, "little") for n in numbers)
+        for k in keys[:3]:
+            await raw.hset(lay.bucket_of(k), k, first + good.to_bytes(4, "little"))
+        await raw.hset(lay.bucket_of(keys[3]), keys[3], b"\x01\x02\x03")  # no whole number
+        await raw.set(lay.bucket_of(keys[4]), b"not a hash")  # WRONGTYPE for its HGET
+
+        per_live = len(bad) + 2
+        assert await d.live() == {good: "good:1"}
+        assert d.stats() == {"directory_refused_entries_total": per_live}
+        assert await d.locate(keys) == [("good:1",)] * 3 + [(), ()]
+        assert d.refused_entries == 2 * per_live + 2
+        holders, live = await d.holders(keys)
+        assert holders == [(good,)] * 3 + [(), ()] and live == {good: "good:1"}
+    finally:
+        await raw.aclose()
+        await d.aclose()
+
+
+async def test_the_locate_script_takes_values_another_writer_put_as_no_holders(
+    fresh: str,
+) -> None:
+    """A Redis Cluster's locate (the LOCATE script, run here on the standalone server as on a
+    shard): a value of no whole node numbers, of over 65,535 of them, and a bucket that is no
+    hash are no holders, counted, the other keys answered (before: the script failed, or its
+    reply was refused whole, for the 1,000 keys of its batch)."""
+    from redis.asyncio import Redis
+
+    from tierkv.remote.membership.layout import LOCATE, pack
+    from tierkv.remote.membership.redis_directory import _answers
+    from tierkv.remote.membership.replies import script_reply
+
+    d, raw = await directory(fresh), Redis.from_url(fresh)
+    try:
+        good = await d.register("good:1")
+        lay, me = d.layout, good.to_bytes(4, "little")
+        keys = keys_of(5, seed=5)
+        assert len({lay.bucket_of(k) for k in keys}) == 5
+        await d.publish(good, [keys[0], keys[4]])
+        await raw.hset(lay.bucket_of(keys[1]), keys[1], me + b"\x01\x02\x03")
+        await raw.set(lay.bucket_of(keys[2]), b"not a hash")
+        await raw.hset(lay.bucket_of(keys[3]), keys[3], me * 65536)
+        blob, fixed = pack(keys)
+        prefix = lay.shard_prefix(0)
+        records = lay.records(0, blob, fixed, keys)
+        reply = await raw.eval(LOCATE, 1, prefix, len(prefix.encode()) + 2, fixed, records)
+        counts, held, refused = script_reply(reply)
+        assert refused == 3
+        got = _answers(len(keys), [(None, counts, held)], {good: "good:1"}.get)
+        assert got == [("good:1",), (), (), (), ("good:1",)]
+    finally:
+        await raw.aclose()
+        await d.aclose()

@@ -150,36 +150,55 @@ def test_the_bounds_let_a_real_locate_through() -> None:
     assert MAX_ELEMENTS >= 20_000
 
 
-@pytest.mark.parametrize(
-    "flat",
-    [
-        5,
-        b"x",
-        [b"1"],
-        [b"1", b"a", b"2"],
-        [b"one", b"a"],
-        [[b"1"], b"a"],
-        [b"1", 7],
-        [b"1", b"\xff\xfe"],
-        [b"4294967296", b"a"],
-        [b"-1", b"a"],
-    ],
-)
-def test_a_hostile_live_set_is_an_invalid_response(flat: object) -> None:
+@pytest.mark.parametrize("flat", [5, b"x", [b"1"], [b"1", b"a:1", b"2"]])
+def test_a_live_set_of_no_pairs_is_an_invalid_response(flat: object) -> None:
     with pytest.raises(InvalidResponse):
         live_set(flat)
 
 
+@pytest.mark.parametrize(
+    ("number", "address"),
+    [
+        (b"one", b"a:1"),
+        ([b"1"], b"a:1"),
+        (b"4294967296", b"a:1"),
+        (b"-1", b"a:1"),
+        (b"1", 7),
+        (b"1", b"\xff\xfe:1"),
+        (b"1", b"a"),
+        (b"1", b""),
+        (b"1", b"a:0"),
+        (b"1", b"a:99999"),
+        (b"1", b"h" * 300 + b":1"),
+    ],
+)
+def test_an_entry_tierkv_never_writes_is_left_out_of_the_live_set(
+    number: object, address: object
+) -> None:
+    """Each was an InvalidResponse (every locate failed while it was there) or answered as a
+    holder's address (a client refused it, and tried it again first each time)."""
+    flat = [b"2", b"b:2", number, address, b"3", b"c:3"]
+    assert live_set(flat) == ({2: "b:2", 3: "c:3"}, 1)
+
+
 def test_the_live_set_and_an_error_reply() -> None:
-    assert live_set([b"1", b"a:1", b"2", b"b:2"]) == {1: "a:1", 2: "b:2"}
+    assert live_set([b"1", b"a:1", b"2", b"b:2"]) == ({1: "a:1", 2: "b:2"}, 0)
     with pytest.raises(ResponseError):
         live_set(ResponseError("NOSCRIPT"))
 
 
-@pytest.mark.parametrize("value", [[b"\x01\x00\x00\x00"], 5, b"\x01\x00\x00", "str"])
+@pytest.mark.parametrize("value", [[b"\x01\x00\x00\x00"], 5, "str", ResponseError("OOM")])
 def test_a_hostile_entry_is_an_invalid_response(value: object) -> None:
-    with pytest.raises(InvalidResponse):
+    with pytest.raises((InvalidResponse, ResponseError)):
         _by_value([b"\x01\x00\x00\x00", value], {1: "a:1"})
+
+
+@pytest.mark.parametrize("value", [b"\x01\x00\x00", b"\x01", ResponseError("WRONGTYPE x")])
+def test_an_entry_another_writer_could_leave_is_no_holders(value: object) -> None:
+    """A value of no whole node numbers, or a bucket that is no hash: counted, no holders
+    (each was an InvalidResponse: the locate of every key beside it failed)."""
+    got = _by_value([b"\x01\x00\x00\x00", value, None], {1: "a:1"})
+    assert got == ([("a:1",), (), ()], 1)
 
 
 @pytest.mark.parametrize(
@@ -187,17 +206,21 @@ def test_a_hostile_entry_is_an_invalid_response(value: object) -> None:
     [
         5,
         [b"\x01\x00"],
-        [b"\x01", b"\x01\x00\x00\x00"],  # half a count
-        [b"\x01\x00", b"\x01\x00\x00"],  # three bytes of a holder
-        [b"\x02\x00", b"\x01\x00\x00\x00"],  # two holders counted, one sent
-        [[b"\x01\x00"], b"\x01\x00\x00\x00"],
+        [b"\x01\x00", b"\x01\x00\x00\x00"],  # no count of entries left out
+        [b"\x01", b"\x01\x00\x00\x00", 0],  # half a count
+        [b"\x01\x00", b"\x01\x00\x00", 0],  # three bytes of a holder
+        [b"\x02\x00", b"\x01\x00\x00\x00", 0],  # two holders counted, one sent
+        [[b"\x01\x00"], b"\x01\x00\x00\x00", 0],
+        [b"\x01\x00", b"\x01\x00\x00\x00", -1],
+        [b"\x01\x00", b"\x01\x00\x00\x00", b"x"],
     ],
 )
 def test_a_hostile_script_reply_is_an_invalid_response(reply: object) -> None:
     with pytest.raises(InvalidResponse):
         script_reply(reply)
-    good = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3])
-    assert _answers(2, [(None, *good)], {1: "a"}.get) == [("a",), ("a", "a")]
+    counts, held, refused = script_reply([b"\x01\x00\x02\x00", b"\x01\x00\x00\x00" * 3, 2])
+    assert refused == 2
+    assert _answers(2, [(None, counts, held)], {1: "a"}.get) == [("a",), ("a", "a")]
 
 
 @pytest.mark.parametrize(

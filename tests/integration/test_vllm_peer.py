@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import glob
 import itertools
+import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -130,6 +132,60 @@ def test_a_server_that_refuses_us_or_serves_another_page_size_is_a_startup_error
 
 def test_an_unreachable_server_is_no_startup_error() -> None:
     drv.check_unreachable(peer_tier("127.0.0.1:1", timeout=0.5))  # nothing listens there
+
+
+def silent_seeds(n: int) -> tuple[list[socket.socket], list[str]]:
+    """``n`` listening sockets that never accept (a connect completes, nothing answers)."""
+    socks = [socket.create_server(("127.0.0.1", 0), backlog=8) for _ in range(n)]
+    return socks, [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+
+
+def test_silent_seeds_are_checked_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seeds that drop traffic: startup checks them all at once (it checked them one after
+    another: vLLM's startup blocked 4 x timeout per seed), each logged as not answering yet,
+    none an error; its deadline does not grow with the seeds."""
+    socks, seeds = silent_seeds(5)
+    inside, most = [0], [0]
+    check = TierKVPeerTier._check_seed
+
+    async def counted(self: TierKVPeerTier, name: str, address: str) -> None:
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            await check(self, name, address)
+        finally:
+            inside[0] -= 1
+
+    monkeypatch.setattr(TierKVPeerTier, "_check_seed", counted)
+    try:
+        with caplog.at_level(logging.WARNING, "tierkv.integrations.vllm"):
+            s = Script(build([dict(peer_tier(seeds[0], timeout=0.2), peers=seeds)]))
+            s.close()
+    finally:
+        for sock in socks:
+            sock.close()
+    assert most[0] == len(seeds) and inside[0] == 0
+    silent = [r for r in caplog.records if "does not answer yet" in r.getMessage()]
+    assert sorted(a for a in seeds for r in silent if a in r.getMessage()) == sorted(seeds)
+    deadline = s.manager.secondary_tiers[0].start_deadline
+    assert deadline({"timeout": 0.2, "peers": seeds}) == deadline({"timeout": 0.2, "peers": []})
+
+
+def test_a_refusing_seed_among_silent_ones_is_the_startup_error(server: Any) -> None:
+    """The checks run at once; the refusal is still the error, with every client closed and
+    no loop thread left."""
+    socks, seeds = silent_seeds(3)
+    threads = threading.active_count()
+    try:
+        with pytest.raises(VllmTierConfigError, match=f"{server.address} refused"):
+            tier = peer_tier(server.address, secret="0badbeef", timeout=0.2)
+            build([dict(tier, peers=[*seeds[:2], server.address, seeds[2]])])
+    finally:
+        for sock in socks:
+            sock.close()
+    assert threading.active_count() == threads
 
 
 def test_a_directory_finds_chunks_another_node_holds() -> None:

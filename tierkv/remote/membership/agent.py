@@ -138,6 +138,7 @@ class DirectoryAgent:
             "directory_errors_total": self.errors,
             "directory_registrations_total": self.registrations,
             "directory_swept_total": self.swept,
+            **self.directory.stats(),
         }
 
     async def _register(self) -> None:

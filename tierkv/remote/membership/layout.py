@@ -277,15 +277,17 @@ end
 
 #: ARGV name length, key length (0: a length byte first), records (`Layout.records`: per key
 #: its bucket's full name, then the key) -> {counts, holders}: per key its number of holders
-#: (uint16 LE), and the holders of every key end to end (uint32 LE each). The client names the
+#: (uint16 LE), the holders of every key end to end (uint32 LE each), and how many keys' values
+#: tierkv never writes (no whole number of holders, over 65,535 of them, a bucket that is no
+#: hash: written by another writer) were taken as no holders. The client names the
 #: buckets (C slices over the whole request), so the script cuts two strings per key and joins
 #: none (the name built here, ``prefix .. sub(key, 9, 10)``, cost 0.24 ms per 1,000 keys);
 #: two bulk strings come back, not an array of 1,000, unpacked by one C call each.
 LOCATE = (
     """
-local sub, byte, char, call, floor = string.sub, string.byte, string.char, redis.call, math.floor
+local sub, byte, char, call, floor = string.sub, string.byte, string.char, redis.pcall, math.floor
 local name, fixed, blob = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local counts, held, i, h, n, pos = {}, {}, 0, 0, #blob, 1
+local counts, held, i, h, n, pos, bad = {}, {}, 0, 0, #blob, 1, 0
 local none, one = char(0, 0), char(1, 0)
 while pos <= n do
   local bucket, key = sub(blob, pos, pos + name - 1), nil
@@ -293,8 +295,9 @@ while pos <= n do
 """
     + _CUT_KEY
     + """
-  local v = call('HGET', bucket, key)
+  local v = call('HGET', bucket, key)  -- (pcall: a bucket that is no hash answers a table)
   i = i + 1
+  if type(v) == 'table' or (v and (#v % 4 ~= 0 or #v > 262140)) then bad = bad + 1; v = false end
   if not v then counts[i] = none
   else
     h = h + 1
@@ -303,7 +306,7 @@ while pos <= n do
     if k == 1 then counts[i] = one else counts[i] = char(k % 256, floor(k / 256)) end
   end
 end
-return {table.concat(counts), table.concat(held)}
+return {table.concat(counts), table.concat(held), bad}
 """
 )
 

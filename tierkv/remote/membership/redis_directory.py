@@ -53,7 +53,6 @@ from redis.exceptions import (
     ResponseError,
 )
 
-from tierkv.errors import InvalidInputError
 from tierkv.remote.errors import (
     DirectoryAuthError,
     DirectoryError,
@@ -77,16 +76,18 @@ from tierkv.remote.membership.layout import (
     resp,
 )
 from tierkv.remote.membership.replies import (
+    MAX_ADDRESS,
+    check_address,
     counted,
+    entry_refused,
     live_set,
     node_numbers,
     registered,
     script_reply,
 )
 from tierkv.remote.membership.wire import Links, command, reply_bytes, scripted, where
-from tierkv.remote.protocol.control import split_address
 
-__all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "RedisDirectory"]
+__all__ = ["BUCKETS", "CLUSTER_SHARDS", "LOCATE_BATCH", "MAX_ADDRESS", "RedisDirectory"]
 
 BUCKETS = 1 << 16
 """Buckets by default: about 15 keys each at 10^6 keys (listpack up to 128; docs/remote.md)."""
@@ -136,9 +137,10 @@ def _answers(n: int, replies: list[_Reply], name: Callable[[int], T | None]) -> 
 _ODD = object()
 
 
-def _by_value(values: list[Any], names: Mapping[int, T]) -> list[tuple[T, ...]]:
+def _by_value(values: list[Any], names: Mapping[int, T]) -> tuple[list[tuple[T, ...]], int]:
     """Per key the names of its live holders from its HGET reply (uint32 LE numbers end to
-    end; None: no entry): one C map through a table of the live numbers' 4-byte values to
+    end; None: no entry), and how many entries tierkv never writes were left out as no
+    holders (`entry_refused`): one C map through a table of the live numbers' 4-byte values to
     one shared tuple each (a key held by one live node, the common case), a Python step only
     for the other keys (several holders, or a number not live)."""
     one: dict[Any, tuple[T, ...]] = {n.to_bytes(4, "little"): (a,) for n, a in names.items()}
@@ -147,15 +149,16 @@ def _by_value(values: list[Any], names: Mapping[int, T]) -> list[tuple[T, ...]]:
         got: list[Any] = list(map(one.get, values, repeat(_ODD)))
     except TypeError:  # an unhashable reply (an array): not an entry, raised below
         got = [_ODD] * len(values)
+    refused = 0
     if got.count(_ODD):
         for i, v in enumerate(values):
             if got[i] is _ODD:
-                if isinstance(v, Exception):
-                    raise v
-                if not isinstance(v, bytes) or len(v) % 4:
-                    raise InvalidResponse(f"not a directory entry: {v!r:.80}")
-                got[i] = tuple(a for h in _u32(v) if (a := names.get(h)) is not None)
-    return got
+                if entry_refused(v):
+                    refused += 1
+                    got[i] = ()
+                else:
+                    got[i] = tuple(a for h in _u32(v) if (a := names.get(h)) is not None)
+    return got, refused
 
 
 def _u32(held: bytes) -> tuple[int, ...]:
@@ -185,18 +188,6 @@ def check_url(url: str) -> None:
     db = parts.path.strip("/")
     if parts.scheme != "unix" and (not parts.hostname or (db and not db.isdigit())):
         raise DirectoryURLError(f"bad directory url {url!r}: host:port/db, db a number")
-
-
-MAX_ADDRESS = 262
-"""Longest node address registered: a 253-character host name, brackets, ``:65535``."""
-
-
-def check_address(address: str) -> None:
-    """Raise InvalidTypeError / InvalidInputError unless ``address`` is ``host:port`` (port in
-    [1, 65535]) of at most `MAX_ADDRESS` characters."""
-    split_address(address)
-    if len(address) > MAX_ADDRESS:
-        raise InvalidInputError(f"a node address of {len(address)} characters: {address!r:.40}")
 
 
 class RedisDirectory:
@@ -257,6 +248,10 @@ class RedisDirectory:
         self._client: Client = self._make(cluster=False)
         self._links: Links | None = None  # a standalone server's locate (wire.py)
         self._live = b""  # LIVE as a RESP command, for them
+        self.refused_entries = 0
+        """Entries read back that tierkv never writes (a node address no client could reach,
+        a number out of range, a key's value of no whole node numbers), left out of every
+        answer: written into Redis by another writer (hostile, or an older tierkv)."""
 
     def _make(self, *, cluster: bool) -> Client:
         opts: dict[str, Any] = {
@@ -282,6 +277,15 @@ class RedisDirectory:
     def client(self) -> Client:
         """The redis-py client (standalone or Cluster, as found by `connect`)."""
         return self._client
+
+    def stats(self) -> dict[str, int]:
+        """The directory's counters."""
+        return {"directory_refused_entries_total": self.refused_entries}
+
+    def _live_set(self, flat: Any) -> dict[int, str]:
+        live, refused = live_set(flat)
+        self.refused_entries += refused
+        return live
 
     @property
     def ttl_ms(self) -> int:
@@ -443,7 +447,7 @@ class RedisDirectory:
 
     async def live(self) -> dict[int, str]:
         """The live nodes: number -> address."""
-        return live_set(await self._meta(LIVE))
+        return self._live_set(await self._meta(LIVE))
 
     # -- holdings ------------------------------------------------------------------------
     def _by_shard(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
@@ -500,7 +504,7 @@ class RedisDirectory:
         `LOCATE_BATCH` keys)."""
         if self._links is not None:
             live, values = await self._hgets(keys)
-            return _by_value(values, {n: n for n in live}), live
+            return self._entries(values, {n: n for n in live}), live
         live, replies = await self._locate(keys)
         return _answers(len(keys), replies, {n: n for n in live}.get), live
 
@@ -509,9 +513,14 @@ class RedisDirectory:
         one shared by every key of a node (no object made per key)."""
         if self._links is not None:
             live, values = await self._hgets(keys)
-            return _by_value(values, live)
+            return self._entries(values, live)
         live, replies = await self._locate(keys)
         return _answers(len(keys), replies, live.get)
+
+    def _entries(self, values: list[Any], names: Mapping[int, T]) -> list[tuple[T, ...]]:
+        got, refused = _by_value(values, names)
+        self.refused_entries += refused
+        return got
 
     async def _hgets(self, keys: Sequence[bytes]) -> tuple[dict[int, str], list[Any]]:
         """A standalone server: the live set (LIVE) and one HGET per key, one write on a
@@ -521,7 +530,7 @@ class RedisDirectory:
         keys_blob, fixed = pack(keys)
         request = self.layout.hgets(keys_blob, fixed, keys)
         replies = await self._links.trip(self._live + request, len(keys) + 1)
-        live = live_set(replies[0])
+        live = self._live_set(replies[0])
         del replies[0]  # (a memmove of 1,000 pointers)
         return live, replies
 
@@ -556,10 +565,15 @@ class RedisDirectory:
                 pipe.evalsha(_SHA[LOCATE], 1, prefix, len(prefix.encode()) + 2, fixed, records)
 
         replies = await self._pipeline(build)
-        live = live_set(replies[0])
+        live = self._live_set(replies[0])
         if len(replies) != len(calls) + 1:
             raise InvalidResponse(f"{len(replies)} replies to {len(calls) + 1} commands")
-        return live, [(order, *script_reply(r)) for (_, _, order), r in zip(calls, replies[1:])]
+        out: list[_Reply] = []
+        for (_, _, order), r in zip(calls, replies[1:]):
+            counts, held, refused = script_reply(r)
+            self.refused_entries += refused
+            out.append((order, counts, held))
+        return live, out
 
     # -- sweeping ------------------------------------------------------------------------
     async def sweep(self, *, max_dead: int = 4096) -> int:

@@ -10,12 +10,18 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-from redis.exceptions import InvalidResponse
+from redis.exceptions import InvalidResponse, ResponseError
+
+from tierkv.errors import InvalidInputError
+from tierkv.remote.protocol.control import split_address
 
 __all__ = [
+    "MAX_ADDRESS",
     "MAX_ELEMENTS",
     "AggregateGuard",
+    "check_address",
     "counted",
+    "entry_refused",
     "live_set",
     "node_numbers",
     "registered",
@@ -122,38 +128,82 @@ class AggregateGuard:
         line.clear()
 
 
-def live_set(flat: Any) -> dict[int, str]:
-    """The LIVE script's reply (number, address, number, address...) as number -> address.
-    Raises it when it is an error reply, InvalidResponse when it is anything else."""
+MAX_ADDRESS = 262
+"""Longest node address registered: a 253-character host name, brackets, ``:65535``."""
+
+
+def check_address(address: str) -> None:
+    """Raise InvalidTypeError / InvalidInputError unless ``address`` is ``host:port`` (port in
+    [1, 65535]) of at most `MAX_ADDRESS` characters."""
+    split_address(address)
+    if len(address) > MAX_ADDRESS:
+        raise InvalidInputError(f"a node address of {len(address)} characters: {address!r:.40}")
+
+
+def _live_entry(number: Any, address: Any) -> tuple[int, str] | None:
+    """One entry of the live set as (number, address); None when it is no entry tierkv writes
+    (a number not in [0, 2**32), an address no client could reach)."""
+    n = _int(number)
+    if n is None or not 0 <= n < 1 << 32 or not isinstance(address, bytes):
+        return None
+    try:
+        a = address.decode()
+        check_address(a)
+    except (UnicodeDecodeError, InvalidInputError):
+        return None
+    return n, a
+
+
+def live_set(flat: Any) -> tuple[dict[int, str], int]:
+    """The LIVE script's reply (number, address, number, address...) as number -> address, and
+    how many entries were left out: a number or an address tierkv never registers (written
+    into Redis by another writer, hostile or older: ``""``, ``h:0``, 100 KB, not UTF-8) is
+    never answered (clients refused it, yet it was tried ahead of a good holder each time).
+    Raises it when it is an error reply, InvalidResponse when it is no flat list of pairs."""
     if isinstance(flat, Exception):
         raise flat
     if not isinstance(flat, list) or len(flat) % 2:
         raise _not_live(flat)
-    try:
-        live = {int(flat[i]): flat[i + 1].decode() for i in range(0, len(flat), 2)}
-    except (ValueError, TypeError, AttributeError):  # (UnicodeDecodeError: a ValueError)
-        raise _not_live(flat) from None
-    if not all(0 <= n < 1 << 32 for n in live):
-        raise InvalidResponse(f"a live node number out of range: {sorted(live)!r:.80}")
-    return live
+    live: dict[int, str] = {}
+    for i in range(0, len(flat), 2):
+        entry = _live_entry(flat[i], flat[i + 1])
+        if entry is not None:
+            live[entry[0]] = entry[1]
+    return live, len(flat) // 2 - len(live)
+
+
+def entry_refused(value: Any) -> bool:
+    """Whether ``value``, one key's reply to HGET, is an entry tierkv never writes, left out
+    as no holders: bytes that are no whole number of node numbers (uint32 each), or a bucket
+    that is no hash (WRONGTYPE). Any other error reply is raised; any other non-bytes reply
+    is InvalidResponse (no Redis answers an HGET so)."""
+    if isinstance(value, bytes):
+        return len(value) % 4 != 0
+    if isinstance(value, ResponseError) and str(value).startswith("WRONGTYPE"):
+        return True
+    if isinstance(value, Exception):
+        raise value
+    raise InvalidResponse(f"not a directory entry: {value!r:.80}")
 
 
 def _not_live(flat: Any) -> InvalidResponse:
     return InvalidResponse(f"not the directory's live set: {flat!r:.80}")
 
 
-def script_reply(r: Any) -> tuple[bytes, bytes]:
-    """A LOCATE script's reply: holder counts (uint16 LE each) and holders (uint32 LE each),
-    as many holders as the counts add up to. Raises InvalidResponse otherwise."""
+def script_reply(r: Any) -> tuple[bytes, bytes, int]:
+    """A LOCATE script's reply: holder counts (uint16 LE each), holders (uint32 LE each), as
+    many holders as the counts add up to, and how many entries the script left out (values
+    tierkv never writes). Raises InvalidResponse otherwise."""
     if isinstance(r, Exception):
         raise r
-    ok = isinstance(r, list) and len(r) == 2 and all(isinstance(x, bytes) for x in r)
-    if not ok or len(r[0]) % 2 or len(r[1]) % 4:
+    ok = isinstance(r, list) and len(r) == 3 and all(isinstance(x, bytes) for x in r[:2])
+    refused = _int(r[2]) if ok else None
+    if refused is None or refused < 0 or len(r[0]) % 2 or len(r[1]) % 4:
         raise InvalidResponse(f"not a locate reply: {r!r:.80}")
-    counts, held = r
+    counts, held = r[0], r[1]
     if sum(struct.unpack(f"<{len(counts) // 2}H", counts)) != len(held) // 4:
         raise InvalidResponse(f"a locate reply whose counts and holders differ: {r!r:.80}")
-    return counts, held
+    return counts, held, refused
 
 
 def _int(x: Any) -> int | None:
